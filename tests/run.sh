@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv at the repo root when missing, then runs pytest.
+# Idempotent: a second run only re-installs when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+PY=$VENV/bin/python
+
+[ -x "$PY" ] || python3 -m venv "$VENV"
+# torch first: a bare `torch` requirement pulls a multi-GB CUDA build on a machine without one.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+stamp=$VENV/.disco-clip-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$PY" -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi
+export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
+export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
+exec "$PY" -m pytest "$@"
