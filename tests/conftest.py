@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -28,7 +29,8 @@ def _rank_entry(fn, rank, world_size, port, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Pickled to bytes here: a queued tensor would travel as shared memory that dies with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as e:  # report every failure with its rank, the parent decides
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -71,7 +73,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
     if errors:
         raise RuntimeError("\n".join(f"[rank {r}] {msg}" for r, msg in sorted(errors.items())))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 @pytest.fixture

@@ -1,0 +1,151 @@
+"""DiscoClipLoss against an independent float64 single-process CLIP loss, on 1-4 gloo ranks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_ranks
+from disco_clip_ds.loss import DiscoClipLoss, disco_clip_loss
+
+DIM = 16
+# (impl, chunk_size): the tiled loss with a ragged multi-tile walk and with its default single tile.
+IMPLS = [("disco", None), ("tiled", 3), ("tiled", None)]
+
+
+def global_features(sizes, seed, dtype=torch.float32):
+    """The whole batch, identical on every rank: random unit rows, rounded to `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    x = F.normalize(torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64), dim=1)
+    y = F.normalize(torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64), dim=1)
+    return x.to(dtype), y.to(dtype)
+
+
+def reference(x, y, log_scale):
+    """Single-device CLIP loss in float64 and its gradients w.r.t. x, y and the log of the scale."""
+    x, y = x.double().requires_grad_(), y.double().requires_grad_()
+    t = torch.tensor(log_scale, dtype=torch.float64, requires_grad=True)
+    logits = t.exp() * x @ y.T
+    labels = torch.arange(len(x))
+    loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    loss.backward()
+    return loss.item(), x.grad, y.grad, t.grad.item()
+
+
+CASES = [  # (sizes per rank as a function of world, log scale, dtype)
+    (lambda n: [5] * n, math.log(1 / 0.07), torch.float32),
+    (lambda n: [3, 7, 1, 4][:n], math.log(100.0), torch.float32),
+    (lambda n: [6, 2, 5, 3][:n], math.log(1 / 0.07), torch.bfloat16),
+]
+
+
+def _rank_losses(rank, world):
+    """Every case on this rank: its loss, feature gradients and log-scale gradient."""
+    out = []
+    for case, (sizes_of, log_scale, dtype) in enumerate(CASES):
+        sizes = sizes_of(world)
+        x, y = global_features(sizes, seed=case, dtype=dtype)
+        lo = sum(sizes[:rank])
+        for impl, chunk in IMPLS:
+            xi = x[lo : lo + sizes[rank]].clone().requires_grad_()
+            yi = y[lo : lo + sizes[rank]].clone().requires_grad_()
+            t = torch.tensor(log_scale, requires_grad=True)
+            loss = DiscoClipLoss(impl, chunk_size=chunk)(xi, yi, t.exp())
+            loss.backward()
+            out.append((case, impl, chunk, loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matches_float64_reference(world):
+    per_rank = run_ranks(_rank_losses, world)
+    for k, (case, impl, chunk, *_) in enumerate(per_rank[0]):
+        sizes_of, log_scale, dtype = CASES[case]
+        sizes = sizes_of(world)
+        ref_loss, ref_gx, ref_gy, ref_gt = reference(*global_features(sizes, seed=case, dtype=dtype), log_scale)
+        rows = [r[k] for r in per_rank]
+        rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        what = f"world={world} sizes={sizes} impl={impl} chunk={chunk} dtype={dtype}"
+        # mean over ranks of the returned values is the global loss
+        assert sum(r[3] for r in rows) / world == pytest.approx(ref_loss, rel=rtol), what
+        # each rank's feature gradient / N is the global gradient w.r.t. its rows
+        for got, ref in ((torch.cat([r[4] for r in rows]) / world, ref_gx), (torch.cat([r[5] for r in rows]) / world, ref_gy)):
+            torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * ref.abs().max().item() / 10, msg=what)
+        # mean over ranks of the logit scale's gradient is the global one
+        assert sum(r[6] for r in rows) / world == pytest.approx(ref_gt, rel=rtol, abs=rtol / 10), what
+
+
+@pytest.mark.parametrize("impl", ["disco", "tiled"])
+def test_without_distributed_is_plain_clip_loss(impl):
+    x, y = global_features([9], seed=3)
+    xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
+    t = torch.tensor(math.log(20.0), requires_grad=True)
+    loss = disco_clip_loss(xi, yi, t.exp(), impl=impl, chunk_size=4)
+    loss.backward()
+    ref_loss, ref_gx, ref_gy, ref_gt = reference(x, y, math.log(20.0))
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    torch.testing.assert_close(xi.grad.double(), ref_gx, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(yi.grad.double(), ref_gy, rtol=1e-4, atol=1e-6)
+    assert t.grad.item() == pytest.approx(ref_gt, rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["disco", "tiled"])
+def test_finite_at_max_scale_with_identical_rows(impl, dtype):
+    # Every logit equals the max scale 100: the worst case for an exp without a max shift.
+    x = F.normalize(torch.ones(6, 8), dim=1).to(dtype).requires_grad_()
+    y = x.detach().clone().requires_grad_()
+    loss = disco_clip_loss(x, y, torch.tensor(100.0), impl=impl, chunk_size=4)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.log(6), rel=1e-2)  # uniform softmax over 6 columns
+    assert torch.isfinite(x.grad.float()).all() and torch.isfinite(y.grad.float()).all()
+
+
+def test_half_inputs_keep_fp32_logits():
+    # bf16 logits of magnitude ~100 would be rounded by 0.25-0.5; the loss must not see that.
+    x, y = global_features([32], seed=5, dtype=torch.bfloat16)
+    ref_loss = reference(x, y, math.log(100.0))[0]
+    for impl in ("disco", "tiled"):
+        assert disco_clip_loss(x, y, torch.tensor(100.0), impl=impl).item() == pytest.approx(ref_loss, rel=1e-4)
+
+
+def test_no_grad_and_argument_errors():
+    x, y = global_features([4], seed=0)
+    with torch.no_grad():
+        assert torch.isfinite(disco_clip_loss(x, y, torch.tensor(10.0), impl="tiled"))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        DiscoClipLoss("naive")
+    with pytest.raises(ValueError, match="chunk_size"):
+        disco_clip_loss(x, y, torch.tensor(10.0), chunk_size=0)
+
+
+BAD_INPUTS = {  # what rank 1 passes; every rank must raise, naming the problem
+    "3-D features": (lambda x, y: (x[None], y[None]), "must be 2-D"),
+    "image/text mismatch": (lambda x, y: (x, y[:-1]), "differ in shape"),
+    "feature dim differs": (lambda x, y: (x[:, :-1], y[:, :-1]), "feature dim differs between ranks"),
+}
+
+
+def _bad_input_rank(rank, world, case):
+    x, y = global_features([4], seed=rank)
+    scale = torch.tensor(10.0)
+    if case == "scale not 0-dim":
+        scale = scale.reshape(1) if rank == 1 else scale
+    elif rank == 1:
+        x, y = BAD_INPUTS[case][0](x, y)
+    try:
+        DiscoClipLoss("tiled")(x, y, scale).backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", [*BAD_INPUTS, "scale not 0-dim"])
+def test_bad_input_raises_on_every_rank(case):
+    expected = BAD_INPUTS[case][1] if case in BAD_INPUTS else "logit_scale must be a 0-dim"
+    messages = run_ranks(_bad_input_rank, 3, case, timeout=60)
+    for rank, message in enumerate(messages):
+        assert message is not None and expected in message, f"rank {rank}: {message}"
+        if case != "feature dim differs":
+            assert "rank 1" in message
