@@ -1,0 +1,97 @@
+"""Shard lists: brace expansion, '::'-joined sources, sample counts from sizes.json or img2dataset stats, and the
+disjoint split of shards over (rank, DataLoader worker)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
+
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
+
+
+def expand_shards(spec: str) -> list[str]:
+    """Expand `"a/{00000..00009}.tar::b/{000..003}.tar"` into a list of shard paths or URLs.
+
+    Sources are joined with '::'; each is brace-expanded. A local directory stands for its `*.tar` files.
+    Raises ValueError for an empty spec, and FileNotFoundError for a local directory without tar files.
+    """
+    urls: list[str] = []
+    for source in (s.strip() for s in spec.split("::")):
+        if not source:
+            continue
+        if not _URL.match(source) and Path(source).is_dir():
+            tars = sorted(str(p) for p in Path(source).glob("*.tar"))
+            if not tars:
+                raise FileNotFoundError(f"no .tar shards in directory {source}")
+            urls += tars
+        else:
+            urls += list(braceexpand(source))
+    if not urls:
+        raise ValueError(f"no shards in {spec!r}: give paths like 'dir/{{00000..00009}}.tar', sources joined by '::'")
+    return urls
+
+
+def count_samples(urls: list[str]) -> int:
+    """Total samples in the given local shards, from each folder's sizes.json or img2dataset's *_stats.json.
+
+    Raises ValueError naming the shards it cannot count (remote URLs, or folders with neither file): pass
+    --train_num_samples for those.
+    """
+    total, unknown = 0, []
+    cache: dict[Path, dict[str, int]] = {}
+    for url in urls:
+        if _URL.match(url):
+            unknown.append(url)
+            continue
+        path = Path(url)
+        sizes = cache.setdefault(path.parent, _folder_sizes(path.parent))
+        if path.name in sizes:
+            total += sizes[path.name]
+        else:
+            unknown.append(url)
+    if unknown:
+        raise ValueError(
+            f"cannot count the samples of {len(unknown)} shard(s), e.g. {unknown[0]}: no entry in a sizes.json or "
+            "img2dataset *_stats.json beside them; pass --train_num_samples"
+        )
+    return total
+
+
+def _folder_sizes(folder: Path) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for stats in folder.glob("*_stats.json"):  # img2dataset: NNNNN_stats.json with "successes"
+        try:
+            sizes[stats.name.replace("_stats.json", ".tar")] = int(json.loads(stats.read_text())["successes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"unreadable img2dataset stats file {stats}: {e}") from e
+    sizes_file = folder / "sizes.json"
+    if sizes_file.is_file():
+        try:
+            sizes.update({name: int(n) for name, n in json.loads(sizes_file.read_text()).items()})
+        except (ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"unreadable {sizes_file} (want {{\"00000.tar\": count, ...}}): {e}") from e
+    return sizes
+
+
+def shards_for_reader(urls: list[str], reader: int, num_readers: int) -> list[str]:
+    """This reader's disjoint share of `urls` (reader = rank * workers_per_rank + worker).
+
+    Raises ValueError when there are fewer shards than readers, since some readers would get nothing.
+    """
+    if len(urls) < num_readers:
+        raise ValueError(
+            f"{len(urls)} shard(s) for {num_readers} readers (ranks x dataloader workers): each reader needs at "
+            "least one shard; lower --dataloader_num_workers or split the data into more shards"
+        )
+    return urls[reader::num_readers]
+
+
+def epoch_order(shards: list[str], seed: int, epoch: int, reader: int) -> list[str]:
+    """The reader's shards in a fresh order for each pass over them (resampling for multi-epoch runs)."""
+    order = list(shards)
+    random.Random(f"{seed}/{epoch}/{reader}").shuffle(order)
+    return order

@@ -1,0 +1,185 @@
+"""DiscoCLIPModel: a transformers CLIPModel whose forward returns the global-batch contrastive loss.
+
+The loss is computed inside `forward`, so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's
+partitioned parameters need no special casing. A saved model is a plain CLIPModel checkpoint.
+
+DeepSpeed 0.19.8 broadcasts every parameter as `p.data.view(torch.uint8)`, which fails for a 0-dim tensor such
+as CLIP's `logit_scale` (engine init for ZeRO-1/2, `zero.Init` and weight gathering for ZeRO-3). With that
+release installed, and only then, the model holds `logit_scale` as a 1-element vector; its state dict, its
+`save_pretrained` output and its `from_pretrained` input keep CLIP's 0-dim layout, so checkpoints stay
+CLIPModel-compatible in both directions. Other deepspeed versions get CLIP's parameter unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import math
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import CLIPConfig, CLIPModel
+from transformers.models.clip.modeling_clip import CLIPOutput, image_text_contrastive_loss
+
+LOSS_IMPLS = ("tiled", "disco", "local")
+LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
+
+
+def _deepspeed_version() -> str | None:
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# The releases whose parameter broadcast cannot take a 0-dim tensor (../shared/NOTES.md). Widen when a later
+# release turns out to share the bug; the test suite checks the gate against the installed version.
+_ZERO_DIM_BROKEN_DEEPSPEED = ("0.19.8",)
+LOGIT_SCALE_AS_VECTOR = _deepspeed_version() in _ZERO_DIM_BROKEN_DEEPSPEED
+
+# Set while a non-ZeRO-3 `from_pretrained` runs: transformers then loads tensors by attribute with a shape
+# check, so the model must keep CLIP's 0-dim shape until the weights are in.
+_defer_vector_logit_scale = contextvars.ContextVar("defer_vector_logit_scale", default=False)
+
+
+class DiscoCLIPModel(CLIPModel):
+    """CLIPModel with the distributed contrastive loss (`disco_clip_ds.loss`) computed in `forward`.
+
+    Config attributes: `loss_impl` ("tiled" default, "disco", or "local" = CLIP's own per-device loss)
+    and `chunk_size` (tile size of the tiled loss; None = the loss module's default).
+    Under torch.distributed, `forward(..., return_loss=True).loss` on each rank is such that the mean over
+    ranks is the global-batch loss and data-parallel gradient averaging yields the global-batch gradient.
+    """
+
+    def __init__(self, config: CLIPConfig):
+        super().__init__(config)
+        config.loss_impl = getattr(config, "loss_impl", None) or "tiled"
+        config.chunk_size = getattr(config, "chunk_size", None)
+        if config.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {config.loss_impl!r}")
+        if LOGIT_SCALE_AS_VECTOR:
+            # The state dict always speaks CLIP's 0-dim layout; see the module docstring.
+            self._register_state_dict_hook(_logit_scale_to_scalar_hook)
+            self.register_load_state_dict_pre_hook(_logit_scale_to_param_shape_hook)
+            if not _defer_vector_logit_scale.get():
+                self._make_logit_scale_vector()
+
+    def _make_logit_scale_vector(self) -> None:
+        if self.logit_scale.dim() == 0:
+            self.logit_scale = nn.Parameter(self.logit_scale.detach().reshape(1), requires_grad=self.logit_scale.requires_grad)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As `CLIPModel.from_pretrained` (hub id or folder); loads any CLIPModel checkpoint."""
+        if not LOGIT_SCALE_AS_VECTOR:
+            return super().from_pretrained(*args, **kwargs)
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        # ZeRO-3 builds the model inside zero.Init, which needs the vector at construction, and loads through
+        # `_load_from_state_dict`, where the pre-hook reshapes; the plain loader needs the deferral.
+        token = _defer_vector_logit_scale.set(not is_deepspeed_zero3_enabled())
+        try:
+            model = super().from_pretrained(*args, **kwargs)
+        finally:
+            _defer_vector_logit_scale.reset(token)
+        model._make_logit_scale_vector()
+        return model
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
+        """Save as a plain CLIPModel checkpoint (architectures ["CLIPModel"], 0-dim logit_scale)."""
+        if state_dict is not None and "logit_scale" in state_dict:
+            # A ZeRO-3 consolidated state dict is gathered from the parameters and bypasses the state-dict hook.
+            state_dict = {**state_dict, "logit_scale": state_dict["logit_scale"].reshape(())}
+        super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            config_file = Path(save_directory) / "config.json"
+            config = json.loads(config_file.read_text())
+            config["architectures"] = ["CLIPModel"]
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def clamped_logit_scale(self) -> torch.Tensor:
+        """The logit multiplier exp(logit_scale), clamped at 100 as in CLIP, as a 0-dim tensor."""
+        return self.logit_scale.clamp(max=LOGIT_SCALE_MAX).exp().reshape(())
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        return_loss: bool | None = None,
+        interpolate_pos_encoding: bool = False,
+        **kwargs,
+    ) -> CLIPOutput:
+        vision_outputs = self.get_image_features(
+            pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
+        )
+        text_outputs = self.get_text_features(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        image_embeds = nn.functional.normalize(vision_outputs.pooler_output, dim=-1)
+        text_embeds = nn.functional.normalize(text_outputs.pooler_output, dim=-1)
+        logit_scale = self.clamped_logit_scale()
+        # This rank's b x b logits, for callers that read them; the loss below does not use them.
+        logits_per_text = logit_scale * text_embeds @ image_embeds.t()
+
+        loss = None
+        if return_loss:
+            if self.config.loss_impl == "local":
+                loss = image_text_contrastive_loss(logits_per_text)
+            else:
+                from .loss import disco_clip_loss
+
+                loss = disco_clip_loss(
+                    image_embeds, text_embeds, logit_scale, impl=self.config.loss_impl, chunk_size=self.config.chunk_size
+                )
+        return CLIPOutput(
+            loss=loss,
+            logits_per_image=logits_per_text.t(),
+            logits_per_text=logits_per_text,
+            text_embeds=text_embeds,
+            image_embeds=image_embeds,
+            text_model_output=text_outputs,
+            vision_model_output=vision_outputs,
+        )
+
+
+def _logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):
+    key = prefix + "logit_scale"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].reshape(())
+    return state_dict
+
+
+def _logit_scale_to_param_shape_hook(module, state_dict, prefix, *args):
+    key = prefix + "logit_scale"
+    if key in state_dict and state_dict[key].numel() == 1:
+        shape = getattr(module.logit_scale, "ds_shape", module.logit_scale.shape)  # ZeRO-3 keeps the full shape there
+        state_dict[key] = state_dict[key].reshape(shape)
+
+
+def build_model(
+    model_name_or_path: str | None = None,
+    model_config: str | None = None,
+    loss_impl: str = "tiled",
+    chunk_size: int | None = None,
+    **config_overrides,
+) -> DiscoCLIPModel:
+    """A DiscoCLIPModel from pretrained weights (hub id or folder) or fresh from a CLIPConfig JSON file."""
+    if bool(model_name_or_path) == bool(model_config):
+        raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a CLIPConfig JSON)")
+    if model_name_or_path:
+        config = CLIPConfig.from_pretrained(model_name_or_path)
+    else:
+        path = Path(model_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
+        config = CLIPConfig.from_json_file(str(path))
+    config.loss_impl, config.chunk_size = loss_impl, chunk_size
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    if model_name_or_path:
+        return DiscoCLIPModel.from_pretrained(model_name_or_path, config=config)
+    return DiscoCLIPModel(config)
