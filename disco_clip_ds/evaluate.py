@@ -1,0 +1,424 @@
+"""Zero-shot classification and retrieval of a CLIPModel, with CLIP_benchmark's metrics and JSON layout.
+
+Data are webdataset shards in CLIP_benchmark's layout: `key.{webp,png,jpg,jpeg}` with `key.cls` (class index)
+for classification or `key.txt` (captions, one per line) for retrieval; `classnames.txt` and
+`zeroshot_classification_templates.txt` (`{c}` = class name) next to the shards. ImageNet-1k class names and
+OpenAI's 80 templates ship in `resources/` for users who bring their own ImageNet val shards.
+
+Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so the functions here
+must run on every rank over the same data (they do: the shards are read whole on each rank, never split).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+RESOURCES = Path(__file__).resolve().parent / "resources"
+NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
+NAMED_TEMPLATES = {"openai_imagenet": RESOURCES / "openai_imagenet_templates.txt"}
+CLASSNAMES_FILE = "classnames.txt"  # CLIP_benchmark's names for the files beside the shards
+TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+IMAGE_KEYS = "webp;png;jpg;jpeg"
+RECALL_KS = (1, 5, 10)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def classification_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """acc1, acc5 and mean_per_class_recall of (n, n_classes) logits, as CLIP_benchmark reports them.
+
+    acc5 is NaN with fewer than 5 classes (CLIP_benchmark's convention); mean_per_class_recall is the mean
+    over the classes present in `targets` of the fraction of their images predicted right.
+    """
+    from sklearn.metrics import balanced_accuracy_score
+
+    targets = targets.long()
+    n_classes = logits.shape[1]
+    # rank of the true class = number of classes scored strictly higher (ties count in the model's favour)
+    true_scores = logits.gather(1, targets[:, None])
+    rank = (logits > true_scores).sum(1)
+    metrics = {"acc1": (rank < 1).double().mean().item()}
+    metrics["acc5"] = (rank < 5).double().mean().item() if n_classes >= 5 else float("nan")
+    metrics["mean_per_class_recall"] = float(balanced_accuracy_score(targets.numpy(), logits.argmax(1).numpy()))
+    return metrics
+
+
+def _best_positive_rank(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
+    """Per row, the rank (0 = top) of its best-scored positive column, ties counted in the row's favour."""
+    best_positive = scores.masked_fill(~positives, -math.inf).amax(1, keepdim=True)
+    return (scores > best_positive).sum(1)
+
+
+def retrieval_metrics(scores: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = RECALL_KS) -> dict[str, float]:
+    """CLIP_benchmark's image/text_retrieval_recall@k from (n_texts, n_images) similarity `scores`.
+
+    `text_to_image[t]` is the image that caption t describes (an image may have several captions).
+    image_retrieval_recall@k: fraction of captions whose image is among their top-k images;
+    text_retrieval_recall@k: fraction of images with at least one of their captions among their top-k texts.
+    """
+    n_texts, n_images = scores.shape
+    positives = torch.zeros_like(scores, dtype=torch.bool)
+    positives[torch.arange(n_texts), text_to_image] = True
+    image_rank = _best_positive_rank(scores, positives)
+    text_rank = _best_positive_rank(scores.T, positives.T)
+    metrics = {}
+    for k in ks:
+        metrics[f"image_retrieval_recall@{k}"] = (image_rank < k).double().mean().item()
+        metrics[f"text_retrieval_recall@{k}"] = (text_rank < k).double().mean().item()
+    return metrics
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+def _unwrap(model):
+    """The CLIPModel inside a DeepSpeed engine or DDP wrapper (both keep it as `.module`)."""
+    while hasattr(model, "module") and not hasattr(model, "get_image_features"):
+        model = model.module
+    return model
+
+
+def _features(output) -> torch.Tensor:
+    # transformers 5 returns a model output whose pooler_output is the projected embedding; 4.x a tensor
+    return output.pooler_output if hasattr(output, "pooler_output") else output
+
+
+def _first_param(model) -> torch.Tensor:
+    return next(model.parameters())
+
+
+@torch.no_grad()
+def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    """L2-normalised float32 image embeddings."""
+    model = _unwrap(model)
+    param = _first_param(model)
+    out = _features(model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)))
+    return F.normalize(out.float(), dim=-1).cpu()
+
+
+@torch.no_grad()
+def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """L2-normalised float32 text embeddings of `texts`, in batches."""
+    model = _unwrap(model)
+    device = _first_param(model).device
+    max_length = model.config.text_config.max_position_embeddings
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenizer(
+            list(texts[start : start + batch_size]), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        ).to(device)
+        out = _features(model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]))
+        chunks.append(F.normalize(out.float(), dim=-1).cpu())
+    return torch.cat(chunks)
+
+
+def zeroshot_classifier(model, tokenizer, classnames: Sequence[str], templates: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """(n_classes, d) classifier: per class, the renormalised mean of its normalised prompt embeddings."""
+    prompts = [template.format(c=name) for name in classnames for template in templates]
+    embeddings = encode_texts(model, tokenizer, prompts, batch_size).view(len(classnames), len(templates), -1)
+    return F.normalize(embeddings.mean(1), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def resolve_shards(spec: str | Sequence[str]) -> list[str]:
+    """Shard paths from a folder (its *.tar), a glob, a brace pattern (`{00000..00009}`) or a list of these."""
+    import braceexpand
+
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    shards = []
+    for item in map(str, specs):
+        if os.path.isdir(item):
+            found = sorted(glob.glob(os.path.join(item, "*.tar")))
+        else:
+            found = [p for pattern in braceexpand.braceexpand(item) for p in sorted(glob.glob(pattern))]
+        if not found:
+            raise FileNotFoundError(f"no webdataset shards found at '{item}': give a folder of .tar shards, a glob or a brace pattern")
+        shards += found
+    return shards
+
+
+def _every_node(urls):
+    # Evaluation reads every shard on every rank: under ZeRO-3 all ranks must run the same forwards.
+    yield from urls
+
+
+def read_samples(shards: Sequence[str], fields: str) -> Iterator[tuple]:
+    """(PIL RGB image, field) samples from the shards in order; `fields` is "cls" or "txt"."""
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(list(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False)
+        .decode("pil")
+        .to_tuple(IMAGE_KEYS, fields)
+    )
+    for image, value in dataset:
+        yield image.convert("RGB"), value
+
+
+def _batched(items: Iterable, batch_size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
+    """(pixel_values, [cls or caption list]) batches read from shards with the model's image processor."""
+    for batch in _batched(read_samples(resolve_shards(shards), fields), batch_size):
+        images, values = zip(*batch)
+        pixel_values = image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        if fields == "txt":
+            values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
+        yield pixel_values, list(values)
+
+
+def _progress(batches, desc: str, enabled: bool):
+    rank = int(os.environ.get("RANK", "0"))
+    return tqdm(batches, desc=desc, unit="batch", disable=not enabled or rank != 0, file=sys.stderr)
+
+
+def _as_batches(data, image_processor, fields: str, batch_size: int):
+    if isinstance(data, (str, os.PathLike)) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
+        if image_processor is None:
+            raise ValueError("reading shards needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))")
+        return shard_batches(data, image_processor, fields, batch_size)
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+
+
+class _EvalMode:
+    """Switch a model to eval() for the duration, restoring its training flag after."""
+
+    def __init__(self, model):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was_training)
+
+
+def zeroshot_classification(
+    model, tokenizer, data, classnames: Sequence[str], templates: Sequence[str], *, image_processor=None, batch_size: int = 64, progress: bool = True
+) -> dict[str, float]:
+    """Zero-shot classification: acc1, acc5, mean_per_class_recall (fractions in [0, 1]).
+
+    `data` is a shard spec (folder, glob, brace pattern, list; then `image_processor` is needed) or any
+    iterable of `(pixel_values, class_indices)` batches, such as a DataLoader.
+    """
+    if not classnames or not templates:
+        raise ValueError("zero-shot classification needs at least one class name and one template")
+    with _EvalMode(_unwrap(model)):
+        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
+        logits, targets = [], []
+        for pixel_values, labels in _progress(_as_batches(data, image_processor, "cls", batch_size), "zero-shot", progress):
+            logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
+            targets.append(torch.as_tensor(labels, dtype=torch.long))
+    if not logits:
+        raise ValueError("the evaluation data holds no samples")
+    targets = torch.cat(targets)
+    if targets.min() < 0 or targets.max() >= len(classnames):
+        raise ValueError(f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} class names")
+    return classification_metrics(torch.cat(logits), targets)
+
+
+def zeroshot_retrieval(
+    model, tokenizer, data, *, image_processor=None, batch_size: int = 64, ks: Sequence[int] = RECALL_KS, progress: bool = True
+) -> dict[str, float]:
+    """Image-text retrieval: image_retrieval_recall@k and text_retrieval_recall@k for k in `ks`.
+
+    `data` is a shard spec (then `image_processor` is needed) or an iterable of `(pixel_values, captions)`
+    batches where `captions[i]` is the list of captions of image i.
+    """
+    image_embeddings, text_embeddings, text_to_image = [], [], []
+    with _EvalMode(_unwrap(model)):
+        for pixel_values, captions in _progress(_as_batches(data, image_processor, "txt", batch_size), "retrieval", progress):
+            first = sum(len(e) for e in image_embeddings)
+            image_embeddings.append(encode_images(model, pixel_values))
+            texts = [text for caps in captions for text in caps]
+            text_to_image += [first + i for i, caps in enumerate(captions) for _ in caps]
+            text_embeddings.append(encode_texts(model, tokenizer, texts, batch_size) if texts else torch.empty(0, image_embeddings[-1].shape[1]))
+    if not image_embeddings or not text_to_image:
+        raise ValueError("the evaluation data holds no image with a caption")
+    scores = torch.cat(text_embeddings) @ torch.cat(image_embeddings).T
+    return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """Non-empty lines of a text file (class names, templates)."""
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def _shard_folder(data: str) -> Path | None:
+    if os.path.isdir(data):
+        return Path(data)
+    try:
+        return Path(resolve_shards(data)[0]).parent
+    except FileNotFoundError:
+        return None
+
+
+def find_classnames(data: str, classnames: str | None) -> list[str]:
+    """Class names from `classnames` (a file or a shipped name like "imagenet1k") or `classnames.txt` beside the shards."""
+    if classnames:
+        path = NAMED_CLASSNAMES.get(classnames, Path(classnames))
+    else:
+        folder = _shard_folder(data)
+        path = folder / CLASSNAMES_FILE if folder else None
+        if path is None or not path.is_file():
+            raise FileNotFoundError(f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
+    return read_lines(path)
+
+
+def find_templates(data: str, templates: str | None) -> list[str]:
+    """Templates from `templates` (a file or "openai_imagenet"), else those beside the shards, else OpenAI's 80."""
+    if templates:
+        path = NAMED_TEMPLATES.get(templates, Path(templates))
+    else:
+        folder = _shard_folder(data)
+        beside = folder / TEMPLATES_FILE if folder else None
+        path = beside if beside is not None and beside.is_file() else NAMED_TEMPLATES["openai_imagenet"]
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
+    lines = read_lines(path)
+    if not all("{c}" in line for line in lines):
+        raise ValueError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
+    return lines
+
+
+# -------------------------------------------------------------------------------------------- callback
+
+
+class ZeroShotCallback(TrainerCallback):
+    """Zero-shot classification every `every_n_steps` optimizer steps (and at the last), logged like the loss.
+
+    Runs on every rank (ZeRO-3 forwards are collectives) and logs through `trainer.log`, so the metrics reach
+    the console, TensorBoard and `trainer_state.json` as `zeroshot_acc1` etc. Register it with
+    `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through.
+    """
+
+    def __init__(self, data_dir, tokenizer, image_size: int, every_n_steps: int, batch_size: int = 64, image_processor=None, classnames=None, templates=None):
+        from transformers import CLIPImageProcessor
+
+        if every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+        self.data = str(data_dir)
+        self.shards = resolve_shards(self.data)
+        self.classnames = find_classnames(self.data, classnames)
+        self.templates = find_templates(self.data, templates)
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor or CLIPImageProcessor(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
+        self.every_n_steps, self.batch_size = every_n_steps, batch_size
+        self.trainer = None
+
+    def attach(self, trainer) -> "ZeroShotCallback":
+        """Add this callback to `trainer` and log through it."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise RuntimeError("ZeroShotCallback needs the trainer to log through: use ZeroShotCallback(...).attach(trainer)")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every_n_steps and state.global_step != state.max_steps:
+            return
+        metrics = zeroshot_classification(
+            model, self.tokenizer, self.shards, self.classnames, self.templates,
+            image_processor=self.image_processor, batch_size=self.batch_size, progress=False,
+        )
+        self.trainer.log({f"zeroshot_{name}": value for name, value in metrics.items()})
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+@dataclass
+class EvalArguments:
+    model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
+    data: str = field(metadata={"help": "webdataset shards: folder, glob or brace pattern"})
+    task: str = field(default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]})
+    classnames: str | None = field(default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"})
+    templates: str | None = field(default=None, metadata={"help": "templates file or 'openai_imagenet' (default: the file beside the shards, else OpenAI's 80)"})
+    batch_size: int = field(default=64)
+    output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+
+
+def load_for_eval(model_id: str, device: str = "cpu"):
+    """(CLIPModel, tokenizer, image processor) from a folder or hub id, with transformers alone."""
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    model = CLIPModel.from_pretrained(model_id).to(device)
+    return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
+
+
+def run_eval(args: EvalArguments) -> dict:
+    """Evaluate as the CLI does and return CLIP_benchmark's result record."""
+    if args.batch_size <= 0:
+        raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
+    shards = resolve_shards(args.data)
+    if args.task == "zeroshot_classification":
+        classnames, templates = find_classnames(args.data, args.classnames), find_templates(args.data, args.templates)
+    model, tokenizer, image_processor = load_for_eval(args.model, args.device)
+    if args.task == "zeroshot_classification":
+        metrics = zeroshot_classification(model, tokenizer, shards, classnames, templates, image_processor=image_processor, batch_size=args.batch_size)
+    else:
+        metrics = zeroshot_retrieval(model, tokenizer, shards, image_processor=image_processor, batch_size=args.batch_size)
+    return {"dataset": args.data, "model": args.model, "pretrained": args.model, "task": args.task, "metrics": metrics, "language": "en"}
+
+
+def write_json(record: dict, path: str | os.PathLike) -> None:
+    """Write JSON through a temporary file so an interrupted run never leaves a truncated result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip eval`: print (and optionally write) the result record."""
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(EvalArguments).parse_args_into_dataclasses(args=argv)
+    try:
+        record = run_eval(args)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"disco-clip eval: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(record, indent=2))
+    if args.output:
+        write_json(record, args.output)
+    return 0

@@ -1,0 +1,326 @@
+"""Zero-shot classification / retrieval: metrics against hand-computed values, the model path against an
+independent float64 per-sample reference, the CLI, the shipped resources and the training callback."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from disco_clip_ds import evaluate as ev
+
+IMAGE_SIZE = 32
+
+
+# ------------------------------------------------------------------------------------ shared tiny pieces
+
+
+def tiny_tokenizer():
+    """A real CLIPTokenizer over the 256 byte-level symbols (no merges), built offline."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    symbols = sorted(ByteLevel.alphabet())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
+    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = len(vocab), len(vocab) + 1
+    return CLIPTokenizer(vocab=vocab, merges=[])
+
+
+def tiny_clip_config(tokenizer, image_size: int = IMAGE_SIZE):
+    from transformers import CLIPConfig
+
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=image_size, patch_size=8)
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+
+
+def tiny_image_processor(image_size: int = IMAGE_SIZE):
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+
+
+def tiny_clip(seed: int = 0):
+    from transformers import CLIPModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer()
+    return CLIPModel(tiny_clip_config(tokenizer)).eval(), tokenizer, tiny_image_processor()
+
+
+def random_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
+    array = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def write_shards(folder, samples, per_shard: int):
+    """Write `samples` (dicts of webdataset fields) in CLIP_benchmark's layout with webdataset's TarWriter."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, len(samples), per_shard)):
+        with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
+            for i, sample in enumerate(samples[start : start + per_shard], start):
+                sink.write({"__key__": f"s{i:05d}", **sample})
+
+
+CLASSNAMES = ["zero", "one", "two", "three", "four", "five"]
+TEMPLATES = ["a photo of the digit {c}.", "{c}", "a drawing of a {c}."]
+
+
+@pytest.fixture(scope="module")
+def cls_set(tmp_path_factory):
+    """11 images over 6 classes in 3 shards (uneven), with classnames and templates beside them."""
+    rng = np.random.default_rng(0)
+    labels = [0, 1, 2, 3, 4, 5, 0, 2, 2, 5, 1]
+    images = [random_image_bytes(rng, "PNG" if i % 2 else "JPEG") for i in range(len(labels))]
+    folder = tmp_path_factory.mktemp("cls")
+    samples = [{("png" if i % 2 else "jpg"): img, "cls": str(y)} for i, (img, y) in enumerate(zip(images, labels))]
+    write_shards(folder, samples, per_shard=4)
+    (folder / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
+    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
+    return folder, images, labels
+
+
+# ---------------------------------------------------------------------------- metrics, computed by hand
+
+
+def test_classification_metrics_hand_computed():
+    logits = torch.tensor(
+        [
+            [5, 1, 0, 0, 0, 0],  # target 0: rank 0
+            [3, 2, 1, 0, 0, 0],  # target 1: rank 1 (top-5 only)
+            [0, 1, 9, 0, 0, 0],  # target 2: rank 0
+            [6, 5, 4, 3, 2, 1],  # target 5: rank 5 (missed by top-5)
+            [1, 7, 0, 0, 0, 0],  # target 0: rank 1, predicted 1
+        ],
+        dtype=torch.float,
+    )
+    metrics = ev.classification_metrics(logits, torch.tensor([0, 1, 2, 5, 0]))
+    assert metrics["acc1"] == pytest.approx(2 / 5)
+    assert metrics["acc5"] == pytest.approx(4 / 5)
+    # per-class recall over classes present: 0 -> 1/2, 1 -> 0/1, 2 -> 1/1, 5 -> 0/1
+    assert metrics["mean_per_class_recall"] == pytest.approx((0.5 + 0 + 1 + 0) / 4)
+
+
+def test_classification_acc5_is_nan_below_five_classes():
+    metrics = ev.classification_metrics(torch.tensor([[1.0, 0.0, 2.0], [0.0, 3.0, 1.0]]), torch.tensor([2, 2]))
+    assert metrics["acc1"] == pytest.approx(0.5) and math.isnan(metrics["acc5"])
+
+
+def test_retrieval_metrics_hand_computed():
+    # captions 0, 1 -> image 0; caption 2 -> image 1; caption 3 -> image 2
+    scores = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.8, 0.3], [0.7, 0.6, 0.1], [0.4, 0.0, 0.35]])
+    metrics = ev.retrieval_metrics(scores, torch.tensor([0, 0, 1, 2]), ks=(1, 2, 5))
+    # caption -> image ranks: 0, 2, 1, 1
+    assert metrics["image_retrieval_recall@1"] == pytest.approx(1 / 4)
+    assert metrics["image_retrieval_recall@2"] == pytest.approx(3 / 4)
+    assert metrics["image_retrieval_recall@5"] == pytest.approx(1.0)
+    # image -> best-caption ranks: image 0 -> 0 (caption 0), image 1 -> 1, image 2 -> 1
+    assert metrics["text_retrieval_recall@1"] == pytest.approx(1 / 3)
+    assert metrics["text_retrieval_recall@2"] == pytest.approx(1.0)
+
+
+def _clip_benchmark_recall(scores, positives, k):
+    """CLIP_benchmark's formulation: a row is a hit when any of its top-k columns is positive."""
+    topk = scores.topk(k, dim=1).indices
+    return positives.gather(1, topk).any(1).double().mean().item()
+
+
+def test_retrieval_metrics_match_clip_benchmark_formulation_on_random_scores():
+    gen = torch.Generator().manual_seed(1)
+    text_to_image = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 5, 6, 6, 6])
+    scores = torch.rand(len(text_to_image), 7, generator=gen, dtype=torch.float64)
+    positives = torch.zeros_like(scores, dtype=torch.bool)
+    positives[torch.arange(len(text_to_image)), text_to_image] = True
+    metrics = ev.retrieval_metrics(scores, text_to_image)
+    for k in (1, 5):
+        assert metrics[f"image_retrieval_recall@{k}"] == pytest.approx(_clip_benchmark_recall(scores, positives, k))
+        assert metrics[f"text_retrieval_recall@{k}"] == pytest.approx(_clip_benchmark_recall(scores.T, positives.T, k))
+    assert metrics["image_retrieval_recall@10"] == pytest.approx(_clip_benchmark_recall(scores, positives, 7))
+
+
+# ---------------------------------------------------------- model path against a float64 per-sample loop
+
+
+def _reference_embeddings(model, tokenizer, processor, images, classnames, templates):
+    """Independent float64 path: one prompt and one image at a time, straight through CLIPModel.
+
+    Returns the (n_classes, d) zero-shot classifier and the (n_images, d) image embeddings."""
+    model = model.double()
+    with torch.no_grad():
+        weights = []
+        for name in classnames:
+            prompts = []
+            for template in templates:
+                tokens = tokenizer([template.format(c=name)], return_tensors="pt")
+                prompts.append(F.normalize(model.get_text_features(**tokens).pooler_output[0], dim=0))
+            weights.append(F.normalize(torch.stack(prompts).mean(0), dim=0))
+        rows = []
+        for data in images:
+            pixels = processor(images=Image.open(io.BytesIO(data)).convert("RGB"), return_tensors="pt")["pixel_values"]
+            rows.append(F.normalize(model.get_image_features(pixel_values=pixels.double()).pooler_output[0], dim=0))
+    model.float()
+    return torch.stack(weights), torch.stack(rows)
+
+
+def _reference_metrics(logits: np.ndarray, labels) -> dict:
+    order = np.argsort(-logits, axis=1)
+    labels = np.asarray(labels)
+    acc1 = np.mean(order[:, 0] == labels)
+    acc5 = np.mean([y in row[:5] for y, row in zip(labels, order)])
+    recalls = [np.mean(order[labels == c, 0] == c) for c in np.unique(labels)]
+    return {"acc1": acc1, "acc5": acc5, "mean_per_class_recall": np.mean(recalls)}
+
+
+def test_zeroshot_classification_matches_float64_reference(cls_set):
+    folder, images, labels = cls_set
+    model, tokenizer, processor = tiny_clip()
+    model.train()  # the function must evaluate in eval mode and restore the flag
+    classifier, image_rows = _reference_embeddings(model, tokenizer, processor, images, CLASSNAMES, TEMPLATES)
+    assert torch.allclose(ev.zeroshot_classifier(model, tokenizer, CLASSNAMES, TEMPLATES, batch_size=4).double(), classifier, atol=1e-5)
+    reference = _reference_metrics((image_rows @ classifier.T).numpy(), labels)
+    assert 0 < reference["acc5"] < 1  # the fixed set is informative: neither all right nor all wrong
+    for batch_size in (1, 4, 64):
+        metrics = ev.zeroshot_classification(
+            model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, batch_size=batch_size, progress=False
+        )
+        assert metrics == pytest.approx(reference, abs=1e-9), batch_size
+    assert model.training
+
+
+def test_zeroshot_classification_accepts_a_dataloader(cls_set):
+    folder, images, labels = cls_set
+    model, tokenizer, processor = tiny_clip()
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")["pixel_values"]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(pixels, torch.tensor(labels)), batch_size=5)
+    from_loader = ev.zeroshot_classification(model, tokenizer, loader, CLASSNAMES, TEMPLATES, progress=False)
+    from_shards = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    assert from_loader == pytest.approx(from_shards)
+
+
+def test_zeroshot_retrieval_matches_float64_reference(tmp_path):
+    rng = np.random.default_rng(3)
+    captions = [["a red square", "red"], ["two cats"], ["the sea", "blue water", "waves"], ["night"], ["a dog"], ["tree"]]
+    images = [random_image_bytes(rng) for _ in captions]
+    write_shards(tmp_path, [{"png": img, "txt": "\n".join(caps)} for img, caps in zip(images, captions)], per_shard=4)
+    model, tokenizer, processor = tiny_clip(seed=1)
+
+    model.double()
+    with torch.no_grad():
+        texts = [F.normalize(model.get_text_features(**tokenizer([t], return_tensors="pt")).pooler_output[0], dim=0) for caps in captions for t in caps]
+        image_rows = [
+            F.normalize(model.get_image_features(pixel_values=processor(images=Image.open(io.BytesIO(d)).convert("RGB"), return_tensors="pt")["pixel_values"].double()).pooler_output[0], dim=0)
+            for d in images
+        ]
+    model.float()
+    scores = (torch.stack(texts) @ torch.stack(image_rows).T).numpy()
+    owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
+    image_rank = np.array([np.sum(row > row[o]) for row, o in zip(scores, owner)])
+    text_rank = np.array([min(np.sum(scores[:, i] > scores[t, i]) for t in np.flatnonzero(owner == i)) for i in range(len(images))])
+
+    metrics = ev.zeroshot_retrieval(model, tokenizer, str(tmp_path), image_processor=processor, batch_size=4, progress=False)
+    assert set(metrics) == {f"{d}_retrieval_recall@{k}" for d in ("image", "text") for k in (1, 5, 10)}
+    for k in (1, 5, 10):
+        assert metrics[f"image_retrieval_recall@{k}"] == pytest.approx(np.mean(image_rank < k))
+        assert metrics[f"text_retrieval_recall@{k}"] == pytest.approx(np.mean(text_rank < k))
+    assert 0 < metrics["image_retrieval_recall@1"] < 1
+
+
+# ---------------------------------------------------------------------------------- CLI and resources
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model, tokenizer, processor = tiny_clip()
+    folder = tmp_path_factory.mktemp("model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
+    folder, images, labels = cls_set
+    out = tmp_path / "res" / "zeroshot.json"
+    assert ev.main(["--model", str(model_dir), "--data", str(folder), "--batch_size", "3", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == record
+    assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
+    assert record["task"] == "zeroshot_classification"
+    model, tokenizer, processor = tiny_clip()
+    expected = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    assert record["metrics"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/nonexistent/shards"], "no webdataset shards"),
+        (["--classnames", "/nonexistent/names.txt"], "not found"),
+        (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),
+        (["--batch_size", "0"], "--batch_size must be positive"),
+    ],
+)
+def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
+    folder, _, _ = cls_set
+    (tmp_path / "TPL").write_text("no placeholder here\n")
+    extra = [str(tmp_path / "TPL") if e == "TPL" else e for e in extra]
+    argv = ["--model", str(model_dir), "--data", str(folder), *extra]
+    assert ev.main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path, capsys):
+    folder, _, _ = cls_set
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    assert ev.main(["--model", str(model_dir), "--data", str(folder), "--classnames", str(tmp_path / "three.txt")]) == 1
+    assert "there are 3 class names" in capsys.readouterr().err
+
+
+def test_shipped_resources():
+    names = ev.find_classnames("/unused", "imagenet1k")
+    templates = ev.find_templates("/nonexistent", None)  # no templates beside the shards -> OpenAI's 80
+    assert len(names) == 1000 and names[0] == "tench" and names[-1] == "toilet paper"
+    assert len(templates) == 80 and templates[0] == "a bad photo of a {c}." and all("{c}" in t for t in templates)
+
+
+# ------------------------------------------------------------------------------- the training callback
+
+
+def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    folder, images, labels = cls_set
+    model, tokenizer, processor = tiny_clip()
+    tokens = tokenizer(["a photo", "two cats playing"], padding="max_length", max_length=16, return_tensors="pt")
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")["pixel_values"]
+    train = [{"input_ids": tokens["input_ids"][i], "attention_mask": tokens["attention_mask"][i], "pixel_values": pixels[i]} for i in range(2)] * 4
+
+    def collate(rows):
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        return {**batch, "return_loss": True}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
+    ev.ZeroShotCallback(folder, tokenizer, IMAGE_SIZE, every_n_steps=2, batch_size=4).attach(trainer)
+    trainer.train()
+    logged = {e["step"]: e for e in trainer.state.log_history if "zeroshot_acc1" in e}
+    assert sorted(logged) == [2, 3]  # every 2 steps, and the last
+    final = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    assert {k: logged[3][f"zeroshot_{k}"] for k in final} == pytest.approx(final)
