@@ -80,3 +80,25 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
 def spawn_ranks():
     """The `run_ranks` helper as a fixture."""
     return run_ranks
+
+
+# --- data: the loopback image server and the demo dataset (owned by the data-prep tests) ---
+
+
+@pytest.fixture
+def image_server():
+    """A running `imageserver.ImageServer` on 127.0.0.1 (add routes with `.add(path, ...)`)."""
+    from imageserver import ImageServer
+
+    with ImageServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory):
+    """The digits demo dataset (`disco-clip data demo`), built once per test session; returns its folder."""
+    from disco_clip_ds.data.demo import build_demo
+
+    folder = tmp_path_factory.mktemp("demo")
+    build_demo(folder)
+    return folder

@@ -1,0 +1,97 @@
+"""A loopback HTTP server for download tests: good images, error codes, hangs, trickles, corrupt files.
+
+    with ImageServer() as server:
+        url = server.add("/a.jpg", body=jpeg_bytes)                # 200 with the bytes
+        server.add("/missing.jpg", status=404)                      # an error status
+        server.add("/hang.jpg", hang=True)                          # accepts, never answers
+        server.add("/slow.jpg", body=data, trickle=0.2)             # one byte every 0.2 s
+        server.add("/late.jpg", body=data, delay=0.1)               # answers after 0.1 s
+
+Unknown paths get 404. `server.hits` counts requests per path.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Route:
+    body: bytes = b""
+    status: int = 200
+    content_type: str = "image/jpeg"
+    hang: bool = False
+    trickle: float = 0.0
+    delay: float = 0.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self):
+        server: ImageServer = self.server.owner
+        route = server.routes.get(self.path)
+        with server.lock:
+            server.hits[self.path] += 1
+        if route is None or route.status >= 400:
+            self.send_error(404 if route is None else route.status)
+            return
+        if route.hang:
+            server.stopping.wait()
+            return
+        if route.delay:
+            time.sleep(route.delay)
+        self.send_response(route.status)
+        self.send_header("Content-Type", route.content_type)
+        self.send_header("Content-Length", str(len(route.body)))
+        self.end_headers()
+        if route.trickle:
+            for i in range(len(route.body)):
+                if server.stopping.wait(route.trickle):
+                    return
+                self.wfile.write(route.body[i : i + 1])
+                self.wfile.flush()
+        else:
+            self.wfile.write(route.body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 256  # the default backlog of 5 drops connections under many download threads
+
+
+class ImageServer:
+    """Context manager running the server on 127.0.0.1 in a background thread."""
+
+    def __init__(self):
+        self.routes: dict[str, Route] = {}
+        self.hits: Counter = Counter()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.owner = self
+        self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def add(self, path: str, **route) -> str:
+        self.routes[path] = Route(**route)
+        return self.base_url + path
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def __enter__(self) -> ImageServer:
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()  # releases hanging and trickling handlers
+        self._server.shutdown()
+        self._server.server_close()
