@@ -1,0 +1,161 @@
+"""DiscoCLIPModel: the loss in forward against float64 single-process CLIP, on 1 and 2 gloo ranks; the logit
+scale clamp; the deepspeed 0.19.8 logit_scale fix; a saved model loads as a plain CLIPModel in a fresh process."""
+
+import json
+import math
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import CLIPConfig, CLIPModel
+
+from conftest import run_ranks
+from disco_clip_ds.modeling import LOGIT_SCALE_AS_VECTOR, DiscoCLIPModel, build_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "models" / "tiny.json"
+GLOBAL_BATCH = 6
+# The models run in float64; the loss accumulates in float32 by design (loss.py), so agreement is at fp32 level.
+LOSS_RTOL = 1e-6
+
+
+def assert_grad_close(actual, expected, name):
+    err = (actual - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item() + 1e-12, f"{name}: max error {err}"
+
+
+def tiny_model(loss_impl="tiled", dtype=torch.float64, seed=0) -> DiscoCLIPModel:
+    torch.manual_seed(seed)
+    return build_model(model_config=str(TINY), loss_impl=loss_impl, chunk_size=2).to(dtype)
+
+
+def batch(dtype=torch.float64, n=GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 10, (n,), generator=g)
+    ids = torch.ones(n, 12, dtype=torch.long)  # eos = pad = 1, as in recipes/tokenizer
+    for i, length in enumerate(lengths):
+        ids[i, 0], ids[i, 1:length] = 0, torch.randint(2, 534, (length - 1,), generator=g)
+    mask = (torch.arange(12) <= lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype)}
+
+
+def reference_loss_and_grads(model: DiscoCLIPModel, inputs) -> tuple[float, dict]:
+    """transformers' own CLIPModel loss on the global batch (float64), same weights, clamped scale."""
+    ref = CLIPModel(model.config).to(torch.float64)
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref.logit_scale.clamp_(max=math.log(100))
+    ref(**inputs, return_loss=True).loss.backward()
+    loss = ref(**inputs, return_loss=True).loss.item()
+    return loss, {n: p.grad.clone().reshape(-1) for n, p in ref.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("impl", ["tiled", "disco", "local"])
+def test_single_process_loss_and_grads_equal_clip(impl):
+    model, inputs = tiny_model(impl), batch()
+    loss = model(**inputs, return_loss=True).loss
+    loss.backward()
+    ref_loss, ref_grads = reference_loss_and_grads(model, inputs)
+    assert loss.item() == pytest.approx(ref_loss, rel=LOSS_RTOL)
+    for name, p in model.named_parameters():
+        assert_grad_close(p.grad.reshape(-1), ref_grads[name], name)
+
+
+def _rank_loss_and_grads(rank, world, impl, sizes):
+    torch.set_num_threads(1)
+    model, full = tiny_model(impl), batch()
+    start = sum(sizes[:rank])
+    local = {k: v[start:start + sizes[rank]] for k, v in full.items()}
+    loss = model(**local, return_loss=True).loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():  # what DDP/DeepSpeed do: average the gradients over ranks
+        torch.distributed.all_reduce(p.grad)
+        grads[name] = (p.grad / world).reshape(-1)
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("impl,sizes", [("tiled", [3, 3]), ("disco", [4, 2])])
+def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes):
+    results = run_ranks(_rank_loss_and_grads, 2, impl, sizes, timeout=120)
+    ref_loss, ref_grads = reference_loss_and_grads(tiny_model(impl), batch())
+    assert sum(loss for loss, _ in results) / 2 == pytest.approx(ref_loss, rel=LOSS_RTOL)
+    assert results[0][0] != pytest.approx(results[1][0], rel=1e-3)  # the ranks really computed different shares
+    for name, ref in ref_grads.items():
+        for _, grads in results:
+            assert_grad_close(grads[name], ref, name)
+
+
+def test_local_loss_on_two_ranks_is_the_per_device_loss():
+    # "local" must stay what HF's contrastive example trains with: each rank's own b x b loss, no gathering.
+    results = run_ranks(_rank_loss_and_grads, 2, "local", [3, 3], timeout=120)
+    model, full = tiny_model("local"), batch()
+    halves = [model(**{k: v[s:s + 3] for k, v in full.items()}, return_loss=True).loss.item() for s in (0, 3)]
+    assert [loss for loss, _ in results] == pytest.approx(halves, rel=1e-10)
+
+
+def test_logit_scale_is_clamped_at_100():
+    model, inputs = tiny_model(), batch()
+    with torch.no_grad():
+        model.logit_scale.fill_(5.0)  # exp(5) = 148 > 100
+    out = model(**inputs, return_loss=True)
+    assert model.clamped_logit_scale().item() == pytest.approx(100.0)
+    torch.testing.assert_close(out.logits_per_text, 100.0 * out.text_embeds @ out.image_embeds.t())
+    out.loss.backward()
+    assert model.logit_scale.grad.abs().max().item() == 0.0
+
+
+def test_logit_scale_fix_is_gated_on_the_broken_deepspeed_release():
+    broken = metadata.version("deepspeed") == "0.19.8"
+    assert LOGIT_SCALE_AS_VECTOR == broken
+    model = tiny_model()
+    assert model.logit_scale.dim() == (1 if broken else 0)
+    assert model.state_dict()["logit_scale"].dim() == 0  # the state dict always has CLIP's layout
+    model.load_state_dict(model.state_dict())
+
+
+def test_unknown_loss_impl_and_missing_config_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="loss_impl must be one of"):
+        build_model(model_config=str(TINY), loss_impl="naive")
+    with pytest.raises(FileNotFoundError, match="tiny.json"):
+        build_model(model_config=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="exactly one"):
+        build_model()
+
+
+def test_saved_model_is_a_plain_clipmodel_and_round_trips(tmp_path):
+    model, inputs = tiny_model("disco", dtype=torch.float32), batch(torch.float32)
+    with torch.no_grad():
+        model.logit_scale.fill_(3.25)
+    model.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["CLIPModel"] and config["loss_impl"] == "disco"
+    torch.save({k: v for k, v in inputs.items()}, tmp_path / "inputs.pt")
+    expected = model(**inputs).logits_per_image
+    # a fresh interpreter with transformers alone: no disco_clip_ds import
+    code = (
+        "import sys, torch; from transformers import CLIPModel; "
+        f"m = CLIPModel.from_pretrained({str(tmp_path / 'm')!r}); "
+        "assert type(m).__name__ == 'CLIPModel' and m.logit_scale.dim() == 0, m.logit_scale.shape; "
+        f"x = torch.load({str(tmp_path / 'inputs.pt')!r}); "
+        f"torch.save((m.logit_scale.item(), m(**x).logits_per_image), {str(tmp_path / 'out.pt')!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=120)
+    scale, logits = torch.load(tmp_path / "out.pt")
+    assert scale == pytest.approx(3.25)
+    torch.testing.assert_close(logits, expected)
+    # and back: a CLIPModel checkpoint loads into DiscoCLIPModel with its values
+    again = DiscoCLIPModel.from_pretrained(tmp_path / "m")
+    assert again.config.loss_impl == "disco" and again.logit_scale.reshape(()).item() == pytest.approx(3.25)
+    torch.testing.assert_close(again(**inputs).logits_per_image, expected)
+
+
+def test_from_pretrained_of_a_stock_clip_checkpoint_defaults_to_tiled(tmp_path):
+    stock = CLIPModel(CLIPConfig.from_json_file(str(TINY)))
+    stock.save_pretrained(tmp_path)
+    model = build_model(model_name_or_path=str(tmp_path), loss_impl="tiled")
+    assert model.config.loss_impl == "tiled"
+    assert model.logit_scale.reshape(()).item() == pytest.approx(stock.logit_scale.item())
