@@ -20,6 +20,8 @@ TEMPLATES = [
     "a handwritten {}.", "a drawing of the digit {}.", "an image of the number {}.", "a close-up photo of a {}.",
     "a black and white photo of the number {}.", "a bright photo of a {}.", "a photo of a small {}.",
     "a photo of a big {}.", "a low resolution photo of the {}.", "a cropped photo of the {}.", "itap of a {}.",
+    "handwritten digit {}", "the digit {}, written by hand", "a scan of a handwritten {}", "a blurry handwritten {}",
+    "a small grey picture of the digit {}", "the number {}, drawn by hand", "a low resolution image of a handwritten {}",
     "a good photo of the {}.", "a rendering of a {}.", "a sketch of a {}.", "a pixelated photo of the {}.",
 ]
 WORDS = (

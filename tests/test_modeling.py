@@ -37,7 +37,7 @@ def batch(dtype=torch.float64, n=GLOBAL_BATCH):
     lengths = torch.randint(3, 10, (n,), generator=g)
     ids = torch.ones(n, 12, dtype=torch.long)  # eos = pad = 1, as in recipes/tokenizer
     for i, length in enumerate(lengths):
-        ids[i, 0], ids[i, 1:length] = 0, torch.randint(2, 534, (length - 1,), generator=g)
+        ids[i, 0], ids[i, 1:length] = 0, torch.randint(2, 539, (length - 1,), generator=g)
     mask = (torch.arange(12) <= lengths[:, None]).long()
     return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype)}
 
