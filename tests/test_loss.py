@@ -37,6 +37,7 @@ CASES = [  # (sizes per rank as a function of world, log scale, dtype)
     (lambda n: [5] * n, math.log(1 / 0.07), torch.float32),
     (lambda n: [3, 7, 1, 4][:n], math.log(100.0), torch.float32),
     (lambda n: [6, 2, 5, 3][:n], math.log(1 / 0.07), torch.bfloat16),
+    (lambda n: [4, 0, 3, 2][:n], math.log(1 / 0.07), torch.float32),  # a rank with no rows (epoch end)
 ]
 
 

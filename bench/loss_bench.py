@@ -1,0 +1,256 @@
+"""Per-rank peak extra memory and forward+backward time of the CLIP loss: naive vs disco vs tiled.
+
+Each (world, batch, impl) runs in `world` freshly spawned ranks (gloo on CPU, NCCL on one or more GPUs), so
+memory peaks never mix. On CPU each rank gets a data-segment limit (RLIMIT_DATA): an impl that needs more
+fails its allocation and is recorded as OOM instead of waking the kernel's OOM killer. Writes a CSV and a
+log-log PNG of memory vs batch.
+
+    python bench/loss_bench.py --world 4 --batch 4096 8192 16384 32768      # or: disco-clip bench loss ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+IMPLS = ("naive", "disco", "tiled")
+FIELDS = ["impl", "world", "batch", "dim", "dtype", "device", "peak_extra_mib", "time_ms", "status"]
+
+
+def naive_loss(image, text, scale, group=None):
+    """The open_clip default without --local-loss: every rank builds the full B x B logits.
+
+    Gathered features carry no gradient except this rank's own rows (put back in place), so each rank's
+    gradient is the global-loss gradient w.r.t. its rows, as in open_clip's gather_features.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered = []
+    for local in (image, text):
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.detach().contiguous(), group=group)
+        parts[rank] = local
+        gathered.append(torch.cat(parts))
+    logits = scale.float() * gathered[0].float() @ gathered[1].float().T
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _limit_memory(extra_gib: float):
+    """Cap this process's data segment at its current size plus `extra_gib`."""
+    import resource
+
+    limit = int((_rss_mib("VmData") / 1024 + extra_gib) * 2**30)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _is_oom(err: BaseException) -> bool:
+    text = f"{type(err).__name__}: {err}"
+    return isinstance(err, MemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def _rank_main(rank, world, port, cfg, results):
+    import torch
+    import torch.distributed as dist
+
+    from disco_clip_ds.loss import DiscoClipLoss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = cfg["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, cfg["threads"] // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
+        b = cfg["batch"] // world
+        gen = torch.Generator(device=device).manual_seed(rank)
+        make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)  # noqa: E731
+        image, text = make().to(dtype).requires_grad_(), make().to(dtype).requires_grad_()
+        log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
+        loss_fn = naive_loss if cfg["impl"] == "naive" else DiscoClipLoss(cfg["impl"], chunk_size=cfg["chunk_size"])
+
+        def step():
+            loss_fn(image, text, log_scale.exp()).backward()
+            image.grad = text.grad = log_scale.grad = None
+
+        # Warm up on a few rows: thread pools, kernels and communicator buffers are set up once per process.
+        warm = [t[:8].detach().requires_grad_() for t in (image, text)]
+        loss_fn(*warm, log_scale.exp()).backward()
+        if not cuda and cfg["mem_limit_gib"]:
+            _limit_memory(cfg["mem_limit_gib"])
+        peak = _measure_peak(step, device)
+        times = []
+        for _ in range(cfg["reps"]):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results.put((rank, "ok", peak, statistics.median(times) * 1000 if times else float("nan")))
+    except BaseException as err:  # noqa: BLE001 - the parent records it and stops the other ranks
+        results.put((rank, "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {err}"[:300], None, None))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_peak(step, device) -> float:
+    """Peak memory above the steady state during one forward+backward, in MiB (the first call: cold caches)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = _rss_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak RSS (VmHWM) to the current RSS
+        f.write("5")
+    step()
+    return _rss_mib("VmHWM") - base
+
+
+def run_config(cfg: dict, timeout: float) -> dict:
+    """One (impl, world, batch) in fresh ranks; returns a CSV row. Peak is the max over ranks, time the max median."""
+    # A fixed mmap threshold makes glibc return every large freed block to the OS, so RSS tracks live tensors.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_main, args=(r, cfg["world"], port, cfg, results)) for r in range(cfg["world"])]
+    for p in procs:
+        p.start()
+    outcomes, status = [], "ok"
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < cfg["world"]:
+        try:
+            outcome = results.get(timeout=max(1.0, deadline - time.monotonic()))
+        except queue.Empty:
+            status = "timeout"
+            break
+        if outcome[1] != "ok":  # one rank failed: the others would wait forever in a collective
+            status = outcome[1]
+            break
+        if not all(p.is_alive() or p.exitcode == 0 for p in procs):
+            status = "killed (OOM killer?)"
+            break
+        outcomes.append(outcome)
+    for p in procs:
+        p.join(timeout=1 if status != "ok" else 30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    row = {k: cfg[k] for k in ("impl", "world", "batch", "dim", "dtype", "device")}
+    ok = status == "ok"
+    row.update(
+        peak_extra_mib=round(max(o[2] for o in outcomes), 1) if ok else "",
+        time_ms=round(max(o[3] for o in outcomes), 1) if ok else "",
+        status=status,
+    )
+    return row
+
+
+def plot(rows: list[dict], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for (impl, world, dtype, device) in sorted({(r["impl"], r["world"], r["dtype"], r["device"]) for r in rows}):
+        pts = [(r["batch"], float(r["peak_extra_mib"])) for r in rows if (r["impl"], r["world"], r["dtype"], r["device"]) == (impl, world, dtype, device) and r["status"] == "ok"]
+        oom = [r["batch"] for r in rows if (r["impl"], r["world"], r["dtype"], r["device"]) == (impl, world, dtype, device) and r["status"] != "ok"]
+        if pts:
+            line, = ax.plot(*zip(*sorted(pts)), marker="o", label=f"{impl} (world {world}, {dtype}, {device})")
+            if oom:
+                ax.scatter(oom, [max(p[1] for p in pts)] * len(oom), marker="x", color=line.get_color(), s=60)
+    ax.set(xscale="log", yscale="log", xlabel="global batch B", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank (x = OOM)")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _default_mem_limit(world: int) -> float:
+    """GiB per rank: 80 % of the memory available now, shared by the ranks."""
+    with open("/proc/meminfo") as f:
+        avail_kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return 0.8 * avail_kib / 2**20 / world
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="ranks per run (GPUs with --device cuda)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768], help="global batch sizes B")
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--chunk_size", type=int, default=None, help="tiled loss rows per tile (default: the loss's own)")
+    p.add_argument("--reps", type=int, default=2, help="timed repetitions after the memory-measuring first call")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads shared by the ranks")
+    p.add_argument("--mem_limit_gib", type=float, default=None, help="CPU memory cap per rank (default: 80%% of available / world)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    p.add_argument("--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)")
+    args = p.parse_args(argv)
+    if any(b % w for b in args.batch for w in args.world):
+        p.error(f"every --batch must be divisible by every --world; got batch {args.batch}, world {args.world}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(f"{'impl':>6} {'world':>5} {'batch':>7} {'dtype':>5} {'peak MiB/rank':>14} {'fwd+bwd ms':>11}  status", flush=True)
+    for dtype in args.dtype:
+        for world in args.world:
+            for impl in args.impl:
+                for batch in sorted(args.batch):
+                    if any(r["impl"] == impl and r["world"] == world and r["dtype"] == dtype and r["status"] != "ok" for r in rows):
+                        rows.append(dict(impl=impl, world=world, batch=batch, dim=args.dim, dtype=dtype, device=args.device, peak_extra_mib="", time_ms="", status="skipped (smaller B failed)"))
+                    else:
+                        cfg = dict(impl=impl, world=world, batch=batch, dim=args.dim, dtype=dtype, device=args.device, chunk_size=args.chunk_size, reps=args.reps, threads=args.threads, mem_limit_gib=args.mem_limit_gib or _default_mem_limit(world))
+                        rows.append(run_config(cfg, args.timeout))
+                    r = rows[-1]
+                    print(f"{impl:>6} {world:>5} {batch:>7} {dtype:>5} {r['peak_extra_mib']!s:>14} {r['time_ms']!s:>11}  {r['status']}", flush=True)
+                    with open(out, "w", newline="") as f:  # rewritten after every row: a crash keeps what was measured
+                        writer = csv.DictWriter(f, FIELDS)
+                        writer.writeheader()
+                        writer.writerows(rows)
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
