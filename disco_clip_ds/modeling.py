@@ -122,6 +122,7 @@ class DiscoCLIPModel(CLIPModel):
         image_embeds = nn.functional.normalize(vision_outputs.pooler_output, dim=-1)
         text_embeds = nn.functional.normalize(text_outputs.pooler_output, dim=-1)
         logit_scale = self.clamped_logit_scale()
+        self.last_logit_scale = logit_scale.detach()  # for logging: under ZeRO-3 the parameter is partitioned
         # This rank's b x b logits, for callers that read them; the loss below does not use them.
         logits_per_text = logit_scale * text_embeds @ image_embeds.t()
 

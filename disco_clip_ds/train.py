@@ -1,0 +1,302 @@
+"""`disco-clip train` / `python -m disco_clip_ds.train`: CLIP under the HF Trainer (+ DeepSpeed ZeRO) with the
+distributed contrastive loss computed inside the model's forward.
+
+Starts the same way under every launcher (`deepspeed`, `torchrun`, `accelerate launch`, or plain python); on a
+machine without a GPU it runs on CPU with no extra flag. Arguments: the Trainer's own (`--help` lists them) plus
+the ModelArguments and DataArguments below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoTokenizer,
+    CLIPImageProcessor,
+    CLIPProcessor,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from .data.pipeline import ClipCollator, ShardStream
+from .data.shards import count_samples, expand_shards
+from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
+
+logger = logging.getLogger("disco_clip_ds.train")
+
+
+class UsageError(ValueError):
+    """Arguments or files that cannot work together; the message says what to change."""
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained CLIP weights: hub id or folder"})
+    model_config: str | None = field(default=None, metadata={"help": "CLIPConfig JSON to train from scratch, e.g. recipes/models/tiny.json"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer hub id or folder (default: model_name_or_path), e.g. openai/clip-vit-base-patch32"})
+    loss_impl: str = field(default="tiled", metadata={"choices": list(LOSS_IMPLS), "help": "tiled / disco: global-batch loss; local: each device's own batch (HF's example)"})
+    chunk_size: int | None = field(default=None, metadata={"help": "rows per tile of the tiled loss (default: automatic)"})
+    image_size: int | None = field(default=None, metadata={"help": "training resolution (default: the model config's)"})
+    max_text_length: int | None = field(default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"})
+    lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
+    lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
+
+
+@dataclass
+class DataArguments:
+    train_shards: str = field(metadata={"help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::'"})
+    train_num_samples: int | None = field(default=None, metadata={"help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json)"})
+    shuffle_buffer: int = field(default=1000, metadata={"help": "samples in each reader's shuffle buffer (0: stream order)"})
+    zeroshot_data: str | None = field(default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"})
+    zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
+
+
+@dataclass
+class DiscoTrainingArguments(TrainingArguments):
+    """TrainingArguments with CLIP-pretraining defaults; CPU is chosen automatically when there is no GPU."""
+
+    remove_unused_columns: bool = field(default=False, metadata={"help": "kept False: batches hold only model inputs"})
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "tensorboard, wandb, none, ..."})
+    logging_steps: float = field(default=10)
+    save_steps: float = field(default=500)
+    save_total_limit: int | None = field(default=3)
+    weight_decay: float = field(default=0.1)
+    warmup_steps: float = field(default=0)
+    dataloader_num_workers: int = field(default=2)
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'latest' (the newest in output_dir; fresh start if none)"})
+
+    def __post_init__(self):
+        if not torch.cuda.is_available():
+            # Without it accelerate sees one process while DeepSpeed sees them all (../shared/NOTES.md).
+            self.use_cpu = True
+        super().__post_init__()
+        if self.accelerator_config.dispatch_batches is None:
+            # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
+            self.accelerator_config.dispatch_batches = False
+
+
+class DiscoTrainer(Trainer):
+    """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
+    memory, skipped samples) and OpenCLIP's weight-decay exclusions. The loss comes from the model."""
+
+    def __init__(self, *args, reads_own_shards: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reads_own_shards = reads_own_shards
+        self._data_time, self._last_log = 0.0, None
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        shard = getattr(loader, "dataset", None)
+        if self.reads_own_shards and hasattr(shard, "process_index") and hasattr(shard, "num_processes"):
+            # accelerate's IterableDatasetShard would keep 1/N of a stream that is already this rank's own.
+            shard.num_processes, shard.process_index = 1, 0
+        return loader
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        # OpenCLIP decays no gains, biases, logit_scale or class embedding; the stock list keeps the last two.
+        return [n for n in super().get_decay_parameter_names(model) if "logit_scale" not in n and "class_embedding" not in n]
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        start = time.perf_counter()
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._data_time += time.perf_counter() - start
+        return batches
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # the training log, reached by every rank at the same step
+            logs.update(self._training_metrics())
+        super().log(logs, start_time)
+
+    def _training_metrics(self) -> dict[str, float]:
+        now, step, world = time.perf_counter(), self.state.global_step, self.args.world_size
+        last_time, last_step = self._last_log or (self._train_start, 0)
+        steps = max(1, step - last_step)
+        elapsed = now - last_time
+        local = torch.tensor([self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
+                             dtype=torch.float64, device=self.args.device)
+        per_rank = self.accelerator.gather(local[None]).reshape(world, 3).cpu()
+        self._data_time, self._last_log = 0.0, (now, step)
+        samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
+        metrics = {
+            "logit_scale": float(getattr(self.model, "last_logit_scale", float("nan"))),
+            "global_contrastive_batch": self.args.per_device_train_batch_size * world,
+            "samples_per_s": samples / elapsed,
+            "samples_per_s_per_rank": samples / elapsed / world,
+            "step_time_s": elapsed / steps,
+            "data_time_s": per_rank[:, 0].max().item() / steps,
+            "peak_mem_gib_max": per_rank[:, 1].max().item(),
+            "skipped_samples": int(per_rank[:, 2].sum().item()),
+        }
+        if world <= 16:
+            metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
+        return metrics
+
+    def train(self, *args, **kwargs):
+        self._train_start = time.perf_counter()
+        return super().train(*args, **kwargs)
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: this rank's peak RSS
+
+
+def parse_args(argv: list[str] | None = None):
+    """(ModelArguments, DataArguments, DiscoTrainingArguments) from argv, or from one .json/.yaml file."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0])
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> tuple[int, int]:
+    num_samples = data_args.train_num_samples or count_samples(urls)
+    if num_samples <= 0:
+        raise UsageError(f"no training samples in {data_args.train_shards} (count {num_samples})")
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if args.max_steps > 0:
+        return args.max_steps, num_samples
+    # The stream has no length, so the Trainer needs max_steps: epochs over the counted samples.
+    return max(1, math.ceil(args.num_train_epochs * num_samples / global_batch)), num_samples
+
+
+def _model_and_processor(model_args: ModelArguments):
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
+    if not tokenizer_name:
+        raise UsageError("training from --model_config needs --tokenizer_name (e.g. recipes/tokenizer or openai/clip-vit-base-patch32)")
+    if bool(model_args.model_name_or_path) == bool(model_args.model_config):
+        raise UsageError("give exactly one of --model_name_or_path (pretrained weights) or --model_config (a CLIPConfig JSON)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    model = build_model(model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size)
+    text, vision = model.config.text_config, model.config.vision_config
+    image_size = model_args.image_size or vision.image_size
+    if image_size != vision.image_size:
+        raise UsageError(f"--image_size {image_size} differs from the model's {vision.image_size}: set image_size in the model config instead")
+    max_length = model_args.max_text_length or text.max_position_embeddings
+    if max_length > text.max_position_embeddings:
+        raise UsageError(f"--max_text_length {max_length} exceeds the model's max_position_embeddings {text.max_position_embeddings}")
+    if (text.eos_token_id, text.bos_token_id) != (tokenizer.eos_token_id, tokenizer.bos_token_id) or len(tokenizer) > text.vocab_size:
+        # CLIP pools the text at the eos position: a mismatch trains on the wrong token without any error.
+        raise UsageError(
+            f"tokenizer {tokenizer_name} (bos {tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, {len(tokenizer)} tokens) does not "
+            f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
+        )
+    _lock_towers(model, model_args)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    return model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer), image_size, max_length
+
+
+def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
+    towers = []
+    if model_args.lock_image_tower:
+        towers += [model.vision_model, model.visual_projection]
+    if model_args.lock_text_tower:
+        towers += [model.text_model, model.text_projection]
+    for module in towers:
+        module.requires_grad_(False)
+
+
+def _resume_point(args: DiscoTrainingArguments) -> str | None:
+    if args.resume_from_checkpoint != "latest":
+        return args.resume_from_checkpoint
+    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
+    return last
+
+
+def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
+    """Run training; returns the train metrics (with `skipped_samples`). Saves the final model to output_dir."""
+    set_seed(args.seed)
+    urls = expand_shards(data_args.train_shards)
+    args.max_steps, num_samples = _steps_and_samples(data_args, args, urls)
+    hub_model_id = args.hub_model_id if args.push_to_hub else None
+    if args.push_to_hub and not hub_model_id:
+        raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
+    args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
+    model, processor, image_size, max_length = _model_and_processor(model_args)
+
+    reads_own_shards = not args.accelerator_config.dispatch_batches
+    rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
+    stream = ShardStream(urls, image_size, rank=rank, world_size=world, seed=args.seed, shuffle_buffer=data_args.shuffle_buffer)
+    trainer = DiscoTrainer(model=model, args=args, train_dataset=stream, data_collator=ClipCollator(processor.tokenizer, max_length),
+                           processing_class=processor, reads_own_shards=reads_own_shards)
+    if data_args.zeroshot_steps > 0 or data_args.zeroshot_data:
+        _attach_zeroshot(trainer, data_args, processor, image_size)
+    logger.info("%d samples per epoch, %d steps of %d x %d ranks (global contrastive batch %d), loss %s",
+                num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
+                args.per_device_train_batch_size * args.world_size, model.config.loss_impl)
+
+    result = trainer.train(resume_from_checkpoint=_resume_point(args))
+    metrics = {**result.metrics, "skipped_samples": _total_skipped(trainer, stream)}
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_model(args.output_dir)
+    trainer.save_state()
+    if trainer.is_world_process_zero():
+        _report(args, metrics)
+        if hub_model_id:
+            _export_and_push(args, hub_model_id)
+    return metrics
+
+
+def _total_skipped(trainer: DiscoTrainer, stream: ShardStream) -> int:
+    local = torch.tensor([float(stream.skipped.value)], device=trainer.args.device)
+    return int(trainer.accelerator.gather(local).sum().item())
+
+
+def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:
+    if not (data_args.zeroshot_steps > 0 and data_args.zeroshot_data):
+        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+    from .evaluate import ZeroShotCallback  # imported only when asked for
+
+    ZeroShotCallback(data_args.zeroshot_data, processor.tokenizer, image_size, data_args.zeroshot_steps,
+                     batch_size=trainer.args.per_device_eval_batch_size).attach(trainer)
+
+
+def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
+    out = Path(args.output_dir).resolve()
+    weights = any((out / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
+    print(f"\nmodel:  {out}" + ("" if weights else "  (no weights: ZeRO-3 without stage3_gather_16bit_weights_on_model_save; "
+                                                 f"run `disco-clip export {get_last_checkpoint(str(out))} DIR`)"))
+    print(f"logs:   {out / 'runs'}  (tensorboard --logdir {out / 'runs'}), trainer_state.json")
+    print(f"skipped samples: {metrics['skipped_samples']}")
+
+
+def _export_and_push(args: DiscoTrainingArguments, repo_id: str) -> None:
+    from .export import export_checkpoint, push_folder
+
+    checkpoint = get_last_checkpoint(args.output_dir)
+    folder = export_checkpoint(checkpoint, Path(args.output_dir) / "export")
+    print(f"pushed: {push_folder(folder, repo_id, private=bool(args.hub_private_repo), revision=args.hub_revision)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (`disco-clip train`). Returns 2 with a message for unusable arguments or files."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        model_args, data_args, args = parse_args(argv)
+        train(model_args, data_args, args)
+    except (ValueError, FileNotFoundError) as error:  # UsageError, bad shards/configs: the message says what to fix
+        print(f"disco-clip train: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
