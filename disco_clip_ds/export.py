@@ -1,0 +1,375 @@
+"""Trainer/DeepSpeed checkpoint -> plain CLIPModel folder with a model card; upload of that folder to the hub.
+
+An exported folder loads with transformers alone (`CLIPModel.from_pretrained`, `CLIPProcessor.from_pretrained`):
+model.safetensors (fp32), config.json (architectures ["CLIPModel"]), tokenizer and image-processor files and
+README.md recording how the model was trained and evaluated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+class ExportError(Exception):
+    """A checkpoint or output folder that cannot be exported, with what to do about it."""
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder to export: `path` itself, or its newest `checkpoint-N` when it is a run folder
+    holding checkpoints but no weights of its own."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"checkpoint folder '{path}' does not exist")
+    if _has_weights(path) or (path / "latest").is_file():
+        return path
+    steps = sorted((int(m.group(1)), p) for p in path.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+    if steps:
+        return steps[-1][1]
+    raise ExportError(f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' file) nor checkpoint-N folders")
+
+
+def _has_weights(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def _deepspeed_tag_dir(checkpoint: Path) -> Path | None:
+    latest = checkpoint / "latest"
+    if not latest.is_file():
+        return None
+    tag_dir = checkpoint / latest.read_text().strip()
+    if not tag_dir.is_dir():
+        raise ExportError(f"partial checkpoint: '{latest}' names '{tag_dir.name}', which does not exist in {checkpoint}")
+    return tag_dir
+
+
+def _deepspeed_model_states(tag_dir: Path) -> dict:
+    """The first rank's DeepSpeed model-states file: ds_config, dp_world_size, ds_version, ..."""
+    import torch
+
+    files = sorted(tag_dir.glob("*model_states.pt"))
+    if not files:
+        raise ExportError(f"partial checkpoint: no '*model_states.pt' in {tag_dir}")
+    try:
+        # DeepSpeed pickles its own objects in these files, so weights_only loading cannot read them.
+        return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # a truncated or foreign file: say which
+        raise ExportError(f"cannot read DeepSpeed state '{files[0]}': {e}") from e
+
+
+def _zero_stage(states: dict) -> int:
+    return int(((states.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
+    """The checkpoint's weights and where they came from.
+
+    A ZeRO (stage 1-3) checkpoint is consolidated from the fp32 master weights in the optimizer partitions
+    with DeepSpeed's own zero_to_fp32 (exact even for bf16 runs; ZeRO-3 writes no full weights unless told
+    to gather them); otherwise the Trainer's full weight file is used.
+    """
+    tag_dir = _deepspeed_tag_dir(checkpoint)
+    if tag_dir is not None and _zero_stage(_deepspeed_model_states(tag_dir)) >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag_dir.name), f"DeepSpeed ZeRO fp32 partitions ({tag_dir.name})"
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError, EOFError) as e:
+            raise ExportError(f"partial or corrupt DeepSpeed checkpoint in {tag_dir}: {e}") from e
+    for name in WEIGHT_FILES:
+        if (checkpoint / name).is_file():
+            return _read_weight_file(checkpoint / name), name
+    raise ExportError(f"no weights in '{checkpoint}': expected {' or '.join(WEIGHT_FILES)} or a DeepSpeed ZeRO checkpoint")
+
+
+def _read_weight_file(path: Path) -> dict:
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ExportError(f"cannot read weights '{path}': {e}") from e
+
+
+def build_clip_model(checkpoint: Path, state_dict: dict):
+    """A transformers CLIPModel holding `state_dict`, every parameter accounted for."""
+    from transformers import CLIPConfig, CLIPModel
+
+    if not (checkpoint / "config.json").is_file():
+        raise ExportError(f"partial checkpoint: no config.json in {checkpoint}")
+    config = CLIPConfig.from_pretrained(checkpoint)
+    config.architectures = ["CLIPModel"]
+    model = CLIPModel(config)
+    expected = model.state_dict()
+    buffers = {name for name, _ in model.named_buffers()}
+    fixed = {}
+    for name, tensor in state_dict.items():
+        if name not in expected:
+            if name in buffers:  # a non-persistent buffer DeepSpeed recorded anyway
+                continue
+            raise ExportError(f"checkpoint weight '{name}' has no place in CLIPModel: is this a CLIP checkpoint?")
+        target = expected[name]
+        if tensor.shape != target.shape:
+            if tensor.numel() != target.numel():
+                raise ExportError(f"weight '{name}' has shape {tuple(tensor.shape)}, config.json wants {tuple(target.shape)}")
+            # DeepSpeed 0.19.8 trains CLIP's 0-dim logit_scale as a 1-element vector (see modeling.py)
+            tensor = tensor.reshape(target.shape)
+        fixed[name] = tensor
+    missing = sorted(set(expected) - set(fixed))
+    if missing:
+        raise ExportError(f"partial checkpoint: {len(missing)} weights missing, e.g. {missing[:3]}")
+    model.load_state_dict(fixed, strict=True)
+    return model
+
+
+def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None) -> Path:
+    candidates = [Path(processor_from)] if processor_from else [checkpoint, checkpoint.parent]
+    for folder in candidates:
+        if any((folder / f).is_file() for f in TOKENIZER_FILES) and any((folder / f).is_file() for f in IMAGE_PROCESSOR_FILES):
+            return folder
+    raise ExportError(
+        f"no tokenizer + image-processor files in {' or '.join(map(str, candidates))}: pass --processor_from DIR "
+        "(a folder saved by CLIPProcessor/tokenizer.save_pretrained and CLIPImageProcessor.save_pretrained)"
+    )
+
+
+# ------------------------------------------------------------------------------------------- the card
+
+
+def describe_run(checkpoint: Path) -> dict:
+    """What the checkpoint says about its training run (keys absent when it does not say)."""
+    info: dict = {}
+    config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
+    if config.get("loss_impl"):
+        info["loss_impl"] = config["loss_impl"]
+    state_file = checkpoint / "trainer_state.json"
+    if state_file.is_file():
+        state = json.loads(state_file.read_text())
+        info["steps"] = state.get("global_step")
+        info["max_steps"] = state.get("max_steps")
+        losses = [e["loss"] for e in state.get("log_history", []) if "loss" in e]
+        if losses:
+            info["final_train_loss"] = losses[-1]
+        info["micro_batch_per_rank"] = state.get("train_batch_size")
+    tag_dir = _deepspeed_tag_dir(checkpoint)
+    if tag_dir is not None:
+        states = _deepspeed_model_states(tag_dir)
+        ds_config = states.get("ds_config") or {}
+        info["world_size"] = states.get("dp_world_size")
+        info["zero_stage"] = _zero_stage(states)
+        info["deepspeed"] = states.get("ds_version")
+        info["micro_batch_per_rank"] = ds_config.get("train_micro_batch_size_per_gpu", info.get("micro_batch_per_rank"))
+        info["gradient_accumulation_steps"] = ds_config.get("gradient_accumulation_steps")
+        info["precision"] = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
+    info.update(_run_file(checkpoint))
+    if info.get("micro_batch_per_rank") and info.get("world_size") and "global_contrastive_batch" not in info:
+        # every rank's rows are contrasted with every other rank's: the contrastive batch spans the world
+        info["global_contrastive_batch"] = info["micro_batch_per_rank"] * info["world_size"]
+    return {k: v for k, v in info.items() if v is not None}
+
+
+def _run_file(checkpoint: Path) -> dict:
+    # Training may record its set-up (data, loss, batch) in run.json beside the checkpoints or inside one.
+    for folder in (checkpoint, checkpoint.parent):
+        path = folder / "run.json"
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError:
+                return {}
+    return {}
+
+
+def _eval_records(eval_metrics) -> list[dict]:
+    if not eval_metrics:
+        return []
+    records = eval_metrics if isinstance(eval_metrics, list) else [eval_metrics]
+    return [r if "metrics" in r else {"task": "evaluation", "metrics": r} for r in records]
+
+
+RUN_FIELDS = [
+    ("global_contrastive_batch", "global contrastive batch (pairs per loss)"),
+    ("world_size", "world size (data-parallel ranks)"),
+    ("micro_batch_per_rank", "micro-batch per rank"),
+    ("gradient_accumulation_steps", "gradient accumulation steps"),
+    ("loss_impl", "loss implementation"),
+    ("zero_stage", "DeepSpeed ZeRO stage"),
+    ("precision", "precision"),
+    ("steps", "optimizer steps"),
+    ("final_train_loss", "last logged training loss"),
+    ("data", "training data"),
+    ("deepspeed", "deepspeed version"),
+]
+
+
+def model_card(run: dict, eval_records: list[dict], weights_from: str):
+    """A huggingface_hub ModelCard recording the set-up and the evaluation."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(library_name="transformers", pipeline_tag="zero-shot-image-classification", tags=["clip", "disco-clip", "deepspeed"])
+    rows = [f"| {label} | {run[key]} |" for key, label in RUN_FIELDS if key in run]
+    lines = [
+        "---", data.to_yaml(), "---", "",
+        "# CLIP trained with disco-clip-ds", "",
+        "A `transformers` CLIPModel trained with the exact distributed DisCo-CLIP contrastive loss "
+        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480)) under DeepSpeed.", "",
+        "## Training set-up", "", "| | |", "|---|---|", *rows, "",
+        f"Weights exported in fp32 from {weights_from}.", "",
+    ]
+    if eval_records:
+        lines += ["## Evaluation", ""]
+        for record in eval_records:
+            source = f" on `{record['dataset']}`" if record.get("dataset") else ""
+            lines += [f"{record.get('task', 'evaluation')}{source}:", "", "| metric | value |", "|---|---|"]
+            lines += [f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |" for name, value in record["metrics"].items()]
+            lines.append("")
+    lines += [
+        "## Use", "", "```python", "from transformers import CLIPModel, CLIPProcessor", "",
+        'model = CLIPModel.from_pretrained("THIS_FOLDER_OR_REPO")', 'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
+        "```", "",
+    ]
+    return ModelCard("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def _prepare_output(output_dir: Path) -> None:
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise ExportError(f"output folder '{output_dir}' is not empty: choose a new folder or empty it")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+
+
+def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_from=None) -> Path:
+    """Write a plain CLIPModel folder from a Trainer/DeepSpeed checkpoint of any ZeRO stage; return its path.
+
+    `eval_metrics`: one or a list of `disco-clip eval` result records (or bare {metric: value} dicts) for the
+    model card. `processor_from`: where the tokenizer and image processor are saved, when not in the
+    checkpoint or its parent. The folder appears complete or not at all: it is built beside `output_dir` and
+    renamed into place at the end; `output_dir` must not exist or be empty.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    checkpoint = resolve_checkpoint(checkpoint_dir)
+    output_dir = Path(output_dir)
+    _prepare_output(output_dir)
+    processor_source = _processor_source(checkpoint, processor_from)
+    state_dict, weights_from = load_state_dict(checkpoint)
+    model = build_clip_model(checkpoint, state_dict)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(processor_source).save_pretrained(staging)
+        AutoImageProcessor.from_pretrained(processor_source).save_pretrained(staging)
+        model_card(describe_run(checkpoint), _eval_records(eval_metrics), weights_from).save(staging / "README.md")
+        staging.chmod(0o755)
+        if output_dir.exists():
+            output_dir.rmdir()  # empty, checked above
+        os.rename(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """`disco-clip export CHECKPOINT_DIR OUTPUT_DIR [--eval_results FILE ...] [--processor_from DIR]`."""
+    parser = argparse.ArgumentParser(prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0])
+    parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")
+    parser.add_argument("output_dir", help="new or empty folder to write")
+    parser.add_argument("--eval_results", nargs="*", default=[], help="JSON files written by `disco-clip eval --output`")
+    parser.add_argument("--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)")
+    args = parser.parse_args(argv)
+    try:
+        records = [json.loads(Path(f).read_text()) for f in args.eval_results]
+        out = export_checkpoint(args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from)
+    except (ExportError, OSError, json.JSONDecodeError) as e:
+        print(f"disco-clip export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {args.checkpoint_dir} -> {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- push
+
+
+def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
+    """(path in repo, bytes) of every file that `push_folder` uploads, after checking it is an export."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"'{folder}' is not a folder")
+    if (folder / "latest").exists() or any(folder.glob("global_step*")) or any(folder.glob("checkpoint-*")):
+        raise ExportError(f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and push OUTPUT_DIR")
+    if not (folder / "config.json").is_file() or not _has_weights(folder):
+        raise ExportError(f"'{folder}' is not an exported model folder (needs config.json and model.safetensors)")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
+
+
+def push_folder(folder, repo_id: str, private: bool = False, revision: str | None = None, dry_run: bool = False) -> str:
+    """Upload an exported folder to the hub model repo `repo_id` (created when missing) in one commit.
+
+    The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`'s cache). With
+    `dry_run` nothing is contacted and the plan is printed. Returns the commit URL (or the target URL).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+
+    plan = upload_plan(folder)
+    branch = revision or "main"
+    target = f"https://huggingface.co/{repo_id}/tree/{branch}"
+    if dry_run:
+        print(f"dry run: would upload {len(plan)} files to {target} ({'private' if private else 'public'} model repo)")
+        for path, size in plan:
+            print(f"  {path}  ({size:,} bytes)")
+        if get_token() is None:
+            print("note: no Hugging Face token found; set HF_TOKEN or run `hf auth login` before pushing")
+        return target
+    token = get_token()
+    if token is None:
+        raise ExportError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(Path(folder) / path)) for path, _ in plan]
+    commit = api.create_commit(repo_id, operations, commit_message="Upload CLIPModel exported by disco-clip-ds", revision=revision)
+    return commit.commit_url
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry-run]`."""
+    parser = argparse.ArgumentParser(prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub")
+    parser.add_argument("folder", help="a folder written by `disco-clip export`")
+    parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    parser.add_argument("--revision", help="branch to push to (created when missing; default main)")
+    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
+    args = parser.parse_args(argv)
+    try:
+        url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
+    except ExportError as e:
+        print(f"disco-clip push: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # hub errors (auth, network, permissions) carry their own explanation
+        print(f"disco-clip push: upload to {args.repo_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        print(f"pushed {args.folder} -> {url}")
+    return 0

@@ -1,0 +1,235 @@
+"""Export of ZeRO-2/ZeRO-3 DeepSpeed checkpoints to a plain CLIPModel folder (reloaded in a fresh process with
+transformers alone), its refusals, and `push` (dry run and missing token; no hub is ever contacted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from disco_clip_ds import export as ex
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "recipes" / "tokenizer"
+MODEL_CONFIG = REPO / "recipes" / "models" / "tiny.json"
+PROMPTS = ["a photo of the number three.", "a dog", "seven"]
+
+
+def fixed_pixels() -> torch.Tensor:
+    return torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(7))
+
+
+def _train_and_save(rank, world_size, stage, precision, checkpoint):
+    """A few DeepSpeed steps of DiscoCLIPModel (ZeRO `stage`), then the checkpoint a Trainer would leave,
+    and the trained model's embeddings of fixed inputs (under ZeRO-3 every rank must run the forward)."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import deepspeed
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor
+
+    from disco_clip_ds.modeling import DiscoCLIPModel
+
+    torch.manual_seed(0)
+    model = DiscoCLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1_000_000},
+        "bf16": {"enabled": precision == "bf16"},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    gen = torch.Generator().manual_seed(100 + rank)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for step in range(3):
+        texts = [f"a photo of the number {w}." for w in ("one", "two", "three", "four")]
+        tokens = tokenizer(texts, padding="max_length", max_length=16, return_tensors="pt")
+        pixels = torch.randn(4, 3, 64, 64, generator=gen).to(dtype)
+        loss = engine(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels, return_loss=True).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(str(checkpoint))
+    if rank == 0:  # what the Trainer writes beside DeepSpeed's state
+        model.config.save_pretrained(checkpoint)
+        tokenizer.save_pretrained(checkpoint)
+        CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3, "max_steps": 3, "train_batch_size": 4, "log_history": [{"loss": float(loss), "step": 3}]}))
+    engine.eval()
+    with torch.no_grad():
+        # the exported weights are the fp32 masters; compare against an fp32 forward with them
+        tokens = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+        text = engine.module.get_text_features(**tokens).pooler_output.float()
+        image = engine.module.get_image_features(pixel_values=fixed_pixels().to(dtype)).pooler_output.float()
+    torch.distributed.barrier()
+    return {"text": text, "image": image, "loss": float(loss)}
+
+
+@pytest.fixture(scope="module", params=[(2, "fp32"), (3, "fp32")], ids=["zero2", "zero3"])
+def checkpoint(request, tmp_path_factory):
+    stage, precision = request.param
+    folder = tmp_path_factory.mktemp(f"zero{stage}") / "checkpoint-3"
+    folder.mkdir()
+    results = run_ranks(_train_and_save, 2, stage, precision, folder, timeout=180)
+    return folder, stage, results[0]
+
+
+RELOAD = r"""
+import json, sys, torch
+from transformers import CLIPModel, CLIPProcessor
+folder, prompts = sys.argv[1], json.loads(sys.argv[2])
+model = CLIPModel.from_pretrained(folder).eval()
+processor = CLIPProcessor.from_pretrained(folder)
+assert type(processor.tokenizer).__name__.startswith("CLIPTokenizer"), type(processor.tokenizer)
+pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(7))
+with torch.no_grad():
+    text = model.get_text_features(**processor.tokenizer(prompts, padding=True, return_tensors="pt")).pooler_output
+    image = model.get_image_features(pixel_values=pixels).pooler_output
+torch.save({"text": text, "image": image, "logit_scale": model.logit_scale.detach()}, sys.argv[3])
+"""
+
+
+def reload_in_fresh_process(folder: Path, out: Path) -> dict:
+    """Load the folder with transformers alone (no disco_clip_ds import) in a new interpreter."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    subprocess.run([sys.executable, "-c", RELOAD, str(folder), json.dumps(PROMPTS), str(out)], check=True, env=env, cwd=out.parent, timeout=120)
+    return torch.load(out)
+
+
+def test_export_reproduces_trained_embeddings(checkpoint, tmp_path):
+    folder, stage, trained = checkpoint
+    eval_record = {"dataset": "demo/eval", "task": "zeroshot_classification", "metrics": {"acc1": 0.875, "acc5": 1.0}}
+    out = ex.export_checkpoint(folder.parent, tmp_path / "export", eval_metrics=eval_record)  # run folder -> newest checkpoint
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["README.md", "config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["CLIPModel"]
+    reloaded = reload_in_fresh_process(out, tmp_path / "emb.pt")
+    torch.testing.assert_close(reloaded["text"], trained["text"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reloaded["image"], trained["image"], rtol=1e-5, atol=1e-5)
+    assert reloaded["logit_scale"].dim() == 0
+    card = (out / "README.md").read_text()
+    for fact in (f"| DeepSpeed ZeRO stage | {stage} |", "| world size (data-parallel ranks) | 2 |",
+                 "| global contrastive batch (pairs per loss) | 8 |", "| loss implementation | tiled |",
+                 "| precision | fp32 |", "| optimizer steps | 3 |", "| acc1 | 0.8750 |", "library_name: transformers"):
+        assert fact in card, fact
+
+
+def test_export_trained_weights_differ_from_init(checkpoint):
+    # guards the embedding test: a checkpoint that silently exported the initial weights would also "match"
+    # itself, but not a fresh DiscoCLIPModel with the same seed
+    from transformers import CLIPConfig
+
+    from disco_clip_ds.modeling import DiscoCLIPModel
+
+    folder, _, trained = checkpoint
+    torch.manual_seed(0)
+    fresh = DiscoCLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG))).eval()
+    with torch.no_grad():
+        image = fresh.get_image_features(pixel_values=fixed_pixels()).pooler_output
+    assert not torch.allclose(image, trained["image"], atol=1e-3)
+
+
+def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_path):
+    folder, _, _ = checkpoint
+    broken = tmp_path / "checkpoint-3"
+    shutil.copytree(folder, broken)
+    tag = (broken / "latest").read_text().strip()
+    next((broken / tag).glob("*optim_states.pt")).unlink()  # one rank's partition lost
+    with pytest.raises(ex.ExportError, match="partial or corrupt DeepSpeed checkpoint"):
+        ex.export_checkpoint(broken, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no output, no staging left
+
+    shutil.rmtree(broken / tag)
+    with pytest.raises(ex.ExportError, match="does not exist"):
+        ex.export_checkpoint(broken, tmp_path / "out")
+
+
+def test_export_refusals(checkpoint, tmp_path, capsys):
+    folder, _, _ = checkpoint
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert ex.export_main([str(folder), str(taken)]) == 1
+    assert "is not empty" in capsys.readouterr().err
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    assert ex.export_main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    no_processor = tmp_path / "run" / "checkpoint-3"
+    shutil.copytree(folder, no_processor, ignore=shutil.ignore_patterns("tokenizer*", "preprocessor_config.json"))
+    assert ex.export_main([str(no_processor), str(tmp_path / "out")]) == 1
+    assert "--processor_from" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------- push
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoint, tmp_path_factory):
+    folder, _, _ = checkpoint
+    return ex.export_checkpoint(folder, tmp_path_factory.mktemp("exp") / "model")
+
+
+def _push_cli(args, home: Path, **env):
+    """`disco-clip push` in a fresh interpreter with an empty HF home: no cached token, offline."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    clean.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", **env)
+    return subprocess.run([sys.executable, "-m", "disco_clip_ds.cli", "push", *args], capture_output=True, text=True, env=clean, cwd=REPO, timeout=120)
+
+
+def test_push_dry_run_lists_exactly_the_exported_files(exported, tmp_path):
+    result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip", "--revision", "v1", "--dry-run"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert listed == sorted(p.name for p in exported.iterdir())
+    assert "https://huggingface.co/someone/tiny-clip/tree/v1" in result.stdout
+    assert "no Hugging Face token" in result.stdout
+
+
+def test_push_without_token_fails_clearly(exported, tmp_path):
+    result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip"], tmp_path)
+    assert result.returncode == 1
+    assert "no Hugging Face token: set HF_TOKEN or run `hf auth login`" in result.stderr
+
+
+def test_push_refuses_raw_checkpoints(checkpoint, capsys):
+    folder, _, _ = checkpoint
+    assert ex.push_main([str(folder), "--repo_id", "someone/x", "--dry-run"]) == 1
+    assert "run `disco-clip export" in capsys.readouterr().err
+
+
+def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
+    """The upload path up to the network: the same file list as the dry run goes into one create_commit."""
+    import huggingface_hub
+
+    calls = {}
+
+    class RecordingApi:
+        def __init__(self, token):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private, exist_ok):
+            calls["repo"] = (repo_id, private, exist_ok)
+
+        def create_branch(self, repo_id, branch, exist_ok):
+            calls["branch"] = branch
+
+        def create_commit(self, repo_id, operations, commit_message, revision):
+            calls["files"] = sorted(op.path_in_repo for op in operations)
+            calls["revision"] = revision
+            return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingApi)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    url = ex.push_folder(exported, "someone/tiny-clip", private=True, revision="v1")
+    assert url.endswith("/commit/abc")
+    assert calls["files"] == [path for path, _ in ex.upload_plan(exported)] == sorted(p.name for p in exported.iterdir())
+    assert calls["repo"] == ("someone/tiny-clip", True, True) and calls["branch"] == "v1" and calls["revision"] == "v1"
