@@ -1,0 +1,98 @@
+"""Measure the CPU peak memory of one CLIPModel training step, in a fresh process.
+
+    python bench/measure_memory.py --model recipes/models/vit_b32.json --batch 8 [--activation_checkpointing]
+        [--mode fwdbwd|train]
+
+Prints one JSON line. The number is peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs)
+minus the resident memory just before the measured region, in MiB. Run it with MALLOC_MMAP_THRESHOLD_=65536
+(main() re-executes itself with it) so that glibc serves every large tensor with mmap and returns it on free:
+RSS then tracks what torch holds instead of what the allocator keeps cached.
+
+- fwdbwd: model and (persistent) gradients exist before the region; the region is one forward+backward at
+  --batch with the model's own contrastive loss. Its delta is the activation memory (plus the B x B loss,
+  negligible at these batch sizes); bench/act_fit.py fits per-sample coefficients on it.
+- train: the region starts after the imports, before the model is built; it covers building the model and
+  two AdamW steps at --batch, gradients kept allocated between steps as DeepSpeed's ZeRO buffers are. This is
+  the whole-step peak the planner's world-size-1 fp32 estimate is checked against (tests/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+
+
+def _mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def _reset_peak() -> float:
+    """Reset the peak-RSS watermark to the current RSS and return it (MiB)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _mib("VmRSS")
+
+
+def _inputs(config, batch: int):
+    import torch
+
+    vision, text = config.vision_config, config.text_config
+    pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size)
+    ids = torch.randint(0, text.vocab_size, (batch, text.max_position_embeddings))
+    return {"pixel_values": pixels, "input_ids": ids}
+
+
+def _step(model, config, batch: int) -> None:
+    out = model(**_inputs(config, batch), return_loss=True)
+    out.loss.backward()
+
+
+def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bool) -> dict:
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = CLIPConfig.from_json_file(model_path)
+    base = _reset_peak()
+    model = CLIPModel(config).train()
+    if activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "fwdbwd":
+        _step(model, config, 1)  # materialise gradients and lazy buffers outside the region
+        base = _reset_peak()
+        _step(model, config, batch)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=False)
+            _step(model, config, batch)
+            optimizer.step()
+    peak = _mib("VmHWM")
+    return {
+        "model": model_path, "batch": batch, "mode": mode, "activation_checkpointing": activation_checkpointing,
+        "params": sum(p.numel() for p in model.parameters()), "base_mib": round(base, 2),
+        "peak_mib": round(peak, 2), "delta_mib": round(peak - base, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="CLIPConfig JSON")
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--mode", choices=["fwdbwd", "train"], default="fwdbwd")
+    parser.add_argument("--activation_checkpointing", action="store_true")
+    args = parser.parse_args(argv)
+    if os.environ.get(MMAP_ENV) != "65536":  # must be set before the process starts: re-exec with it
+        os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, MMAP_ENV: "65536"})
+    print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing)))
+
+
+if __name__ == "__main__":
+    main()
