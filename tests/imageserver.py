@@ -49,14 +49,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", route.content_type)
         self.send_header("Content-Length", str(len(route.body)))
         self.end_headers()
-        if route.trickle:
-            for i in range(len(route.body)):
-                if server.stopping.wait(route.trickle):
-                    return
-                self.wfile.write(route.body[i : i + 1])
-                self.wfile.flush()
-        else:
-            self.wfile.write(route.body)
+        try:
+            if route.trickle:
+                for i in range(len(route.body)):
+                    if server.stopping.wait(route.trickle):
+                        return
+                    self.wfile.write(route.body[i : i + 1])
+                    self.wfile.flush()
+            else:
+                self.wfile.write(route.body)
+        except ConnectionError:  # the client gave up (a deadline): expected here
+            pass
 
     def log_message(self, *args):
         pass

@@ -8,7 +8,7 @@ TarWriter in the CLIP_benchmark layout.
     DIR/metadata/train.parquet      the URL list the download reads
     DIR/train/NNNNN.tar             key.jpg, key.txt (caption), key.json (img2dataset meta + label)
     DIR/train/sizes.json, summary.json
-    DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label)
+    DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label), key.json
     DIR/eval/sizes.json, classnames.txt, zeroshot_classification_templates.txt
 """
 
@@ -167,7 +167,16 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
                 jpg, *_, err = resizer(io.BytesIO(pngs[i]))
                 if err is not None:
                     raise RuntimeError(f"digit {i}: img2dataset's resizer failed: {err}")
-                sink.write({"__key__": f"{prep.shard_name(shard)}{pos:0{key_digits}d}", "jpg": jpg, "txt": captions[i], "cls": int(labels[i])})
+                label = int(labels[i])
+                sink.write(
+                    {
+                        "__key__": f"{prep.shard_name(shard)}{pos:0{key_digits}d}",
+                        "jpg": jpg,
+                        "txt": captions[i],
+                        "cls": label,
+                        "json": {"label": label, "source_index": int(i)},
+                    }
+                )
         os.replace(tmp, folder / name)
         sizes[name] = len(chunk)
     (folder / "classnames.txt").write_text("\n".join(CLASS_NAMES) + "\n")

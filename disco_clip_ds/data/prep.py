@@ -77,16 +77,28 @@ PRESETS = {
 
 
 class _RecordingHandlerMixin:
-    """Remembers each HTTP(S) connection urllib opens, so that a watchdog can shut its socket down."""
+    """Remembers the socket of each HTTP(S) connection urllib opens, so that a watchdog can shut it down.
 
-    def __init__(self, connections: list, *args, **kwargs):
+    The socket is taken at connect time: urllib drops the connection's reference to it once the
+    headers are in, while the body is still read through it.
+    """
+
+    def __init__(self, sockets: list, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._connections = connections
+        self._sockets = sockets
 
     def do_open(self, http_class, req, **kwargs):
+        sockets = self._sockets
+
         def make_connection(*a, **kw):
             conn = http_class(*a, **kw)
-            self._connections.append(conn)
+            connect = conn.connect
+
+            def connect_and_record():
+                connect()
+                sockets.append(conn.sock)
+
+            conn.connect = connect_and_record
             return conn
 
         return super().do_open(make_connection, req, **kwargs)
@@ -100,10 +112,10 @@ class _RecordingHTTPSHandler(_RecordingHandlerMixin, urllib.request.HTTPSHandler
     pass
 
 
-def _shutdown_sockets(connections: list) -> None:
-    for conn in connections:
-        with contextlib.suppress(OSError, AttributeError):
-            conn.sock.shutdown(socket.SHUT_RDWR)
+def _shutdown_sockets(sockets: list) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def fetch_with_deadline(url: str, timeout: float, deadline_s: float, headers: dict | None = None):
@@ -112,13 +124,13 @@ def fetch_with_deadline(url: str, timeout: float, deadline_s: float, headers: di
     `timeout` still bounds each socket operation; a watchdog shuts the socket down at the deadline,
     which unblocks a read that the server keeps alive by trickling bytes (in headers or body).
     """
-    connections: list = []
+    sockets: list = []
     expired = threading.Event()
-    opener = urllib.request.build_opener(_RecordingHTTPHandler(connections), _RecordingHTTPSHandler(connections))
+    opener = urllib.request.build_opener(_RecordingHTTPHandler(sockets), _RecordingHTTPSHandler(sockets))
 
     def expire():
         expired.set()
-        _shutdown_sockets(connections)
+        _shutdown_sockets(sockets)
 
     watchdog = threading.Timer(deadline_s, expire)
     watchdog.daemon = True
@@ -329,7 +341,9 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
     for shard_id, stats in done.items():
         for key in ("count", "successes", "failed_to_download", "failed_to_resize"):
             totals[key] += stats[key]
-        reasons.update({k: v for k, v in stats["status_dict"].items() if k != "success"})
+        for reason, n in stats["status_dict"].items():
+            if reason != "success":
+                reasons[reason.strip()] += n
         tar = output / f"{shard_name(shard_id)}.tar"
         sizes[tar.name] = canonicalize_tar(tar)
     failed = [shard_name(i) for i in range(n_expected) if i not in done]
@@ -576,7 +590,7 @@ def inspect_shard(path: Path, decode_limit: int) -> dict:
     keys, caption_words, decoded, errors = set(), [], 0, []
     try:
         with tarfile.open(path) as tar:
-            for member in tar:
+            for member in tar:  # a tar cut at a member boundary just ends early here: see below
                 data = tar.extractfile(member).read() if member.isfile() else b""
                 key, _, ext = member.name.rpartition(".")
                 ext = ext.lower()
@@ -591,9 +605,21 @@ def inspect_shard(path: Path, decode_limit: int) -> dict:
                             errors.append(f"{member.name}: cannot decode ({err})")
                 elif ext == "txt":
                     caption_words.append(len(data.decode("utf-8", errors="replace").split()))
+            end = tar.offset
+        if not _ends_with_end_of_archive(path, end):
+            errors.append(f"truncated tar: no end-of-archive marker after byte {end}")
     except (tarfile.TarError, OSError, EOFError) as err:
         errors.append(f"unreadable tar: {err}")
     return {"samples": len(keys), "decoded": decoded, "caption_words": caption_words, "errors": errors}
+
+
+def _ends_with_end_of_archive(path: Path, offset: int) -> bool:
+    # tarfile treats a header cut short as the end of the archive; a complete tar has two zero
+    # blocks (and zero padding) where its last member ends.
+    with open(path, "rb") as f:
+        f.seek(offset)
+        rest = f.read()
+    return len(rest) >= 2 * tarfile.BLOCKSIZE and not rest.strip(b"\0")
 
 
 def verify(folder: Path, decode_per_shard: int = 16) -> dict:
@@ -675,7 +701,11 @@ def fetch_metadata(dataset: str, output: Path, patterns: list[str], revision: st
         raise SystemExit(f"error: cannot fetch {dataset} (offline, or not reachable) and {output} is empty: {err}")
     except HfHubHTTPError as err:  # gated datasets (Re-LAION) need an accepted licence and a token
         raise SystemExit(f"error: the hub refused {dataset}: {err}. Gated? Accept its terms and `hf auth login`.")
-    files = sorted(p for p in output.rglob("*.parquet") if ".cache" not in p.parts)
+    from huggingface_hub.utils import filter_repo_objects
+
+    # the folder may hold earlier downloads: list only what the patterns select, as the hub did
+    local = [p.relative_to(output).as_posix() for p in output.rglob("*.parquet") if ".cache" not in p.parts]
+    files = sorted(output / p for p in filter_repo_objects(local, allow_patterns=patterns))
     if not files:
         raise SystemExit(f"error: no parquet file in {output} matches {patterns}; check --pattern")
     return files
