@@ -149,7 +149,7 @@ class DiscoCLIPModel(CLIPModel):
 
 def _logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):
     key = prefix + "logit_scale"
-    if key in state_dict:
+    if key in state_dict and state_dict[key].numel() == 1:  # a ZeRO-3 partitioned parameter is an empty tensor
         state_dict[key] = state_dict[key].reshape(())
     return state_dict
 

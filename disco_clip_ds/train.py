@@ -104,6 +104,10 @@ class DiscoTrainer(Trainer):
             shard.num_processes, shard.process_index = 1, 0
         return loader
 
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        # return_loss rides here, not in the batch: accelerate's dispatch_batches broadcasts tensors only.
+        return super().compute_loss(model, {**inputs, "return_loss": True}, *args, **kwargs)
+
     def get_decay_parameter_names(self, model) -> list[str]:
         # OpenCLIP decays no gains, biases, logit_scale or class embedding; the stock list keeps the last two.
         return [n for n in super().get_decay_parameter_names(model) if "logit_scale" not in n and "class_embedding" not in n]
@@ -176,6 +180,28 @@ def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, u
     return max(1, math.ceil(args.num_train_epochs * num_samples / global_batch)), num_samples
 
 
+def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
+    """Fail early, with what to change, when a DeepSpeed JSON's fixed batch sizes contradict the arguments.
+
+    DeepSpeed would also refuse them, but only after the model is built, in an assertion on each rank.
+    """
+    path = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")  # the latter under accelerate launch
+    if not isinstance(path, str):
+        return
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot read DeepSpeed config {path}: {error}") from error
+    micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    expected = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "train_batch_size": micro * accum * world}
+    wrong = {k: v for k, v in config.items() if k in expected and v != "auto" and v != expected[k]}
+    if wrong:
+        raise UsageError(
+            f"{path}: {wrong} contradicts --per_device_train_batch_size {micro} x --gradient_accumulation_steps "
+            f"{accum} x {world} ranks (= {expected}); set those values to \"auto\" or change the arguments to match"
+        )
+
+
 def _model_and_processor(model_args: ModelArguments):
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     if not tokenizer_name:
@@ -222,6 +248,7 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
     """Run training; returns the train metrics (with `skipped_samples`). Saves the final model to output_dir."""
+    check_deepspeed_batch(args)
     set_seed(args.seed)
     urls = expand_shards(data_args.train_shards)
     args.max_steps, num_samples = _steps_and_samples(data_args, args, urls)
@@ -229,6 +256,12 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     if args.push_to_hub and not hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
+    if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
+        # ZeRO-3 builds the model inside zero.Init, which reads the world size from deepspeed.comm; on CPU nothing
+        # has set that up before the engine exists, and zero.Init would partition for a world of 1.
+        import deepspeed
+
+        deepspeed.init_distributed()
     model, processor, image_size, max_length = _model_and_processor(model_args)
 
     reads_own_shards = not args.accelerator_config.dispatch_batches

@@ -94,7 +94,7 @@ def test_collator_pads_to_max_length_with_eos_and_no_labels():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     batch = ClipCollator(tokenizer, max_length=12)([(torch.zeros(3, 8, 8), "a photo of the digit seven"),
                                                     (torch.ones(3, 8, 8), "seven")])
-    assert set(batch) == {"pixel_values", "input_ids", "attention_mask", "return_loss"} and batch["return_loss"] is True
+    assert set(batch) == {"pixel_values", "input_ids", "attention_mask"}
     assert batch["input_ids"].shape == (2, 12) and batch["pixel_values"].shape == (2, 3, 8, 8)
     ids = batch["input_ids"][1].tolist()
     assert ids[0] == tokenizer.bos_token_id and ids[2] == tokenizer.eos_token_id

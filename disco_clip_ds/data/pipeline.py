@@ -162,9 +162,9 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ClipCollator:
-    """List of (pixel_values, caption) -> {"pixel_values", "input_ids", "attention_mask", "return_loss": True}
-    as in HF's contrastive-image-text example (no `labels`: the model computes its own loss). Captions are
-    padded to `max_length` so every batch has one shape."""
+    """List of (pixel_values, caption) -> {"pixel_values", "input_ids", "attention_mask"}: tensors only, so that
+    accelerate can dispatch them, and no `labels` (the model computes its own loss). Captions are padded to
+    `max_length` so every batch has one shape."""
 
     def __init__(self, tokenizer, max_length: int):
         self.tokenizer, self.max_length = tokenizer, max_length
@@ -174,4 +174,4 @@ class ClipCollator:
         tokens = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt")
         return {"pixel_values": torch.stack(pixels), "input_ids": tokens["input_ids"],
-                "attention_mask": tokens["attention_mask"], "return_loss": True}
+                "attention_mask": tokens["attention_mask"]}

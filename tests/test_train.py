@@ -1,0 +1,175 @@
+"""Training end to end on 2 CPU ranks: N=1 x 2b == N=2 x b (losses and weights), ZeRO-3 == ZeRO-2, tiled ==
+disco; the deepspeed, torchrun and accelerate launchers; resume; corrupt shards; bad arguments; the saved model
+loads as a plain CLIPModel in a fresh process.
+
+Every launch costs ~15-25 s of imports on 2 cores, so each run serves several checks (module-scoped fixtures).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import free_port
+from test_pipeline import write_shards
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+STEPS, PER_RANK, SEED = 5, 8, 7
+COMMON = [
+    "--model_config", str(REPO / "recipes/models/tiny.json"), "--tokenizer_name", str(REPO / "recipes/tokenizer"),
+    "--logging_steps", "1", "--save_steps", "3", "--dataloader_num_workers", "1", "--shuffle_buffer", "8",
+    "--disable_tqdm", "true", "--report_to", "none", "--seed", str(SEED),
+]
+# Plain SGD without clipping: the update is linear in the gradient, so a gradient off by any factor (the
+# published DisCo code's 1/N) shows in the weights; Adam would normalise such a factor away.
+SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
+       "--max_grad_norm", "0", "--weight_decay", "0"]
+# accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
+# same global batch at any world size (by default each rank reads its own shards).
+SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
+BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `shards`)
+
+
+def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
+    """Run `disco_clip_ds.train` on `nproc` CPU ranks with `launcher`; returns the CompletedProcess.
+
+    launcher: deepspeed | torchrun | accelerate (then ds_config names recipes/accelerate/deepspeed_zeroN.yaml) |
+    python (one process)."""
+    port = str(free_port())
+    train_args = [*COMMON, "--output_dir", str(output), *args]
+    if ds_config and launcher != "accelerate":
+        train_args += ["--deepspeed", str(REPO / "ds_configs" / ds_config)]
+    if launcher == "deepspeed":
+        cmd = [VENV_BIN / "deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", "disco_clip_ds.train"]
+    elif launcher == "torchrun":
+        cmd = [VENV_BIN / "torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "-m", "disco_clip_ds.train"]
+    elif launcher == "accelerate":
+        yaml = REPO / "recipes/accelerate" / ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml")
+        cmd = [VENV_BIN / "accelerate", "launch", "--config_file", yaml, "--num_processes", str(nproc),
+               "--main_process_port", port, "-m", "disco_clip_ds.train"]
+    else:
+        cmd = [sys.executable, "-m", "disco_clip_ds.train"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(c) for c in cmd] + train_args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    (output.parent / f"{output.name}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{launcher} run failed:\n" + (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def step_losses(output: Path) -> list[float]:
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def weights(output: Path) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in load_file(output / "model.safetensors").items()}
+
+
+@pytest.fixture(scope="module")
+def initial_weights():
+    from transformers import set_seed
+
+    from disco_clip_ds.modeling import build_model
+
+    set_seed(SEED)  # what train.py does before it builds the model
+    return {k: v.detach().clone() for k, v in build_model(model_config=str(REPO / "recipes/models/tiny.json")).state_dict().items()}
+
+
+def assert_same_training(a: Path, b: Path, w0: dict, loss_rtol=1e-5, update_rtol=1e-4):
+    """Same per-step losses, and the same weight updates up to fp32 reduction-order noise."""
+    la, lb = step_losses(a), step_losses(b)
+    assert len(la) == len(lb) == STEPS
+    assert la == pytest.approx(lb, rel=loss_rtol)
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() == w0.keys()
+    update = torch.cat([(wa[k] - w0[k]).reshape(-1) for k in w0])
+    gap = torch.cat([(wa[k] - wb[k]).reshape(-1) for k in w0])
+    assert update.norm() > 1e-2 * torch.cat([w.reshape(-1) for w in w0.values()]).norm()  # training moved the weights
+    assert gap.norm() <= update_rtol * update.norm(), f"updates differ by {gap.norm() / update.norm():.2e} (relative)"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """4 shards x 24 samples; the first sample of three shards is bad, and the list names a missing shard."""
+    folder = tmp_path_factory.mktemp("shards")
+    write_shards(folder, num_shards=4, per_shard=24, seed=1, bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"})
+    return f"{folder}/{{00000..00003}}.tar::{folder}/missing.tar"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shards):
+    """One run per launcher, doubling as the equivalence runs; plus a resumed run. ~3 min on 2 cores."""
+    root = tmp_path_factory.mktemp("runs")
+    common = ["--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
+    launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
+    launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
+    launch("accelerate", 2, root / "n2_zero3_tiled", *common, "--per_device_train_batch_size", str(PER_RANK),
+           ds_config="cpu_zero3.json")
+    launch("deepspeed", 2, root / "n2_zero2_disco", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco")
+    # interrupted after step 3: a fresh output_dir holding only checkpoint-3, resumed with 'latest'
+    shutil.copytree(root / "n2_zero2_disco" / "checkpoint-3", root / "resumed" / "checkpoint-3")
+    launch("deepspeed", 2, root / "resumed", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco",
+           "--resume_from_checkpoint", "latest")
+    return root
+
+
+def test_one_rank_with_2b_trains_like_two_ranks_with_b(runs, initial_weights):
+    assert_same_training(runs / "n1_zero2_tiled", runs / "n2_zero2_tiled", initial_weights)
+
+
+def test_zero3_trains_like_zero2(runs, initial_weights):
+    assert_same_training(runs / "n2_zero3_tiled", runs / "n2_zero2_tiled", initial_weights)
+
+
+def test_disco_trains_like_tiled(runs, initial_weights):
+    assert_same_training(runs / "n2_zero2_disco", runs / "n2_zero2_tiled", initial_weights)
+
+
+def test_resume_continues_with_the_losses_of_the_uninterrupted_run(runs):
+    full, resumed = step_losses(runs / "n2_zero2_disco"), step_losses(runs / "resumed")
+    assert len(resumed) == STEPS - 3
+    assert resumed == pytest.approx(full[3:], rel=1e-6)
+    wa, wb = weights(runs / "n2_zero2_disco"), weights(runs / "resumed")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+def test_bad_samples_are_skipped_counted_and_reported(runs):
+    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_zero2_disco"):
+        skipped = json.loads((runs / name / "train_results.json").read_text())["skipped_samples"]
+        assert skipped >= BAD_PER_PASS, name  # every shard was opened at least once in 5 x 16 samples
+        assert f"skipped samples: {skipped}" in (runs / f"{name}.log").read_text()
+
+
+def test_logs_carry_the_clip_metrics(runs):
+    history = json.loads((runs / "n2_zero3_tiled" / "trainer_state.json").read_text())["log_history"]
+    logged = history[0]
+    for key in ("loss", "logit_scale", "global_contrastive_batch", "samples_per_s", "samples_per_s_per_rank",
+                "step_time_s", "data_time_s", "peak_mem_gib_rank0", "peak_mem_gib_rank1", "skipped_samples"):
+        assert key in logged, key
+    assert logged["global_contrastive_batch"] == 2 * PER_RANK
+    assert logged["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-3)  # CLIP's initial temperature, read under ZeRO-3
+    assert logged["samples_per_s_per_rank"] == pytest.approx(logged["samples_per_s"] / 2)
+
+
+def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
+    code = (
+        "import sys, torch; from transformers import CLIPModel, CLIPProcessor\n"
+        "for d in sys.argv[1:]:\n"
+        "    m = CLIPModel.from_pretrained(d); p = CLIPProcessor.from_pretrained(d)\n"
+        "    assert type(m).__name__ == 'CLIPModel' and m.logit_scale.dim() == 0\n"
+        "    assert p.image_processor.crop_size['height'] == 64, p.image_processor.crop_size\n"
+        "    print(d, m.logit_scale.item())\n"
+    )
+    dirs = [str(runs / "n2_zero2_tiled"), str(runs / "n2_zero3_tiled")]
+    out = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for d in dirs:
+        assert json.loads((Path(d) / "config.json").read_text())["architectures"] == ["CLIPModel"]
