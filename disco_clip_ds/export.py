@@ -36,9 +36,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise ExportError(f"checkpoint folder '{path}' does not exist")
     if _has_weights(path) or (path / "latest").is_file():
         return path
-    steps = sorted((int(m.group(1)), p) for p in path.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
-    if steps:
-        return steps[-1][1]
+    newest = _newest_checkpoint(path)
+    if newest is not None:
+        return newest
     raise ExportError(f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' file) nor checkpoint-N folders")
 
 
@@ -154,35 +154,68 @@ def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None
 
 
 def describe_run(checkpoint: Path) -> dict:
-    """What the checkpoint says about its training run (keys absent when it does not say)."""
+    """What the checkpoint (or the run folder holding it) says about its training run; absent keys are unknown."""
     info: dict = {}
     config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
     if config.get("loss_impl"):
         info["loss_impl"] = config["loss_impl"]
-    state_file = checkpoint / "trainer_state.json"
-    if state_file.is_file():
-        state = json.loads(state_file.read_text())
-        info["steps"] = state.get("global_step")
-        info["max_steps"] = state.get("max_steps")
-        losses = [e["loss"] for e in state.get("log_history", []) if "loss" in e]
-        if losses:
-            info["final_train_loss"] = losses[-1]
-        info["micro_batch_per_rank"] = state.get("train_batch_size")
-    tag_dir = _deepspeed_tag_dir(checkpoint)
-    if tag_dir is not None:
-        states = _deepspeed_model_states(tag_dir)
-        ds_config = states.get("ds_config") or {}
-        info["world_size"] = states.get("dp_world_size")
-        info["zero_stage"] = _zero_stage(states)
-        info["deepspeed"] = states.get("ds_version")
-        info["micro_batch_per_rank"] = ds_config.get("train_micro_batch_size_per_gpu", info.get("micro_batch_per_rank"))
-        info["gradient_accumulation_steps"] = ds_config.get("gradient_accumulation_steps")
-        info["precision"] = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
+    info.update(_from_training_args(checkpoint / "training_args.bin"))
+    info.update(_from_trainer_state(checkpoint / "trainer_state.json"))
+    deepspeed_folder = checkpoint if (checkpoint / "latest").is_file() else _newest_checkpoint(checkpoint)
+    if deepspeed_folder is not None and (deepspeed_folder / "latest").is_file():
+        info.update(_from_deepspeed(_deepspeed_model_states(_deepspeed_tag_dir(deepspeed_folder))))
     info.update(_run_file(checkpoint))
     if info.get("micro_batch_per_rank") and info.get("world_size") and "global_contrastive_batch" not in info:
         # every rank's rows are contrasted with every other rank's: the contrastive batch spans the world
         info["global_contrastive_batch"] = info["micro_batch_per_rank"] * info["world_size"]
+    if info.get("global_contrastive_batch") and info.get("micro_batch_per_rank") and "world_size" not in info:
+        info["world_size"] = info["global_contrastive_batch"] // info["micro_batch_per_rank"]
     return {k: v for k, v in info.items() if v is not None}
+
+
+def _newest_checkpoint(folder: Path) -> Path | None:
+    steps = sorted((int(m.group(1)), p) for p in folder.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+    return steps[-1][1] if steps else None
+
+
+def _from_trainer_state(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    state = json.loads(path.read_text())
+    info = {"steps": state.get("global_step")}
+    history = state.get("log_history", [])
+    losses = [e["loss"] for e in history if "loss" in e]
+    if losses:
+        info["final_train_loss"] = round(float(losses[-1]), 4)
+    batches = [e["global_contrastive_batch"] for e in history if "global_contrastive_batch" in e]  # logged by train.py
+    if batches:
+        info["global_contrastive_batch"] = batches[-1]
+    return info
+
+
+def _from_training_args(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    import torch
+
+    try:
+        # The Trainer pickles its TrainingArguments (a dataclass of ours or transformers'): not weights-only.
+        args = torch.load(path, weights_only=False)
+    except Exception:  # unreadable or from a class not importable here: the card just says less
+        return {}
+    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+    return {"precision": precision, "micro_batch_per_rank": getattr(args, "per_device_train_batch_size", None),
+            "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None)}
+
+
+def _from_deepspeed(states: dict) -> dict:
+    ds_config = states.get("ds_config") or {}
+    info = {"world_size": states.get("dp_world_size"), "zero_stage": _zero_stage(states), "deepspeed": states.get("ds_version")}
+    if isinstance(ds_config.get("train_micro_batch_size_per_gpu"), int):
+        info["micro_batch_per_rank"] = ds_config["train_micro_batch_size_per_gpu"]
+        info["gradient_accumulation_steps"] = ds_config.get("gradient_accumulation_steps")
+    info["precision"] = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
+    return info
 
 
 def _run_file(checkpoint: Path) -> dict:
