@@ -383,6 +383,10 @@ def load_for_eval(model_id: str, device: str = "cpu"):
     """(CLIPModel, tokenizer, image processor) from a folder or hub id, with transformers alone."""
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
+    folder = Path(model_id)
+    if folder.is_dir() and not any(folder.glob("model*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+        hint = "a DeepSpeed checkpoint without full weights (ZeRO-3): " if (folder / "latest").is_file() else ""
+        raise FileNotFoundError(f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)")
     model = CLIPModel.from_pretrained(model_id).to(device)
     return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
 

@@ -283,6 +283,16 @@ def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, messa
     assert message in capsys.readouterr().err
 
 
+def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, capsys):
+    folder, _, _ = cls_set
+    checkpoint = tmp_path / "checkpoint-8"  # what ZeRO-3 leaves without gathered weights: config + DeepSpeed state
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text((model_dir / "config.json").read_text())
+    (checkpoint / "latest").write_text("global_step8")
+    assert ev.main(["--model", str(checkpoint), "--data", str(folder)]) == 1
+    assert "run `disco-clip export" in capsys.readouterr().err
+
+
 def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path, capsys):
     folder, _, _ = cls_set
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
