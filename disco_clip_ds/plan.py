@@ -30,10 +30,6 @@ GiB = 2**30
 # Not measurable without a GPU here: CUDA context (~0.5-1 GiB), NCCL buffers and cuBLAS workspaces, allocator
 # slack. A round figure, stated in every report; override with --overhead_gb.
 DEFAULT_OVERHEAD_GB = 2.0
-# Elements per logit tile of the tiled loss (disco_clip_ds.loss.DEFAULT_TILE_ELEMENTS, not imported: plan
-# must not pull in torch.distributed code paths just to read a constant; tests check they agree).
-TILE_ELEMENTS = 1 << 22
-
 # Top-level keys DeepSpeed 0.16-0.19 reads (its config docs and deepspeed/runtime/config.py). DeepSpeed itself
 # silently ignores any other key, so a typo such as "train_micro_batch_size" would go unnoticed until OOM.
 KNOWN_TOP_LEVEL_KEYS = {
@@ -401,10 +397,12 @@ def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_siz
     disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
       their gradients and the softmax: 7 b x B fp32, plus G, its gradient (G) and fp32 copies of bf16 keys.
     tiled: G, each direction's fp32 key gradient accumulated in the forward pass (2 x B x d fp32), one fp32
-      copy of bf16 keys at a time, and two tile-sized fp32 buffers of rows x B (the tile and the matmul
-      workspace, as measured; rows = chunk_size, or the loss's default
-      of TILE_ELEMENTS / B, at most b).
+      copy of bf16 keys at a time, two tile-sized fp32 buffers of rows x B (the tile and the matmul
+      workspace, as measured; rows = chunk_size or the loss's own default_chunk_size, at most b), and the
+      local rows' gradients that the reduce-scatter returns (2 x b x d).
     """
+    from disco_clip_ds.loss import default_chunk_size
+
     b = batch / world
     gathered = 2 * batch * dim * elem
     fp32_keys = batch * dim * 4 if elem != 4 else 0
@@ -413,8 +411,8 @@ def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_siz
     if impl == "disco":
         return 2 * gathered + 2 * fp32_keys + 7 * b * batch * 4
     if impl == "tiled":
-        rows = chunk_size or max(32, TILE_ELEMENTS // batch // 8 * 8)  # loss.default_chunk_size
-        return gathered + 2 * batch * dim * 4 + fp32_keys + 2 * min(rows, b) * batch * 4
+        rows = min(chunk_size or default_chunk_size(batch), b)
+        return gathered + 2 * batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + 2 * b * dim * elem
     raise PlanConfigError(f"--loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
 
 
