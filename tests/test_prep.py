@@ -211,44 +211,44 @@ def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, caps
     assert summary["failures_by_reason"] == {"HTTP Error 404: Not Found": 3}
 
 
-def _cli_download(url_list: Path, output: Path) -> list[str]:
-    return [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", "--preset", "laion400m",
-            "--url_list", str(url_list), "--output", str(output), "--image_size", str(SIZE),
-            "--processes", "1", "--threads", "2", "--samples_per_shard", "8", "--timeout", "5"]
+def _download_argv(url_list: Path, output: Path) -> list[str]:
+    return ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(output), "--image_size", str(SIZE),
+            "--processes", "1", "--threads", "2", "--samples_per_shard", "6", "--timeout", "5"]
 
 
-def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path):
-    rows = [(image_server.add(f"/img{i}.png", body=encode("PNG", "RGB", (20 + i, 30), (5 * i, 100, 250 - 5 * i)),
-                              content_type="image/png", delay=0.25), f"picture number {i}") for i in range(40)]
+def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path, capsys):
+    rows = [(image_server.add(f"/img{i}.png", body=encode("PNG", "RGB", (20 + i, 30), (9 * i, 100, 250 - 9 * i)),
+                              content_type="image/png", delay=0.1), f"picture number {i}") for i in range(24)]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
-    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}
+    shards = [f"{i:05d}.tar" for i in range(4)]
 
     reference = tmp_path / "reference"
-    subprocess.run(_cli_download(url_list, reference), env=env, check=True, capture_output=True, timeout=180)
+    assert prep.download_main(_download_argv(url_list, reference)) == 0
 
     resumed = tmp_path / "resumed"
-    proc = subprocess.Popen(_cli_download(url_list, resumed), env=env, start_new_session=True,
+    cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_download_argv(url_list, resumed)]
+    proc = subprocess.Popen(cli, env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (resumed / "00000_stats.json").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)  # the run and its download workers, mid-flight
     proc.wait()
     finished_before = {p.name: p.read_text() for p in resumed.glob("*_stats.json")}
-    assert "00000_stats.json" in finished_before and len(finished_before) < 5, "kill came too late to test resume"
+    assert "00000_stats.json" in finished_before and len(finished_before) < len(shards), "kill came too late"
 
-    subprocess.run(_cli_download(url_list, resumed), env=env, check=True, capture_output=True, timeout=180)
+    assert prep.download_main(_download_argv(url_list, resumed)) == 0
     for name, text in finished_before.items():  # stats carry start/end times: unchanged means not redone
         assert (resumed / name).read_text() == text
-    for name in ["sizes.json", "summary.json"] + [f"{i:05d}.tar" for i in range(5)]:
+    for name in ["sizes.json", "summary.json", *shards]:
         assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
 
     # a tar deleted behind img2dataset's back (its stats file stays) is detected and downloaded again
     stats_before = {p.name: p.read_text() for p in resumed.glob("*_stats.json")}
     (resumed / "00002.tar").unlink()
-    result = subprocess.run(_cli_download(url_list, resumed), env=env, check=True, capture_output=True,
-                            text=True, timeout=180)
-    assert "tar missing for shard(s) 00002" in result.stdout
+    capsys.readouterr()
+    assert prep.download_main(_download_argv(url_list, resumed)) == 0
+    assert "tar missing for shard(s) 00002" in capsys.readouterr().out
     assert (resumed / "00002.tar").read_bytes() == (reference / "00002.tar").read_bytes()
     stats_after = {p.name: p.read_text() for p in resumed.glob("*_stats.json")}
     assert {n for n in stats_after if stats_after[n] != stats_before[n]} == {"00002_stats.json"}

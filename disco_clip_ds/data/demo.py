@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -164,7 +165,9 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
         chunk = indices[start : start + per_shard]
         with wds.TarWriter(str(tmp), mtime=0) as sink:
             for pos, i in enumerate(chunk):
-                jpg, *_, err = resizer(io.BytesIO(pngs[i]))
+                with warnings.catch_warnings():  # albumentations deprecations inside img2dataset, per image
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    jpg, *_, err = resizer(io.BytesIO(pngs[i]))
                 if err is not None:
                     raise RuntimeError(f"digit {i}: img2dataset's resizer failed: {err}")
                 label = int(labels[i])
