@@ -217,7 +217,9 @@ def input_files(url_list: str, input_format: str) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob(f"*.{input_format}"))
         if not files:
-            raise SystemExit(f"error: no *.{input_format} file in {path}; check --url_list or --input_format")
+            nested = sorted({p.parent for p in path.rglob(f"*.{input_format}") if ".cache" not in p.parts})
+            hint = f"; they are in {', '.join(map(str, nested[:3]))}: pass that as --url_list" if nested else ""
+            raise SystemExit(f"error: no *.{input_format} file directly in {path}{hint} (or check --input_format)")
         return files
     if not path.exists():
         raise SystemExit(f"error: --url_list {path} does not exist")
