@@ -73,18 +73,21 @@ class DiscoCLIPModel(CLIPModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """As `CLIPModel.from_pretrained` (hub id or folder); loads any CLIPModel checkpoint."""
-        if not LOGIT_SCALE_AS_VECTOR:
-            return super().from_pretrained(*args, **kwargs)
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         # ZeRO-3 builds the model inside zero.Init, which needs the vector at construction, and loads through
         # `_load_from_state_dict`, where the pre-hook reshapes; the plain loader needs the deferral.
-        token = _defer_vector_logit_scale.set(not is_deepspeed_zero3_enabled())
+        token = _defer_vector_logit_scale.set(LOGIT_SCALE_AS_VECTOR and not is_deepspeed_zero3_enabled())
         try:
             model = super().from_pretrained(*args, **kwargs)
         finally:
             _defer_vector_logit_scale.reset(token)
-        model._make_logit_scale_vector()
+        if LOGIT_SCALE_AS_VECTOR:
+            model._make_logit_scale_vector()
+        # Our state dict is CLIP's checkpoint layout, so saving must not transform keys. transformers 5's ZeRO-3
+        # loader keeps its loading transforms on the model, and save_pretrained reverses them into
+        # "vision_model.vision_model.*" keys; the plain loader keeps an empty list, which is what we want.
+        model._weight_conversions = []
         return model
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):

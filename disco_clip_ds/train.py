@@ -255,6 +255,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     hub_model_id = args.hub_model_id if args.push_to_hub else None
     if args.push_to_hub and not hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
+    if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
+        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
     if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
         # ZeRO-3 builds the model inside zero.Init, which reads the world size from deepspeed.comm; on CPU nothing
@@ -266,10 +268,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
     reads_own_shards = not args.accelerator_config.dispatch_batches
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
-    stream = ShardStream(urls, image_size, rank=rank, world_size=world, seed=args.seed, shuffle_buffer=data_args.shuffle_buffer)
+    stream = ShardStream(urls, image_size, rank=rank, world_size=world, seed=args.seed, shuffle_buffer=data_args.shuffle_buffer,
+                         num_workers=args.dataloader_num_workers)
     trainer = DiscoTrainer(model=model, args=args, train_dataset=stream, data_collator=ClipCollator(processor.tokenizer, max_length),
                            processing_class=processor, reads_own_shards=reads_own_shards)
-    if data_args.zeroshot_steps > 0 or data_args.zeroshot_data:
+    if data_args.zeroshot_steps > 0:
         _attach_zeroshot(trainer, data_args, processor, image_size)
     logger.info("%d samples per epoch, %d steps of %d x %d ranks (global contrastive batch %d), loss %s",
                 num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
@@ -294,8 +297,6 @@ def _total_skipped(trainer: DiscoTrainer, stream: ShardStream) -> int:
 
 
 def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:
-    if not (data_args.zeroshot_steps > 0 and data_args.zeroshot_data):
-        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
     from .evaluate import ZeroShotCallback  # imported only when asked for
 
     ZeroShotCallback(data_args.zeroshot_data, processor.tokenizer, image_size, data_args.zeroshot_steps,

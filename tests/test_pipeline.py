@@ -138,3 +138,7 @@ def test_too_few_shards_for_the_readers_is_a_clear_error(tmp_path):
     urls = write_shards(tmp_path, num_shards=1, per_shard=2)
     with pytest.raises(ValueError, match="each reader needs at least one shard"):
         ShardStream(urls, 16, rank=0, world_size=2)
+    urls = write_shards(tmp_path, num_shards=3, per_shard=2)
+    ShardStream(urls, 16, rank=0, world_size=1, num_workers=3)
+    with pytest.raises(ValueError, match="lower --dataloader_num_workers"):
+        ShardStream(urls, 16, rank=0, world_size=1, num_workers=4)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 STEPS, PER_RANK, SEED = 5, 8, 7
 COMMON = [
-    "--model_config", str(REPO / "recipes/models/tiny.json"), "--tokenizer_name", str(REPO / "recipes/tokenizer"),
+    "--tokenizer_name", str(REPO / "recipes/tokenizer"),
     "--logging_steps", "1", "--save_steps", "3", "--dataloader_num_workers", "1", "--shuffle_buffer", "8",
     "--disable_tqdm", "true", "--report_to", "none", "--seed", str(SEED),
 ]
@@ -74,13 +74,19 @@ def weights(output: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def initial_weights():
-    from transformers import set_seed
-
+def initial_model(tmp_path_factory):
+    """A saved tiny CLIP that every equivalence run starts from (ZeRO-3 initialises weights in its own order)."""
     from disco_clip_ds.modeling import build_model
 
-    set_seed(SEED)  # what train.py does before it builds the model
-    return {k: v.detach().clone() for k, v in build_model(model_config=str(REPO / "recipes/models/tiny.json")).state_dict().items()}
+    folder = tmp_path_factory.mktemp("init") / "tiny"
+    torch.manual_seed(SEED)
+    build_model(model_config=str(REPO / "recipes/models/tiny.json")).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def initial_weights(initial_model):
+    return weights(initial_model)
 
 
 def assert_same_training(a: Path, b: Path, w0: dict, loss_rtol=1e-5, update_rtol=1e-4):
@@ -105,10 +111,10 @@ def shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, shards):
+def runs(tmp_path_factory, shards, initial_model):
     """One run per launcher, doubling as the equivalence runs; plus a resumed run. ~3 min on 2 cores."""
     root = tmp_path_factory.mktemp("runs")
-    common = ["--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
+    common = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
     launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
     launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
     launch("accelerate", 2, root / "n2_zero3_tiled", *common, "--per_device_train_batch_size", str(PER_RANK),
@@ -171,5 +177,64 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
     dirs = [str(runs / "n2_zero2_tiled"), str(runs / "n2_zero3_tiled")]
     out = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+    from transformers import CLIPConfig, CLIPModel
+
+    clip_keys = CLIPModel(CLIPConfig.from_json_file(str(REPO / "recipes/models/tiny.json"))).state_dict().keys()
     for d in dirs:
         assert json.loads((Path(d) / "config.json").read_text())["architectures"] == ["CLIPModel"]
+        assert weights(Path(d)).keys() == clip_keys  # CLIP's own checkpoint layout, from every ZeRO stage
+
+
+# --- bad input: clear errors before any rank starts work (in-process, no launcher) ---
+
+def _train_main(tmp_path, *args):
+    from disco_clip_ds.train import main
+
+    return main(["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args])
+
+
+def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys):
+    folder = tmp_path / "data"
+    write_shards(folder, num_shards=2, per_shard=4)
+    model = ["--model_config", str(REPO / "recipes/models/tiny.json")]
+    tok = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
+    wrong_eos = tmp_path / "wrong_eos.json"
+    config = json.loads((REPO / "recipes/models/tiny.json").read_text())
+    config["text_config"]["eos_token_id"] = 49407
+    wrong_eos.write_text(json.dumps(config))
+    cases = [
+        (["--train_shards", str(tmp_path / "nowhere"), *model, *tok], "nowhere"),
+        (["--train_shards", str(folder), *model], "needs --tokenizer_name"),
+        (["--train_shards", str(folder), "--model_config", str(wrong_eos), *tok], "does not match the model's text config"),
+        (["--train_shards", str(folder), *model, *tok, "--image_size", "224"], "differs from the model's 64"),
+        (["--train_shards", str(folder), *model, *tok, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
+        (["--train_shards", "https://host/{0..3}.tar", *model, *tok], "--train_num_samples"),
+        (["--train_shards", str(folder), *model, *tok, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
+    ]
+    for argv, message in cases:
+        assert _train_main(tmp_path, *argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
+    from types import SimpleNamespace
+
+    from disco_clip_ds.train import UsageError, check_deepspeed_batch
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": "auto"}))
+    args = lambda micro, accum, world: SimpleNamespace(deepspeed=str(config), per_device_train_batch_size=micro,  # noqa: E731
+                                                      gradient_accumulation_steps=accum, world_size=world)
+    check_deepspeed_batch(args(16, 2, 2))  # 16 x 2 x 2 = 64
+    check_deepspeed_batch(args(16, 1, 4))
+    with pytest.raises(UsageError, match="train_batch_size.*= .*'train_batch_size': 32"):
+        check_deepspeed_batch(args(16, 1, 2))
+    with pytest.raises(UsageError, match="train_micro_batch_size_per_gpu"):
+        check_deepspeed_batch(args(8, 2, 4))
+    config.write_text("{not json")
+    with pytest.raises(UsageError, match="cannot read DeepSpeed config"):
+        check_deepspeed_batch(args(16, 2, 2))
+    for shipped in ("cpu_zero2.json", "cpu_zero3.json"):  # all "auto": any arguments fit
+        check_deepspeed_batch(SimpleNamespace(deepspeed=str(REPO / "ds_configs" / shipped), per_device_train_batch_size=3,
+                                              gradient_accumulation_steps=5, world_size=7))

@@ -88,17 +88,19 @@ class ShardStream(torch.utils.data.IterableDataset):
     """Endless stream of (pixel_values, caption) from webdataset shards.
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
-    e.g. accelerate's dispatch_batches). `skipped` counts skipped samples and shards across all workers.
+    e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is only used to check
+    up front that every reader gets a shard. `skipped` counts skipped samples and shards across all workers.
     """
 
     def __init__(self, urls: list[str], image_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle_buffer: int = 1000, train: bool = True):
+                 shuffle_buffer: int = 1000, train: bool = True, num_workers: int = 0):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.shuffle_buffer = shuffle_buffer
         self.transform = ImageTransform(image_size, train=train)
         self.skipped = multiprocessing.get_context("spawn").Value("q", 0)  # shared with forked/spawned workers
-        shards_for_reader(self.urls, rank, world_size)  # fail early, in the main process, if too few shards
+        workers = max(1, num_workers)
+        shards_for_reader(self.urls, rank * workers, world_size * workers)  # fail early, in the main process
 
     def _count_skip(self, what: str, error: BaseException | str) -> None:
         with self.skipped.get_lock():

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, on a fresh machine: set up .venv, build the offline digits demo
+# dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
+# minutes), and print where the model and the logs are.
+#   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 DATA=data/demo OUT=outputs/quickstart
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank: the ranks share the cores
+export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
+NPROC=${NPROC:-2} STEPS=${STEPS:-300} PER_RANK=${PER_RANK:-128}
+DATA=${DATA:-data/demo} OUT=${OUT:-outputs/quickstart}
+
+VENV=.venv
+[ -x $VENV/bin/python ] || python3 -m venv $VENV
+# torch first: a bare `torch` requirement pulls a multi-GB CUDA build on a machine without one.
+$VENV/bin/python -c "import torch" 2>/dev/null || $VENV/bin/python -m pip install -q "torch==2.13.0"
+$VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/python -m pip install -q -e .
+
+[ -f "$DATA/train/sizes.json" ] || $VENV/bin/disco-clip data demo --output "$DATA"
+
+# deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.
+$VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
+  --deepspeed ds_configs/cpu_zero2.json \
+  --train_shards "$DATA/train" \
+  --model_config recipes/models/tiny.json --tokenizer_name recipes/tokenizer --loss_impl tiled \
+  --output_dir "$OUT" --max_steps "$STEPS" --per_device_train_batch_size "$PER_RANK" \
+  --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine \
+  --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed 0 \
+  --zeroshot_data "$DATA/eval" --zeroshot_steps 100 \
+  --resume_from_checkpoint latest

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The paper's ViT-B/32 runs with the distributed (tiled) loss: RUN=32k (8 GPUs x 4096) or RUN=196k (64 GPUs x 3072,
+# with HOSTFILE). The optimizer numbers must equal ds_configs/vit_b32_*.json's (see ds_configs/README.md for
+# each value and its source); the schedule (cosine, 10k warmup) comes from these arguments.
+#   RUN=32k SHARDS='/data/laion400m/{00000..41407}.tar' STEPS=... bash recipes/train_vit_b32.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=${RUN:-32k}
+case $RUN in
+  32k)  DS_CONFIG=ds_configs/vit_b32_32k_8gpu.json  PER_GPU=4096 NPROC=${NPROC:-8} ;;
+  196k) DS_CONFIG=ds_configs/vit_b32_196k_64gpu.json PER_GPU=3072 NPROC=${NPROC:-8} ;;
+  *) echo "RUN must be 32k or 196k" >&2; exit 2 ;;
+esac
+export DS_CONFIG NPROC
+exec bash recipes/train_deepspeed.sh \
+  --train_shards "${SHARDS:?set SHARDS to the img2dataset shards, e.g. /data/laion400m/{00000..41407}.tar}" \
+  --model_config recipes/models/vit_b32.json --tokenizer_name openai/clip-vit-base-patch32 --loss_impl tiled \
+  --output_dir "${OUT:-outputs/vit_b32_$RUN}" --per_device_train_batch_size "$PER_GPU" --gradient_accumulation_steps 1 \
+  --bf16 --activation_checkpointing \
+  --learning_rate 5e-4 --adam_beta1 0.9 --adam_beta2 0.98 --adam_epsilon 1e-6 --weight_decay 0.2 --max_grad_norm 0 \
+  --lr_scheduler_type cosine --warmup_steps 10000 ${STEPS:+--max_steps "$STEPS"} --num_train_epochs "${EPOCHS:-32}" \
+  --dataloader_num_workers "${WORKERS:-8}" --logging_steps 50 --save_steps 2000 \
+  --resume_from_checkpoint latest "$@"
