@@ -504,7 +504,7 @@ def plan(config_path, model_path, gpus: int, gpu_memory: str, per_device_batch=N
     shape = ModelShape.from_json(model_path)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
     out = {"settings": asdict(settings), "model": {"params": shape.params, "largest_param": shape.largest_param},
-           "global_batch": settings.micro_batch * gpus, "capacity_bytes": capacity,
+           "global_batch": settings.micro_batch * gpus, "capacity_bytes": capacity, "overhead_bytes": overhead,
            "activation_checkpointing": activation_checkpointing, "memory": {}, "max_micro_batch": {},
            "traffic": traffic_bytes(shape, settings)}
     for impl in loss_impls:
@@ -522,7 +522,8 @@ def format_report(result: dict, config_path, model_path) -> str:
         f"{s['grad_accum']} x {s['world']} = train batch {s['train_batch']}; contrastive batch "
         f"{result['global_batch']} per micro-step; ZeRO-{s['stage']}, {s['precision']}",
         f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters; activation checkpointing "
-        f"{'on' if result['activation_checkpointing'] else 'off'}; Adam; framework overhead assumed",
+        f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
+        f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
     lines += [f"note: {w}" for w in s["warnings"]] + [f"needs the HF Trainer: {a}" for a in s["trainer_auto"]]
     lines += ["", f"per-GPU memory (of {result['capacity_bytes'] / GiB:.0f} GiB)".ljust(30) + "".join(f"{i:>14}" for i in impls)]
