@@ -285,8 +285,12 @@ def test_summarize_aggregates_stats_and_names_failed_shards(tmp_path):
         (tmp_path / f"0000{i}_stats.json").write_text(json.dumps(s))
     _write_tar(tmp_path / "00000.tar", ["k1.txt", "k1.jpg", "k0.jpg", "k0.txt"])  # completion order
     _write_tar(tmp_path / "00002.tar", ["a.jpg", "b.jpg", "c.png"])
-    summary, sizes = prep.summarize(tmp_path, n_expected=3)
-    assert summary == {"shards": 3, "shards_done": 2, "shards_failed": ["00001"], "count": 7, "successes": 5,
+    # shard 3 finished by its stats, but its tar lost a sample (cut at a member boundary): redo it
+    (tmp_path / "00003_stats.json").write_text(json.dumps({**stats[2], "successes": 4}))
+    _write_tar(tmp_path / "00003.tar", ["a.jpg", "b.jpg", "c.jpg"])
+    summary, sizes = prep.summarize(tmp_path, n_expected=4)
+    assert not (tmp_path / "00003_stats.json").exists()
+    assert summary == {"shards": 4, "shards_done": 2, "shards_failed": ["00001", "00003"], "count": 7, "successes": 5,
                        "failed_to_download": 1, "failed_to_resize": 1,
                        "failures_by_reason": {"HTTP Error 404: Not Found": 1, "Image decoding error": 1}}
     assert sizes == {"00000.tar": 2, "00002.tar": 3}
@@ -317,6 +321,9 @@ def test_download_arguments_are_checked_before_any_work(tmp_path):
         prep.download_main(base + ["--output_folder", "elsewhere"])
     with pytest.raises(SystemExit, match=r"column 'url' .*\['URL', 'TEXT'\].*--url_col"):
         prep.download_main(base[:1] + ["datacomp"] + base[2:])
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(SystemExit, match="cannot read .*broken.parquet as parquet"):
+        prep.download_main(base[:2] + ["--url_list", str(tmp_path / "broken.parquet")] + base[4:])
     with pytest.raises(SystemExit, match="does not exist"):
         prep.download_main(["--preset", "cc", "--url_list", str(tmp_path / "nope.tsv"), "--output", str(tmp_path)])
     assert not (tmp_path / "out").exists()

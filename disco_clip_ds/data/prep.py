@@ -246,21 +246,33 @@ def _read_table(path: Path, input_format: str, columns: list[str] | None = None)
     return pa.Table.from_pandas(pd.read_json(path))
 
 
+@contextlib.contextmanager
+def _readable(path: Path, input_format: str):
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise SystemExit(f"error: cannot read {path} as {input_format}: {err}") from None
+
+
 def input_columns(path: Path, input_format: str) -> list[str]:
     """Column names of one input file (parquet: from its schema, without reading the rows)."""
-    if input_format == "parquet":
-        import pyarrow.parquet as pq
+    with _readable(path, input_format):
+        if input_format == "parquet":
+            import pyarrow.parquet as pq
 
-        return pq.read_schema(path).names
-    return _read_table(path, input_format).column_names
+            return pq.read_schema(path).names
+        return _read_table(path, input_format).column_names
 
 
 def input_rows(path: Path, input_format: str) -> int:
-    if input_format == "parquet":
-        import pyarrow.parquet as pq
+    with _readable(path, input_format):
+        if input_format == "parquet":
+            import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
-    return _read_table(path, input_format).num_rows
+            return pq.ParquetFile(path).metadata.num_rows
+        return _read_table(path, input_format).num_rows
 
 
 def expected_shards(files: list[Path], input_format: str, samples_per_shard: int) -> int:
@@ -340,14 +352,25 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
     reasons: Counter = Counter()
     totals = Counter()
     sizes = {}
-    for shard_id, stats in done.items():
+    for shard_id, stats in list(done.items()):
+        tar = output / f"{shard_name(shard_id)}.tar"
+        try:
+            samples = canonicalize_tar(tar)
+        except (tarfile.TarError, OSError) as err:
+            samples, problem = None, f"unreadable tar ({err})"
+        else:
+            problem = f"tar holds {samples} samples, its stats say {stats['successes']}"
+        if samples != stats["successes"]:  # a damaged shard: drop its stats so that a re-run redoes it
+            print(f"shard {shard_name(shard_id)}: {problem}; it will be downloaded again on the next run")
+            (output / f"{shard_name(shard_id)}_stats.json").unlink()
+            del done[shard_id]
+            continue
+        sizes[tar.name] = samples
         for key in ("count", "successes", "failed_to_download", "failed_to_resize"):
             totals[key] += stats[key]
         for reason, n in stats["status_dict"].items():
             if reason != "success":
                 reasons[reason.strip()] += n
-        tar = output / f"{shard_name(shard_id)}.tar"
-        sizes[tar.name] = canonicalize_tar(tar)
     failed = [shard_name(i) for i in range(n_expected) if i not in done]
     summary = {
         "shards": n_expected,
