@@ -4,7 +4,8 @@
         url = server.add("/a.jpg", body=jpeg_bytes)                # 200 with the bytes
         server.add("/missing.jpg", status=404)                      # an error status
         server.add("/hang.jpg", hang=True)                          # accepts, never answers
-        server.add("/slow.jpg", body=data, trickle=0.2)             # one byte every 0.2 s
+        server.add("/slow.jpg", body=data, trickle=0.2)             # one body byte every 0.2 s
+        server.add("/slower.jpg", body=data, trickle_headers=0.2)   # even the status line, byte by byte
         server.add("/late.jpg", body=data, delay=0.1)               # answers after 0.1 s
 
 Unknown paths get 404. `server.hits` counts requests per path.
@@ -26,6 +27,7 @@ class Route:
     content_type: str = "image/jpeg"
     hang: bool = False
     trickle: float = 0.0
+    trickle_headers: float = 0.0
     delay: float = 0.0
 
 
@@ -45,6 +47,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if route.delay:
             time.sleep(route.delay)
+        if route.trickle_headers:
+            head = f"HTTP/1.0 200 OK\r\nContent-Length: {len(route.body)}\r\n\r\n".encode() + route.body
+            try:
+                for i in range(len(head)):
+                    if server.stopping.wait(route.trickle_headers):
+                        return
+                    self.wfile.write(head[i : i + 1])
+                    self.wfile.flush()
+            except ConnectionError:
+                pass
+            return
         self.send_response(route.status)
         self.send_header("Content-Type", route.content_type)
         self.send_header("Content-Length", str(len(route.body)))

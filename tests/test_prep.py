@@ -265,6 +265,11 @@ def test_fetch_with_deadline_cuts_a_trickle(image_server):
     with pytest.raises(TimeoutError, match="deadline"):
         prep.fetch_with_deadline(url, timeout=2, deadline_s=1)
     assert time.monotonic() - started < 3  # the whole body would take 50 s
+    slow_head = image_server.add("/slow-head", body=b"z" * 10, trickle_headers=0.05)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="deadline"):
+        prep.fetch_with_deadline(slow_head, timeout=2, deadline_s=1)
+    assert time.monotonic() - started < 3  # the status line and headers alone take ~2 s
 
 
 def _write_tar(path: Path, names: list[str]) -> None:

@@ -56,7 +56,6 @@ class Preset:
     extra_columns: tuple[str, ...] = ()
     image_size: int = 256
     resize_mode: str = "border"
-    notes: str = ""
 
 
 PRESETS = {
@@ -226,13 +225,13 @@ def input_files(url_list: str, input_format: str) -> list[Path]:
     return [path]
 
 
-def _read_table(path: Path, input_format: str, columns: list[str] | None = None):
+def _read_table(path: Path, input_format: str):
     import pyarrow.csv as pa_csv
     import pyarrow.json as pa_json
     import pyarrow.parquet as pq
 
     if input_format == "parquet":
-        return pq.read_table(path, columns=columns)
+        return pq.read_table(path)
     if input_format.startswith(("csv", "tsv")):
         delimiter = "\t" if input_format.startswith("tsv") else ","
         return pa_csv.read_csv(path, parse_options=pa_csv.ParseOptions(delimiter=delimiter))
@@ -409,7 +408,7 @@ def print_summary(summary: dict, output: Path) -> None:
 
 @dataclass
 class DownloadConfig:
-    """Everything `download` passes to img2dataset, after the preset has been applied."""
+    """One download: the CLI's options; None means the preset's value, `extra` goes to img2dataset as is."""
 
     url_list: str
     output: str
