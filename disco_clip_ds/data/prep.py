@@ -684,12 +684,16 @@ def _length_stats(lengths: list[int]) -> dict:
     }
 
 
-def verify_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data verify DIR`: non-zero exit when a shard is broken."""
+def _verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disco-clip data verify", description="check webdataset shards, write sizes.json")
     p.add_argument("folder", type=Path)
     p.add_argument("--decode", type=int, default=16, help="images to decode per shard")
-    args = p.parse_args(argv)
+    return p
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data verify DIR`: non-zero exit when a shard is broken."""
+    args = _verify_parser().parse_args(argv)
     if not args.folder.is_dir():
         raise SystemExit(f"error: {args.folder} is not a folder")
     report = verify(args.folder, args.decode)
@@ -735,14 +739,18 @@ def fetch_metadata(dataset: str, output: Path, patterns: list[str], revision: st
     return files
 
 
-def metadata_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data metadata --dataset ID --output DIR [--pattern GLOB ...]`."""
+def _metadata_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disco-clip data metadata", description="fetch parquet metadata from the HF hub")
     p.add_argument("--dataset", required=True, help="HF dataset id, e.g. laion/relaion2B-en-research-safe")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--pattern", nargs="+", default=["*.parquet"], help="glob(s) of files to fetch")
     p.add_argument("--revision", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def metadata_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data metadata --dataset ID --output DIR [--pattern GLOB ...]`."""
+    args = _metadata_parser().parse_args(argv)
     started = time.monotonic()
     files = fetch_metadata(args.dataset, args.output, args.pattern, args.revision)
     rows = sum(input_rows(f, "parquet") for f in files)
