@@ -28,7 +28,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from disco_clip_ds.plan import OUTPUT_FIT, ModelShape  # noqa: E402
+from disco_clip_ds.plan import FIT_FILE, ModelShape  # noqa: E402
 
 VIT_B32 = ROOT / "recipes/models/vit_b32.json"
 # (name, overrides for both towers, vision overrides, batches without / with checkpointing)
@@ -86,13 +86,13 @@ def main() -> None:
         r["error"] = predicted / r["slope_bytes"] - 1
         print(f"{r['model']:28s} ckpt={r['checkpointing']!s:5s} measured {r['slope_bytes'] / 2**20:8.3f} "
               f"predicted {predicted / 2**20:8.3f} MiB/sample ({r['error']:+.1%})")
-    OUTPUT_FIT.write_text(json.dumps({
+    FIT_FILE.write_text(json.dumps({
         "command": "python bench/act_fit.py",
         "what": "activation elements per sample = alpha*sum L*s*h + beta*sum L*s*m + eps*sum s*h (no checkpointing); "
                 "delta*sum L*s*h + eps*sum s*h + max_tower(alpha*s*h + beta*s*m) (checkpointing); see bench/act_fit.py",
         "measured_on": "CPU, fp32, torch %s, transformers %s, sdpa attention" % _versions(),
         "coefficients": fit, "points": rows}, indent=1) + "\n")
-    print("wrote", OUTPUT_FIT.relative_to(ROOT), fit)
+    print("wrote", FIT_FILE.relative_to(ROOT), fit)
 
 
 def _versions() -> tuple[str, str]:

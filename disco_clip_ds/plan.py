@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FIT_FILE = Path(__file__).with_name("activation_fit.json")
-OUTPUT_FIT = FIT_FILE
 LOSS_IMPLS = ("naive", "disco", "tiled")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
@@ -188,6 +187,9 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
             value = None
         values[key] = value
     train, micro, accum = (values[k] for k in BATCH_KEYS)
+    if per_device_batch is not None and per_device_batch < 1:
+        problems.append(f"--per_device_batch must be a positive integer, got {per_device_batch}")
+        per_device_batch = None
     if per_device_batch is not None:
         if micro is not None and micro != per_device_batch:
             problems.append(f"--per_device_batch {per_device_batch} contradicts train_micro_batch_size_per_gpu "
@@ -270,6 +272,9 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
         value = zero.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != int(value):
             problems.append(f"zero_optimization.{key} must be a whole number of elements, got {value}")
+    if parsed.allgather_bucket_size % 2:  # DeepSpeed asserts this only when the engine starts
+        problems.append(f"zero_optimization.allgather_bucket_size must be even (NCCL 4-byte alignment of 16-bit "
+                        f"values), got {parsed.allgather_bucket_size}")
     if stage < 3 and any(k.startswith("stage3_") for k in zero):
         warnings.append(f"stage3_* keys have no effect at ZeRO stage {stage}")
     if stage == 0 and (zero.get("offload_optimizer") or zero.get("offload_param")):
@@ -298,6 +303,17 @@ def _deepspeed_check(config: dict, micro: int, accum: int, problems: list) -> No
         problems.append(f"DeepSpeed rejects the config: {type(e).__name__}: {e}")
 
 
+def _auto_paths(value, prefix: str = ""):
+    """Dotted paths of every "auto" value, e.g. optimizer.params.lr."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{prefix}.{key}" if prefix else key
+            if _is_auto(item):
+                yield path
+            else:
+                yield from _auto_paths(item, path)
+
+
 def _without_auto(value):
     if isinstance(value, dict):
         return {k: _without_auto(v) for k, v in value.items() if not _is_auto(v)}
@@ -321,6 +337,9 @@ def validate_config(config: dict, world: int, per_device_batch: int | None = Non
     chosen = _precision(config, precision, problems, auto)
     kwargs = {"stage": 0}
     _zero_section(config, kwargs, problems, warnings, auto)
+    listed = {a.split(":")[0] for a in auto}
+    auto += [f"{path}: \"auto\" (filled by the HF Trainer from TrainingArguments)"
+             for path in _auto_paths(config) if path not in listed]
     comm = config.get("communication_data_type")
     comm_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "bfp16": 2, None: PRECISION_BYTES[chosen]}.get(comm)
     if comm_bytes is None:
@@ -338,52 +357,54 @@ def validate_config(config: dict, world: int, per_device_batch: int | None = Non
 
 
 def model_state_bytes(params: int, largest: int, stage: int, precision: str, world: int,
-                      offload_optimizer: bool = False) -> dict:
+                      offload_optimizer: bool = False, offload_param: bool = False) -> dict:
     """Parameters, gradients and optimizer (Adam) states per GPU.
 
     Mixed precision (bf16/fp16), per parameter: 2 B 16-bit weights, 2 B 16-bit gradients, 4 B fp32 gradient
     partition, 12 B fp32 master weights + Adam m and v. ZeRO-1 partitions the fp32 parts, ZeRO-2 also the
     16-bit gradients, ZeRO-3 also the 16-bit weights (plus the largest layer gathered). For stages 2 and 3 the
-    total is DeepSpeed's own estimate_zero{2,3}_model_states_mem_needs (2P + 18P/N; 4*largest + 18P/N).
-    fp32 training: 4 B weights, 4 B gradients, 8 B Adam states, partitioned the same way.
+    total is DeepSpeed's own estimate_zero{2,3}_model_states_mem_needs (2P + 18P/N; 4*largest + 18P/N, less
+    what CPU offload moves off the GPU). fp32 training: 4 B weights, 4 B gradients, 8 B Adam states,
+    partitioned the same way.
     """
     n, p = world, params
     if precision == "fp32":
         weights = 4 * p / n + 4 * largest if stage == 3 else 4 * p
         grads = 4 * p / n if stage >= 2 else 4 * p
-        optim = 8 * p / n if stage >= 1 else 8 * p
-    else:
-        weights = 2 * p / n + 4 * largest if stage == 3 else 2 * p
-        grads = (2 * p / n if stage >= 2 else 2 * p) + (4 * p / n if stage >= 1 else 4 * p)
-        optim = 12 * p / n if stage >= 1 else 12 * p
-        if stage in (2, 3) and not offload_optimizer:  # DeepSpeed's estimator is the reference total
-            total = _deepspeed_estimate(p, largest, stage, n)
-            grads = total - weights - optim
-    if offload_optimizer:
-        optim = 0.0  # lives in CPU memory
+        optim = 0.0 if offload_optimizer else (8 * p / n if stage >= 1 else 8 * p)
+        return {"params": weights, "grads": grads, "optimizer": optim}
+    weights = (2 * p / n + 4 * largest if stage == 3 else 2 * p) if not offload_param else 4 * largest
+    optim = 0.0 if offload_optimizer else (12 * p / n if stage >= 1 else 12 * p)
+    if stage in (2, 3):  # DeepSpeed's estimator is the reference total; gradients are what remains of it
+        total = _deepspeed_estimate(p, largest, stage, n, offload_optimizer, offload_param)
+        return {"params": weights, "grads": max(0.0, total - weights - optim), "optimizer": optim}
+    grads = 2 * p + (0.0 if offload_optimizer else (4 * p / n if stage == 1 else 4 * p))
     return {"params": weights, "grads": grads, "optimizer": optim}
 
 
-def _deepspeed_estimate(params: int, largest: int, stage: int, world: int) -> int:
+def _deepspeed_estimate(params: int, largest: int, stage: int, world: int, offload_optimizer: bool,
+                        offload_param: bool) -> int:
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=world, cpu_offload=False)[1]
+        return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=world, cpu_offload=offload_optimizer)[1]
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    return estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=world, cpu_offload=False,
-                                                 cpu_offload_params=False)[1]
+    return estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=world, cpu_offload=offload_optimizer,
+                                                 cpu_offload_params=offload_param)[1]
 
 
-def zero_buffer_bytes(settings: Settings, params: int) -> float:
-    """ZeRO's communication buckets. DeepSpeed docs: with overlap_comm, ZeRO-1/2 use 4.5x the
-    allgather_bucket_size and reduce_bucket_size values; buckets never exceed the model."""
+def zero_buffer_bytes(settings: Settings) -> float:
+    """ZeRO's communication buckets. DeepSpeed allocates them at their configured size whatever the model's
+    (ZeRO-1/2 reduce buffers, doubled with overlap_comm); its docs budget 4.5x the allgather_bucket_size and
+    reduce_bucket_size values with overlap_comm, which is what is counted here. ZeRO-3: the prefetch and
+    reduce buckets."""
     e = PRECISION_BYTES[settings.precision]
     if settings.stage == 0:
         return 0.0
     if settings.stage == 3:
-        return min(settings.prefetch_bucket, params) * e + min(settings.reduce_bucket, params) * settings.comm_bytes
-    buckets = min(settings.reduce_bucket, params) * settings.comm_bytes + min(settings.allgather_bucket, params) * e
+        return settings.prefetch_bucket * e + settings.reduce_bucket * settings.comm_bytes
+    buckets = settings.reduce_bucket * settings.comm_bytes + settings.allgather_bucket * e
     return buckets * (4.5 if settings.overlap_comm else 1.0)
 
 
@@ -434,8 +455,8 @@ def memory_plan(shape: ModelShape, settings: Settings, fit: dict, impl: str, che
     micro = settings.micro_batch if micro_batch is None else micro_batch
     elem = PRECISION_BYTES[settings.precision]
     terms = model_state_bytes(shape.params, shape.largest_param, settings.stage, settings.precision,
-                              settings.world, settings.offload_optimizer)
-    terms["zero buffers"] = zero_buffer_bytes(settings, shape.params)
+                              settings.world, settings.offload_optimizer, settings.offload_param)
+    terms["zero buffers"] = zero_buffer_bytes(settings)
     terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
     terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).

@@ -60,6 +60,22 @@ def test_precision_and_zero_problems():
     assert "positive integer" in problems_of({"train_micro_batch_size_per_gpu": 0})
 
 
+def test_flags_and_deepspeed_engine_checks():
+    config = {"train_micro_batch_size_per_gpu": 8}
+    assert "--per_device_batch 16 contradicts train_micro_batch_size_per_gpu 8" in problems_of(config, per_device_batch=16)
+    odd = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2, "allgather_bucket_size": 25000001}}
+    assert "allgather_bucket_size must be even" in problems_of(odd)
+    offload = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}
+    assert "offload_param needs ZeRO stage 3" in problems_of(offload)
+
+
+def test_cpu_config_plans_with_the_trainer_values_given(capsys):
+    code = P.main(["--deepspeed", str(ROOT / "ds_configs/cpu_zero2.json"), "--model", str(ROOT / "recipes/models/tiny.json"),
+                   "--gpus", "2", "--gpu_memory", "8GB", "--per_device_batch", "64", "--precision", "fp32"])
+    out = capsys.readouterr().out
+    assert code == 0 and "needs the HF Trainer: gradient_clipping" in out and "micro batch 64 x grad accum 1 x 2" in out
+
+
 def test_auto_values_need_the_trainer_or_a_flag():
     config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
@@ -98,6 +114,8 @@ def test_model_states_match_deepspeed_and_hand_counts():
     assert sum(s3.values()) == pytest.approx(4 * largest + int(18 * p / n))  # estimate_zero3_...
     assert sum(P.model_state_bytes(p, largest, 0, "fp32", n).values()) == 16 * p  # weights, grads, Adam m and v
     assert sum(P.model_state_bytes(p, largest, 1, "bf16", n).values()) == pytest.approx(4 * p + 16 * p / n)
+    offloaded = P.model_state_bytes(p, largest, 2, "bf16", n, offload_optimizer=True)
+    assert sum(offloaded.values()) == pytest.approx(2 * p) and offloaded["optimizer"] == 0  # DeepSpeed: 16-bit weights only
 
 
 def test_traffic_hand_computed():
