@@ -29,3 +29,10 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed 0 \
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 \
   --resume_from_checkpoint latest
+
+# Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a
+# plain CLIPModel folder with a model card; `disco-clip push "$OUT/export" --repo_id USER/NAME` uploads it.
+$VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_classification --output "$OUT/eval/zeroshot_classification.json"
+$VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_retrieval --output "$OUT/eval/zeroshot_retrieval.json"
+rm -rf "$OUT/export"  # this script's own previous export: export refuses to write into a non-empty folder
+$VENV/bin/disco-clip export "$OUT" "$OUT/export" --eval_results "$OUT/eval/zeroshot_classification.json" "$OUT/eval/zeroshot_retrieval.json"
