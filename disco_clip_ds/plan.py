@@ -257,7 +257,7 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
                     if key == "reduce_bucket_size" else "filled by the HF Trainer")
             auto.append(f"zero_optimization.{key}: \"auto\" ({hint})")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         problems.append(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
         return
     clean = {k: v for k, v in zero.items() if k in known and not _is_auto(v)}
@@ -285,8 +285,8 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
         stage=stage, reduce_bucket=int(parsed.reduce_bucket_size), allgather_bucket=int(parsed.allgather_bucket_size),
         overlap_comm=bool(parsed.overlap_comm), prefetch_bucket=int(parsed.prefetch_bucket_size),
         max_live_parameters=int(parsed.max_live_parameters),
-        offload_optimizer=bool(zero.get("offload_optimizer")) and zero["offload_optimizer"].get("device", "none") != "none",
-        offload_param=bool(zero.get("offload_param")) and zero["offload_param"].get("device", "none") != "none",
+        offload_optimizer=parsed.offload_optimizer is not None and str(parsed.offload_optimizer.device) != "none",
+        offload_param=parsed.offload_param is not None and str(parsed.offload_param.device) != "none",
     )
 
 
