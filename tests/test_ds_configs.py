@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -66,3 +67,38 @@ def test_paper_configs_keep_planner_inputs_explicit():
         assert '"auto"' not in text, f"{name}: the planner needs every value; no \"auto\" in the paper configs"
         config = json.loads(text)
         assert config["bf16"]["enabled"] is True and config["zero_optimization"]["stage"] == 2
+
+
+# The TrainingArguments that ds_configs/README.md tells users to pass with the paper configs (the HF Trainer
+# raises if an explicit DeepSpeed value disagrees with its TrainingArguments counterpart).
+PAPER_TRAINER_FLAGS = "--gradient_accumulation_steps 1 --bf16 --learning_rate 5e-4 --adam_beta1 0.9 --adam_beta2 0.98 " \
+                      "--adam_epsilon 1e-6 --weight_decay 0.2 --max_grad_norm 0"
+
+
+def test_paper_config_settings_run_under_deepspeed_and_the_trainer(tmp_path):
+    """Everything but the batch numbers, on 2 CPU ranks x 4 samples, 2 steps of the tiny model: bf16, ZeRO-2 with
+    overlap_comm, fp32 gradient reduction, torch AdamW, activation checkpointing, and the README's flags."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    from test_pipeline import write_shards
+
+    assert " ".join(PAPER_TRAINER_FLAGS.split()) in " ".join((CONFIG_DIR / "README.md").read_text().replace("`", "").split())
+    root = CONFIG_DIR.parent
+    write_shards(tmp_path / "shards", 2, 8)
+    config = dict(json.loads((CONFIG_DIR / "vit_b32_32k_8gpu.json").read_text()), train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "disco_clip_ds.train", "--model_config", str(root / "recipes/models/tiny.json"),
+           "--tokenizer_name", str(root / "recipes/tokenizer"), "--train_shards", str(tmp_path / "shards"),
+           "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true",
+           "--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--save_steps", "100",
+           "--deepspeed", str(tmp_path / "ds.json"), "--per_device_train_batch_size", "4",
+           "--lr_scheduler_type", "cosine", "--warmup_steps", "1", "--activation_checkpointing", *PAPER_TRAINER_FLAGS.split()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    state = json.loads((tmp_path / "out/trainer_state.json").read_text())
+    assert state["global_step"] == 2 and all(math.isfinite(h["train_loss"]) for h in state["log_history"] if "train_loss" in h)
