@@ -238,25 +238,36 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
 # ---------------------------------------------------------------- end to end: train.py -> export -> eval
 
 
+def launch_training(output: Path, *args: str) -> None:
+    """`deepspeed --num_gpus 2 --module disco_clip_ds.train` with the tiny model on CPU; fails with its log."""
+    from conftest import free_port
+
+    cmd = [Path(sys.executable).parent / "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "disco_clip_ds.train",
+           "--model_config", MODEL_CONFIG, "--tokenizer_name", TOKENIZER_DIR, "--output_dir", output, "--report_to", "none",
+           "--disable_tqdm", "true", "--dataloader_num_workers", "1", "--logging_steps", "1", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
     """A real `disco_clip_ds.train` run under `deepspeed` on 2 CPU ranks with ZeRO-3, checkpointing every 2
     steps and running the zero-shot callback every 2 steps."""
     import numpy as np
 
-    from test_evaluate import random_image_bytes, write_shards as write_eval_shards
-    from test_pipeline import write_shards as write_train_shards
-    from test_train import launch, ok
+    from test_evaluate import random_image_bytes, write_shards
 
     root = tmp_path_factory.mktemp("run")
-    write_train_shards(root / "train", num_shards=2, per_shard=16, seed=3)
     rng = np.random.default_rng(5)
-    write_eval_shards(root / "eval", [{"png": random_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10)
-    (root / "eval" / "classnames.txt").write_text("zero\none\ntwo\nthree\nfour\nfive\nsix\nseven\neight\nnine\n")
+    digits = "zero one two three four five six seven eight nine".split()
+    write_shards(root / "train", [{"jpg": random_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"} for i in range(32)], per_shard=16)
+    write_shards(root / "eval", [{"png": random_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10)
+    (root / "eval" / "classnames.txt").write_text("\n".join(digits) + "\n")
     (root / "eval" / "zeroshot_classification_templates.txt").write_text("a photo of the digit {c}\n{c}\n")
-    ok(launch("deepspeed", 2, root / "out", "--train_shards", str(root / "train"), "--max_steps", "4", "--save_steps", "2",
-              "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
-              "--zeroshot_data", str(root / "eval"), "--zeroshot_steps", "2", ds_config="cpu_zero3.json"))
+    launch_training(root / "out", "--deepspeed", REPO / "ds_configs" / "cpu_zero3.json", "--train_shards", root / "train",
+                    "--train_num_samples", "32", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "4",
+                    "--per_device_eval_batch_size", "8", "--zeroshot_data", root / "eval", "--zeroshot_steps", "2")
     return root
 
 
