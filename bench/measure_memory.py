@@ -39,21 +39,21 @@ def _reset_peak() -> float:
     return _mib("VmRSS")
 
 
-def _inputs(config, batch: int):
+def _inputs(config, batch: int, dtype):
     import torch
 
     vision, text = config.vision_config, config.text_config
-    pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size)
+    pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size, dtype=dtype)
     ids = torch.randint(0, text.vocab_size, (batch, text.max_position_embeddings))
     return {"pixel_values": pixels, "input_ids": ids}
 
 
 def _step(model, config, batch: int) -> None:
-    out = model(**_inputs(config, batch), return_loss=True)
+    out = model(**_inputs(config, batch, model.dtype), return_loss=True)
     out.loss.backward()
 
 
-def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bool) -> dict:
+def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bool, dtype: str = "fp32") -> dict:
     import torch
     from transformers import CLIPConfig, CLIPModel
 
@@ -61,7 +61,7 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
     torch.manual_seed(0)
     config = CLIPConfig.from_json_file(model_path)
     base = _reset_peak()
-    model = CLIPModel(config).train()
+    model = CLIPModel(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if mode == "fwdbwd":
@@ -76,7 +76,7 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
             optimizer.step()
     peak = _mib("VmHWM")
     return {
-        "model": model_path, "batch": batch, "mode": mode, "activation_checkpointing": activation_checkpointing,
+        "model": model_path, "batch": batch, "mode": mode, "activation_checkpointing": activation_checkpointing, "dtype": dtype,
         "params": sum(p.numel() for p in model.parameters()), "base_mib": round(base, 2),
         "peak_mib": round(peak, 2), "delta_mib": round(peak - base, 2),
     }
@@ -88,10 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--mode", choices=["fwdbwd", "train"], default="fwdbwd")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights, inputs and activations (bf16: checks the planner's halving)")
     args = parser.parse_args(argv)
     if os.environ.get(MMAP_ENV) != "65536":  # must be set before the process starts: re-exec with it
         os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, MMAP_ENV: "65536"})
-    print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing)))
+    print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype)))
 
 
 if __name__ == "__main__":
