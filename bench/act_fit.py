@@ -1,6 +1,6 @@
 """Fit the planner's activation-memory coefficients from measured CPU peaks of real CLIPModels.
 
-    python bench/act_fit.py            # ~4 min on 2 cores; writes disco_clip_ds/activation_fit.json
+    python bench/act_fit.py            # ~8 min on 2 busy cores; writes disco_clip_ds/activation_fit.json
 
 Every (model, batch, checkpointing) point runs bench/measure_memory.py in a fresh process (forward+backward,
 fp32, sdpa attention). Two batch sizes per model give the per-sample slope, free of fixed costs. The slope is
