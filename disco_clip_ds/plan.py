@@ -230,8 +230,8 @@ def _precision(config: dict, requested: str | None, problems: list, auto: list) 
     on = [k for k, v in enabled.items() if v]
     if len(on) > 1:
         problems.append("fp16.enabled and bf16.enabled are both true: enable one (bf16 on A100/H100)")
-    if "amp" in config and config["amp"].get("enabled") and config.get("zero_optimization", {}).get("stage", 0):
-        problems.append("\"amp\" (apex) cannot be combined with ZeRO: remove \"amp\" and use \"bf16\" or \"fp16\"")
+    if "amp" in config:  # DeepSpeed 0.19 refuses the section outright; older releases refused it with ZeRO
+        problems.append("\"amp\" (NVIDIA Apex) is not supported with DeepSpeed ZeRO: remove it and enable \"bf16\" or \"fp16\"")
     configured = on[0] if on else "fp32"
     if requested is not None and requested != configured:
         problems.append(f"--precision {requested} but the config trains in {configured}: "
