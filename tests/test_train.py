@@ -40,8 +40,8 @@ BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing sha
 def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
     """Run `disco_clip_ds.train` on `nproc` CPU ranks with `launcher`; returns the CompletedProcess.
 
-    launcher: deepspeed | torchrun | accelerate (then ds_config names recipes/accelerate/deepspeed_zeroN.yaml) |
-    python (one process)."""
+    launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
+    fsdp.yaml) | python (one process)."""
     port = str(free_port())
     train_args = [*COMMON, "--output_dir", str(output), *args]
     if ds_config and launcher != "accelerate":
@@ -51,7 +51,7 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
     elif launcher == "torchrun":
         cmd = [VENV_BIN / "torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "-m", "disco_clip_ds.train"]
     elif launcher == "accelerate":
-        yaml = REPO / "recipes/accelerate" / ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml")
+        yaml = REPO / "recipes/accelerate" / (ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml")
         cmd = [VENV_BIN / "accelerate", "launch", "--config_file", yaml, "--num_processes", str(nproc),
                "--main_process_port", port, "-m", "disco_clip_ds.train"]
     else:
@@ -112,13 +112,14 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shards, initial_model):
-    """One run per launcher, doubling as the equivalence runs; plus a resumed run. ~3 min on 2 cores."""
+    """One run per launcher and engine, doubling as the equivalence runs; plus a resumed run. ~3 min on 2 cores."""
     root = tmp_path_factory.mktemp("runs")
     common = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
     launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
     launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
     launch("accelerate", 2, root / "n2_zero3_tiled", *common, "--per_device_train_batch_size", str(PER_RANK),
            ds_config="cpu_zero3.json")
+    launch("accelerate", 2, root / "n2_fsdp_tiled", *common, "--per_device_train_batch_size", str(PER_RANK), ds_config=None)
     launch("deepspeed", 2, root / "n2_zero2_disco", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco")
     # interrupted after step 3: a fresh output_dir holding only checkpoint-3, resumed with 'latest'
     shutil.copytree(root / "n2_zero2_disco" / "checkpoint-3", root / "resumed" / "checkpoint-3")
@@ -133,6 +134,10 @@ def test_one_rank_with_2b_trains_like_two_ranks_with_b(runs, initial_weights):
 
 def test_zero3_trains_like_zero2(runs, initial_weights):
     assert_same_training(runs / "n2_zero3_tiled", runs / "n2_zero2_tiled", initial_weights)
+
+
+def test_fsdp_trains_like_deepspeed(runs, initial_weights):
+    assert_same_training(runs / "n2_fsdp_tiled", runs / "n2_zero2_tiled", initial_weights)
 
 
 def test_disco_trains_like_tiled(runs, initial_weights):
@@ -151,7 +156,7 @@ def test_resume_continues_with_the_losses_of_the_uninterrupted_run(runs):
 
 
 def test_bad_samples_are_skipped_counted_and_reported(runs):
-    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_zero2_disco"):
+    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco"):
         skipped = json.loads((runs / name / "train_results.json").read_text())["skipped_samples"]
         assert skipped >= BAD_PER_PASS, name  # every shard was opened at least once in 5 x 16 samples
         assert f"skipped samples: {skipped}" in (runs / f"{name}.log").read_text()
@@ -177,7 +182,7 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
         "    assert p.image_processor.crop_size['height'] == 64, p.image_processor.crop_size\n"
         "    print(d, m.logit_scale.item())\n"
     )
-    dirs = [str(runs / "n2_zero2_tiled"), str(runs / "n2_zero3_tiled")]
+    dirs = [str(runs / "n2_zero2_tiled"), str(runs / "n2_zero3_tiled"), str(runs / "n2_fsdp_tiled")]
     out = subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     from transformers import CLIPConfig, CLIPModel
