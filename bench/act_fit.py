@@ -17,7 +17,6 @@ No s^2 attention term: sdpa (flash / memory-efficient kernels) stores no attenti
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
