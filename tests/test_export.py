@@ -71,35 +71,46 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
     return {"text": text, "image": image, "loss": float(loss)}
 
 
-@pytest.fixture(scope="module", params=[(2, "fp32"), (3, "fp32")], ids=["zero2", "zero3"])
-def checkpoint(request, tmp_path_factory):
-    stage, precision = request.param
-    folder = tmp_path_factory.mktemp(f"zero{stage}") / "checkpoint-3"
-    folder.mkdir()
-    results = run_ranks(_train_and_save, 2, stage, precision, folder, timeout=180)
-    return folder, stage, results[0]
+def _train_and_save_stages(rank, world_size, stages, root):
+    # one spawn for all stages: the ranks' imports cost more than the runs
+    return {stage: _train_and_save(rank, world_size, stage, "fp32", root / f"zero{stage}" / "checkpoint-3") for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    for stage in (2, 3):
+        (root / f"zero{stage}" / "checkpoint-3").mkdir(parents=True)
+    return root, run_ranks(_train_and_save_stages, 2, (2, 3), root, timeout=240)[0]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def checkpoint(request, trained_checkpoints):
+    root, results = trained_checkpoints
+    return root / f"zero{request.param}" / "checkpoint-3", request.param, results[request.param]
 
 
 RELOAD = r"""
 import json, sys, torch
 from transformers import CLIPModel, CLIPProcessor
-folder, prompts = sys.argv[1], json.loads(sys.argv[2])
-model = CLIPModel.from_pretrained(folder).eval()
-processor = CLIPProcessor.from_pretrained(folder)
-assert type(processor.tokenizer).__name__.startswith("CLIPTokenizer"), type(processor.tokenizer)
-pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(7))
-with torch.no_grad():
-    text = model.get_text_features(**processor.tokenizer(prompts, padding=True, return_tensors="pt")).pooler_output
-    image = model.get_image_features(pixel_values=pixels).pooler_output
-torch.save({"text": text, "image": image, "logit_scale": model.logit_scale.detach()}, sys.argv[3])
+prompts, folders = json.loads(sys.argv[1]), sys.argv[2:]
+for i, folder in enumerate(folders):
+    model = CLIPModel.from_pretrained(folder).eval()
+    processor = CLIPProcessor.from_pretrained(folder)
+    assert type(processor.tokenizer).__name__.startswith("CLIPTokenizer"), type(processor.tokenizer)
+    pixels = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        text = model.get_text_features(**processor.tokenizer(prompts, padding=True, return_tensors="pt")).pooler_output
+        image = model.get_image_features(pixel_values=pixels).pooler_output
+    torch.save({"text": text, "image": image, "logit_scale": model.logit_scale.detach()}, f"emb{i}.pt")
 """
 
 
-def reload_in_fresh_process(folder: Path, out: Path) -> dict:
-    """Load the folder with transformers alone (no disco_clip_ds import) in a new interpreter."""
+def reload_in_fresh_process(tmp: Path, *folders: Path) -> list[dict]:
+    """Load each folder with transformers alone (no disco_clip_ds import) in a new interpreter; its embeddings."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    subprocess.run([sys.executable, "-c", RELOAD, str(folder), json.dumps(PROMPTS), str(out)], check=True, env=env, cwd=out.parent, timeout=120)
-    return torch.load(out)
+    subprocess.run([sys.executable, "-c", RELOAD, json.dumps(PROMPTS), *map(str, folders)], check=True, env=env, cwd=tmp, timeout=120)
+    return [torch.load(tmp / f"emb{i}.pt") for i in range(len(folders))]
 
 
 def test_export_reproduces_trained_embeddings(checkpoint, tmp_path):
@@ -111,7 +122,7 @@ def test_export_reproduces_trained_embeddings(checkpoint, tmp_path):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["CLIPModel"]
-    reloaded = reload_in_fresh_process(out, tmp_path / "emb.pt")
+    (reloaded,) = reload_in_fresh_process(tmp_path, out)
     torch.testing.assert_close(reloaded["text"], trained["text"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded["image"], trained["image"], rtol=1e-5, atol=1e-5)
     assert reloaded["logit_scale"].dim() == 0
@@ -281,12 +292,13 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
 
     exported = ex.export_checkpoint(out / "checkpoint-4", tmp_path / "model")  # consolidated from ZeRO-3 partitions
     assert "| DeepSpeed ZeRO stage | 3 |" in (exported / "README.md").read_text()
-    from_export = reload_in_fresh_process(exported, tmp_path / "a.pt")
-    from_trainer = reload_in_fresh_process(out, tmp_path / "b.pt")  # the Trainer's own gathered final weights
+    # against the Trainer's own final weights, gathered by DeepSpeed's other path (16-bit gather, fp32 here)
+    from_export, from_trainer = reload_in_fresh_process(tmp_path, exported, out)
     torch.testing.assert_close(from_export["image"], from_trainer["image"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(from_export["text"], from_trainer["text"], rtol=1e-5, atol=1e-5)
 
-    metrics = ev.zeroshot_classification(*ev.load_for_eval(str(exported))[:2], str(zero3_run / "eval"),
-                                         ev.find_classnames(str(zero3_run / "eval"), None), ev.find_templates(str(zero3_run / "eval"), None),
-                                         image_processor=ev.load_for_eval(str(exported))[2], progress=False)
+    data = str(zero3_run / "eval")
+    model, tokenizer, processor = ev.load_for_eval(str(exported))
+    metrics = ev.zeroshot_classification(model, tokenizer, data, ev.find_classnames(data, None), ev.find_templates(data, None),
+                                         image_processor=processor, progress=False)
     assert {k: during[4][f"zeroshot_{k}"] for k in metrics} == pytest.approx(metrics)
