@@ -97,6 +97,18 @@ def test_local_loss_on_two_ranks_is_the_per_device_loss():
     assert [loss for loss, _ in results] == pytest.approx(halves, rel=1e-10)
 
 
+@pytest.mark.parametrize("impl", ["tiled", "disco"])
+def test_loss_under_bf16_autocast_matches_fp32(impl):
+    # the Trainer's --bf16 without DeepSpeed runs forward under autocast
+    model, inputs = tiny_model(impl, dtype=torch.float32), batch(torch.float32)
+    reference = model(**inputs, return_loss=True).loss.item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs, return_loss=True).loss
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(reference, rel=3e-2)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_logit_scale_is_clamped_at_100():
     model, inputs = tiny_model(), batch()
     with torch.no_grad():
