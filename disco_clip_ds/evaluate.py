@@ -11,13 +11,12 @@ must run on every rank over the same data (they do: the shards are read whole on
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,20 +138,16 @@ def zeroshot_classifier(model, tokenizer, classnames: Sequence[str], templates: 
 
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
-    """Shard paths from a folder (its *.tar), a glob, a brace pattern (`{00000..00009}`) or a list of these."""
-    import braceexpand
+    """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
+    `data.shards.expand_shards`) or a list of such specs; local shards must exist."""
+    from .data.shards import expand_shards
 
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    shards = []
-    for item in map(str, specs):
-        if os.path.isdir(item):
-            found = sorted(glob.glob(os.path.join(item, "*.tar")))
-        else:
-            found = [p for pattern in braceexpand.braceexpand(item) for p in sorted(glob.glob(pattern))]
-        if not found:
-            raise FileNotFoundError(f"no webdataset shards found at '{item}': give a folder of .tar shards, a glob or a brace pattern")
-        shards += found
-    return shards
+    urls = [url for item in specs for url in expand_shards(str(item))]
+    missing = [url for url in urls if "://" not in url and not url.startswith("pipe:") and not os.path.isfile(url)]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards or a brace pattern")
+    return urls
 
 
 def _every_node(urls):
@@ -160,35 +155,19 @@ def _every_node(urls):
     yield from urls
 
 
-def read_samples(shards: Sequence[str], fields: str) -> Iterator[tuple]:
-    """(PIL RGB image, field) samples from the shards in order; `fields` is "cls" or "txt"."""
+def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
+    """(pixel_values, [class index or caption list]) batches read in order from the shards; `fields` is "cls" or "txt"."""
     import webdataset as wds
 
     dataset = (
-        wds.WebDataset(list(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False)
+        wds.WebDataset(resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False)
         .decode("pil")
         .to_tuple(IMAGE_KEYS, fields)
+        .batched(batch_size, collation_fn=None, partial=True)
     )
-    for image, value in dataset:
-        yield image.convert("RGB"), value
-
-
-def _batched(items: Iterable, batch_size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
-    """(pixel_values, [cls or caption list]) batches read from shards with the model's image processor."""
-    for batch in _batched(read_samples(resolve_shards(shards), fields), batch_size):
+    for batch in dataset:
         images, values = zip(*batch)
-        pixel_values = image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        pixel_values = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
         if fields == "txt":
             values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
         yield pixel_values, list(values)
@@ -228,7 +207,7 @@ def zeroshot_classification(
 ) -> dict[str, float]:
     """Zero-shot classification: acc1, acc5, mean_per_class_recall (fractions in [0, 1]).
 
-    `data` is a shard spec (folder, glob, brace pattern, list; then `image_processor` is needed) or any
+    `data` is a shard spec (folder, brace pattern, '::'-joined, list; then `image_processor` is needed) or any
     iterable of `(pixel_values, class_indices)` batches, such as a DataLoader.
     """
     if not classnames or not templates:
@@ -370,7 +349,7 @@ class ZeroShotCallback(TrainerCallback):
 @dataclass
 class EvalArguments:
     model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
-    data: str = field(metadata={"help": "webdataset shards: folder, glob or brace pattern"})
+    data: str = field(metadata={"help": "webdataset shards: a folder, 'dir/{00000..00009}.tar', or sources joined by '::'"})
     task: str = field(default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]})
     classnames: str | None = field(default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"})
     templates: str | None = field(default=None, metadata={"help": "templates file or 'openai_imagenet' (default: the file beside the shards, else OpenAI's 80)"})
@@ -419,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     """`disco-clip eval`: print (and optionally write) the result record."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(EvalArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
     try:
         record = run_eval(args)
     except (FileNotFoundError, ValueError, OSError) as e:

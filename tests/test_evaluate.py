@@ -268,7 +268,8 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--data", "/nonexistent/shards"], "no webdataset shards"),
+        (["--data", "/nonexistent/shards"], "shards not found, e.g. '/nonexistent/shards'"),
+        (["--data", "DIR/{00000..00005}.tar"], "3 of 6 shards not found"),
         (["--classnames", "/nonexistent/names.txt"], "not found"),
         (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),
         (["--batch_size", "0"], "--batch_size must be positive"),
@@ -277,7 +278,7 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
 def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
     folder, _, _ = cls_set
     (tmp_path / "TPL").write_text("no placeholder here\n")
-    extra = [str(tmp_path / "TPL") if e == "TPL" else e for e in extra]
+    extra = [str(tmp_path / "TPL") if e == "TPL" else e.replace("DIR", str(folder)) for e in extra]
     argv = ["--model", str(model_dir), "--data", str(folder), *extra]
     assert ev.main(argv) == 1
     assert message in capsys.readouterr().err
