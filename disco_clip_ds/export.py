@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
@@ -98,10 +98,13 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
 def _read_weight_file(path: Path) -> dict:
     import torch
 
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
+    try:
+        if path.name.endswith(".index.json"):  # sharded: the index maps each weight to its shard file
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+            return {name: tensor for shard in shards for name, tensor in load_file(str(path.parent / shard)).items()}
+        if path.suffix == ".safetensors":
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

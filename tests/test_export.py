@@ -148,6 +148,25 @@ def test_export_trained_weights_differ_from_init(checkpoint):
     assert not torch.allclose(image, trained["image"], atol=1e-3)
 
 
+def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
+    """A checkpoint without DeepSpeed state (DDP, or ZeRO-3 with gathered weights) in sharded safetensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    torch.manual_seed(3)
+    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
+    checkpoint = tmp_path / "checkpoint-9"
+    model.save_pretrained(checkpoint, max_shard_size="300KB")
+    assert (checkpoint / "model.safetensors.index.json").is_file()
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
+    out = ex.export_checkpoint(checkpoint, tmp_path / "out")
+    exported = load_file(out / "model.safetensors")
+    original = model.state_dict()
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
 def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_path):
     folder, _, _ = checkpoint
     broken = tmp_path / "checkpoint-3"
