@@ -359,6 +359,18 @@ def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
 
 
+def require_hub_token() -> str:
+    """The Hugging Face token from huggingface_hub's usual places; ExportError saying how to set one if none.
+
+    Training with --push_to_hub can call this before it starts, so a missing token is not found hours later."""
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if token is None:
+        raise ExportError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
+    return token
+
+
 def push_folder(folder, repo_id: str, private: bool = False, revision: str | None = None, dry_run: bool = False) -> str:
     """Upload an exported folder to the hub model repo `repo_id` (created when missing) in one commit.
 
@@ -377,10 +389,7 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
         if get_token() is None:
             print("note: no Hugging Face token found; set HF_TOKEN or run `hf auth login` before pushing")
         return target
-    token = get_token()
-    if token is None:
-        raise ExportError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
-    api = HfApi(token=token)
+    api = HfApi(token=require_hub_token())
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision:
         api.create_branch(repo_id, branch=revision, exist_ok=True)

@@ -203,9 +203,13 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def exported(checkpoint, tmp_path_factory):
-    folder, _, _ = checkpoint
-    return ex.export_checkpoint(folder, tmp_path_factory.mktemp("exp") / "model")
+def zero2_checkpoint(trained_checkpoints):
+    return trained_checkpoints[0] / "zero2" / "checkpoint-3"
+
+
+@pytest.fixture(scope="module")
+def exported(zero2_checkpoint, tmp_path_factory):
+    return ex.export_checkpoint(zero2_checkpoint, tmp_path_factory.mktemp("exp") / "model")
 
 
 def _push_cli(args, home: Path, **env):
@@ -230,9 +234,8 @@ def test_push_without_token_fails_clearly(exported, tmp_path):
     assert "no Hugging Face token: set HF_TOKEN or run `hf auth login`" in result.stderr
 
 
-def test_push_refuses_raw_checkpoints(checkpoint, capsys):
-    folder, _, _ = checkpoint
-    assert ex.push_main([str(folder), "--repo_id", "someone/x", "--dry-run"]) == 1
+def test_push_refuses_raw_checkpoints(zero2_checkpoint, capsys):
+    assert ex.push_main([str(zero2_checkpoint), "--repo_id", "someone/x", "--dry-run"]) == 1
     assert "run `disco-clip export" in capsys.readouterr().err
 
 
