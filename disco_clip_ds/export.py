@@ -264,8 +264,8 @@ def model_card(run: dict, eval_records: list[dict], weights_from: str):
     lines = [
         "---", data.to_yaml(), "---", "",
         "# CLIP trained with disco-clip-ds", "",
-        "A `transformers` CLIPModel trained with the exact distributed DisCo-CLIP contrastive loss "
-        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480)) under DeepSpeed.", "",
+        "A `transformers` CLIPModel trained with disco-clip-ds, the exact distributed DisCo-CLIP contrastive loss "
+        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))" + (" under DeepSpeed ZeRO." if "zero_stage" in run else "."), "",
         "## Training set-up", "", "| | |", "|---|---|", *rows, "",
         f"Weights exported in fp32 from {weights_from}.", "",
     ]
