@@ -178,23 +178,32 @@ def run_config(cfg: dict, timeout: float) -> dict:
 
 
 def plot(rows: list[dict], path: Path):
+    """Memory vs batch per (impl, world, dtype, device), log-log; failed runs as crosses along the top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (impl, world, dtype, device) in sorted({(r["impl"], r["world"], r["dtype"], r["device"]) for r in rows}):
-        pts = [(r["batch"], float(r["peak_extra_mib"])) for r in rows if (r["impl"], r["world"], r["dtype"], r["device"]) == (impl, world, dtype, device) and r["status"] == "ok"]
-        oom = [r["batch"] for r in rows if (r["impl"], r["world"], r["dtype"], r["device"]) == (impl, world, dtype, device) and r["status"] != "ok"]
+    top = 1.6 * max((float(r["peak_extra_mib"]) for r in rows if r["status"] == "ok"), default=1.0)
+    series = sorted({(r["impl"], int(r["world"]), r["dtype"], r["device"]) for r in rows})
+    for n, key in enumerate(series):
+        mine = [r for r in rows if (r["impl"], int(r["world"]), r["dtype"], r["device"]) == key]
+        pts = sorted((int(r["batch"]), float(r["peak_extra_mib"])) for r in mine if r["status"] == "ok")
+        failed = [int(r["batch"]) for r in mine if r["status"] not in ("ok",) and not r["status"].startswith("skipped")]
+        color = None
         if pts:
-            line, = ax.plot(*zip(*sorted(pts)), marker="o", label=f"{impl} (world {world}, {dtype}, {device})")
-            if oom:
-                ax.scatter(oom, [max(p[1] for p in pts)] * len(oom), marker="x", color=line.get_color(), s=60)
-    ax.set(xscale="log", yscale="log", xlabel="global batch B", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank (x = OOM)")
+            (line,) = ax.plot(*zip(*pts), marker="o", label="{} (world {}, {}, {})".format(*key))
+            color = line.get_color()
+        if failed:
+            # nudged sideways per series so that crosses at the same B stay distinguishable
+            ax.scatter([b * 1.04**n for b in failed], [top] * len(failed), marker="x", s=70, color=color)
+    ax.axhline(top, color="grey", lw=0.5, ls=":")
     ax.set_xscale("log", base=2)
+    ax.text(min(int(r["batch"]) for r in rows), top, "OOM ", ha="right", va="center", fontsize=8, color="grey")
+    ax.set(yscale="log", xlabel="global batch B (d = 512)", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -220,6 +229,7 @@ def parse_args(argv=None):
     p.add_argument("--mem_limit_gib", type=float, default=None, help="CPU memory cap per rank (default: 80%% of available / world)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)")
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the CSV at --out")
     args = p.parse_args(argv)
     if any(b % w for b in args.batch for w in args.world):
         p.error(f"every --batch must be divisible by every --world; got batch {args.batch}, world {args.world}")
@@ -229,6 +239,10 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
+    if args.replot:
+        with open(out) as f:
+            plot(list(csv.DictReader(f)), out.with_suffix(".png"))
+        return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"{'impl':>6} {'world':>5} {'batch':>7} {'dtype':>5} {'peak MiB/rank':>14} {'fwd+bwd ms':>11}  status", flush=True)
