@@ -114,6 +114,8 @@ class DiscoTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         start = time.perf_counter()
+        if self._last_log is None:  # the clock starts at the first batch: no start-up time, and after a resume
+            self._last_log = (start, self.state.global_step)  # global_step is the restored one
         batches = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._data_time += time.perf_counter() - start
         return batches
@@ -125,7 +127,7 @@ class DiscoTrainer(Trainer):
 
     def _training_metrics(self) -> dict[str, float]:
         now, step, world = time.perf_counter(), self.state.global_step, self.args.world_size
-        last_time, last_step = self._last_log or (self._train_start, 0)
+        last_time, last_step = self._last_log
         steps = max(1, step - last_step)
         elapsed = now - last_time
         local = torch.tensor([self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
@@ -146,10 +148,6 @@ class DiscoTrainer(Trainer):
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
         return metrics
-
-    def train(self, *args, **kwargs):
-        self._train_start = time.perf_counter()
-        return super().train(*args, **kwargs)
 
 
 def _peak_memory_gib(device: torch.device) -> float:
