@@ -101,8 +101,9 @@ def _rank_main(rank, world, port, cfg, results):
         loss_fn(*warm, log_scale.exp()).backward()
         if not cuda and cfg["mem_limit_gib"]:
             _limit_memory(cfg["mem_limit_gib"])
+        start = time.perf_counter()
         peak = _measure_peak(step, device)
-        times = []
+        times = [time.perf_counter() - start] if cfg["reps"] == 0 else []  # with no reps, the cold call's time
         for _ in range(cfg["reps"]):
             dist.barrier()
             start = time.perf_counter()
@@ -110,7 +111,7 @@ def _rank_main(rank, world, port, cfg, results):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        results.put((rank, "ok", peak, statistics.median(times) * 1000 if times else float("nan")))
+        results.put((rank, "ok", peak, statistics.median(times) * 1000))
     except BaseException as err:  # noqa: BLE001 - the parent records it and stops the other ranks
         results.put((rank, "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {err}"[:300], None, None))
     finally:
