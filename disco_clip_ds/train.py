@@ -245,7 +245,8 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
-    """Run training; returns the train metrics (with `skipped_samples`). Saves the final model to output_dir."""
+    """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
+    to output_dir."""
     check_deepspeed_batch(args)
     set_seed(args.seed)
     urls = expand_shards(data_args.train_shards)
@@ -277,7 +278,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                 args.per_device_train_batch_size * args.world_size, model.config.loss_impl)
 
     result = trainer.train(resume_from_checkpoint=_resume_point(args))
-    metrics = {**result.metrics, "skipped_samples": _total_skipped(trainer, stream)}
+    skipped, decoded = _stream_totals(trainer, stream)
+    metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)
     trainer.save_model(args.output_dir)
@@ -289,9 +291,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     return metrics
 
 
-def _total_skipped(trainer: DiscoTrainer, stream: ShardStream) -> int:
-    local = torch.tensor([float(stream.skipped.value)], device=trainer.args.device)
-    return int(trainer.accelerator.gather(local).sum().item())
+def _stream_totals(trainer: DiscoTrainer, stream: ShardStream) -> tuple[int, int]:
+    """(skipped, decoded) samples over all ranks: decoded ~ steps x global batch, plus what was prefetched."""
+    local = torch.tensor([[float(stream.skipped.value), float(stream.decoded.value)]], device=trainer.args.device)
+    skipped, decoded = trainer.accelerator.gather(local).sum(dim=0).tolist()
+    return int(skipped), int(decoded)
 
 
 def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:

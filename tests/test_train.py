@@ -22,9 +22,10 @@ from test_pipeline import write_shards
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 STEPS, PER_RANK, SEED = 5, 8, 7
+OWN_STEPS = 10  # the own-shards and resume runs
 COMMON = [
     "--tokenizer_name", str(REPO / "recipes/tokenizer"),
-    "--logging_steps", "1", "--save_steps", "3", "--dataloader_num_workers", "1", "--shuffle_buffer", "8",
+    "--logging_steps", "1", "--save_steps", "3", "--save_total_limit", "5", "--dataloader_num_workers", "1", "--shuffle_buffer", "8",
     "--disable_tqdm", "true", "--report_to", "none", "--seed", str(SEED),
 ]
 # Plain SGD without clipping: the update is linear in the gradient, so a gradient off by any factor (the
@@ -121,10 +122,13 @@ def runs(tmp_path_factory, shards, initial_model):
            ds_config="cpu_zero3.json")
     launch("accelerate", 2, root / "n2_fsdp_tiled", *common, "--per_device_train_batch_size", str(PER_RANK), ds_config=None)
     launch("deepspeed", 2, root / "n2_zero2_disco", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco")
-    # interrupted after step 3: a fresh output_dir holding only checkpoint-3, resumed with 'latest'
-    shutil.copytree(root / "n2_zero2_disco" / "checkpoint-3", root / "resumed" / "checkpoint-3")
-    launch("deepspeed", 2, root / "resumed", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco",
-           "--resume_from_checkpoint", "latest")
+    # the default data path: each rank reads its own shards (no dispatch); then the same run interrupted after
+    # step 3: a fresh output_dir holding only checkpoint-3, resumed with 'latest'
+    own = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD,
+           "--max_steps", str(OWN_STEPS), "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco"]
+    launch("deepspeed", 2, root / "own_shards", *own)
+    shutil.copytree(root / "own_shards" / "checkpoint-3", root / "resumed" / "checkpoint-3")
+    launch("deepspeed", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
     return root
 
 
@@ -145,18 +149,27 @@ def test_disco_trains_like_tiled(runs, initial_weights):
 
 
 def test_resume_continues_with_the_losses_of_the_uninterrupted_run(runs):
-    full, resumed = step_losses(runs / "n2_zero2_disco"), step_losses(runs / "resumed")
-    # the resumed state carries steps 1-3 from the checkpoint; the run itself logged steps 4 and 5
-    assert (runs / "resumed.log").read_text().count("{'loss': ") == STEPS - 3
+    full, resumed = step_losses(runs / "own_shards"), step_losses(runs / "resumed")
+    # the resumed state carries steps 1-3 from the checkpoint; the run itself logged steps 4 to 10
+    assert (runs / "resumed.log").read_text().count("{'loss': ") == OWN_STEPS - 3
     assert "resume: " in (runs / "resumed.log").read_text() and "checkpoint-3" in (runs / "resumed.log").read_text()
-    assert len(resumed) == STEPS
+    assert len(resumed) == OWN_STEPS
     assert resumed == pytest.approx(full, rel=1e-6)
-    wa, wb = weights(runs / "n2_zero2_disco"), weights(runs / "resumed")
+    wa, wb = weights(runs / "own_shards"), weights(runs / "resumed")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
+def test_ranks_read_their_own_shards_once(runs):
+    # 10 steps x 16 samples = 160, plus what each rank's reader holds ahead (2 prefetched batches, the shuffle
+    # buffer, a batch in the making: ~32 per rank here). Had accelerate re-sharded the ranks' own streams, each
+    # rank would have decoded two batches per step: >= 320.
+    consumed = OWN_STEPS * 2 * PER_RANK
+    decoded = json.loads((runs / "own_shards" / "train_results.json").read_text())["decoded_samples"]
+    assert consumed <= decoded < 1.75 * consumed
+
+
 def test_bad_samples_are_skipped_counted_and_reported(runs):
-    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco"):
+    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco", "own_shards"):
         skipped = json.loads((runs / name / "train_results.json").read_text())["skipped_samples"]
         assert skipped >= BAD_PER_PASS, name  # every shard was opened at least once in 5 x 16 samples
         assert f"skipped samples: {skipped}" in (runs / f"{name}.log").read_text()

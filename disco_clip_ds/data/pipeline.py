@@ -89,7 +89,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
     e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is only used to check
-    up front that every reader gets a shard. `skipped` counts skipped samples and shards across all workers.
+    up front that every reader gets a shard. `skipped` counts skipped samples and shards, `decoded` the samples
+    produced, across all workers.
     """
 
     def __init__(self, urls: list[str], image_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
@@ -98,7 +99,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.shuffle_buffer = shuffle_buffer
         self.transform = ImageTransform(image_size, train=train)
-        self.skipped = multiprocessing.get_context("spawn").Value("q", 0)  # shared with forked/spawned workers
+        spawn = multiprocessing.get_context("spawn")
+        self.skipped, self.decoded = spawn.Value("q", 0), spawn.Value("q", 0)  # shared with forked/spawned workers
         workers = max(1, num_workers)
         shards_for_reader(self.urls, rank * workers, world_size * workers)  # fail early, in the main process
 
@@ -133,6 +135,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 item = self._decode(sample, epoch)
                 if item is not None:
                     produced += 1
+                    with self.decoded.get_lock():
+                        self.decoded.value += 1
                     yield item
             if produced == 0:  # without this an unreadable shard set would spin forever
                 raise RuntimeError(f"no readable samples in shards {shards}: check the paths and the tar files")
