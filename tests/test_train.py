@@ -259,3 +259,32 @@ def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     for shipped in ("cpu_zero2.json", "cpu_zero3.json"):  # all "auto": any arguments fit
         check_deepspeed_batch(SimpleNamespace(deepspeed=str(REPO / "ds_configs" / shipped), per_device_train_batch_size=3,
                                               gradient_accumulation_steps=5, world_size=7))
+
+
+def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
+    from types import SimpleNamespace
+
+    from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.train import DataArguments, _steps_and_samples
+
+    folder = tmp_path / "data"
+    write_shards(folder, num_shards=2, per_shard=50)  # sizes.json: 100 samples
+    urls = expand_shards(str(folder))
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=2, max_steps=-1, num_train_epochs=3)
+    assert _steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (10, 100)  # ceil(300 / 32)
+    assert _steps_and_samples(DataArguments(train_shards=str(folder), train_num_samples=64), args, urls) == (6, 64)
+    args.max_steps = 7
+    assert _steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (7, 100)
+
+
+def test_locked_towers_are_frozen_and_the_rest_trains():
+    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.train import ModelArguments, _lock_towers
+
+    model = build_model(model_config=str(REPO / "recipes/models/tiny.json"))
+    _lock_towers(model, ModelArguments(lock_image_tower=True))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert not any(n.startswith(("vision_model.", "visual_projection.")) for n in trainable)
+    assert {"logit_scale", "text_projection.weight"} <= trainable and any(n.startswith("text_model.") for n in trainable)
+    _lock_towers(model, ModelArguments(lock_text_tower=True))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"logit_scale"}
