@@ -172,7 +172,6 @@ def build_model(
     model_config: str | None = None,
     loss_impl: str = "tiled",
     chunk_size: int | None = None,
-    **config_overrides,
 ) -> DiscoCLIPModel:
     """A DiscoCLIPModel from pretrained weights (hub id or folder) or fresh from a CLIPConfig JSON file."""
     if bool(model_name_or_path) == bool(model_config):
@@ -185,8 +184,6 @@ def build_model(
             raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
         config = CLIPConfig.from_json_file(str(path))
     config.loss_impl, config.chunk_size = loss_impl, chunk_size
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
     if model_name_or_path:
         return DiscoCLIPModel.from_pretrained(model_name_or_path, config=config)
     return DiscoCLIPModel(config)
