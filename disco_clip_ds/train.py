@@ -237,6 +237,12 @@ def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
 
 
 def _resume_point(args: DiscoTrainingArguments) -> str | None:
+    if args.resume_from_checkpoint is None:
+        existing = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
+            raise UsageError(f"{args.output_dir} holds checkpoints ({existing}): pass --resume_from_checkpoint latest "
+                             "to continue that run, or choose a new --output_dir")
+        return None
     if args.resume_from_checkpoint != "latest":
         return args.resume_from_checkpoint
     last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
@@ -248,6 +254,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
     to output_dir."""
     check_deepspeed_batch(args)
+    resume_from = _resume_point(args)
     set_seed(args.seed)
     urls = expand_shards(data_args.train_shards)
     args.max_steps, num_samples = _steps_and_samples(data_args, args, urls)
@@ -277,7 +284,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                 num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
                 args.per_device_train_batch_size * args.world_size, model.config.loss_impl)
 
-    result = trainer.train(resume_from_checkpoint=_resume_point(args))
+    result = trainer.train(resume_from_checkpoint=resume_from)
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)

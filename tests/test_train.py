@@ -236,6 +236,9 @@ def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys):
         assert _train_main(tmp_path, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert not (tmp_path / "out" / "model.safetensors").exists()
+    (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)  # an earlier run's: never silently overwritten
+    assert _train_main(tmp_path, "--train_shards", str(folder), *model, *tok) == 2
+    assert "--resume_from_checkpoint latest" in capsys.readouterr().err
 
 
 def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
