@@ -136,12 +136,10 @@ class DiscoCLIPModel(CLIPModel):
             else:
                 from .loss import disco_clip_loss
 
-                # The loss keeps its logits in fp32 itself; under autocast (Trainer --bf16/--fp16 without
-                # DeepSpeed) its fp32 matmuls would be recast to 16 bit and mixed with its fp32 accumulators.
-                with torch.autocast(device_type=image_embeds.device.type, enabled=False):
-                    loss = disco_clip_loss(
-                        image_embeds, text_embeds, logit_scale, impl=self.config.loss_impl, chunk_size=self.config.chunk_size
-                    )
+                # fp32 logits even under autocast (Trainer --bf16 without DeepSpeed): the loss turns it off itself.
+                loss = disco_clip_loss(
+                    image_embeds, text_embeds, logit_scale, impl=self.config.loss_impl, chunk_size=self.config.chunk_size
+                )
         return CLIPOutput(
             loss=loss,
             logits_per_image=logits_per_text.t(),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's ViT-B/32 runs with the distributed (tiled) loss: RUN=32k (8 GPUs x 4096) or RUN=196k (64 GPUs x 3072,
-# with HOSTFILE). The optimizer numbers must equal ds_configs/vit_b32_*.json's (see ds_configs/README.md for
-# each value and its source); the schedule (cosine, 10k warmup) comes from these arguments.
+# with HOSTFILE). The optimizer (AdamW, OpenCLIP's values and weight-decay exclusions) and the schedule (cosine,
+# 10k warmup) come from these arguments; ds_configs/README.md gives each value and its source.
 #   RUN=32k SHARDS='/data/laion400m/{00000..41407}.tar' STEPS=... bash recipes/train_vit_b32.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -111,6 +111,18 @@ def test_half_inputs_keep_fp32_logits():
         assert disco_clip_loss(x, y, torch.tensor(100.0), impl=impl).item() == pytest.approx(ref_loss, rel=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["disco", "tiled"])
+def test_autocast_keeps_fp32_logits(impl):
+    x, y = global_features([32], seed=6)
+    ref_loss = reference(x, y, math.log(100.0))[0]
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = disco_clip_loss(xi, y, torch.tensor(100.0), impl=impl)
+    loss.backward()
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    assert torch.isfinite(xi.grad).all()
+
+
 def test_no_grad_and_argument_errors():
     x, y = global_features([4], seed=0)
     with torch.no_grad():
