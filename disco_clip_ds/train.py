@@ -263,6 +263,13 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
     if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
         raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+    if hub_model_id:
+        from .export import ExportError, require_hub_token
+
+        try:
+            require_hub_token()  # now, not after hours of training
+        except ExportError as error:
+            raise UsageError(str(error)) from error
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
     if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
         # ZeRO-3 builds the model inside zero.Init, which reads the world size from deepspeed.comm; on CPU nothing
@@ -284,6 +291,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                 num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
                 args.per_device_train_batch_size * args.world_size, model.config.loss_impl)
 
+    if trainer.is_world_process_zero():
+        _write_run_file(args, model_args, data_args, num_samples)
     result = trainer.train(resume_from_checkpoint=resume_from)
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
@@ -321,11 +330,21 @@ def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
     print(f"skipped samples: {metrics['skipped_samples']}")
 
 
+def _write_run_file(args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, num_samples: int) -> None:
+    """The set-up the Trainer's own files do not record, for the exported model card (export.py reads run.json)."""
+    run = {"data": data_args.train_shards, "train_num_samples": num_samples, "loss_impl": model_args.loss_impl,
+           "world_size": args.world_size, "global_contrastive_batch": args.per_device_train_batch_size * args.world_size}
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.output_dir) / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+
+
 def _export_and_push(args: DiscoTrainingArguments, repo_id: str) -> None:
     from .export import export_checkpoint, push_folder
 
     checkpoint = get_last_checkpoint(args.output_dir)
-    folder = export_checkpoint(checkpoint, Path(args.output_dir) / "export")
+    folder = Path(args.output_dir) / f"export-{Path(checkpoint).name}"  # one per checkpoint: a re-run reuses it
+    if not folder.exists():
+        folder = export_checkpoint(checkpoint, folder)
     print(f"pushed: {push_folder(folder, repo_id, private=bool(args.hub_private_repo), revision=args.hub_revision)}")
 
 

@@ -184,6 +184,8 @@ def test_logs_carry_the_clip_metrics(runs):
     assert logged["global_contrastive_batch"] == 2 * PER_RANK
     assert logged["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-3)  # CLIP's initial temperature, read under ZeRO-3
     assert logged["samples_per_s_per_rank"] == pytest.approx(logged["samples_per_s"] / 2)
+    run = json.loads((runs / "n2_zero3_tiled" / "run.json").read_text())  # for the exported model card
+    assert run["global_contrastive_batch"] == 2 * PER_RANK and run["world_size"] == 2 and run["data"]
 
 
 def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
@@ -214,7 +216,11 @@ def _train_main(tmp_path, *args):
     return main(["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args])
 
 
-def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys):
+def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))  # nor a cached one
     folder = tmp_path / "data"
     write_shards(folder, num_shards=2, per_shard=4)
     model = ["--model_config", str(REPO / "recipes/models/tiny.json")]
@@ -231,6 +237,7 @@ def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys):
         (["--train_shards", str(folder), *model, *tok, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
         (["--train_shards", "https://host/{0..3}.tar", *model, *tok], "--train_num_samples"),
         (["--train_shards", str(folder), *model, *tok, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
+        (["--train_shards", str(folder), *model, *tok, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
     ]
     for argv, message in cases:
         assert _train_main(tmp_path, *argv) == 2, argv
