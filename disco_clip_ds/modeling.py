@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import json
 import math
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -25,6 +26,14 @@ from transformers.models.clip.modeling_clip import CLIPOutput, image_text_contra
 
 LOSS_IMPLS = ("tiled", "disco", "local")
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
+
+
+@dataclass
+class DiscoCLIPOutput(CLIPOutput):
+    """CLIPOutput plus `logit_scale`: the clamped multiplier exp(logit_scale) as used by the loss, still attached to
+    the graph, so that a caller can recompute the loss outside `forward` (contrastive accumulation does)."""
+
+    logit_scale: torch.Tensor | None = None
 
 
 def _deepspeed_version() -> str | None:
@@ -115,7 +124,7 @@ class DiscoCLIPModel(CLIPModel):
         return_loss: bool | None = None,
         interpolate_pos_encoding: bool = False,
         **kwargs,
-    ) -> CLIPOutput:
+    ) -> DiscoCLIPOutput:
         vision_outputs = self.get_image_features(
             pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
         )
@@ -140,7 +149,7 @@ class DiscoCLIPModel(CLIPModel):
                 loss = disco_clip_loss(
                     image_embeds, text_embeds, logit_scale, impl=self.config.loss_impl, chunk_size=self.config.chunk_size
                 )
-        return CLIPOutput(
+        return DiscoCLIPOutput(
             loss=loss,
             logits_per_image=logits_per_text.t(),
             logits_per_text=logits_per_text,
@@ -148,6 +157,7 @@ class DiscoCLIPModel(CLIPModel):
             image_embeds=image_embeds,
             text_model_output=text_outputs,
             vision_model_output=vision_outputs,
+            logit_scale=logit_scale,
         )
 
 

@@ -7,6 +7,10 @@ Memory per GPU = model states (DeepSpeed's own ZeRO-2/3 estimators where they ap
 written out for stages 0/1 and fp32) + ZeRO communication buffers + activations (per-sample coefficients
 fitted on measured CPU peaks of real CLIPModels, activation_fit.json, made by bench/act_fit.py) + the loss's
 working set per implementation + the largest parameter's transient gradient + a fixed framework overhead.
+With gradient_accumulation_steps K > 1 and contrastive accumulation (the trainer's default,
+disco_clip_ds/accumulate.py) the contrastive batch is micro x world x K: activations stay those of one
+micro-batch, the loss runs over all micro x world x K pairs, and each rank caches its K x micro embeddings and
+their gradients.
 Traffic per rank = ZeRO gradient/parameter collectives + the loss's feature all-gather and its backward
 reduce-scatter (the DisCo paper all-reduces there: twice the bytes). Ring collectives: a rank sends (and
 receives) (N-1)/N of the buffer for all-gather and reduce-scatter, 2(N-1)/N for all-reduce.
@@ -19,7 +23,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 FIT_FILE = Path(__file__).with_name("activation_fit.json")
@@ -150,6 +154,16 @@ class Settings:
     offload_param: bool = False
     trainer_auto: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    contrastive_accumulation: bool = True  # the trainer's --contrastive_accumulation
+
+    @property
+    def contrastive_steps(self) -> int:
+        """Micro-steps whose pairs one contrastive loss spans: K under contrastive accumulation, else 1."""
+        return self.grad_accum if self.contrastive_accumulation else 1
+
+    @property
+    def contrastive_batch(self) -> int:
+        return self.micro_batch * self.world * self.contrastive_steps
 
 
 def _suggest(key: str, known) -> str:
@@ -454,11 +468,19 @@ def memory_plan(shape: ModelShape, settings: Settings, fit: dict, impl: str, che
     """Per-GPU memory of one training step (bytes), term by term."""
     micro = settings.micro_batch if micro_batch is None else micro_batch
     elem = PRECISION_BYTES[settings.precision]
+    k = settings.contrastive_steps
     terms = model_state_bytes(shape.params, shape.largest_param, settings.stage, settings.precision,
                               settings.world, settings.offload_optimizer, settings.offload_param)
     terms["zero buffers"] = zero_buffer_bytes(settings)
     terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
-    terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size)
+    if k == 1:
+        terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size)
+    else:
+        # The loss over all micro x world x K pairs runs on the cached embeddings in fp32, between the no-grad and
+        # the grad passes (counted on top of the activations all the same: an upper bound). The cache: K x micro
+        # image and text embeddings per rank in the training dtype plus their fp32 gradients, kept until replay.
+        terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size)
+        terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
     terms["transient grad"] = shape.largest_param * elem
     terms["framework"] = overhead
@@ -473,6 +495,29 @@ def max_micro_batch(shape, settings, fit, impl, checkpointing, capacity, overhea
     lo, hi = 1, 2
     while fits(hi):
         lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def max_contrastive_steps(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None,
+                          limit: int = 1 << 20) -> int:
+    """Largest K whose plan fits at the config's micro batch under contrastive accumulation (0 if K=1 does not):
+    the largest contrastive batch for this GPU count is micro x world x K."""
+    fits = lambda k: memory_plan(shape, replace(settings, grad_accum=k, contrastive_accumulation=True), fit, impl,  # noqa: E731
+                                 checkpointing, capacity, overhead, None, chunk_size).fits
+    return _largest(fits, limit)
+
+
+def _largest(fits, limit: int) -> int:
+    """Largest n in [1, limit] with fits(n), for monotone fits; 0 if none."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
@@ -494,9 +539,12 @@ def traffic_bytes(shape: ModelShape, settings: Settings) -> dict:
         grads = {"gradient reduce-scatter": ring * p * g, "parameter all-gather": ring * p * e}
     elif settings.stage == 2:  # gradients reduced in every micro-step's backward
         grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": ring * p * e}
-    else:  # weights gathered for forward and again for backward in every micro-step
-        grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": accum * 2 * ring * p * e}
-    features = accum * ring * settings.micro_batch * n * 2 * shape.projection_dim * e
+    else:  # weights gathered for forward and again for backward in every micro-step (and for the no-grad pass)
+        gathers = 3 if settings.contrastive_steps > 1 else 2
+        grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": accum * gathers * ring * p * e}
+    # contrastive accumulation gathers all K micro-batches' fp32 embeddings at once: the same rows, fp32 bytes
+    feature_bytes = 4 if settings.contrastive_steps > 1 else e
+    features = accum * ring * settings.micro_batch * n * 2 * shape.projection_dim * feature_bytes
     return {**grads, "feature all-gather (forward)": features, "feature reduce-scatter (backward)": features,
             "(paper: feature all-reduce in backward)": 2 * features}
 
@@ -519,20 +567,24 @@ def _fmt(nbytes: float) -> str:
 
 def plan(config_path, model_path, gpus: int, gpu_memory: str, per_device_batch=None, precision=None,
          activation_checkpointing=False, loss_impls=LOSS_IMPLS, chunk_size=None,
-         overhead_gb: float = DEFAULT_OVERHEAD_GB) -> dict:
+         overhead_gb: float = DEFAULT_OVERHEAD_GB, contrastive_accumulation: bool = True) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes)."""
     settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
+    settings.contrastive_accumulation = contrastive_accumulation
     shape = ModelShape.from_json(model_path)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
     out = {"settings": asdict(settings), "model": {"params": shape.params, "largest_param": shape.largest_param},
-           "global_batch": settings.micro_batch * gpus, "capacity_bytes": capacity, "overhead_bytes": overhead,
-           "activation_checkpointing": activation_checkpointing, "memory": {}, "max_micro_batch": {},
+           "global_batch": settings.contrastive_batch, "contrastive_steps": settings.contrastive_steps, "capacity_bytes": capacity, "overhead_bytes": overhead,
+           "activation_checkpointing": activation_checkpointing, "memory": {}, "max_micro_batch": {}, "max_contrastive_steps": {},
            "traffic": traffic_bytes(shape, settings)}
     for impl in loss_impls:
         mem = memory_plan(shape, settings, fit, impl, activation_checkpointing, capacity, overhead, None, chunk_size)
         out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}
         out["max_micro_batch"][impl] = max_micro_batch(shape, settings, fit, impl, activation_checkpointing,
                                                        capacity, overhead, chunk_size)
+        if contrastive_accumulation:
+            out["max_contrastive_steps"][impl] = max_contrastive_steps(shape, settings, fit, impl, activation_checkpointing,
+                                                                       capacity, overhead, chunk_size)
     return out
 
 
@@ -541,7 +593,8 @@ def format_report(result: dict, config_path, model_path) -> str:
     lines = [
         f"config {config_path}: OK for {s['world']} GPUs: micro batch {s['micro_batch']} x grad accum "
         f"{s['grad_accum']} x {s['world']} = train batch {s['train_batch']}; contrastive batch "
-        f"{result['global_batch']} per micro-step; ZeRO-{s['stage']}, {s['precision']}",
+        f"{result['global_batch']} " + (f"(micro x world x {result['contrastive_steps']}: contrastive accumulation)"
+                                        if result["contrastive_steps"] > 1 else "per micro-step") + f"; ZeRO-{s['stage']}, {s['precision']}",
         f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters; activation checkpointing "
         f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
@@ -558,7 +611,12 @@ def format_report(result: dict, config_path, model_path) -> str:
     lines.append(f"  {'total':<28}" + "".join(f"{_fmt(result['memory'][i]['total']):>14}" for i in impls))
     lines.append(f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls))
     lines.append(f"  {'largest per-GPU batch':<28}" + "".join(f"{result['max_micro_batch'][i]:>14}" for i in impls))
-    lines.append(f"  {'  = global batch':<28}" + "".join(f"{result['max_micro_batch'][i] * s['world']:>14}" for i in impls))
+    k = result["contrastive_steps"]
+    lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{result['max_micro_batch'][i] * s['world'] * k:>14}" for i in impls))
+    if result["max_contrastive_steps"]:
+        steps = result["max_contrastive_steps"]
+        lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{steps[i]:>14}" for i in impls))
+        lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls))
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
     lines += [f"  {name:<40}{_fmt(v)}" for name, v in result["traffic"].items()]
     return "\n".join(lines)
@@ -580,6 +638,8 @@ def _parse(argv):
     p.add_argument("--loss_impl", choices=LOSS_IMPLS, action="append", help="repeatable; default: all three")
     p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
+    p.add_argument("--no_contrastive_accumulation", dest="contrastive_accumulation", action="store_false",
+                   help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world")
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
 
@@ -590,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = plan(args.deepspeed, args.model, args.gpus, args.gpu_memory, args.per_device_batch,
                       args.precision, args.activation_checkpointing, tuple(args.loss_impl or LOSS_IMPLS),
-                      args.chunk_size, args.overhead_gb)
+                      args.chunk_size, args.overhead_gb, args.contrastive_accumulation)
     except PlanConfigError as e:
         print(f"disco-clip plan: {e}", file=sys.stderr)
         return 2

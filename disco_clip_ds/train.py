@@ -30,6 +30,7 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .data.pipeline import ClipCollator, ShardStream
 from .data.shards import count_samples, expand_shards
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
@@ -76,6 +77,7 @@ class DiscoTrainingArguments(TrainingArguments):
     warmup_steps: float = field(default=0)
     dataloader_num_workers: int = field(default=2)
     resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'latest' (the newest in output_dir; fresh start if none)"})
+    contrastive_accumulation: bool = field(default=True, metadata={"help": "with --gradient_accumulation_steps K > 1, contrast all micro x world x K pairs of an optimizer step (gradient caching); false: independent micro-batch losses"})
 
     def __post_init__(self):
         if not torch.cuda.is_available():
@@ -87,9 +89,10 @@ class DiscoTrainingArguments(TrainingArguments):
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(Trainer):
+class DiscoTrainer(ContrastiveAccumulationMixin, Trainer):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
-    memory, skipped samples) and OpenCLIP's weight-decay exclusions. The loss comes from the model."""
+    memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
+    gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model."""
 
     def __init__(self, *args, reads_own_shards: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -137,7 +140,7 @@ class DiscoTrainer(Trainer):
         samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
         metrics = {
             "logit_scale": float(getattr(self.model, "last_logit_scale", float("nan"))),
-            "global_contrastive_batch": self.args.per_device_train_batch_size * world,
+            "global_contrastive_batch": self.contrastive_batch_size(),
             "samples_per_s": samples / elapsed,
             "samples_per_s_per_rank": samples / elapsed / world,
             "step_time_s": elapsed / steps,
@@ -253,6 +256,7 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
     to output_dir."""
+    check_contrastive_accumulation(args, model_args.loss_impl)
     check_deepspeed_batch(args)
     resume_from = _resume_point(args)
     set_seed(args.seed)
@@ -287,12 +291,12 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                            processing_class=processor, reads_own_shards=reads_own_shards)
     if data_args.zeroshot_steps > 0:
         _attach_zeroshot(trainer, data_args, processor, image_size)
-    logger.info("%d samples per epoch, %d steps of %d x %d ranks (global contrastive batch %d), loss %s",
+    logger.info("%d samples per epoch, %d steps of %d x %d ranks x %d micro-steps (global contrastive batch %d), loss %s",
                 num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
-                args.per_device_train_batch_size * args.world_size, model.config.loss_impl)
+                args.gradient_accumulation_steps, trainer.contrastive_batch_size(), model.config.loss_impl)
 
     if trainer.is_world_process_zero():
-        _write_run_file(args, model_args, data_args, num_samples)
+        _write_run_file(args, model_args, data_args, num_samples, trainer.contrastive_batch_size())
     result = trainer.train(resume_from_checkpoint=resume_from)
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
@@ -330,10 +334,11 @@ def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
     print(f"skipped samples: {metrics['skipped_samples']}")
 
 
-def _write_run_file(args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, num_samples: int) -> None:
+def _write_run_file(args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, num_samples: int,
+                    contrastive_batch: int) -> None:
     """The set-up the Trainer's own files do not record, for the exported model card (export.py reads run.json)."""
     run = {"data": data_args.train_shards, "train_num_samples": num_samples, "loss_impl": model_args.loss_impl,
-           "world_size": args.world_size, "global_contrastive_batch": args.per_device_train_batch_size * args.world_size}
+           "world_size": args.world_size, "global_contrastive_batch": contrastive_batch}
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(args.output_dir) / "run.json").write_text(json.dumps(run, indent=2) + "\n")
 

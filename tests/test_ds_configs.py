@@ -41,9 +41,9 @@ def test_batch_arithmetic_matches_world_size_in_name(path):
         return
     train, micro, accum = values[0], values[1], values[2] or 1
     assert train == micro * accum * world, f"{path.name}: {train} != {micro} x {accum} x {world}"
-    if path.name.startswith("vit_b32_"):  # the contrastive batch in the name is micro x world (one micro-step)
+    if path.name.startswith("vit_b32_"):  # the contrastive batch in the name: micro x world x K (contrastive accumulation)
         size = re.search(r"_(\d+)k_", path.name).group(1)
-        assert micro * world == {"32": 32768, "196": 196608}[size]
+        assert micro * accum * world == {"32": 32768, "196": 196608}[size]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -62,7 +62,7 @@ def test_every_config_is_explained_in_readme(path):
 
 
 def test_paper_configs_keep_planner_inputs_explicit():
-    for name in ("vit_b32_32k_8gpu.json", "vit_b32_196k_64gpu.json"):
+    for name in ("vit_b32_32k_8gpu.json", "vit_b32_196k_64gpu.json", "vit_b32_196k_8gpu.json"):
         text = (CONFIG_DIR / name).read_text()
         assert '"auto"' not in text, f"{name}: the planner needs every value; no \"auto\" in the paper configs"
         config = json.loads(text)
@@ -87,8 +87,11 @@ def test_paper_config_settings_run_under_deepspeed_and_the_trainer(tmp_path):
 
     root = CONFIG_DIR.parent
     recipe = " ".join((root / "recipes/train_vit_b32.sh").read_text().replace("\\\n", " ").split())
-    for pair in re.findall(r"--\w+(?: [^-\s]\S*)?", PAPER_TRAINER_FLAGS):
+    for pair in re.findall(r"--\w+(?: [^-\s]\S*)?", PAPER_TRAINER_FLAGS.replace("--gradient_accumulation_steps 1 ", "")):
         assert pair in recipe, f"recipes/train_vit_b32.sh does not pass {pair}"
+    assert '--gradient_accumulation_steps "$ACCUM"' in recipe
+    for config, accum in re.findall(r"DS_CONFIG=ds_configs/(\S+)\s+PER_GPU=\d+ ACCUM=(\d+)", recipe):  # each RUN's K = its JSON's
+        assert json.loads((CONFIG_DIR / config).read_text())["gradient_accumulation_steps"] == int(accum), config
     write_shards(tmp_path / "shards", 2, 8)
     config = dict(json.loads((CONFIG_DIR / "vit_b32_32k_8gpu.json").read_text()), train_batch_size=8, train_micro_batch_size_per_gpu=4)
     (tmp_path / "ds.json").write_text(json.dumps(config))
