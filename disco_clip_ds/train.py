@@ -31,6 +31,8 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
+from .checkpoints import (EXIT_PREEMPTED, CheckpointError, CompleteCheckpointsMixin, Preempted, StopOnSignal, acquire_run_lock,
+                          finished_message, parse_signals, release_run_lock, resolve_latest, resume_hint)
 from .data.pipeline import ClipCollator, ShardStream
 from .data.shards import count_samples, expand_shards
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
@@ -76,8 +78,9 @@ class DiscoTrainingArguments(TrainingArguments):
     weight_decay: float = field(default=0.1)
     warmup_steps: float = field(default=0)
     dataloader_num_workers: int = field(default=2)
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'latest' (the newest in output_dir; fresh start if none)"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'latest' (the newest complete one in output_dir; fresh start if none)"})
     contrastive_accumulation: bool = field(default=True, metadata={"help": "with --gradient_accumulation_steps K > 1, contrast all micro x world x K pairs of an optimizer step (gradient caching); false: independent micro-batch losses"})
+    stop_signals: str = field(default="SIGTERM,SIGUSR1", metadata={"help": f"signals that stop every rank at the next step with a checkpoint, exit code {EXIT_PREEMPTED} ('none': off)"})
 
     def __post_init__(self):
         if not torch.cuda.is_available():
@@ -89,7 +92,7 @@ class DiscoTrainingArguments(TrainingArguments):
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(ContrastiveAccumulationMixin, Trainer):
+class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Trainer):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
     memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
     gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model."""
@@ -248,20 +251,35 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
         return None
     if args.resume_from_checkpoint != "latest":
         return args.resume_from_checkpoint
-    last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+    last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
     logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
     return last
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
-    to output_dir."""
+    to output_dir. Holds output_dir's run lock throughout; raises Preempted after a stop signal's checkpoint."""
     check_contrastive_accumulation(args, model_args.loss_impl)
     check_deepspeed_batch(args)
+    stop_signals = parse_signals(args.stop_signals)
+    _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
+    acquire_run_lock(args.output_dir)
+    try:
+        return _train(model_args, data_args, args, stop_signals)
+    finally:
+        release_run_lock()
+
+
+def _train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, stop_signals) -> dict:
     resume_from = _resume_point(args)
     set_seed(args.seed)
     urls = expand_shards(data_args.train_shards)
     args.max_steps, num_samples = _steps_and_samples(data_args, args, urls)
+    finished = finished_message(resume_from, args.max_steps)
+    if finished:  # resuming would train one step past the end and change the final model
+        if args.process_index == 0:
+            print(finished)
+        return {}
     hub_model_id = args.hub_model_id if args.push_to_hub else None
     if args.push_to_hub and not hub_model_id:
         raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
@@ -287,8 +305,10 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     stream = ShardStream(urls, image_size, rank=rank, world_size=world, seed=args.seed, shuffle_buffer=data_args.shuffle_buffer,
                          num_workers=args.dataloader_num_workers)
+    stopper = StopOnSignal(stop_signals)  # before the DataLoader forks its workers
     trainer = DiscoTrainer(model=model, args=args, train_dataset=stream, data_collator=ClipCollator(processor.tokenizer, max_length),
-                           processing_class=processor, reads_own_shards=reads_own_shards)
+                           processing_class=processor, reads_own_shards=reads_own_shards, callbacks=[stopper])
+    trainer.stop_signals = stop_signals
     if data_args.zeroshot_steps > 0:
         _attach_zeroshot(trainer, data_args, processor, image_size)
     logger.info("%d samples per epoch, %d steps of %d x %d ranks x %d micro-steps (global contrastive batch %d), loss %s",
@@ -298,6 +318,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     if trainer.is_world_process_zero():
         _write_run_file(args, model_args, data_args, num_samples, trainer.contrastive_batch_size())
     result = trainer.train(resume_from_checkpoint=resume_from)
+    if stopper.stopped:
+        raise Preempted(resume_hint(args.output_dir, stopper.describe(), trainer.state.global_step))
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)
@@ -362,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:  # UsageError, bad shards/configs: the message says what to fix
         print(f"disco-clip train: {error}", file=sys.stderr)
         return 2
+    except Preempted as stop:
+        print(f"disco-clip train: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except CheckpointError as error:  # e.g. disk full: one line, the last complete checkpoint is intact
+        print(f"disco-clip train: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

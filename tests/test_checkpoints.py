@@ -1,0 +1,278 @@
+"""Faults and preemption on 2 CPU ranks under the deepspeed launcher (and torchrun), each fault injected at a named
+point (DISCO_FAULT) or by a signal sent once a checkpoint exists, never by timing: a kill inside a save, SIGTERM
+to one rank or to the whole process group, SIGTERM to the launcher alone, a full disk, a second run in the same
+folder, a finished run re-run. The user-visible result is checked: files, weights, exit codes, messages.
+
+Each launch costs ~20-40 s of imports on 2 cores; the uninterrupted reference run serves several tests.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import free_port
+from test_pipeline import write_shards
+from test_train import REPO, VENV_BIN, weights
+
+STEPS, SAVE = 6, 2
+ARGS = [
+    "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", "8",
+    "--logging_steps", "1", "--save_steps", str(SAVE), "--save_total_limit", "5", "--dataloader_num_workers", "1",
+    "--shuffle_buffer", "8", "--disable_tqdm", "true", "--report_to", "none", "--seed", "7",
+    # SGD, constant lr, no clipping: any change in the trajectory shows in the weights
+    "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0",
+    "--deepspeed", str(REPO / "ds_configs/cpu_zero2.json"),
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+
+
+def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
+    """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log."""
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [VENV_BIN / "deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "disco_clip_ds.train"]
+    else:
+        cmd = [VENV_BIN / "torchrun", "--nproc_per_node", "2", "--master_port", port, "-m", "disco_clip_ds.train"]
+    train = ["--output_dir", str(output), "--model_name_or_path", str(data["model"]), "--train_shards", str(data["shards"]), *ARGS, *args]
+    log = open(output.parent / f"{output.name}.log", "a")
+    return subprocess.Popen([str(c) for c in cmd] + train, cwd=REPO, env={**ENV, "DISCO_FAULT": fault},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run(output: Path, data: dict, *args: str, fault: str = "", timeout=400) -> tuple[int, str]:
+    """(exit code, this launch's log)."""
+    logfile = output.parent / f"{output.name}.log"
+    before = logfile.stat().st_size if logfile.exists() else 0
+    proc = start(output, data, *args, fault=fault)
+    try:
+        proc.wait(timeout=timeout)
+        _wait_group(proc.pid, timeout=120)  # ranks may outlive a launcher killed by the signal: let them save
+    finally:
+        _kill_group(proc.pid)
+    return proc.returncode, logfile.read_text()[before:]
+
+
+def _wait_group(pgid: int, timeout: float) -> None:
+    import psutil
+
+    def members():
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return found
+
+    deadline = time.monotonic() + timeout
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _ranks_of(launcher_pid: int) -> list[int]:
+    """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(launcher_pid).children(recursive=True)
+            if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def complete_checkpoints(output: Path) -> list[str]:
+    from disco_clip_ds.checkpoints import checkpoint_problem
+
+    found = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return [p.name for p in found if checkpoint_problem(p) is None]
+
+
+def same_weights(a: Path, b: Path) -> float:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from disco_clip_ds.modeling import build_model
+
+    root = tmp_path_factory.mktemp("ckdata")
+    write_shards(root / "shards", num_shards=4, per_shard=24, seed=1)
+    torch.manual_seed(7)
+    build_model(model_config=str(REPO / "recipes/models/tiny.json")).save_pretrained(root / "tiny")
+    return {"shards": root / "shards", "model": root / "tiny"}
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, data):
+    """The uninterrupted reference run: STEPS steps, checkpoints every SAVE."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    rc, log = run(out, data, "--max_steps", str(STEPS))
+    assert rc == 0, log[-3000:]
+    return out
+
+
+def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, data, tmp_path):
+    out = tmp_path / "run"
+    rc, log = run(out, data, "--max_steps", str(STEPS), fault="kill_in_save:step=4")
+    assert rc != 0 and "DISCO_FAULT: killing" in log
+    # the save of step 4 had written weights and DeepSpeed files, not the Trainer state: it is not a checkpoint
+    assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "checkpoint-4").exists()
+    # a partial checkpoint-5 as older versions (or a copy by hand) leave it: weights, no trainer_state.json
+    shutil.copytree(out / "tmp-checkpoints" / "checkpoint-4", out / "checkpoint-5")
+    from disco_clip_ds.export import export_main
+
+    assert export_main([str(out / "checkpoint-5"), str(tmp_path / "export")]) != 0  # export refuses partials too
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    assert rc == 0, log[-3000:]
+    assert "skipping incomplete checkpoint" in log and "checkpoint-5 (no readable trainer_state.json)" in log
+    assert "resume: " + str(out / "checkpoint-2") in log
+    assert not (out / "tmp-checkpoints").exists()  # the interrupted save's leftovers are removed
+    assert same_weights(out, full) <= 1e-6  # the same weights as the uninterrupted run
+
+
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(full, data, tmp_path):
+    from disco_clip_ds.checkpoints import EXIT_PREEMPTED
+
+    out = tmp_path / "run"
+    rc, log = run(out, data, "--max_steps", str(STEPS), fault="signal_at_step:step=3,rank=1")  # SIGTERM to rank 1 alone
+    assert rc == EXIT_PREEMPTED, log[-3000:]  # deepspeed passes the ranks' code on
+    assert "stopped by SIGTERM at step 3: checkpoint-3 saved" in log and "--resume_from_checkpoint latest" in log
+    assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
+    assert not (out / "model.safetensors").exists()  # not finished: no final model
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    assert rc == 0, log[-3000:]
+    assert same_weights(out, full) <= 1e-6
+
+
+def test_sigusr1_to_the_process_group_saves_a_resumable_checkpoint(full, data, tmp_path):
+    """As SLURM's --signal does: the launcher and every rank get it (here sent by rank 0 to its own group)."""
+    out = tmp_path / "run"
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--stop_signals", "SIGUSR1", fault="signal_group_at_step=SIGUSR1:step=3,rank=0")
+    assert rc != 0
+    assert "stopped by SIGUSR1 at step 3: checkpoint-3 saved" in log, log[-3000:]
+    assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    assert rc == 0, log[-3000:]
+    assert same_weights(out, full) <= 1e-6
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_sigterm_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, launcher):
+    out = tmp_path / "run"
+    proc = start(out, data, "--max_steps", "100000", launcher=launcher)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2").exists():  # training is under way
+            assert proc.poll() is None and time.monotonic() < deadline, (out.parent / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        proc.send_signal(signal.SIGTERM)  # as `timeout`, Popen.terminate() or a supervisor do
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while _alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(ranks), f"ranks {_alive(ranks)} outlived the {launcher} launcher"
+    finally:
+        _kill_group(proc.pid)
+    assert not (out / "model.safetensors").exists()  # the run did not go on to the end
+    names = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert names and complete_checkpoints(out) == sorted(names, key=lambda n: int(n.split("-")[1]))
+
+
+def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data, tmp_path):
+    out = tmp_path / "run"
+    rc, log = run(out, data, "--max_steps", str(STEPS), fault="enospc_in_save:step=4")
+    assert rc == 1, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("disco-clip train: no space left in")]
+    assert len(lines) == 2, log[-3000:]  # one per rank
+    assert f"no space left in {out} (" in lines[0] and "checkpoint-2 is intact" in lines[0]
+    assert "Traceback" not in log
+    assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "checkpoint-4").exists()
+    assert not (out / "tmp-checkpoints" / "checkpoint-4").exists()
+    # the free-space check before a save: the last checkpoint's size does not fit, nothing is written
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", fault="disk_free_mib=1:step=4")
+    assert rc == 1 and "free) while saving checkpoint-4" in log and "needs ~" in log, log[-3000:]
+    assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "tmp-checkpoints").exists()
+
+
+def test_a_finished_run_stays_finished(full, tmp_path, data):
+    before = {p.name: p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
+    rc, log = run(full, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    assert rc == 0, log[-3000:]
+    assert f"run finished: checkpoint-{STEPS} reached step {STEPS} of --max_steps {STEPS}; nothing to do" in log
+    after = {p.name: p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
+    assert {k: v for k, v in after.items() if k != "run.lock"} == {k: v for k, v in before.items() if k != "run.lock"}
+    assert "{'loss'" not in log  # not one step trained
+
+
+# --- the run lock, in process (no launcher needed) ---
+
+def _train_main(out: Path, data: dict, *args: str) -> int:
+    from disco_clip_ds.train import main
+
+    return main(["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", str(data["shards"]),
+                 *ARGS[:ARGS.index("--deepspeed")], "--max_steps", "1", "--dataloader_num_workers", "0", *args])
+
+
+def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tmp_path, capsys):
+    from disco_clip_ds import checkpoints
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from disco_clip_ds.checkpoints import acquire_run_lock; "
+                               "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(out)],
+                              env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        files = sorted(p.name for p in out.iterdir())
+        assert _train_main(out, data) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another run (host " in err and f"pid {holder.pid}" in err
+        assert sorted(p.name for p in out.iterdir()) == files == [checkpoints.LOCK_FILE]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(data, tmp_path, caplog):
+    from disco_clip_ds import checkpoints
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / checkpoints.LOCK_FILE).write_text("host gone, pid 999999, since 2026-01-01 00:00:00")  # holder killed -9
+    checkpoints.acquire_run_lock(out)
+    try:
+        assert "taking over the lock of a run that is no longer running (host gone, pid 999999" in caplog.text
+        assert f"pid {os.getpid()}" in (out / checkpoints.LOCK_FILE).read_text()
+    finally:
+        checkpoints.release_run_lock()
+    assert (out / checkpoints.LOCK_FILE).read_text() == ""  # a clean exit leaves no holder behind
+
+
+def test_output_dir_that_is_a_file_and_bad_stop_signals_are_refused(data, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert _train_main(tmp_path / "file", data) == 2
+    assert "--output_dir" in capsys.readouterr().err
+    assert _train_main(tmp_path / "run", data, "--stop_signals", "SIGFOO") == 2
+    assert "--stop_signals SIGFOO: unknown signal" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
