@@ -3,6 +3,10 @@
 The loss is computed inside `forward`, so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's
 partitioned parameters need no special casing. A saved model is a plain CLIPModel checkpoint.
 
+A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLIP and open_clip initialise theirs
+(`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
+and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip.py).
+
 DeepSpeed 0.19.8 broadcasts every parameter as `p.data.view(torch.uint8)`, which fails for a 0-dim tensor such
 as CLIP's `logit_scale` (engine init for ZeRO-1/2, `zero.Init` and weight gathering for ZeRO-3). With that
 release installed, and only then, the model holds `logit_scale` as a 1-element vector; its state dict, its
@@ -21,8 +25,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import CLIPConfig, CLIPModel
-from transformers.models.clip.modeling_clip import CLIPOutput, image_text_contrastive_loss
+from transformers import CLIPConfig, CLIPModel, CLIPTextConfig
+from transformers import initialization as init
+from transformers.models.clip.modeling_clip import (
+    CLIPMLP,
+    CLIPAttention,
+    CLIPOutput,
+    CLIPTextEmbeddings,
+    CLIPVisionEmbeddings,
+    image_text_contrastive_loss,
+)
 
 LOSS_IMPLS = ("tiled", "disco", "local")
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
@@ -64,6 +76,16 @@ class DiscoCLIPModel(CLIPModel):
 
     def __init__(self, config: CLIPConfig):
         super().__init__(config)
+        # CLIP's initialisation (`clip_init_`). The towers are sub-models that transformers initialises with their
+        # own `_init_weights`, at construction and for a checkpoint's missing weights alike, so they get ours too.
+        for tower in (self.text_model, self.vision_model):
+            tower._init_weights = _with_clip_init(tower._init_weights)
+            tower._initialize_weights = _as_library_code(tower._initialize_weights)
+        # transformers' rules already ran while CLIPModel built the towers: run the init again, now with CLIP's.
+        # Under from_pretrained, transformers disables `init_weights` during construction, so this is a no-op there.
+        for module in self.modules():
+            module.__dict__.pop("_is_hf_initialized", None)
+        self.init_weights()
         config.loss_impl = getattr(config, "loss_impl", None) or "tiled"
         config.chunk_size = getattr(config, "chunk_size", None)
         if config.loss_impl not in LOSS_IMPLS:
@@ -74,6 +96,17 @@ class DiscoCLIPModel(CLIPModel):
             self.register_load_state_dict_pre_hook(_logit_scale_to_param_shape_hook)
             if not _defer_vector_logit_scale.get():
                 self._make_logit_scale_vector()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """transformers' init, overridden by OpenAI CLIP's and open_clip's where they differ (`clip_init_`).
+
+        transformers calls this through `initialize_weights` for a fresh model and, in `from_pretrained`, only for
+        weights the checkpoint lacks: the `transformers.initialization` functions skip loaded tensors."""
+        super()._init_weights(module)
+        clip_init_(module)
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        super()._initialize_weights(module, False)  # see `_as_library_code`
 
     def _make_logit_scale_vector(self) -> None:
         if self.logit_scale.dim() == 0:
@@ -159,6 +192,91 @@ class DiscoCLIPModel(CLIPModel):
             vision_model_output=vision_outputs,
             logit_scale=logit_scale,
         )
+
+
+def _torch_linear_init_(linear: nn.Linear) -> None:
+    # torch's nn.Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) is U(+-1/sqrt(fan_in)), bias the same bound.
+    bound = linear.in_features ** -0.5
+    init.uniform_(linear.weight, -bound, bound)
+    if linear.bias is not None:
+        init.uniform_(linear.bias, -bound, bound)
+
+
+def _as_library_code(initialize):
+    # transformers treats a model class defined outside it as custom code and then skips every module without
+    # parameters of its own (CLIPAttention, CLIPMLP) during init, as if loaded, so their rules would never run.
+    # Our init writes only through `transformers.initialization`, which skips loaded tensors, as the library's does.
+    def initialize_weights(module: nn.Module, is_custom_code: bool = False) -> None:
+        initialize(module, False)
+
+    return initialize_weights
+
+
+def _with_clip_init(hf_init):
+    def init_weights(module: nn.Module) -> None:
+        hf_init(module)
+        clip_init_(module)
+
+    return init_weights
+
+
+def clip_init_(module: nn.Module) -> None:
+    """Initialise `module`'s own and direct children's weights as OpenAI CLIP and open_clip 3.3.0 do, mapped to
+    transformers' CLIP layout (per-head q/k/v/out_proj Linears, fc1/fc2, bias-free projection Linears).
+
+    Sources: OpenAI CLIP `clip/model.py` (`CLIP.initialize_parameters`, `VisionTransformer.__init__`); open_clip
+    `src/open_clip/transformer.py` (`TextTransformer.init_parameters`; `VisionTransformer.init_parameters` is a
+    no-op, so the vision tower keeps torch's default layer inits) and `model.py` (`logit_scale`). Text blocks use
+    width w and depth L: attn_std = w^-0.5, proj_std = w^-0.5 * (2L)^-0.5, fc_std = (2w)^-0.5. LayerNorms (1, 0)
+    are left to transformers, which matches torch's default. Touches only tensors the caller may gather under
+    ZeRO-3 (transformers' `initialize_weights_zero3` gathers a module's own and its direct children's)."""
+    if isinstance(module, CLIPTextEmbeddings):
+        # CLIP.initialize_parameters / TextTransformer.init_parameters: token 0.02, positional 0.01.
+        init.normal_(module.token_embedding.weight, std=0.02)
+        init.normal_(module.position_embedding.weight, std=0.01)
+    elif isinstance(module, CLIPVisionEmbeddings):
+        # VisionTransformer.__init__: class_embedding and positional_embedding are scale * randn, scale = w^-0.5.
+        scale = module.embed_dim ** -0.5
+        init.normal_(module.class_embedding, std=scale)
+        init.normal_(module.position_embedding.weight, std=scale)
+        # conv1 = nn.Conv2d(..., bias=False) with torch's default: kaiming_uniform_(a=sqrt(5)) = U(+-1/sqrt(fan_in)).
+        bound = (module.config.num_channels * module.patch_size**2) ** -0.5
+        init.uniform_(module.patch_embedding.weight, -bound, bound)
+    elif isinstance(module, CLIPAttention):
+        # nn.MultiheadAttention._reset_parameters zeroes in_proj_bias and out_proj.bias in both towers.
+        for linear in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
+            init.zeros_(linear.bias)
+        width, layers = module.config.hidden_size, module.config.num_hidden_layers
+        if isinstance(module.config, CLIPTextConfig):
+            # init_parameters: in_proj_weight ~ N(0, attn_std) (q, k and v are its three row blocks),
+            # out_proj.weight ~ N(0, proj_std).
+            for linear in (module.q_proj, module.k_proj, module.v_proj):
+                init.normal_(linear.weight, std=width**-0.5)
+            init.normal_(module.out_proj.weight, std=width**-0.5 * (2 * layers) ** -0.5)
+        else:
+            # torch's MultiheadAttention default: xavier_uniform_ on the stacked (3w, w) in_proj_weight, i.e.
+            # U(+-sqrt(6 / (w + 3w))) for each of q, k, v; out_proj is an nn.Linear with its default weight init.
+            bound = (6 / (4 * width)) ** 0.5
+            for linear in (module.q_proj, module.k_proj, module.v_proj):
+                init.uniform_(linear.weight, -bound, bound)
+            bound = width**-0.5
+            init.uniform_(module.out_proj.weight, -bound, bound)
+    elif isinstance(module, CLIPMLP):
+        # c_fc / c_proj are nn.Linear: their biases (and, in the vision tower, weights) keep torch's default.
+        _torch_linear_init_(module.fc1)
+        _torch_linear_init_(module.fc2)
+        if isinstance(module.config, CLIPTextConfig):
+            # init_parameters: c_fc.weight ~ N(0, fc_std), c_proj.weight ~ N(0, proj_std).
+            width, layers = module.config.hidden_size, module.config.num_hidden_layers
+            init.normal_(module.fc1.weight, std=(2 * width) ** -0.5)
+            init.normal_(module.fc2.weight, std=width**-0.5 * (2 * layers) ** -0.5)
+    elif isinstance(module, CLIPModel):
+        # text_projection ~ N(0, w_text^-0.5) (init_parameters); visual proj = scale * randn, scale = w_vision^-0.5
+        # (VisionTransformer.__init__). Both are (in, out) matrices there, transposed Linear weights here.
+        init.normal_(module.text_projection.weight, std=module.text_embed_dim**-0.5)
+        init.normal_(module.visual_projection.weight, std=module.vision_embed_dim**-0.5)
+        # CLIP: logit_scale = ln(1 / 0.07); the config's logit_scale_init_value (2.6592 in transformers' default).
+        init.constant_(module.logit_scale, module.config.logit_scale_init_value)
 
 
 def _logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):

@@ -171,3 +171,124 @@ def test_from_pretrained_of_a_stock_clip_checkpoint_defaults_to_tiled(tmp_path):
     model = build_model(model_name_or_path=str(tmp_path), loss_impl="tiled")
     assert model.config.loss_impl == "tiled"
     assert model.logit_scale.reshape(()).item() == pytest.approx(stock.logit_scale.item())
+
+
+# --- CLIP's initialisation (OpenAI CLIP clip/model.py, open_clip transformer.py), hand-computed per group ---
+
+def _config(text_width, text_layers, vision_width, vision_layers, patch=16, image=64):
+    config = CLIPConfig.from_json_file(str(TINY))
+    for tower, width, layers in ((config.text_config, text_width, text_layers), (config.vision_config, vision_width, vision_layers)):
+        tower.hidden_size, tower.num_hidden_layers, tower.intermediate_size = width, layers, 4 * width
+    config.vision_config.patch_size, config.vision_config.image_size = patch, image
+    return config
+
+
+def _clip_init_table(config):
+    """(parameter-name pattern, distribution, scale): 'normal' std, 'uniform' bound, 'const' value; hand-derived."""
+    wt, lt = config.text_config.hidden_size, config.text_config.num_hidden_layers
+    wv, p = config.vision_config.hidden_size, config.vision_config.patch_size
+    proj_std = wt**-0.5 * (2 * lt) ** -0.5
+    return [
+        # text tower: CLIP.initialize_parameters / TextTransformer.init_parameters
+        (r"text_model\.embeddings\.token_embedding\.weight", "normal", 0.02),
+        (r"text_model\.embeddings\.position_embedding\.weight", "normal", 0.01),
+        (r"text_model.*self_attn\.[qkv]_proj\.weight", "normal", wt**-0.5),
+        (r"text_model.*self_attn\.out_proj\.weight", "normal", proj_std),
+        (r"text_model.*mlp\.fc1\.weight", "normal", (2 * wt) ** -0.5),
+        (r"text_model.*mlp\.fc2\.weight", "normal", proj_std),
+        (r"text_model.*mlp\.fc1\.bias", "uniform", wt**-0.5),  # nn.Linear default, fan_in = w
+        (r"text_model.*mlp\.fc2\.bias", "uniform", (4 * wt) ** -0.5),  # fan_in = mlp width
+        (r"text_projection\.weight", "normal", wt**-0.5),
+        # vision tower: VisionTransformer.__init__ (scale * randn), torch's layer defaults elsewhere
+        (r"vision_model\.embeddings\.class_embedding", "normal", wv**-0.5),
+        (r"vision_model\.embeddings\.position_embedding\.weight", "normal", wv**-0.5),
+        (r"vision_model\.embeddings\.patch_embedding\.weight", "uniform", (3 * p * p) ** -0.5),
+        (r"vision_model.*self_attn\.[qkv]_proj\.weight", "uniform", (6 / (wv + 3 * wv)) ** 0.5),  # xavier on (3w, w)
+        (r"vision_model.*self_attn\.out_proj\.weight", "uniform", wv**-0.5),
+        (r"vision_model.*mlp\.fc1\.(weight|bias)", "uniform", wv**-0.5),
+        (r"vision_model.*mlp\.fc2\.(weight|bias)", "uniform", (4 * wv) ** -0.5),
+        (r"visual_projection\.weight", "normal", wv**-0.5),
+        # both towers: MultiheadAttention zeroes its biases; LayerNorm (1, 0); logit_scale = ln(1/0.07) via the config
+        (r".*self_attn\.[qkvout]+_proj\.bias", "const", 0.0),
+        (r".*(layer_norm\d|layrnorm|layernorm|final_layer_norm)\.weight", "const", 1.0),
+        (r".*(layer_norm\d|layrnorm|layernorm|final_layer_norm)\.bias", "const", 0.0),
+        (r"logit_scale", "const", config.logit_scale_init_value),
+    ]
+
+
+def assert_clip_init(model, config, names=None):
+    """Every parameter (or those in `names`) is drawn as the table says; pooled per group over the layers."""
+    import re
+
+    params = dict(model.named_parameters())
+    checked = set()
+    for pattern, dist, scale in _clip_init_table(config):
+        group = [n for n in params if re.fullmatch(pattern, n) and (names is None or n in names)]
+        if not group:
+            continue
+        raw = torch.cat([params[n].detach().reshape(-1) for n in group])
+        values, n = raw.double(), raw.numel()
+        checked.update(group)
+        if dist == "const":  # in the parameter's dtype
+            assert torch.equal(raw, torch.full_like(raw, scale)), f"{pattern}: expected all {scale}, got {raw[:4].tolist()}"
+            continue
+        std = scale if dist == "normal" else scale / 3**0.5
+        # 5 standard errors of the sample std and mean; a fixed seed makes the draw reproducible
+        assert values.std().item() == pytest.approx(std, rel=5 / (2 * n) ** 0.5), f"{pattern} ({dist} {scale:.4g}): std {values.std().item():.4g}"
+        assert abs(values.mean().item()) < 5 * std / n**0.5, f"{pattern}: mean {values.mean().item():.4g}"
+        if dist == "uniform":  # bounded at the bound, and reaching close to it
+            assert scale * (1 - 10 / n) <= values.abs().max().item() <= scale, f"{pattern}: max {values.abs().max().item():.4g} vs {scale:.4g}"
+    missed = set(params if names is None else names) - checked
+    assert not missed, f"no rule checked {sorted(missed)}"
+
+
+@pytest.mark.parametrize("widths", [(64, 2, 64, 2), (128, 6, 96, 3)])
+def test_fresh_model_gets_clip_init(widths):
+    config = _config(*widths, patch=8, image=32) if widths[0] == 128 else CLIPConfig.from_json_file(str(TINY))
+    torch.manual_seed(0)
+    assert_clip_init(DiscoCLIPModel(config), config)
+
+
+def _perturbed_saved_model(path):
+    torch.manual_seed(1)
+    model = build_model(model_config=str(TINY))
+    with torch.no_grad():  # values no init would draw, so a re-init cannot pass unnoticed
+        for p in model.parameters():
+            p.add_(torch.rand_like(p) + 1.0)
+    model.save_pretrained(path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_from_pretrained_keeps_every_weight_bit_for_bit(tmp_path):
+    saved = _perturbed_saved_model(tmp_path)
+    torch.manual_seed(2)
+    for loaded in (DiscoCLIPModel.from_pretrained(tmp_path), build_model(model_name_or_path=str(tmp_path))):
+        state = loaded.state_dict()
+        assert state.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(state[name], value), name
+
+
+def test_only_weights_missing_from_a_checkpoint_get_clip_init(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    saved = _perturbed_saved_model(tmp_path)
+    missing = {
+        "text_model.embeddings.position_embedding.weight",
+        "text_model.encoder.layers.1.self_attn.q_proj.weight",
+        "text_model.encoder.layers.0.mlp.fc1.bias",
+        "vision_model.embeddings.position_embedding.weight",
+        "vision_model.encoder.layers.0.self_attn.out_proj.weight",
+        "vision_model.encoder.layers.1.mlp.fc2.weight",
+        "text_projection.weight",
+    }
+    weights = load_file(tmp_path / "model.safetensors")
+    assert missing <= weights.keys()
+    save_file({k: v for k, v in weights.items() if k not in missing}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    torch.manual_seed(3)
+    model = DiscoCLIPModel.from_pretrained(tmp_path)
+    state = model.state_dict()
+    for name, value in saved.items():
+        if name not in missing:
+            assert torch.equal(state[name], value), name
+    assert_clip_init(model, model.config, names=missing)
