@@ -9,7 +9,9 @@ img2dataset leaves out:
 - tar members rewritten in key order with a fixed mtime once a shard is done, so that a resumed run
   and an uninterrupted one give the same bytes (img2dataset writes members in completion order);
 - `sizes.json` (the open_clip layout) and `summary.json` (what arrived, failures by reason), and a
-  non-zero exit when nothing arrived or a shard failed for good (img2dataset exits 0 regardless).
+  non-zero exit when nothing arrived or a shard failed for good (img2dataset exits 0 regardless);
+- under `--distributor pyspark`: a Java check before any work, and a Spark session whose Python workers
+  run this interpreter (so that they import this package, which carries the deadline).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import socket
+import subprocess
 import statistics
 import sys
 import tarfile
@@ -181,7 +186,22 @@ class _DeadlineDownloader:
         import img2dataset.downloader as dl
 
         dl.download_image = functools.partial(_download_image_with_deadline, deadline_s=self.deadline_s)
-        return self.downloader(row)
+        result = self.downloader(row)
+        _hold_after_shard(row[0])
+        return result
+
+
+def _hold_after_shard(shard_id: int) -> None:
+    """Fault injection for the resume tests: a named point right after a shard is written.
+
+    With DISCO_CLIP_HOLD_AFTER_SHARD=k and DISCO_CLIP_HOLD_FILE=PATH in the environment (worker
+    processes inherit it in multiprocessing and in Spark local mode), the worker that finished shard k
+    writes its pid to PATH and stops itself, so that a test can kill the run at a known state.
+    """
+    if os.environ.get("DISCO_CLIP_HOLD_AFTER_SHARD") != str(shard_id):
+        return
+    Path(os.environ["DISCO_CLIP_HOLD_FILE"]).write_text(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @contextlib.contextmanager
@@ -402,6 +422,121 @@ def print_summary(summary: dict, output: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Spark: Java check, session
+# ---------------------------------------------------------------------------------------------------
+
+MIN_JAVA = 17  # pyspark 4.x runs on Java 17 or newer
+_JAVA_INSTALL = f"install a Java {MIN_JAVA}+ runtime (e.g. `apt-get install openjdk-17-jre-headless`)"
+
+
+def java_problem(env: dict | None = None) -> str | None:
+    """Why pyspark cannot start a JVM under `env` (default os.environ), or None when it can.
+
+    Finds java as pyspark's `spark-class` launcher does: `$JAVA_HOME/bin/java`, else `java` on PATH.
+    """
+    env = os.environ if env is None else env
+    if env.get("JAVA_HOME"):
+        java = str(Path(env["JAVA_HOME"]) / "bin" / "java")
+        where = f"JAVA_HOME={env['JAVA_HOME']}"
+        if not os.access(java, os.X_OK):
+            return f"{where} has no bin/java: {_JAVA_INSTALL} and point JAVA_HOME at it"
+    else:
+        java = shutil.which("java", path=env.get("PATH", ""))
+        where = "PATH"
+        if java is None:
+            return f"no java on PATH and JAVA_HOME is unset: {_JAVA_INSTALL}, or set JAVA_HOME"
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, env=dict(env))
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{java} (from {where}) does not run ({err}): {_JAVA_INSTALL}"
+    # `java -version` prints e.g. `openjdk version "17.0.15" 2025-04-15` or `java version "1.8.0_392"`
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
+    if found is None:
+        return f"cannot read the version of {java} (from {where}): {_JAVA_INSTALL}"
+    major = int(found.group(2) if found.group(1) == "1" else found.group(1))
+    if major < MIN_JAVA:
+        return f"{java} (from {where}) is Java {major}; pyspark 4 needs Java {MIN_JAVA}+: {_JAVA_INSTALL}"
+    return None
+
+
+def _active_spark_session():
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise SystemExit(
+            "error: --distributor pyspark needs pyspark: pip install 'pyspark>=4.0,<4.4' (and a Java 17+ runtime)"
+        ) from None
+    return SparkSession.getActiveSession()
+
+
+def check_spark(master: str | None) -> None:
+    """Fail before any work when `--distributor pyspark` cannot start: no pyspark, no (recent) Java."""
+    active = _active_spark_session()
+    if active is not None:  # a JVM already runs: nothing to check, but the master must be the one asked for
+        if master and active.sparkContext.master != master:
+            raise SystemExit(
+                f"error: a Spark session with master {active.sparkContext.master} is already active; "
+                f"--spark_master {master} cannot apply: drop the flag or stop that session"
+            )
+        return
+    problem = java_problem()
+    if problem:
+        raise SystemExit(f"error: --distributor pyspark needs Java {MIN_JAVA}+; {problem}")
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def spark_session(master: str | None, processes: int):
+    """The Spark session img2dataset's pyspark distributor will find (it uses the active one).
+
+    Reuses an active session (a notebook's, or one made by a caller) and leaves it running. Otherwise
+    creates one and stops it on exit: on `master` when given; on the master `spark-submit` chose when
+    run under it; else `local[processes]`. img2dataset would create the local session itself, but with
+    the `python3` on PATH for its Python workers, which need not have this package: the workers must
+    run this interpreter, which imports the deadline-bounded fetch. On a cluster the workers' Python
+    comes from the shipped environment (`spark.pyspark.python`, see data_prep/README.md).
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        yield active
+        return
+    builder = SparkSession.builder.appName("disco-clip data download")
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # spark-submit sets that, and the master
+        master = f"local[{processes}]"
+    if master:
+        builder = builder.master(master)
+    local = bool(master and master.startswith("local"))
+    if local:
+        # The driver JVM only relays (status, shard) pairs; images go from Python workers to disk.
+        builder = builder.config("spark.driver.memory", "1g")
+    # The Python-side SparkContext takes its workers' interpreter from PYSPARK_PYTHON when it starts
+    # (default `python3` on PATH; the spark.pyspark.python conf is read by spark-submit only).
+    with _environ(PYSPARK_PYTHON=sys.executable) if local else contextlib.nullcontext():
+        session = builder.getOrCreate()
+    print(f"spark: master {session.sparkContext.master}, default parallelism {session.sparkContext.defaultParallelism}")
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+
+# ---------------------------------------------------------------------------------------------------
 # download
 # ---------------------------------------------------------------------------------------------------
 
@@ -423,6 +558,7 @@ class DownloadConfig:
     threads: int = 64
     samples_per_shard: int = 10000
     distributor: str = "multiprocessing"
+    spark_master: str | None = None
     timeout: float = 10
     max_download_seconds: float = 60
     extra: dict = field(default_factory=dict)
@@ -482,6 +618,10 @@ def download(cfg: DownloadConfig) -> dict:
         raise SystemExit("error: --samples_per_shard, --processes and --threads must be positive")
     if cfg.max_download_seconds <= 0 or cfg.timeout <= 0:
         raise SystemExit("error: --timeout and --max_download_seconds must be positive")
+    if cfg.distributor == "pyspark":
+        check_spark(cfg.spark_master)
+    elif cfg.spark_master:
+        raise SystemExit("error: --spark_master needs --distributor pyspark")
     files = input_files(cfg.url_list, cfg.input_format)
     url_col, caption_col, extras = _resolve_columns(cfg, preset, files)
     n_expected = expected_shards(files, cfg.input_format, cfg.samples_per_shard)
@@ -518,7 +658,8 @@ def download(cfg: DownloadConfig) -> dict:
         enable_wandb=False,
     )
     kwargs.update(cfg.extra)
-    with _downloads_with_deadline(cfg.max_download_seconds):
+    session = spark_session(cfg.spark_master, cfg.processes) if cfg.distributor == "pyspark" else contextlib.nullcontext()
+    with _downloads_with_deadline(cfg.max_download_seconds), session:
         img2dataset.download(**kwargs)
 
     summary, sizes = summarize(output, n_expected)
@@ -575,7 +716,17 @@ def _download_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1, help="download processes")
     p.add_argument("--threads", type=int, default=64, help="download threads per process")
     p.add_argument("--samples_per_shard", type=int, default=10000)
-    p.add_argument("--distributor", choices=["multiprocessing", "pyspark"], default="multiprocessing")
+    p.add_argument(
+        "--distributor",
+        choices=["multiprocessing", "pyspark"],
+        default="multiprocessing",
+        help="pyspark: one Spark task per shard; without --spark_master a local[--processes] session (needs Java 17+)",
+    )
+    p.add_argument(
+        "--spark_master",
+        help="Spark master URL (spark://HOST:7077, local[N], ...); default: the active session, spark-submit's, "
+        "or local[--processes]",
+    )
     p.add_argument("--timeout", type=float, default=10, help="seconds per socket operation")
     p.add_argument(
         "--max_download_seconds", type=float, default=60, help="wall-clock limit per image, trickling servers included"

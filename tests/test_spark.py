@@ -1,0 +1,241 @@
+"""`data download --distributor pyspark` in Spark local mode, against the loopback image server.
+
+The reference is the multiprocessing path on the same input: the Spark run must give the same bytes,
+the same failures by reason, and keep the per-image deadline inside its executors' Python workers.
+One local Spark session serves the in-process runs; the killed run is a CLI subprocess with its own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from imageserver import ImageServer
+from PIL import Image
+
+from disco_clip_ds.data import prep
+
+JAVA_PROBLEM = prep.java_problem()
+needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
+pytestmark = pytest.mark.timeout(240)  # a hung JVM fails the test instead of holding CI
+
+DEADLINE = 3
+TRICKLE = 0.2  # seconds per byte: the trickled image alone would take minutes without the deadline
+SHARD = 4
+
+
+def _image(fmt: str, mode: str, size: tuple[int, int], color) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, fmt)
+    return buf.getvalue()
+
+
+TRICKLE_BODY = _image("JPEG", "RGB", (200, 200), (1, 2, 3))
+# path, server behaviour, caption: good images and the hostile cases, interleaved across shards
+ROUTES = [
+    ("/red.jpg", dict(body=_image("JPEG", "RGB", (90, 60), (200, 30, 30))), "a red jpeg"),
+    ("/gone.jpg", dict(status=404), "gone"),
+    ("/wide.png", dict(body=_image("PNG", "RGB", (120, 40), (20, 40, 220)), content_type="image/png"), "wide"),
+    ("/hang.jpg", dict(hang=True), "never answers"),
+    ("/grey.jpg", dict(body=_image("JPEG", "L", (50, 50), 90)), ""),
+    ("/error.jpg", dict(status=500), "server error"),
+    ("/rgba.png", dict(body=_image("PNG", "RGBA", (40, 40), (240, 200, 10, 255))), "naïve café 🙂"),
+    ("/trickle.jpg", dict(body=TRICKLE_BODY, trickle=TRICKLE), "trickles"),
+    ("/corrupt.jpg", dict(body=b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4), "corrupt"),
+    ("/late.jpg", dict(body=_image("JPEG", "RGB", (64, 64), (0, 90, 0)), delay=0.2), "late"),
+    ("/tall.jpg", dict(body=_image("JPEG", "RGB", (30, 90), (30, 160, 60))), None),
+    ("/gone2.jpg", dict(status=404), "gone too"),
+    ("/big.jpg", dict(body=_image("JPEG", "RGB", (400, 300), (120, 0, 160))), "big"),
+    ("/tiny.png", dict(body=_image("PNG", "L", (6, 6), 200)), "tiny"),
+]
+N_SHARDS = -(-len(ROUTES) // SHARD)
+EXPECTED_REASONS = {
+    "HTTP Error 404: Not Found": 2,
+    "HTTP Error 500: Internal Server Error": 1,
+    "timed out": 1,
+    f"download exceeded the {DEADLINE}s deadline": 1,
+    "Image decoding error": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session (local[2]) for the in-process runs, made by prep's own session helper."""
+    if JAVA_PROBLEM is not None:
+        pytest.skip(f"no usable Java for Spark: {JAVA_PROBLEM}")
+    with prep.spark_session(None, processes=2) as session:
+        yield session
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ImageServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def url_list(server, tmp_path_factory):
+    rows = [(server.add(path, **behaviour), caption) for path, behaviour, caption in ROUTES]
+    path = tmp_path_factory.mktemp("spark_input") / "urls.parquet"
+    pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), path)
+    return path
+
+
+def _argv(url_list: Path, output: Path, distributor: str, processes: int = 2) -> list[str]:
+    return ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(output), "--image_size", "32",
+            "--processes", str(processes), "--threads", "4", "--samples_per_shard", str(SHARD), "--timeout", "2",
+            "--max_download_seconds", str(DEADLINE), "--distributor", distributor]
+
+
+@pytest.fixture(scope="module")
+def references(spark, server, url_list, tmp_path_factory):
+    """The same input downloaded by the multiprocessing path and by Spark; (mp dir, spark dir, seconds, hits)."""
+    tmp = tmp_path_factory.mktemp("spark_runs")
+    assert prep.download_main(_argv(url_list, tmp / "mp", "multiprocessing")) == 0
+    hits_before = dict(server.hits)
+    started = time.monotonic()
+    assert prep.download_main(_argv(url_list, tmp / "spark", "pyspark")) == 0
+    seconds = time.monotonic() - started
+    hits = {p: n - hits_before.get(p, 0) for p, n in server.hits.items()}
+    return tmp / "mp", tmp / "spark", seconds, hits
+
+
+def _outputs(folder: Path) -> dict[str, bytes]:
+    names = [f"{i:05d}.tar" for i in range(N_SHARDS)] + ["sizes.json", "summary.json"]
+    return {name: (folder / name).read_bytes() for name in names}
+
+
+@needs_java
+def test_session_is_local_with_this_interpreter(spark):
+    assert spark.sparkContext.master == "local[2]"
+    assert spark.sparkContext.pythonExec == sys.executable
+
+
+@needs_java
+def test_spark_shards_are_byte_identical_to_multiprocessing(references):
+    mp, sp, _, _ = references
+    assert _outputs(sp) == _outputs(mp)
+    summary = json.loads((sp / "summary.json").read_text())
+    assert summary["shards_done"] == N_SHARDS and summary["shards_failed"] == []
+    assert summary["successes"] == 8  # red, wide, grey, rgba, late, tall, big, tiny
+    assert summary["failures_by_reason"] == dict(sorted(EXPECTED_REASONS.items(), key=lambda kv: (-kv[1], kv[0])))
+    # the per-shard metadata img2dataset writes next to each tar (rows in completion order): same rows
+    for i in range(N_SHARDS):
+        spark_rows, mp_rows = (pq.read_table(d / f"{i:05d}.parquet").sort_by("key") for d in (sp, mp))
+        assert spark_rows.equals(mp_rows)
+
+
+@needs_java
+def test_trickle_is_cut_by_the_deadline_inside_an_executor(references):
+    *_, seconds, hits = references
+    assert len(TRICKLE_BODY) * TRICKLE > 120  # what the trickle would take with only a per-read timeout
+    assert seconds < 60
+    assert hits["/trickle.jpg"] == 1 and hits["/hang.jpg"] == 1
+    reasons = json.loads((references[1] / "summary.json").read_text())["failures_by_reason"]
+    assert reasons[f"download exceeded the {DEADLINE}s deadline"] == 1
+
+
+@needs_java
+def test_verify_accepts_the_spark_shards(references, capsys):
+    sp = references[1]
+    sizes = (sp / "sizes.json").read_bytes()
+    assert prep.verify_main([str(sp)]) == 0
+    assert f"{N_SHARDS} shards" in capsys.readouterr().out
+    assert (sp / "sizes.json").read_bytes() == sizes
+
+
+@needs_java
+def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_path):
+    """A CLI run on its own local[1] session, killed once shard 1 is written; then re-run in-process."""
+    out, hold, log = tmp_path / "out", tmp_path / "held.pid", tmp_path / "run.log"
+    env = {**os.environ, "DISCO_CLIP_HOLD_AFTER_SHARD": "1", "DISCO_CLIP_HOLD_FILE": str(hold)}
+    # --processes 3 with --spark_master local[1]: the master wins, so tasks (shards) run one at a time
+    cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download",
+           *_argv(url_list, out, "pyspark", processes=3), "--spark_master", "local[1]"]
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while not hold.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hold.exists(), f"the run never reached shard 1 (rc {proc.poll()}):\n{log.read_text()[-3000:]}"
+        worker = int(hold.read_text())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # driver and JVM
+        proc.wait()
+    # Spark's Python daemon puts its workers in a group of their own: kill the held one's group too
+    worker_group = os.getpgid(worker)
+    assert worker_group != os.getpgrp()
+    os.killpg(worker_group, signal.SIGKILL)
+    assert "spark: master local[1]" in log.read_text()
+
+    done = sorted(p.name for p in out.glob("*_stats.json"))
+    assert done == ["00000_stats.json", "00001_stats.json"], done  # one task at a time, killed after shard 1
+    before = {name: (out / name).read_text() for name in done}
+
+    assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
+    assert {name: (out / name).read_text() for name in done} == before  # not redone
+    assert _outputs(out) == _outputs(references[1]) == _outputs(references[0])
+
+
+@needs_java
+def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
+    rows = [(server.add(f"/nothing{i}.jpg", status=404), "x") for i in range(3)]
+    url_list = tmp_path / "urls.parquet"
+    pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
+    assert prep.download_main(_argv(url_list, tmp_path / "out", "pyspark")) == 1
+    assert "no sample was downloaded" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["failures_by_reason"] == {"HTTP Error 404: Not Found": 3}
+
+
+@needs_java
+def test_spark_master_is_checked_before_any_work(spark, url_list, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="--spark_master needs --distributor pyspark"):
+        prep.download_main(_argv(url_list, out, "multiprocessing") + ["--spark_master", "local[2]"])
+    with pytest.raises(SystemExit, match=r"master local\[2\] is already active; --spark_master spark://"):
+        prep.download_main(_argv(url_list, out, "pyspark") + ["--spark_master", "spark://nowhere:7077"])
+    assert not out.exists()
+
+
+# --- no Spark session needed ----------------------------------------------------------------------
+
+
+def test_missing_java_stops_the_cli_before_any_work(tmp_path):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(empty_bin)
+    url_list = tmp_path / "urls.parquet"
+    pq.write_table(pa.table({"URL": ["http://127.0.0.1:9/a.jpg"], "TEXT": ["a"]}), url_list)
+    cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_argv(url_list, tmp_path / "out", "pyspark")]
+    result = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs Java 17+" in lines[0] and "openjdk-17-jre-headless" in lines[0], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_java_problem_names_an_old_or_absent_java(tmp_path):
+    fake = tmp_path / "jdk11" / "bin"
+    fake.mkdir(parents=True)
+    (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "11.0.21" 2023-10-17\' >&2\n')
+    (fake / "java").chmod(0o755)
+    assert "is Java 11; pyspark 4 needs Java 17+" in prep.java_problem({"PATH": str(fake)})
+    assert "is Java 11" in prep.java_problem({"JAVA_HOME": str(tmp_path / "jdk11"), "PATH": ""})
+    (fake / "java").write_text('#!/bin/sh\necho \'java version "1.8.0_392"\' >&2\n')
+    assert "is Java 8;" in prep.java_problem({"PATH": str(fake)})
+    assert "has no bin/java" in prep.java_problem({"JAVA_HOME": str(tmp_path), "PATH": str(fake)})
+    assert "no java on PATH and JAVA_HOME is unset" in prep.java_problem({"PATH": str(tmp_path)})
+    (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "21.0.2" 2024-01-16\' >&2\n')
+    assert prep.java_problem({"PATH": str(fake)}) is None
