@@ -1,9 +1,12 @@
-"""Per-rank peak extra memory and forward+backward time of the CLIP loss: naive vs disco vs tiled.
+"""Per-rank peak extra memory, forward+backward time and wire bytes of the CLIP loss, impls side by side.
 
+Impls: naive (open_clip's default), disco (the paper), twoblock (this repo's earlier tiled loss, kept here as
+the baseline: two b x B blocks per rank, both modalities gathered) and tiled (disco_clip_ds.loss: one block).
 Each (world, batch, impl) runs in `world` freshly spawned ranks (gloo on CPU, NCCL on one or more GPUs), so
-memory peaks never mix. On CPU each rank gets a data-segment limit (RLIMIT_DATA): an impl that needs more
-fails its allocation and is recorded as OOM instead of waking the kernel's OOM killer. Writes a CSV and a
-log-log PNG of memory vs batch.
+memory peaks never mix; with --rounds R the impls run interleaved (A, B, C, A, B, C, ...) so that drift in a
+shared machine's speed hits them alike, and `time_vs_tiled` is the median over rounds of each round's ratio.
+On CPU each rank gets a data-segment limit (RLIMIT_DATA): an impl that needs more fails its allocation and is
+recorded as OOM instead of waking the kernel's OOM killer. Writes a CSV and a log-log PNG of memory vs batch.
 
     python bench/loss_bench.py --world 4 --batch 4096 8192 16384 32768      # or: disco-clip bench loss ...
 """
@@ -21,9 +24,60 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
-IMPLS = ("naive", "disco", "tiled")
-FIELDS = ["impl", "world", "batch", "dim", "dtype", "device", "peak_extra_mib", "time_ms", "status"]
+import torch
+import torch.distributed as dist
+
+IMPLS = ("naive", "disco", "twoblock", "tiled")
+FIELDS = ["impl", "world", "batch", "dim", "dtype", "device", "peak_extra_mib", "time_ms", "wire_mib", "time_vs_tiled", "rounds_ms", "status"]
+
+
+class WireBytes:
+    """Counts the bytes this rank sends through torch.distributed collectives while active.
+
+    Ring algorithms (what NCCL and gloo use for large tensors): an all-gather sends (N-1) input-sized pieces, a
+    reduce-scatter (N-1) output-sized pieces, an all-reduce 2 (N-1)/N of the tensor. Calls made inside a
+    counted call (a deprecated name forwarding to its new one) are not counted again.
+    """
+
+    RULES: ClassVar[dict] = {
+        "all_gather_single": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
+        "all_gather_into_tensor": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
+        "all_gather": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
+        "reduce_scatter_single": lambda n, out, inp: (n - 1) * out.nelement() * out.element_size(),
+        "reduce_scatter_tensor": lambda n, out, inp: (n - 1) * out.nelement() * out.element_size(),
+        "all_reduce": lambda n, t, *_: 2 * (n - 1) / n * t.nelement() * t.element_size(),
+    }
+
+    def __init__(self):
+        self.total, self.calls, self._saved, self._depth = 0.0, [], {}, 0
+
+    def __enter__(self):
+        for name, rule in self.RULES.items():
+            if hasattr(dist, name):
+                self._saved[name] = original = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, rule, original))
+        return self
+
+    def _wrap(self, name, rule, original):
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                nbytes = rule(dist.get_world_size(kwargs.get("group")), *args[:2])
+                self.total += nbytes
+                self.calls.append((name, nbytes))
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved = {}
 
 
 def naive_loss(image, text, scale, group=None):
@@ -32,8 +86,6 @@ def naive_loss(image, text, scale, group=None):
     Gathered features carry no gradient except this rank's own rows (put back in place), so each rank's
     gradient is the global-loss gradient w.r.t. its rows, as in open_clip's gather_features.
     """
-    import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -46,6 +98,55 @@ def naive_loss(image, text, scale, group=None):
     logits = scale.float() * gathered[0].float() @ gathered[1].float().T
     labels = torch.arange(logits.shape[0], device=logits.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def twoblock_loss(image, text, scale, chunk_size=None, group=None):
+    """The repo's tiled loss before the one-block rewrite: the baseline the new one is measured against.
+
+    Both modalities gathered; per direction, row tiles of the rank's b x B block against all keys, each tile's
+    gradient accumulated in the same pass as its log-sum-exp (3 matmuls per tile, 6 b x B x d per rank).
+    """
+    from disco_clip_ds import loss as L
+
+    sizes = L._check_inputs(image, text, scale, group)
+    world, total = L._world(group)[1], sum(sizes)
+    with torch.autocast(device_type=image.device.type, enabled=False):
+        scale = torch.as_tensor(scale, device=image.device).float()
+        all_images, all_texts = L.gather_features(image, text, sizes=sizes, group=group)
+        chunk = chunk_size or L.default_chunk_size(total)
+        lse_sum = _TwoBlockLSE.apply(image, all_texts, scale, chunk) + _TwoBlockLSE.apply(text, all_images, scale, chunk)
+        positives = (image.float() * text.float()).sum() * scale
+        return (lse_sum - 2 * positives) * (world / (2 * total))
+
+
+class _TwoBlockLSE(torch.autograd.Function):
+    """sum_i logsumexp_j(scale * q_i . k_j) in row tiles, with the gradient built in the same pass."""
+
+    @staticmethod
+    def forward(ctx, queries, keys, scale, chunk):
+        keys32, s = keys.float(), float(scale)
+        total = torch.zeros((), dtype=torch.float32, device=queries.device)
+        grad_q = torch.empty(queries.shape, dtype=torch.float32, device=queries.device)
+        grad_k = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+        grad_s = torch.zeros((), dtype=torch.float32, device=queries.device)
+        for start in range(0, queries.shape[0], chunk):
+            q = queries[start : start + chunk].float()
+            logits = (q @ keys32.T).mul_(s)
+            row_max = logits.amax(dim=1, keepdim=True)
+            prob = logits.sub_(row_max).exp_()
+            row_sum = prob.sum(dim=1, keepdim=True)
+            total += (row_max + row_sum.log()).sum()
+            prob.div_(row_sum)
+            prob_keys = prob @ keys32
+            grad_q[start : start + chunk] = prob_keys * s
+            grad_s += torch.vdot(q.reshape(-1), prob_keys.view(-1))
+            grad_k.addmm_(prob.T, q, alpha=s)
+        ctx.grads, ctx.dtypes = (grad_q, grad_k, grad_s), (queries.dtype, keys.dtype, scale.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        return (*(g.mul_(grad_total).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes)), None)
 
 
 def _rss_mib(field: str) -> float:
@@ -90,7 +191,12 @@ def _rank_main(rank, world, port, cfg, results):
         make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)  # noqa: E731
         image, text = make().to(dtype).requires_grad_(), make().to(dtype).requires_grad_()
         log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
-        loss_fn = naive_loss if cfg["impl"] == "naive" else DiscoClipLoss(cfg["impl"], chunk_size=cfg["chunk_size"])
+        if cfg["impl"] == "naive":
+            loss_fn = naive_loss
+        elif cfg["impl"] == "twoblock":
+            loss_fn = lambda i, t, s: twoblock_loss(i, t, s, chunk_size=cfg["chunk_size"])
+        else:
+            loss_fn = DiscoClipLoss(cfg["impl"], chunk_size=cfg["chunk_size"])
 
         def step():
             loss_fn(image, text, log_scale.exp()).backward()
@@ -102,7 +208,8 @@ def _rank_main(rank, world, port, cfg, results):
         if not cuda and cfg["mem_limit_gib"]:
             _limit_memory(cfg["mem_limit_gib"])
         start = time.perf_counter()
-        peak = _measure_peak(step, device)
+        with WireBytes() as wire:
+            peak = _measure_peak(step, device)
         times = [time.perf_counter() - start] if cfg["reps"] == 0 else []  # with no reps, the cold call's time
         for _ in range(cfg["reps"]):
             dist.barrier()
@@ -111,9 +218,9 @@ def _rank_main(rank, world, port, cfg, results):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        results.put((rank, "ok", peak, statistics.median(times) * 1000))
+        results.put((rank, "ok", peak, statistics.median(times) * 1000, wire.total))
     except BaseException as err:  # noqa: BLE001 - the parent records it and stops the other ranks
-        results.put((rank, "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {err}"[:300], None, None))
+        results.put((rank, "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {err}"[:300], None, None, None))
     finally:
         dist.destroy_process_group()
 
@@ -173,6 +280,7 @@ def run_config(cfg: dict, timeout: float) -> dict:
     row.update(
         peak_extra_mib=round(max(o[2] for o in outcomes), 1) if ok else "",
         time_ms=round(max(o[3] for o in outcomes), 1) if ok else "",
+        wire_mib=round(max(o[4] for o in outcomes) / 2**20, 3) if ok else "",
         status=status,
     )
     return row
@@ -216,25 +324,55 @@ def _default_mem_limit(world: int) -> float:
     return 0.8 * avail_kib / 2**20 / world
 
 
+def _point(text: str) -> tuple[int, int]:
+    world, batch = text.lower().split("x")
+    return int(world), int(batch)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="ranks per run (GPUs with --device cuda)")
     p.add_argument("--batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768], help="global batch sizes B")
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)  # tiled last: ratios are to it
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--chunk_size", type=int, default=None, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--reps", type=int, default=2, help="timed repetitions after the memory-measuring first call")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all impls per (world, batch)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads shared by the ranks")
     p.add_argument("--mem_limit_gib", type=float, default=None, help="CPU memory cap per rank (default: 80%% of available / world)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from the CSV at --out")
+    p.add_argument("--points", type=_point, nargs="+", help="WORLDxBATCH pairs, e.g. 2x16384 4x32768, instead of --world x --batch")
     args = p.parse_args(argv)
+    if args.points:
+        args.world, args.batch = sorted({w for w, _ in args.points}), [b for _, b in args.points]
+        if any(b % w for w, b in args.points):
+            p.error(f"every batch must be divisible by its world; got {args.points}")
+        return args
     if any(b % w for b in args.batch for w in args.world):
         p.error(f"every --batch must be divisible by every --world; got batch {args.batch}, world {args.world}")
     return args
+
+
+def _merge_rounds(runs: list[dict]) -> list[dict]:
+    """One row per impl from its interleaved rounds: first round's peak (a cold process each time, so the
+    rounds agree), median time, and the median over rounds of the time ratio to tiled's run of that round."""
+    rows = []
+    tiled = [r for r in runs if r["impl"] == "tiled"]
+    for impl in dict.fromkeys(r["impl"] for r in runs):
+        mine = [r for r in runs if r["impl"] == impl]
+        row = dict(mine[0])
+        ok = [r for r in mine if r["status"] == "ok"]
+        if len(ok) == len(mine):
+            times = [float(r["time_ms"]) for r in ok]
+            row.update(time_ms=round(statistics.median(times), 1), rounds_ms=";".join(f"{t:.0f}" for t in times))
+            if len(tiled) == len(mine) and all(t["status"] == "ok" for t in tiled):
+                row["time_vs_tiled"] = round(statistics.median(a / float(t["time_ms"]) for a, t in zip(times, tiled)), 3)
+        rows.append(row)
+    return rows
 
 
 def main(argv=None):
@@ -246,22 +384,29 @@ def main(argv=None):
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'impl':>6} {'world':>5} {'batch':>7} {'dtype':>5} {'peak MiB/rank':>14} {'fwd+bwd ms':>11}  status", flush=True)
+    print(f"{'impl':>8} {'world':>5} {'batch':>7} {'dtype':>5} {'round':>5} {'peak MiB/rank':>14} {'fwd+bwd ms':>11} {'wire MiB':>9}  status", flush=True)
+    points = args.points or [(w, b) for w in args.world for b in sorted(args.batch)]
     for dtype in args.dtype:
-        for world in args.world:
-            for impl in args.impl:
-                for batch in sorted(args.batch):
-                    if any(r["impl"] == impl and r["world"] == world and r["dtype"] == dtype and r["status"] != "ok" for r in rows):
-                        rows.append(dict(impl=impl, world=world, batch=batch, dim=args.dim, dtype=dtype, device=args.device, peak_extra_mib="", time_ms="", status="skipped (smaller B failed)"))
+        for world, batch in points:
+            runs = []
+            for round_ in range(args.rounds):
+                for impl in args.impl:
+                    base = {"impl": impl, "world": world, "batch": batch, "dim": args.dim, "dtype": dtype, "device": args.device}
+                    if any(r["impl"] == impl and r["world"] == world and r["dtype"] == dtype and r["status"] != "ok" for r in rows + runs):
+                        runs.append(dict(base, peak_extra_mib="", time_ms="", status="skipped (smaller B or earlier round failed)"))
                     else:
-                        cfg = dict(impl=impl, world=world, batch=batch, dim=args.dim, dtype=dtype, device=args.device, chunk_size=args.chunk_size, reps=args.reps, threads=args.threads, mem_limit_gib=args.mem_limit_gib or _default_mem_limit(world))
-                        rows.append(run_config(cfg, args.timeout))
-                    r = rows[-1]
-                    print(f"{impl:>6} {world:>5} {batch:>7} {dtype:>5} {r['peak_extra_mib']!s:>14} {r['time_ms']!s:>11}  {r['status']}", flush=True)
-                    with open(out, "w", newline="") as f:  # rewritten after every row: a crash keeps what was measured
-                        writer = csv.DictWriter(f, FIELDS)
-                        writer.writeheader()
-                        writer.writerows(rows)
+                        cfg = dict(base, chunk_size=args.chunk_size, reps=args.reps, threads=args.threads, mem_limit_gib=args.mem_limit_gib or _default_mem_limit(world))
+                        runs.append(run_config(cfg, args.timeout))
+                    r = runs[-1]
+                    print(f"{impl:>8} {world:>5} {batch:>7} {dtype:>5} {round_:>5} {r['peak_extra_mib']!s:>14} {r['time_ms']!s:>11} {r.get('wire_mib', '')!s:>9}  {r['status']}", flush=True)
+            rows += _merge_rounds(runs)
+            with open(out, "w", newline="") as f:  # rewritten after every batch: a crash keeps what was measured
+                writer = csv.DictWriter(f, FIELDS, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+    for r in rows:
+        if r.get("time_vs_tiled"):
+            print(f"world {r['world']} B {r['batch']} {r['dtype']}: tiled's time / {r['impl']}'s = {1 / float(r['time_vs_tiled']):.3f} (median of per-round ratios)")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

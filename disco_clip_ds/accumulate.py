@@ -175,7 +175,7 @@ class ContrastiveAccumulationMixin:
         if not self._in_accumulated_step:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         update = self._update
-        outputs = model(**{**inputs, "return_loss": False})
+        outputs = model(**{**inputs, "return_loss": False, "return_logits": False})  # embeddings only
         num_micro = len(update.batches)
         surrogate = surrogate_loss(outputs.image_embeds, outputs.text_embeds, outputs.logit_scale,
                                    update.grads[update.index], update.scale_grad, num_micro)
@@ -191,7 +191,7 @@ class ContrastiveAccumulationMixin:
         with torch.no_grad(), self.compute_loss_context_manager():
             for batch in update.batches:
                 update.rng.append(_rng_state())
-                outputs = model(**{**self._prepare_inputs(batch), "return_loss": False})
+                outputs = model(**{**self._prepare_inputs(batch), "return_loss": False, "return_logits": False})
                 image_embeds.append(outputs.image_embeds)
                 text_embeds.append(outputs.text_embeds)
                 scale = outputs.logit_scale

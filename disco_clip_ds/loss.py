@@ -12,11 +12,16 @@ dL/dtheta, and logit_scale, which every rank holds, the mean of its local gradie
 published DisCo code averages in its backward and so gives the encoders 1/N of this.)
 
 Two implementations of the per-rank term:
-- "disco": the paper's decomposition, a b x B logit block per direction through plain autograd.
-- "tiled": never holds a b x B block. It walks its rows in tiles of `chunk_size` rows against all B columns.
-  The loss is a sum of row log-sum-exps whose upstream gradient is one scalar, so each tile's gradient
-  (softmax x keys) is accumulated in the same pass as its log-sum-exp and only scaled in backward: no logits are
-  stored and none recomputed, 3 matmuls per tile like plain autograd, and peak extra memory O(B*d + tile).
+- "disco": the paper's decomposition. Both modalities are gathered, and each direction builds a b x B logit
+  block through plain autograd: every logit S_ij is computed twice across the ranks (once as image-to-text on
+  the rank owning image i, once as text-to-image on the rank owning text j).
+- "tiled": each logit once. Only the texts are gathered (and only their gradient reduce-scattered: half the
+  feature bytes on the wire). Rank r owns the block S_r = s X_r Y^T: its rows give the image-to-text
+  log-sum-exps, and its columns' partial log-sum-exps, combined across ranks by two all-reduces of B floats,
+  give the text-to-image ones. The block is walked in tiles of `chunk_size` rows, twice: pass 1 for the
+  log-sum-exps, pass 2 (backward) recomputing each tile into its gradient. 4 b x B x d matmuls per rank (disco
+  and the earlier two-block tiled loss: 6), peak extra memory O(B*d + tile) with one modality's B x d buffer
+  and its gradient. When the b x B block fits `keep_bytes` its logits are kept and the recompute skipped (3).
 """
 
 from __future__ import annotations
@@ -27,12 +32,25 @@ import torch.nn.functional as F
 from torch import nn
 
 IMPLS = ("disco", "tiled")
-# torch 2.13 renamed the single-tensor collectives; the old names still work there but warn.
-_all_gather_single = getattr(dist, "all_gather_single", getattr(dist, "all_gather_into_tensor", None))
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", getattr(dist, "reduce_scatter_tensor", None))
+# torch 2.13 renamed the single-tensor collectives; the old names still work there but warn. Looked up at each
+# call, so that a caller (the byte-counting test and benchmark) can wrap torch.distributed's functions.
+_AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 # Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. Measured on CPU (B = 8192, d = 512):
 # tiles of 128-1024 rows all beat the plain b x B block; below ~64 rows the matmuls get inefficient.
 DEFAULT_TILE_ELEMENTS = 1 << 21
+# The tiled loss keeps its b x B fp32 logits between forward and backward (skipping the recompute) when they
+# take at most this many bytes: by default when the block is one default tile anyway, so that no extra memory
+# is spent; raise it to trade memory for a quarter of the loss's matmuls.
+DEFAULT_KEEP_BYTES = DEFAULT_TILE_ELEMENTS * 4
+
+
+def _all_gather_single(out, inp, group=None):
+    getattr(dist, _AG_NAME)(out, inp, group=group)
+
+
+def _reduce_scatter_single(out, inp, op, group=None):
+    getattr(dist, _RS_NAME)(out, inp, op=op, group=group)
 
 
 def _world(group) -> tuple[int, int]:
@@ -55,12 +73,14 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
         device=image_features.device,
     )
     if world > 1:
-        metas = [torch.empty_like(meta) for _ in range(world)]
-        dist.all_gather(metas, meta, group=group)
+        gathered = meta.new_empty(world * meta.numel())  # gloo wants the flat layout
+        _all_gather_single(gathered, meta, group=group)
+        gathered = gathered.view(world, -1)
     else:
-        metas = [meta]
+        gathered = meta[None]
+    metas = gathered.tolist()  # one device-to-host copy for every rank's shapes
     problems = []
-    for rank, (nd_i, nd_t, b_i, d_i, b_t, d_t, nd_s) in enumerate(m.tolist() for m in metas):
+    for rank, (nd_i, nd_t, b_i, d_i, b_t, d_t, nd_s) in enumerate(metas):
         where = f"rank {rank}: " if world > 1 else ""
         if nd_s != 0:
             problems.append(f"{where}logit_scale must be a 0-dim tensor (the multiplier, e.g. model.logit_scale.exp()), got {nd_s}-D")
@@ -68,12 +88,12 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
             problems.append(f"{where}features must be 2-D (batch, dim); got image {nd_i}-D and text {nd_t}-D")
         elif (b_i, d_i) != (b_t, d_t):
             problems.append(f"{where}image features {(b_i, d_i)} and text features {(b_t, d_t)} differ in shape")
-    dims = {m[3].item() for m in metas if m[0] == 2}
+    dims = {m[3] for m in metas if m[0] == 2}
     if not problems and len(dims) > 1:
-        problems.append(f"feature dim differs between ranks: {[m[3].item() for m in metas]}; all ranks must use one model")
+        problems.append(f"feature dim differs between ranks: {[m[3] for m in metas]}; all ranks must use one model")
     if problems:
         raise ValueError("DiscoClipLoss: bad input. " + "; ".join(problems))
-    return [m[2].item() for m in metas]
+    return [m[2] for m in metas]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -121,48 +141,93 @@ def gather_features(*local: torch.Tensor, sizes: list[int], group=None) -> tuple
     return _GatherRows.apply(sizes, group, *local)
 
 
-class _TiledLogSumExp(torch.autograd.Function):
-    """sum_i logsumexp_j(scale * q_i . k_j) in row tiles, with the gradient built in the same pass."""
+class _OneBlockLogSumExps(torch.autograd.Function):
+    """sum_{i local} lse_j S_ij + sum_{j local} lse_i S_ij from this rank's block S_r = s I_r T_all^T alone.
+
+    Pass 1 walks row tiles of S_r once: row log-sum-exps (complete: a row lies in one rank's block) and
+    running column log-sum-exps over this rank's rows, which two all-reduces of B floats (max, then sum of
+    exp(x - max)) combine into the global column log-sum-exps. The column max is taken before any exp, so a
+    column whose logits are all far below their rows' maxima does not underflow to log(0).
+    Pass 2 (backward) recomputes each tile's logits and turns them into the gradient tile
+        G_ij = g_r exp(S_ij - rowlse_i) + g_owner(j) exp(S_ij - collse_j),
+    whose column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j),
+    so the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says.
+    When the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and pass 2 skips the recompute. The
+    logits, not exponentials, are kept: no single shift serves both the row and the column softmax.
+    """
 
     @staticmethod
-    def forward(ctx, queries: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Tensor:
-        need_q, need_k, need_s = ctx.needs_input_grad[:3]
-        need_grad = need_q or need_k or need_s
-        keys32, s = keys.float(), float(scale)
-        total = torch.zeros((), dtype=torch.float32, device=queries.device)
-        grad_q = torch.empty(queries.shape, dtype=torch.float32, device=queries.device) if need_q else None
-        grad_k = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device) if need_k else None
-        grad_s = torch.zeros((), dtype=torch.float32, device=queries.device)
-        for start in range(0, queries.shape[0], chunk):
-            q = queries[start : start + chunk].float()
-            logits = (q @ keys32.T).mul_(s)  # (rows, B), in fp32 whatever the input dtype
-            row_max = logits.amax(dim=1, keepdim=True)
-            prob = logits.sub_(row_max).exp_()  # one exp pass serves the log-sum-exp and the softmax
-            row_sum = prob.sum(dim=1, keepdim=True)
-            total += (row_max + row_sum.log()).sum()
-            if not need_grad:
-                continue
-            prob.div_(row_sum)
-            if need_q or need_s:
-                prob_keys = prob @ keys32  # d lse_i / d q_i = s * prob_keys_i
-                if need_q:
-                    grad_q[start : start + chunk] = prob_keys * s
-                if need_s:  # d lse_i / d s = sum_j prob_ij q_i.k_j = q_i . prob_keys_i
-                    grad_s += torch.vdot(q.view(-1), prob_keys.view(-1))
-            if need_k:
-                grad_k.addmm_(prob.T, q, alpha=s)
-        ctx.grads = (grad_q, grad_k, grad_s if need_s else None)
-        ctx.dtypes = (queries.dtype, keys.dtype, scale.dtype)
-        return total
+    def forward(ctx, images, texts, scale, sizes, group, chunk, keep_bytes):
+        rank, world = _world(group)
+        need_grad = any(ctx.needs_input_grad[:3])
+        texts32, s = texts.float(), float(scale)
+        b, total = images.shape[0], texts.shape[0]
+        keep = need_grad and b * total * 4 <= keep_bytes
+        row_lse = images.new_empty(b, dtype=torch.float32)
+        col_lse = texts32.new_full((total,), -torch.inf)
+        kept = []
+        for start in range(0, b, chunk):
+            logits = (images[start : start + chunk].float() @ texts32.T).mul_(s)
+            row_lse[start : start + chunk] = torch.logsumexp(logits, dim=1)
+            torch.logaddexp(col_lse, torch.logsumexp(logits, dim=0), out=col_lse)
+            if keep:
+                kept.append(logits)
+        if world > 1:
+            col_max = col_lse.clone()  # finite: every column has a row somewhere
+            dist.all_reduce(col_max, op=dist.ReduceOp.MAX, group=group)
+            col_sum = col_lse.sub_(col_max).exp_()
+            dist.all_reduce(col_sum, op=dist.ReduceOp.SUM, group=group)
+            col_lse = col_sum.log_().add_(col_max)
+        lo = sum(sizes[:rank])
+        if need_grad:
+            ctx.save_for_backward(images, texts, row_lse, col_lse)
+            ctx.meta = (sizes, world, group, chunk, s, scale.dtype)
+            ctx.kept, ctx.used = (kept if keep else None), False
+        return row_lse.sum() + col_lse[lo : lo + sizes[rank]].sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_total: torch.Tensor):
-        if ctx.grads is None:
-            raise RuntimeError("the tiled CLIP loss supports one backward per forward (retain_graph re-use is not supported)")
-        # Scaled in place: the buffers are ours, and a copy of the (B, d) key gradient would double its memory.
-        grads, ctx.grads = ctx.grads, None
-        return (*(None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes)), None)
+    def backward(ctx, grad_total):
+        images, texts, row_lse, col_lse = ctx.saved_tensors
+        sizes, world, group, chunk, s, scale_dtype = ctx.meta
+        need_i, need_t, need_s = ctx.needs_input_grad[:3]
+        g = grad_total.float().reshape(1)
+        if world > 1:  # each column's term belongs to the loss of the rank that owns the text
+            owners = g.new_empty(world)
+            _all_gather_single(owners, g, group=group)
+            g_col = owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
+        else:
+            g_col = g
+        if ctx.kept is not None and ctx.used:
+            raise RuntimeError("the tiled CLIP loss kept its logits for one backward (retain_graph re-use is not supported)")
+        ctx.used = True
+        texts32 = texts.float()
+        grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
+        grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
+        grad_s = torch.zeros((), dtype=torch.float32, device=images.device)
+        for k, start in enumerate(range(0, images.shape[0], chunk)):
+            q = images[start : start + chunk].float()
+            if ctx.kept is not None:
+                logits, ctx.kept[k] = ctx.kept[k], None  # consumed in place below
+            else:
+                logits = (q @ texts32.T).mul_(s)
+            grad = (logits - row_lse[start : start + chunk, None]).exp_().mul_(g)
+            grad.add_(logits.sub_(col_lse).exp_().mul_(g_col))
+            del logits
+            if need_i or need_s:
+                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = sum_ij G_ij q_i.t_j = q . grad_q
+                if need_s:
+                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
+                if need_i:
+                    grad_i[start : start + chunk] = grad_q.mul_(s)
+            if need_t:
+                grad_t.addmm_(grad.T, q, alpha=s)
+        return (
+            grad_i.to(images.dtype) if need_i else None,
+            grad_t.to(texts.dtype) if need_t else None,
+            grad_s.to(scale_dtype) if need_s else None,
+            None, None, None, None,
+        )
 
 
 def default_chunk_size(total_batch: int) -> int:
@@ -170,33 +235,42 @@ def default_chunk_size(total_batch: int) -> int:
     return max(32, DEFAULT_TILE_ELEMENTS // max(1, total_batch) // 8 * 8)
 
 
-def _direction_terms(queries, keys, scale, impl: str, chunk: int | None) -> torch.Tensor:
-    """sum over local rows i of logsumexp_j(s q_i . k_j)."""
-    if impl == "tiled":
-        chunk = chunk or default_chunk_size(keys.shape[0])
-        return _TiledLogSumExp.apply(queries, keys, scale, chunk)
-    logits = scale.float() * (queries.float() @ keys.float().T)  # the b x B block
+def _direction_terms(queries, keys, scale) -> torch.Tensor:
+    """sum over local rows i of logsumexp_j(s q_i . k_j), through the plain b x B block (the disco impl)."""
+    logits = scale.float() * (queries.float() @ keys.float().T)
     return torch.logsumexp(logits, dim=1).sum()
 
 
-def disco_clip_loss(image_features, text_features, logit_scale, impl: str = "tiled", chunk_size: int | None = None, group=None) -> torch.Tensor:
+def disco_clip_loss(
+    image_features, text_features, logit_scale, impl: str = "tiled", chunk_size: int | None = None, group=None,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
+) -> torch.Tensor:
     """Functional form of :class:`DiscoClipLoss`; see the module docstring for the exact contract."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    _check_options(impl, chunk_size, keep_bytes)
     sizes = _check_inputs(image_features, text_features, logit_scale, group)
     world = _world(group)[1]
     total = sum(sizes)
     # Autocast would run the logit matmuls in 16 bits (an error of ~0.3 at logit 100): the loss keeps its own fp32.
     with torch.autocast(device_type=image_features.device.type, enabled=False):
         scale = torch.as_tensor(logit_scale, device=image_features.device).float()
-        all_images, all_texts = gather_features(image_features, text_features, sizes=sizes, group=group)
-        lse_sum = _direction_terms(image_features, all_texts, scale, impl, chunk_size) + _direction_terms(
-            text_features, all_images, scale, impl, chunk_size
-        )
+        if impl == "tiled":
+            (all_texts,) = gather_features(text_features, sizes=sizes, group=group)
+            chunk = chunk_size or default_chunk_size(total)
+            lse_sum = _OneBlockLogSumExps.apply(image_features, all_texts, scale, sizes, group, chunk, keep_bytes)
+        else:
+            all_images, all_texts = gather_features(image_features, text_features, sizes=sizes, group=group)
+            lse_sum = _direction_terms(image_features, all_texts, scale) + _direction_terms(text_features, all_images, scale)
         positives = (image_features.float() * text_features.float()).sum() * scale
         return (lse_sum - 2 * positives) * (world / (2 * total))
+
+
+def _check_options(impl: str, chunk_size, keep_bytes) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    if keep_bytes < 0:
+        raise ValueError(f"keep_bytes must be >= 0 (0 = always recompute the logits in backward), got {keep_bytes}")
 
 
 class DiscoClipLoss(nn.Module):
@@ -206,16 +280,17 @@ class DiscoClipLoss(nn.Module):
     hold different b) and the logit multiplier (e.g. `model.logit_scale.exp()`). Returns this rank's share
     l_r with mean_r l_r = the single-device loss over the global batch and gradients such that data-parallel
     averaging yields exactly the global-batch gradient. Without torch.distributed it is the plain CLIP loss.
+    `chunk_size`: rows per tile of the tiled loss (None: about 8 MiB of logits per tile). `keep_bytes`: the
+    tiled loss keeps its b x B fp32 logits for backward instead of recomputing them when they fit this.
     """
 
-    def __init__(self, impl: str = "tiled", chunk_size: int | None = None, group=None):
+    def __init__(self, impl: str = "tiled", chunk_size: int | None = None, group=None, keep_bytes: int = DEFAULT_KEEP_BYTES):
         super().__init__()
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        self.impl, self.chunk_size, self.group = impl, chunk_size, group
+        _check_options(impl, chunk_size, keep_bytes)
+        self.impl, self.chunk_size, self.group, self.keep_bytes = impl, chunk_size, group, keep_bytes
 
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale) -> torch.Tensor:
-        return disco_clip_loss(image_features, text_features, logit_scale, self.impl, self.chunk_size, self.group)
+        return disco_clip_loss(image_features, text_features, logit_scale, self.impl, self.chunk_size, self.group, self.keep_bytes)
 
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, chunk_size={self.chunk_size}"
+        return f"impl={self.impl!r}, chunk_size={self.chunk_size}, keep_bytes={self.keep_bytes}"

@@ -156,8 +156,15 @@ class DiscoCLIPModel(CLIPModel):
         position_ids: torch.LongTensor | None = None,
         return_loss: bool | None = None,
         interpolate_pos_encoding: bool = False,
+        return_logits: bool | None = None,
         **kwargs,
     ) -> DiscoCLIPOutput:
+        """CLIPModel's forward; with `return_loss` the loss is the distributed one of `config.loss_impl`.
+
+        `return_logits`: whether to build this rank's b x b logits (`logits_per_image` / `logits_per_text`).
+        Default: when no loss is asked for (inference, as CLIPModel) or the loss is `local`, which uses them; a
+        training step with the distributed loss skips them (64 MiB of fp32 at b = 4096) and returns None there.
+        """
         vision_outputs = self.get_image_features(
             pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
         )
@@ -168,13 +175,16 @@ class DiscoCLIPModel(CLIPModel):
         text_embeds = nn.functional.normalize(text_outputs.pooler_output, dim=-1)
         logit_scale = self.clamped_logit_scale()
         self.last_logit_scale = logit_scale.detach()  # for logging: under ZeRO-3 the parameter is partitioned
-        # This rank's b x b logits, for callers that read them; the loss below does not use them.
-        logits_per_text = logit_scale * text_embeds @ image_embeds.t()
+        if return_logits is None:
+            return_logits = not return_loss or self.config.loss_impl == "local"
+        logits_per_text = logit_scale * text_embeds @ image_embeds.t() if return_logits else None
 
         loss = None
         if return_loss:
             if self.config.loss_impl == "local":
-                loss = image_text_contrastive_loss(logits_per_text)
+                loss = image_text_contrastive_loss(
+                    logits_per_text if logits_per_text is not None else logit_scale * text_embeds @ image_embeds.t()
+                )
             else:
                 from .loss import disco_clip_loss
 
@@ -184,7 +194,7 @@ class DiscoCLIPModel(CLIPModel):
                 )
         return DiscoCLIPOutput(
             loss=loss,
-            logits_per_image=logits_per_text.t(),
+            logits_per_image=logits_per_text.t() if logits_per_text is not None else None,
             logits_per_text=logits_per_text,
             text_embeds=text_embeds,
             image_embeds=image_embeds,

@@ -11,8 +11,9 @@ With gradient_accumulation_steps K > 1 and contrastive accumulation (the trainer
 disco_clip_ds/accumulate.py) the contrastive batch is micro x world x K: activations stay those of one
 micro-batch, the loss runs over all micro x world x K pairs, and each rank caches its K x micro embeddings and
 their gradients.
-Traffic per rank = ZeRO gradient/parameter collectives + the loss's feature all-gather and its backward
-reduce-scatter (the DisCo paper all-reduces there: twice the bytes). Ring collectives: a rank sends (and
+Traffic per rank = ZeRO gradient/parameter collectives + the loss's: disco all-gathers both modalities'
+features and reduce-scatters their gradient in backward (the DisCo paper all-reduces there: twice the bytes);
+tiled moves the texts only, plus two all-reduces of B fp32 column values. Ring collectives: a rank sends (and
 receives) (N-1)/N of the buffer for all-gather and reduce-scatter, 2(N-1)/N for all-reduce.
 """
 
@@ -425,29 +426,34 @@ def zero_buffer_bytes(settings: Settings) -> float:
 def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_size: int | None = None) -> float:
     """Peak working set of the CLIP loss on one rank: global batch `batch`, local rows b = batch/world.
 
-    Counted from the code (bench/loss_bench.py's naive, disco_clip_ds/loss.py's disco and tiled) and checked
-    against the loss benchmark's measured peaks (tests/test_plan.py). G = gathered features, 2 x B x d x elem.
+    Counted from the code (bench/loss_bench.py's naive and twoblock, disco_clip_ds/loss.py's disco and tiled)
+    and checked against the loss benchmark's measured peaks (tests/test_plan.py). G = one modality's gathered
+    features, B x d x elem; rows = chunk_size or the loss's own default_chunk_size, at most b.
     naive (open_clip default): fp32 B x B logits, the two log-softmax outputs autograd keeps and their
-      gradients: 4 B^2 fp32 at peak, plus G.
+      gradients: 4 B^2 fp32 at peak, plus 2 G.
     disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
-      their gradients and the softmax: 7 b x B fp32, plus G, its gradient (G) and fp32 copies of bf16 keys.
-    tiled: G, each direction's fp32 key gradient accumulated in the forward pass (2 x B x d fp32), one fp32
-      copy of bf16 keys at a time, two tile-sized fp32 buffers of rows x B (the tile and the matmul
-      workspace, as measured; rows = chunk_size or the loss's own default_chunk_size, at most b), and the
-      local rows' gradients that the reduce-scatter returns (2 x b x d).
+      their gradients and the softmax: 7 b x B fp32, plus 2 G, their gradients (2 G) and fp32 copies of bf16 keys.
+    tiled (one block): G (texts only), their fp32 gradient (B x d) built in backward, an fp32 copy of bf16
+      texts, two tile-sized fp32 buffers of rows x B (logits and their exponentials; with the default
+      keep_bytes a kept block is one such tile), the fp32 image gradient and the local rows' gradients (b x d).
+    twoblock (the earlier tiled loss, a benchmark baseline): 2 G, each direction's fp32 key gradient
+      accumulated in the forward pass (2 x B x d fp32), one fp32 copy of bf16 keys at a time, two tiles, and
+      the local rows' gradients that the reduce-scatter returns (2 x b x d).
     """
     from disco_clip_ds.loss import default_chunk_size
 
     b = batch / world
-    gathered = 2 * batch * dim * elem
+    gathered = batch * dim * elem
     fp32_keys = batch * dim * 4 if elem != 4 else 0
+    rows = min(chunk_size or default_chunk_size(batch), b)
     if impl == "naive":
-        return gathered + 4 * batch * batch * 4
+        return 2 * gathered + 4 * batch * batch * 4
     if impl == "disco":
-        return 2 * gathered + 2 * fp32_keys + 7 * b * batch * 4
+        return 4 * gathered + 2 * fp32_keys + 7 * b * batch * 4
     if impl == "tiled":
-        rows = min(chunk_size or default_chunk_size(batch), b)
-        return gathered + 2 * batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + 2 * b * dim * elem
+        return gathered + batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + b * dim * (4 + elem)
+    if impl == "twoblock":
+        return 2 * gathered + 2 * batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + 2 * b * dim * elem
     raise PlanConfigError(f"--loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
 
 
@@ -527,8 +533,8 @@ def _largest(fits, limit: int) -> int:
 # ------------------------------------------------------------------------------------------------ traffic
 
 
-def traffic_bytes(shape: ModelShape, settings: Settings) -> dict:
-    """Bytes one rank sends per optimizer step (ring collectives), by collective."""
+def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "tiled")) -> dict:
+    """Bytes one rank sends per optimizer step (ring collectives), by collective; the loss's per impl."""
     n, p, accum = settings.world, shape.params, settings.grad_accum
     ring = (n - 1) / n
     e = PRECISION_BYTES[settings.precision]
@@ -544,9 +550,18 @@ def traffic_bytes(shape: ModelShape, settings: Settings) -> dict:
         grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": accum * gathers * ring * p * e}
     # contrastive accumulation gathers all K micro-batches' fp32 embeddings at once: the same rows, fp32 bytes
     feature_bytes = 4 if settings.contrastive_steps > 1 else e
-    features = accum * ring * settings.micro_batch * n * 2 * shape.projection_dim * feature_bytes
-    return {**grads, "feature all-gather (forward)": features, "feature reduce-scatter (backward)": features,
-            "(paper: feature all-reduce in backward)": 2 * features}
+    batch = settings.micro_batch * n
+    modality = accum * ring * batch * shape.projection_dim * feature_bytes  # one modality's rows
+    loss = {
+        "naive": {"naive loss: feature all-gather (forward)": 2 * modality},
+        "disco": {"disco loss: feature all-gather (forward)": 2 * modality,
+                  "disco loss: feature reduce-scatter (backward)": 2 * modality,
+                  "(paper: feature all-reduce in backward)": 4 * modality},
+        "tiled": {"tiled loss: text all-gather (forward)": modality,
+                  "tiled loss: column lse all-reduces (forward)": accum * 2 * 2 * ring * batch * 4,
+                  "tiled loss: text reduce-scatter (backward)": modality},
+    }
+    return {**grads, **{k: v for impl in loss_impls for k, v in loss[impl].items()}}
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -576,7 +591,7 @@ def plan(config_path, model_path, gpus: int, gpu_memory: str, per_device_batch=N
     out = {"settings": asdict(settings), "model": {"params": shape.params, "largest_param": shape.largest_param},
            "global_batch": settings.contrastive_batch, "contrastive_steps": settings.contrastive_steps, "capacity_bytes": capacity, "overhead_bytes": overhead,
            "activation_checkpointing": activation_checkpointing, "memory": {}, "max_micro_batch": {}, "max_contrastive_steps": {},
-           "traffic": traffic_bytes(shape, settings)}
+           "traffic": traffic_bytes(shape, settings, loss_impls)}
     for impl in loss_impls:
         mem = memory_plan(shape, settings, fit, impl, activation_checkpointing, capacity, overhead, None, chunk_size)
         out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}

@@ -1,17 +1,22 @@
 """DiscoClipLoss against an independent float64 single-process CLIP loss, on 1-4 gloo ranks."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import run_ranks
-from disco_clip_ds.loss import DiscoClipLoss, disco_clip_loss
+from disco_clip_ds.loss import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark's byte counter and baseline
 
 DIM = 16
-# (impl, chunk_size): the tiled loss with a ragged multi-tile walk and with its default single tile.
-IMPLS = [("disco", None), ("tiled", 3), ("tiled", None)]
+# (impl, chunk_size, keep_bytes): the tiled loss on a ragged multi-tile walk, recomputing its logits in backward
+# and keeping them, and with its default single tile (kept: it fits the default budget).
+IMPLS = [("disco", None, 0), ("tiled", 3, 0), ("tiled", 3, 1 << 30), ("tiled", None, DEFAULT_KEEP_BYTES)]
 
 
 def global_features(sizes, seed, dtype=torch.float32):
@@ -19,6 +24,18 @@ def global_features(sizes, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = F.normalize(torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64), dim=1)
     y = F.normalize(torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64), dim=1)
+    return x.to(dtype), y.to(dtype)
+
+
+def negative_column_features(sizes, seed, dtype=torch.float32):
+    """Images all near e1; even texts near e1, odd texts near -e1. At scale 100 an odd text's column holds only
+    logits near -100 while every row's maximum is near +100: exp(column - row max) ~ e^-200 underflows fp32."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    e1 = F.one_hot(torch.zeros(n, dtype=torch.long), DIM).double()
+    x = F.normalize(e1 + 0.05 * torch.randn(n, DIM, generator=g, dtype=torch.float64), dim=1)
+    sign = 1.0 - 2.0 * (torch.arange(n) % 2).double()[:, None]
+    y = F.normalize(sign * e1 + 0.05 * torch.randn(n, DIM, generator=g, dtype=torch.float64), dim=1)
     return x.to(dtype), y.to(dtype)
 
 
@@ -33,28 +50,29 @@ def reference(x, y, log_scale):
     return loss.item(), x.grad, y.grad, t.grad.item()
 
 
-CASES = [  # (sizes per rank as a function of world, log scale, dtype)
-    (lambda n: [5] * n, math.log(1 / 0.07), torch.float32),
-    (lambda n: [3, 7, 1, 4][:n], math.log(100.0), torch.float32),
-    (lambda n: [6, 2, 5, 3][:n], math.log(1 / 0.07), torch.bfloat16),
-    (lambda n: [4, 0, 3, 2][:n], math.log(1 / 0.07), torch.float32),  # a rank with no rows (epoch end)
+CASES = [  # (sizes per rank as a function of world, log scale, dtype, features)
+    (lambda n: [5] * n, math.log(1 / 0.07), torch.float32, global_features),
+    (lambda n: [3, 7, 1, 4][:n], math.log(100.0), torch.float32, global_features),
+    (lambda n: [6, 2, 5, 3][:n], math.log(1 / 0.07), torch.bfloat16, global_features),
+    (lambda n: [4, 0, 3, 2][:n], math.log(1 / 0.07), torch.float32, global_features),  # a rank with no rows (epoch end)
+    (lambda n: [6, 3, 5, 4][:n], math.log(100.0), torch.float32, negative_column_features),  # columns far below rows
 ]
 
 
 def _rank_losses(rank, world):
     """Every case on this rank: its loss, feature gradients and log-scale gradient."""
     out = []
-    for case, (sizes_of, log_scale, dtype) in enumerate(CASES):
+    for case, (sizes_of, log_scale, dtype, features) in enumerate(CASES):
         sizes = sizes_of(world)
-        x, y = global_features(sizes, seed=case, dtype=dtype)
+        x, y = features(sizes, seed=case, dtype=dtype)
         lo = sum(sizes[:rank])
-        for impl, chunk in IMPLS:
+        for impl, chunk, keep in IMPLS:
             xi = x[lo : lo + sizes[rank]].clone().requires_grad_()
             yi = y[lo : lo + sizes[rank]].clone().requires_grad_()
             t = torch.tensor(log_scale, requires_grad=True)
-            loss = DiscoClipLoss(impl, chunk_size=chunk)(xi, yi, t.exp())
+            loss = DiscoClipLoss(impl, chunk_size=chunk, keep_bytes=keep)(xi, yi, t.exp())
             loss.backward()
-            out.append((case, impl, chunk, loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()))
+            out.append((case, impl, (chunk, keep), loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()))
     return out
 
 
@@ -62,12 +80,13 @@ def _rank_losses(rank, world):
 def test_matches_float64_reference(world):
     per_rank = run_ranks(_rank_losses, world)
     for k, (case, impl, chunk, *_) in enumerate(per_rank[0]):
-        sizes_of, log_scale, dtype = CASES[case]
+        sizes_of, log_scale, dtype, features = CASES[case]
         sizes = sizes_of(world)
-        ref_loss, ref_gx, ref_gy, ref_gt = reference(*global_features(sizes, seed=case, dtype=dtype), log_scale)
+        ref_loss, ref_gx, ref_gy, ref_gt = reference(*features(sizes, seed=case, dtype=dtype), log_scale)
+        assert math.isfinite(ref_loss)
         rows = [r[k] for r in per_rank]
         rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        what = f"world={world} sizes={sizes} impl={impl} chunk={chunk} dtype={dtype}"
+        what = f"world={world} sizes={sizes} impl={impl} (chunk, keep)={chunk} dtype={dtype} features={features.__name__}"
         # mean over ranks of the returned values is the global loss
         assert sum(r[3] for r in rows) / world == pytest.approx(ref_loss, rel=rtol), what
         # each rank's feature gradient / N is the global gradient w.r.t. its rows
@@ -131,6 +150,8 @@ def test_no_grad_and_argument_errors():
         DiscoClipLoss("naive")
     with pytest.raises(ValueError, match="chunk_size"):
         disco_clip_loss(x, y, torch.tensor(10.0), chunk_size=0)
+    with pytest.raises(ValueError, match="keep_bytes"):
+        DiscoClipLoss(keep_bytes=-1)
 
 
 BAD_INPUTS = {  # what rank 1 passes; every rank must raise, naming the problem
@@ -162,3 +183,72 @@ def test_bad_input_raises_on_every_rank(case):
         assert message is not None and expected in message, f"rank {rank}: {message}"
         if case != "feature dim differs":
             assert "rank 1" in message
+
+
+def _weighted_rank(rank, world, sizes, weights):
+    """Rank r back-propagates weights[r] * its loss (a per-rank loss scale): the gradients it receives."""
+    x, y = global_features(sizes, seed=7)
+    lo = sum(sizes[:rank])
+    out = []
+    for keep in (0, 1 << 30):
+        xi = x[lo : lo + sizes[rank]].clone().requires_grad_()
+        yi = y[lo : lo + sizes[rank]].clone().requires_grad_()
+        t = torch.tensor(math.log(30.0), requires_grad=True)
+        (weights[rank] * DiscoClipLoss("tiled", chunk_size=2, keep_bytes=keep)(xi, yi, t.exp())).backward()
+        out.append((xi.grad.double(), yi.grad.double(), t.grad.item()))
+    return out
+
+
+def test_per_rank_upstream_gradients_reach_the_right_columns():
+    """A text's column log-sum-exp is in its owner's loss but its logits are on every rank: its gradient must
+    carry the owner's upstream factor. Reference: float64 d(sum_r w_r l_r) with l_r written out per rank."""
+    sizes, weights = [3, 5, 2], [1.0, 3.0, 0.5]
+    per_rank = run_ranks(_weighted_rank, 3, sizes, weights)
+    x, y = (t.double().requires_grad_() for t in global_features(sizes, seed=7))
+    t = torch.tensor(math.log(30.0), dtype=torch.float64, requires_grad=True)
+    logits = t.exp() * x @ y.T
+    terms = logits.logsumexp(1) + logits.logsumexp(0) - 2 * logits.diag()  # row i, column i, positive i
+    owner_weight = torch.tensor(weights, dtype=torch.float64).repeat_interleave(torch.tensor(sizes))
+    (len(sizes) / (2 * sum(sizes)) * (owner_weight * terms).sum()).backward()
+    for keep in range(2):
+        torch.testing.assert_close(torch.cat([r[keep][0] for r in per_rank]), x.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.cat([r[keep][1] for r in per_rank]), y.grad, rtol=1e-4, atol=1e-6)
+        assert sum(r[keep][2] for r in per_rank) == pytest.approx(t.grad.item(), rel=1e-4)
+
+
+def _wire_rank(rank, world, sizes, dim, dtype):
+    """Bytes this rank sends through each collective during one forward + backward, per impl."""
+    from loss_bench import WireBytes, twoblock_loss
+
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for impl in ("twoblock", "disco", "tiled"):
+        x, y = (F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in range(2))
+        with WireBytes() as wire:
+            if impl == "twoblock":
+                twoblock_loss(x, y, torch.tensor(20.0)).backward()
+            else:
+                DiscoClipLoss(impl)(x, y, torch.tensor(20.0)).backward()
+        out[impl] = wire.total
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wire_bytes_per_rank_halve(dtype):
+    """Bytes on the wire per rank per step, counted at torch.distributed's collectives (ring algorithms), against
+    the hand count: the one-block loss gathers and reduce-scatters the texts only, plus two all-reduces of B
+    fp32 column values and one of the N upstream gradients; the earlier two-block tiled loss (and disco) move
+    both modalities."""
+    sizes, dim = [6, 3, 5], 512
+    n, pad, total, elem = len(sizes), max(sizes), sum(sizes), dtype.itemsize
+    counted = run_ranks(_wire_rank, n, sizes, dim, dtype)
+    shape_check = (n - 1) * 7 * 8  # every rank's 7 int64 shape values
+    feature = (n - 1) * pad * dim * elem  # one modality's (padded) rows, all-gathered or reduce-scattered
+    expected = {
+        "twoblock": shape_check + 4 * feature,
+        "disco": shape_check + 4 * feature,
+        "tiled": shape_check + 2 * feature + 2 * (2 * (n - 1) / n * total * 4) + (n - 1) * 4,
+    }
+    for rank, got in enumerate(counted):
+        assert got == pytest.approx(expected), f"rank {rank}"
+        assert got["tiled"] / got["twoblock"] < 0.51

@@ -113,11 +113,29 @@ def test_logit_scale_is_clamped_at_100():
     model, inputs = tiny_model(), batch()
     with torch.no_grad():
         model.logit_scale.fill_(5.0)  # exp(5) = 148 > 100
-    out = model(**inputs, return_loss=True)
+    out = model(**inputs, return_loss=True, return_logits=True)
     assert model.clamped_logit_scale().item() == pytest.approx(100.0)
     torch.testing.assert_close(out.logits_per_text, 100.0 * out.text_embeds @ out.image_embeds.t())
     out.loss.backward()
     assert model.logit_scale.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("impl", ["tiled", "disco", "local"])
+def test_logits_are_built_for_inference_local_loss_or_on_request(impl):
+    """A training forward with the distributed loss skips the unused b x b logits; CLIPModel's (inference, or
+    the local loss, which reads them) keep them, and return_logits overrides either way without moving the loss."""
+    model, inputs = tiny_model(impl), batch()
+    reference = CLIPModel(model.config).to(torch.float64)
+    reference.load_state_dict(model.state_dict())
+    expected = reference(**inputs).logits_per_text
+    assert (model(**inputs, return_loss=True).logits_per_text is None) == (impl != "local")
+    torch.testing.assert_close(model(**inputs).logits_per_text, expected)
+    asked = model(**inputs, return_loss=True, return_logits=True)
+    torch.testing.assert_close(asked.logits_per_text, expected)
+    torch.testing.assert_close(asked.logits_per_image, expected.t())
+    skipped = model(**inputs, return_loss=True, return_logits=False)
+    assert skipped.logits_per_text is None and skipped.logits_per_image is None
+    assert skipped.loss.item() == pytest.approx(asked.loss.item(), rel=1e-12)
 
 
 def test_logit_scale_fix_is_gated_on_the_broken_deepspeed_release():

@@ -121,11 +121,15 @@ def test_model_states_match_deepspeed_and_hand_counts():
 def test_traffic_hand_computed():
     shape = P.ModelShape.from_json(VIT)
     settings = P.validate_config(P.load_config(CFG_32K), 8)
-    t = P.traffic_bytes(shape, settings)
+    t = P.traffic_bytes(shape, settings, ("disco", "tiled"))
     features = 7 / 8 * 32768 * 2 * 512 * 2  # (N-1)/N x B x 2d x bf16
-    assert t["feature all-gather (forward)"] == pytest.approx(features)
-    assert t["feature reduce-scatter (backward)"] == pytest.approx(features)
+    assert t["disco loss: feature all-gather (forward)"] == pytest.approx(features)
+    assert t["disco loss: feature reduce-scatter (backward)"] == pytest.approx(features)
     assert t["(paper: feature all-reduce in backward)"] == pytest.approx(2 * features)
+    # the one-block tiled loss: the texts only, and two all-reduces (2 (N-1)/N each) of B fp32 column values
+    assert t["tiled loss: text all-gather (forward)"] == pytest.approx(features / 2)
+    assert t["tiled loss: text reduce-scatter (backward)"] == pytest.approx(features / 2)
+    assert t["tiled loss: column lse all-reduces (forward)"] == pytest.approx(2 * 2 * 7 / 8 * 32768 * 4)
     assert t["gradient reduce-scatter"] == pytest.approx(7 / 8 * shape.params * 4)  # fp32 communication
     assert t["parameter all-gather"] == pytest.approx(7 / 8 * shape.params * 2)
 
@@ -134,7 +138,7 @@ def test_parameter_count_is_the_real_models():
     assert P.ModelShape.from_json(VIT).params == 151_277_313
 
 
-@pytest.mark.parametrize("csv_name", ["plan_loss_check_cpu.csv", "loss_bench_cpu.csv"])
+@pytest.mark.parametrize("csv_name", ["plan_loss_check_cpu.csv", "loss_bench_cpu.csv", "loss_bench_cpu_one_block.csv"])
 def test_loss_term_within_25_percent_of_loss_benchmark(csv_name):
     """The loss working-set formulas against the loss benchmark's measured per-rank peaks (bench/loss_bench.py).
     Batches >= 4096 only: below that the process's fixed costs (thread pools, gloo buffers) dominate."""
