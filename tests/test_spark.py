@@ -157,7 +157,7 @@ def test_verify_accepts_the_spark_shards(references, capsys):
 def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_path):
     """A CLI run on its own local[1] session, killed once shard 1 is written; then re-run in-process."""
     out, hold, log = tmp_path / "out", tmp_path / "held.pid", tmp_path / "run.log"
-    env = {**os.environ, "DISCO_CLIP_HOLD_AFTER_SHARD": "1", "DISCO_CLIP_HOLD_FILE": str(hold)}
+    env = {**os.environ, "DISCO_CLIP_FAULT": "hold_after:1", "DISCO_CLIP_FAULT_FILE": str(hold)}
     # --processes 3 with --spark_master local[1]: the master wins, so tasks (shards) run one at a time
     cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download",
            *_argv(url_list, out, "pyspark", processes=3), "--spark_master", "local[1]"]
@@ -185,6 +185,25 @@ def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_pa
     assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
     assert {name: (out / name).read_text() for name in done} == before  # not redone
     assert _outputs(out) == _outputs(references[1]) == _outputs(references[0])
+
+
+@needs_java
+def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(spark, references, url_list, tmp_path,
+                                                                         capsys):
+    out = tmp_path / "out"
+    # the session's Python workers take their environment from SparkContext.environment, not os.environ
+    spark.sparkContext.environment["DISCO_CLIP_FAULT"] = "exit_before:2"
+    try:
+        assert prep.download_main(_argv(url_list, out, "pyspark")) == 1
+    finally:
+        del spark.sparkContext.environment["DISCO_CLIP_FAULT"]
+    err = capsys.readouterr().err
+    assert "error: the Spark job failed" in err and "shard(s) failed; re-run to retry" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert "00002" in summary["shards_failed"] and not (out / "00002.tar").exists()
+    assert len(summary["shards_failed"]) + summary["shards_done"] == N_SHARDS
+    assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
+    assert _outputs(out) == _outputs(references[1])
 
 
 @needs_java

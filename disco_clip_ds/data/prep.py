@@ -186,21 +186,24 @@ class _DeadlineDownloader:
         import img2dataset.downloader as dl
 
         dl.download_image = functools.partial(_download_image_with_deadline, deadline_s=self.deadline_s)
+        _fault_point("exit_before", row[0])
         result = self.downloader(row)
-        _hold_after_shard(row[0])
+        _fault_point("hold_after", row[0])
         return result
 
 
-def _hold_after_shard(shard_id: int) -> None:
-    """Fault injection for the resume tests: a named point right after a shard is written.
+def _fault_point(point: str, shard_id: int) -> None:
+    """Fault injection for the tests, at named points of a worker's shard: DISCO_CLIP_FAULT=POINT:SHARD.
 
-    With DISCO_CLIP_HOLD_AFTER_SHARD=k and DISCO_CLIP_HOLD_FILE=PATH in the environment (worker
-    processes inherit it in multiprocessing and in Spark local mode), the worker that finished shard k
-    writes its pid to PATH and stops itself, so that a test can kill the run at a known state.
+    `exit_before:k` ends the worker process before shard k starts, as a crashed executor would.
+    `hold_after:k` writes the worker's pid to DISCO_CLIP_FAULT_FILE once shard k is written and stops
+    the worker, so that a test can kill the run in a known state.
     """
-    if os.environ.get("DISCO_CLIP_HOLD_AFTER_SHARD") != str(shard_id):
+    if os.environ.get("DISCO_CLIP_FAULT") != f"{point}:{shard_id}":
         return
-    Path(os.environ["DISCO_CLIP_HOLD_FILE"]).write_text(str(os.getpid()))
+    if point == "exit_before":
+        os._exit(3)
+    Path(os.environ["DISCO_CLIP_FAULT_FILE"]).write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -484,6 +487,15 @@ def check_spark(master: str | None) -> None:
         raise SystemExit(f"error: --distributor pyspark needs Java {MIN_JAVA}+; {problem}")
 
 
+def _is_spark_failure(err: Exception) -> bool:
+    try:
+        from py4j.protocol import Py4JError
+        from pyspark.errors import PySparkException
+    except ImportError:
+        return False
+    return isinstance(err, (Py4JError, PySparkException))
+
+
 @contextlib.contextmanager
 def _environ(**values):
     saved = {k: os.environ.get(k) for k in values}
@@ -660,7 +672,15 @@ def download(cfg: DownloadConfig) -> dict:
     kwargs.update(cfg.extra)
     session = spark_session(cfg.spark_master, cfg.processes) if cfg.distributor == "pyspark" else contextlib.nullcontext()
     with _downloads_with_deadline(cfg.max_download_seconds), session:
-        img2dataset.download(**kwargs)
+        try:
+            img2dataset.download(**kwargs)
+        except Exception as err:
+            if not _is_spark_failure(err):
+                raise
+            # a Spark job aborts on a lost task (local mode allows one attempt); shards finished so far
+            # are complete on disk: report them, and let the summary name the rest as failed (exit 1)
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            print(f"error: the Spark job failed: {first[:300]}", file=sys.stderr)
 
     summary, sizes = summarize(output, n_expected)
     write_json(output / "sizes.json", sizes)
