@@ -401,7 +401,8 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         _inject_signal_faults(state.global_step)
-        if self.signals and _any_true(self._stop_requested(), args.device):
+        if self.signals and _any_true(self._stop_requested(), args.device) and state.global_step < state.max_steps:
+            # (at max_steps the run ends and saves anyway: finished, not preempted)
             self.stopped = self.received or "a signal on another rank"
             control.should_save = control.should_training_stop = True
         return control

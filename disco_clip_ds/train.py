@@ -206,6 +206,22 @@ def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
         )
 
 
+def _check_arguments(model_args: ModelArguments, args: DiscoTrainingArguments) -> None:
+    """Values that would fail only once the model is built, or silently do something else."""
+    if args.max_steps == 0:  # the Trainer would read 0 as "not set" and train --num_train_epochs
+        raise UsageError("--max_steps 0 trains nothing: give a positive number, or leave it out to train --num_train_epochs")
+    if args.per_device_train_batch_size < 1:
+        raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size}: must be at least 1")
+    if model_args.model_config:
+        try:
+            json.loads(Path(model_args.model_config).read_text())
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--model_config {model_args.model_config} is not a readable JSON file: {error}") from error
+    for flag, value in (("--tokenizer_name", model_args.tokenizer_name), ("--model_name_or_path", model_args.model_name_or_path)):
+        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+            raise UsageError(f"{flag} {value}: no such folder")
+
+
 def _model_and_processor(model_args: ModelArguments):
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     if not tokenizer_name:
@@ -261,6 +277,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     to output_dir. Holds output_dir's run lock throughout; raises Preempted after a stop signal's checkpoint."""
     check_contrastive_accumulation(args, model_args.loss_impl)
     check_deepspeed_batch(args)
+    _check_arguments(model_args, args)
     stop_signals = parse_signals(args.stop_signals)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
     acquire_run_lock(args.output_dir)

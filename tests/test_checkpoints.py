@@ -21,6 +21,7 @@ from conftest import free_port
 from test_pipeline import write_shards
 from test_train import REPO, VENV_BIN, weights
 
+pytestmark = pytest.mark.timeout(900)  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
 STEPS, SAVE = 6, 2
 ARGS = [
     "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", "8",
@@ -176,8 +177,10 @@ def test_sigusr1_to_the_process_group_saves_a_resumable_checkpoint(full, data, t
     assert same_weights(out, full) <= 1e-6
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
-def test_sigterm_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, launcher):
+# deepspeed: the command dies, launch.py and the ranks would train on (the ranks watch their grandparent);
+# torchrun forwards SIGTERM (the ranks checkpoint and stop) but dies of SIGUSR1 (the ranks watch their parent)
+@pytest.mark.parametrize("launcher,sig", [("deepspeed", "SIGTERM"), ("torchrun", "SIGTERM"), ("torchrun", "SIGUSR1")])
+def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, launcher, sig):
     out = tmp_path / "run"
     proc = start(out, data, "--max_steps", "100000", launcher=launcher)
     try:
@@ -187,7 +190,7 @@ def test_sigterm_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, la
             time.sleep(0.2)
         ranks = _ranks_of(proc.pid)
         assert len(ranks) == 2, ranks
-        proc.send_signal(signal.SIGTERM)  # as `timeout`, Popen.terminate() or a supervisor do
+        proc.send_signal(signal.Signals[sig])  # as `timeout`, Popen.terminate() or a supervisor do
         proc.wait(timeout=60)
         deadline = time.monotonic() + 60
         while _alive(ranks) and time.monotonic() < deadline:
@@ -276,3 +279,30 @@ def test_output_dir_that_is_a_file_and_bad_stop_signals_are_refused(data, tmp_pa
     assert _train_main(tmp_path / "run", data, "--stop_signals", "SIGFOO") == 2
     assert "--stop_signals SIGFOO: unknown signal" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_larger_max_steps_continues_a_finished_run(full, data):
+    """Last in the file: it extends the reference run."""
+    rc, log = run(full, data, "--max_steps", str(STEPS + 1), "--resume_from_checkpoint", "latest")
+    assert rc == 0, log[-3000:]
+    assert log.count("{'loss'") == 1 and f"checkpoint-{STEPS + 1}" in complete_checkpoints(full)
+
+
+def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    cases = [
+        (["--max_steps", "0"], "--max_steps 0 trains nothing"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+        (["--tokenizer_name", str(tmp_path / "no_tokenizer")], f"--tokenizer_name {tmp_path / 'no_tokenizer'}: no such folder"),
+        (["--model_name_or_path", str(tmp_path / "no_model")], f"--model_name_or_path {tmp_path / 'no_model'}: no such folder"),
+    ]
+    for argv, message in cases:
+        assert _train_main(tmp_path / "run", data, *argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    from disco_clip_ds.train import main
+
+    assert main(["--output_dir", str(tmp_path / "run"), "--model_config", str(bad_json), "--train_shards", str(data["shards"]),
+                 "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--report_to", "none"]) == 2
+    assert f"--model_config {bad_json} is not a readable JSON file" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
