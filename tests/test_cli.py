@@ -1,0 +1,48 @@
+"""`disco-clip`: every level answers --help without importing torch; bad usage exits 2; library errors exit 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from disco_clip_ds.cli import COMMANDS, main
+
+PROBE = r"""
+import sys
+from disco_clip_ds.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers", "deepspeed", "img2dataset", "numpy") if m in sys.modules)
+print("HEAVY", heavy, "CODE", code)
+"""
+
+
+@pytest.mark.parametrize("words", [[], ["data"], ["bench"]], ids=["top", "data", "bench"])
+def test_every_level_has_help_without_heavy_imports(words):
+    proc = subprocess.run([sys.executable, "-c", PROBE, *words, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY [] CODE 0" in proc.stdout, proc.stdout[-500:]  # answered by argparse alone
+    names = [name for (group, name) in COMMANDS if group == (words[0] if words else None)]
+    assert names and all(name in proc.stdout for name in names)
+
+
+@pytest.mark.parametrize("argv", [["nope"], ["data"], ["data", "nope"], ["bench", "nope"]])
+def test_unknown_or_missing_command_is_bad_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice" in err or "arguments are required: COMMAND" in err, err
+
+
+def test_a_command_gets_every_word_after_it(capsys):
+    # --help after a command belongs to that command's own parser (here export's, which names its positionals)
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    assert "checkpoint_dir" in capsys.readouterr().out
+
