@@ -89,8 +89,10 @@ def _ranks_of(launcher_pid: int) -> list[int]:
     """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
     import psutil
 
-    return [p.pid for p in psutil.Process(launcher_pid).children(recursive=True)
-            if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])]
+    train = [p for p in psutil.Process(launcher_pid).children(recursive=True)
+             if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])]
+    pids = {p.pid for p in train}
+    return [p.pid for p in train if p.ppid() not in pids]  # not their DataLoader workers (forked: same command line)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -138,8 +140,10 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     assert rc != 0 and "DISCO_FAULT: killing" in log
     # the save of step 4 had written weights and DeepSpeed files, not the Trainer state: it is not a checkpoint
     assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "checkpoint-4").exists()
-    # a partial checkpoint-5 as older versions (or a copy by hand) leave it: weights, no trainer_state.json
+    # a partial checkpoint-5 as older versions leave it: no trainer_state.json, its DeepSpeed tag folder cut short
     shutil.copytree(out / "tmp-checkpoints" / "checkpoint-4", out / "checkpoint-5")
+    shutil.rmtree(out / "checkpoint-5" / "global_step4")
+    (out / "checkpoint-5" / "model.safetensors").unlink()
     from disco_clip_ds.export import export_main
 
     assert export_main([str(out / "checkpoint-5"), str(tmp_path / "export")]) != 0  # export refuses partials too
@@ -220,11 +224,11 @@ def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data
 
 
 def test_a_finished_run_stays_finished(full, tmp_path, data):
-    before = {p.name: p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
+    before = {str(p.relative_to(full)): p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
     rc, log = run(full, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
     assert rc == 0, log[-3000:]
     assert f"run finished: checkpoint-{STEPS} reached step {STEPS} of --max_steps {STEPS}; nothing to do" in log
-    after = {p.name: p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
+    after = {str(p.relative_to(full)): p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
     assert {k: v for k, v in after.items() if k != "run.lock"} == {k: v for k, v in before.items() if k != "run.lock"}
     assert "{'loss'" not in log  # not one step trained
 
