@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from disco_clip_ds.data import prep
 
 JAVA_PROBLEM = prep.java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
-pytestmark = pytest.mark.timeout(240)  # a hung JVM fails the test instead of holding CI
+pytestmark = pytest.mark.timeout(480)  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
 
 DEADLINE = 3
 TRICKLE = 0.2  # seconds per byte: the trickled image alone would take minutes without the deadline
@@ -109,6 +110,12 @@ def references(spark, server, url_list, tmp_path_factory):
     return tmp / "mp", tmp / "spark", seconds, hits
 
 
+def _is_canonical(path: Path) -> bool:
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+    return [m.name for m in members] == sorted(m.name for m in members) and {m.mtime for m in members} == {0}
+
+
 def _outputs(folder: Path) -> dict[str, bytes]:
     names = [f"{i:05d}.tar" for i in range(N_SHARDS)] + ["sizes.json", "summary.json"]
     return {name: (folder / name).read_bytes() for name in names}
@@ -180,6 +187,8 @@ def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_pa
 
     done = sorted(p.name for p in out.glob("*_stats.json"))
     assert done == ["00000_stats.json", "00001_stats.json"], done  # one task at a time, killed after shard 1
+    # the worker canonicalizes a tar after the hold point: shard 0's is, shard 1's is left to the re-run
+    assert _is_canonical(out / "00000.tar") and not _is_canonical(out / "00001.tar")
     before = {name: (out / name).read_text() for name in done}
 
     assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
@@ -238,7 +247,7 @@ def test_missing_java_stops_the_cli_before_any_work(tmp_path):
     url_list = tmp_path / "urls.parquet"
     pq.write_table(pa.table({"URL": ["http://127.0.0.1:9/a.jpg"], "TEXT": ["a"]}), url_list)
     cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_argv(url_list, tmp_path / "out", "pyspark")]
-    result = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cli, check=False, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs Java 17+" in lines[0] and "openjdk-17-jre-headless" in lines[0], result.stderr
@@ -258,3 +267,37 @@ def test_java_problem_names_an_old_or_absent_java(tmp_path):
     assert "no java on PATH and JAVA_HOME is unset" in prep.java_problem({"PATH": str(tmp_path)})
     (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "21.0.2" 2024-01-16\' >&2\n')
     assert prep.java_problem({"PATH": str(fake)}) is None
+
+
+def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
+    """data_prep/relaion2b_spark.sh download, with spark-submit and disco-clip replaced by recorders."""
+    env_dir = tmp_path / "env"
+    (env_dir / "bin").mkdir(parents=True)
+    for tool in ("disco-clip", "spark-submit"):
+        shim = env_dir / "bin" / tool
+        shim.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" {tool} "$@" >> "$CALLS"; printf "\\n" >> "$CALLS"\n')
+        shim.chmod(0o755)
+    (env_dir / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (env_dir / "bin" / "python").chmod(0o755)
+    script = Path(__file__).resolve().parents[1] / "data_prep" / "relaion2b_spark.sh"
+    env = {**os.environ, "ENV_DIR": str(env_dir), "CALLS": str(tmp_path / "calls"), "MASTER": "spark://10.0.0.1:7077",
+           "OUT": str(tmp_path / "shards"), "PARTS": "part-0000[0-1]-*"}
+    subprocess.run(["bash", str(script), "download"], cwd=tmp_path, env=env, check=True, timeout=60)
+    calls = [line.split("\0")[:-1] for line in (tmp_path / "calls").read_text().splitlines() if line]
+    assert [c[0] for c in calls] == ["disco-clip", "spark-submit", "disco-clip"]
+    assert prep._metadata_parser().parse_args(calls[0][3:]).pattern == ["part-0000[0-1]-*"]
+    submit = calls[1]
+    app = next(i for i, a in enumerate(submit) if a.endswith("cli.py"))
+    assert Path(submit[app]).resolve() == Path(prep.__file__).resolve().parents[1] / "cli.py"
+    assert submit[app + 1 : app + 3] == ["data", "download"]
+    known, unknown = prep._download_parser().parse_known_args(submit[app + 3 :])
+    assert prep._parse_passthrough(unknown) == {"retries": 0}
+    assert (known.distributor, known.preset, known.output) == ("pyspark", "relaion", str(tmp_path / "shards"))
+    assert (known.threads, known.samples_per_shard) == (64, 10000)
+    options = submit[1:app]
+    assert options[options.index("--master") + 1] == "spark://10.0.0.1:7077"
+    confs = dict(options[i + 1].split("=", 1) for i, a in enumerate(options) if a == "--conf")
+    assert confs["spark.pyspark.python"] == f"{env_dir}/bin/python"
+    assert confs["spark.task.maxFailures"] == "100" and confs["spark.executor.memory"] == "16G"
+    assert calls[2][1:] == ["data", "verify", str(tmp_path / "shards")]
+    assert subprocess.run(["bash", str(script), "nonsense"], check=False, env=env, capture_output=True).returncode == 2

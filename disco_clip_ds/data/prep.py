@@ -30,8 +30,8 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import statistics
+import subprocess
 import sys
 import tarfile
 import threading
@@ -189,6 +189,12 @@ class _DeadlineDownloader:
         _fault_point("exit_before", row[0])
         result = self.downloader(row)
         _fault_point("hold_after", row[0])
+        if result[0]:
+            # Canonicalize here, in parallel and next to the data, rather than have the driver read and
+            # rewrite every tar at the end (on a cluster, all of them over the shared filesystem).
+            # Dying before this is harmless: summarize() canonicalizes whatever is left.
+            with contextlib.suppress(tarfile.TarError, OSError):
+                canonicalize_tar(Path(self.downloader.output_folder) / f"{shard_name(row[0])}.tar")
         return result
 
 
@@ -449,7 +455,7 @@ def java_problem(env: dict | None = None) -> str | None:
         if java is None:
             return f"no java on PATH and JAVA_HOME is unset: {_JAVA_INSTALL}, or set JAVA_HOME"
     try:
-        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, env=dict(env))
+        out = subprocess.run([java, "-version"], check=False, capture_output=True, text=True, timeout=60, env=dict(env))
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"{java} (from {where}) does not run ({err}): {_JAVA_INSTALL}"
     # `java -version` prints e.g. `openjdk version "17.0.15" 2025-04-15` or `java version "1.8.0_392"`
@@ -540,12 +546,12 @@ def spark_session(master: str | None, processes: int):
     # (default `python3` on PATH; the spark.pyspark.python conf is read by spark-submit only).
     with _environ(PYSPARK_PYTHON=sys.executable) if local else contextlib.nullcontext():
         session = builder.getOrCreate()
-    print(f"spark: master {session.sparkContext.master}, default parallelism {session.sparkContext.defaultParallelism}")
+    context = session.sparkContext
+    print(f"spark: master {context.master}, default parallelism {context.defaultParallelism}", flush=True)
     try:
         yield session
     finally:
         session.stop()
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -670,7 +676,8 @@ def download(cfg: DownloadConfig) -> dict:
         enable_wandb=False,
     )
     kwargs.update(cfg.extra)
-    session = spark_session(cfg.spark_master, cfg.processes) if cfg.distributor == "pyspark" else contextlib.nullcontext()
+    spark = cfg.distributor == "pyspark"
+    session = spark_session(cfg.spark_master, cfg.processes) if spark else contextlib.nullcontext()
     with _downloads_with_deadline(cfg.max_download_seconds), session:
         try:
             img2dataset.download(**kwargs)
@@ -679,8 +686,9 @@ def download(cfg: DownloadConfig) -> dict:
                 raise
             # a Spark job aborts on a lost task (local mode allows one attempt); shards finished so far
             # are complete on disk: report them, and let the summary name the rest as failed (exit 1)
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            print(f"error: the Spark job failed: {first[:300]}", file=sys.stderr)
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            cause = next((line for line in lines if "Job aborted" in line), lines[0])
+            print(f"error: the Spark job failed: {cause[:400]}", file=sys.stderr)
 
     summary, sizes = summarize(output, n_expected)
     write_json(output / "sizes.json", sizes)
