@@ -14,7 +14,8 @@ optimizer steps at K = 1, 2, 4, 8 in turn (round-robin, --rounds rounds), with t
 the Trainer mixin in a bare DDP loop (the Trainer cannot switch K between steps); `time_vs_k1_interleaved` is the
 median over rounds of each round's per-sample time ratio to K=1's.
 
-    python bench/accum_bench.py [--models tiny small] [--micro 128 16] [--ks 1 2 4 8] [--steps 4] [--ranks 2]
+    python bench/accum_bench.py [--models tiny small] [--micro 64 16] [--ks 1 2 4 8] [--steps 4] [--ranks 2]
+    python bench/accum_bench.py --timing_only --interleaved [--rounds 6]   # accum_bench_timing.csv
 
 Prints a table; writes accum_bench.csv to --out (default bench/results).
 """
@@ -171,13 +172,14 @@ def run(model_name: str, micro: int, k: int, contrastive: bool, steps: int, rank
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "small"], help="names in recipes/models/")
-    parser.add_argument("--micro", nargs="+", type=int, default=[128, 16], help="micro-batch per rank, one per model")
+    parser.add_argument("--micro", nargs="+", type=int, default=[64, 16], help="micro-batch per rank, one per model")
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--no_ref", action="store_true", help="skip the micro x K without accumulation runs")
     parser.add_argument("--interleaved", action="store_true", help="also time the Ks round-robin in one process group")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (after one warm-up round)")
+    parser.add_argument("--timing_only", action="store_true", help="only the interleaved timing: accum_bench_timing.csv")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,6 +193,10 @@ def main() -> None:
             for p in procs:
                 p.join()
             print(name, "interleaved per-sample time vs K=1:", interleaved, flush=True)
+        if args.timing_only:
+            rows += [{"model": name, "ranks": args.ranks, "micro": micro, "K": k, "rounds": args.rounds,
+                      "time_per_sample_vs_k1": round(v, 3)} for k, v in interleaved.items()]
+            continue
         base = None
         variants = [(k, micro, True, "accum") for k in args.ks]
         variants += [] if args.no_ref else [(k, micro * k, True, "ref") for k in args.ks if k > 1][-1:]
@@ -210,7 +216,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "accum_bench.csv", "w", newline="") as f:
+    with open(out / ("accum_bench_timing.csv" if args.timing_only else "accum_bench.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
