@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+# The loss vocabulary, here so that the CLI, the planner and the benchmarks read one list without importing torch.
+LOSS_IMPLS = ("tiled", "disco", "local")  # --loss_impl: loss.py's two global-batch losses; CLIP's per-device loss
+BENCH_LOSS_IMPLS = ("naive", "disco", "twoblock", "tiled")  # compared by bench/loss_bench.py, modelled by plan.py
+
 __all__ = ["DiscoClipLoss", "disco_clip_loss", "DiscoCLIPModel"]
 
 

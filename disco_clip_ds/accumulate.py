@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import UsageError
 from .loss import disco_clip_loss
 
 
-class AccumulationError(ValueError):
+class AccumulationError(UsageError):
     """Arguments with which contrastive accumulation cannot work; the message says what to change."""
 
 

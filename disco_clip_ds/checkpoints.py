@@ -35,6 +35,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .errors import DiscoClipError
+
 logger = logging.getLogger("disco_clip_ds.checkpoints")
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry"
@@ -44,7 +46,7 @@ LOCK_FILE = "run.lock"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DiscoClipError, RuntimeError):
     """A save that failed; the message says why in one line and what is still intact."""
 
 

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from .data.shards import IMAGE_EXTS, is_url, write_json
+
 RESOURCES = Path(__file__).resolve().parent / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
 NAMED_TEMPLATES = {"openai_imagenet": RESOURCES / "openai_imagenet_templates.txt"}
 CLASSNAMES_FILE = "classnames.txt"  # CLIP_benchmark's names for the files beside the shards
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
-IMAGE_KEYS = "webp;png;jpg;jpeg"
 RECALL_KS = (1, 5, 10)
 
 
@@ -144,7 +145,7 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
 
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     urls = [url for item in specs for url in expand_shards(str(item))]
-    missing = [url for url in urls if "://" not in url and not url.startswith("pipe:") and not os.path.isfile(url)]
+    missing = [url for url in urls if not is_url(url) and not os.path.isfile(url)]
     if missing:
         raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards or a brace pattern")
     return urls
@@ -162,7 +163,7 @@ def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iter
     dataset = (
         wds.WebDataset(resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False)
         .decode("pil")
-        .to_tuple(IMAGE_KEYS, fields)
+        .to_tuple(";".join(IMAGE_EXTS), fields)
         .batched(batch_size, collation_fn=None, partial=True)
     )
     for batch in dataset:
@@ -385,15 +386,6 @@ def run_eval(args: EvalArguments) -> dict:
     return {"dataset": args.data, "model": args.model, "pretrained": args.model, "task": args.task, "metrics": metrics, "language": "en"}
 
 
-def write_json(record: dict, path: str | os.PathLike) -> None:
-    """Write JSON through a temporary file so an interrupted run never leaves a truncated result."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     """`disco-clip eval`: print (and optionally write) the result record."""
     from transformers import HfArgumentParser
@@ -406,5 +398,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(record, indent=2))
     if args.output:
-        write_json(record, args.output)
+        write_json(args.output, record)
     return 0

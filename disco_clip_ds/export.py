@@ -16,13 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .errors import ExportError
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-
-
-class ExportError(Exception):
-    """A checkpoint or output folder that cannot be exported, with what to do about it."""
 
 
 # ------------------------------------------------------------------------------------------ checkpoint
@@ -132,7 +130,7 @@ def build_clip_model(checkpoint: Path, state_dict: dict):
         if tensor.shape != target.shape:
             if tensor.numel() != target.numel():
                 raise ExportError(f"weight '{name}' has shape {tuple(tensor.shape)}, config.json wants {tuple(target.shape)}")
-            # DeepSpeed 0.19.8 trains CLIP's 0-dim logit_scale as a 1-element vector (see modeling.py)
+            # DeepSpeed 0.19.8 trains CLIP's 0-dim logit_scale as a 1-element vector (see compat.py)
             tensor = tensor.reshape(target.shape)
         fixed[name] = tensor
     missing = sorted(set(expected) - set(fixed))
@@ -399,13 +397,13 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
 
 
 def push_main(argv: list[str] | None = None) -> int:
-    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry-run]`."""
+    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry_run]`."""
     parser = argparse.ArgumentParser(prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub")
     parser.add_argument("folder", help="a folder written by `disco-clip export`")
     parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--revision", help="branch to push to (created when missing; default main)")
-    parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
+    parser.add_argument("--dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
     args = parser.parse_args(argv)
     try:
         url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)

@@ -31,7 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-IMPLS = ("disco", "tiled")
+from . import LOSS_IMPLS
+
+IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
 # torch 2.13 renamed the single-tensor collectives; the old names still work there but warn. Looked up at each
 # call, so that a caller (the byte-counting test and benchmark) can wrap torch.distributed's functions.
 _AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"

@@ -7,11 +7,9 @@ A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLI
 (`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
 and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip.py).
 
-DeepSpeed 0.19.8 broadcasts every parameter as `p.data.view(torch.uint8)`, which fails for a 0-dim tensor such
-as CLIP's `logit_scale` (engine init for ZeRO-1/2, `zero.Init` and weight gathering for ZeRO-3). With that
-release installed, and only then, the model holds `logit_scale` as a 1-element vector; its state dict, its
-`save_pretrained` output and its `from_pretrained` input keep CLIP's 0-dim layout, so checkpoints stay
-CLIPModel-compatible in both directions. Other deepspeed versions get CLIP's parameter unchanged.
+Under deepspeed releases that cannot broadcast a 0-dim parameter (see compat.py) the model holds CLIP's
+`logit_scale` as a 1-element vector; its state dict, its `save_pretrained` output and its `from_pretrained` input
+keep CLIP's 0-dim layout, so checkpoints stay CLIPModel-compatible in both directions.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import contextvars
 import json
 import math
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -36,7 +33,9 @@ from transformers.models.clip.modeling_clip import (
     image_text_contrastive_loss,
 )
 
-LOSS_IMPLS = ("tiled", "disco", "local")
+from . import LOSS_IMPLS, compat
+from .compat import LOGIT_SCALE_AS_VECTOR  # noqa: F401  (re-exported: read compat.LOGIT_SCALE_AS_VECTOR, tests switch it)
+
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
 
 
@@ -47,18 +46,6 @@ class DiscoCLIPOutput(CLIPOutput):
 
     logit_scale: torch.Tensor | None = None
 
-
-def _deepspeed_version() -> str | None:
-    try:
-        return metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-# The releases whose parameter broadcast cannot take a 0-dim tensor (../shared/NOTES.md). Widen when a later
-# release turns out to share the bug; the test suite checks the gate against the installed version.
-_ZERO_DIM_BROKEN_DEEPSPEED = ("0.19.8",)
-LOGIT_SCALE_AS_VECTOR = _deepspeed_version() in _ZERO_DIM_BROKEN_DEEPSPEED
 
 # Set while a non-ZeRO-3 `from_pretrained` runs: transformers then loads tensors by attribute with a shape
 # check, so the model must keep CLIP's 0-dim shape until the weights are in.
@@ -90,10 +77,10 @@ class DiscoCLIPModel(CLIPModel):
         config.chunk_size = getattr(config, "chunk_size", None)
         if config.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {config.loss_impl!r}")
-        if LOGIT_SCALE_AS_VECTOR:
+        if compat.LOGIT_SCALE_AS_VECTOR:
             # The state dict always speaks CLIP's 0-dim layout; see the module docstring.
-            self._register_state_dict_hook(_logit_scale_to_scalar_hook)
-            self.register_load_state_dict_pre_hook(_logit_scale_to_param_shape_hook)
+            self._register_state_dict_hook(compat.logit_scale_to_scalar_hook)
+            self.register_load_state_dict_pre_hook(compat.logit_scale_to_param_shape_hook)
             if not _defer_vector_logit_scale.get():
                 self._make_logit_scale_vector()
 
@@ -119,17 +106,14 @@ class DiscoCLIPModel(CLIPModel):
 
         # ZeRO-3 builds the model inside zero.Init, which needs the vector at construction, and loads through
         # `_load_from_state_dict`, where the pre-hook reshapes; the plain loader needs the deferral.
-        token = _defer_vector_logit_scale.set(LOGIT_SCALE_AS_VECTOR and not is_deepspeed_zero3_enabled())
+        token = _defer_vector_logit_scale.set(compat.LOGIT_SCALE_AS_VECTOR and not is_deepspeed_zero3_enabled())
         try:
             model = super().from_pretrained(*args, **kwargs)
         finally:
             _defer_vector_logit_scale.reset(token)
-        if LOGIT_SCALE_AS_VECTOR:
+        if compat.LOGIT_SCALE_AS_VECTOR:
             model._make_logit_scale_vector()
-        # Our state dict is CLIP's checkpoint layout, so saving must not transform keys. transformers 5's ZeRO-3
-        # loader keeps its loading transforms on the model, and save_pretrained reverses them into
-        # "vision_model.vision_model.*" keys; the plain loader keeps an empty list, which is what we want.
-        model._weight_conversions = []
+        compat.clear_weight_conversions(model)  # our state dict is CLIP's layout: saving must not transform keys
         return model
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
@@ -287,20 +271,6 @@ def clip_init_(module: nn.Module) -> None:
         init.normal_(module.visual_projection.weight, std=module.vision_embed_dim**-0.5)
         # CLIP: logit_scale = ln(1 / 0.07); the config's logit_scale_init_value (2.6592 in transformers' default).
         init.constant_(module.logit_scale, module.config.logit_scale_init_value)
-
-
-def _logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):
-    key = prefix + "logit_scale"
-    if key in state_dict and state_dict[key].numel() == 1:  # a ZeRO-3 partitioned parameter is an empty tensor
-        state_dict[key] = state_dict[key].reshape(())
-    return state_dict
-
-
-def _logit_scale_to_param_shape_hook(module, state_dict, prefix, *args):
-    key = prefix + "logit_scale"
-    if key in state_dict and state_dict[key].numel() == 1:
-        shape = getattr(module.logit_scale, "ds_shape", module.logit_scale.shape)  # ZeRO-3 keeps the full shape there
-        state_dict[key] = state_dict[key].reshape(shape)
 
 
 def build_model(

@@ -27,8 +27,11 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from . import BENCH_LOSS_IMPLS
+from .errors import UsageError
+
 FIT_FILE = Path(__file__).with_name("activation_fit.json")
-LOSS_IMPLS = ("naive", "disco", "tiled")
+LOSS_IMPLS = tuple(impl for impl in BENCH_LOSS_IMPLS if impl != "twoblock")  # planned by default
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
 # Not measurable without a GPU here: CUDA context (~0.5-1 GiB), NCCL buffers and cuBLAS workspaces, allocator
@@ -53,7 +56,7 @@ KNOWN_TOP_LEVEL_KEYS = {
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-class PlanConfigError(ValueError):
+class PlanConfigError(UsageError):
     """The DeepSpeed config (or the plan's arguments) cannot be used; the message lists every problem and its fix."""
 
 
@@ -650,7 +653,7 @@ def _parse(argv):
     p.add_argument("--per_device_batch", type=int, help="per-GPU micro batch (when the config says \"auto\")")
     p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help="must match the config (fills \"auto\")")
     p.add_argument("--activation_checkpointing", action="store_true")
-    p.add_argument("--loss_impl", choices=LOSS_IMPLS, action="append", help="repeatable; default: all three")
+    p.add_argument("--loss_impl", choices=BENCH_LOSS_IMPLS, action="append", help=f"repeatable; default: {', '.join(LOSS_IMPLS)}")
     p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
     p.add_argument("--no_contrastive_accumulation", dest="contrastive_accumulation", action="store_false",

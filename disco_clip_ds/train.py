@@ -30,18 +30,16 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from . import compat
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (EXIT_PREEMPTED, CheckpointError, CompleteCheckpointsMixin, Preempted, StopOnSignal, acquire_run_lock,
                           finished_message, parse_signals, release_run_lock, resolve_latest, resume_hint)
 from .data.pipeline import ClipCollator, ShardStream
 from .data.shards import count_samples, expand_shards
+from .errors import UsageError
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
 
 logger = logging.getLogger("disco_clip_ds.train")
-
-
-class UsageError(ValueError):
-    """Arguments or files that cannot work together; the message says what to change."""
 
 
 @dataclass
@@ -84,7 +82,7 @@ class DiscoTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         if not torch.cuda.is_available():
-            # Without it accelerate sees one process while DeepSpeed sees them all (../shared/NOTES.md).
+            # Without it, on CPU, accelerate's state counts one process while DeepSpeed's launcher started them all.
             self.use_cpu = True
         super().__post_init__()
         if self.accelerator_config.dispatch_batches is None:
@@ -104,10 +102,8 @@ class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Train
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        shard = getattr(loader, "dataset", None)
-        if self.reads_own_shards and hasattr(shard, "process_index") and hasattr(shard, "num_processes"):
-            # accelerate's IterableDatasetShard would keep 1/N of a stream that is already this rank's own.
-            shard.num_processes, shard.process_index = 1, 0
+        if self.reads_own_shards:
+            compat.unshard_iterable_dataset(loader)
         return loader
 
     def compute_loss(self, model, inputs, *args, **kwargs):
@@ -397,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         model_args, data_args, args = parse_args(argv)
+        # as HF's run_clip: the main process logs at INFO, the others at --log_level_replica (WARNING by default)
+        logging.getLogger().setLevel(logging.INFO if args.should_log else args.get_process_log_level())
         train(model_args, data_args, args)
     except (ValueError, FileNotFoundError) as error:  # UsageError, bad shards/configs: the message says what to fix
         print(f"disco-clip train: {error}", file=sys.stderr)

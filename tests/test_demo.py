@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -104,14 +103,12 @@ def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
     assert len(labels) == 360 and set(labels) == set(range(10))
 
 
-def test_module_entry_point_rebuilds_the_same_bytes_quickly(demo_data, tmp_path):
-    started = time.monotonic()
+def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "disco_clip_ds.data.demo", "--output", str(tmp_path / "again")],
         env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}, capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert time.monotonic() - started < 120  # ~10 s idle on 2 cores; loose for a loaded CI box
     contract = [p.relative_to(demo_data) for p in sorted(demo_data.rglob("*"))
                 if p.parent.name in ("train", "eval") and (p.suffix == ".tar" or p.suffix in (".json", ".txt"))
                 and not p.name.endswith("_stats.json")]

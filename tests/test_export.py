@@ -220,7 +220,7 @@ def _push_cli(args, home: Path, **env):
 
 
 def test_push_dry_run_lists_exactly_the_exported_files(exported, tmp_path):
-    result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip", "--revision", "v1", "--dry-run"], tmp_path)
+    result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip", "--revision", "v1", "--dry_run"], tmp_path)
     assert result.returncode == 0, result.stderr
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
     assert listed == sorted(p.name for p in exported.iterdir())
@@ -235,7 +235,7 @@ def test_push_without_token_fails_clearly(exported, tmp_path):
 
 
 def test_push_refuses_raw_checkpoints(zero2_checkpoint, capsys):
-    assert ex.push_main([str(zero2_checkpoint), "--repo_id", "someone/x", "--dry-run"]) == 1
+    assert ex.push_main([str(zero2_checkpoint), "--repo_id", "someone/x", "--dry_run"]) == 1
     assert "run `disco-clip export" in capsys.readouterr().err
 
 

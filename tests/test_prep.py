@@ -24,6 +24,7 @@ from imageserver import ImageServer
 from PIL import Image
 
 from disco_clip_ds.data import prep
+from disco_clip_ds.errors import DataError, UsageError
 
 SIZE = 32
 DEADLINE = 4
@@ -148,8 +149,7 @@ def test_each_good_image_arrives_resized_with_its_own_caption(adversarial):
 def test_trickle_and_hang_do_not_hold_the_run(adversarial):
     _, _, seconds, _, hits = adversarial
     # without the deadline the trickle alone would hold a worker for len(body) * TRICKLE seconds
-    assert len(TRICKLE_BODY) * TRICKLE > 300
-    assert seconds < 90
+    assert seconds < len(TRICKLE_BODY) * TRICKLE  # > 300 s: generous under load, and still fails without the deadline
     assert hits["/trickle.jpg"] == 1 and hits["/hang.jpg"] == 1
 
 
@@ -264,12 +264,10 @@ def test_fetch_with_deadline_cuts_a_trickle(image_server):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="deadline"):
         prep.fetch_with_deadline(url, timeout=2, deadline_s=1)
-    assert time.monotonic() - started < 3  # the whole body would take 50 s
+    assert time.monotonic() - started < 25  # generous on a loaded machine; the whole body would take 50 s
     slow_head = image_server.add("/slow-head", body=b"z" * 10, trickle_headers=0.05)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match="deadline"):
+    with pytest.raises(TimeoutError, match="deadline"):  # the status line and headers alone take ~2 s
         prep.fetch_with_deadline(slow_head, timeout=2, deadline_s=1)
-    assert time.monotonic() - started < 3  # the status line and headers alone take ~2 s
 
 
 def _write_tar(path: Path, names: list[str]) -> None:
@@ -313,23 +311,23 @@ def test_resume_preparation_redoes_a_missing_tar_and_refuses_stray_json(tmp_path
     assert prep.prepare_output_for_resume(tmp_path) == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.tar", "00000_stats.json"]
     (tmp_path / "notes.json").write_text("{}")
-    with pytest.raises(SystemExit, match="notes.json"):
+    with pytest.raises(UsageError, match="notes.json"):
         prep.prepare_output_for_resume(tmp_path)
 
 
 def test_download_arguments_are_checked_before_any_work(tmp_path):
     url_list = write_laion_parquet(tmp_path / "urls.parquet", [("http://127.0.0.1:9/x.jpg", "x")])
     base = ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(tmp_path / "out")]
-    with pytest.raises(SystemExit, match="did you mean --encode_quality"):
+    with pytest.raises(UsageError, match="did you mean --encode_quality"):
         prep.download_main(base + ["--encode_qualty", "90"])
-    with pytest.raises(SystemExit, match="use --output"):
+    with pytest.raises(UsageError, match="use --output"):
         prep.download_main(base + ["--output_folder", "elsewhere"])
-    with pytest.raises(SystemExit, match=r"column 'url' .*\['URL', 'TEXT'\].*--url_col"):
+    with pytest.raises(UsageError, match=r"column 'url' .*\['URL', 'TEXT'\].*--url_col"):
         prep.download_main(base[:1] + ["datacomp"] + base[2:])
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(SystemExit, match="cannot read .*broken.parquet as parquet"):
+    with pytest.raises(DataError, match="cannot read .*broken.parquet as parquet"):
         prep.download_main(base[:2] + ["--url_list", str(tmp_path / "broken.parquet")] + base[4:])
-    with pytest.raises(SystemExit, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         prep.download_main(["--preset", "cc", "--url_list", str(tmp_path / "nope.tsv"), "--output", str(tmp_path)])
     assert not (tmp_path / "out").exists()
 
@@ -352,9 +350,9 @@ def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
     argv = ["--dataset", "laion/relaion2B-en-research-safe", "--output", str(folder)]
     assert prep.metadata_main(argv + ["--pattern", "part/*.parquet"]) == 0
     assert "2 parquet files, 7 rows" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="no parquet file"):
+    with pytest.raises(UsageError, match="no parquet file"):
         prep.metadata_main(argv + ["--pattern", "other/*.parquet"])
-    with pytest.raises(SystemExit, match="cannot fetch"):
+    with pytest.raises(DataError, match="cannot fetch"):
         prep.metadata_main(["--dataset", "laion/relaion2B-en-research-safe", "--output", str(tmp_path / "empty")])
 
 

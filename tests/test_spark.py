@@ -24,6 +24,7 @@ from imageserver import ImageServer
 from PIL import Image
 
 from disco_clip_ds.data import prep
+from disco_clip_ds.errors import UsageError
 
 JAVA_PROBLEM = prep.java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
@@ -144,8 +145,7 @@ def test_spark_shards_are_byte_identical_to_multiprocessing(references):
 @needs_java
 def test_trickle_is_cut_by_the_deadline_inside_an_executor(references):
     *_, seconds, hits = references
-    assert len(TRICKLE_BODY) * TRICKLE > 120  # what the trickle would take with only a per-read timeout
-    assert seconds < 60
+    assert seconds < len(TRICKLE_BODY) * TRICKLE  # > 120 s, what the trickle takes with only a per-read timeout
     assert hits["/trickle.jpg"] == 1 and hits["/hang.jpg"] == 1
     reasons = json.loads((references[1] / "summary.json").read_text())["failures_by_reason"]
     assert reasons[f"download exceeded the {DEADLINE}s deadline"] == 1
@@ -229,9 +229,9 @@ def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
 @needs_java
 def test_spark_master_is_checked_before_any_work(spark, url_list, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match="--spark_master needs --distributor pyspark"):
+    with pytest.raises(UsageError, match="--spark_master needs --distributor pyspark"):
         prep.download_main(_argv(url_list, out, "multiprocessing") + ["--spark_master", "local[2]"])
-    with pytest.raises(SystemExit, match=r"master local\[2\] is already active; --spark_master spark://"):
+    with pytest.raises(UsageError, match=r"master local\[2\] is already active; --spark_master spark://"):
         prep.download_main(_argv(url_list, out, "pyspark") + ["--spark_master", "spark://nowhere:7077"])
     assert not out.exists()
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from . import prep
+from ..errors import DataError, UsageError
+from .shards import write_json
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 CAPTION_TEMPLATES = [
@@ -184,7 +186,7 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
         sizes[name] = len(chunk)
     (folder / "classnames.txt").write_text("\n".join(CLASS_NAMES) + "\n")
     (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
-    prep.write_json(folder / "sizes.json", sizes)
+    write_json(folder / "sizes.json", sizes)
     return sizes
 
 
@@ -219,7 +221,7 @@ def build_demo(
     with serve_through_proxy(files):
         summary = prep.download(cfg)
     if summary["successes"] != len(train_idx) or summary["shards_failed"]:
-        raise SystemExit(f"error: demo download incomplete ({summary}); see {output / 'train' / 'summary.json'}")
+        raise DataError(f"demo download incomplete ({summary}); see {output / 'train' / 'summary.json'}")
     eval_sizes = write_eval_shards(output / "eval", eval_idx, pngs, labels, captions, image_size, samples_per_shard)
     return summary, eval_sizes
 
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
-        raise SystemExit("error: --eval_fraction must be between 0 and 1")
+        raise UsageError("--eval_fraction must be between 0 and 1")
     started = time.monotonic()
     summary, eval_sizes = build_demo(
         args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.processes, args.threads, args.seed

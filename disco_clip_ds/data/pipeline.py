@@ -19,11 +19,10 @@ from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from webdataset.tariterators import tarfile_samples
 
-from .shards import epoch_order, shards_for_reader
+from .shards import IMAGE_EXTS, epoch_order, shards_for_reader
 
 logger = logging.getLogger(__name__)
 
-IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 TEXT_KEYS = ("txt", "text", "caption")
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
@@ -150,7 +149,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def _decode(self, sample: dict, epoch: int):
         key = sample.get("__key__", "?")
-        image_key = next((k for k in IMAGE_KEYS if k in sample), None)
+        image_key = next((k for k in IMAGE_EXTS if k in sample), None)
         text_key = next((k for k in TEXT_KEYS if k in sample), None)
         if image_key is None or text_key is None:
             self._count_skip(f"sample {key} of {sample.get('__url__')}", "no image or no caption")

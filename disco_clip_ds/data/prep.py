@@ -41,10 +41,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..compat import img2dataset_fetch
+from ..errors import DataError, UsageError
+from .shards import IMAGE_EXTS, write_json
+
 # Importing img2dataset pulls in albumentations, which phones home for updates unless told not to.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _SHARD_RE = re.compile(r"^(\d+)\.tar$")
 _STATS_RE = re.compile(r"^(\d+)_stats\.json$")
 _OUR_JSON = ("sizes.json", "summary.json")
@@ -171,31 +174,18 @@ def _download_image_with_deadline(row, timeout, user_agent_token, disallowed_hea
         return key, None, str(err)
 
 
-class _DeadlineDownloader:
-    """Wraps img2dataset's Downloader; in the worker process it swaps in the deadline-bounded fetch.
-
-    img2dataset offers no hook for the fetch function and builds its Downloader inside `download()`.
-    This wrapper is what the distributor pickles and calls in each worker, so the swap happens there.
-    """
-
-    def __init__(self, downloader, deadline_s: float):
-        self.downloader = downloader
-        self.deadline_s = deadline_s
-
-    def __call__(self, row):
-        import img2dataset.downloader as dl
-
-        dl.download_image = functools.partial(_download_image_with_deadline, deadline_s=self.deadline_s)
-        _fault_point("exit_before", row[0])
-        result = self.downloader(row)
-        _fault_point("hold_after", row[0])
-        if result[0]:
-            # Canonicalize here, in parallel and next to the data, rather than have the driver read and
-            # rewrite every tar at the end (on a cluster, all of them over the shared filesystem).
-            # Dying before this is harmless: summarize() canonicalizes whatever is left.
-            with contextlib.suppress(tarfile.TarError, OSError):
-                canonicalize_tar(Path(self.downloader.output_folder) / f"{shard_name(row[0])}.tar")
-        return result
+def _download_shard(downloader, row):
+    """One shard in an img2dataset worker, between the tests' fault points, canonicalized where it was written."""
+    _fault_point("exit_before", row[0])
+    result = downloader(row)
+    _fault_point("hold_after", row[0])
+    if result[0]:
+        # Canonicalize here, in parallel and next to the data, rather than have the driver read and
+        # rewrite every tar at the end (on a cluster, all of them over the shared filesystem).
+        # Dying before this is harmless: summarize() canonicalizes whatever is left.
+        with contextlib.suppress(tarfile.TarError, OSError):
+            canonicalize_tar(Path(downloader.output_folder) / f"{shard_name(row[0])}.tar")
+    return result
 
 
 def _fault_point(point: str, shard_id: int) -> None:
@@ -211,20 +201,6 @@ def _fault_point(point: str, shard_id: int) -> None:
         os._exit(3)
     Path(os.environ["DISCO_CLIP_FAULT_FILE"]).write_text(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGSTOP)
-
-
-@contextlib.contextmanager
-def _downloads_with_deadline(deadline_s: float):
-    import importlib
-
-    # `img2dataset.main` as an attribute is the CLI function of the same name; the module is what we need.
-    i2d_main = importlib.import_module("img2dataset.main")
-    original = i2d_main.Downloader
-    i2d_main.Downloader = lambda **kw: _DeadlineDownloader(original(**kw), deadline_s)
-    try:
-        yield
-    finally:
-        i2d_main.Downloader = original
 
 
 def _bypass_proxy_for_loopback() -> None:
@@ -247,10 +223,10 @@ def input_files(url_list: str, input_format: str) -> list[Path]:
         if not files:
             nested = sorted({p.parent for p in path.rglob(f"*.{input_format}") if ".cache" not in p.parts})
             hint = f"; they are in {', '.join(map(str, nested[:3]))}: pass that as --url_list" if nested else ""
-            raise SystemExit(f"error: no *.{input_format} file directly in {path}{hint} (or check --input_format)")
+            raise UsageError(f"no *.{input_format} file directly in {path}{hint} (or check --input_format)")
         return files
     if not path.exists():
-        raise SystemExit(f"error: --url_list {path} does not exist")
+        raise UsageError(f"--url_list {path} does not exist")
     return [path]
 
 
@@ -281,7 +257,7 @@ def _readable(path: Path, input_format: str):
     try:
         yield
     except (pa.ArrowException, OSError, ValueError) as err:
-        raise SystemExit(f"error: cannot read {path} as {input_format}: {err}") from None
+        raise DataError(f"cannot read {path} as {input_format}: {err}") from None
 
 
 def input_columns(path: Path, input_format: str) -> list[str]:
@@ -330,8 +306,8 @@ def prepare_output_for_resume(output: Path) -> list[int]:
         (output / name).unlink(missing_ok=True)
     strays = [p.name for p in output.glob("*.json") if not _STATS_RE.match(p.name)]
     if strays:
-        raise SystemExit(
-            f"error: {output} holds {', '.join(sorted(strays))}; img2dataset would fail on it. "
+        raise UsageError(
+            f"{output} holds {', '.join(sorted(strays))}; img2dataset would fail on it. "
             "Move it out of the output folder, or choose another --output."
         )
     redo = []
@@ -413,12 +389,6 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
     return summary, sizes
 
 
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 def print_summary(summary: dict, output: Path) -> None:
     print(
         f"{output}: {summary['successes']}/{summary['count']} samples in {summary['shards_done']}/{summary['shards']} "
@@ -472,8 +442,8 @@ def _active_spark_session():
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise SystemExit(
-            "error: --distributor pyspark needs pyspark: pip install 'pyspark>=4.0,<4.4' (and a Java 17+ runtime)"
+        raise DataError(
+            "--distributor pyspark needs pyspark: pip install 'pyspark>=4.0,<4.4' (and a Java 17+ runtime)"
         ) from None
     return SparkSession.getActiveSession()
 
@@ -483,14 +453,14 @@ def check_spark(master: str | None) -> None:
     active = _active_spark_session()
     if active is not None:  # a JVM already runs: nothing to check, but the master must be the one asked for
         if master and active.sparkContext.master != master:
-            raise SystemExit(
-                f"error: a Spark session with master {active.sparkContext.master} is already active; "
+            raise UsageError(
+                f"a Spark session with master {active.sparkContext.master} is already active; "
                 f"--spark_master {master} cannot apply: drop the flag or stop that session"
             )
         return
     problem = java_problem()
     if problem:
-        raise SystemExit(f"error: --distributor pyspark needs Java {MIN_JAVA}+; {problem}")
+        raise DataError(f"--distributor pyspark needs Java {MIN_JAVA}+; {problem}")
 
 
 def _is_spark_failure(err: Exception) -> bool:
@@ -605,14 +575,14 @@ def _resolve_columns(cfg: DownloadConfig, preset: Preset, files: list[Path]) -> 
     columns = input_columns(files[0], cfg.input_format)
     for what, col in (("--url_col", url_col), ("--caption_col", caption_col)):
         if col not in columns:
-            raise SystemExit(
-                f"error: column '{col}' ({what}, preset {cfg.preset}) is not in {files[0]}; "
+            raise UsageError(
+                f"column '{col}' ({what}, preset {cfg.preset}) is not in {files[0]}; "
                 f"its columns are {columns}. Pass {what} NAME or another --preset."
             )
     if cfg.save_additional_columns is not None:
         missing = [c for c in cfg.save_additional_columns if c not in columns]
         if missing:
-            raise SystemExit(f"error: --save_additional_columns {missing} not in {files[0]} (columns: {columns})")
+            raise UsageError(f"--save_additional_columns {missing} not in {files[0]} (columns: {columns})")
         extras = list(cfg.save_additional_columns)
     else:  # the preset's extras that this metadata has (releases differ in which they carry)
         extras = [c for c in preset.extra_columns if c in columns]
@@ -629,17 +599,17 @@ def download(cfg: DownloadConfig) -> dict:
     Writes `sizes.json` and `summary.json` in the output folder.
     """
     if cfg.preset not in PRESETS:
-        raise SystemExit(f"error: unknown --preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown --preset {cfg.preset!r}; choose one of {', '.join(PRESETS)}")
     preset = PRESETS[cfg.preset]
     cfg.input_format = cfg.input_format or preset.input_format
     if cfg.samples_per_shard < 1 or cfg.processes < 1 or cfg.threads < 1:
-        raise SystemExit("error: --samples_per_shard, --processes and --threads must be positive")
+        raise UsageError("--samples_per_shard, --processes and --threads must be positive")
     if cfg.max_download_seconds <= 0 or cfg.timeout <= 0:
-        raise SystemExit("error: --timeout and --max_download_seconds must be positive")
+        raise UsageError("--timeout and --max_download_seconds must be positive")
     if cfg.distributor == "pyspark":
         check_spark(cfg.spark_master)
     elif cfg.spark_master:
-        raise SystemExit("error: --spark_master needs --distributor pyspark")
+        raise UsageError("--spark_master needs --distributor pyspark")
     files = input_files(cfg.url_list, cfg.input_format)
     url_col, caption_col, extras = _resolve_columns(cfg, preset, files)
     n_expected = expected_shards(files, cfg.input_format, cfg.samples_per_shard)
@@ -678,7 +648,8 @@ def download(cfg: DownloadConfig) -> dict:
     kwargs.update(cfg.extra)
     spark = cfg.distributor == "pyspark"
     session = spark_session(cfg.spark_master, cfg.processes) if spark else contextlib.nullcontext()
-    with _downloads_with_deadline(cfg.max_download_seconds), session:
+    fetch = functools.partial(_download_image_with_deadline, deadline_s=cfg.max_download_seconds)
+    with img2dataset_fetch(fetch, run=_download_shard), session:
         try:
             img2dataset.download(**kwargs)
         except Exception as err:
@@ -703,7 +674,7 @@ def _parse_passthrough(tokens: list[str]) -> dict:
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {token!r}")
+            raise UsageError(f"unexpected argument {token!r}")
         name, eq, value = token[2:].partition("=")
         if not eq:
             if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
@@ -712,11 +683,11 @@ def _parse_passthrough(tokens: list[str]) -> dict:
                 value = "True"
         i += 1
         if name in _RESERVED:
-            raise SystemExit(f"error: --{name} is set by disco-clip: use {_RESERVED[name]}")
+            raise UsageError(f"--{name} is set by disco-clip: use {_RESERVED[name]}")
         if name not in params:
             close = difflib.get_close_matches(name, list(params), n=1)
             hint = f"; did you mean --{close[0]}?" if close else ""
-            raise SystemExit(f"error: unknown argument --{name} (neither ours nor img2dataset.download's){hint}")
+            raise UsageError(f"unknown argument --{name} (neither ours nor img2dataset.download's){hint}")
         try:
             extra[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
@@ -829,7 +800,7 @@ def verify(folder: Path, decode_per_shard: int = 16) -> dict:
     """Check every NNNNN.tar in `folder`; write sizes.json for the readable ones; return a report."""
     shards = sorted(p for p in folder.glob("*.tar") if _SHARD_RE.match(p.name))
     if not shards:
-        raise SystemExit(f"error: no NNNNN.tar shard in {folder}")
+        raise DataError(f"no NNNNN.tar shard in {folder}")
     sizes, broken, words, decoded = {}, {}, [], 0
     for path in shards:
         result = inspect_shard(path, decode_per_shard)
@@ -874,7 +845,7 @@ def verify_main(argv: list[str] | None = None) -> int:
     """`disco-clip data verify DIR`: non-zero exit when a shard is broken."""
     args = _verify_parser().parse_args(argv)
     if not args.folder.is_dir():
-        raise SystemExit(f"error: {args.folder} is not a folder")
+        raise UsageError(f"{args.folder} is not a folder")
     report = verify(args.folder, args.decode)
     words = report["caption_words"]
     print(
@@ -905,16 +876,16 @@ def fetch_metadata(dataset: str, output: Path, patterns: list[str], revision: st
             repo_id=dataset, repo_type="dataset", revision=revision, allow_patterns=patterns, local_dir=output
         )
     except LocalEntryNotFoundError as err:
-        raise SystemExit(f"error: cannot fetch {dataset} (offline, or not reachable) and {output} is empty: {err}")
+        raise DataError(f"cannot fetch {dataset} (offline, or not reachable) and {output} is empty: {err}")
     except HfHubHTTPError as err:  # gated datasets (Re-LAION) need an accepted licence and a token
-        raise SystemExit(f"error: the hub refused {dataset}: {err}. Gated? Accept its terms and `hf auth login`.")
+        raise DataError(f"the hub refused {dataset}: {err}. Gated? Accept its terms and `hf auth login`.")
     from huggingface_hub.utils import filter_repo_objects
 
     # the folder may hold earlier downloads: list only what the patterns select, as the hub did
     local = [p.relative_to(output).as_posix() for p in output.rglob("*.parquet") if ".cache" not in p.parts]
     files = sorted(output / p for p in filter_repo_objects(local, allow_patterns=patterns))
     if not files:
-        raise SystemExit(f"error: no parquet file in {output} matches {patterns}; check --pattern")
+        raise UsageError(f"no parquet file in {output} matches {patterns}; check --pattern")
     return files
 
 

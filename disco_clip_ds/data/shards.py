@@ -4,13 +4,29 @@ disjoint split of shards over (rank, DataLoader worker)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from pathlib import Path
 
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # the image keys of a webdataset sample, as img2dataset writes them
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
+
+
+def is_url(spec: str) -> bool:
+    """Whether a shard spec is remote (`scheme://...`) or a webdataset `pipe:` command rather than a local path."""
+    return bool(_URL.match(spec)) or spec.startswith("pipe:")
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write JSON through a temporary file and a rename, so an interruption never leaves a truncated file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
 
 
 def expand_shards(spec: str) -> list[str]:
@@ -23,7 +39,7 @@ def expand_shards(spec: str) -> list[str]:
     for source in (s.strip() for s in spec.split("::")):
         if not source:
             continue
-        if not _URL.match(source) and Path(source).is_dir():
+        if not is_url(source) and Path(source).is_dir():
             tars = sorted(str(p) for p in Path(source).glob("*.tar"))
             if not tars:
                 raise FileNotFoundError(f"no .tar shards in directory {source}")
@@ -44,7 +60,7 @@ def count_samples(urls: list[str]) -> int:
     total, unknown = 0, []
     cache: dict[Path, dict[str, int]] = {}
     for url in urls:
-        if _URL.match(url):
+        if is_url(url):
             unknown.append(url)
             continue
         path = Path(url)
