@@ -319,8 +319,9 @@ class CompleteCheckpointsMixin:
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        if self.stop_signals and getattr(loader, "num_workers", 0) > 0:
-            loader.worker_init_fn = _IgnoreSignals(self.stop_signals, loader.worker_init_fn)
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates the DataLoader it holds
+        if self.stop_signals and getattr(base, "num_workers", 0) > 0:
+            base.worker_init_fn = _IgnoreSignals(self.stop_signals, base.worker_init_fn)
         return loader
 
 

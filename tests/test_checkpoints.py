@@ -155,13 +155,13 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     assert same_weights(out, full) <= 1e-6  # the same weights as the uninterrupted run
 
 
-def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(full, data, tmp_path):
+def test_sigusr1_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(full, data, tmp_path):
     from disco_clip_ds.checkpoints import EXIT_PREEMPTED
 
     out = tmp_path / "run"
-    rc, log = run(out, data, "--max_steps", str(STEPS), fault="signal_at_step:step=3,rank=1")  # SIGTERM to rank 1 alone
+    rc, log = run(out, data, "--max_steps", str(STEPS), fault="signal_at_step=SIGUSR1:step=3,rank=1")  # to rank 1 alone
     assert rc == EXIT_PREEMPTED, log[-3000:]  # deepspeed passes the ranks' code on
-    assert "stopped by SIGTERM at step 3: checkpoint-3 saved" in log and "--resume_from_checkpoint latest" in log
+    assert "stopped by SIGUSR1 at step 3: checkpoint-3 saved" in log and "--resume_from_checkpoint latest" in log
     assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
     assert not (out / "model.safetensors").exists()  # not finished: no final model
     rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
@@ -169,12 +169,14 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert same_weights(out, full) <= 1e-6
 
 
-def test_sigusr1_to_the_process_group_saves_a_resumable_checkpoint(full, data, tmp_path):
-    """As SLURM's --signal does: the launcher and every rank get it (here sent by rank 0 to its own group)."""
+def test_sigterm_to_the_process_group_saves_a_resumable_checkpoint(full, data, tmp_path):
+    """As SLURM does: the launcher, every rank and every DataLoader worker get it (sent by rank 0 to its group);
+    deepspeed's launch.py then SIGTERMs each rank's process tree too."""
     out = tmp_path / "run"
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--stop_signals", "SIGUSR1", fault="signal_group_at_step=SIGUSR1:step=3,rank=0")
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--stop_signals", "SIGTERM", fault="signal_group_at_step=SIGTERM:step=3,rank=0")
     assert rc != 0
-    assert "stopped by SIGUSR1 at step 3: checkpoint-3 saved" in log, log[-3000:]
+    assert "stopped by SIGTERM at step 3: checkpoint-3 saved" in log, log[-3000:]
+    assert "DataLoader worker" not in log  # the workers ignore it: the rank handles it
     assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
     rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
     assert rc == 0, log[-3000:]
@@ -203,6 +205,11 @@ def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, l
     finally:
         _kill_group(proc.pid)
     assert not (out / "model.safetensors").exists()  # the run did not go on to the end
+    log = (out.parent / "run.log").read_text()
+    if (launcher, sig) == ("torchrun", "SIGTERM"):  # forwarded to the ranks (and their workers): a clean stop
+        assert "stopped by SIGTERM at step" in log and "DataLoader worker" not in log, log[-3000:]
+    else:
+        assert "launcher (pid " in log and "is gone: exiting" in log
     names = sorted(p.name for p in out.glob("checkpoint-*"))
     assert names and complete_checkpoints(out) == sorted(names, key=lambda n: int(n.split("-")[1]))
 
