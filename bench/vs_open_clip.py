@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               str(REPO / "recipes" / "tokenizer")), indent=2))
     rows, curves = [], []
     for seed in args.seeds:  # alternate the stacks, so machine load hits both alike
-        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}", 29571)
-        theirs = run_open_clip(python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", 29572, model_config, ours["model"])
+        port = 20000 + (os.getpid() * 7 + seed * 2) % 20000  # away from other jobs' fixed ports on a shared machine
+        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}", port)
+        theirs = run_open_clip(python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", port + 1, model_config, ours["model"])
         for stack, run in (("ours", ours), ("open_clip", theirs)):
             metrics = zeroshot(run["model"], args.data)
             final = [loss for step, loss in run["losses"] if step > args.steps - FINAL_WINDOW]
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                          "wall_s": round(run["wall_s"], 1)})
             curves += [{"stack": stack, "seed": seed, "step": step, "loss": loss} for step, loss in run["losses"]]
             print(rows[-1], flush=True)
-    write(args.results, rows, curves)
+        write(args.results, rows, curves)  # after every seed: a long run interrupted keeps what it measured
     return 0
 
 
