@@ -1,0 +1,113 @@
+"""`--spark_master spark://...` against a real Spark standalone cluster: one master and one worker on 127.0.0.1.
+
+Too heavy for the test suite (master, worker, executor and driver JVMs); run by hand:
+
+    .venv/bin/python bench/spark_standalone_check.py
+
+Starts the master and worker from this venv's pyspark (`spark-class`, as data_prep/relaion2b_spark.sh does
+on a cluster), downloads the same loopback input with the multiprocessing path and with
+`--distributor pyspark --spark_master spark://127.0.0.1:PORT` (executors in their own JVM, Python workers
+from PYSPARK_PYTHON), and checks that shards, sizes.json and summary.json are byte-identical and that a
+trickling image was cut by the deadline inside the executor. Stops both daemons at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _image(i: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40 + i, 30), (10 * i % 256, 80, 200)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _wait_for(path: Path, text: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"'{text}' not in {path} after {seconds}s:\n{path.read_text(errors='replace')[-2000:]}")
+
+
+def main() -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import pyspark
+    from imageserver import ImageServer
+
+    from disco_clip_ds.data import prep
+
+    tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
+    port = _free_port()
+    master_url = f"spark://127.0.0.1:{port}"
+    # spark-class finds Spark through the Python that has pyspark; executors' Python workers use PYSPARK_PYTHON
+    env = {**os.environ, "SPARK_HOME": str(Path(pyspark.__file__).parent), "PYSPARK_PYTHON": sys.executable,
+           "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(tmp / "work")}
+    os.environ.update(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    spark_class = str(Path(sys.executable).parent / "spark-class")
+    daemons = []
+    try:
+        with open(tmp / "master.log", "w") as log:
+            daemons.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                 "--webui-port", str(_free_port())], env=env, stdout=log, stderr=subprocess.STDOUT))
+        _wait_for(tmp / "master.log", "I have been elected leader", 180)
+        with open(tmp / "worker.log", "w") as log:
+            daemons.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.worker.Worker", "--cores", "2", "--memory", "2G",
+                 "--webui-port", str(_free_port()), master_url], env=env, stdout=log, stderr=subprocess.STDOUT))
+        _wait_for(tmp / "master.log", "Registering worker", 180)
+
+        with ImageServer() as server:
+            rows = [(server.add(f"/{i}.jpg", body=_image(i)), f"image {i}") for i in range(10)]
+            rows.append((server.add("/trickle.jpg", body=_image(99) * 40, trickle=0.2), "trickles"))
+            rows.append((server.add("/gone.jpg", status=404), "gone"))
+            url_list = tmp / "urls.parquet"
+            pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
+            base = ["--preset", "laion400m", "--url_list", str(url_list), "--image_size", "32", "--threads", "4",
+                    "--samples_per_shard", "4", "--timeout", "2", "--max_download_seconds", "3"]
+            assert prep.download_main([*base, "--output", str(tmp / "mp"), "--processes", "2"]) == 0
+            started = time.monotonic()
+            rc = prep.download_main([*base, "--output", str(tmp / "cluster"), "--distributor", "pyspark",
+                                     "--spark_master", master_url])
+            seconds = time.monotonic() - started
+        assert rc == 0, rc
+        names = sorted(p.name for p in (tmp / "mp").glob("*.tar")) + ["sizes.json", "summary.json"]
+        same = all((tmp / "mp" / n).read_bytes() == (tmp / "cluster" / n).read_bytes() for n in names)
+        reasons = json.loads((tmp / "cluster" / "summary.json").read_text())["failures_by_reason"]
+        print(f"standalone {master_url}: {seconds:.1f}s, byte-identical to multiprocessing: {same}; "
+              f"failures {reasons}")
+        assert same and reasons.get("download exceeded the 3s deadline") == 1, reasons
+        executors = list((tmp / "work").glob("app-*/*/stderr"))
+        assert executors, "no executor ran on the worker"
+        print(f"executor logs: {len(executors)} under {tmp / 'work'}; OK")
+        return 0
+    finally:
+        for proc in reversed(daemons):
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
