@@ -7,7 +7,8 @@ a multi-rank save, hence `CompleteCheckpointsMixin`: the Trainer writes into tmp
 rank 0 renames it to checkpoint-N once every rank has written its part.
 
 Exit codes of `disco-clip train`: 0 done (or already finished), 2 bad arguments or a run folder in use,
-75 (EX_TEMPFAIL) stopped by a signal after saving a checkpoint: resumable, 1 anything else.
+75 (EX_TEMPFAIL) stopped by a signal after saving a checkpoint: resumable, 143 a rank whose launcher died,
+1 anything else (a full disk included).
 
 Faults for tests: DISCO_FAULT="ACTION:step=N[,rank=R]" with ACTION one of kill_in_save (SIGKILL at the named
 point inside the save, after the model and DeepSpeed files, before the RNG and Trainer state), enospc_in_save
