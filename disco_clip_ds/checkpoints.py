@@ -7,7 +7,8 @@ a multi-rank save, hence `CompleteCheckpointsMixin`: the Trainer writes into tmp
 rank 0 renames it to checkpoint-N once every rank has written its part.
 
 Exit codes of `disco-clip train`: 0 done (or already finished), 2 bad arguments or a run folder in use,
-75 (EX_TEMPFAIL) stopped by a signal after saving a checkpoint: resumable, 1 anything else.
+75 (EX_TEMPFAIL) stopped by a signal after saving a checkpoint: resumable, 143 a rank whose launcher died,
+1 anything else (a full disk included).
 
 Faults for tests: DISCO_FAULT="ACTION:step=N[,rank=R]" with ACTION one of kill_in_save (SIGKILL at the named
 point inside the save, after the model and DeepSpeed files, before the RNG and Trainer state), enospc_in_save
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from .errors import DiscoClipError
+from .errors import DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.checkpoints")
 
@@ -170,12 +171,12 @@ _lock_fd: int | None = None
 
 def acquire_run_lock(output_dir: str | os.PathLike) -> None:
     """Rank 0 holds an exclusive lock on OUTPUT_DIR/run.lock until the process exits. A second run is refused
-    (UsageError-style ValueError on every rank, before it writes anything); a lock left by a dead run is taken
+    (UsageError on every rank, before it writes anything); a lock left by a dead run is taken
     over with a warning. flock, not a pid file: the kernel releases it when its holder dies, however it dies."""
     error = _take_lock(Path(output_dir)) if _rank() == 0 else None
     error = from_rank0(error)
     if error:
-        raise ValueError(error)
+        raise UsageError(error)
 
 
 def _take_lock(output_dir: Path) -> str | None:
@@ -346,7 +347,7 @@ def parse_signals(names: str) -> tuple[int, ...]:
         return tuple(signal.Signals[n.strip().upper() if n.strip().upper().startswith("SIG") else "SIG" + n.strip().upper()]
                      for n in names.split(","))
     except KeyError as e:
-        raise ValueError(f"--stop_signals {names}: unknown signal {e}; e.g. SIGTERM,SIGUSR1") from None
+        raise UsageError(f"--stop_signals {names}: unknown signal {e}; e.g. SIGTERM,SIGUSR1") from None
 
 
 class StopOnSignal(TrainerCallback):
