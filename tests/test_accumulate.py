@@ -15,9 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import free_port
-from test_pipeline import write_shards
-from test_train import REPO, SGD, VENV_BIN, launch, step_losses, weights
+from helpers import (
+    REPO,
+    SGD,
+    VENV_BIN,
+    free_port,
+    launch,
+    step_losses,
+    weights,
+    write_shards,
+)
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -76,7 +83,12 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _cached_gradient_step(model, batches, replay: bool = True):
     """Steps 1-3 of the accumulation as the Trainer mixin runs them, on a bare model; returns (loss, grads)."""
-    from disco_clip_ds.accumulate import _rng_state, _set_rng_state, cached_embedding_gradients, surrogate_loss
+    from disco_clip_ds.accumulate import (
+        _rng_state,
+        _set_rng_state,
+        cached_embedding_gradients,
+        surrogate_loss,
+    )
 
     model.zero_grad()
     states, images, texts = [], [], []
@@ -139,7 +151,10 @@ def _settings(**kw):
 
 
 def test_settings_that_cannot_accumulate_contrastively_are_refused():
-    from disco_clip_ds.accumulate import AccumulationError, check_contrastive_accumulation
+    from disco_clip_ds.accumulate import (
+        AccumulationError,
+        check_contrastive_accumulation,
+    )
 
     check_contrastive_accumulation(_settings(), "tiled")
     check_contrastive_accumulation(_settings(), "disco")
@@ -169,6 +184,7 @@ def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
         check_deepspeed_batch(args(2))
 
 
+@pytest.mark.slow
 def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
     """2 ranks under torchrun: each rank prints the reason and the launch ends (no rank waits in a collective)."""
     write_shards(tmp_path / "data", num_shards=2, per_shard=4)
