@@ -15,16 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (
-    REPO,
-    SGD,
-    VENV_BIN,
-    free_port,
-    launch,
-    step_losses,
-    weights,
-    write_shards,
-)
+from helpers import REPO, SGD, VENV_BIN, free_port, launch, step_losses, weights, write_shards
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -83,12 +74,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _cached_gradient_step(model, batches, replay: bool = True):
     """Steps 1-3 of the accumulation as the Trainer mixin runs them, on a bare model; returns (loss, grads)."""
-    from disco_clip_ds.accumulate import (
-        _rng_state,
-        _set_rng_state,
-        cached_embedding_gradients,
-        surrogate_loss,
-    )
+    from disco_clip_ds.accumulate import _rng_state, _set_rng_state, cached_embedding_gradients, surrogate_loss
 
     model.zero_grad()
     states, images, texts = [], [], []
@@ -151,10 +137,7 @@ def _settings(**kw):
 
 
 def test_settings_that_cannot_accumulate_contrastively_are_refused():
-    from disco_clip_ds.accumulate import (
-        AccumulationError,
-        check_contrastive_accumulation,
-    )
+    from disco_clip_ds.accumulate import AccumulationError, check_contrastive_accumulation
 
     check_contrastive_accumulation(_settings(), "tiled")
     check_contrastive_accumulation(_settings(), "disco")

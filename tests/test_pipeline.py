@@ -8,12 +8,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from disco_clip_ds.data.pipeline import (
-    ClipCollator,
-    ImageTransform,
-    ShardStream,
-    to_rgb,
-)
+from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, to_rgb
 from disco_clip_ds.data.shards import epoch_order
 
 from helpers import TOKENIZER_DIR, write_shards

@@ -4,12 +4,7 @@ import json
 
 import pytest
 
-from disco_clip_ds.data.shards import (
-    count_samples,
-    epoch_order,
-    expand_shards,
-    shards_for_reader,
-)
+from disco_clip_ds.data.shards import count_samples, epoch_order, expand_shards, shards_for_reader
 
 
 def test_brace_expansion_and_sources_joined_with_double_colon():
