@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -54,22 +53,9 @@ def _deepspeed_tag_dir(checkpoint: Path) -> Path | None:
     return tag_dir
 
 
-def _deepspeed_model_states(tag_dir: Path) -> dict:
-    """The first rank's DeepSpeed model-states file: ds_config, dp_world_size, ds_version, ..."""
-    import torch
-
-    files = sorted(tag_dir.glob("*model_states.pt"))
-    if not files:
-        raise ExportError(f"partial checkpoint: no '*model_states.pt' in {tag_dir}")
-    try:
-        # DeepSpeed pickles its own objects in these files, so weights_only loading cannot read them.
-        return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # a truncated or foreign file: say which
-        raise ExportError(f"cannot read DeepSpeed state '{files[0]}': {e}") from e
-
-
-def _zero_stage(states: dict) -> int:
-    return int(((states.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+def _is_zero_checkpoint(tag_dir: Path) -> bool:
+    # ZeRO stages 1-3 write one optimizer partition per rank, named *zero_pp_rank_*; stage 0 writes none.
+    return any(tag_dir.glob("*zero_pp_rank_*optim_states.pt"))
 
 
 def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
@@ -80,7 +66,7 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
     to gather them); otherwise the Trainer's full weight file is used.
     """
     tag_dir = _deepspeed_tag_dir(checkpoint)
-    if tag_dir is not None and _zero_stage(_deepspeed_model_states(tag_dir)) >= 1:
+    if tag_dir is not None and _is_zero_checkpoint(tag_dir):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
@@ -95,7 +81,6 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
 
 def _read_weight_file(path: Path) -> dict:
     import torch
-
     from safetensors.torch import load_file
 
     try:
@@ -155,28 +140,26 @@ def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None
 
 
 def describe_run(checkpoint: Path) -> dict:
-    """What the checkpoint (or the run folder holding it) says about its training run; absent keys are unknown."""
+    """What the training run recorded about itself: run.json (written by `disco-clip train`: world size, batches,
+    loss, ZeRO stage, precision, data, versions) and the Trainer's trainer_state.json (steps, last loss). Both are
+    JSON: nothing is unpickled. Absent keys are unknown."""
     info: dict = {}
     config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
     if config.get("loss_impl"):
         info["loss_impl"] = config["loss_impl"]
-    info.update(_from_training_args(checkpoint / "training_args.bin"))
     info.update(_from_trainer_state(checkpoint / "trainer_state.json"))
-    deepspeed_folder = checkpoint if (checkpoint / "latest").is_file() else _newest_checkpoint(checkpoint)
-    if deepspeed_folder is not None and (deepspeed_folder / "latest").is_file():
-        info.update(_from_deepspeed(_deepspeed_model_states(_deepspeed_tag_dir(deepspeed_folder))))
     info.update(_run_file(checkpoint))
-    if info.get("micro_batch_per_rank") and info.get("world_size") and "global_contrastive_batch" not in info:
-        # every rank's rows are contrasted with every other rank's: the contrastive batch spans the world
-        info["global_contrastive_batch"] = info["micro_batch_per_rank"] * info["world_size"]
-    if info.get("global_contrastive_batch") and info.get("micro_batch_per_rank") and "world_size" not in info:
-        info["world_size"] = info["global_contrastive_batch"] // info["micro_batch_per_rank"]
+    versions = info.pop("versions", None) or {}
+    if versions.get("deepspeed") and "zero_stage" in info:
+        info["deepspeed"] = versions["deepspeed"]
     return {k: v for k, v in info.items() if v is not None}
 
 
 def _newest_checkpoint(folder: Path) -> Path | None:
-    steps = sorted((int(m.group(1)), p) for p in folder.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
-    return steps[-1][1] if steps else None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    newest = get_last_checkpoint(str(folder))
+    return Path(newest) if newest else None
 
 
 def _from_trainer_state(path: Path) -> dict:
@@ -184,43 +167,14 @@ def _from_trainer_state(path: Path) -> dict:
         return {}
     state = json.loads(path.read_text())
     info = {"steps": state.get("global_step")}
-    history = state.get("log_history", [])
-    losses = [e["loss"] for e in history if "loss" in e]
+    losses = [e["loss"] for e in state.get("log_history", []) if "loss" in e]
     if losses:
         info["final_train_loss"] = round(float(losses[-1]), 4)
-    batches = [e["global_contrastive_batch"] for e in history if "global_contrastive_batch" in e]  # logged by train.py
-    if batches:
-        info["global_contrastive_batch"] = batches[-1]
-    return info
-
-
-def _from_training_args(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    import torch
-
-    try:
-        # The Trainer pickles its TrainingArguments (a dataclass of ours or transformers'): not weights-only.
-        args = torch.load(path, weights_only=False)
-    except Exception:  # unreadable or from a class not importable here: the card just says less
-        return {}
-    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-    return {"precision": precision, "micro_batch_per_rank": getattr(args, "per_device_train_batch_size", None),
-            "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None)}
-
-
-def _from_deepspeed(states: dict) -> dict:
-    ds_config = states.get("ds_config") or {}
-    info = {"world_size": states.get("dp_world_size"), "zero_stage": _zero_stage(states), "deepspeed": states.get("ds_version")}
-    if isinstance(ds_config.get("train_micro_batch_size_per_gpu"), int):
-        info["micro_batch_per_rank"] = ds_config["train_micro_batch_size_per_gpu"]
-        info["gradient_accumulation_steps"] = ds_config.get("gradient_accumulation_steps")
-    info["precision"] = "bf16" if (ds_config.get("bf16") or {}).get("enabled") else "fp16" if (ds_config.get("fp16") or {}).get("enabled") else "fp32"
     return info
 
 
 def _run_file(checkpoint: Path) -> dict:
-    # Training may record its set-up (data, loss, batch) in run.json beside the checkpoints or inside one.
+    # train.py writes run.json in the run folder, beside the checkpoints; a copied checkpoint may carry its own.
     for folder in (checkpoint, checkpoint.parent):
         path = folder / "run.json"
         if path.is_file():
@@ -243,6 +197,7 @@ RUN_FIELDS = [
     ("world_size", "world size (data-parallel ranks)"),
     ("micro_batch_per_rank", "micro-batch per rank"),
     ("gradient_accumulation_steps", "gradient accumulation steps"),
+    ("global_batch", "global batch per optimizer step"),
     ("loss_impl", "loss implementation"),
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("precision", "precision"),
@@ -375,7 +330,7 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
     The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`'s cache). With
     `dry_run` nothing is contacted and the plan is printed. Returns the commit URL (or the target URL).
     """
-    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+    from huggingface_hub import HfApi, get_token
 
     plan = upload_plan(folder)
     branch = revision or "main"
@@ -391,8 +346,9 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(Path(folder) / path)) for path, _ in plan]
-    commit = api.create_commit(repo_id, operations, commit_message="Upload CLIPModel exported by disco-clip-ds", revision=revision)
+    # exactly the planned files (no hidden ones): upload_folder takes them as patterns, in one commit
+    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, allow_patterns=[path for path, _ in plan],
+                               commit_message="Upload CLIPModel exported by disco-clip-ds")
     return commit.commit_url
 
 

@@ -32,10 +32,21 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from . import compat
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
-from .checkpoints import (EXIT_PREEMPTED, CheckpointError, CompleteCheckpointsMixin, Preempted, StopOnSignal, acquire_run_lock,
-                          finished_message, parse_signals, release_run_lock, resolve_latest, resume_hint)
+from .checkpoints import (
+    EXIT_PREEMPTED,
+    CheckpointError,
+    CompleteCheckpointsMixin,
+    Preempted,
+    StopOnSignal,
+    acquire_run_lock,
+    finished_message,
+    parse_signals,
+    release_run_lock,
+    resolve_latest,
+    resume_hint,
+)
 from .data.pipeline import ClipCollator, ShardStream
-from .data.shards import count_samples, expand_shards
+from .data.shards import count_samples, expand_shards, write_json
 from .errors import UsageError
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
 
@@ -371,11 +382,28 @@ def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
 
 def _write_run_file(args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, num_samples: int,
                     contrastive_batch: int) -> None:
-    """The set-up the Trainer's own files do not record, for the exported model card (export.py reads run.json)."""
-    run = {"data": data_args.train_shards, "train_num_samples": num_samples, "loss_impl": model_args.loss_impl,
-           "world_size": args.world_size, "global_contrastive_batch": contrastive_batch}
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.output_dir) / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled)."""
+    plugin = args.deepspeed_plugin
+    run = {
+        "data": data_args.train_shards, "train_num_samples": num_samples, "loss_impl": model_args.loss_impl,
+        "world_size": args.world_size, "micro_batch_per_rank": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "contrastive_accumulation": args.contrastive_accumulation, "global_contrastive_batch": contrastive_batch,
+        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", "max_steps": args.max_steps,
+        "versions": {name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")},
+    }
+    write_json(Path(args.output_dir) / "run.json", {k: v for k, v in run.items() if v is not None})
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _export_and_push(args: DiscoTrainingArguments, repo_id: str) -> None:

@@ -15,9 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import free_port
-from test_pipeline import write_shards
-from test_train import REPO, SGD, VENV_BIN, launch, step_losses, weights
+from helpers import REPO, SGD, VENV_BIN, free_port, launch, step_losses, weights, write_shards
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -169,6 +167,7 @@ def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
         check_deepspeed_batch(args(2))
 
 
+@pytest.mark.slow
 def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
     """2 ranks under torchrun: each rank prints the reason and the launch ends (no rank waits in a collective)."""
     write_shards(tmp_path / "data", num_shards=2, per_shard=4)

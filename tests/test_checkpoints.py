@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
-from test_pipeline import write_shards
-from test_train import REPO, VENV_BIN, weights
+from helpers import REPO, VENV_BIN, free_port, weights, write_shards
 
-pytestmark = pytest.mark.timeout(900)  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
 STEPS, SAVE = 6, 2
 ARGS = [
     "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", "8",

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,9 @@ from transformers import CLIPConfig, CLIPModel
 from disco_clip_ds import compat
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
 
-TINY = Path(__file__).resolve().parents[1] / "recipes" / "models" / "tiny.json"
+from helpers import TINY_CONFIG, run_ranks
+
+TINY = TINY_CONFIG
 
 
 def _deepspeed_init_with_a_0dim_parameter(rank, world_size):
@@ -36,9 +37,9 @@ def _deepspeed_init_with_a_0dim_parameter(rank, world_size):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # one deepspeed import and engine start: minutes on a busy 2-core machine
-def test_the_logit_scale_gate_matches_the_installed_deepspeed(spawn_ranks):
+def test_the_logit_scale_gate_matches_the_installed_deepspeed():
     """The gate is on exactly when the installed deepspeed fails to start an engine on a 0-dim parameter."""
-    (error,) = spawn_ranks(_deepspeed_init_with_a_0dim_parameter, 1, timeout=500)
+    (error,) = run_ranks(_deepspeed_init_with_a_0dim_parameter, 1, timeout=500)
     assert (error is not None) == compat.LOGIT_SCALE_AS_VECTOR, error
     if error is not None:
         assert "dim" in error  # the uint8 view of a 0-dim tensor, not some other failure

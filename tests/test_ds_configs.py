@@ -11,6 +11,8 @@ import pytest
 
 from disco_clip_ds.plan import load_config, validate_config
 
+from helpers import run_training, train_command, write_shards
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
 
@@ -52,8 +54,7 @@ def test_config_passes_validation(path):
     per_device = None
     if config.get("train_micro_batch_size_per_gpu") == "auto":
         per_device = 8
-    settings = validate_config(config, world_size_from_name(path), per_device_batch=per_device)
-    assert settings.stage in (0, 1, 2, 3)
+    validate_config(config, world_size_from_name(path), per_device_batch=per_device)  # raises with every problem
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -75,16 +76,10 @@ PAPER_TRAINER_FLAGS = "--gradient_accumulation_steps 1 --bf16 --learning_rate 5e
                       "--adam_epsilon 1e-6 --weight_decay 0.2 --max_grad_norm 0"
 
 
+@pytest.mark.slow
 def test_paper_config_settings_run_under_deepspeed_and_the_trainer(tmp_path):
     """Everything but the batch numbers, on 2 CPU ranks x 4 samples, 2 steps of the tiny model: bf16, ZeRO-2 with
     overlap_comm, fp32 gradient reduction, torch AdamW, activation checkpointing, and the README's flags."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import free_port
-    from test_pipeline import write_shards
-
     root = CONFIG_DIR.parent
     recipe = " ".join((root / "recipes/train_vit_b32.sh").read_text().replace("\\\n", " ").split())
     for pair in re.findall(r"--\w+(?: [^-\s]\S*)?", PAPER_TRAINER_FLAGS.replace("--gradient_accumulation_steps 1 ", "")):
@@ -95,15 +90,12 @@ def test_paper_config_settings_run_under_deepspeed_and_the_trainer(tmp_path):
     write_shards(tmp_path / "shards", 2, 8)
     config = dict(json.loads((CONFIG_DIR / "vit_b32_32k_8gpu.json").read_text()), train_batch_size=8, train_micro_batch_size_per_gpu=4)
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "disco_clip_ds.train", "--model_config", str(root / "recipes/models/tiny.json"),
+    cmd = [*train_command("deepspeed", 2), "--model_config", str(root / "recipes/models/tiny.json"),
            "--tokenizer_name", str(root / "recipes/tokenizer"), "--train_shards", str(tmp_path / "shards"),
            "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true",
            "--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--save_steps", "100",
            "--deepspeed", str(tmp_path / "ds.json"), "--per_device_train_batch_size", "4",
            "--lr_scheduler_type", "cosine", "--warmup_steps", "1", "--activation_checkpointing", *PAPER_TRAINER_FLAGS.split()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    run_training(cmd, timeout=240)
     state = json.loads((tmp_path / "out/trainer_state.json").read_text())
     assert state["global_step"] == 2 and all(math.isfinite(h["train_loss"]) for h in state["log_history"] if "train_loss" in h)

@@ -15,6 +15,8 @@ from PIL import Image
 
 from disco_clip_ds import evaluate as ev
 
+from helpers import noise_image_bytes, write_samples
+
 IMAGE_SIZE = 32
 
 
@@ -58,24 +60,6 @@ def tiny_clip(seed: int = 0):
     return CLIPModel(tiny_clip_config(tokenizer)).eval(), tokenizer, tiny_image_processor()
 
 
-def random_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
-    array = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def write_shards(folder, samples, per_shard: int):
-    """Write `samples` (dicts of webdataset fields) in CLIP_benchmark's layout with webdataset's TarWriter."""
-    import webdataset as wds
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for shard, start in enumerate(range(0, len(samples), per_shard)):
-        with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
-            for i, sample in enumerate(samples[start : start + per_shard], start):
-                sink.write({"__key__": f"s{i:05d}", **sample})
-
-
 CLASSNAMES = ["zero", "one", "two", "three", "four", "five"]
 TEMPLATES = ["a photo of the digit {c}.", "{c}", "a drawing of a {c}."]
 
@@ -85,10 +69,10 @@ def cls_set(tmp_path_factory):
     """11 images over 6 classes in 3 shards (uneven), with classnames and templates beside them."""
     rng = np.random.default_rng(0)
     labels = [0, 1, 2, 3, 4, 5, 0, 2, 2, 5, 1]
-    images = [random_image_bytes(rng, "PNG" if i % 2 else "JPEG") for i in range(len(labels))]
+    images = [noise_image_bytes(rng, "PNG" if i % 2 else "JPEG") for i in range(len(labels))]
     folder = tmp_path_factory.mktemp("cls")
     samples = [{("png" if i % 2 else "jpg"): img, "cls": str(y)} for i, (img, y) in enumerate(zip(images, labels))]
-    write_shards(folder, samples, per_shard=4)
+    write_samples(folder, samples, per_shard=4)
     (folder / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
     (folder / "zeroshot_classification_templates.txt").write_text("\n".join(TEMPLATES) + "\n")
     return folder, images, labels
@@ -214,8 +198,8 @@ def test_zeroshot_classification_accepts_a_dataloader(cls_set):
 def test_zeroshot_retrieval_matches_float64_reference(tmp_path):
     rng = np.random.default_rng(3)
     captions = [["a red square", "red"], ["two cats"], ["the sea", "blue water", "waves"], ["night"], ["a dog"], ["tree"]]
-    images = [random_image_bytes(rng) for _ in captions]
-    write_shards(tmp_path, [{"png": img, "txt": "\n".join(caps)} for img, caps in zip(images, captions)], per_shard=4)
+    images = [noise_image_bytes(rng) for _ in captions]
+    write_samples(tmp_path, [{"png": img, "txt": "\n".join(caps)} for img, caps in zip(images, captions)], per_shard=4)
     model, tokenizer, processor = tiny_clip(seed=1)
 
     model.double()

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_ranks
 from disco_clip_ds import export as ex
 
+from helpers import TINY_CONFIG, TOKENIZER_DIR, noise_image_bytes, run_ranks, run_training, train_command, write_samples
+
+pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
+
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "recipes" / "tokenizer"
-MODEL_CONFIG = REPO / "recipes" / "models" / "tiny.json"
+MODEL_CONFIG = TINY_CONFIG
 PROMPTS = ["a photo of the number three.", "a dog", "seven"]
 
 
@@ -61,6 +63,10 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
         tokenizer.save_pretrained(checkpoint)
         CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
         (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3, "max_steps": 3, "train_batch_size": 4, "log_history": [{"loss": float(loss), "step": 3}]}))
+        # what `disco-clip train` records for the model card beside the checkpoints
+        (checkpoint.parent / "run.json").write_text(json.dumps({
+            "world_size": world_size, "micro_batch_per_rank": 4, "global_contrastive_batch": 4 * world_size,
+            "loss_impl": "tiled", "zero_stage": stage, "precision": precision, "versions": {"deepspeed": deepspeed.__version__}}))
     engine.eval()
     with torch.no_grad():
         # the exported weights are the fp32 masters; compare against an fp32 forward with them
@@ -81,7 +87,7 @@ def trained_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
     for stage in (2, 3):
         (root / f"zero{stage}" / "checkpoint-3").mkdir(parents=True)
-    return root, run_ranks(_train_and_save_stages, 2, (2, 3), root, timeout=240)[0]
+    return root, run_ranks(_train_and_save_stages, 2, (2, 3), root, timeout=600)[0]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -240,7 +246,7 @@ def test_push_refuses_raw_checkpoints(zero2_checkpoint, capsys):
 
 
 def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
-    """The upload path up to the network: the same file list as the dry run goes into one create_commit."""
+    """The upload path up to the network: the same file list as the dry run goes into one upload_folder commit."""
     import huggingface_hub
 
     calls = {}
@@ -255,8 +261,11 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
         def create_branch(self, repo_id, branch, exist_ok):
             calls["branch"] = branch
 
-        def create_commit(self, repo_id, operations, commit_message, revision):
-            calls["files"] = sorted(op.path_in_repo for op in operations)
+        def upload_folder(self, folder_path, repo_id, revision, allow_patterns, commit_message):
+            from huggingface_hub.utils import filter_repo_objects
+
+            every = [p.relative_to(folder_path).as_posix() for p in Path(folder_path).rglob("*") if p.is_file()]
+            calls["files"] = sorted(filter_repo_objects(every, allow_patterns=allow_patterns))  # as the hub selects
             calls["revision"] = revision
             return type("Commit", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/abc"})
 
@@ -273,14 +282,9 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
 
 def launch_training(output: Path, *args: str) -> None:
     """`deepspeed --num_gpus 2 --module disco_clip_ds.train` with the tiny model on CPU; fails with its log."""
-    from conftest import free_port
-
-    cmd = [Path(sys.executable).parent / "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "disco_clip_ds.train",
-           "--model_config", MODEL_CONFIG, "--tokenizer_name", TOKENIZER_DIR, "--output_dir", output, "--report_to", "none",
+    cmd = [*train_command("deepspeed", 2), "--model_config", MODEL_CONFIG, "--tokenizer_name", TOKENIZER_DIR, "--output_dir", output, "--report_to", "none",
            "--disable_tqdm", "true", "--dataloader_num_workers", "1", "--logging_steps", "1", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run_training(cmd, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -289,13 +293,11 @@ def zero3_run(tmp_path_factory):
     steps and running the zero-shot callback every 2 steps."""
     import numpy as np
 
-    from test_evaluate import random_image_bytes, write_shards
-
     root = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(5)
     digits = "zero one two three four five six seven eight nine".split()
-    write_shards(root / "train", [{"jpg": random_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"} for i in range(32)], per_shard=16)
-    write_shards(root / "eval", [{"png": random_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10)
+    write_samples(root / "train", [{"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"} for i in range(32)], per_shard=16)
+    write_samples(root / "eval", [{"png": noise_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10)
     (root / "eval" / "classnames.txt").write_text("\n".join(digits) + "\n")
     (root / "eval" / "zeroshot_classification_templates.txt").write_text("a photo of the digit {c}\n{c}\n")
     launch_training(root / "out", "--deepspeed", REPO / "ds_configs" / "cpu_zero3.json", "--train_shards", root / "train",

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_ranks
 from disco_clip_ds.loss import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
+
+from helpers import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark's byte counter and baseline
 
@@ -77,6 +78,7 @@ def _rank_losses(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_matches_float64_reference(world):
     per_rank = run_ranks(_rank_losses, world)
     for k, (case, impl, chunk, *_) in enumerate(per_rank[0]):
@@ -176,6 +178,7 @@ def _bad_input_rank(rank, world, case):
 
 
 @pytest.mark.parametrize("case", [*BAD_INPUTS, "scale not 0-dim"])
+@pytest.mark.slow
 def test_bad_input_raises_on_every_rank(case):
     expected = BAD_INPUTS[case][1] if case in BAD_INPUTS else "logit_scale must be a 0-dim"
     messages = run_ranks(_bad_input_rank, 3, case, timeout=60)
@@ -199,6 +202,7 @@ def _weighted_rank(rank, world, sizes, weights):
     return out
 
 
+@pytest.mark.slow
 def test_per_rank_upstream_gradients_reach_the_right_columns():
     """A text's column log-sum-exp is in its owner's loss but its logits are on every rank: its gradient must
     carry the owner's upstream factor. Reference: float64 d(sum_r w_r l_r) with l_r written out per rank."""
@@ -234,6 +238,7 @@ def _wire_rank(rank, world, sizes, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_wire_bytes_per_rank_halve(dtype):
     """Bytes on the wire per rank per step, counted at torch.distributed's collectives (ring algorithms), against
     the hand count: the one-block loss gathers and reduce-scatters the texts only, plus two all-reduces of B

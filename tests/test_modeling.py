@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import CLIPConfig, CLIPModel
 
-from conftest import run_ranks
 from disco_clip_ds.modeling import LOGIT_SCALE_AS_VECTOR, DiscoCLIPModel, build_model
+
+from helpers import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "models" / "tiny.json"
@@ -79,6 +80,7 @@ def _rank_loss_and_grads(rank, world, impl, sizes):
 
 
 @pytest.mark.parametrize("impl,sizes", [("tiled", [3, 3]), ("disco", [4, 2])])
+@pytest.mark.slow
 def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes):
     results = run_ranks(_rank_loss_and_grads, 2, impl, sizes, timeout=120)
     ref_loss, ref_grads = reference_loss_and_grads(tiny_model(impl), batch())
@@ -89,6 +91,7 @@ def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes):
             assert_grad_close(grads[name], ref, name)
 
 
+@pytest.mark.slow
 def test_local_loss_on_two_ranks_is_the_per_device_loss():
     # "local" must stay what HF's contrastive example trains with: each rank's own b x b loss, no gathering.
     results = run_ranks(_rank_loss_and_grads, 2, "local", [3, 3], timeout=120)

@@ -1,59 +1,19 @@
 """Training stream: decode/augment/tokenize, disjoint reading per rank and worker, resampling, bad samples."""
 
-import io
-import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import webdataset as wds
 from PIL import Image
 from transformers import AutoTokenizer
 
-from disco_clip_ds.data.shards import epoch_order
 from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, to_rgb
+from disco_clip_ds.data.shards import epoch_order
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "recipes" / "tokenizer"
-DIGITS = "zero one two three four five six seven eight nine".split()
+from helpers import TOKENIZER_DIR, write_shards
 
-
-def _image_bytes(rng: random.Random, mode: str = "RGB", fmt: str = "JPEG") -> bytes:
-    size = (rng.randint(40, 90), rng.randint(40, 90))
-    color = tuple(rng.randrange(256) for _ in range(len(mode)))
-    image = Image.new(mode, size, color if len(mode) > 1 else color[0])
-    buf = io.BytesIO()
-    image.save(buf, fmt)
-    return buf.getvalue()
-
-
-def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, bad: dict | None = None) -> list[str]:
-    """img2dataset-layout shards (key.jpg/.txt/.json) plus sizes.json; `bad` = {sample index: kind} with kinds
-    'corrupt' (truncated JPEG bytes), 'no_text', 'gray', 'rgba'. Returns the shard paths."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng, bad, sizes, index = random.Random(seed), bad or {}, {}, 0
-    for s in range(num_shards):
-        name = f"{s:05d}.tar"
-        with wds.TarWriter(str(folder / name)) as sink:
-            for _ in range(per_shard):
-                kind = bad.get(index)
-                key = f"{s:05d}{index:04d}"
-                sample = {"__key__": key, "json": json.dumps({"key": key}).encode()}
-                if kind == "rgba":
-                    sample["png"] = _image_bytes(rng, "RGBA", "PNG")
-                else:
-                    sample["jpg"] = _image_bytes(rng, "L" if kind == "gray" else "RGB")
-                if kind == "corrupt":
-                    sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]
-                if kind != "no_text":
-                    sample["txt"] = f"a photo of the digit {DIGITS[index % 10]}".encode()
-                sink.write(sample)
-                index += 1
-        sizes[name] = per_shard
-    (folder / "sizes.json").write_text(json.dumps(sizes))
-    return [str(folder / f"{s:05d}.tar") for s in range(num_shards)]
+TOKENIZER = TOKENIZER_DIR
 
 
 def _keys_seen(stream: ShardStream, n: int, workers: int = 0) -> list[tuple]:

@@ -199,6 +199,7 @@ def _measured_train_peak(model: Path, batch: int) -> float:
 
 
 @pytest.mark.parametrize("model, batch", [("tiny", 256), ("tiny", 1024), ("small", 32), ("small", 128)])
+@pytest.mark.slow
 def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
     """Single process, fp32, AdamW, the model's own (naive) loss: what the CPU can run. The activation
     coefficients come from ViT-B/32 and probe models (activation_fit.json), never from these two models."""

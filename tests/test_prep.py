@@ -20,21 +20,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from imageserver import ImageServer
 from PIL import Image
 
 from disco_clip_ds.data import prep
 from disco_clip_ds.errors import DataError, UsageError
 
+from helpers import image_bytes
+from imageserver import ImageServer
+
 SIZE = 32
 DEADLINE = 4
 TRICKLE = 0.2  # seconds per byte
-
-
-def encode(fmt: str, mode: str, size: tuple[int, int], color) -> bytes:
-    buf = io.BytesIO()
-    Image.new(mode, size, color).save(buf, fmt)
-    return buf.getvalue()
 
 
 # path, (format, mode, size, colour), caption: each image one flat colour, so its pixels identify it
@@ -47,7 +43,7 @@ GOOD = [
     ("/big.jpg", ("JPEG", "RGB", (400, 300), (120, 0, 160)), "a big purple photo"),
     ("/tiny.png", ("PNG", "L", (6, 6), 200), "a tiny grey png"),
 ]
-TRICKLE_BODY = encode("JPEG", "RGB", (300, 300), (1, 2, 3))
+TRICKLE_BODY = image_bytes("JPEG", "RGB", (300, 300), (1, 2, 3))
 # path, server behaviour, caption, status, reason (img2dataset's error text; None: checked apart)
 BAD = [
     ("/missing1.jpg", dict(status=404), "gone", "failed_to_download", "HTTP Error 404: Not Found"),
@@ -69,7 +65,7 @@ def serve_all(server: ImageServer) -> list[tuple[str, str | None]]:
         if i < len(GOOD):
             path, (fmt, mode, size, color), caption = GOOD[i]
             ctype = "image/png" if fmt == "PNG" else "image/jpeg"
-            rows.append((server.add(path, body=encode(fmt, mode, size, color), content_type=ctype), caption))
+            rows.append((server.add(path, body=image_bytes(fmt, mode, size, color), content_type=ctype), caption))
         if i < len(BAD):
             path, behaviour, caption, _, _ = BAD[i]
             rows.append((server.add(path, **behaviour), caption))
@@ -193,13 +189,14 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
     import webdataset as wds
 
     with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
-        sink.write({"__key__": "a", "jpg": encode("JPEG", "RGB", (8, 8), (1, 2, 3)), "txt": "one two"})
+        sink.write({"__key__": "a", "jpg": image_bytes("JPEG", "RGB", (8, 8), (1, 2, 3)), "txt": "one two"})
         sink.write({"__key__": "b", "jpg": b"not a jpeg", "txt": "three"})
     assert prep.verify_main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "b.jpg: cannot decode" in err
 
 
+@pytest.mark.slow
 def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, capsys):
     rows = [(image_server.add(f"/gone{i}.jpg", status=404), "x") for i in range(3)]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
@@ -216,8 +213,9 @@ def _download_argv(url_list: Path, output: Path) -> list[str]:
             "--processes", "1", "--threads", "2", "--samples_per_shard", "6", "--timeout", "5"]
 
 
+@pytest.mark.slow
 def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path, capsys):
-    rows = [(image_server.add(f"/img{i}.png", body=encode("PNG", "RGB", (20 + i, 30), (9 * i, 100, 250 - 9 * i)),
+    rows = [(image_server.add(f"/img{i}.png", body=image_bytes("PNG", "RGB", (20 + i, 30), (9 * i, 100, 250 - 9 * i)),
                               content_type="image/png", delay=0.1), f"picture number {i}") for i in range(24)]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
     shards = [f"{i:05d}.tar" for i in range(4)]
@@ -358,6 +356,7 @@ def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
 
 @pytest.mark.parametrize("script, args", [("relaion400m.sh", []), ("datacomp.sh", ["small"]),
                                           ("datacomp.sh", ["medium"]), ("cc3m.sh", ["GCC.tsv"])])
+@pytest.mark.slow
 def test_data_prep_scripts_run_through_with_valid_arguments(script, args, tmp_path):
     """Each data_prep script, with `disco-clip` replaced by a recorder: every call parses as our CLI does."""
     bin_dir = tmp_path / "bin"

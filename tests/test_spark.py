@@ -7,7 +7,6 @@ One local Spark session serves the in-process runs; the killed run is a CLI subp
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -20,45 +19,40 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from imageserver import ImageServer
-from PIL import Image
 
 from disco_clip_ds.data import prep
 from disco_clip_ds.errors import UsageError
 
+from helpers import image_bytes
+from imageserver import ImageServer
+
 JAVA_PROBLEM = prep.java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
-pytestmark = pytest.mark.timeout(480)  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
 
 DEADLINE = 3
 TRICKLE = 0.2  # seconds per byte: the trickled image alone would take minutes without the deadline
 SHARD = 4
 
 
-def _image(fmt: str, mode: str, size: tuple[int, int], color) -> bytes:
-    buf = io.BytesIO()
-    Image.new(mode, size, color).save(buf, fmt)
-    return buf.getvalue()
-
-
 # zero bytes after the JPEG's end marker make the trickle long (decoders ignore them; it never completes anyway)
-TRICKLE_BODY = _image("JPEG", "RGB", (200, 200), (1, 2, 3)) + bytes(4000)
+TRICKLE_BODY = image_bytes("JPEG", "RGB", (200, 200), (1, 2, 3)) + bytes(4000)
 # path, server behaviour, caption: good images and the hostile cases, interleaved across shards
 ROUTES = [
-    ("/red.jpg", dict(body=_image("JPEG", "RGB", (90, 60), (200, 30, 30))), "a red jpeg"),
+    ("/red.jpg", dict(body=image_bytes("JPEG", "RGB", (90, 60), (200, 30, 30))), "a red jpeg"),
     ("/gone.jpg", dict(status=404), "gone"),
-    ("/wide.png", dict(body=_image("PNG", "RGB", (120, 40), (20, 40, 220)), content_type="image/png"), "wide"),
+    ("/wide.png", dict(body=image_bytes("PNG", "RGB", (120, 40), (20, 40, 220)), content_type="image/png"), "wide"),
     ("/hang.jpg", dict(hang=True), "never answers"),
-    ("/grey.jpg", dict(body=_image("JPEG", "L", (50, 50), 90)), ""),
+    ("/grey.jpg", dict(body=image_bytes("JPEG", "L", (50, 50), 90)), ""),
     ("/error.jpg", dict(status=500), "server error"),
-    ("/rgba.png", dict(body=_image("PNG", "RGBA", (40, 40), (240, 200, 10, 255))), "naïve café 🙂"),
+    ("/rgba.png", dict(body=image_bytes("PNG", "RGBA", (40, 40), (240, 200, 10, 255))), "naïve café 🙂"),
     ("/trickle.jpg", dict(body=TRICKLE_BODY, trickle=TRICKLE), "trickles"),
     ("/corrupt.jpg", dict(body=b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4), "corrupt"),
-    ("/late.jpg", dict(body=_image("JPEG", "RGB", (64, 64), (0, 90, 0)), delay=0.2), "late"),
-    ("/tall.jpg", dict(body=_image("JPEG", "RGB", (30, 90), (30, 160, 60))), None),
+    ("/late.jpg", dict(body=image_bytes("JPEG", "RGB", (64, 64), (0, 90, 0)), delay=0.2), "late"),
+    ("/tall.jpg", dict(body=image_bytes("JPEG", "RGB", (30, 90), (30, 160, 60))), None),
     ("/gone2.jpg", dict(status=404), "gone too"),
-    ("/big.jpg", dict(body=_image("JPEG", "RGB", (400, 300), (120, 0, 160))), "big"),
-    ("/tiny.png", dict(body=_image("PNG", "L", (6, 6), 200)), "tiny"),
+    ("/big.jpg", dict(body=image_bytes("JPEG", "RGB", (400, 300), (120, 0, 160))), "big"),
+    ("/tiny.png", dict(body=image_bytes("PNG", "L", (6, 6), 200)), "tiny"),
 ]
 N_SHARDS = -(-len(ROUTES) // SHARD)
 EXPECTED_REASONS = {

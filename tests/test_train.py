@@ -6,7 +6,6 @@ Every launch costs ~15-25 s of imports on 2 cores, so each run serves several ch
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,64 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import free_port
-from test_pipeline import write_shards
+from helpers import LAUNCH_SEED, REPO, SGD, launch, step_losses, weights, write_shards
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-STEPS, PER_RANK, SEED = 5, 8, 7
+STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 OWN_STEPS = 10  # the own-shards and resume runs
-COMMON = [
-    "--tokenizer_name", str(REPO / "recipes/tokenizer"),
-    "--logging_steps", "1", "--save_steps", "3", "--save_total_limit", "5", "--dataloader_num_workers", "1", "--shuffle_buffer", "8",
-    "--disable_tqdm", "true", "--report_to", "none", "--seed", str(SEED),
-]
-# Plain SGD without clipping: the update is linear in the gradient, so a gradient off by any factor (the
-# published DisCo code's 1/N) shows in the weights; Adam would normalise such a factor away.
-SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
-       "--max_grad_norm", "0", "--weight_decay", "0"]
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
 # same global batch at any world size (by default each rank reads its own shards).
 SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
 BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `shards`)
-
-
-def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
-    """Run `disco_clip_ds.train` on `nproc` CPU ranks with `launcher`; returns the CompletedProcess.
-
-    launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
-    fsdp.yaml) | python (one process)."""
-    port = str(free_port())
-    train_args = [*COMMON, "--output_dir", str(output), *args]
-    if ds_config and launcher != "accelerate":
-        train_args += ["--deepspeed", str(REPO / "ds_configs" / ds_config)]
-    if launcher == "deepspeed":
-        cmd = [VENV_BIN / "deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", "disco_clip_ds.train"]
-    elif launcher == "torchrun":
-        cmd = [VENV_BIN / "torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "-m", "disco_clip_ds.train"]
-    elif launcher == "accelerate":
-        yaml = REPO / "recipes/accelerate" / (ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml")
-        cmd = [VENV_BIN / "accelerate", "launch", "--config_file", yaml, "--num_processes", str(nproc),
-               "--main_process_port", port, "-m", "disco_clip_ds.train"]
-    else:
-        cmd = [sys.executable, "-m", "disco_clip_ds.train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(c) for c in cmd] + train_args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    (output.parent / f"{output.name}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{launcher} run failed:\n" + (proc.stdout + proc.stderr)[-4000:]
-    return proc
-
-
-def step_losses(output: Path) -> list[float]:
-    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
-    return [h["loss"] for h in history if "loss" in h]
-
-
-def weights(output: Path) -> dict[str, torch.Tensor]:
-    return {k: v.float() for k, v in load_file(output / "model.safetensors").items()}
 
 
 @pytest.fixture(scope="module")
@@ -216,35 +166,47 @@ def _train_main(tmp_path, *args):
     return main(["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args])
 
 
-def test_bad_arguments_get_a_message_saying_what_to_fix(tmp_path, capsys, monkeypatch):
+MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
+TOK = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
+# (arguments after --train_shards; "{data}", "{tmp}" and "{wrong_eos}" are filled in per test; the message to expect)
+BAD_ARGUMENTS = {
+    "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere"),
+    "no tokenizer": (["{data}", *MODEL], "needs --tokenizer_name"),
+    "tokenizer mismatch": (["{data}", "--model_config", "{wrong_eos}", *TOK], "does not match the model's text config"),
+    "image size": (["{data}", *MODEL, *TOK, "--image_size", "224"], "differs from the model's 64"),
+    "zeroshot half set": (["{data}", *MODEL, *TOK, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
+    "remote shards uncounted": (["https://host/{{0..3}}.tar", *MODEL, *TOK], "--train_num_samples"),
+    "too few shards": (["{data}", *MODEL, *TOK, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
+    "no hub token": (["{data}", *MODEL, *TOK, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
+}
+
+
+@pytest.fixture
+def bad_arguments_setup(tmp_path, monkeypatch):
+    """Tiny shards, a model config whose eos disagrees with the tokenizer, and no Hugging Face token anywhere."""
     import huggingface_hub.constants
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))  # nor a cached one
-    folder = tmp_path / "data"
-    write_shards(folder, num_shards=2, per_shard=4)
-    model = ["--model_config", str(REPO / "recipes/models/tiny.json")]
-    tok = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
-    wrong_eos = tmp_path / "wrong_eos.json"
+    write_shards(tmp_path / "data", num_shards=2, per_shard=4)
     config = json.loads((REPO / "recipes/models/tiny.json").read_text())
     config["text_config"]["eos_token_id"] = 49407
-    wrong_eos.write_text(json.dumps(config))
-    cases = [
-        (["--train_shards", str(tmp_path / "nowhere"), *model, *tok], "nowhere"),
-        (["--train_shards", str(folder), *model], "needs --tokenizer_name"),
-        (["--train_shards", str(folder), "--model_config", str(wrong_eos), *tok], "does not match the model's text config"),
-        (["--train_shards", str(folder), *model, *tok, "--image_size", "224"], "differs from the model's 64"),
-        (["--train_shards", str(folder), *model, *tok, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
-        (["--train_shards", "https://host/{0..3}.tar", *model, *tok], "--train_num_samples"),
-        (["--train_shards", str(folder), *model, *tok, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
-        (["--train_shards", str(folder), *model, *tok, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
-    ]
-    for argv, message in cases:
-        assert _train_main(tmp_path, *argv) == 2, argv
-        assert message in capsys.readouterr().err, argv
+    (tmp_path / "wrong_eos.json").write_text(json.dumps(config))
+    return {"data": str(tmp_path / "data"), "tmp": str(tmp_path), "wrong_eos": str(tmp_path / "wrong_eos.json")}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_arguments_setup, tmp_path, capsys):
+    argv, message = BAD_ARGUMENTS[case]
+    argv = [arg.format(**bad_arguments_setup) for arg in argv]
+    assert _train_main(tmp_path, "--train_shards", *argv) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "out" / "model.safetensors").exists()
-    (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)  # an earlier run's: never silently overwritten
-    assert _train_main(tmp_path, "--train_shards", str(folder), *model, *tok) == 2
+
+
+def test_an_earlier_runs_checkpoints_are_never_silently_overwritten(bad_arguments_setup, tmp_path, capsys):
+    (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)
+    assert _train_main(tmp_path, "--train_shards", bad_arguments_setup["data"], *MODEL, *TOK) == 2
     assert "--resume_from_checkpoint latest" in capsys.readouterr().err
 
 

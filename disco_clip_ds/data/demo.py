@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import prep
 from ..errors import DataError, UsageError
+from . import prep
 from .shards import write_json
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -123,7 +123,8 @@ def serve_through_proxy(files: dict[str, bytes]):
     thread.start()
     proxy = f"http://127.0.0.1:{server.server_address[1]}"
     saved = {k: os.environ.get(k) for k in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY")}
-    os.environ.update(http_proxy=proxy, HTTP_PROXY=proxy, no_proxy="127.0.0.1,localhost", NO_PROXY="127.0.0.1,localhost")
+    loopback = "127.0.0.1,localhost"
+    os.environ.update(http_proxy=proxy, HTTP_PROXY=proxy, no_proxy=loopback, NO_PROXY=loopback)
     try:
         yield
     finally:
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--eval_fraction must be between 0 and 1")
     started = time.monotonic()
     summary, eval_sizes = build_demo(
-        args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.processes, args.threads, args.seed
+        args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.processes, args.threads,
+        args.seed
     )
     print(
         f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "

@@ -76,7 +76,8 @@ class ImageTransform:
             image = image.resize((size, size), Image.BICUBIC, box=box)
         else:
             scale = size / min(image.size)
-            image = image.resize((max(size, round(image.width * scale)), max(size, round(image.height * scale))), Image.BICUBIC)
+            new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
+            image = image.resize(new_size, Image.BICUBIC)
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
         pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)

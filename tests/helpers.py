@@ -1,0 +1,230 @@
+"""What several test modules need: paths, gloo ranks in spawned processes, image bytes, shard writers, the training
+launch command and its environment. Test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import queue
+import random
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "recipes" / "models" / "tiny.json"
+TOKENIZER_DIR = REPO / "recipes" / "tokenizer"
+VENV_BIN = Path(sys.executable).parent
+DIGITS = "zero one two three four five six seven eight nine".split()
+
+
+# --- gloo ranks ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world_size, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Pickled to bytes here: a queued tensor would travel as shared memory that dies with this process.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException as e:  # report every failure with its rank, the parent decides
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned gloo ranks; return results in rank order.
+
+    `fn` must be a module-level function. Raises RuntimeError listing each rank's exception, and
+    TimeoutError (after killing the ranks) when any rank does not finish within `timeout` seconds.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < world_size:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
+            outcomes[rank] = (status, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: v for r, (s, v) in outcomes.items() if s == "error"}
+    if errors:
+        raise RuntimeError("\n".join(f"[rank {r}] {msg}" for r, msg in sorted(errors.items())))
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+# --- images and shards -------------------------------------------------------------------------------------------
+
+
+def image_bytes(fmt: str = "JPEG", mode: str = "RGB", size: tuple[int, int] = (40, 40), color=0) -> bytes:
+    """One flat-colour image encoded as `fmt`: its pixels identify it."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, fmt)
+    return buf.getvalue()
+
+
+def noise_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
+    """A size x size RGB image of uniform noise from the numpy Generator `rng`."""
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, bad: dict | None = None) -> list[str]:
+    """img2dataset-layout training shards (key.jpg/.txt/.json) plus sizes.json; `bad` = {sample index: kind} with
+    kinds 'corrupt' (truncated JPEG bytes), 'no_text', 'gray', 'rgba'. Returns the shard paths."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, bad, sizes, index = random.Random(seed), bad or {}, {}, 0
+
+    def random_image(mode, fmt="JPEG"):
+        size = (rng.randint(40, 90), rng.randint(40, 90))
+        color = tuple(rng.randrange(256) for _ in range(len(mode)))
+        return image_bytes(fmt, mode, size, color if len(mode) > 1 else color[0])
+
+    for s in range(num_shards):
+        name = f"{s:05d}.tar"
+        with wds.TarWriter(str(folder / name)) as sink:
+            for _ in range(per_shard):
+                kind = bad.get(index)
+                key = f"{s:05d}{index:04d}"
+                sample = {"__key__": key, "json": json.dumps({"key": key}).encode()}
+                if kind == "rgba":
+                    sample["png"] = random_image("RGBA", "PNG")
+                else:
+                    sample["jpg"] = random_image("L" if kind == "gray" else "RGB")
+                if kind == "corrupt":
+                    sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]
+                if kind != "no_text":
+                    sample["txt"] = f"a photo of the digit {DIGITS[index % 10]}".encode()
+                sink.write(sample)
+                index += 1
+        sizes[name] = per_shard
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+    return [str(folder / f"{s:05d}.tar") for s in range(num_shards)]
+
+
+def write_samples(folder: Path, samples: list[dict], per_shard: int) -> None:
+    """Write `samples` (dicts of webdataset fields, e.g. {"png": bytes, "cls": "3"}) as NNNNN.tar shards with keys
+    s00000, s00001, ... (CLIP_benchmark's layout)."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, len(samples), per_shard)):
+        with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
+            for i, sample in enumerate(samples[start : start + per_shard], start):
+                sink.write({"__key__": f"s{i:05d}", **sample})
+
+
+# --- launching disco_clip_ds.train ---------------------------------------------------------------------------------
+
+
+def train_env(**extra: str) -> dict:
+    """The environment of a training launch on CPU: one thread per rank, offline, this checkout importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO), **extra}
+
+
+def train_command(launcher: str, nproc: int, config: str | None = None) -> list[str]:
+    """The command that starts `disco_clip_ds.train` on `nproc` CPU ranks: deepspeed | torchrun | accelerate
+    (`config`: its --config_file) | python (one process)."""
+    port, module = str(free_port()), "disco_clip_ds.train"
+    if launcher == "deepspeed":
+        cmd = [VENV_BIN / "deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", module]
+    elif launcher == "torchrun":
+        cmd = [VENV_BIN / "torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "-m", module]
+    elif launcher == "accelerate":
+        cmd = [VENV_BIN / "accelerate", "launch", "--config_file", config, "--num_processes", str(nproc),
+               "--main_process_port", port, "-m", "disco_clip_ds.train"]
+    else:
+        cmd = [sys.executable, "-m", "disco_clip_ds.train"]
+    return [str(c) for c in cmd]
+
+
+def run_training(cmd: list, log: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """Run a training command to its end (output also saved to `log`); fails the test with the log's tail."""
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=train_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{cmd[0]} run failed:\n" + (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+LAUNCH_SEED = 7
+LAUNCH_COMMON = [
+    "--tokenizer_name", str(TOKENIZER_DIR),
+    "--logging_steps", "1", "--save_steps", "3", "--save_total_limit", "5", "--dataloader_num_workers", "1",
+    "--shuffle_buffer", "8", "--disable_tqdm", "true", "--report_to", "none", "--seed", str(LAUNCH_SEED),
+]
+# Plain SGD without clipping: the update is linear in the gradient, so a gradient off by any factor (the
+# published DisCo code's 1/N) shows in the weights; Adam would normalise such a factor away.
+SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
+       "--max_grad_norm", "0", "--weight_decay", "0"]
+
+
+def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
+    """Run `disco_clip_ds.train` with LAUNCH_COMMON on `nproc` CPU ranks with `launcher`; log in OUTPUT.log.
+
+    launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
+    fsdp.yaml) | python (one process)."""
+    train_args = [*LAUNCH_COMMON, "--output_dir", str(output), *args]
+    if ds_config and launcher != "accelerate":
+        train_args += ["--deepspeed", str(REPO / "ds_configs" / ds_config)]
+    yaml = None
+    if launcher == "accelerate":
+        name = ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml"
+        yaml = REPO / "recipes/accelerate" / name
+    return run_training(train_command(launcher, nproc, yaml) + train_args, log=output.parent / f"{output.name}.log",
+                        timeout=timeout)
+
+
+def step_losses(output: Path) -> list[float]:
+    """The training loss of each logged step, from the Trainer's trainer_state.json."""
+    history = json.loads((output / "trainer_state.json").read_text())["log_history"]
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def weights(output: Path) -> dict:
+    """The saved model's tensors (float32) from OUTPUT/model.safetensors."""
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(output / "model.safetensors").items()}
