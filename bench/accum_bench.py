@@ -169,6 +169,14 @@ def run(model_name: str, micro: int, k: int, contrastive: bool, steps: int, rank
             "step_s": statistics.median(r["step_s"] for r in results.values()), "contrastive_batch": results[0]["contrastive_batch"]}
 
 
+def _write_csv(rows: list, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "small"], help="names in recipes/models/")
@@ -214,12 +222,9 @@ def main() -> None:
                 "time_vs_k1_interleaved": round(interleaved[steps_k], 3) if kind == "accum" and steps_k in interleaved else "",
             })
             print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ("accum_bench_timing.csv" if args.timing_only else "accum_bench.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+            _write_csv(rows, Path(args.out) / "accum_bench.csv")  # after every run: an interrupted sweep keeps its rows
+    if args.timing_only:
+        _write_csv(rows, Path(args.out) / "accum_bench_timing.csv")
     header = list(rows[0])
     print(" | ".join(header))
     for row in rows:
