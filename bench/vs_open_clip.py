@@ -181,6 +181,9 @@ def ensure_openclip_venv(venv: Path) -> Path:
 
 def _env() -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    # DeepSpeed JIT-builds its CPU shared-memory comm op into torch's extension cache, one folder for every venv on
+    # the machine: another venv's build of it holds the lock (and rebuilds it for its own paths). Use our own.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "outputs" / "torch_extensions"))
     env["no_proxy"] = env["NO_PROXY"] = "127.0.0.1,localhost"
     return env
 

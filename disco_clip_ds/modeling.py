@@ -92,6 +92,18 @@ class DiscoCLIPModel(CLIPModel):
         super()._init_weights(module)
         clip_init_(module)
 
+    def initialize_weights(self) -> None:
+        """As transformers', but under ZeRO-3 on gathered weights: CLIPModel builds its towers with `_from_config`,
+        which partitions them inside zero.Init, and a plain init would write into their empty shards."""
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in self.parameters()):
+            from transformers.integrations.deepspeed import initialize_weights_zero3
+
+            initialize_weights_zero3(self)
+        else:
+            super().initialize_weights()
+
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         super()._initialize_weights(module, False)  # see `_as_library_code`
 

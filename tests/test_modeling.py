@@ -3,6 +3,7 @@ scale clamp; the deepspeed 0.19.8 logit_scale fix; a saved model loads as a plai
 
 import json
 import math
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -313,3 +314,30 @@ def test_only_weights_missing_from_a_checkpoint_get_clip_init(tmp_path):
         if name not in missing:
             assert torch.equal(state[name], value), name
     assert_clip_init(model, model.config, names=missing)
+
+
+def _zero3_fresh_model_params(rank, world):
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    deepspeed.init_distributed(dist_backend="gloo")
+    keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})  # noqa: F841
+    torch.manual_seed(0)
+    model = build_model(model_config=str(TINY))
+    partitioned = [n for n, p in model.named_parameters() if hasattr(p, "ds_id")]
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return partitioned, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_fresh_model_under_zero3_gets_clip_init():
+    # CLIPModel builds its towers with `_from_config`, which partitions them inside zero.Init under ZeRO-3
+    # (rank 0's copy: the projections outside the towers are not partitioned yet; the engine broadcasts them)
+    (partitioned, params), _ = run_ranks(_zero3_fresh_model_params, 2, timeout=300)
+    assert any(n.startswith("text_model.") for n in partitioned) and any(n.startswith("vision_model.") for n in partitioned)
+
+    class Gathered(torch.nn.Module):
+        def named_parameters(self):
+            return iter(params.items())
+
+    assert_clip_init(Gathered(), CLIPConfig.from_json_file(str(TINY)))
