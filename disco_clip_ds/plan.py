@@ -437,8 +437,9 @@ def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_siz
     disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
       their gradients and the softmax: 7 b x B fp32, plus 2 G, their gradients (2 G) and fp32 copies of bf16 keys.
     tiled (one block): G (texts only), their fp32 gradient (B x d) built in backward, an fp32 copy of bf16
-      texts, two tile-sized fp32 buffers of rows x B (logits and their exponentials; with the default
-      keep_bytes a kept block is one such tile), the fp32 image gradient and the local rows' gradients (b x d).
+      texts, four tile-sized fp32 buffers of rows x B (as measured: the logits, their exponentials and the
+      temporaries of the reductions and gradient matmuls; with the default keep_bytes a kept block is one
+      tile), the fp32 image gradient (b x d) and both local modalities' gradients (2 x b x d).
     twoblock (the earlier tiled loss, a benchmark baseline): 2 G, each direction's fp32 key gradient
       accumulated in the forward pass (2 x B x d fp32), one fp32 copy of bf16 keys at a time, two tiles, and
       the local rows' gradients that the reduce-scatter returns (2 x b x d).
@@ -454,7 +455,7 @@ def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_siz
     if impl == "disco":
         return 4 * gathered + 2 * fp32_keys + 7 * b * batch * 4
     if impl == "tiled":
-        return gathered + batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + b * dim * (4 + elem)
+        return gathered + batch * dim * 4 + fp32_keys + 4 * rows * batch * 4 + b * dim * (4 + 2 * elem)
     if impl == "twoblock":
         return 2 * gathered + 2 * batch * dim * 4 + fp32_keys + 2 * rows * batch * 4 + 2 * b * dim * elem
     raise PlanConfigError(f"--loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
@@ -636,7 +637,7 @@ def format_report(result: dict, config_path, model_path) -> str:
         lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{steps[i]:>14}" for i in impls))
         lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls))
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
-    lines += [f"  {name:<40}{_fmt(v)}" for name, v in result["traffic"].items()]
+    lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
     return "\n".join(lines)
 
 

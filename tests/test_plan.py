@@ -138,7 +138,8 @@ def test_parameter_count_is_the_real_models():
     assert P.ModelShape.from_json(VIT).params == 151_277_313
 
 
-@pytest.mark.parametrize("csv_name", ["plan_loss_check_cpu.csv", "loss_bench_cpu.csv", "loss_bench_cpu_one_block.csv"])
+@pytest.mark.parametrize("csv_name", ["plan_loss_check_cpu.csv", "loss_bench_cpu.csv", "loss_bench_cpu_one_block.csv",
+                                      "loss_bench_cpu_one_block_w4.csv", "plan_loss_check_one_block_cpu.csv"])
 def test_loss_term_within_25_percent_of_loss_benchmark(csv_name):
     """The loss working-set formulas against the loss benchmark's measured per-rank peaks (bench/loss_bench.py).
     Batches >= 4096 only: below that the process's fixed costs (thread pools, gloo buffers) dominate."""
