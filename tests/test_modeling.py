@@ -330,6 +330,7 @@ def _zero3_fresh_model_params(rank, world):
         return partitioned, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # spawns 2 DeepSpeed ranks (and builds DeepSpeed's CPU comm op on first use)
 def test_fresh_model_under_zero3_gets_clip_init():
     # CLIPModel builds its towers with `_from_config`, which partitions them inside zero.Init under ZeRO-3
     # (rank 0's copy: the projections outside the towers are not partitioned yet; the engine broadcasts them)
