@@ -18,6 +18,7 @@ SIG to this rank at the end of step N), signal_group_at_step[=SIG] (to this rank
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import json
@@ -323,6 +324,7 @@ class CompleteCheckpointsMixin:
         base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates the DataLoader it holds
         if self.stop_signals and getattr(base, "num_workers", 0) > 0:
             base.worker_init_fn = _IgnoreSignals(self.stop_signals, base.worker_init_fn)
+            atexit.register(_kill_workers)
         return loader
 
 
@@ -337,6 +339,17 @@ class _IgnoreSignals:
             signal.signal(s, signal.SIG_IGN)
         if self.then is not None:
             self.then(worker_id)
+
+
+def _kill_workers() -> None:
+    # Workers that ignore SIGTERM would make multiprocessing's exit handler (terminate, then join) wait forever
+    # when the rank leaves on an error; at exit they hold nothing worth keeping.
+    import multiprocessing
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # not torch's handler: a killed worker is no error now
+    for worker in multiprocessing.active_children():
+        worker.kill()
+        worker.join(timeout=5)
 
 
 def parse_signals(names: str) -> tuple[int, ...]:
