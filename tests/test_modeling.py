@@ -142,15 +142,6 @@ def test_logits_are_built_for_inference_local_loss_or_on_request(impl):
     assert skipped.loss.item() == pytest.approx(asked.loss.item(), rel=1e-12)
 
 
-def test_logit_scale_fix_is_gated_on_the_broken_deepspeed_release():
-    broken = metadata.version("deepspeed") == "0.19.8"
-    assert LOGIT_SCALE_AS_VECTOR == broken
-    model = tiny_model()
-    assert model.logit_scale.dim() == (1 if broken else 0)
-    assert model.state_dict()["logit_scale"].dim() == 0  # the state dict always has CLIP's layout
-    model.load_state_dict(model.state_dict())
-
-
 def test_unknown_loss_impl_and_missing_config_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="loss_impl must be one of"):
         build_model(model_config=str(TINY), loss_impl="naive")
