@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import tarfile
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from .data.shards import IMAGE_EXTS, is_url, write_json
+from .errors import DataError, DiscoClipError, UsageError
 
 RESOURCES = Path(__file__).resolve().parent / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
@@ -149,6 +151,33 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     if missing:
         raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards or a brace pattern")
     return urls
+
+
+_TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt"}
+
+
+def check_eval_shards(urls: Sequence[str], task: str) -> None:
+    """Read each local shard's member list before any model is loaded. webdataset would otherwise stop mid-way
+    with a traceback on a truncated tar (its reader cannot tell a cut file from the end of a shard), or find no
+    sample with the field the task needs only after encoding every image."""
+    need = _TASK_FIELD[task]
+    for url in urls:
+        if is_url(url):
+            continue
+        try:
+            with tarfile.open(url, "r:") as tar:
+                members = tar.getmembers()
+        except (tarfile.TarError, OSError) as e:
+            raise DataError(f"shard '{url}' is truncated or not a tar ({e}): re-create or remove it") from e
+        size = os.path.getsize(url)
+        if any(m.offset_data + m.size > size for m in members):  # tarfile lists a cut-off member without error
+            raise DataError(f"shard '{url}' is truncated ({size} bytes): re-create or remove it")
+        fields = {name.rsplit(".", 1)[-1] for name in (m.name for m in members) if "." in name}
+        if fields and need not in fields:
+            other = "zeroshot_retrieval" if task == "zeroshot_classification" else "zeroshot_classification"
+            layout = "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
+            hint = f"; it has .{_TASK_FIELD[other]}: use --task {other}" if _TASK_FIELD[other] in fields else ""
+            raise UsageError(f"shard '{url}' has no .{need} members, which --task {task} reads (expected {layout}){hint}")
 
 
 def _every_node(urls):
@@ -376,6 +405,7 @@ def run_eval(args: EvalArguments) -> dict:
     if args.batch_size <= 0:
         raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
     shards = resolve_shards(args.data)
+    check_eval_shards(shards, args.task)
     if args.task == "zeroshot_classification":
         classnames, templates = find_classnames(args.data, args.classnames), find_templates(args.data, args.templates)
     model, tokenizer, image_processor = load_for_eval(args.model, args.device)
@@ -393,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
     try:
         record = run_eval(args)
+    except DiscoClipError as e:
+        print(f"disco-clip eval: {e}", file=sys.stderr)
+        return e.exit_code
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"disco-clip eval: {e}", file=sys.stderr)
         return 1

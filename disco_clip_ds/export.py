@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ExportError
+from .errors import ExportError, UsageError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
@@ -331,7 +331,13 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
     `dry_run` nothing is contacted and the plan is printed. Returns the commit URL (or the target URL).
     """
     from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
+    try:  # the hub's own rule, checked before anything is read or contacted, dry run included
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise UsageError(f"--repo_id {repo_id!r} is not a valid hub id ({e}); expected USER/NAME or ORG/NAME") from e
     plan = upload_plan(folder)
     branch = revision or "main"
     target = f"https://huggingface.co/{repo_id}/tree/{branch}"
@@ -363,9 +369,9 @@ def push_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
-    except ExportError as e:
+    except (ExportError, UsageError) as e:
         print(f"disco-clip push: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except Exception as e:  # hub errors (auth, network, permissions) carry their own explanation
         print(f"disco-clip push: upload to {args.repo_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -115,3 +115,16 @@ def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     assert len(contract) == 15  # 8 + 2 tars, 2 sizes.json, summary.json, classnames, templates
     for rel in contract:
         assert (tmp_path / "again" / rel).read_bytes() == (demo_data / rel).read_bytes(), rel
+
+
+def test_output_that_is_a_file_or_a_foreign_folder_is_refused_before_any_work(tmp_path, capsys):
+    from disco_clip_ds import cli
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    foreign = tmp_path / "photos"
+    (foreign / "holiday").mkdir(parents=True)
+    for output, message in ((a_file, "is a file"), (foreign, "holds holiday, which is not a demo build")):
+        assert cli.main(["data", "demo", "--output", str(output)]) == 2
+        assert message in capsys.readouterr().err
+    assert a_file.read_text() == "mine" and [p.name for p in foreign.iterdir()] == ["holiday"]

@@ -319,3 +319,26 @@ def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, tmp_path):
     assert sorted(logged) == [2, 3]  # every 2 steps, and the last
     final = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
     assert {k: logged[3][f"zeroshot_{k}"] for k in final} == pytest.approx(final)
+
+
+@pytest.mark.parametrize("damage, message", [("truncate", "is truncated"), ("garbage", "is truncated or not a tar")])
+def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_path, capsys, damage, message):
+    import shutil
+
+    folder = tmp_path / "cls"
+    shutil.copytree(cls_set[0], folder)
+    shard = folder / "00001.tar"
+    data = shard.read_bytes()
+    # 612 bytes: the first member's header and the start of its image, cut inside the image
+    shard.write_bytes(data[:612] if damage == "truncate" else b"not a tar at all" * 64)
+    assert ev.main(["--model", str(model_dir), "--data", str(folder)]) == 1
+    assert f"shard '{shard}' {message}" in capsys.readouterr().err
+
+
+def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    write_samples(tmp_path, [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": f"caption {i}"} for i in range(3)], per_shard=3)
+    assert ev.main(["--model", str(model_dir), "--data", str(tmp_path), "--classnames", "imagenet1k"]) == 2
+    err = capsys.readouterr().err
+    assert "no .cls members" in err and "use --task zeroshot_retrieval" in err
+    assert ev.main(["--model", str(model_dir), "--data", str(tmp_path), "--task", "zeroshot_retrieval"]) == 0

@@ -326,3 +326,9 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
     metrics = ev.zeroshot_classification(model, tokenizer, data, ev.find_classnames(data, None), ev.find_templates(data, None),
                                          image_processor=processor, progress=False)
     assert {k: during[4][f"zeroshot_{k}"] for k in metrics} == pytest.approx(metrics)
+
+
+@pytest.mark.parametrize("repo_id", ["someone/bad name", "a/b/c", "someone/x--y", ""])
+def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(tmp_path, capsys, repo_id):
+    assert ex.push_main([str(tmp_path / "never-read"), "--repo_id", repo_id, "--dry_run"]) == 2
+    assert f"--repo_id {repo_id!r} is not a valid hub id" in capsys.readouterr().err

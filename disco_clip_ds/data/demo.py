@@ -227,6 +227,21 @@ def build_demo(
     return summary, eval_sizes
 
 
+DEMO_ENTRIES = {"metadata", "train", "eval"}
+
+
+def check_output_folder(output: Path) -> None:
+    """Refuse an --output that is a file or a non-empty folder of something else: the build writes and repairs
+    shards in place, so it may only resume its own earlier output."""
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file: give a folder (new, empty, or an earlier demo build)")
+    if output.is_dir():
+        foreign = sorted(entry.name for entry in output.iterdir() if entry.name not in DEMO_ENTRIES)
+        if foreign:
+            raise UsageError(f"--output {output} holds {', '.join(foreign[:3])}, which is not a demo build: "
+                             "give a new or empty folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`disco-clip data demo --output DIR` (also `python -m disco_clip_ds.data.demo`)."""
     p = argparse.ArgumentParser(prog="disco-clip data demo", description="build the offline digits demo dataset")
@@ -240,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         raise UsageError("--eval_fraction must be between 0 and 1")
+    check_output_folder(args.output)
     started = time.monotonic()
     summary, eval_sizes = build_demo(
         args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.processes, args.threads,
