@@ -225,15 +225,18 @@ def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path,
 
     resumed = tmp_path / "resumed"
     cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_download_argv(url_list, resumed)]
-    proc = subprocess.Popen(cli, env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (resumed / "00000_stats.json").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # The worker stops itself once shard 0 is written (a named fault point), so the kill lands in a known state.
+    hold = tmp_path / "held.pid"
+    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "DISCO_CLIP_FAULT": "hold_after:0", "DISCO_CLIP_FAULT_FILE": str(hold)}
+    proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not hold.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the run and its download workers, mid-flight
     proc.wait()
     finished_before = {p.name: p.read_text() for p in resumed.glob("*_stats.json")}
-    assert "00000_stats.json" in finished_before and len(finished_before) < len(shards), "kill came too late"
+    assert hold.exists(), "the download never reached the end of shard 0"
+    assert sorted(finished_before) == ["00000_stats.json"]
 
     assert prep.download_main(_download_argv(url_list, resumed)) == 0
     for name, text in finished_before.items():  # stats carry start/end times: unchanged means not redone
