@@ -95,6 +95,12 @@ class DiscoTrainingArguments(TrainingArguments):
         if not torch.cuda.is_available():
             # Without it, on CPU, accelerate's state counts one process while DeepSpeed's launcher started them all.
             self.use_cpu = True
+        if isinstance(self.deepspeed, str) and not self.deepspeed.lstrip().startswith("{"):
+            # TrainingArguments parses the file itself and reports a JSON error without naming it.
+            try:
+                json.loads(Path(self.deepspeed).read_text())
+            except (OSError, ValueError) as error:
+                raise UsageError(f"--deepspeed {self.deepspeed} is not a readable JSON file: {error}") from error
         super().__post_init__()
         if self.accelerator_config.dispatch_batches is None:
             # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.

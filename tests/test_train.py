@@ -178,6 +178,7 @@ BAD_ARGUMENTS = {
     "remote shards uncounted": (["https://host/{{0..3}}.tar", *MODEL, *TOK], "--train_num_samples"),
     "too few shards": (["{data}", *MODEL, *TOK, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
     "no hub token": (["{data}", *MODEL, *TOK, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
+    "deepspeed not json": (["{data}", *MODEL, *TOK, "--deepspeed", "{not_json}"], "is not a readable JSON file"),
 }
 
 
@@ -192,7 +193,9 @@ def bad_arguments_setup(tmp_path, monkeypatch):
     config = json.loads((REPO / "recipes/models/tiny.json").read_text())
     config["text_config"]["eos_token_id"] = 49407
     (tmp_path / "wrong_eos.json").write_text(json.dumps(config))
-    return {"data": str(tmp_path / "data"), "tmp": str(tmp_path), "wrong_eos": str(tmp_path / "wrong_eos.json")}
+    (tmp_path / "not.json").write_text('{"zero_optimization": {"stage": 2,')  # cut short
+    return {"data": str(tmp_path / "data"), "tmp": str(tmp_path), "wrong_eos": str(tmp_path / "wrong_eos.json"),
+            "not_json": str(tmp_path / "not.json")}
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
