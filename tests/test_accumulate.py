@@ -302,3 +302,33 @@ def test_resumed_run_continues_exactly(runs):
     assert resumed == pytest.approx(full, rel=1e-6)
     wa, wb = weights(runs / "full"), weights(runs / "resumed")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+# AdamW with weight decay, clipping that bites, and a warmup + cosine schedule: all act on the accumulated gradient
+# at the optimizer step, so K micro-batches must still train like one batch of all pairs. Adam divides by each
+# gradient's own scale, which lifts fp32 summation-order noise in near-zero gradients: a looser update bound.
+ADAMW = ["--optim", "adamw_torch", "--learning_rate", "1e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.05",
+         "--lr_scheduler_type", "cosine", "--warmup_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(tmp_path_factory, initial_model):
+    root = tmp_path_factory.mktemp("adamw")
+    write_shards(root / "data", num_shards=4, per_shard=24, seed=3)
+    common = ["--model_name_or_path", str(initial_model), "--train_shards", f"{root}/data/{{00000..00003}}.tar",
+              "--train_num_samples", "96", *ADAMW, *SAME_STREAM]
+    launch("python", 1, root / "k1", *common, "--per_device_train_batch_size", str(4 * MICRO), ds_config=None)
+    launch("python", 1, root / "k4", *common, "--per_device_train_batch_size", str(MICRO),
+           "--gradient_accumulation_steps", "4", ds_config=None)
+    return root
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(adamw_runs, initial_model):
+    for run in ("k1", "k4"):
+        history = json.loads((adamw_runs / run / "trainer_state.json").read_text())["log_history"]
+        assert all(h["grad_norm"] > 0.05 for h in history if "grad_norm" in h), run  # clipping was active
+        # one warmup step from 0, then cosine over the remaining two
+        assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([0.0, 1e-3, 5e-4])
+    assert_same_training(adamw_runs / "k4", adamw_runs / "k1", weights(initial_model), update_rtol=1e-3)
