@@ -228,3 +228,20 @@ def weights(output: Path) -> dict:
     from safetensors.torch import load_file
 
     return {k: v.float() for k, v in load_file(output / "model.safetensors").items()}
+
+
+def assert_same_training(a: Path, b: Path, w0: dict, steps: int, loss_rtol=1e-5, update_rtol=1e-4):
+    """Runs A and B logged the same `steps` per-step losses and the same weight updates, up to fp32 reduction-order
+    noise."""
+    import pytest
+    import torch
+
+    la, lb = step_losses(a), step_losses(b)
+    assert len(la) == len(lb) == steps
+    assert la == pytest.approx(lb, rel=loss_rtol)
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() == w0.keys()
+    update = torch.cat([(wa[k] - w0[k]).reshape(-1) for k in w0])
+    gap = torch.cat([(wa[k] - wb[k]).reshape(-1) for k in w0])
+    assert update.norm() > 1e-2 * torch.cat([w.reshape(-1) for w in w0.values()]).norm()  # training moved the weights
+    assert gap.norm() <= update_rtol * update.norm(), f"updates differ by {gap.norm() / update.norm():.2e} (relative)"
