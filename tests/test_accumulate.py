@@ -315,6 +315,6 @@ def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(adam
     for run in ("k1", "k4"):
         history = json.loads((adamw_runs / run / "trainer_state.json").read_text())["log_history"]
         assert all(h["grad_norm"] > 0.05 for h in history if "grad_norm" in h), run  # clipping was active
-        # one warmup step from 0, then cosine over the remaining two
-        assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([0.0, 1e-3, 5e-4])
+        # one warmup step (at the full lr: warmup starts at lr / warmup), then cosine over the remaining two
+        assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([1e-3, 1e-3, 5e-4])
     assert_same_training(adamw_runs / "k4", adamw_runs / "k1", weights(initial_model), update_rtol=1e-3, steps=STEPS)
