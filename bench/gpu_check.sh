@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on one H200 in at most 8 minutes. Every part writes its CSV (and log) under
+# The GPU check: one prepared run on one H200 in at most 8 minutes (part limits: 15 + 40 + 2 x 120 + 150 s,
+# plus 5 s grace each = 470 s). Every part writes its CSV (and log) under
 # $OUT (default bench/results/gpu) and runs under its own time limit, so a part that fails or overruns leaves the
 # others' results and the total stays under 8 minutes; $OUT/parts.csv says how each part ended.
 #   env        nvidia-smi and library versions                                        (env.txt)
@@ -25,11 +26,11 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   STEP_ARGS=(--model recipes/models/tiny.json --per_device 32 64 --precision fp32 --steps 2 --timeout 300)
   STEP_LIMIT=700
 else
-  DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=130 LOSS_CONFIG_LIMIT=50
+  DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=120 LOSS_CONFIG_LIMIT=50
   # 4096 per GPU keeps 148 GiB of bf16 activations without checkpointing (the planner's fit): on for both points.
-  STEP_ARGS=(--model recipes/models/vit_b32.json --per_device 1024 4096 --precision bf16 --steps 3 --timeout 60
+  STEP_ARGS=(--model recipes/models/vit_b32.json --per_device 1024 4096 --precision bf16 --steps 3 --timeout 70
              --activation_checkpointing --gpu_memory 139GB)
-  STEP_LIMIT=125
+  STEP_LIMIT=150
 fi
 
 echo "part,exit_code,seconds,result" > "$OUT/parts.csv"
@@ -47,7 +48,7 @@ part() {  # part NAME LIMIT_S CMD...: run CMD under LIMIT_S (then SIGKILL 5 s la
   tail -n 3 "$OUT/$name.log"
 }
 
-part env 20 bash -c "nvidia-smi || echo 'no nvidia-smi'; $PY -c 'import torch, transformers, deepspeed
+part env 15 bash -c "nvidia-smi || echo 'no nvidia-smi'; $PY -c 'import torch, transformers, deepspeed
 print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available(), \"transformers\", transformers.__version__, \"deepspeed\", deepspeed.__version__)'"
 cp "$OUT/env.log" "$OUT/env.txt"
 
@@ -57,7 +58,7 @@ DEPS=$(mktemp -d)
 trap 'rm -rf "$DEPS"' EXIT
 WHEELS=()
 [ -n "${INF_CL_WHEELS:-}" ] && WHEELS=(--no-index --find-links "$INF_CL_WHEELS")
-part infcl 45 bash -c "$PY -m pip install --no-deps --disable-pip-version-check --retries 0 --timeout 10 --target '$DEPS' ${WHEELS[*]:-} inf-cl \
+part infcl 40 bash -c "$PY -m pip install --no-deps --disable-pip-version-check --retries 0 --timeout 10 --target '$DEPS' ${WHEELS[*]:-} inf-cl \
   && PYTHONPATH='$DEPS' $PY -c 'import inf_cl; print(\"inf_cl importable\")'"
 IMPLS="disco tiled"
 if grep -q "inf_cl importable" "$OUT/infcl.log"; then
