@@ -329,7 +329,7 @@ def plot(rows: list[dict], path: Path):
     ax.text(min(int(r["batch"]) for r in rows), top, "OOM ", ha="right", va="center", fontsize=8, color="grey")
     ax.set(yscale="log", xlabel="global batch B (d = 512)", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
