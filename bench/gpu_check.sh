@@ -22,11 +22,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 NO_ALBUMENT
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 
 if [ "${1:-}" = "--cpu-smoke" ]; then
-  DEVICE=cpu LOSS_BATCH="256 512" LOSS_LIMIT=400 LOSS_CONFIG_LIMIT=200
+  DEVICE=cpu LOSS_BATCH="256 512" LOSS_LIMIT=400 LOSS_CONFIG_LIMIT=200 LOSS_CHUNK=${LOSS_CHUNK-96}
   STEP_ARGS=(--model recipes/models/tiny.json --per_device 32 64 --precision fp32 --steps 2 --timeout 300)
   STEP_LIMIT=700
 else
   DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=120 LOSS_CONFIG_LIMIT=50
+  # The loss's default tile (2M logits) was sized on CPU; at B = 32K it is 64 rows, 512 tiles of a dozen small
+  # kernels per pass on one GPU. 1024-row tiles (128 MiB at 32K, 2 GiB at 512K) keep the H200 busy instead.
+  # LOSS_CHUNK= (empty) measures the default.
+  LOSS_CHUNK=${LOSS_CHUNK-1024}
   # 4096 per GPU keeps 148 GiB of bf16 activations without checkpointing (the planner's fit): on for both points.
   STEP_ARGS=(--model recipes/models/vit_b32.json --per_device 1024 4096 --precision bf16 --steps 3 --timeout 70
              --activation_checkpointing --gpu_memory 139GB)
@@ -71,7 +75,8 @@ fi
 for dtype in bf16 fp32; do
   # shellcheck disable=SC2086  # word splitting of the lists is meant
   part "loss_$dtype" "$LOSS_LIMIT" "$PY" bench/loss_bench.py --device "$DEVICE" --world 1 --batch $LOSS_BATCH \
-    --dtype "$dtype" --impl $IMPLS --reps 1 --timeout "$LOSS_CONFIG_LIMIT" --out "$OUT/loss_$dtype.csv"
+    --dtype "$dtype" --impl $IMPLS --reps 1 --timeout "$LOSS_CONFIG_LIMIT" ${LOSS_CHUNK:+--chunk_size "$LOSS_CHUNK"} \
+    --out "$OUT/loss_$dtype.csv"
 done
 
 part step "$STEP_LIMIT" "$PY" bench/gpu_step.py --device "$DEVICE" "${STEP_ARGS[@]}" --out "$OUT/step.csv"
