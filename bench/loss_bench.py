@@ -1,7 +1,8 @@
 """Per-rank peak extra memory, forward+backward time and wire bytes of the CLIP loss, impls side by side.
 
 Impls: naive (open_clip's default), disco (the paper), twoblock (this repo's earlier tiled loss, kept here as
-the baseline: two b x B blocks per rank, both modalities gathered) and tiled (disco_clip_ds.loss: one block).
+the baseline: two b x B blocks per rank, both modalities gathered), tiled (disco_clip_ds.loss: one block) and,
+on request, infcl (Inf-CL's `inf-cl` package: Triton kernels, CUDA only, each direction separately).
 Each (world, batch, impl) runs in `world` freshly spawned ranks (gloo on CPU, NCCL on one or more GPUs), so
 memory peaks never mix; with --rounds R the impls run interleaved (A, B, C, A, B, C, ...) so that drift in a
 shared machine's speed hits them alike, and `time_vs_tiled` is the median over rounds of each round's ratio.
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from disco_clip_ds import BENCH_LOSS_IMPLS as IMPLS  # tiled last: ratios are to it
+
+CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
 
 FIELDS = ["impl", "world", "batch", "dim", "dtype", "device", "peak_extra_mib", "time_ms", "wire_mib", "time_vs_tiled", "rounds_ms", "status"]
 
@@ -99,6 +102,17 @@ def naive_loss(image, text, scale, group=None):
     logits = scale.float() * gathered[0].float() @ gathered[1].float().T
     labels = torch.arange(logits.shape[0], device=logits.device)
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def infcl_loss(image, text, scale):
+    """Inf-CL's symmetric CLIP loss as its README composes it: one cal_inf_loss per direction, averaged.
+
+    Its ring passes each rank's keys around and returns the mean over local rows (a per-rank loss, not scaled
+    to the global mean as ours): the same work per rank, for timing and memory only.
+    """
+    from inf_cl import cal_inf_loss
+
+    return (cal_inf_loss(image, text, scale=scale) + cal_inf_loss(text, image, scale=scale)) / 2
 
 
 def twoblock_loss(image, text, scale, chunk_size=None, group=None):
@@ -194,6 +208,8 @@ def _rank_main(rank, world, port, cfg, results):
         log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
         if cfg["impl"] == "naive":
             loss_fn = naive_loss
+        elif cfg["impl"] == "infcl":
+            loss_fn = infcl_loss
         elif cfg["impl"] == "twoblock":
             loss_fn = lambda i, t, s: twoblock_loss(i, t, s, chunk_size=cfg["chunk_size"])
         else:
@@ -313,7 +329,7 @@ def plot(rows: list[dict], path: Path):
     ax.text(min(int(r["batch"]) for r in rows), top, "OOM ", ha="right", va="center", fontsize=8, color="grey")
     ax.set(yscale="log", xlabel="global batch B (d = 512)", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -334,7 +350,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="ranks per run (GPUs with --device cuda)")
     p.add_argument("--batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768], help="global batch sizes B")
-    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)  # tiled last: ratios are to it
+    p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=CHOICES)  # tiled last: ratios are to it
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

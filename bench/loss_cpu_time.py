@@ -5,14 +5,20 @@ time.process_time) does not, much. World 1, so no collectives: rank r's work is 
 size (b = B / N), here with b = B. Impls interleaved per repetition.
 
     python bench/loss_cpu_time.py --batch 1024 --reps 3     # writes bench/results/loss_cpu_time.csv
+
+--ref REV adds the tiled loss as disco_clip_ds/loss.py was at git revision REV (rows "tiled@REV", "tiled_keep@REV"),
+interleaved with the rest: a before/after measurement of a change to the loss, in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +38,19 @@ IMPLS = {
 }
 
 
+def loss_at(rev: str):
+    """disco_clip_ds/loss.py as it was at git revision `rev`, imported as a module of its own."""
+    root = Path(__file__).resolve().parents[1]
+    show = ["git", "show", f"{rev}:disco_clip_ds/loss.py"]
+    source = subprocess.run(show, cwd=root, check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "loss_at_rev.py"
+    path.write_text(source.replace("from . import LOSS_IMPLS", "from disco_clip_ds import LOSS_IMPLS"))
+    spec = importlib.util.spec_from_file_location("loss_at_rev", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def cpu_seconds(fn, x, y, s) -> float:
     start = time.process_time()
     fn(x, y, s).backward()
@@ -45,25 +64,33 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="bench/results/loss_cpu_time.csv")
+    p.add_argument("--ref", help="also time the tiled loss of this git revision (e.g. main), interleaved")
     args = p.parse_args()
     torch.set_num_threads(1)
+    impls = dict(IMPLS)
+    if args.ref:
+        old = loss_at(args.ref)
+        impls[f"tiled@{args.ref}"] = lambda x, y, s: old.disco_clip_loss(x, y, s, keep_bytes=0)
+        impls[f"tiled_keep@{args.ref}"] = lambda x, y, s: old.disco_clip_loss(x, y, s, keep_bytes=1 << 40)
     rows = []
     for batch in args.batch:
         x, y = (F.normalize(torch.randn(batch, args.dim), dim=1).requires_grad_() for _ in range(2))
         s = torch.tensor(1 / 0.07)
-        for fn in IMPLS.values():  # warm-up
+        for fn in impls.values():  # warm-up
             cpu_seconds(fn, x[:64], y[:64], s)
-        times = {name: [] for name in IMPLS}
+        times = {name: [] for name in impls}
         for _ in range(args.reps):
-            for name, fn in IMPLS.items():
+            for name, fn in impls.items():
                 times[name].append(cpu_seconds(fn, x, y, s))
         for name, t in times.items():
             ratio = statistics.median(a / b for a, b in zip(t, times["twoblock"]))
             rows.append({"impl": name, "batch": batch, "dim": args.dim, "cpu_s": round(statistics.median(t), 3),
                          "vs_twoblock": round(ratio, 3), "vs_disco": round(statistics.median(a / b for a, b in zip(t, times["disco"])), 3)})
+            if args.ref and f"{name}@{args.ref}" in times:  # this impl against itself at --ref
+                rows[-1]["vs_ref"] = round(statistics.median(a / b for a, b in zip(t, times[f"{name}@{args.ref}"])), 3)
             print(rows[-1], flush=True)
     with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
+        writer = csv.DictWriter(f, list(rows[0]) + (["vs_ref"] if args.ref else []), restval="")
         writer.writeheader()
         writer.writerows(rows)
 

@@ -143,19 +143,33 @@ def gather_features(*local: torch.Tensor, sizes: list[int], group=None) -> tuple
     return _GatherRows.apply(sizes, group, *local)
 
 
+# Below these, a shortcut's shared shift can have lost terms to fp32 underflow (exp(-87) is fp32's smallest normal):
+# a tile's row or column sum of exp(S - tile max) under e^-46 (its significant terms may be under e^-78), and a
+# column whose log-sum-exp lies more than 50 below the rank's largest row log-sum-exp (the backward's rescaling).
+_TINY_SUM = 1e-20
+_MAX_LSE_GAP = 50.0
+
+
 class _OneBlockLogSumExps(torch.autograd.Function):
     """sum_{i local} lse_j S_ij + sum_{j local} lse_i S_ij from this rank's block S_r = s I_r T_all^T alone.
 
-    Pass 1 walks row tiles of S_r once: row log-sum-exps (complete: a row lies in one rank's block) and
-    running column log-sum-exps over this rank's rows, which two all-reduces of B floats (max, then sum of
-    exp(x - max)) combine into the global column log-sum-exps. The column max is taken before any exp, so a
-    column whose logits are all far below their rows' maxima does not underflow to log(0).
-    Pass 2 (backward) recomputes each tile's logits and turns them into the gradient tile
-        G_ij = g_r exp(S_ij - rowlse_i) + g_owner(j) exp(S_ij - collse_j),
-    whose column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j),
-    so the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says.
-    When the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and pass 2 skips the recompute. The
-    logits, not exponentials, are kept: no single shift serves both the row and the column softmax.
+    Pass 1 walks row tiles of S_r once. One exponential per logit, E = exp(S - tile max), gives both the row sums
+    (row log-sum-exps: complete, a row lies in one rank's block) and the column sums (this rank's partial column
+    log-sum-exps), which two all-reduces of B floats (max, then sum of exp(x - max)) combine into the global
+    column log-sum-exps. A row or column whose sum in a tile falls below _TINY_SUM sits so far below the tile's
+    maximum that its terms may have underflowed: after the walk (one host sync) those rows and columns are
+    recomputed from their logits with their own maxima, so a column whose logits are all far below their rows'
+    maxima does not underflow to log(0). Such columns are rare in practice (logits of real CLIP features span
+    far less than 46 within a tile) and each costs one b x d x 1 matmul more.
+    Pass 2 (backward) recomputes each tile's logits into P = exp(S - rowlse) (one exponential per logit again)
+    and the gradient tile
+        G_ij = g_r P_ij + g_owner(j) exp(S_ij - collse_j) = P_ij (g_r + a_i c_j),
+        a_i = exp(rowlse_i - m), c_j = g_owner(j) exp(m - collse_j), m = max_i rowlse_i,
+    whose column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j), so
+    the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says.
+    Columns with m - collse_j > _MAX_LSE_GAP would overflow c_j while P_ij underflows: they take their column
+    term from the logits directly. When the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and
+    pass 2 skips the recompute.
     """
 
     @staticmethod
@@ -167,13 +181,23 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         keep = need_grad and b * total * 4 <= keep_bytes
         row_lse = images.new_empty(b, dtype=torch.float32)
         col_lse = texts32.new_full((total,), -torch.inf)
+        low_rows = torch.zeros(b, dtype=torch.bool, device=images.device)
+        low_cols = torch.zeros(total, dtype=torch.bool, device=images.device)
         kept = []
         for start in range(0, b, chunk):
-            logits = (images[start : start + chunk].float() @ texts32.T).mul_(s)
-            row_lse[start : start + chunk] = torch.logsumexp(logits, dim=1)
-            torch.logaddexp(col_lse, torch.logsumexp(logits, dim=0), out=col_lse)
+            rows = slice(start, start + chunk)
+            logits = (images[rows].float() * s) @ texts32.T
+            top = logits.max()
+            exps = (logits - top if keep else logits.sub_(top)).exp_()  # kept logits stay; else exp in place
             if keep:
                 kept.append(logits)
+            row_sum, col_sum = exps.sum(1), exps.sum(0)
+            del exps
+            low_rows[rows] = row_sum < _TINY_SUM
+            low_cols |= col_sum < _TINY_SUM
+            row_lse[rows] = row_sum.log_().add_(top)
+            torch.logaddexp(col_lse, col_sum.log_().add_(top), out=col_lse)
+        _exact_lse(images, texts32, s, chunk, low_rows, low_cols, row_lse, col_lse)
         if world > 1:
             col_max = col_lse.clone()  # finite: every column has a row somewhere
             dist.all_reduce(col_max, op=dist.ReduceOp.MAX, group=group)
@@ -199,7 +223,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             _all_gather_single(owners, g, group=group)
             g_col = owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
         else:
-            g_col = g
+            g_col = g.expand(texts.shape[0])
         if ctx.kept is not None and ctx.used:
             raise RuntimeError("the tiled CLIP loss kept its logits for one backward (retain_graph re-use is not supported)")
         ctx.used = True
@@ -207,21 +231,30 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
         grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
         grad_s = torch.zeros((), dtype=torch.float32, device=images.device)
+        m = row_lse.max() if row_lse.numel() else row_lse.new_zeros(())
+        gap = m - col_lse
+        direct = torch.nonzero(gap > _MAX_LSE_GAP).flatten()  # one host sync per backward
+        col_w = gap.clamp_(max=_MAX_LSE_GAP).exp_().mul_(g_col).index_fill_(0, direct, 0.0)
+        row_w = (row_lse - m).exp_()
         for k, start in enumerate(range(0, images.shape[0], chunk)):
-            q = images[start : start + chunk].float()
+            rows = slice(start, start + chunk)
+            q = images[rows].float()
             if ctx.kept is not None:
-                logits, ctx.kept[k] = ctx.kept[k], None  # consumed in place below
+                shifted, ctx.kept[k] = ctx.kept[k].sub_(row_lse[rows, None]), None  # consumed in place
             else:
-                logits = (q @ texts32.T).mul_(s)
-            grad = (logits - row_lse[start : start + chunk, None]).exp_().mul_(g)
-            grad.add_(logits.sub_(col_lse).exp_().mul_(g_col))
-            del logits
+                # S - rowlse, S's rounding as in pass 1 (the same product (s q) T^T)
+                shifted = torch.addmm(row_lse[rows, None], q * s, texts32.T, beta=-1)
+            if direct.numel():
+                direct_logits = shifted[:, direct].add_(row_lse[rows, None])
+            grad = shifted.exp_().mul_(torch.addr(g, row_w[rows], col_w))
+            if direct.numel():
+                grad[:, direct] += direct_logits.sub_(col_lse[direct]).exp_().mul_(g_col[direct])
             if need_i or need_s:
                 grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = sum_ij G_ij q_i.t_j = q . grad_q
                 if need_s:
                     grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
                 if need_i:
-                    grad_i[start : start + chunk] = grad_q.mul_(s)
+                    grad_i[rows] = grad_q.mul_(s)
             if need_t:
                 grad_t.addmm_(grad.T, q, alpha=s)
         return (
@@ -230,6 +263,22 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             grad_s.to(scale_dtype) if need_s else None,
             None, None, None, None,
         )
+
+
+def _exact_lse(images, texts32, s, chunk, low_rows, low_cols, row_lse, col_lse) -> None:
+    """Overwrite the flagged rows' log-sum-exps and columns' partial ones with values taken straight from their
+    logits (torch.logsumexp shifts each by its own maximum), in tiles of about chunk x B logits."""
+    rows, cols = low_rows.nonzero().flatten(), low_cols.nonzero().flatten()
+    for start in range(0, rows.numel(), chunk):
+        idx = rows[start : start + chunk]
+        row_lse[idx] = torch.logsumexp((images[idx].float() * s) @ texts32.T, dim=1)
+    if cols.numel():
+        keys, part = texts32[cols], col_lse.new_full((cols.numel(),), -torch.inf)
+        step = max(1, chunk * texts32.shape[0] // cols.numel())
+        for start in range(0, images.shape[0], step):
+            logits = (images[start : start + step].float() * s) @ keys.T
+            torch.logaddexp(part, torch.logsumexp(logits, dim=0), out=part)
+        col_lse[cols] = part
 
 
 def default_chunk_size(total_batch: int) -> int:

@@ -112,6 +112,48 @@ def test_without_distributed_is_plain_clip_loss(impl):
     assert t.grad.item() == pytest.approx(ref_gt, rel=1e-4)
 
 
+def mixed_far_features(n=10, seed=0):
+    """Images near e1 (first half) or e2; texts near e1, -e1 or e2 in turn. At scale 100 a tile of e1 images has
+    its maximum near +100 while the e2 texts' logits there are near 0 (their sums in that tile underflow, though
+    the e2 images give those columns large log-sum-exps) and the -e1 texts' near -100 (their log-sum-exps, ~0 + log
+    n, lie ~100 below the e1 rows': the backward's shared rescaling would overflow): exact paths in both passes."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.eye(DIM, dtype=torch.float64)
+    x = torch.stack([e[0] if i < n // 2 else e[1] for i in range(n)])
+    y = torch.stack([(e[0], -e[0], e[1])[j % 3] for j in range(n)])
+    noise = lambda: 0.05 * torch.randn(n, DIM, generator=g, dtype=torch.float64)  # noqa: E731
+    return F.normalize(x + noise(), dim=1).float(), F.normalize(y + noise(), dim=1).float()
+
+
+@pytest.mark.parametrize("keep", [0, 1 << 30])
+def test_exact_paths_for_far_rows_and_columns(monkeypatch, keep):
+    """The one-exponential shortcuts' exact fallbacks, checked against float64 autograd; turning either off
+    breaks the result, so this case does reach both of them."""
+    from disco_clip_ds import loss as L
+
+    x, y = mixed_far_features()
+    ref_loss, ref_gx, ref_gy, ref_gt = reference(x, y, math.log(100.0))
+
+    def run():
+        xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
+        t = torch.tensor(math.log(100.0), requires_grad=True)
+        loss = disco_clip_loss(xi, yi, t.exp(), chunk_size=4, keep_bytes=keep)
+        loss.backward()
+        return loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()
+
+    loss, gx, gy, gt = run()
+    assert loss == pytest.approx(ref_loss, rel=1e-4)
+    torch.testing.assert_close(gx, ref_gx, rtol=1e-4, atol=1e-5 * ref_gx.abs().max().item())
+    torch.testing.assert_close(gy, ref_gy, rtol=1e-4, atol=1e-5 * ref_gy.abs().max().item())
+    assert gt == pytest.approx(ref_gt, rel=1e-4, abs=1e-5)
+    for name, off in (("_TINY_SUM", 0.0), ("_MAX_LSE_GAP", math.inf)):
+        with monkeypatch.context() as patch:
+            patch.setattr(L, name, off)
+            loss, gx, gy, gt = run()
+        wrong = not math.isclose(loss, ref_loss, rel_tol=1e-4) or not torch.allclose(gy, ref_gy, rtol=1e-3, atol=1e-5)
+        assert wrong, f"{name} = {off} still matched: the case does not reach that fallback"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", ["disco", "tiled"])
 def test_finite_at_max_scale_with_identical_rows(impl, dtype):
