@@ -49,6 +49,7 @@ from .data.pipeline import ClipCollator, ShardStream
 from .data.shards import count_samples, expand_shards, write_json
 from .errors import UsageError
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
+from .optim import warmup_from_first_step, without_clip_no_decay
 
 logger = logging.getLogger("disco_clip_ds.train")
 
@@ -128,8 +129,7 @@ class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Train
         return super().compute_loss(model, {**inputs, "return_loss": True}, *args, **kwargs)
 
     def get_decay_parameter_names(self, model) -> list[str]:
-        # OpenCLIP decays no gains, biases, logit_scale or class embedding; the stock list keeps the last two.
-        return [n for n in super().get_decay_parameter_names(model) if "logit_scale" not in n and "class_embedding" not in n]
+        return without_clip_no_decay(super().get_decay_parameter_names(model))
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
@@ -174,19 +174,6 @@ class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Train
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
         return metrics
-
-
-def warmup_from_first_step(scheduler: torch.optim.lr_scheduler.LambdaLR, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The same schedule with its linear warmup one step earlier: step s < warmup gets lr * (s + 1) / warmup.
-
-    transformers' warmups give step s the factor s / warmup, so the first optimizer step runs at lr 0 and is lost.
-    OpenCLIP's (`open_clip_train/scheduler.py`, `_warmup_lr`) starts at lr / warmup and reaches the full lr at step
-    warmup - 1; from step `warmup` on both are the same. On the same data and weights the lost step alone left the
-    tiny CLIP 0.035 higher in loss after 100 steps (bench/vs_open_clip.py's setting)."""
-    shifted = [lambda step, f=f: f(step + 1) if step < warmup else f(step) for f in scheduler.lr_lambdas]
-    shifted_scheduler = torch.optim.lr_scheduler.LambdaLR(scheduler.optimizer, shifted, last_epoch=scheduler.last_epoch - 1)
-    shifted_scheduler.warmup = warmup
-    return shifted_scheduler
 
 
 def _peak_memory_gib(device: torch.device) -> float:
