@@ -15,11 +15,16 @@ stamp=$VENV/.disco-clip-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$PY" -m pip install -q -e ".[test]"
-  # DeepSpeed JIT-compiles its CPU shared-memory comm op (~1 min on 2 cores) at the first multi-rank launch;
-  # build it once here so that no launch inside a test's time limit pays for it.
+  echo "$want" > "$stamp"
+fi
+# DeepSpeed JIT-compiles its CPU shared-memory comm op (~1 min on 2 cores) at the first multi-rank launch; build it
+# once here so that no launch inside a test's time limit pays for it. The build cache is keyed by name only and its
+# build file names this venv's paths: a cache shared with another checkout's venv is rebuilt whenever the other one
+# runs, so each venv keeps its own.
+export TORCH_EXTENSIONS_DIR="$PWD/$VENV/torch_extensions"
+if [ ! -f "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
   DS_ACCELERATOR=cpu "$PY" -c "from deepspeed.accelerator import get_accelerator as a
 a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null 2>&1 || echo "note: DeepSpeed's shm comm op did not build; launches will try again"
-  echo "$want" > "$stamp"
 fi
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
