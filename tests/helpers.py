@@ -217,6 +217,54 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
                         timeout=timeout)
 
 
+def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 600) -> None:
+    """Run single-process trainings (what `launch("python", 1, OUTPUT, *args, ds_config=None)` runs, one by one)
+    one after another in ONE fresh interpreter, each logging to OUTPUT.log; fails the test with the failed run's log.
+
+    A training run spends ~10 s importing and ~1 s training the tiny model; here the imports are paid once. Each
+    `main()` seeds itself and loads its weights from disk, so a run does not depend on the one before it; pass each
+    reference before the runs compared with it (the first one runs in an untouched interpreter)."""
+    plan = [(str(output), [*LAUNCH_COMMON, "--output_dir", str(output), *map(str, args)]) for output, args in runs]
+    proc = subprocess.run([sys.executable, "-c", _ONE_PROCESS, json.dumps(plan)], cwd=REPO, env=train_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        started = proc.stdout.split()  # the driver names each run before starting it
+        log = Path(started[-1] + ".log") if started else None
+        tail = log.read_text()[-4000:] if log and log.exists() else ""
+        raise AssertionError(f"single-process runs failed ({log}):\n{tail}\n{proc.stderr[-2000:]}")
+
+
+# Each run's stdout and stderr (the logging handler writes to fd 2 too) go to its own OUTPUT.log, as a launch's do.
+_ONE_PROCESS = """
+import json, os, sys
+from disco_clip_ds.train import main
+for output, argv in json.loads(sys.argv[1]):
+    print(output, flush=True)
+    saved = os.dup(1), os.dup(2)
+    with open(output + ".log", "w") as log:
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        try:
+            code = main(argv)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    if code:
+        sys.exit(f"exit code {code}")
+"""
+
+
+def save_initial_model(folder: Path, seed: int) -> Path:
+    """Save the tiny CLIP drawn with `seed` to FOLDER: the weights that every run of an equivalence test starts from
+    (under ZeRO-3, deepspeed.zero.Init draws initial weights in its own order, so no run may draw its own)."""
+    import torch
+
+    from disco_clip_ds.modeling import build_model
+
+    torch.manual_seed(seed)
+    build_model(model_config=str(TINY_CONFIG)).save_pretrained(folder)
+    return folder
+
+
 def step_losses(output: Path) -> list[float]:
     """The training loss of each logged step, from the Trainer's trainer_state.json."""
     history = json.loads((output / "trainer_state.json").read_text())["log_history"]

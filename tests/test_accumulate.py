@@ -5,7 +5,6 @@ ZeRO-1/2/3 and FSDP, with gradient checkpointing; a resumed run continues exactl
 """
 
 import json
-import os
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -14,7 +13,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import REPO, SGD, VENV_BIN, assert_same_training, free_port, launch, step_losses, weights, write_shards
+from helpers import (
+    REPO,
+    SGD,
+    TINY_CONFIG,
+    TOKENIZER_DIR,
+    assert_same_training,
+    launch,
+    launch_in_one_process,
+    save_initial_model,
+    step_losses,
+    train_command,
+    train_env,
+    weights,
+    write_shards,
+)
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -170,12 +183,10 @@ def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
 def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
     """2 ranks under torchrun: each rank prints the reason and the launch ends (no rank waits in a collective)."""
     write_shards(tmp_path / "data", num_shards=2, per_shard=4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "disco_clip_ds.train",
-           "--output_dir", str(tmp_path / "out"), "--report_to", "none", "--train_shards", str(tmp_path / "data"),
-           "--model_config", str(REPO / "recipes/models/tiny.json"), "--tokenizer_name", str(REPO / "recipes/tokenizer"),
-           "--loss_impl", "local", "--gradient_accumulation_steps", "2"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [*train_command("torchrun", 2), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
+           "--train_shards", str(tmp_path / "data"), "--model_config", str(TINY_CONFIG),
+           "--tokenizer_name", str(TOKENIZER_DIR), "--loss_impl", "local", "--gradient_accumulation_steps", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("cannot be accumulated contrastively") == 2, (proc.stdout + proc.stderr)[-3000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -213,46 +224,52 @@ def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
 
 @pytest.fixture(scope="module")
 def initial_model(tmp_path_factory):
-    """One saved tiny CLIP that every run starts from (ZeRO-3 initialises weights in its own order)."""
-    from disco_clip_ds.modeling import build_model
-
-    folder = tmp_path_factory.mktemp("init") / "tiny"
-    torch.manual_seed(SEED)
-    build_model(model_config=str(REPO / "recipes/models/tiny.json")).save_pretrained(folder)
-    return folder
+    return save_initial_model(tmp_path_factory.mktemp("init") / "tiny", SEED)
 
 
-# The fixture's 11 launches (~15-25 s each on a quiet 2-core machine, several times that on a loaded one) are
-# charged to the first test that uses it.
+# The fixture's 10 runs (~15-25 s of imports per launch on a quiet 2-core machine, several times that on a loaded
+# one) are charged to the first test that uses it.
 E2E_TIMEOUT = pytest.mark.timeout(1800)
+
+# AdamW with weight decay, clipping that bites, and a warmup + cosine schedule: all act on the accumulated gradient
+# at the optimizer step, so K micro-batches must still train like one batch of all pairs. Adam divides by each
+# gradient's own scale, which lifts fp32 summation-order noise in near-zero gradients: a looser update bound.
+ADAMW = ["--optim", "adamw_torch", "--learning_rate", "1e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.05",
+         "--lr_scheduler_type", "cosine", "--warmup_steps", "1"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, initial_model):
-    """The reference (1 rank, K=1, micro 4b) and the accumulating runs; ~4 min on 2 cores."""
+    """The references (1 rank, K=1, micro 4b; SGD and AdamW) and the accumulating runs; ~3 min on 2 cores."""
     root = tmp_path_factory.mktemp("accum")
     write_shards(root / "data", num_shards=4, per_shard=24, seed=3)
-    common = ["--model_name_or_path", str(initial_model), "--train_shards", f"{root}/data/{{00000..00003}}.tar",
-              "--train_num_samples", "96", *SGD]
-    same = [*common, *SAME_STREAM]
+    data = ["--model_name_or_path", str(initial_model), "--train_shards", f"{root}/data/{{00000..00003}}.tar",
+            "--train_num_samples", "96"]
+    common, same = [*data, *SGD], [*data, *SGD, *SAME_STREAM]
     micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]  # noqa: E731
     gc = ["--gradient_checkpointing", "true"]
     zero1 = root / "zero1.json"
     zero1.write_text(json.dumps({**json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()),
                                  "zero_optimization": {"stage": 1, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}}))
-    launch("python", 1, root / "n1_k1", *same, *micro(4 * MICRO, 1), ds_config=None)
-    launch("python", 1, root / "n1_k4", *same, *micro(MICRO, 4), ds_config=None)
-    launch("python", 1, root / "n1_k4_plain", *same, *micro(MICRO, 4), "--contrastive_accumulation", "false", ds_config=None)
-    launch("deepspeed", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), ds_config=str(zero1))
+    # the one-rank runs share one interpreter (the reference first); each is what `python -m disco_clip_ds.train` runs
+    launch_in_one_process([
+        (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
+        (root / "n1_k4", [*same, *micro(MICRO, 4)]),
+        (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
+        (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
+        (root / "adamw_k4", [*data, *ADAMW, *SAME_STREAM, *micro(MICRO, 4)]),
+    ])
+    # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
+    launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), ds_config=str(zero1))
     launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2))
     launch("accelerate", 2, root / "n2_k2_zero3_gc", *same, *micro(MICRO, 2), *gc, ds_config="cpu_zero3.json")
     launch("accelerate", 2, root / "n2_k2_fsdp", *same, *micro(MICRO, 2), ds_config=None)
     launch("torchrun", 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
     # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
     own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2"]
-    launch("deepspeed", 2, root / "full", *own)
+    launch("torchrun", 2, root / "full", *own)
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
-    launch("deepspeed", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
+    launch("torchrun", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
     return root
 
 
@@ -290,31 +307,12 @@ def test_resumed_run_continues_exactly(runs):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
-# AdamW with weight decay, clipping that bites, and a warmup + cosine schedule: all act on the accumulated gradient
-# at the optimizer step, so K micro-batches must still train like one batch of all pairs. Adam divides by each
-# gradient's own scale, which lifts fp32 summation-order noise in near-zero gradients: a looser update bound.
-ADAMW = ["--optim", "adamw_torch", "--learning_rate", "1e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.05",
-         "--lr_scheduler_type", "cosine", "--warmup_steps", "1"]
-
-
-@pytest.fixture(scope="module")
-def adamw_runs(tmp_path_factory, initial_model):
-    root = tmp_path_factory.mktemp("adamw")
-    write_shards(root / "data", num_shards=4, per_shard=24, seed=3)
-    common = ["--model_name_or_path", str(initial_model), "--train_shards", f"{root}/data/{{00000..00003}}.tar",
-              "--train_num_samples", "96", *ADAMW, *SAME_STREAM]
-    launch("python", 1, root / "k1", *common, "--per_device_train_batch_size", str(4 * MICRO), ds_config=None)
-    launch("python", 1, root / "k4", *common, "--per_device_train_batch_size", str(MICRO),
-           "--gradient_accumulation_steps", "4", ds_config=None)
-    return root
-
-
 @E2E_TIMEOUT
 @pytest.mark.slow
-def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(adamw_runs, initial_model):
-    for run in ("k1", "k4"):
-        history = json.loads((adamw_runs / run / "trainer_state.json").read_text())["log_history"]
+def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(runs, initial_model):
+    for run in ("adamw_k1", "adamw_k4"):
+        history = json.loads((runs / run / "trainer_state.json").read_text())["log_history"]
         assert all(h["grad_norm"] > 0.05 for h in history if "grad_norm" in h), run  # clipping was active
         # one warmup step (at the full lr: warmup starts at lr / warmup), then cosine over the remaining two
         assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([1e-3, 1e-3, 5e-4])
-    assert_same_training(adamw_runs / "k4", adamw_runs / "k1", weights(initial_model), update_rtol=1e-3, steps=STEPS)
+    assert_same_training(runs / "adamw_k4", runs / "adamw_k1", weights(initial_model), update_rtol=1e-3, steps=STEPS)
