@@ -3,31 +3,22 @@
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
 
 import pytest
+
+from helpers import release_shm_buffers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-_SESSION_START = time.time()
-
-
 @pytest.fixture(autouse=True)
 def _release_deepspeed_shm_buffers():
-    """DeepSpeed's CPU comm op (0.19.8) leaves a 66 MiB /dev/shm buffer per rank behind after every multi-rank run;
-    over the suite's launches that is gigabytes of RAM. Unlink the ones this session's runs left once a test ends
-    (unlinking is safe even for a buffer still mapped: the memory goes when the last process lets go)."""
+    """DeepSpeed's CPU comm op leaves a 66 MiB /dev/shm buffer per rank behind after every multi-rank run; over the
+    suite's launches that is gigabytes of RAM. Unlink those of the runs this test started, once it ends."""
     yield
-    for buffer in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        try:
-            if buffer.stat().st_mtime >= _SESSION_START:
-                buffer.unlink()
-        except OSError:
-            pass
+    release_shm_buffers()
 
 
 # --- data: the loopback image server and the demo dataset (owned by the data-prep tests) ---

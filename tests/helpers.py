@@ -26,10 +26,27 @@ DIGITS = "zero one two three four five six seven eight nine".split()
 # --- gloo ranks ------------------------------------------------------------------------------------------------
 
 
+_PORTS: set[int] = set()  # handed out since the last release_shm_buffers()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _PORTS.add(port)
+    return port
+
+
+def release_shm_buffers() -> None:
+    """Unlink the /dev/shm buffers (66 MiB per rank) that DeepSpeed's CPU comm op (0.19.8) leaves behind after a
+    multi-rank run, for the runs started on a port from free_port() since the last call; call it once they ended.
+
+    Their names carry the master port (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK): another test session on the
+    same machine keeps its own, which its live runs need (a rank waits, forever, for its peers' buffers to appear)."""
+    for port in list(_PORTS):
+        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            buffer.unlink(missing_ok=True)
+        _PORTS.discard(port)
 
 
 def _rank_entry(fn, rank, world_size, port, args, results):
