@@ -1,11 +1,13 @@
 """Faults and preemption on 2 CPU ranks under the deepspeed launcher (and torchrun), each fault injected at a named
 point (DISCO_FAULT) or by a signal sent once a checkpoint exists, never by timing: a kill inside a save, SIGTERM
 to one rank or to the whole process group, SIGTERM to the launcher alone, a full disk, a second run in the same
-folder, a finished run re-run. The user-visible result is checked: files, weights, exit codes, messages.
+folder, a finished run re-run. The user-visible result is checked: files, weights, exit codes, messages. A resumed
+run continues with the losses and weights of the uninterrupted one; the ranks read their own shards, skipping bad ones.
 
 Each launch costs ~20-40 s of imports on 2 cores; the uninterrupted reference run serves several tests.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -15,41 +17,38 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import REPO, VENV_BIN, free_port, weights, write_shards
+from helpers import REPO, save_initial_model, step_losses, train_command, train_env, weights, write_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
-STEPS, SAVE = 6, 2
+STEPS, SAVE, PER_RANK = 10, 2, 8
+BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `data`)
+# The faults run under the deepspeed launcher, whose signal handling and exit codes they check; the reference and
+# resumed runs, where the launcher plays no part, under torchrun: it starts ~10 s sooner on a loaded 2-core machine.
+QUICK = "torchrun"
 ARGS = [
-    "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", "8",
+    "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", str(PER_RANK),
     "--logging_steps", "1", "--save_steps", str(SAVE), "--save_total_limit", "5", "--dataloader_num_workers", "1",
     "--shuffle_buffer", "8", "--disable_tqdm", "true", "--report_to", "none", "--seed", "7",
     # SGD, constant lr, no clipping: any change in the trajectory shows in the weights
     "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0",
     "--deepspeed", str(REPO / "ds_configs/cpu_zero2.json"),
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
 
 def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
     """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log."""
-    port = str(free_port())
-    if launcher == "deepspeed":
-        cmd = [VENV_BIN / "deepspeed", "--num_gpus", "2", "--master_port", port, "--module", "disco_clip_ds.train"]
-    else:
-        cmd = [VENV_BIN / "torchrun", "--nproc_per_node", "2", "--master_port", port, "-m", "disco_clip_ds.train"]
-    train = ["--output_dir", str(output), "--model_name_or_path", str(data["model"]), "--train_shards", str(data["shards"]), *ARGS, *args]
+    train = ["--output_dir", str(output), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"], *ARGS, *args]
     log = open(output.parent / f"{output.name}.log", "a")
-    return subprocess.Popen([str(c) for c in cmd] + train, cwd=REPO, env={**ENV, "DISCO_FAULT": fault},
+    return subprocess.Popen(train_command(launcher, 2) + train, cwd=REPO, env=train_env(DISCO_FAULT=fault),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def run(output: Path, data: dict, *args: str, fault: str = "", timeout=400) -> tuple[int, str]:
+def run(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "", timeout=400) -> tuple[int, str]:
     """(exit code, this launch's log)."""
     logfile = output.parent / f"{output.name}.log"
     before = logfile.stat().st_size if logfile.exists() else 0
-    proc = start(output, data, *args, fault=fault)
+    proc = start(output, data, *args, launcher=launcher, fault=fault)
     try:
         proc.wait(timeout=timeout)
         _wait_group(proc.pid, timeout=120)  # ranks may outlive a launcher killed by the signal: let them save
@@ -114,20 +113,19 @@ def same_weights(a: Path, b: Path) -> float:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from disco_clip_ds.modeling import build_model
-
+    """4 shards x 24 samples; the first sample of three shards is bad, and the list names a missing shard."""
     root = tmp_path_factory.mktemp("ckdata")
-    write_shards(root / "shards", num_shards=4, per_shard=24, seed=1)
-    torch.manual_seed(7)
-    build_model(model_config=str(REPO / "recipes/models/tiny.json")).save_pretrained(root / "tiny")
-    return {"shards": root / "shards", "model": root / "tiny"}
+    write_shards(root / "shards", num_shards=4, per_shard=24, seed=1,
+                 bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"})
+    shards = f"{root}/shards/{{00000..00003}}.tar::{root}/shards/missing.tar"
+    return {"shards": shards, "model": save_initial_model(root / "tiny", 7)}
 
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, data):
-    """The uninterrupted reference run: STEPS steps, checkpoints every SAVE."""
+    """The uninterrupted reference run: STEPS steps, checkpoints every SAVE, each rank reading its own shards."""
     out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run(out, data, "--max_steps", str(STEPS))
+    rc, log = run(out, data, "--max_steps", str(STEPS), launcher=QUICK)
     assert rc == 0, log[-3000:]
     return out
 
@@ -145,7 +143,7 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     from disco_clip_ds.export import export_main
 
     assert export_main([str(out / "checkpoint-5"), str(tmp_path / "export")]) != 0  # export refuses partials too
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert "skipping incomplete checkpoint" in log and "checkpoint-5 (no readable trainer_state.json)" in log
     assert "resume: " + str(out / "checkpoint-2") in log
@@ -162,9 +160,29 @@ def test_sigusr1_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exac
     assert "stopped by SIGUSR1 at step 3: checkpoint-3 saved" in log and "--resume_from_checkpoint latest" in log
     assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
     assert not (out / "model.safetensors").exists()  # not finished: no final model
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
+    assert f"resume: {out / 'checkpoint-3'}" in log
+    # the resumed state carries steps 1-3 from the checkpoint; the run itself logged steps 4 to STEPS
+    assert log.count("{'loss': ") == STEPS - 3
+    resumed = step_losses(out)
+    assert len(resumed) == STEPS and resumed == pytest.approx(step_losses(full), rel=1e-6)
     assert same_weights(out, full) <= 1e-6
+
+
+def test_ranks_read_their_own_shards_once(full):
+    # STEPS x 16 samples = 160, plus what each rank's reader holds ahead (2 prefetched batches, the shuffle buffer,
+    # a batch in the making: ~32 per rank here). Had accelerate re-sharded the ranks' own streams, each rank would
+    # have decoded two batches per step: >= 320.
+    consumed = STEPS * 2 * PER_RANK
+    decoded = json.loads((full / "train_results.json").read_text())["decoded_samples"]
+    assert consumed <= decoded < 1.75 * consumed
+
+
+def test_bad_samples_are_skipped_counted_and_reported(full):
+    skipped = json.loads((full / "train_results.json").read_text())["skipped_samples"]
+    assert skipped >= BAD_PER_PASS  # every shard was opened at least once in STEPS x 16 samples
+    assert f"skipped samples: {skipped}" in (full.parent / "run.log").read_text()
 
 
 def test_sigterm_to_the_process_group_saves_a_resumable_checkpoint(full, data, tmp_path):
@@ -176,7 +194,7 @@ def test_sigterm_to_the_process_group_saves_a_resumable_checkpoint(full, data, t
     assert "stopped by SIGTERM at step 3: checkpoint-3 saved" in log, log[-3000:]
     assert "DataLoader worker" not in log  # the workers ignore it: the rank handles it
     assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert same_weights(out, full) <= 1e-6
 
@@ -230,7 +248,7 @@ def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data
 
 def test_a_finished_run_stays_finished(full, tmp_path, data):
     before = {str(p.relative_to(full)): p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
-    rc, log = run(full, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest")
+    rc, log = run(full, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert f"run finished: checkpoint-{STEPS} reached step {STEPS} of --max_steps {STEPS}; nothing to do" in log
     after = {str(p.relative_to(full)): p.stat().st_mtime_ns for p in full.rglob("*") if p.is_file()}
@@ -243,7 +261,7 @@ def test_a_finished_run_stays_finished(full, tmp_path, data):
 def _train_main(out: Path, data: dict, *args: str) -> int:
     from disco_clip_ds.train import main
 
-    return main(["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", str(data["shards"]),
+    return main(["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"],
                  *ARGS[:ARGS.index("--deepspeed")], "--max_steps", "1", "--dataloader_num_workers", "0", *args])
 
 
@@ -253,7 +271,7 @@ def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tm
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from disco_clip_ds.checkpoints import acquire_run_lock; "
                                "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(out)],
-                              env=ENV, stdout=subprocess.PIPE, text=True)
+                              env=train_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         files = sorted(p.name for p in out.iterdir())
@@ -292,7 +310,7 @@ def test_output_dir_that_is_a_file_and_bad_stop_signals_are_refused(data, tmp_pa
 
 def test_a_larger_max_steps_continues_a_finished_run(full, data):
     """Last in the file: it extends the reference run."""
-    rc, log = run(full, data, "--max_steps", str(STEPS + 1), "--resume_from_checkpoint", "latest")
+    rc, log = run(full, data, "--max_steps", str(STEPS + 1), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert log.count("{'loss'") == 1 and f"checkpoint-{STEPS + 1}" in complete_checkpoints(full)
 
@@ -311,7 +329,7 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
         assert message in capsys.readouterr().err, argv
     from disco_clip_ds.train import main
 
-    assert main(["--output_dir", str(tmp_path / "run"), "--model_config", str(bad_json), "--train_shards", str(data["shards"]),
+    assert main(["--output_dir", str(tmp_path / "run"), "--model_config", str(bad_json), "--train_shards", data["shards"],
                  "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--report_to", "none"]) == 2
     assert f"--model_config {bad_json} is not a readable JSON file" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -1,23 +1,20 @@
 """Training end to end on 2 CPU ranks: N=1 x 2b == N=2 x b (losses and weights), ZeRO-3 == ZeRO-2, tiled ==
-disco; the deepspeed, torchrun and accelerate launchers; resume; corrupt shards; bad arguments; the saved model
-loads as a plain CLIPModel in a fresh process.
+disco; the deepspeed, torchrun and accelerate launchers; corrupt shards; bad arguments; the saved model loads as a
+plain CLIPModel in a fresh process. (Resume, and ranks reading their own shards, are in test_checkpoints.py.)
 
 Every launch costs ~15-25 s of imports on 2 cores, so each run serves several checks (module-scoped fixtures).
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import LAUNCH_SEED, REPO, SGD, assert_same_training, launch, step_losses, weights, write_shards
+from helpers import LAUNCH_SEED, REPO, SGD, assert_same_training, launch, save_initial_model, weights, write_shards
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
-OWN_STEPS = 10  # the own-shards and resume runs
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
 # same global batch at any world size (by default each rank reads its own shards).
 SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
@@ -26,13 +23,7 @@ BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing sha
 
 @pytest.fixture(scope="module")
 def initial_model(tmp_path_factory):
-    """A saved tiny CLIP that every equivalence run starts from (ZeRO-3 initialises weights in its own order)."""
-    from disco_clip_ds.modeling import build_model
-
-    folder = tmp_path_factory.mktemp("init") / "tiny"
-    torch.manual_seed(SEED)
-    build_model(model_config=str(REPO / "recipes/models/tiny.json")).save_pretrained(folder)
-    return folder
+    return save_initial_model(tmp_path_factory.mktemp("init") / "tiny", SEED)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +41,8 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shards, initial_model):
-    """One run per launcher and engine, doubling as the equivalence runs; plus a resumed run. ~3 min on 2 cores."""
+    """One run per launcher and engine, doubling as the equivalence runs. ~2 min on 2 cores. (Each rank reading its
+    own shards, and resuming, are test_checkpoints' runs.)"""
     root = tmp_path_factory.mktemp("runs")
     common = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
     launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
@@ -59,13 +51,6 @@ def runs(tmp_path_factory, shards, initial_model):
            ds_config="cpu_zero3.json")
     launch("accelerate", 2, root / "n2_fsdp_tiled", *common, "--per_device_train_batch_size", str(PER_RANK), ds_config=None)
     launch("deepspeed", 2, root / "n2_zero2_disco", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco")
-    # the default data path: each rank reads its own shards (no dispatch); then the same run interrupted after
-    # step 3: a fresh output_dir holding only checkpoint-3, resumed with 'latest'
-    own = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD,
-           "--max_steps", str(OWN_STEPS), "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco"]
-    launch("deepspeed", 2, root / "own_shards", *own)
-    shutil.copytree(root / "own_shards" / "checkpoint-3", root / "resumed" / "checkpoint-3")
-    launch("deepspeed", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
     return root
 
 
@@ -85,28 +70,8 @@ def test_disco_trains_like_tiled(runs, initial_weights):
     assert_same_training(runs / "n2_zero2_disco", runs / "n2_zero2_tiled", initial_weights, steps=STEPS)
 
 
-def test_resume_continues_with_the_losses_of_the_uninterrupted_run(runs):
-    full, resumed = step_losses(runs / "own_shards"), step_losses(runs / "resumed")
-    # the resumed state carries steps 1-3 from the checkpoint; the run itself logged steps 4 to 10
-    assert (runs / "resumed.log").read_text().count("{'loss': ") == OWN_STEPS - 3
-    assert "resume: " in (runs / "resumed.log").read_text() and "checkpoint-3" in (runs / "resumed.log").read_text()
-    assert len(resumed) == OWN_STEPS
-    assert resumed == pytest.approx(full, rel=1e-6)
-    wa, wb = weights(runs / "own_shards"), weights(runs / "resumed")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
-
-
-def test_ranks_read_their_own_shards_once(runs):
-    # 10 steps x 16 samples = 160, plus what each rank's reader holds ahead (2 prefetched batches, the shuffle
-    # buffer, a batch in the making: ~32 per rank here). Had accelerate re-sharded the ranks' own streams, each
-    # rank would have decoded two batches per step: >= 320.
-    consumed = OWN_STEPS * 2 * PER_RANK
-    decoded = json.loads((runs / "own_shards" / "train_results.json").read_text())["decoded_samples"]
-    assert consumed <= decoded < 1.75 * consumed
-
-
 def test_bad_samples_are_skipped_counted_and_reported(runs):
-    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco", "own_shards"):
+    for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco"):
         skipped = json.loads((runs / name / "train_results.json").read_text())["skipped_samples"]
         assert skipped >= BAD_PER_PASS, name  # every shard was opened at least once in 5 x 16 samples
         assert f"skipped samples: {skipped}" in (runs / f"{name}.log").read_text()
