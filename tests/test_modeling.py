@@ -6,14 +6,13 @@ import math
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import CLIPConfig, CLIPModel
 
-from disco_clip_ds.modeling import LOGIT_SCALE_AS_VECTOR, DiscoCLIPModel, build_model
+from disco_clip_ds.modeling import DiscoCLIPModel, build_model
 
 from helpers import run_ranks
 
@@ -80,10 +79,27 @@ def _rank_loss_and_grads(rank, world, impl, sizes):
     return loss.item(), grads
 
 
-@pytest.mark.parametrize("impl,sizes", [("tiled", [3, 3]), ("disco", [4, 2])])
+def _rank_cases(rank, world, cases):
+    losses = [_rank_loss_and_grads(rank, world, impl, list(sizes)) for impl, sizes in cases]
+    return losses, _zero3_fresh_model_params(rank, world)  # last: it leaves DeepSpeed set up in the process
+
+
+TWO_RANK_CASES = [("tiled", (3, 3)), ("disco", (4, 2)), ("local", (3, 3))]
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """{(impl, sizes): [(loss, grads) of rank 0, of rank 1]} and {"zero3": rank 0's (partitioned names, params)}:
+    every case in one spawn of 2 ranks (their imports cost more than the forwards)."""
+    per_rank = run_ranks(_rank_cases, 2, TWO_RANK_CASES, timeout=300)
+    results = {case: [per_rank[rank][0][i] for rank in range(2)] for i, case in enumerate(TWO_RANK_CASES)}
+    return {**results, "zero3": per_rank[0][1]}
+
+
+@pytest.mark.parametrize("impl,sizes", [("tiled", (3, 3)), ("disco", (4, 2))])
 @pytest.mark.slow
-def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes):
-    results = run_ranks(_rank_loss_and_grads, 2, impl, sizes, timeout=120)
+def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes, two_rank_results):
+    results = two_rank_results[impl, sizes]
     ref_loss, ref_grads = reference_loss_and_grads(tiny_model(impl), batch())
     assert sum(loss for loss, _ in results) / 2 == pytest.approx(ref_loss, rel=LOSS_RTOL)
     assert results[0][0] != pytest.approx(results[1][0], rel=1e-3)  # the ranks really computed different shares
@@ -93,9 +109,9 @@ def test_two_ranks_give_the_global_batch_loss_and_gradient(impl, sizes):
 
 
 @pytest.mark.slow
-def test_local_loss_on_two_ranks_is_the_per_device_loss():
+def test_local_loss_on_two_ranks_is_the_per_device_loss(two_rank_results):
     # "local" must stay what HF's contrastive example trains with: each rank's own b x b loss, no gathering.
-    results = run_ranks(_rank_loss_and_grads, 2, "local", [3, 3], timeout=120)
+    results = two_rank_results["local", (3, 3)]
     model, full = tiny_model("local"), batch()
     halves = [model(**{k: v[s:s + 3] for k, v in full.items()}, return_loss=True).loss.item() for s in (0, 3)]
     assert [loss for loss, _ in results] == pytest.approx(halves, rel=1e-10)
@@ -151,6 +167,7 @@ def test_unknown_loss_impl_and_missing_config_are_clear_errors(tmp_path):
         build_model()
 
 
+@pytest.mark.slow  # a fresh interpreter that imports transformers: ~6 s
 def test_saved_model_is_a_plain_clipmodel_and_round_trips(tmp_path):
     model, inputs = tiny_model("disco", dtype=torch.float32), batch(torch.float32)
     with torch.no_grad():
@@ -321,11 +338,11 @@ def _zero3_fresh_model_params(rank, world):
         return partitioned, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.slow  # spawns 2 DeepSpeed ranks (and builds DeepSpeed's CPU comm op on first use)
-def test_fresh_model_under_zero3_gets_clip_init():
+@pytest.mark.slow  # 2 spawned DeepSpeed ranks
+def test_fresh_model_under_zero3_gets_clip_init(two_rank_results):
     # CLIPModel builds its towers with `_from_config`, which partitions them inside zero.Init under ZeRO-3
     # (rank 0's copy: the projections outside the towers are not partitioned yet; the engine broadcasts them)
-    (partitioned, params), _ = run_ranks(_zero3_fresh_model_params, 2, timeout=300)
+    partitioned, params = two_rank_results["zero3"]
     assert any(n.startswith("text_model.") for n in partitioned) and any(n.startswith("vision_model.") for n in partitioned)
 
     class Gathered(torch.nn.Module):
