@@ -23,6 +23,11 @@ import pytest
 from PIL import Image
 
 from disco_clip_ds.data import prep
+from disco_clip_ds.data.fetch import fetch_with_deadline
+from disco_clip_ds.data.inputs import expected_shards, input_columns
+from disco_clip_ds.data.metadata import _metadata_parser, metadata_main
+from disco_clip_ds.data.outputs import prepare_output_for_resume, summarize
+from disco_clip_ds.data.verify import _verify_parser, verify_main
 from disco_clip_ds.errors import DataError, UsageError
 
 from helpers import image_bytes
@@ -171,7 +176,7 @@ def test_verify_passes_good_shards_and_catches_a_truncated_tar(adversarial, tmp_
     copy.mkdir()
     for p in out.glob("*.tar"):
         shutil.copy(p, copy / p.name)
-    assert prep.verify_main([str(copy)]) == 0
+    assert verify_main([str(copy)]) == 0
     assert json.loads((copy / "sizes.json").read_text()) == json.loads((out / "sizes.json").read_text())
     data = (copy / "00000.tar").read_bytes()
     with tarfile.open(copy / "00000.tar") as tar:
@@ -180,7 +185,7 @@ def test_verify_passes_good_shards_and_catches_a_truncated_tar(adversarial, tmp_
     for cut in (third.offset, third.offset_data + third.size // 2):
         (copy / "00000.tar").write_bytes(data[:cut])
         capsys.readouterr()
-        assert prep.verify_main([str(copy)]) == 1, cut
+        assert verify_main([str(copy)]) == 1, cut
         assert "BROKEN 00000.tar" in capsys.readouterr().err
         assert "00000.tar" not in json.loads((copy / "sizes.json").read_text())
 
@@ -191,7 +196,7 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
     with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
         sink.write({"__key__": "a", "jpg": image_bytes("JPEG", "RGB", (8, 8), (1, 2, 3)), "txt": "one two"})
         sink.write({"__key__": "b", "jpg": b"not a jpeg", "txt": "three"})
-    assert prep.verify_main([str(tmp_path)]) == 1
+    assert verify_main([str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "b.jpg: cannot decode" in err
 
@@ -261,14 +266,14 @@ def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path,
 def test_fetch_with_deadline_cuts_a_trickle(image_server):
     url = image_server.add("/slow", body=b"x" * 1000, trickle=0.05)
     fast = image_server.add("/fast", body=b"y" * 1000)
-    assert prep.fetch_with_deadline(fast, timeout=2, deadline_s=5)[1] == b"y" * 1000
+    assert fetch_with_deadline(fast, timeout=2, deadline_s=5)[1] == b"y" * 1000
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="deadline"):
-        prep.fetch_with_deadline(url, timeout=2, deadline_s=1)
+        fetch_with_deadline(url, timeout=2, deadline_s=1)
     assert time.monotonic() - started < 25  # generous on a loaded machine; the whole body would take 50 s
     slow_head = image_server.add("/slow-head", body=b"z" * 10, trickle_headers=0.05)
     with pytest.raises(TimeoutError, match="deadline"):  # the status line and headers alone take ~2 s
-        prep.fetch_with_deadline(slow_head, timeout=2, deadline_s=1)
+        fetch_with_deadline(slow_head, timeout=2, deadline_s=1)
 
 
 def _write_tar(path: Path, names: list[str]) -> None:
@@ -292,7 +297,7 @@ def test_summarize_aggregates_stats_and_names_failed_shards(tmp_path):
     # shard 3 finished by its stats, but its tar lost a sample (cut at a member boundary): redo it
     (tmp_path / "00003_stats.json").write_text(json.dumps({**stats[2], "successes": 4}))
     _write_tar(tmp_path / "00003.tar", ["a.jpg", "b.jpg", "c.jpg"])
-    summary, sizes = prep.summarize(tmp_path, n_expected=4)
+    summary, sizes = summarize(tmp_path, n_expected=4)
     assert not (tmp_path / "00003_stats.json").exists()
     assert summary == {"shards": 4, "shards_done": 2, "shards_failed": ["00001", "00003"], "count": 7, "successes": 5,
                        "failed_to_download": 1, "failed_to_resize": 1,
@@ -309,11 +314,11 @@ def test_resume_preparation_redoes_a_missing_tar_and_refuses_stray_json(tmp_path
         (tmp_path / name).write_text("{}")
     _write_tar(tmp_path / "00000.tar", ["a.jpg"])
     (tmp_path / "00001.parquet").write_text("")
-    assert prep.prepare_output_for_resume(tmp_path) == [1]
+    assert prepare_output_for_resume(tmp_path) == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.tar", "00000_stats.json"]
     (tmp_path / "notes.json").write_text("{}")
     with pytest.raises(UsageError, match="notes.json"):
-        prep.prepare_output_for_resume(tmp_path)
+        prepare_output_for_resume(tmp_path)
 
 
 def test_download_arguments_are_checked_before_any_work(tmp_path):
@@ -337,8 +342,8 @@ def test_cc_preset_reads_a_tsv_header(tmp_path):
     tsv = tmp_path / "cc3m.tsv"
     tsv.write_text("caption\turl\na dog\thttp://127.0.0.1:9/a.jpg\na cat\thttp://127.0.0.1:9/b.jpg\n")
     preset = prep.PRESETS["cc"]
-    assert prep.input_columns(tsv, preset.input_format) == ["caption", "url"]
-    assert prep.expected_shards([tsv], preset.input_format, samples_per_shard=1) == 2
+    assert input_columns(tsv, preset.input_format) == ["caption", "url"]
+    assert expected_shards([tsv], preset.input_format, samples_per_shard=1) == 2
 
 
 def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
@@ -349,12 +354,12 @@ def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
         pq.write_table(pa.table({"url": ["u"] * n, "caption": ["c"] * n}), folder / "part" / f"part-{i:05d}.parquet")
     (folder / "README.md").write_text("card")
     argv = ["--dataset", "laion/relaion2B-en-research-safe", "--output", str(folder)]
-    assert prep.metadata_main(argv + ["--pattern", "part/*.parquet"]) == 0
+    assert metadata_main(argv + ["--pattern", "part/*.parquet"]) == 0
     assert "2 parquet files, 7 rows" in capsys.readouterr().out
     with pytest.raises(UsageError, match="no parquet file"):
-        prep.metadata_main(argv + ["--pattern", "other/*.parquet"])
+        metadata_main(argv + ["--pattern", "other/*.parquet"])
     with pytest.raises(DataError, match="cannot fetch"):
-        prep.metadata_main(["--dataset", "laion/relaion2B-en-research-safe", "--output", str(tmp_path / "empty")])
+        metadata_main(["--dataset", "laion/relaion2B-en-research-safe", "--output", str(tmp_path / "empty")])
 
 
 @pytest.mark.parametrize("script, args", [("relaion400m.sh", []), ("datacomp.sh", ["small"]),
@@ -380,8 +385,8 @@ def test_data_prep_scripts_run_through_with_valid_arguments(script, args, tmp_pa
             prep._parse_passthrough(unknown)
             assert known.preset in prep.PRESETS
         elif call[1] == "metadata":
-            assert prep._metadata_parser().parse_args(rest).pattern
+            assert _metadata_parser().parse_args(rest).pattern
         else:
-            prep._verify_parser().parse_args(rest)
+            _verify_parser().parse_args(rest)
     if script == "cc3m.sh":
         assert (tmp_path / "data/cc3m/metadata/cc3m.tsv").read_text().startswith("caption\turl\na dog")

@@ -21,12 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from disco_clip_ds.data import prep
+from disco_clip_ds.data.metadata import _metadata_parser
+from disco_clip_ds.data.spark import java_problem, spark_session
+from disco_clip_ds.data.verify import verify_main
 from disco_clip_ds.errors import UsageError
 
 from helpers import image_bytes
 from imageserver import ImageServer
 
-JAVA_PROBLEM = prep.java_problem()
+JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
 
@@ -69,7 +72,7 @@ def spark():
     """One local Spark session (local[2]) for the in-process runs, made by prep's own session helper."""
     if JAVA_PROBLEM is not None:
         pytest.skip(f"no usable Java for Spark: {JAVA_PROBLEM}")
-    with prep.spark_session(None, processes=2) as session:
+    with spark_session(None, processes=2) as session:
         yield session
 
 
@@ -153,7 +156,7 @@ def test_trickle_is_cut_by_the_deadline_inside_an_executor(references):
 def test_verify_accepts_the_spark_shards(references, capsys):
     sp = references[1]
     sizes = (sp / "sizes.json").read_bytes()
-    assert prep.verify_main([str(sp)]) == 0
+    assert verify_main([str(sp)]) == 0
     assert f"{N_SHARDS} shards" in capsys.readouterr().out
     assert (sp / "sizes.json").read_bytes() == sizes
 
@@ -257,14 +260,14 @@ def test_java_problem_names_an_old_or_absent_java(tmp_path):
     fake.mkdir(parents=True)
     (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "11.0.21" 2023-10-17\' >&2\n')
     (fake / "java").chmod(0o755)
-    assert "is Java 11; pyspark 4 needs Java 17+" in prep.java_problem({"PATH": str(fake)})
-    assert "is Java 11" in prep.java_problem({"JAVA_HOME": str(tmp_path / "jdk11"), "PATH": ""})
+    assert "is Java 11; pyspark 4 needs Java 17+" in java_problem({"PATH": str(fake)})
+    assert "is Java 11" in java_problem({"JAVA_HOME": str(tmp_path / "jdk11"), "PATH": ""})
     (fake / "java").write_text('#!/bin/sh\necho \'java version "1.8.0_392"\' >&2\n')
-    assert "is Java 8;" in prep.java_problem({"PATH": str(fake)})
-    assert "has no bin/java" in prep.java_problem({"JAVA_HOME": str(tmp_path), "PATH": str(fake)})
-    assert "no java on PATH and JAVA_HOME is unset" in prep.java_problem({"PATH": str(tmp_path)})
+    assert "is Java 8;" in java_problem({"PATH": str(fake)})
+    assert "has no bin/java" in java_problem({"JAVA_HOME": str(tmp_path), "PATH": str(fake)})
+    assert "no java on PATH and JAVA_HOME is unset" in java_problem({"PATH": str(tmp_path)})
     (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "21.0.2" 2024-01-16\' >&2\n')
-    assert prep.java_problem({"PATH": str(fake)}) is None
+    assert java_problem({"PATH": str(fake)}) is None
 
 
 def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
@@ -283,7 +286,7 @@ def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
     subprocess.run(["bash", str(script), "download"], cwd=tmp_path, env=env, check=True, timeout=60)
     calls = [line.split("\0")[:-1] for line in (tmp_path / "calls").read_text().splitlines() if line]
     assert [c[0] for c in calls] == ["disco-clip", "spark-submit", "disco-clip"]
-    assert prep._metadata_parser().parse_args(calls[0][3:]).pattern == ["part-0000[0-1]-*"]
+    assert _metadata_parser().parse_args(calls[0][3:]).pattern == ["part-0000[0-1]-*"]
     submit = calls[1]
     app = next(i for i, a in enumerate(submit) if a.endswith("cli.py"))
     assert Path(submit[app]).resolve() == Path(prep.__file__).resolve().parents[1] / "cli.py"

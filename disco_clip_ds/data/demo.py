@@ -31,6 +31,8 @@ import numpy as np
 
 from ..errors import DataError, UsageError
 from . import prep
+from .fetch import environ
+from .outputs import shard_name
 from .shards import write_json
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -121,18 +123,11 @@ def serve_through_proxy(files: dict[str, bytes]):
     server.files = files
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    proxy = f"http://127.0.0.1:{server.server_address[1]}"
-    saved = {k: os.environ.get(k) for k in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY")}
-    loopback = "127.0.0.1,localhost"
-    os.environ.update(http_proxy=proxy, HTTP_PROXY=proxy, no_proxy=loopback, NO_PROXY=loopback)
+    proxy, loopback = f"http://127.0.0.1:{server.server_address[1]}", "127.0.0.1,localhost"
     try:
-        yield
+        with environ(http_proxy=proxy, HTTP_PROXY=proxy, no_proxy=loopback, NO_PROXY=loopback):
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.shutdown()
         server.server_close()
 
@@ -163,7 +158,7 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
     sizes = {}
     key_digits = max(1, math.ceil(math.log10(per_shard)))  # img2dataset's key layout: shard id, then position
     for shard, start in enumerate(range(0, len(indices), per_shard)):
-        name = f"{prep.shard_name(shard)}.tar"
+        name = f"{shard_name(shard)}.tar"
         tmp = folder / (name + ".tmp")
         chunk = indices[start : start + per_shard]
         with wds.TarWriter(str(tmp), mtime=0) as sink:
@@ -176,7 +171,7 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
                 label = int(labels[i])
                 sink.write(
                     {
-                        "__key__": f"{prep.shard_name(shard)}{pos:0{key_digits}d}",
+                        "__key__": f"{shard_name(shard)}{pos:0{key_digits}d}",
                         "jpg": jpg,
                         "txt": captions[i],
                         "cls": label,
