@@ -182,7 +182,7 @@ def train_env(**extra: str) -> dict:
 
 def train_command(launcher: str, nproc: int, config: str | None = None) -> list[str]:
     """The command that starts `disco_clip_ds.train` on `nproc` CPU ranks: deepspeed | torchrun | accelerate
-    (`config`: its --config_file) | python (one process)."""
+    (`config`: its --config_file). One process without a launcher: launch_in_one_process."""
     port, module = str(free_port()), "disco_clip_ds.train"
     if launcher == "deepspeed":
         cmd = [VENV_BIN / "deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", module]
@@ -192,7 +192,7 @@ def train_command(launcher: str, nproc: int, config: str | None = None) -> list[
         cmd = [VENV_BIN / "accelerate", "launch", "--config_file", config, "--num_processes", str(nproc),
                "--main_process_port", port, "-m", "disco_clip_ds.train"]
     else:
-        cmd = [sys.executable, "-m", "disco_clip_ds.train"]
+        raise ValueError(f"unknown launcher {launcher!r}")
     return [str(c) for c in cmd]
 
 
@@ -222,7 +222,7 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
     """Run `disco_clip_ds.train` with LAUNCH_COMMON on `nproc` CPU ranks with `launcher`; log in OUTPUT.log.
 
     launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
-    fsdp.yaml) | python (one process)."""
+    fsdp.yaml)."""
     train_args = [*LAUNCH_COMMON, "--output_dir", str(output), *args]
     if ds_config and launcher != "accelerate":
         train_args += ["--deepspeed", str(REPO / "ds_configs" / ds_config)]
@@ -235,12 +235,14 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
 
 
 def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 600) -> None:
-    """Run single-process trainings (what `launch("python", 1, OUTPUT, *args, ds_config=None)` runs, one by one)
-    one after another in ONE fresh interpreter, each logging to OUTPUT.log; fails the test with the failed run's log.
+    """Run single-process trainings (`python -m disco_clip_ds.train` with LAUNCH_COMMON, --output_dir OUTPUT and
+    the run's args) one after another in ONE fresh interpreter, each logging to OUTPUT.log; fails the test with the
+    failed run's log.
 
     A training run spends ~10 s importing and ~1 s training the tiny model; here the imports are paid once. Each
     `main()` seeds itself and loads its weights from disk, so a run does not depend on the one before it; pass each
-    reference before the runs compared with it (the first one runs in an untouched interpreter)."""
+    reference before the runs compared with it (the first one runs in an untouched interpreter). test_accumulate's
+    runs logged bit-identical losses and saved bit-identical weights this way and with one process per run."""
     plan = [(str(output), [*LAUNCH_COMMON, "--output_dir", str(output), *map(str, args)]) for output, args in runs]
     proc = subprocess.run([sys.executable, "-c", _ONE_PROCESS, json.dumps(plan)], cwd=REPO, env=train_env(),
                           capture_output=True, text=True, timeout=timeout)
