@@ -233,7 +233,7 @@ def download(cfg: DownloadConfig) -> dict:
 
 def _parse_passthrough(tokens: list[str]) -> dict:
     """`--name value` / `--name=value` / `--flag` pairs for img2dataset, values parsed as fire does."""
-    params = _img2dataset_params()
+    params = _img2dataset_params() if tokens else {}  # importing img2dataset takes seconds: not before a Java check
     extra, i = {}, 0
     while i < len(tokens):
         token = tokens[i]
