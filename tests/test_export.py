@@ -119,16 +119,28 @@ def reload_in_fresh_process(tmp: Path, *folders: Path) -> list[dict]:
     return [torch.load(tmp / f"emb{i}.pt") for i in range(len(folders))]
 
 
-def test_export_reproduces_trained_embeddings(checkpoint, tmp_path):
-    folder, stage, trained = checkpoint
-    eval_record = {"dataset": "demo/eval", "task": "zeroshot_classification", "metrics": {"acc1": 0.875, "acc5": 1.0}}
-    out = ex.export_checkpoint(folder.parent, tmp_path / "export", eval_metrics=eval_record)  # run folder -> newest checkpoint
+EVAL_RECORD = {"dataset": "demo/eval", "task": "zeroshot_classification", "metrics": {"acc1": 0.875, "acc5": 1.0}}
+
+
+@pytest.fixture(scope="module")
+def exports(trained_checkpoints, tmp_path_factory):
+    """{stage: (export of the run folder's newest checkpoint, its embeddings reloaded with transformers alone)}:
+    both stages reloaded in one fresh interpreter (its imports cost more than the forwards)."""
+    root, _ = trained_checkpoints
+    tmp = tmp_path_factory.mktemp("exports")
+    outs = {stage: ex.export_checkpoint(root / f"zero{stage}", tmp / f"zero{stage}", eval_metrics=EVAL_RECORD)
+            for stage in (2, 3)}  # run folder -> newest checkpoint
+    return dict(zip(outs, zip(outs.values(), reload_in_fresh_process(tmp, *outs.values()))))
+
+
+def test_export_reproduces_trained_embeddings(checkpoint, exports):
+    _, stage, trained = checkpoint
+    out, reloaded = exports[stage]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["README.md", "config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
     )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["CLIPModel"]
-    (reloaded,) = reload_in_fresh_process(tmp_path, out)
     torch.testing.assert_close(reloaded["text"], trained["text"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded["image"], trained["image"], rtol=1e-5, atol=1e-5)
     assert reloaded["logit_scale"].dim() == 0
