@@ -58,14 +58,14 @@ def draw_batches(data: Path, seed: int, readers: int, steps: int, out: Path) -> 
 def train(config: str, seed: int, batches_file: str, eval_file: str, model_config: str) -> dict:
     """One configuration in open_clip's virtualenv; returns the training losses and the held-out loss."""
     import torch
-
     import vs_open_clip
+
     from disco_clip_ds.optim import warmup_from_first_step, without_clip_no_decay
 
     open_clip = vs_open_clip._import_open_clip()  # first: transformers imports torchvision too
-    from transformers import CLIPConfig, CLIPModel, Trainer, get_scheduler
     from open_clip.loss import ClipLoss
     from open_clip_train.scheduler import cosine_lr
+    from transformers import CLIPConfig, CLIPModel, Trainer, get_scheduler
 
     torch.set_num_threads(1)
     open_clip.add_model_config(model_config)
