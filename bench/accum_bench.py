@@ -42,10 +42,20 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DS_CONFIG = {  # cpu_zero2.json with small buckets: its 50M-element buckets would dwarf the tiny model's memory
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "steps_per_print": 10**9,
-    "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
-                          "reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000},
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "steps_per_print": 10**9,
+    "zero_optimization": {
+        "stage": 2,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2_000_000,
+        "allgather_bucket_size": 2_000_000,
+    },
 }
 
 
@@ -73,9 +83,27 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _rank(rank: int, world: int, port: int, model_name: str, micro: int, k: int, contrastive: bool, steps: int, out: str, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    model_name: str,
+    micro: int,
+    k: int,
+    contrastive: bool,
+    steps: int,
+    out: str,
+    queue,
+):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     torch.set_num_threads(1)
     import deepspeed
 
@@ -86,9 +114,20 @@ def _rank(rank: int, world: int, port: int, model_name: str, micro: int, k: int,
     torch.manual_seed(0)
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
     args = DiscoTrainingArguments(
-        output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=k, contrastive_accumulation=contrastive,
-        max_steps=steps, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-        deepspeed=DS_CONFIG, learning_rate=1e-4, seed=0)
+        output_dir=out,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=k,
+        contrastive_accumulation=contrastive,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        deepspeed=DS_CONFIG,
+        learning_rate=1e-4,
+        seed=0,
+    )
     data = RandomPairs(model.config, micro * k * world * steps, seed=1)
     trainer = DiscoTrainer(model=model, args=args, train_dataset=data)
     before = _rss_mib()
@@ -96,7 +135,17 @@ def _rank(rank: int, world: int, port: int, model_name: str, micro: int, k: int,
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times = [h["step_time_s"] for h in trainer.state.log_history if "step_time_s" in h][1:]
     batch = [h["global_contrastive_batch"] for h in trainer.state.log_history if "global_contrastive_batch" in h][0]
-    queue.put((rank, {"peak_mib": peak, "train_mib": peak - before, "step_s": statistics.median(times), "contrastive_batch": batch}))
+    queue.put(
+        (
+            rank,
+            {
+                "peak_mib": peak,
+                "train_mib": peak - before,
+                "step_s": statistics.median(times),
+                "contrastive_batch": batch,
+            },
+        )
+    )
     torch.distributed.barrier()
 
 
@@ -112,7 +161,10 @@ def _interleaved_rank(rank: int, world: int, port: int, model_name: str, micro: 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     data = RandomPairs(model.config, 10**9, seed=rank)
-    batch = lambda i: {k: torch.stack([data[i * micro + j][k] for j in range(micro)]) for k in ("input_ids", "attention_mask", "pixel_values")}  # noqa: E731
+    batch = lambda i: {
+        k: torch.stack([data[i * micro + j][k] for j in range(micro)])
+        for k in ("input_ids", "attention_mask", "pixel_values")
+    }
     batches = [batch(i) for i in range(max(ks))]
     times = {k: [] for k in ks}
     for round_ in range(rounds + 1):  # round 0 warms up
@@ -124,11 +176,15 @@ def _interleaved_rank(rank: int, world: int, port: int, model_name: str, micro: 
             else:  # steps 1-3 of disco_clip_ds.accumulate, as the mixin runs them
                 with torch.no_grad():
                     outs = [ddp(**b) for b in batches[:k]]
-                loss, grads, scale_grad = cached_embedding_gradients([o.image_embeds for o in outs], [o.text_embeds for o in outs], outs[0].logit_scale)
+                loss, grads, scale_grad = cached_embedding_gradients(
+                    [o.image_embeds for o in outs], [o.text_embeds for o in outs], outs[0].logit_scale
+                )
                 for i, b in enumerate(batches[:k]):
                     with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
                         out = ddp(**b)
-                        surrogate_loss(out.image_embeds, out.text_embeds, out.logit_scale, grads[i], scale_grad, k).backward()
+                        surrogate_loss(
+                            out.image_embeds, out.text_embeds, out.logit_scale, grads[i], scale_grad, k
+                        ).backward()
             optimizer.step()
             optimizer.zero_grad()
             if round_:
@@ -158,15 +214,21 @@ def run(model_name: str, micro: int, k: int, contrastive: bool, steps: int, rank
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_rank, args=(r, ranks, port, model_name, micro, k, contrastive, steps, out, queue))
-                 for r in range(ranks)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, ranks, port, model_name, micro, k, contrastive, steps, out, queue))
+            for r in range(ranks)
+        ]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=3600) for _ in procs)
         for p in procs:
             p.join()
-    return {"peak_mib": max(r["peak_mib"] for r in results.values()), "train_mib": max(r["train_mib"] for r in results.values()),
-            "step_s": statistics.median(r["step_s"] for r in results.values()), "contrastive_batch": results[0]["contrastive_batch"]}
+    return {
+        "peak_mib": max(r["peak_mib"] for r in results.values()),
+        "train_mib": max(r["train_mib"] for r in results.values()),
+        "step_s": statistics.median(r["step_s"] for r in results.values()),
+        "contrastive_batch": results[0]["contrastive_batch"],
+    }
 
 
 def _write_csv(rows: list, path: Path) -> None:
@@ -187,7 +249,9 @@ def main() -> None:
     parser.add_argument("--no_ref", action="store_true", help="skip the micro x K without accumulation runs")
     parser.add_argument("--interleaved", action="store_true", help="also time the Ks round-robin in one process group")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (after one warm-up round)")
-    parser.add_argument("--timing_only", action="store_true", help="only the interleaved timing: accum_bench_timing.csv")
+    parser.add_argument(
+        "--timing_only", action="store_true", help="only the interleaved timing: accum_bench_timing.csv"
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -202,8 +266,17 @@ def main() -> None:
                 p.join()
             print(name, "interleaved per-sample time vs K=1:", interleaved, flush=True)
         if args.timing_only:
-            rows += [{"model": name, "ranks": args.ranks, "micro": micro, "K": k, "rounds": args.rounds,
-                      "time_per_sample_vs_k1": round(v, 3)} for k, v in interleaved.items()]
+            rows += [
+                {
+                    "model": name,
+                    "ranks": args.ranks,
+                    "micro": micro,
+                    "K": k,
+                    "rounds": args.rounds,
+                    "time_per_sample_vs_k1": round(v, 3),
+                }
+                for k, v in interleaved.items()
+            ]
             continue
         base = None
         variants = [(k, micro, True, "accum") for k in args.ks]
@@ -213,14 +286,26 @@ def main() -> None:
             result = run(name, b, steps_k, contrastive, args.steps, args.ranks)
             per_sample = result["step_s"] / result["contrastive_batch"]
             base = base or (result, per_sample)
-            rows.append({
-                "model": name, "kind": kind, "ranks": args.ranks, "micro": b, "K": steps_k,
-                "contrastive_batch": result["contrastive_batch"], "peak_mib": round(result["peak_mib"]),
-                "train_mib": round(result["train_mib"]), "peak_vs_k1": round(result["peak_mib"] / base[0]["peak_mib"], 3),
-                "train_vs_k1": round(result["train_mib"] / base[0]["train_mib"], 3), "step_s": round(result["step_s"], 4),
-                "ms_per_sample": round(1000 * per_sample, 3), "time_per_sample_vs_k1": round(per_sample / base[1], 3),
-                "time_vs_k1_interleaved": round(interleaved[steps_k], 3) if kind == "accum" and steps_k in interleaved else "",
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "kind": kind,
+                    "ranks": args.ranks,
+                    "micro": b,
+                    "K": steps_k,
+                    "contrastive_batch": result["contrastive_batch"],
+                    "peak_mib": round(result["peak_mib"]),
+                    "train_mib": round(result["train_mib"]),
+                    "peak_vs_k1": round(result["peak_mib"] / base[0]["peak_mib"], 3),
+                    "train_vs_k1": round(result["train_mib"] / base[0]["train_mib"], 3),
+                    "step_s": round(result["step_s"], 4),
+                    "ms_per_sample": round(1000 * per_sample, 3),
+                    "time_per_sample_vs_k1": round(per_sample / base[1], 3),
+                    "time_vs_k1_interleaved": round(interleaved[steps_k], 3)
+                    if kind == "accum" and steps_k in interleaved
+                    else "",
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             _write_csv(rows, Path(args.out) / "accum_bench.csv")  # after every run: an interrupted sweep keeps its rows
     if args.timing_only:

@@ -33,9 +33,27 @@ VIT_B32 = ROOT / "recipes/models/vit_b32.json"
 # (name, overrides for both towers, vision overrides, batches without / with checkpointing)
 PROBES = [
     ("vit_b32", {}, {}, (4, 12), (16, 48)),
-    ("probe_l4_h256_m1024", {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4}, {}, (16, 48), (128, 384)),
-    ("probe_l2_h256_m2048_s101", {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 2048, "num_attention_heads": 4}, {"image_size": 160, "patch_size": 16}, (16, 48), (128, 384)),
-    ("probe_l6_h384_m384", {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 384, "num_attention_heads": 6}, {}, (16, 48), (128, 384)),
+    (
+        "probe_l4_h256_m1024",
+        {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4},
+        {},
+        (16, 48),
+        (128, 384),
+    ),
+    (
+        "probe_l2_h256_m2048_s101",
+        {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 2048, "num_attention_heads": 4},
+        {"image_size": 160, "patch_size": 16},
+        (16, 48),
+        (128, 384),
+    ),
+    (
+        "probe_l6_h384_m384",
+        {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 384, "num_attention_heads": 6},
+        {},
+        (16, 48),
+        (128, 384),
+    ),
 ]
 
 
@@ -65,16 +83,31 @@ def main() -> None:
             for ckpt, (b1, b2) in ((False, batches), (True, ckpt_batches)):
                 m1, m2 = _measure(path, b1, ckpt), _measure(path, b2, ckpt)
                 slope = (m2 - m1) / (b2 - b1)
-                rows.append({"model": name, "checkpointing": ckpt, "batches": [b1, b2], "delta_bytes": [m1, m2],
-                             "slope_bytes": slope, "input_bytes": shape.input_bytes(4), "shape": shape.features()})
+                rows.append(
+                    {
+                        "model": name,
+                        "checkpointing": ckpt,
+                        "batches": [b1, b2],
+                        "delta_bytes": [m1, m2],
+                        "slope_bytes": slope,
+                        "input_bytes": shape.input_bytes(4),
+                        "shape": shape.features(),
+                    }
+                )
                 print(f"{name:28s} ckpt={ckpt!s:5s} slope {slope / 2**20:8.3f} MiB/sample", flush=True)
     plain = [r for r in rows if not r["checkpointing"]]
     a = np.array([[r["shape"]["layer_sh"], r["shape"]["layer_sm"], r["shape"]["embed_sh"]] for r in plain], float)
     y = np.array([(r["slope_bytes"] - r["input_bytes"]) / 4 for r in plain])
     alpha, beta, eps = np.linalg.lstsq(a, y, rcond=None)[0]
     ckpt = [r for r in rows if r["checkpointing"]]
-    rest = np.array([(r["slope_bytes"] - r["input_bytes"]) / 4 - eps * r["shape"]["embed_sh"]
-                     - max(alpha * sh + beta * sm for sh, sm in r["shape"]["tower_layer_sh_sm"]) for r in ckpt])
+    rest = np.array(
+        [
+            (r["slope_bytes"] - r["input_bytes"]) / 4
+            - eps * r["shape"]["embed_sh"]
+            - max(alpha * sh + beta * sm for sh, sm in r["shape"]["tower_layer_sh_sm"])
+            for r in ckpt
+        ]
+    )
     x = np.array([r["shape"]["layer_sh"] for r in ckpt], float)
     delta = float(x @ rest / (x @ x))
     fit = {"alpha": float(alpha), "beta": float(beta), "eps": float(eps), "delta": delta}
@@ -83,14 +116,25 @@ def main() -> None:
         predicted = ModelShape.activation_elements_from(shape, fit, r["checkpointing"]) * 4 + r["input_bytes"]
         r["predicted_slope_bytes"] = predicted
         r["error"] = predicted / r["slope_bytes"] - 1
-        print(f"{r['model']:28s} ckpt={r['checkpointing']!s:5s} measured {r['slope_bytes'] / 2**20:8.3f} "
-              f"predicted {predicted / 2**20:8.3f} MiB/sample ({r['error']:+.1%})")
-    FIT_FILE.write_text(json.dumps({
-        "command": "python bench/act_fit.py",
-        "what": "activation elements per sample = alpha*sum L*s*h + beta*sum L*s*m + eps*sum s*h (no checkpointing); "
+        print(
+            f"{r['model']:28s} ckpt={r['checkpointing']!s:5s} measured {r['slope_bytes'] / 2**20:8.3f} "
+            f"predicted {predicted / 2**20:8.3f} MiB/sample ({r['error']:+.1%})"
+        )
+    FIT_FILE.write_text(
+        json.dumps(
+            {
+                "command": "python bench/act_fit.py",
+                "what": "activation elements per sample = alpha*sum L*s*h + beta*sum L*s*m + eps*sum s*h "
+                "(no checkpointing); "
                 "delta*sum L*s*h + eps*sum s*h + max_tower(alpha*s*h + beta*s*m) (checkpointing); see bench/act_fit.py",
-        "measured_on": "CPU, fp32, torch %s, transformers %s, sdpa attention" % _versions(),
-        "coefficients": fit, "points": rows}, indent=1) + "\n")
+                "measured_on": "CPU, fp32, torch %s, transformers %s, sdpa attention" % _versions(),
+                "coefficients": fit,
+                "points": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print("wrote", FIT_FILE.relative_to(ROOT), fit)
 
 

@@ -26,9 +26,24 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FIELDS = ["model", "device", "precision", "zero_stage", "per_device", "act_ckpt", "loss_impl", "steps", "step_s",
-          "samples_per_s", "peak_alloc_mib", "peak_reserved_mib", "plan_mib", "plan_overhead_mib", "measured_vs_plan",
-          "status"]
+FIELDS = [
+    "model",
+    "device",
+    "precision",
+    "zero_stage",
+    "per_device",
+    "act_ckpt",
+    "loss_impl",
+    "steps",
+    "step_s",
+    "samples_per_s",
+    "peak_alloc_mib",
+    "peak_reserved_mib",
+    "plan_mib",
+    "plan_overhead_mib",
+    "measured_vs_plan",
+    "status",
+]
 
 
 def _rss_mib(field: str) -> float:
@@ -91,15 +106,23 @@ def point(args, per_device: int, ds_path: Path) -> dict:
     else:
         alloc, reserved = _rss_mib("VmHWM") - base, float("nan")
     step_s = statistics.median(times)
-    return {"step_s": round(step_s, 4), "samples_per_s": round(per_device / step_s, 1),
-            "peak_alloc_mib": round(alloc), "peak_reserved_mib": round(reserved) if reserved == reserved else ""}
+    return {
+        "step_s": round(step_s, 4),
+        "samples_per_s": round(per_device / step_s, 1),
+        "peak_alloc_mib": round(alloc),
+        "peak_reserved_mib": round(reserved) if reserved == reserved else "",
+    }
 
 
 def _ds_config(args, per_device: int) -> Path:
     """--deepspeed with its batch numbers set for one device and no accumulation, written beside the CSV."""
     config = json.loads(Path(args.deepspeed).read_text())
-    config.update(train_micro_batch_size_per_gpu=per_device, train_batch_size=per_device, gradient_accumulation_steps=1,
-                  steps_per_print=10**9)
+    config.update(
+        train_micro_batch_size_per_gpu=per_device,
+        train_batch_size=per_device,
+        gradient_accumulation_steps=1,
+        steps_per_print=10**9,
+    )
     if args.precision == "fp32":
         config.pop("bf16", None)
     path = Path(args.out).with_name(f"{Path(args.out).stem}_ds_{per_device}.json")
@@ -111,20 +134,34 @@ def _plan(args, ds_path: Path) -> dict:
     """The planner's per-device total for this config (and, apart, the framework overhead it assumes)."""
     from disco_clip_ds import plan as P
 
-    result = P.plan(ds_path, args.model, 1, args.gpu_memory, activation_checkpointing=args.activation_checkpointing,
-                    loss_impls=(args.loss_impl,), overhead_gb=args.overhead_gb, contrastive_accumulation=False)
+    result = P.plan(
+        ds_path,
+        args.model,
+        1,
+        args.gpu_memory,
+        activation_checkpointing=args.activation_checkpointing,
+        loss_impls=(args.loss_impl,),
+        overhead_gb=args.overhead_gb,
+        contrastive_accumulation=False,
+    )
     # the terms, to see which one is off
     ds_path.with_name(ds_path.name.replace("_ds_", "_plan_")).write_text(json.dumps(result, indent=1) + "\n")
-    return {"plan_mib": round(result["memory"][args.loss_impl]["total"] / 2**20),
-            "plan_overhead_mib": round(result["overhead_bytes"] / 2**20),
-            "zero_stage": result["settings"]["stage"], "precision": result["settings"]["precision"]}
+    return {
+        "plan_mib": round(result["memory"][args.loss_impl]["total"] / 2**20),
+        "plan_overhead_mib": round(result["overhead_bytes"] / 2**20),
+        "zero_stage": result["settings"]["stage"],
+        "precision": result["settings"]["precision"],
+    }
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(REPO / "recipes/models/vit_b32.json"), help="CLIPConfig JSON")
-    p.add_argument("--deepspeed", default=str(REPO / "ds_configs/vit_b32_32k_8gpu.json"),
-                   help="DeepSpeed JSON (its batch keys are overridden)")
+    p.add_argument(
+        "--deepspeed",
+        default=str(REPO / "ds_configs/vit_b32_32k_8gpu.json"),
+        help="DeepSpeed JSON (its batch keys are overridden)",
+    )
     p.add_argument("--per_device", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="fp32 drops the config's bf16 block")
     p.add_argument("--activation_checkpointing", action="store_true")
@@ -147,9 +184,15 @@ def main(argv=None) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed large blocks go back: RSS tracks tensors
     rows = []
     for per_device in args.per_device:
-        row = {"model": Path(args.model).stem, "device": args.device, "per_device": per_device, "steps": args.steps,
-               "act_ckpt": args.activation_checkpointing, "loss_impl": args.loss_impl,
-               **_plan(args, _ds_config(args, per_device))}
+        row = {
+            "model": Path(args.model).stem,
+            "device": args.device,
+            "per_device": per_device,
+            "steps": args.steps,
+            "act_ckpt": args.activation_checkpointing,
+            "loss_impl": args.loss_impl,
+            **_plan(args, _ds_config(args, per_device)),
+        }
         cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--_point", str(per_device)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)

@@ -1,9 +1,10 @@
 """What each launcher does with SIGTERM / SIGUSR1, measured with 2 probe ranks (no model): a probe logs the
 signals it gets, then "saves" for SAVE_S seconds and exits 75, as a preempted training rank does.
 
-For each launcher (deepspeed, torchrun, torchrun with TORCHELASTIC_SIGNALS_TO_HANDLE including SIGUSR1, accelerate) and each of {SIGTERM, SIGUSR1} sent {to the launcher
-alone, to the whole process group}: did the ranks get the signal, did they finish their save, were ranks
-left running, the launcher's exit code. Writes bench/results/launcher_signals.csv.
+For each launcher (deepspeed, torchrun, torchrun with TORCHELASTIC_SIGNALS_TO_HANDLE including SIGUSR1,
+accelerate) and each of {SIGTERM, SIGUSR1} sent {to the launcher alone, to the whole process group}: did the
+ranks get the signal, did they finish their save, were ranks left running, the launcher's exit code. Writes
+bench/results/launcher_signals.csv.
 
     .venv/bin/python bench/launcher_signals.py [LAUNCHER ...]   (a subset goes to launcher_signals_LAUNCHER.csv)
 """
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SAVE_S = 5
 
-PROBE = r'''
+PROBE = (
+    r"""
 import os, signal, sys, time
 log = open(sys.argv[-1] + f".{os.environ.get('RANK', '?')}", "a", buffering=1)
 def on(sig, frame):
@@ -37,7 +39,9 @@ for s in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(s, on)
 log.write(f"pid {os.getpid()}\n")
 time.sleep(300)
-''' % SAVE_S
+"""
+    % SAVE_S
+)
 
 
 def command(launcher: str, probe: Path, log: Path, port: int) -> list[str]:
@@ -45,8 +49,18 @@ def command(launcher: str, probe: Path, log: Path, port: int) -> list[str]:
         return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(probe), str(log)]
     if launcher.startswith("torchrun"):
         return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port), str(probe), str(log)]
-    return [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "recipes/accelerate/fsdp.yaml"), "--num_processes", "2",
-            "--main_process_port", str(port), str(probe), str(log)]
+    return [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(REPO / "recipes/accelerate/fsdp.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(port),
+        str(probe),
+        str(log),
+    ]
 
 
 def trial(launcher: str, sig: signal.Signals, target: str, tmp: Path, port: int) -> dict:
@@ -55,10 +69,18 @@ def trial(launcher: str, sig: signal.Signals, target: str, tmp: Path, port: int)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     if launcher == "torchrun_usr1":  # torchrun told to forward SIGUSR1 as well
         env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-    proc = subprocess.Popen(command(launcher, probe, log, port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command(launcher, probe, log, port),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
-    while sum(Path(f"{log}.{r}").exists() and "\n" in Path(f"{log}.{r}").read_text() for r in (0, 1)) < 2 and time.monotonic() < deadline:
+    while (
+        sum(Path(f"{log}.{r}").exists() and "\n" in Path(f"{log}.{r}").read_text() for r in (0, 1)) < 2
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     ranks = [int(Path(f"{log}.{r}").read_text().split()[1]) for r in (0, 1)]
     if target == "launcher":
@@ -78,11 +100,19 @@ def trial(launcher: str, sig: signal.Signals, target: str, tmp: Path, port: int)
     except ProcessLookupError:
         pass
     texts = [Path(f"{log}.{r}").read_text() if Path(f"{log}.{r}").exists() else "" for r in (0, 1)]
-    return {"launcher": launcher, "signal": sig.name, "sent_to": target, "launcher_exit": rc,
-            "ranks_got_signal": sum(f"got {sig.name}" in t or "got SIGTERM" in t for t in texts),
-            "signal_ranks_got": "/".join(sorted({line[4:] for t in texts for line in t.splitlines() if line.startswith("got ")})) or "-",
-            "ranks_finished_save": sum("saved" in t for t in texts),
-            f"ranks_alive_{SAVE_S + 3}s_after": len(left)}
+    return {
+        "launcher": launcher,
+        "signal": sig.name,
+        "sent_to": target,
+        "launcher_exit": rc,
+        "ranks_got_signal": sum(f"got {sig.name}" in t or "got SIGTERM" in t for t in texts),
+        "signal_ranks_got": "/".join(
+            sorted({line[4:] for t in texts for line in t.splitlines() if line.startswith("got ")})
+        )
+        or "-",
+        "ranks_finished_save": sum("saved" in t for t in texts),
+        f"ranks_alive_{SAVE_S + 3}s_after": len(left),
+    }
 
 
 def main() -> None:
@@ -95,7 +125,11 @@ def main() -> None:
                     port += 1
                     rows.append(trial(launcher, sig, target, Path(tmp), port))
                     print(rows[-1], flush=True)
-    out = REPO / "bench/results" / ("launcher_signals.csv" if len(sys.argv) == 1 else f"launcher_signals_{'_'.join(sys.argv[1:])}.csv")
+    out = (
+        REPO
+        / "bench/results"
+        / ("launcher_signals.csv" if len(sys.argv) == 1 else f"launcher_signals_{'_'.join(sys.argv[1:])}.csv")
+    )
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -34,7 +34,20 @@ from disco_clip_ds import BENCH_LOSS_IMPLS as IMPLS  # tiled last: ratios are to
 
 CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
 
-FIELDS = ["impl", "world", "batch", "dim", "dtype", "device", "peak_extra_mib", "time_ms", "wire_mib", "time_vs_tiled", "rounds_ms", "status"]
+FIELDS = [
+    "impl",
+    "world",
+    "batch",
+    "dim",
+    "dtype",
+    "device",
+    "peak_extra_mib",
+    "time_ms",
+    "wire_mib",
+    "time_vs_tiled",
+    "rounds_ms",
+    "status",
+]
 
 
 class WireBytes:
@@ -129,7 +142,9 @@ def twoblock_loss(image, text, scale, chunk_size=None, group=None):
         scale = torch.as_tensor(scale, device=image.device).float()
         all_images, all_texts = L.gather_features(image, text, sizes=sizes, group=group)
         chunk = chunk_size or L.default_chunk_size(total)
-        lse_sum = _TwoBlockLSE.apply(image, all_texts, scale, chunk) + _TwoBlockLSE.apply(text, all_images, scale, chunk)
+        lse_sum = _TwoBlockLSE.apply(image, all_texts, scale, chunk) + _TwoBlockLSE.apply(
+            text, all_images, scale, chunk
+        )
         positives = (image.float() * text.float()).sum() * scale
         return (lse_sum - 2 * positives) * (world / (2 * total))
 
@@ -203,7 +218,7 @@ def _rank_main(rank, world, port, cfg, results):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
         b = cfg["batch"] // world
         gen = torch.Generator(device=device).manual_seed(rank)
-        make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)  # noqa: E731
+        make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)
         image, text = make().to(dtype).requires_grad_(), make().to(dtype).requires_grad_()
         log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
         if cfg["impl"] == "naive":
@@ -327,7 +342,12 @@ def plot(rows: list[dict], path: Path):
     ax.axhline(top, color="grey", lw=0.5, ls=":")
     ax.set_xscale("log", base=2)
     ax.text(min(int(r["batch"]) for r in rows), top, "OOM ", ha="right", va="center", fontsize=8, color="grey")
-    ax.set(yscale="log", xlabel="global batch B (d = 512)", ylabel="peak extra memory per rank (MiB)", title="CLIP loss memory per rank")
+    ax.set(
+        yscale="log",
+        xlabel="global batch B (d = 512)",
+        ylabel="peak extra memory per rank (MiB)",
+        title="CLIP loss memory per rank",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -349,7 +369,9 @@ def _point(text: str) -> tuple[int, int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, nargs="+", default=[2, 4], help="ranks per run (GPUs with --device cuda)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768], help="global batch sizes B")
+    p.add_argument(
+        "--batch", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768], help="global batch sizes B"
+    )
     p.add_argument("--impl", nargs="+", default=list(IMPLS), choices=CHOICES)  # tiled last: ratios are to it
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--dtype", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
@@ -358,11 +380,17 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2, help="timed repetitions after the memory-measuring first call")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all impls per (world, batch)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads shared by the ranks")
-    p.add_argument("--mem_limit_gib", type=float, default=None, help="CPU memory cap per rank (default: 80%% of available / world)")
+    p.add_argument(
+        "--mem_limit_gib", type=float, default=None, help="CPU memory cap per rank (default: 80%% of available / world)"
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
-    p.add_argument("--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)")
+    p.add_argument(
+        "--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)"
+    )
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from the CSV at --out")
-    p.add_argument("--points", type=_point, nargs="+", help="WORLDxBATCH pairs, e.g. 2x16384 4x32768, instead of --world x --batch")
+    p.add_argument(
+        "--points", type=_point, nargs="+", help="WORLDxBATCH pairs, e.g. 2x16384 4x32768, instead of --world x --batch"
+    )
     args = p.parse_args(argv)
     if args.points:
         args.world, args.batch = sorted({w for w, _ in args.points}), [b for _, b in args.points]
@@ -387,7 +415,9 @@ def _merge_rounds(runs: list[dict]) -> list[dict]:
             times = [float(r["time_ms"]) for r in ok]
             row.update(time_ms=round(statistics.median(times), 1), rounds_ms=";".join(f"{t:.0f}" for t in times))
             if len(tiled) == len(mine) and all(t["status"] == "ok" for t in tiled):
-                row["time_vs_tiled"] = round(statistics.median(a / float(t["time_ms"]) for a, t in zip(times, tiled)), 3)
+                row["time_vs_tiled"] = round(
+                    statistics.median(a / float(t["time_ms"]) for a, t in zip(times, tiled)), 3
+                )
         rows.append(row)
     return rows
 
@@ -401,21 +431,52 @@ def main(argv=None):
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'impl':>8} {'world':>5} {'batch':>7} {'dtype':>5} {'round':>5} {'peak MiB/rank':>14} {'fwd+bwd ms':>11} {'wire MiB':>9}  status", flush=True)
+    print(
+        f"{'impl':>8} {'world':>5} {'batch':>7} {'dtype':>5} {'round':>5} {'peak MiB/rank':>14} "
+        f"{'fwd+bwd ms':>11} {'wire MiB':>9}  status",
+        flush=True,
+    )
     points = args.points or [(w, b) for w in args.world for b in sorted(args.batch)]
     for dtype in args.dtype:
         for world, batch in points:
             runs = []
             for round_ in range(args.rounds):
                 for impl in args.impl:
-                    base = {"impl": impl, "world": world, "batch": batch, "dim": args.dim, "dtype": dtype, "device": args.device}
-                    if any(r["impl"] == impl and r["world"] == world and r["dtype"] == dtype and r["status"] != "ok" for r in rows + runs):
-                        runs.append(dict(base, peak_extra_mib="", time_ms="", status="skipped (smaller B or earlier round failed)"))
+                    base = {
+                        "impl": impl,
+                        "world": world,
+                        "batch": batch,
+                        "dim": args.dim,
+                        "dtype": dtype,
+                        "device": args.device,
+                    }
+                    if any(
+                        r["impl"] == impl and r["world"] == world and r["dtype"] == dtype and r["status"] != "ok"
+                        for r in rows + runs
+                    ):
+                        runs.append(
+                            dict(
+                                base,
+                                peak_extra_mib="",
+                                time_ms="",
+                                status="skipped (smaller B or earlier round failed)",
+                            )
+                        )
                     else:
-                        cfg = dict(base, chunk_size=args.chunk_size, reps=args.reps, threads=args.threads, mem_limit_gib=args.mem_limit_gib or _default_mem_limit(world))
+                        cfg = dict(
+                            base,
+                            chunk_size=args.chunk_size,
+                            reps=args.reps,
+                            threads=args.threads,
+                            mem_limit_gib=args.mem_limit_gib or _default_mem_limit(world),
+                        )
                         runs.append(run_config(cfg, args.timeout))
                     r = runs[-1]
-                    print(f"{impl:>8} {world:>5} {batch:>7} {dtype:>5} {round_:>5} {r['peak_extra_mib']!s:>14} {r['time_ms']!s:>11} {r.get('wire_mib', '')!s:>9}  {r['status']}", flush=True)
+                    print(
+                        f"{impl:>8} {world:>5} {batch:>7} {dtype:>5} {round_:>5} {r['peak_extra_mib']!s:>14} "
+                        f"{r['time_ms']!s:>11} {r.get('wire_mib', '')!s:>9}  {r['status']}",
+                        flush=True,
+                    )
             rows += _merge_rounds(runs)
             with open(out, "w", newline="") as f:  # rewritten after every batch: a crash keeps what was measured
                 writer = csv.DictWriter(f, FIELDS, restval="")
@@ -423,7 +484,10 @@ def main(argv=None):
                 writer.writerows(rows)
     for r in rows:
         if r.get("time_vs_tiled"):
-            print(f"world {r['world']} B {r['batch']} {r['dtype']}: tiled's time / {r['impl']}'s = {1 / float(r['time_vs_tiled']):.3f} (median of per-round ratios)")
+            print(
+                f"world {r['world']} B {r['batch']} {r['dtype']}: tiled's time / {r['impl']}'s = "
+                f"{1 / float(r['time_vs_tiled']):.3f} (median of per-round ratios)"
+            )
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

@@ -84,8 +84,16 @@ def main() -> None:
                 times[name].append(cpu_seconds(fn, x, y, s))
         for name, t in times.items():
             ratio = statistics.median(a / b for a, b in zip(t, times["twoblock"]))
-            rows.append({"impl": name, "batch": batch, "dim": args.dim, "cpu_s": round(statistics.median(t), 3),
-                         "vs_twoblock": round(ratio, 3), "vs_disco": round(statistics.median(a / b for a, b in zip(t, times["disco"])), 3)})
+            rows.append(
+                {
+                    "impl": name,
+                    "batch": batch,
+                    "dim": args.dim,
+                    "cpu_s": round(statistics.median(t), 3),
+                    "vs_twoblock": round(ratio, 3),
+                    "vs_disco": round(statistics.median(a / b for a, b in zip(t, times["disco"])), 3),
+                }
+            )
             if args.ref and f"{name}@{args.ref}" in times:  # this impl against itself at --ref
                 rows[-1]["vs_ref"] = round(statistics.median(a / b for a, b in zip(t, times[f"{name}@{args.ref}"])), 3)
             print(rows[-1], flush=True)

@@ -76,9 +76,15 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
             optimizer.step()
     peak = _mib("VmHWM")
     return {
-        "model": model_path, "batch": batch, "mode": mode, "activation_checkpointing": activation_checkpointing, "dtype": dtype,
-        "params": sum(p.numel() for p in model.parameters()), "base_mib": round(base, 2),
-        "peak_mib": round(peak, 2), "delta_mib": round(peak - base, 2),
+        "model": model_path,
+        "batch": batch,
+        "mode": mode,
+        "activation_checkpointing": activation_checkpointing,
+        "dtype": dtype,
+        "params": sum(p.numel() for p in model.parameters()),
+        "base_mib": round(base, 2),
+        "peak_mib": round(peak, 2),
+        "delta_mib": round(peak - base, 2),
     }
 
 
@@ -88,10 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--mode", choices=["fwdbwd", "train"], default="fwdbwd")
     parser.add_argument("--activation_checkpointing", action="store_true")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights, inputs and activations (bf16: checks the planner's halving)")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="weights, inputs and activations (bf16: checks the planner's halving)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get(MMAP_ENV) != "65536":  # must be set before the process starts: re-exec with it
-        os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, MMAP_ENV: "65536"})
+        os.execve(
+            sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, MMAP_ENV: "65536"}
+        )
     print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype)))
 
 

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from disco_clip_ds import plan as P  # noqa: E402
 
-POINTS = [("tiny", 256, False), ("tiny", 1024, False), ("small", 32, False), ("small", 128, False),
-          ("tiny", 1024, True), ("small", 128, True)]
+POINTS = [
+    ("tiny", 256, False),
+    ("tiny", 1024, False),
+    ("small", 32, False),
+    ("small", 128, False),
+    ("tiny", 1024, True),
+    ("small", 128, True),
+]
 
 
 def main() -> None:
@@ -27,13 +33,28 @@ def main() -> None:
     print("| model | batch | act. ckpt | measured MiB | estimate MiB | error |\n| --- | --- | --- | --- | --- | --- |")
     for name, batch, ckpt in POINTS:
         path = ROOT / f"recipes/models/{name}.json"
-        cmd = [sys.executable, str(ROOT / "bench/measure_memory.py"), "--model", str(path), "--batch", str(batch), "--mode", "train"]
-        out = subprocess.run(cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True).stdout
+        cmd = [
+            sys.executable,
+            str(ROOT / "bench/measure_memory.py"),
+            "--model",
+            str(path),
+            "--batch",
+            str(batch),
+            "--mode",
+            "train",
+        ]
+        out = subprocess.run(
+            cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True
+        ).stdout
         measured = json.loads(out.strip().splitlines()[-1])["delta_mib"]
         settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
         shape = P.ModelShape.from_json(path)
         estimate = P.memory_plan(shape, settings, fit, "naive", ckpt, float("inf"), 0.0).total / 2**20
-        print(f"| {name} | {batch} | {'on' if ckpt else 'off'} | {measured:.0f} | {estimate:.0f} | {estimate / measured - 1:+.0%} |", flush=True)
+        print(
+            f"| {name} | {batch} | {'on' if ckpt else 'off'} | {measured:.0f} | {estimate:.0f} | "
+            f"{estimate / measured - 1:+.0%} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

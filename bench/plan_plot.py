@@ -28,8 +28,18 @@ def main() -> None:
             config = dict(base, train_batch_size=base["train_micro_batch_size_per_gpu"] * n)
             settings = P.validate_config(config, n)
             for impl in P.LOSS_IMPLS:
-                micro = P.max_micro_batch(shape, settings, fit, impl, True, P.parse_memory(memory), P.DEFAULT_OVERHEAD_GB * P.GiB)
-                rows.append({"gpu_memory": memory, "gpus": n, "impl": impl, "max_micro_batch": micro, "max_global_batch": micro * n})
+                micro = P.max_micro_batch(
+                    shape, settings, fit, impl, True, P.parse_memory(memory), P.DEFAULT_OVERHEAD_GB * P.GiB
+                )
+                rows.append(
+                    {
+                        "gpu_memory": memory,
+                        "gpus": n,
+                        "impl": impl,
+                        "max_micro_batch": micro,
+                        "max_global_batch": micro * n,
+                    }
+                )
     out = ROOT / "bench/results/plan_max_batch.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -57,7 +67,9 @@ def _plot(rows, path):
         ax.scatter([n], [b], marker="*", s=150, color="black", zorder=5)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
-    ax.set(xlabel="GPUs", ylabel="largest global batch that fits", title="ViT-B/32, bf16, ZeRO-2, act. ckpt (* = paper)")
+    ax.set(
+        xlabel="GPUs", ylabel="largest global batch that fits", title="ViT-B/32, bf16, ZeRO-2, act. ckpt (* = paper)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()

@@ -73,11 +73,18 @@ def train(config: str, seed: int, batches_file: str, eval_file: str, model_confi
     model = open_clip.create_model(Path(model_config).stem, precision="fp32", output_dict=True)
     batches, held_out = torch.load(batches_file), torch.load(eval_file)
     if config == "open_clip":
-        no_decay = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n  # noqa: E731
+        no_decay = lambda n, p: p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
         params = list(model.named_parameters())
         decay = [p for n, p in params if not no_decay(n, p)]
-        optimizer = torch.optim.AdamW([{"params": [p for n, p in params if no_decay(n, p)], "weight_decay": 0.0},
-                                       {"params": decay, "weight_decay": WD}], lr=LR, betas=(0.9, 0.999), eps=1e-8)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in params if no_decay(n, p)], "weight_decay": 0.0},
+                {"params": decay, "weight_decay": WD},
+            ],
+            lr=LR,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+        )
         adjust, loss_fn = cosine_lr(optimizer, LR, WARMUP, len(batches)), ClipLoss()
 
         def loss_of(batch):
@@ -89,17 +96,24 @@ def train(config: str, seed: int, batches_file: str, eval_file: str, model_confi
         hf.load_state_dict(vs_open_clip.open_clip_to_hf(model.state_dict(), clip_config), strict=True)
         model = hf
         decay_names = set(without_clip_no_decay(Trainer.get_decay_parameter_names(None, model)))
-        groups = [{"params": [p for n, p in model.named_parameters() if (n in decay_names) == d], "weight_decay": WD * d}
-                  for d in (False, True)]
+        groups = [
+            {"params": [p for n, p in model.named_parameters() if (n in decay_names) == d], "weight_decay": WD * d}
+            for d in (False, True)
+        ]
         optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
         scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=WARMUP, num_training_steps=len(batches))
         if config != "ours_hf_warmup":
             scheduler = warmup_from_first_step(scheduler, WARMUP)
-        adjust = lambda step: None  # noqa: E731  (the scheduler steps after each optimizer step)
+        adjust = lambda step: None  # (the scheduler steps after each optimizer step)
 
         def loss_of(batch):
-            return model(pixel_values=batch["pixel_values"].float(), input_ids=batch["input_ids"],
-                         attention_mask=batch["attention_mask"], return_loss=True).loss
+            return model(
+                pixel_values=batch["pixel_values"].float(),
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                return_loss=True,
+            ).loss
+
     losses = []
     for step, batch in enumerate(batches):
         adjust(step)
@@ -137,8 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     python = vs_open_clip.ensure_openclip_venv(Path(os.environ.get("OPENCLIP_VENV", REPO / "bench" / ".venv-openclip")))
     args.work.mkdir(parents=True, exist_ok=True)
     model_config = args.work / "disco-tiny.json"
-    model_config.write_text(json.dumps(vs_open_clip.open_clip_model_config(
-        json.loads((REPO / "recipes/models/tiny.json").read_text()), str(REPO / "recipes" / "tokenizer"))))
+    model_config.write_text(
+        json.dumps(
+            vs_open_clip.open_clip_model_config(
+                json.loads((REPO / "recipes/models/tiny.json").read_text()), str(REPO / "recipes" / "tokenizer")
+            )
+        )
+    )
     held_out = args.work / "held_out.pt"
     draw_batches(args.data, 1000, 1, EVAL_BATCHES, held_out)
     rows = []
@@ -147,11 +166,23 @@ def main(argv: list[str] | None = None) -> int:
             draw_batches(args.data, seed, readers, args.steps, args.work / f"batches_{seed}_{readers}.pt")
         for config in CONFIGS:
             batches = args.work / f"batches_{seed}_{2 if config == 'ours_2_readers' else 1}.pt"
-            result = subprocess.run([str(python), __file__, "train", config, str(seed), str(batches), str(held_out),
-                                     str(model_config)], check=True, capture_output=True, text=True, env=vs_open_clip._env())
+            result = subprocess.run(
+                [str(python), __file__, "train", config, str(seed), str(batches), str(held_out), str(model_config)],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=vs_open_clip._env(),
+            )
             run = json.loads(result.stdout.strip().splitlines()[-1])
-            rows.append({"config": config, "seed": seed, "first_loss": round(run["losses"][0], 4),
-                         "final_loss": round(sum(run["losses"][-10:]) / len(run["losses"][-10:]), 4), "held_out_loss": round(run["held_out_loss"], 4)})
+            rows.append(
+                {
+                    "config": config,
+                    "seed": seed,
+                    "first_loss": round(run["losses"][0], 4),
+                    "final_loss": round(sum(run["losses"][-10:]) / len(run["losses"][-10:]), 4),
+                    "held_out_loss": round(run["held_out_loss"], 4),
+                }
+            )
             print(rows[-1], flush=True)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         with open(args.results, "w", newline="") as f:

@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _serve(n_images: int, delay: float, ready, stop) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from imageserver import ImageServer
     from PIL import Image
+
+    from imageserver import ImageServer
 
     with ImageServer() as server:
         for i in range(n_images):
@@ -44,13 +45,35 @@ def _serve(n_images: int, delay: float, ready, stop) -> None:
 
 
 def _download(url_list: Path, output: Path, distributor: str, processes: int, threads: int, shard: int) -> dict:
-    cmd = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", "--preset", "laion400m",
-           "--url_list", str(url_list), "--output", str(output), "--image_size", "64", "--processes", str(processes),
-           "--threads", str(threads), "--samples_per_shard", str(shard), "--distributor", distributor]
+    cmd = [
+        sys.executable,
+        "-m",
+        "disco_clip_ds.cli",
+        "data",
+        "download",
+        "--preset",
+        "laion400m",
+        "--url_list",
+        str(url_list),
+        "--output",
+        str(output),
+        "--image_size",
+        "64",
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+        "--samples_per_shard",
+        str(shard),
+        "--distributor",
+        distributor,
+    ]
     env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "no_proxy": "127.0.0.1,localhost"}
     started, spark_ready, lines = time.perf_counter(), None, []
-    with tempfile.TemporaryFile() as err, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err,
-                                                           text=True) as proc:
+    with (
+        tempfile.TemporaryFile() as err,
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True) as proc,
+    ):
         for line in proc.stdout:  # prep prints "spark: master ..." once the session is up
             lines.append(line)
             if spark_ready is None and line.startswith("spark: master"):
@@ -60,8 +83,12 @@ def _download(url_list: Path, output: Path, distributor: str, processes: int, th
             err.seek(0)
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(lines)[-2000:]}\n{err.read()[-2000:]}")
     summary = json.loads((output / "summary.json").read_text())
-    return {"seconds": round(seconds, 3), "spark_start_s": None if spark_ready is None else round(spark_ready, 3),
-            "successes": summary["successes"], "count": summary["count"]}
+    return {
+        "seconds": round(seconds, 3),
+        "spark_start_s": None if spark_ready is None else round(spark_ready, 3),
+        "successes": summary["successes"],
+        "count": summary["count"],
+    }
 
 
 def main() -> None:
@@ -93,8 +120,14 @@ def main() -> None:
                     for distributor in ("multiprocessing", "pyspark"):
                         out = Path(tmp) / f"{rnd}_{config}_{distributor}"
                         r = _download(url_list, out, distributor, processes, threads, args.samples_per_shard)
-                        row = {"round": rnd, "processes": processes, "threads": threads, "distributor": distributor,
-                               **r, "samples_per_s": round(r["successes"] / r["seconds"], 1)}
+                        row = {
+                            "round": rnd,
+                            "processes": processes,
+                            "threads": threads,
+                            "distributor": distributor,
+                            **r,
+                            "samples_per_s": round(r["successes"] / r["seconds"], 1),
+                        }
                         print(row, flush=True)
                         rows.append(row)
     finally:
@@ -105,17 +138,22 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"\n{args.images} images, {args.delay}s server delay each, {args.samples_per_shard}/shard, "
-          f"{args.rounds} interleaved rounds; medians\n")
-    print("| processes x threads | multiprocessing samples/s | Spark local samples/s | Spark / mp | Spark extra s "
-          "| of which session start s |")
+    print(
+        f"\n{args.images} images, {args.delay}s server delay each, {args.samples_per_shard}/shard, "
+        f"{args.rounds} interleaved rounds; medians\n"
+    )
+    print(
+        "| processes x threads | multiprocessing samples/s | Spark local samples/s | Spark / mp | Spark extra s "
+        "| of which session start s |"
+    )
     print("|---|---|---|---|---|---|")
     for config in args.configs:
         processes, threads = map(int, config.split("x"))
 
         def med(dist, key, processes=processes, threads=threads):
-            return statistics.median(r[key] for r in rows if (r["processes"], r["threads"], r["distributor"])
-                                     == (processes, threads, dist))
+            return statistics.median(
+                r[key] for r in rows if (r["processes"], r["threads"], r["distributor"]) == (processes, threads, dist)
+            )
 
         mp_rate, sp_rate = med("multiprocessing", "samples_per_s"), med("pyspark", "samples_per_s")
         extra = med("pyspark", "seconds") - med("multiprocessing", "seconds")

@@ -54,29 +54,64 @@ def main() -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import pyspark
-    from imageserver import ImageServer
 
     from disco_clip_ds.data import prep
+
+    from imageserver import ImageServer
 
     tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
     port = _free_port()
     master_url = f"spark://127.0.0.1:{port}"
     # spark-class finds Spark through the Python that has pyspark; executors' Python workers use PYSPARK_PYTHON
-    env = {**os.environ, "SPARK_HOME": str(Path(pyspark.__file__).parent), "PYSPARK_PYTHON": sys.executable,
-           "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_WORKER_DIR": str(tmp / "work")}
+    env = {
+        **os.environ,
+        "SPARK_HOME": str(Path(pyspark.__file__).parent),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_WORKER_DIR": str(tmp / "work"),
+    }
     os.environ.update(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
     spark_class = str(Path(sys.executable).parent / "spark-class")
     daemons = []
     try:
         with open(tmp / "master.log", "w") as log:
-            daemons.append(subprocess.Popen(
-                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                 "--webui-port", str(_free_port())], env=env, stdout=log, stderr=subprocess.STDOUT))
+            daemons.append(
+                subprocess.Popen(
+                    [
+                        spark_class,
+                        "org.apache.spark.deploy.master.Master",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--webui-port",
+                        str(_free_port()),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         _wait_for(tmp / "master.log", "I have been elected leader", 180)
         with open(tmp / "worker.log", "w") as log:
-            daemons.append(subprocess.Popen(
-                [spark_class, "org.apache.spark.deploy.worker.Worker", "--cores", "2", "--memory", "2G",
-                 "--webui-port", str(_free_port()), master_url], env=env, stdout=log, stderr=subprocess.STDOUT))
+            daemons.append(
+                subprocess.Popen(
+                    [
+                        spark_class,
+                        "org.apache.spark.deploy.worker.Worker",
+                        "--cores",
+                        "2",
+                        "--memory",
+                        "2G",
+                        "--webui-port",
+                        str(_free_port()),
+                        master_url,
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         _wait_for(tmp / "master.log", "Registering worker", 180)
 
         with ImageServer() as server:
@@ -85,19 +120,33 @@ def main() -> int:
             rows.append((server.add("/gone.jpg", status=404), "gone"))
             url_list = tmp / "urls.parquet"
             pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
-            base = ["--preset", "laion400m", "--url_list", str(url_list), "--image_size", "32", "--threads", "4",
-                    "--samples_per_shard", "4", "--timeout", "2", "--max_download_seconds", "3"]
+            base = [
+                "--preset",
+                "laion400m",
+                "--url_list",
+                str(url_list),
+                "--image_size",
+                "32",
+                "--threads",
+                "4",
+                "--samples_per_shard",
+                "4",
+                "--timeout",
+                "2",
+                "--max_download_seconds",
+                "3",
+            ]
             assert prep.download_main([*base, "--output", str(tmp / "mp"), "--processes", "2"]) == 0
             started = time.monotonic()
-            rc = prep.download_main([*base, "--output", str(tmp / "cluster"), "--distributor", "pyspark",
-                                     "--spark_master", master_url])
+            rc = prep.download_main(
+                [*base, "--output", str(tmp / "cluster"), "--distributor", "pyspark", "--spark_master", master_url]
+            )
             seconds = time.monotonic() - started
         assert rc == 0, rc
         names = sorted(p.name for p in (tmp / "mp").glob("*.tar")) + ["sizes.json", "summary.json"]
         same = all((tmp / "mp" / n).read_bytes() == (tmp / "cluster" / n).read_bytes() for n in names)
         reasons = json.loads((tmp / "cluster" / "summary.json").read_text())["failures_by_reason"]
-        print(f"standalone {master_url}: {seconds:.1f}s, byte-identical to multiprocessing: {same}; "
-              f"failures {reasons}")
+        print(f"standalone {master_url}: {seconds:.1f}s, byte-identical to multiprocessing: {same}; failures {reasons}")
         assert same and reasons.get("download exceeded the 3s deadline") == 1, reasons
         executors = list((tmp / "work").glob("app-*/*/stderr"))
         assert executors, "no executor ran on the worker"

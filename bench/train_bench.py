@@ -63,8 +63,14 @@ def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int = 5) -> 
 
 
 def _rank(rank: int, world: int, port: int, model_name: str, per_rank: int, steps: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     import deepspeed
 
@@ -73,9 +79,13 @@ def _rank(rank: int, world: int, port: int, model_name: str, per_rank: int, step
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(0)
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
-    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-              "train_batch_size": per_rank * world, "steps_per_print": 10**9,
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}}
+    config = {
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": per_rank * world,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
+    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     batch = _batch(model.config, per_rank, seed=rank)
@@ -93,7 +103,10 @@ def _rank(rank: int, world: int, port: int, model_name: str, per_rank: int, step
     loss_times = {impl: _loss_only_seconds(impl, per_rank, model.config.projection_dim) for impl in IMPLS}
     if rank == 0:
         # paired per round: the impls ran back to back, so the ratio cancels most of the machine's drift
-        vs_local = {impl: statistics.median(t / l - 1 for t, l in zip(step_times[impl], step_times["local"])) for impl in IMPLS}
+        vs_local = {
+            impl: statistics.median(t / ref - 1 for t, ref in zip(step_times[impl], step_times["local"]))
+            for impl in IMPLS
+        }
         queue.put({impl: (statistics.median(step_times[impl]), loss_times[impl], vs_local[impl]) for impl in IMPLS})
     torch.distributed.barrier()
 
@@ -128,14 +141,21 @@ def main() -> None:
         result = bench_model(name, args.per_rank, args.ranks, args.steps)
         for impl in IMPLS:
             step, loss, vs_local = result[impl]
-            rows.append({
-                "model": name, "loss": impl, "ranks": args.ranks, "per_rank": args.per_rank,
-                "global_batch": args.per_rank * args.ranks, "step_s": round(step, 4),
-                "samples_per_s": round(args.per_rank * args.ranks / step, 1),
-                "samples_per_s_per_rank": round(args.per_rank / step, 1),
-                "loss_fwd_bwd_s": round(loss, 4), "loss_share_of_step": round(loss / step, 4),
-                "step_vs_local": round(vs_local, 4),
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "loss": impl,
+                    "ranks": args.ranks,
+                    "per_rank": args.per_rank,
+                    "global_batch": args.per_rank * args.ranks,
+                    "step_s": round(step, 4),
+                    "samples_per_s": round(args.per_rank * args.ranks / step, 1),
+                    "samples_per_s_per_rank": round(args.per_rank / step, 1),
+                    "loss_fwd_bwd_s": round(loss, 4),
+                    "loss_share_of_step": round(loss / step, 4),
+                    "step_vs_local": round(vs_local, 4),
+                }
+            )
     header = list(rows[0])
     print(" | ".join(header))
     for row in rows:
@@ -163,7 +183,14 @@ def _plot(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         ax.bar([r["loss"] for r in mine], [r["samples_per_s"] for r in mine], color=["grey", "tab:blue", "tab:green"])
         for i, r in enumerate(mine):
-            ax.text(i, r["samples_per_s"], f"loss {100 * r['loss_share_of_step']:.1f}%", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                i,
+                r["samples_per_s"],
+                f"loss {100 * r['loss_share_of_step']:.1f}%",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_title(f"{model}: {mine[0]['ranks']} CPU ranks x {mine[0]['per_rank']}, ZeRO-2")
         ax.set_ylabel("samples/s (all ranks)")
     fig.tight_layout()

@@ -43,6 +43,7 @@ FINAL_WINDOW = 10  # the final loss is the mean of the last 10 steps
 
 # ---------------------------------------------------------------- open_clip side (runs in its own venv)
 
+
 def _import_open_clip():
     import torch
 
@@ -67,16 +68,25 @@ def open_clip_model_config(clip_config: dict, tokenizer_dir: str) -> dict:
         "embed_dim": clip_config["projection_dim"],
         "quick_gelu": True,
         "vision_cfg": {
-            "image_size": vision["image_size"], "patch_size": vision["patch_size"], "width": vision["hidden_size"],
-            "layers": vision["num_hidden_layers"], "head_width": vision["hidden_size"] // vision["num_attention_heads"],
+            "image_size": vision["image_size"],
+            "patch_size": vision["patch_size"],
+            "width": vision["hidden_size"],
+            "layers": vision["num_hidden_layers"],
+            "head_width": vision["hidden_size"] // vision["num_attention_heads"],
             "mlp_ratio": 4.0,
         },
         "text_cfg": {
-            "context_length": text["max_position_embeddings"], "vocab_size": text["vocab_size"], "width": text["hidden_size"],
-            "heads": text["num_attention_heads"], "layers": text["num_hidden_layers"], "mlp_ratio": 4.0,
+            "context_length": text["max_position_embeddings"],
+            "vocab_size": text["vocab_size"],
+            "width": text["hidden_size"],
+            "heads": text["num_attention_heads"],
+            "layers": text["num_hidden_layers"],
+            "mlp_ratio": 4.0,
             "hf_tokenizer_name": tokenizer_dir,
             # CLIPModel pools the first eos token (eos_token_id != 2); open_clip's 'argmax' would take the largest id
-            "pool_type": "eos", "eos_id": text["eos_token_id"], "pad_id": text["pad_token_id"],
+            "pool_type": "eos",
+            "eos_id": text["eos_token_id"],
+            "pad_id": text["pad_token_id"],
         },
     }
 
@@ -101,7 +111,9 @@ def oc_train(argv: list[str]) -> None:
     main(argv[1:])
 
 
-def oc_convert(checkpoint: str, model_name: str, model_config: str, clip_config: str, tokenizer_dir: str, out: str) -> None:
+def oc_convert(
+    checkpoint: str, model_name: str, model_config: str, clip_config: str, tokenizer_dir: str, out: str
+) -> None:
     """open_clip checkpoint -> CLIPModel folder, checked: both encoders agree with open_clip's to fp32 precision."""
     import torch
 
@@ -120,10 +132,18 @@ def oc_convert(checkpoint: str, model_name: str, model_config: str, clip_config:
     ids = open_clip.get_tokenizer(model_name)(texts)
     hf_ids = tokenizer(texts, padding="max_length", max_length=ids.shape[1], truncation=True, return_tensors="pt")
     assert torch.equal(ids, hf_ids.input_ids), "open_clip's tokenizer wrapper and ours disagree"
-    images = torch.randn(4, 3, hf.config.vision_config.image_size, hf.config.vision_config.image_size, generator=torch.Generator().manual_seed(0))
+    images = torch.randn(
+        4,
+        3,
+        hf.config.vision_config.image_size,
+        hf.config.vision_config.image_size,
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
-        pairs = [(oc.encode_image(images), hf.get_image_features(pixel_values=images).pooler_output),
-                 (oc.encode_text(ids), hf.get_text_features(**hf_ids).pooler_output)]
+        pairs = [
+            (oc.encode_image(images), hf.get_image_features(pixel_values=images).pooler_output),
+            (oc.encode_text(ids), hf.get_text_features(**hf_ids).pooler_output),
+        ]
     for theirs, ours in pairs:
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert math.isclose(hf.logit_scale.item(), oc.logit_scale.item())
@@ -141,26 +161,41 @@ def open_clip_to_hf(sd: dict, config) -> dict:
                 out[d + f"self_attn.{name}_proj.weight"] = w
             for name, b in zip("qkv", sd[s + "attn.in_proj_bias"].chunk(3)):
                 out[d + f"self_attn.{name}_proj.bias"] = b
-            for a, b in (("attn.out_proj", "self_attn.out_proj"), ("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"),
-                         ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+            for a, b in (
+                ("attn.out_proj", "self_attn.out_proj"),
+                ("ln_1", "layer_norm1"),
+                ("ln_2", "layer_norm2"),
+                ("mlp.c_fc", "mlp.fc1"),
+                ("mlp.c_proj", "mlp.fc2"),
+            ):
                 out[d + b + ".weight"], out[d + b + ".bias"] = sd[s + a + ".weight"], sd[s + a + ".bias"]
 
     out["text_model.embeddings.token_embedding.weight"] = sd["token_embedding.weight"]
     out["text_model.embeddings.position_embedding.weight"] = sd["positional_embedding"]
     blocks("transformer", "text_model", config.text_config.num_hidden_layers)
-    out["text_model.final_layer_norm.weight"], out["text_model.final_layer_norm.bias"] = sd["ln_final.weight"], sd["ln_final.bias"]
+    out["text_model.final_layer_norm.weight"], out["text_model.final_layer_norm.bias"] = (
+        sd["ln_final.weight"],
+        sd["ln_final.bias"],
+    )
     out["text_projection.weight"] = sd["text_projection"].t().contiguous()
     out["vision_model.embeddings.class_embedding"] = sd["visual.class_embedding"]
     out["vision_model.embeddings.patch_embedding.weight"] = sd["visual.conv1.weight"]
     out["vision_model.embeddings.position_embedding.weight"] = sd["visual.positional_embedding"]
-    out["vision_model.pre_layrnorm.weight"], out["vision_model.pre_layrnorm.bias"] = sd["visual.ln_pre.weight"], sd["visual.ln_pre.bias"]
+    out["vision_model.pre_layrnorm.weight"], out["vision_model.pre_layrnorm.bias"] = (
+        sd["visual.ln_pre.weight"],
+        sd["visual.ln_pre.bias"],
+    )
     blocks("visual.transformer", "vision_model", config.vision_config.num_hidden_layers)
-    out["vision_model.post_layernorm.weight"], out["vision_model.post_layernorm.bias"] = sd["visual.ln_post.weight"], sd["visual.ln_post.bias"]
+    out["vision_model.post_layernorm.weight"], out["vision_model.post_layernorm.bias"] = (
+        sd["visual.ln_post.weight"],
+        sd["visual.ln_post.bias"],
+    )
     out["visual_projection.weight"] = sd["visual.proj"].t().contiguous()
     return out
 
 
 # ---------------------------------------------------------------- orchestration (runs in the repo's .venv)
+
 
 def ensure_openclip_venv(venv: Path) -> Path:
     """Create the bench-only open_clip virtualenv: the CPU torch FIRST, so open_clip cannot pull a CUDA one."""
@@ -175,12 +210,27 @@ def ensure_openclip_venv(venv: Path) -> Path:
     subprocess.run(pip + ["--no-deps", f"torchvision=={TORCHVISION_VERSION}"], check=True)
     # open_clip_train 3.3.0 reads the 'fname' key of tar members, which webdataset 1.x no longer yields (0.2.86
     # does); it imports pandas; open_clip's HF tokenizer wrapper needs transformers
-    subprocess.run(pip + [f"open_clip_torch=={OPENCLIP_VERSION}", "webdataset==0.2.86", "pandas", f"transformers=={transformers.__version__}"], check=True)
+    subprocess.run(
+        pip
+        + [
+            f"open_clip_torch=={OPENCLIP_VERSION}",
+            "webdataset==0.2.86",
+            "pandas",
+            f"transformers=={transformers.__version__}",
+        ],
+        check=True,
+    )
     return python
 
 
 def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", NO_ALBUMENTATIONS_UPDATE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        NO_ALBUMENTATIONS_UPDATE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
     # DeepSpeed JIT-builds its CPU shared-memory comm op into torch's extension cache, one folder for every venv on
     # the machine: another venv's build of it holds the lock (and rebuilds it for its own paths). Use our own.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "outputs" / "torch_extensions"))
@@ -199,50 +249,167 @@ def _timed(cmd: list[str], log: Path) -> float:
 
 def run_ours(seed: int, steps: int, data: Path, out: Path, port: int) -> dict:
     bin_dir = Path(sys.executable).parent
-    wall = _timed([
-        str(bin_dir / "deepspeed"), "--num_gpus", str(NPROC), "--master_port", str(port), "--module", "disco_clip_ds.train",
-        "--deepspeed", "ds_configs/cpu_zero2.json", "--train_shards", str(data / "train"),
-        "--model_config", "recipes/models/tiny.json", "--tokenizer_name", "recipes/tokenizer", "--loss_impl", "tiled",
-        "--output_dir", str(out), "--max_steps", str(steps), "--per_device_train_batch_size", str(PER_RANK),
-        "--learning_rate", str(LR), "--weight_decay", str(WD), "--warmup_steps", str(WARMUP), "--lr_scheduler_type", "cosine",
-        "--adam_beta1", "0.9", "--adam_beta2", "0.999", "--adam_epsilon", "1e-8", "--max_grad_norm", str(CLIP_NORM),
-        "--logging_steps", "1", "--save_steps", "100000", "--dataloader_num_workers", "1", "--seed", str(seed),
-        "--report_to", "none",
-    ], out.with_suffix(".log"))
+    wall = _timed(
+        [
+            str(bin_dir / "deepspeed"),
+            "--num_gpus",
+            str(NPROC),
+            "--master_port",
+            str(port),
+            "--module",
+            "disco_clip_ds.train",
+            "--deepspeed",
+            "ds_configs/cpu_zero2.json",
+            "--train_shards",
+            str(data / "train"),
+            "--model_config",
+            "recipes/models/tiny.json",
+            "--tokenizer_name",
+            "recipes/tokenizer",
+            "--loss_impl",
+            "tiled",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            str(steps),
+            "--per_device_train_batch_size",
+            str(PER_RANK),
+            "--learning_rate",
+            str(LR),
+            "--weight_decay",
+            str(WD),
+            "--warmup_steps",
+            str(WARMUP),
+            "--lr_scheduler_type",
+            "cosine",
+            "--adam_beta1",
+            "0.9",
+            "--adam_beta2",
+            "0.999",
+            "--adam_epsilon",
+            "1e-8",
+            "--max_grad_norm",
+            str(CLIP_NORM),
+            "--logging_steps",
+            "1",
+            "--save_steps",
+            "100000",
+            "--dataloader_num_workers",
+            "1",
+            "--seed",
+            str(seed),
+            "--report_to",
+            "none",
+        ],
+        out.with_suffix(".log"),
+    )
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     reported = json.loads((out / "train_results.json").read_text())["train_samples_per_second"]
     return {"losses": losses, "wall_s": wall, "reported_samples_per_s": reported, "model": out}
 
 
-def run_open_clip(python: Path, seed: int, steps: int, data: Path, out: Path, port: int, model_config: Path, ours_model: Path) -> dict:
+def run_open_clip(
+    python: Path, seed: int, steps: int, data: Path, out: Path, port: int, model_config: Path, ours_model: Path
+) -> dict:
     shards = sorted((data / "train").glob("*.tar"))
     first, last = shards[0].stem, shards[-1].stem
     name = model_config.stem
     out.mkdir(parents=True)
     # the trainer's arguments travel in a file: torchrun's own parser would take abbreviations such as --logs
-    (out / "open_clip_args.json").write_text(json.dumps([
-        str(model_config), "--model", name, "--train-data", str(data / "train" / f"{{{first}..{last}}}.tar"),
-        "--dataset-type", "webdataset", "--dataset-resampled", "--train-num-samples", str(steps * PER_RANK * NPROC),
-        "--epochs", "1", "--batch-size", str(PER_RANK), "--workers", "1", "--precision", "fp32", "--device", "cpu",
-        "--lr", str(LR), "--wd", str(WD), "--warmup", str(WARMUP), "--lr-scheduler", "cosine",
-        "--beta1", "0.9", "--beta2", "0.999", "--eps", "1e-8", "--grad-clip-norm", str(CLIP_NORM),
-        "--local-loss", "--gather-with-grad", "--seed", str(seed), "--log-every-n-steps", "1",
-        "--save-frequency", "1", "--zeroshot-frequency", "0", "--logs", str(out), "--name", "run", "--report-to", "",
-    ]))
-    wall = _timed([
-        str(python.parent / "torchrun"), "--nproc_per_node", str(NPROC), "--master_port", str(port), __file__, "oc-train",
-        str(out / "open_clip_args.json"),
-    ], out.with_suffix(".log"))
+    (out / "open_clip_args.json").write_text(
+        json.dumps(
+            [
+                str(model_config),
+                "--model",
+                name,
+                "--train-data",
+                str(data / "train" / f"{{{first}..{last}}}.tar"),
+                "--dataset-type",
+                "webdataset",
+                "--dataset-resampled",
+                "--train-num-samples",
+                str(steps * PER_RANK * NPROC),
+                "--epochs",
+                "1",
+                "--batch-size",
+                str(PER_RANK),
+                "--workers",
+                "1",
+                "--precision",
+                "fp32",
+                "--device",
+                "cpu",
+                "--lr",
+                str(LR),
+                "--wd",
+                str(WD),
+                "--warmup",
+                str(WARMUP),
+                "--lr-scheduler",
+                "cosine",
+                "--beta1",
+                "0.9",
+                "--beta2",
+                "0.999",
+                "--eps",
+                "1e-8",
+                "--grad-clip-norm",
+                str(CLIP_NORM),
+                "--local-loss",
+                "--gather-with-grad",
+                "--seed",
+                str(seed),
+                "--log-every-n-steps",
+                "1",
+                "--save-frequency",
+                "1",
+                "--zeroshot-frequency",
+                "0",
+                "--logs",
+                str(out),
+                "--name",
+                "run",
+                "--report-to",
+                "",
+            ]
+        )
+    )
+    wall = _timed(
+        [
+            str(python.parent / "torchrun"),
+            "--nproc_per_node",
+            str(NPROC),
+            "--master_port",
+            str(port),
+            __file__,
+            "oc-train",
+            str(out / "open_clip_args.json"),
+        ],
+        out.with_suffix(".log"),
+    )
     losses, speeds = [], []
     for line in (out / "run" / "out.log").read_text().splitlines():
         if m := re.search(r"\[\s*(\d+)/\d+ .*?, ([\d.]+)/s, .*Contrastive_loss: ([\d.]+)", line):
             losses.append((int(m[1]) // (PER_RANK * NPROC), float(m[3])))
             speeds.append(float(m[2]))
     model = out / "hf"
-    subprocess.run([str(python), __file__, "oc-convert", str(out / "run" / "checkpoints" / "epoch_1.pt"), name, str(model_config),
-                    str(REPO / "recipes" / "models" / "tiny.json"), str(REPO / "recipes" / "tokenizer"), str(model)],
-                   check=True, env=_env(), cwd=REPO)
+    subprocess.run(
+        [
+            str(python),
+            __file__,
+            "oc-convert",
+            str(out / "run" / "checkpoints" / "epoch_1.pt"),
+            name,
+            str(model_config),
+            str(REPO / "recipes" / "models" / "tiny.json"),
+            str(REPO / "recipes" / "tokenizer"),
+            str(model),
+        ],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+    )
     for f in ours_model.iterdir():  # the same tokenizer and image processor files as ours
         if "token" in f.name or "processor" in f.name or f.name == "special_tokens_map.json":
             shutil.copy(f, model / f.name)
@@ -253,9 +420,24 @@ def run_open_clip(python: Path, seed: int, steps: int, data: Path, out: Path, po
 
 def zeroshot(model: Path, data: Path) -> dict:
     out = model / "zeroshot_classification.json"
-    subprocess.run([str(Path(sys.executable).parent / "disco-clip"), "eval", "--model", str(model), "--data", str(data / "eval"),
-                    "--task", "zeroshot_classification", "--output", str(out)], check=True, env=_env(), cwd=REPO,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "disco-clip"),
+            "eval",
+            "--model",
+            str(model),
+            "--data",
+            str(data / "eval"),
+            "--task",
+            "zeroshot_classification",
+            "--output",
+            str(out),
+        ],
+        check=True,
+        env=_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     record = json.loads(out.read_text())
     return record.get("metrics", record)
 
@@ -278,25 +460,45 @@ def main(argv: list[str] | None = None) -> int:
 
     python = ensure_openclip_venv(Path(os.environ.get("OPENCLIP_VENV", REPO / "bench" / ".venv-openclip")))
     if not (args.data / "train" / "sizes.json").exists():
-        subprocess.run([str(Path(sys.executable).parent / "disco-clip"), "data", "demo", "--output", str(args.data)], check=True, env=_env())
+        subprocess.run(
+            [str(Path(sys.executable).parent / "disco-clip"), "data", "demo", "--output", str(args.data)],
+            check=True,
+            env=_env(),
+        )
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
     model_config = args.out / "disco-tiny.json"
-    model_config.write_text(json.dumps(open_clip_model_config(json.loads((REPO / "recipes/models/tiny.json").read_text()),
-                                                              str(REPO / "recipes" / "tokenizer")), indent=2))
+    model_config.write_text(
+        json.dumps(
+            open_clip_model_config(
+                json.loads((REPO / "recipes/models/tiny.json").read_text()), str(REPO / "recipes" / "tokenizer")
+            ),
+            indent=2,
+        )
+    )
     rows, curves = [], []
     for seed in args.seeds:  # alternate the stacks, so machine load hits both alike
         port = 20000 + (os.getpid() * 7 + seed * 2) % 20000  # away from other jobs' fixed ports on a shared machine
         ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}", port)
-        theirs = run_open_clip(python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", port + 1, model_config, ours["model"])
+        theirs = run_open_clip(
+            python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", port + 1, model_config, ours["model"]
+        )
         for stack, run in (("ours", ours), ("open_clip", theirs)):
             metrics = zeroshot(run["model"], args.data)
             final = [loss for step, loss in run["losses"] if step > args.steps - FINAL_WINDOW]
-            rows.append({"stack": stack, "seed": seed, "steps": args.steps, "final_loss": round(sum(final) / len(final), 4),
-                         "zeroshot_acc1": round(metrics["acc1"], 4), "zeroshot_acc5": round(metrics["acc5"], 4),
-                         "samples_per_s": round(run["reported_samples_per_s"], 1),
-                         "end_to_end_samples_per_s": round(args.steps * PER_RANK * NPROC / run["wall_s"], 1),
-                         "wall_s": round(run["wall_s"], 1)})
+            rows.append(
+                {
+                    "stack": stack,
+                    "seed": seed,
+                    "steps": args.steps,
+                    "final_loss": round(sum(final) / len(final), 4),
+                    "zeroshot_acc1": round(metrics["acc1"], 4),
+                    "zeroshot_acc5": round(metrics["acc5"], 4),
+                    "samples_per_s": round(run["reported_samples_per_s"], 1),
+                    "end_to_end_samples_per_s": round(args.steps * PER_RANK * NPROC / run["wall_s"], 1),
+                    "wall_s": round(run["wall_s"], 1),
+                }
+            )
             curves += [{"stack": stack, "seed": seed, "step": step, "loss": loss} for step, loss in run["losses"]]
             print(rows[-1], flush=True)
         write(args.results, rows, curves)  # after every seed: a long run interrupted keeps what it measured
@@ -319,10 +521,19 @@ def write(results: Path, rows: list[dict], curves: list[dict]) -> None:
     for stack, colour in (("ours", "tab:blue"), ("open_clip", "tab:orange")):
         for seed in sorted({c["seed"] for c in curves}):
             points = [(c["step"], c["loss"]) for c in curves if c["stack"] == stack and c["seed"] == seed]
-            ax.plot(*zip(*points), color=colour, alpha=0.7, lw=1, label=stack if seed == min(c["seed"] for c in curves) else None)
+            ax.plot(
+                *zip(*points),
+                color=colour,
+                alpha=0.7,
+                lw=1,
+                label=stack if seed == min(c["seed"] for c in curves) else None,
+            )
     ax.axhline(math.log(PER_RANK * NPROC), color="grey", ls=":", lw=1, label="chance, ln 256")
-    ax.set(xlabel="step", ylabel="training loss (ours: global batch; open_clip: rank 0's local loss)",
-           title="tiny CLIP, demo data, 2 CPU ranks x 128, fp32, 3 seeds each")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss (ours: global batch; open_clip: rank 0's local loss)",
+        title="tiny CLIP, demo data, 2 CPU ranks x 128, fp32, 3 seeds each",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(results / "vs_open_clip.png", dpi=120)

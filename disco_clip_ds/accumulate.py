@@ -38,7 +38,9 @@ def check_contrastive_accumulation(args, loss_impl: str) -> None:
     "local")."""
     steps = args.gradient_accumulation_steps
     if not isinstance(steps, int) or steps < 1:
-        raise AccumulationError(f"--gradient_accumulation_steps must be an integer >= 1 (micro-batches per optimizer step), got {steps!r}")
+        raise AccumulationError(
+            f"--gradient_accumulation_steps must be an integer >= 1 (micro-batches per optimizer step), got {steps!r}"
+        )
     if not getattr(args, "contrastive_accumulation", False) or steps == 1:
         return
     if loss_impl == "local":
@@ -54,8 +56,10 @@ def check_contrastive_accumulation(args, loss_impl: str) -> None:
         )
     parallel = getattr(args, "parallelism_config", None)
     if parallel is not None and any(getattr(parallel, f"{kind}_size", 1) > 1 for kind in ("tp", "cp", "sp")):
-        raise AccumulationError("contrastive accumulation supports data parallelism only (DeepSpeed ZeRO, FSDP, DDP); "
-                                "drop the tensor/context/sequence parallel sizes from parallelism_config")
+        raise AccumulationError(
+            "contrastive accumulation supports data parallelism only (DeepSpeed ZeRO, FSDP, DDP); "
+            "drop the tensor/context/sequence parallel sizes from parallelism_config"
+        )
 
 
 def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
@@ -87,8 +91,14 @@ class _Update:
     loss: torch.Tensor | None = None  # this rank's share of the global-batch loss (mean over ranks = the loss)
 
 
-def cached_embedding_gradients(image_embeds: list[torch.Tensor], text_embeds: list[torch.Tensor], logit_scale: torch.Tensor,
-                               impl: str = "tiled", chunk_size: int | None = None, group=None):
+def cached_embedding_gradients(
+    image_embeds: list[torch.Tensor],
+    text_embeds: list[torch.Tensor],
+    logit_scale: torch.Tensor,
+    impl: str = "tiled",
+    chunk_size: int | None = None,
+    group=None,
+):
     """Step 2: this rank's loss over all its micro-batches' rows, and its gradient w.r.t. each of them.
 
     image_embeds, text_embeds: per micro-batch (b_k, d) L2-normalised embeddings (no grad); logit_scale: the
@@ -105,8 +115,14 @@ def cached_embedding_gradients(image_embeds: list[torch.Tensor], text_embeds: li
     return loss.detach(), list(zip(grad_images.split(sizes), grad_texts.split(sizes))), grad_scale
 
 
-def surrogate_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_scale: torch.Tensor,
-                   grads: tuple[torch.Tensor, torch.Tensor], scale_grad: torch.Tensor, num_micro: int) -> torch.Tensor:
+def surrogate_loss(
+    image_embeds: torch.Tensor,
+    text_embeds: torch.Tensor,
+    logit_scale: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor],
+    scale_grad: torch.Tensor,
+    num_micro: int,
+) -> torch.Tensor:
     """Step 3: a scalar whose gradient w.r.t. the model is this micro-batch's share of the global-batch gradient.
 
     The multiplier's term is split evenly over the K micro-batches (summing to its whole gradient) rather than
@@ -114,8 +130,11 @@ def surrogate_loss(image_embeds: torch.Tensor, text_embeds: torch.Tensor, logit_
     ZeRO's per-micro-step gradient bookkeeping expects."""
     grad_images, grad_texts = grads
     dtype = grad_images.dtype  # 16-bit embeddings meet their fp32 gradients in fp32
-    return ((image_embeds.to(dtype) * grad_images).sum() + (text_embeds.to(dtype) * grad_texts).sum()
-            + logit_scale.to(dtype).reshape(()) * (scale_grad / num_micro))
+    return (
+        (image_embeds.to(dtype) * grad_images).sum()
+        + (text_embeds.to(dtype) * grad_texts).sum()
+        + logit_scale.to(dtype).reshape(()) * (scale_grad / num_micro)
+    )
 
 
 class ContrastiveAccumulationMixin:
@@ -157,8 +176,10 @@ class ContrastiveAccumulationMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         update = self._update
         if update is None or update.index >= len(update.batches) or update.batches[update.index] is not inputs:
-            raise RuntimeError("contrastive accumulation expects the Trainer to fetch an update's batches with "
-                               "get_batch_samples and then call training_step on each in order (transformers 5.x)")
+            raise RuntimeError(
+                "contrastive accumulation expects the Trainer to fetch an update's batches with "
+                "get_batch_samples and then call training_step on each in order (transformers 5.x)"
+            )
         if update.index == 0:
             self._embed_and_cache(model, update)
         _set_rng_state(update.rng[update.index])
@@ -174,12 +195,20 @@ class ContrastiveAccumulationMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self._in_accumulated_step:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         update = self._update
         outputs = model(**{**inputs, "return_loss": False, "return_logits": False})  # embeddings only
         num_micro = len(update.batches)
-        surrogate = surrogate_loss(outputs.image_embeds, outputs.text_embeds, outputs.logit_scale,
-                                   update.grads[update.index], update.scale_grad, num_micro)
+        surrogate = surrogate_loss(
+            outputs.image_embeds,
+            outputs.text_embeds,
+            outputs.logit_scale,
+            update.grads[update.index],
+            update.scale_grad,
+            num_micro,
+        )
         # Valued at loss / K (the Trainer sums the K micro-step values for its log), with the surrogate's gradient.
         loss = surrogate + (update.loss / num_micro - surrogate).detach()
         return (loss, outputs) if return_outputs else loss
@@ -197,8 +226,11 @@ class ContrastiveAccumulationMixin:
                 text_embeds.append(outputs.text_embeds)
                 scale = outputs.logit_scale
         if scale is None:
-            raise RuntimeError(f"{type(self.model).__name__}'s output has no logit_scale: contrastive accumulation needs "
-                               "disco_clip_ds.DiscoCLIPModel (or --contrastive_accumulation false)")
+            raise RuntimeError(
+                f"{type(self.model).__name__}'s output has no logit_scale: contrastive accumulation needs "
+                "disco_clip_ds.DiscoCLIPModel (or --contrastive_accumulation false)"
+            )
         update.rng_after = _rng_state()
         update.loss, update.grads, update.scale_grad = cached_embedding_gradients(
-            image_embeds, text_embeds, scale, impl=config.loss_impl, chunk_size=config.chunk_size)
+            image_embeds, text_embeds, scale, impl=config.loss_impl, chunk_size=config.chunk_size
+        )

@@ -45,7 +45,12 @@ EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "temporary failure, the user is i
 EXIT_LAUNCHER_GONE = 143  # as if terminated by SIGTERM along with the launcher
 STAGING = "tmp-checkpoints"
 LOCK_FILE = "run.lock"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class CheckpointError(DiscoClipError, RuntimeError):
@@ -57,6 +62,7 @@ class Preempted(Exception):
 
 
 # --- collectives that work before and after the Trainer exists (no-ops in a single process) ---
+
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -89,6 +95,7 @@ def _any_true(flag: bool, device) -> bool:
 
 # --- deterministic fault injection ---
 
+
 def fault(action: str, step: int) -> dict | None:
     """The DISCO_FAULT entry for `action` when it applies to this step and rank, else None."""
     for spec in filter(None, os.environ.get("DISCO_FAULT", "").split(";")):
@@ -112,6 +119,7 @@ def _inject_save_faults(step: int) -> None:
 
 
 # --- what counts as a complete checkpoint ---
+
 
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
     """Why `folder` cannot be resumed from (None when it is complete): Trainer state, weights, and every rank's
@@ -191,12 +199,16 @@ def _take_lock(output_dir: Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return (f"{output_dir} is in use by another run ({holder or 'holder unknown'}): wait for it to end, "
-                "or choose another --output_dir")
+        return (
+            f"{output_dir} is in use by another run ({holder or 'holder unknown'}): wait for it to end, "
+            "or choose another --output_dir"
+        )
     if holder:  # the previous holder died without releasing it (a clean exit empties the file)
         logger.warning("taking over the lock of a run that is no longer running (%s) in %s", holder, output_dir)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    os.pwrite(
+        fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0
+    )
     _lock_fd = fd
     _clean_staging(output_dir)
     return None
@@ -220,6 +232,7 @@ def _clean_staging(output_dir: Path) -> None:
 
 # --- disk space ---
 
+
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -236,9 +249,12 @@ def _free_bytes(output_dir: Path, step: int) -> int:
 def disk_full_message(output_dir: Path, needed: int | None, step: int) -> str:
     last = _newest_complete(output_dir)
     need = f"needs ~{_size(needed)}, " if needed else ""
-    return (f"no space left in {output_dir} ({need}{_size(_free_bytes(output_dir, step))} free) while saving checkpoint-{step}; "
-            f"{'the last complete checkpoint ' + Path(last).name + ' is intact' if last else 'no checkpoint was saved'}: "
-            "free space, then resume with --resume_from_checkpoint latest")
+    return (
+        f"no space left in {output_dir} ({need}{_size(_free_bytes(output_dir, step))} free) while saving "
+        f"checkpoint-{step}; "
+        f"{'the last complete checkpoint ' + Path(last).name + ' is intact' if last else 'no checkpoint was saved'}: "
+        "free space, then resume with --resume_from_checkpoint latest"
+    )
 
 
 def _is_disk_full(error: BaseException) -> bool:
@@ -246,10 +262,13 @@ def _is_disk_full(error: BaseException) -> bool:
         return True
     # torch.save's C++ writer loses the errno: "basic_ios::clear: iostream error", "file write failed"
     text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos"))
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos")
+    )
 
 
 # --- the Trainer side ---
+
 
 class CompleteCheckpointsMixin:
     """Mix into a Trainer subclass (before Trainer): checkpoint-N appears complete or not at all, rotation
@@ -269,7 +288,11 @@ class CompleteCheckpointsMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = Path(super()._get_output_dir(trial))
-        step, name, device = self.state.global_step, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}", self.args.device
+        step, name, device = (
+            self.state.global_step,
+            f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
+            self.args.device,
+        )
         staging = run_dir / STAGING
         needed = None
         if _rank() == 0:
@@ -316,8 +339,11 @@ class CompleteCheckpointsMixin:
         finally:
             os.close(dir_fd)
         best = self.state.best_model_checkpoint
-        rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=None if best is None or STAGING in best else best)
+        rotate_checkpoints(
+            output_dir=str(final.parent),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=None if best is None or STAGING in best else best,
+        )
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -357,8 +383,10 @@ def parse_signals(names: str) -> tuple[int, ...]:
     if names.strip().lower() in ("", "none"):
         return ()
     try:
-        return tuple(signal.Signals[n.strip().upper() if n.strip().upper().startswith("SIG") else "SIG" + n.strip().upper()]
-                     for n in names.split(","))
+        return tuple(
+            signal.Signals[n.strip().upper() if n.strip().upper().startswith("SIG") else "SIG" + n.strip().upper()]
+            for n in names.split(",")
+        )
     except KeyError as e:
         raise UsageError(f"--stop_signals {names}: unknown signal {e}; e.g. SIGTERM,SIGUSR1") from None
 
@@ -388,7 +416,11 @@ class StopOnSignal(TrainerCallback):
     def _on_signal(self, signum, frame):
         if self.received is None:
             self.received = signum
-            print(f"[rank {_rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"[rank {_rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _signal_seen(self) -> bool:
         if self.received is not None:
@@ -412,8 +444,12 @@ class StopOnSignal(TrainerCallback):
             if self._signal_seen():
                 return  # a stop is under way: it saves and exits on its own, whatever the launcher does
             if os.getppid() != parent or (len(chain) > 1 and _ppid(parent) != chain[1]):
-                print(f"[rank {_rank()}] launcher (pid {chain[-1]}) is gone: exiting, the last complete checkpoint "
-                      "stays usable", file=sys.stderr, flush=True)
+                print(
+                    f"[rank {_rank()}] launcher (pid {chain[-1]}) is gone: exiting, the last complete checkpoint "
+                    "stays usable",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(EXIT_LAUNCHER_GONE)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -434,8 +470,10 @@ class StopOnSignal(TrainerCallback):
 
 
 def _inject_signal_faults(step: int) -> None:
-    for action, send in (("signal_at_step", lambda s: os.kill(os.getpid(), s)),
-                         ("signal_group_at_step", lambda s: os.killpg(os.getpgid(0), s))):
+    for action, send in (
+        ("signal_at_step", lambda s: os.kill(os.getpid(), s)),
+        ("signal_group_at_step", lambda s: os.killpg(os.getpgid(0), s)),
+    ):
         spec = fault(action, step)
         if spec:
             send(parse_signals(spec["value"] or "SIGTERM")[0])
@@ -455,6 +493,7 @@ def _ppid(pid: int) -> int:
 
 # --- a finished run stays finished ---
 
+
 def finished_message(checkpoint: str | None, max_steps: int) -> str | None:
     """A message when `checkpoint` has already reached max_steps (re-running would train past the end)."""
     if checkpoint is None:
@@ -462,12 +501,16 @@ def finished_message(checkpoint: str | None, max_steps: int) -> str | None:
     step = checkpoint_step(checkpoint)
     if step < max_steps:
         return None
-    return (f"run finished: {Path(checkpoint).name} reached step {step} of --max_steps {max_steps}; nothing to do "
-            f"(raise --max_steps to train on)")
+    return (
+        f"run finished: {Path(checkpoint).name} reached step {step} of --max_steps {max_steps}; nothing to do "
+        f"(raise --max_steps to train on)"
+    )
 
 
 def resume_hint(output_dir: str, signame: str, step: int) -> str:
     argv = " ".join(a for a in sys.argv[1:])
     again = "" if "--resume_from_checkpoint" in argv else " --resume_from_checkpoint latest"
-    return (f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: re-run the same "
-            f"command{again and ' with' + again} (exit code {EXIT_PREEMPTED})")
+    return (
+        f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: re-run the same "
+        f"command{again and ' with' + again} (exit code {EXIT_PREEMPTED})"
+    )

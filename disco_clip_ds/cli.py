@@ -18,8 +18,11 @@ from .errors import DiscoClipError
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
     (None, "train"): ("disco_clip_ds.train", "main", "train a CLIP model under DeepSpeed with the distributed loss"),
-    ("data", "download"): ("disco_clip_ds.data.prep", "download_main",
-                          "download a dataset to webdataset shards with img2dataset"),
+    ("data", "download"): (
+        "disco_clip_ds.data.prep",
+        "download_main",
+        "download a dataset to webdataset shards with img2dataset",
+    ),
     ("data", "metadata"): ("disco_clip_ds.data.metadata", "metadata_main", "fetch parquet metadata from the HF hub"),
     ("data", "verify"): ("disco_clip_ds.data.verify", "verify_main", "check shards, write sizes.json"),
     ("data", "demo"): ("disco_clip_ds.data.demo", "main", "build the offline digits demo dataset"),
@@ -36,9 +39,11 @@ GROUPS = {"data": "dataset download, verification and the demo set", "bench": "b
 def build_parser() -> argparse.ArgumentParser:
     """The command tree. A command's own arguments are left unparsed here (its module parses them), so each
     command is a subparser without options of its own: `--help` after it reaches the module's parser."""
-    parser = argparse.ArgumentParser(prog="disco-clip",
-                                     description="DisCo-CLIP training with HF transformers and DeepSpeed",
-                                     epilog="`disco-clip COMMAND --help` lists a command's arguments")
+    parser = argparse.ArgumentParser(
+        prog="disco-clip",
+        description="DisCo-CLIP training with HF transformers and DeepSpeed",
+        epilog="`disco-clip COMMAND --help` lists a command's arguments",
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     groups = {}
     for (group, name), (target, func, help_) in COMMANDS.items():
@@ -59,8 +64,10 @@ def _run_script(rel_path: str, argv: list[str]) -> int:
     # Benchmarks are scripts in the repo's bench/ folder, not part of the installed package.
     script = Path(__file__).resolve().parents[1] / rel_path
     if not script.exists():
-        print(f"disco-clip: {rel_path} not found; bench commands need a source checkout (pip install -e .)",
-              file=sys.stderr)
+        print(
+            f"disco-clip: {rel_path} not found; bench commands need a source checkout (pip install -e .)",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(script), *argv]
     runpy.run_path(str(script), run_name="__main__")

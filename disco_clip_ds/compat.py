@@ -95,8 +95,10 @@ def img2dataset_fetch(fetch, run=_call):
     # `img2dataset.main` as an attribute is the CLI function of the same name; the module is what we need.
     i2d_main = importlib.import_module("img2dataset.main")
     if not hasattr(i2d_main, "Downloader") or not hasattr(dl, "download_image"):
-        raise RuntimeError(f"img2dataset {_version('img2dataset')} moved its Downloader/download_image: "
-                           "install a release within requirements.txt's range (tested 1.45-1.47)")
+        raise RuntimeError(
+            f"img2dataset {_version('img2dataset')} moved its Downloader/download_image: "
+            "install a release within requirements.txt's range (tested 1.45-1.47)"
+        )
     original = i2d_main.Downloader
     i2d_main.Downloader = functools.partial(_wrap_downloader, original, fetch, run)
     try:

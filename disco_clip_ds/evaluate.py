@@ -67,7 +67,9 @@ def _best_positive_rank(scores: torch.Tensor, positives: torch.Tensor) -> torch.
     return (scores > best_positive).sum(1)
 
 
-def retrieval_metrics(scores: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = RECALL_KS) -> dict[str, float]:
+def retrieval_metrics(
+    scores: torch.Tensor, text_to_image: torch.Tensor, ks: Sequence[int] = RECALL_KS
+) -> dict[str, float]:
     """CLIP_benchmark's image/text_retrieval_recall@k from (n_texts, n_images) similarity `scores`.
 
     `text_to_image[t]` is the image that caption t describes (an image may have several captions).
@@ -123,14 +125,20 @@ def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) 
     chunks = []
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(
-            list(texts[start : start + batch_size]), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+            list(texts[start : start + batch_size]),
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
         ).to(device)
         out = _features(model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]))
         chunks.append(F.normalize(out.float(), dim=-1).cpu())
     return torch.cat(chunks)
 
 
-def zeroshot_classifier(model, tokenizer, classnames: Sequence[str], templates: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+def zeroshot_classifier(
+    model, tokenizer, classnames: Sequence[str], templates: Sequence[str], batch_size: int = 256
+) -> torch.Tensor:
     """(n_classes, d) classifier: per class, the renormalised mean of its normalised prompt embeddings."""
     prompts = [template.format(c=name) for name in classnames for template in templates]
     embeddings = encode_texts(model, tokenizer, prompts, batch_size).view(len(classnames), len(templates), -1)
@@ -149,7 +157,10 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     urls = [url for item in specs for url in expand_shards(str(item))]
     missing = [url for url in urls if not is_url(url) and not os.path.isfile(url)]
     if missing:
-        raise FileNotFoundError(f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards or a brace pattern")
+        raise FileNotFoundError(
+            f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards "
+            "or a brace pattern"
+        )
     return urls
 
 
@@ -175,9 +186,13 @@ def check_eval_shards(urls: Sequence[str], task: str) -> None:
         fields = {name.rsplit(".", 1)[-1] for name in (m.name for m in members) if "." in name}
         if fields and need not in fields:
             other = "zeroshot_retrieval" if task == "zeroshot_classification" else "zeroshot_classification"
-            layout = "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
+            layout = (
+                "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
+            )
             hint = f"; it has .{_TASK_FIELD[other]}: use --task {other}" if _TASK_FIELD[other] in fields else ""
-            raise UsageError(f"shard '{url}' has no .{need} members, which --task {task} reads (expected {layout}){hint}")
+            raise UsageError(
+                f"shard '{url}' has no .{need} members, which --task {task} reads (expected {layout}){hint}"
+            )
 
 
 def _every_node(urls):
@@ -186,18 +201,24 @@ def _every_node(urls):
 
 
 def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
-    """(pixel_values, [class index or caption list]) batches read in order from the shards; `fields` is "cls" or "txt"."""
+    """(pixel_values, [class index or caption list]) batches read in order from the shards.
+
+    `fields` is "cls" or "txt"."""
     import webdataset as wds
 
     dataset = (
-        wds.WebDataset(resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False)
+        wds.WebDataset(
+            resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False
+        )
         .decode("pil")
         .to_tuple(";".join(IMAGE_EXTS), fields)
         .batched(batch_size, collation_fn=None, partial=True)
     )
     for batch in dataset:
         images, values = zip(*batch)
-        pixel_values = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
+        pixel_values = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")[
+            "pixel_values"
+        ]
         if fields == "txt":
             values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
         yield pixel_values, list(values)
@@ -209,9 +230,13 @@ def _progress(batches, desc: str, enabled: bool):
 
 
 def _as_batches(data, image_processor, fields: str, batch_size: int):
-    if isinstance(data, (str, os.PathLike)) or (isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))):
+    if isinstance(data, (str, os.PathLike)) or (
+        isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))
+    ):
         if image_processor is None:
-            raise ValueError("reading shards needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))")
+            raise ValueError(
+                "reading shards needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))"
+            )
         return shard_batches(data, image_processor, fields, batch_size)
     return data
 
@@ -233,7 +258,15 @@ class _EvalMode:
 
 
 def zeroshot_classification(
-    model, tokenizer, data, classnames: Sequence[str], templates: Sequence[str], *, image_processor=None, batch_size: int = 64, progress: bool = True
+    model,
+    tokenizer,
+    data,
+    classnames: Sequence[str],
+    templates: Sequence[str],
+    *,
+    image_processor=None,
+    batch_size: int = 64,
+    progress: bool = True,
 ) -> dict[str, float]:
     """Zero-shot classification: acc1, acc5, mean_per_class_recall (fractions in [0, 1]).
 
@@ -245,19 +278,31 @@ def zeroshot_classification(
     with _EvalMode(_unwrap(model)):
         classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
         logits, targets = [], []
-        for pixel_values, labels in _progress(_as_batches(data, image_processor, "cls", batch_size), "zero-shot", progress):
+        for pixel_values, labels in _progress(
+            _as_batches(data, image_processor, "cls", batch_size), "zero-shot", progress
+        ):
             logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
             targets.append(torch.as_tensor(labels, dtype=torch.long))
     if not logits:
         raise ValueError("the evaluation data holds no samples")
     targets = torch.cat(targets)
     if targets.min() < 0 or targets.max() >= len(classnames):
-        raise ValueError(f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} class names")
+        raise ValueError(
+            f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} "
+            "class names"
+        )
     return classification_metrics(torch.cat(logits), targets)
 
 
 def zeroshot_retrieval(
-    model, tokenizer, data, *, image_processor=None, batch_size: int = 64, ks: Sequence[int] = RECALL_KS, progress: bool = True
+    model,
+    tokenizer,
+    data,
+    *,
+    image_processor=None,
+    batch_size: int = 64,
+    ks: Sequence[int] = RECALL_KS,
+    progress: bool = True,
 ) -> dict[str, float]:
     """Image-text retrieval: image_retrieval_recall@k and text_retrieval_recall@k for k in `ks`.
 
@@ -266,12 +311,18 @@ def zeroshot_retrieval(
     """
     image_embeddings, text_embeddings, text_to_image = [], [], []
     with _EvalMode(_unwrap(model)):
-        for pixel_values, captions in _progress(_as_batches(data, image_processor, "txt", batch_size), "retrieval", progress):
+        for pixel_values, captions in _progress(
+            _as_batches(data, image_processor, "txt", batch_size), "retrieval", progress
+        ):
             first = sum(len(e) for e in image_embeddings)
             image_embeddings.append(encode_images(model, pixel_values))
             texts = [text for caps in captions for text in caps]
             text_to_image += [first + i for i, caps in enumerate(captions) for _ in caps]
-            text_embeddings.append(encode_texts(model, tokenizer, texts, batch_size) if texts else torch.empty(0, image_embeddings[-1].shape[1]))
+            text_embeddings.append(
+                encode_texts(model, tokenizer, texts, batch_size)
+                if texts
+                else torch.empty(0, image_embeddings[-1].shape[1])
+            )
     if not image_embeddings or not text_to_image:
         raise ValueError("the evaluation data holds no image with a caption")
     scores = torch.cat(text_embeddings) @ torch.cat(image_embeddings).T
@@ -297,14 +348,17 @@ def _shard_folder(data: str) -> Path | None:
 
 
 def find_classnames(data: str, classnames: str | None) -> list[str]:
-    """Class names from `classnames` (a file or a shipped name like "imagenet1k") or `classnames.txt` beside the shards."""
+    """Class names from `classnames` (a file or a shipped name like "imagenet1k"), else `classnames.txt` beside
+    the shards."""
     if classnames:
         path = NAMED_CLASSNAMES.get(classnames, Path(classnames))
     else:
         folder = _shard_folder(data)
         path = folder / CLASSNAMES_FILE if folder else None
         if path is None or not path.is_file():
-            raise FileNotFoundError(f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)")
+            raise FileNotFoundError(
+                f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)"
+            )
     if not Path(path).is_file():
         raise FileNotFoundError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
     return read_lines(path)
@@ -337,7 +391,17 @@ class ZeroShotCallback(TrainerCallback):
     `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through.
     """
 
-    def __init__(self, data_dir, tokenizer, image_size: int, every_n_steps: int, batch_size: int = 64, image_processor=None, classnames=None, templates=None):
+    def __init__(
+        self,
+        data_dir,
+        tokenizer,
+        image_size: int,
+        every_n_steps: int,
+        batch_size: int = 64,
+        image_processor=None,
+        classnames=None,
+        templates=None,
+    ):
         from transformers import CLIPImageProcessor
 
         if every_n_steps <= 0:
@@ -361,14 +425,22 @@ class ZeroShotCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer is None:
-            raise RuntimeError("ZeroShotCallback needs the trainer to log through: use ZeroShotCallback(...).attach(trainer)")
+            raise RuntimeError(
+                "ZeroShotCallback needs the trainer to log through: use ZeroShotCallback(...).attach(trainer)"
+            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every_n_steps and state.global_step != state.max_steps:
             return
         metrics = zeroshot_classification(
-            model, self.tokenizer, self.shards, self.classnames, self.templates,
-            image_processor=self.image_processor, batch_size=self.batch_size, progress=False,
+            model,
+            self.tokenizer,
+            self.shards,
+            self.classnames,
+            self.templates,
+            image_processor=self.image_processor,
+            batch_size=self.batch_size,
+            progress=False,
         )
         self.trainer.log({f"zeroshot_{name}": value for name, value in metrics.items()})
 
@@ -379,10 +451,21 @@ class ZeroShotCallback(TrainerCallback):
 @dataclass
 class EvalArguments:
     model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
-    data: str = field(metadata={"help": "webdataset shards: a folder, 'dir/{00000..00009}.tar', or sources joined by '::'"})
-    task: str = field(default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]})
-    classnames: str | None = field(default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"})
-    templates: str | None = field(default=None, metadata={"help": "templates file or 'openai_imagenet' (default: the file beside the shards, else OpenAI's 80)"})
+    data: str = field(
+        metadata={"help": "webdataset shards: a folder, 'dir/{00000..00009}.tar', or sources joined by '::'"}
+    )
+    task: str = field(
+        default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]}
+    )
+    classnames: str | None = field(
+        default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"}
+    )
+    templates: str | None = field(
+        default=None,
+        metadata={
+            "help": "templates file or 'openai_imagenet' (default: the file beside the shards, else OpenAI's 80)"
+        },
+    )
     batch_size: int = field(default=64)
     output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
@@ -395,7 +478,9 @@ def load_for_eval(model_id: str, device: str = "cpu"):
     folder = Path(model_id)
     if folder.is_dir() and not any(folder.glob("model*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
         hint = "a DeepSpeed checkpoint without full weights (ZeRO-3): " if (folder / "latest").is_file() else ""
-        raise FileNotFoundError(f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)")
+        raise FileNotFoundError(
+            f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)"
+        )
     model = CLIPModel.from_pretrained(model_id).to(device)
     return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
 
@@ -410,10 +495,21 @@ def run_eval(args: EvalArguments) -> dict:
         classnames, templates = find_classnames(args.data, args.classnames), find_templates(args.data, args.templates)
     model, tokenizer, image_processor = load_for_eval(args.model, args.device)
     if args.task == "zeroshot_classification":
-        metrics = zeroshot_classification(model, tokenizer, shards, classnames, templates, image_processor=image_processor, batch_size=args.batch_size)
+        metrics = zeroshot_classification(
+            model, tokenizer, shards, classnames, templates, image_processor=image_processor, batch_size=args.batch_size
+        )
     else:
-        metrics = zeroshot_retrieval(model, tokenizer, shards, image_processor=image_processor, batch_size=args.batch_size)
-    return {"dataset": args.data, "model": args.model, "pretrained": args.model, "task": args.task, "metrics": metrics, "language": "en"}
+        metrics = zeroshot_retrieval(
+            model, tokenizer, shards, image_processor=image_processor, batch_size=args.batch_size
+        )
+    return {
+        "dataset": args.data,
+        "model": args.model,
+        "pretrained": args.model,
+        "task": args.task,
+        "metrics": metrics,
+        "language": "en",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

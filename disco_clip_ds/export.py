@@ -36,7 +36,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     newest = _newest_checkpoint(path)
     if newest is not None:
         return newest
-    raise ExportError(f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' file) nor checkpoint-N folders")
+    raise ExportError(
+        f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' "
+        "file) nor checkpoint-N folders"
+    )
 
 
 def _has_weights(folder: Path) -> bool:
@@ -49,7 +52,9 @@ def _deepspeed_tag_dir(checkpoint: Path) -> Path | None:
         return None
     tag_dir = checkpoint / latest.read_text().strip()
     if not tag_dir.is_dir():
-        raise ExportError(f"partial checkpoint: '{latest}' names '{tag_dir.name}', which does not exist in {checkpoint}")
+        raise ExportError(
+            f"partial checkpoint: '{latest}' names '{tag_dir.name}', which does not exist in {checkpoint}"
+        )
     return tag_dir
 
 
@@ -70,13 +75,17 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
-            return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag_dir.name), f"DeepSpeed ZeRO fp32 partitions ({tag_dir.name})"
+            return get_fp32_state_dict_from_zero_checkpoint(
+                str(checkpoint), tag=tag_dir.name
+            ), f"DeepSpeed ZeRO fp32 partitions ({tag_dir.name})"
         except (ValueError, FileNotFoundError, RuntimeError, KeyError, EOFError) as e:
             raise ExportError(f"partial or corrupt DeepSpeed checkpoint in {tag_dir}: {e}") from e
     for name in WEIGHT_FILES:
         if (checkpoint / name).is_file():
             return _read_weight_file(checkpoint / name), name
-    raise ExportError(f"no weights in '{checkpoint}': expected {' or '.join(WEIGHT_FILES)} or a DeepSpeed ZeRO checkpoint")
+    raise ExportError(
+        f"no weights in '{checkpoint}': expected {' or '.join(WEIGHT_FILES)} or a DeepSpeed ZeRO checkpoint"
+    )
 
 
 def _read_weight_file(path: Path) -> dict:
@@ -114,7 +123,9 @@ def build_clip_model(checkpoint: Path, state_dict: dict):
         target = expected[name]
         if tensor.shape != target.shape:
             if tensor.numel() != target.numel():
-                raise ExportError(f"weight '{name}' has shape {tuple(tensor.shape)}, config.json wants {tuple(target.shape)}")
+                raise ExportError(
+                    f"weight '{name}' has shape {tuple(tensor.shape)}, config.json wants {tuple(target.shape)}"
+                )
             # DeepSpeed 0.19.8 trains CLIP's 0-dim logit_scale as a 1-element vector (see compat.py)
             tensor = tensor.reshape(target.shape)
         fixed[name] = tensor
@@ -128,7 +139,9 @@ def build_clip_model(checkpoint: Path, state_dict: dict):
 def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None) -> Path:
     candidates = [Path(processor_from)] if processor_from else [checkpoint, checkpoint.parent]
     for folder in candidates:
-        if any((folder / f).is_file() for f in TOKENIZER_FILES) and any((folder / f).is_file() for f in IMAGE_PROCESSOR_FILES):
+        if any((folder / f).is_file() for f in TOKENIZER_FILES) and any(
+            (folder / f).is_file() for f in IMAGE_PROCESSOR_FILES
+        ):
             return folder
     raise ExportError(
         f"no tokenizer + image-processor files in {' or '.join(map(str, candidates))}: pass --processor_from DIR "
@@ -212,27 +225,52 @@ def model_card(run: dict, eval_records: list[dict], weights_from: str):
     """A huggingface_hub ModelCard recording the set-up and the evaluation."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(library_name="transformers", pipeline_tag="zero-shot-image-classification", tags=["clip", "disco-clip", "deepspeed"])
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="zero-shot-image-classification",
+        tags=["clip", "disco-clip", "deepspeed"],
+    )
     rows = [f"| {label} | {run[key]} |" for key, label in RUN_FIELDS if key in run]
     lines = [
-        "---", data.to_yaml(), "---", "",
-        "# CLIP trained with disco-clip-ds", "",
+        "---",
+        data.to_yaml(),
+        "---",
+        "",
+        "# CLIP trained with disco-clip-ds",
+        "",
         "A `transformers` CLIPModel trained with disco-clip-ds, the exact distributed DisCo-CLIP contrastive loss "
-        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))" + (" under DeepSpeed ZeRO." if "zero_stage" in run else "."), "",
-        "## Training set-up", "", "| | |", "|---|---|", *rows, "",
-        f"Weights exported in fp32 from {weights_from}.", "",
+        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))"
+        + (" under DeepSpeed ZeRO." if "zero_stage" in run else "."),
+        "",
+        "## Training set-up",
+        "",
+        "| | |",
+        "|---|---|",
+        *rows,
+        "",
+        f"Weights exported in fp32 from {weights_from}.",
+        "",
     ]
     if eval_records:
         lines += ["## Evaluation", ""]
         for record in eval_records:
             source = f" on `{record['dataset']}`" if record.get("dataset") else ""
             lines += [f"{record.get('task', 'evaluation')}{source}:", "", "| metric | value |", "|---|---|"]
-            lines += [f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |" for name, value in record["metrics"].items()]
+            lines += [
+                f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |"
+                for name, value in record["metrics"].items()
+            ]
             lines.append("")
     lines += [
-        "## Use", "", "```python", "from transformers import CLIPModel, CLIPProcessor", "",
-        'model = CLIPModel.from_pretrained("THIS_FOLDER_OR_REPO")', 'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
-        "```", "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import CLIPModel, CLIPProcessor",
+        "",
+        'model = CLIPModel.from_pretrained("THIS_FOLDER_OR_REPO")',
+        'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
+        "```",
+        "",
     ]
     return ModelCard("\n".join(lines))
 
@@ -283,12 +321,18 @@ def export_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")
     parser.add_argument("output_dir", help="new or empty folder to write")
-    parser.add_argument("--eval_results", nargs="*", default=[], help="JSON files written by `disco-clip eval --output`")
-    parser.add_argument("--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)")
+    parser.add_argument(
+        "--eval_results", nargs="*", default=[], help="JSON files written by `disco-clip eval --output`"
+    )
+    parser.add_argument(
+        "--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)"
+    )
     args = parser.parse_args(argv)
     try:
         records = [json.loads(Path(f).read_text()) for f in args.eval_results]
-        out = export_checkpoint(args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from)
+        out = export_checkpoint(
+            args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from
+        )
     except (ExportError, OSError, json.JSONDecodeError) as e:
         print(f"disco-clip export: {e}", file=sys.stderr)
         return 1
@@ -305,10 +349,17 @@ def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
     if not folder.is_dir():
         raise ExportError(f"'{folder}' is not a folder")
     if (folder / "latest").exists() or any(folder.glob("global_step*")) or any(folder.glob("checkpoint-*")):
-        raise ExportError(f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and push OUTPUT_DIR")
+        raise ExportError(
+            f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and "
+            "push OUTPUT_DIR"
+        )
     if not (folder / "config.json").is_file() or not _has_weights(folder):
         raise ExportError(f"'{folder}' is not an exported model folder (needs config.json and model.safetensors)")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
 
 
@@ -353,14 +404,21 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
     if revision:
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     # exactly the planned files (no hidden ones): upload_folder takes them as patterns, in one commit
-    commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision, allow_patterns=[path for path, _ in plan],
-                               commit_message="Upload CLIPModel exported by disco-clip-ds")
+    commit = api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        revision=revision,
+        allow_patterns=[path for path, _ in plan],
+        commit_message="Upload CLIPModel exported by disco-clip-ds",
+    )
     return commit.commit_url
 
 
 def push_main(argv: list[str] | None = None) -> int:
     """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry_run]`."""
-    parser = argparse.ArgumentParser(prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub")
+    parser = argparse.ArgumentParser(
+        prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub"
+    )
     parser.add_argument("folder", help="a folder written by `disco-clip export`")
     parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
     parser.add_argument("--private", action="store_true", help="create the repo private")

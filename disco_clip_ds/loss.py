@@ -68,7 +68,7 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
     error on all ranks instead of leaving the others blocked in the all-gather.
     """
     _, world = _world(group)
-    shape = lambda t: list(t.shape) if t.dim() == 2 else [-1, -1]  # noqa: E731
+    shape = lambda t: list(t.shape) if t.dim() == 2 else [-1, -1]
     scale_dim = logit_scale.dim() if torch.is_tensor(logit_scale) else 0
     meta = torch.tensor(
         [image_features.dim(), text_features.dim(), *shape(image_features), *shape(text_features), scale_dim],
@@ -85,7 +85,10 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
     for rank, (nd_i, nd_t, b_i, d_i, b_t, d_t, nd_s) in enumerate(metas):
         where = f"rank {rank}: " if world > 1 else ""
         if nd_s != 0:
-            problems.append(f"{where}logit_scale must be a 0-dim tensor (the multiplier, e.g. model.logit_scale.exp()), got {nd_s}-D")
+            problems.append(
+                f"{where}logit_scale must be a 0-dim tensor (the multiplier, e.g. model.logit_scale.exp()), got "
+                f"{nd_s}-D"
+            )
         if nd_i != 2 or nd_t != 2:
             problems.append(f"{where}features must be 2-D (batch, dim); got image {nd_i}-D and text {nd_t}-D")
         elif (b_i, d_i) != (b_t, d_t):
@@ -225,7 +228,9 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         else:
             g_col = g.expand(texts.shape[0])
         if ctx.kept is not None and ctx.used:
-            raise RuntimeError("the tiled CLIP loss kept its logits for one backward (retain_graph re-use is not supported)")
+            raise RuntimeError(
+                "the tiled CLIP loss kept its logits for one backward (retain_graph re-use is not supported)"
+            )
         ctx.used = True
         texts32 = texts.float()
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
@@ -261,7 +266,10 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,
             grad_s.to(scale_dtype) if need_s else None,
-            None, None, None, None,
+            None,
+            None,
+            None,
+            None,
         )
 
 
@@ -293,7 +301,12 @@ def _direction_terms(queries, keys, scale) -> torch.Tensor:
 
 
 def disco_clip_loss(
-    image_features, text_features, logit_scale, impl: str = "tiled", chunk_size: int | None = None, group=None,
+    image_features,
+    text_features,
+    logit_scale,
+    impl: str = "tiled",
+    chunk_size: int | None = None,
+    group=None,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
 ) -> torch.Tensor:
     """Functional form of :class:`DiscoClipLoss`; see the module docstring for the exact contract."""
@@ -310,7 +323,9 @@ def disco_clip_loss(
             lse_sum = _OneBlockLogSumExps.apply(image_features, all_texts, scale, sizes, group, chunk, keep_bytes)
         else:
             all_images, all_texts = gather_features(image_features, text_features, sizes=sizes, group=group)
-            lse_sum = _direction_terms(image_features, all_texts, scale) + _direction_terms(text_features, all_images, scale)
+            lse_sum = _direction_terms(image_features, all_texts, scale) + _direction_terms(
+                text_features, all_images, scale
+            )
         positives = (image_features.float() * text_features.float()).sum() * scale
         return (lse_sum - 2 * positives) * (world / (2 * total))
 
@@ -335,13 +350,17 @@ class DiscoClipLoss(nn.Module):
     tiled loss keeps its b x B fp32 logits for backward instead of recomputing them when they fit this.
     """
 
-    def __init__(self, impl: str = "tiled", chunk_size: int | None = None, group=None, keep_bytes: int = DEFAULT_KEEP_BYTES):
+    def __init__(
+        self, impl: str = "tiled", chunk_size: int | None = None, group=None, keep_bytes: int = DEFAULT_KEEP_BYTES
+    ):
         super().__init__()
         _check_options(impl, chunk_size, keep_bytes)
         self.impl, self.chunk_size, self.group, self.keep_bytes = impl, chunk_size, group, keep_bytes
 
     def forward(self, image_features: torch.Tensor, text_features: torch.Tensor, logit_scale) -> torch.Tensor:
-        return disco_clip_loss(image_features, text_features, logit_scale, self.impl, self.chunk_size, self.group, self.keep_bytes)
+        return disco_clip_loss(
+            image_features, text_features, logit_scale, self.impl, self.chunk_size, self.group, self.keep_bytes
+        )
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, chunk_size={self.chunk_size}, keep_bytes={self.keep_bytes}"

@@ -34,7 +34,9 @@ from transformers.models.clip.modeling_clip import (
 )
 
 from . import LOSS_IMPLS, compat
-from .compat import LOGIT_SCALE_AS_VECTOR  # noqa: F401  (re-exported: read compat.LOGIT_SCALE_AS_VECTOR, tests switch it)
+
+# re-exported; read compat.LOGIT_SCALE_AS_VECTOR, which tests switch
+from .compat import LOGIT_SCALE_AS_VECTOR  # noqa: F401
 
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
 
@@ -109,7 +111,9 @@ class DiscoCLIPModel(CLIPModel):
 
     def _make_logit_scale_vector(self) -> None:
         if self.logit_scale.dim() == 0:
-            self.logit_scale = nn.Parameter(self.logit_scale.detach().reshape(1), requires_grad=self.logit_scale.requires_grad)
+            self.logit_scale = nn.Parameter(
+                self.logit_scale.detach().reshape(1), requires_grad=self.logit_scale.requires_grad
+            )
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -186,7 +190,11 @@ class DiscoCLIPModel(CLIPModel):
 
                 # fp32 logits even under autocast (Trainer --bf16 without DeepSpeed): the loss turns it off itself.
                 loss = disco_clip_loss(
-                    image_embeds, text_embeds, logit_scale, impl=self.config.loss_impl, chunk_size=self.config.chunk_size
+                    image_embeds,
+                    text_embeds,
+                    logit_scale,
+                    impl=self.config.loss_impl,
+                    chunk_size=self.config.chunk_size,
                 )
         return DiscoCLIPOutput(
             loss=loss,
@@ -202,7 +210,7 @@ class DiscoCLIPModel(CLIPModel):
 
 def _torch_linear_init_(linear: nn.Linear) -> None:
     # torch's nn.Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) is U(+-1/sqrt(fan_in)), bias the same bound.
-    bound = linear.in_features ** -0.5
+    bound = linear.in_features**-0.5
     init.uniform_(linear.weight, -bound, bound)
     if linear.bias is not None:
         init.uniform_(linear.bias, -bound, bound)
@@ -242,7 +250,7 @@ def clip_init_(module: nn.Module) -> None:
         init.normal_(module.position_embedding.weight, std=0.01)
     elif isinstance(module, CLIPVisionEmbeddings):
         # VisionTransformer.__init__: class_embedding and positional_embedding are scale * randn, scale = w^-0.5.
-        scale = module.embed_dim ** -0.5
+        scale = module.embed_dim**-0.5
         init.normal_(module.class_embedding, std=scale)
         init.normal_(module.position_embedding.weight, std=scale)
         # conv1 = nn.Conv2d(..., bias=False) with torch's default: kaiming_uniform_(a=sqrt(5)) = U(+-1/sqrt(fan_in)).
@@ -293,7 +301,9 @@ def build_model(
 ) -> DiscoCLIPModel:
     """A DiscoCLIPModel from pretrained weights (hub id or folder) or fresh from a CLIPConfig JSON file."""
     if bool(model_name_or_path) == bool(model_config):
-        raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a CLIPConfig JSON)")
+        raise ValueError(
+            "give exactly one of model_name_or_path (pretrained weights) or model_config (a CLIPConfig JSON)"
+        )
     if model_name_or_path:
         config = CLIPConfig.from_pretrained(model_name_or_path)
     else:

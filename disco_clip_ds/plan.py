@@ -40,18 +40,68 @@ DEFAULT_OVERHEAD_GB = 2.0
 # Top-level keys DeepSpeed 0.16-0.19 reads (its config docs and deepspeed/runtime/config.py). DeepSpeed itself
 # silently ignores any other key, so a typo such as "train_micro_batch_size" would go unnoticed until OOM.
 KNOWN_TOP_LEVEL_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-    "scheduler", "fp16", "bf16", "amp", "torch_autocast", "zero_optimization", "gradient_clipping",
-    "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "steps_per_print",
-    "wall_clock_breakdown", "dump_state", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
-    "comms_logger", "monitor_config", "autotuning", "elasticity", "checkpoint", "data_types", "aio",
-    "sparse_attention", "sparse_gradients", "compression_training", "data_efficiency", "curriculum_learning",
-    "pipeline", "memory_breakdown", "dataloader_drop_last", "disable_allgather", "gradient_allreduce_op",
-    "seq_parallel_communication_data_type", "sequence_parallel_size", "timers", "nebula", "weight_quantization",
-    "hybrid_engine", "mics_shard_size", "mics_hierarchical_params_gather", "eigenvalue", "progressive_layer_drop",
-    "quantize_training", "use_data_before_expert_parallelism", "graph_harvesting", "compile",
-    "use_node_local_storage", "load_universal", "tensor_parallel", "zenflow", "disable_python_gc", "fp8",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "amp",
+    "torch_autocast",
+    "zero_optimization",
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "monitor_config",
+    "autotuning",
+    "elasticity",
+    "checkpoint",
+    "data_types",
+    "aio",
+    "sparse_attention",
+    "sparse_gradients",
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "pipeline",
+    "memory_breakdown",
+    "dataloader_drop_last",
+    "disable_allgather",
+    "gradient_allreduce_op",
+    "seq_parallel_communication_data_type",
+    "sequence_parallel_size",
+    "timers",
+    "nebula",
+    "weight_quantization",
+    "hybrid_engine",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "use_data_before_expert_parallelism",
+    "graph_harvesting",
+    "compile",
+    "use_node_local_storage",
+    "load_universal",
+    "tensor_parallel",
+    "zenflow",
+    "disable_python_gc",
+    "fp8",
 }
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -82,7 +132,9 @@ class ModelShape:
 
         path = Path(path)
         if not path.is_file():
-            raise PlanConfigError(f"--model {path}: no such file; pass a CLIPConfig JSON such as recipes/models/vit_b32.json")
+            raise PlanConfigError(
+                f"--model {path}: no such file; pass a CLIPConfig JSON such as recipes/models/vit_b32.json"
+            )
         try:
             config = CLIPConfig.from_json_file(str(path))
         except (OSError, ValueError) as e:
@@ -92,13 +144,27 @@ class ModelShape:
         numels = [p.numel() for p in model.parameters()]
         v, t = config.vision_config, config.text_config
         towers = {
-            "vision": {"layers": v.num_hidden_layers, "tokens": (v.image_size // v.patch_size) ** 2 + 1,
-                       "hidden": v.hidden_size, "mlp": v.intermediate_size},
-            "text": {"layers": t.num_hidden_layers, "tokens": t.max_position_embeddings,
-                     "hidden": t.hidden_size, "mlp": t.intermediate_size},
+            "vision": {
+                "layers": v.num_hidden_layers,
+                "tokens": (v.image_size // v.patch_size) ** 2 + 1,
+                "hidden": v.hidden_size,
+                "mlp": v.intermediate_size,
+            },
+            "text": {
+                "layers": t.num_hidden_layers,
+                "tokens": t.max_position_embeddings,
+                "hidden": t.hidden_size,
+                "mlp": t.intermediate_size,
+            },
         }
-        return cls(towers, (v.num_channels, v.image_size, v.image_size), t.max_position_embeddings,
-                   config.projection_dim, sum(numels), max(numels))
+        return cls(
+            towers,
+            (v.num_channels, v.image_size, v.image_size),
+            t.max_position_embeddings,
+            config.projection_dim,
+            sum(numels),
+            max(numels),
+        )
 
     def features(self) -> dict:
         """Shape sums the activation fit is linear in (see bench/act_fit.py)."""
@@ -124,7 +190,9 @@ class ModelShape:
         return fit["delta"] * features["layer_sh"] + embed + one_layer
 
     def activation_bytes_per_sample(self, fit: dict, checkpointing: bool, elem_bytes: int) -> float:
-        return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(elem_bytes)
+        return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(
+            elem_bytes
+        )
 
 
 def load_fit(path=FIT_FILE) -> dict:
@@ -132,7 +200,9 @@ def load_fit(path=FIT_FILE) -> dict:
     try:
         return json.loads(Path(path).read_text())["coefficients"]
     except (OSError, KeyError, ValueError) as e:
-        raise PlanConfigError(f"activation fit {path} unreadable ({e}); regenerate it with: python bench/act_fit.py") from None
+        raise PlanConfigError(
+            f"activation fit {path} unreadable ({e}); regenerate it with: python bench/act_fit.py"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -198,7 +268,7 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
     for key in BATCH_KEYS:
         value = config.get(key)
         if _is_auto(value):
-            auto.append(f"{key}: \"auto\" (filled by the HF Trainer from TrainingArguments)")
+            auto.append(f'{key}: "auto" (filled by the HF Trainer from TrainingArguments)')
             value = None
         elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             problems.append(f"{key} must be a positive integer, got {value!r}")
@@ -210,8 +280,10 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
         per_device_batch = None
     if per_device_batch is not None:
         if micro is not None and micro != per_device_batch:
-            problems.append(f"--per_device_batch {per_device_batch} contradicts train_micro_batch_size_per_gpu "
-                            f"{micro} in the config: drop the flag or change the config")
+            problems.append(
+                f"--per_device_batch {per_device_batch} contradicts train_micro_batch_size_per_gpu "
+                f"{micro} in the config: drop the flag or change the config"
+            )
         micro = per_device_batch
     if micro is None and train is not None:
         micro = train // (world * (accum or 1)) or None
@@ -229,7 +301,8 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
         problems.append(
             f"batch arithmetic does not add up: train_batch_size {train} != train_micro_batch_size_per_gpu {micro} "
             f"x gradient_accumulation_steps {accum} x world size {world} = {micro * accum * world}; "
-            f"for this world size set " + " or ".join(fixes))
+            f"for this world size set " + " or ".join(fixes)
+        )
     return train, micro, accum
 
 
@@ -238,22 +311,26 @@ def _precision(config: dict, requested: str | None, problems: list, auto: list) 
     for key in ("fp16", "bf16"):
         section = config.get(key, {})
         if not isinstance(section, dict):
-            problems.append(f"\"{key}\" must be an object such as {{\"enabled\": true}}, got {section!r}")
+            problems.append(f'"{key}" must be an object such as {{"enabled": true}}, got {section!r}')
             continue
         flag = section.get("enabled", False)
         if _is_auto(flag):
-            auto.append(f"{key}.enabled: \"auto\" (the Trainer sets it from --{key}); plan with --precision")
+            auto.append(f'{key}.enabled: "auto" (the Trainer sets it from --{key}); plan with --precision')
             flag = requested == key
         enabled[key] = bool(flag)
     on = [k for k, v in enabled.items() if v]
     if len(on) > 1:
         problems.append("fp16.enabled and bf16.enabled are both true: enable one (bf16 on A100/H100)")
     if "amp" in config:  # DeepSpeed 0.19 refuses the section outright; older releases refused it with ZeRO
-        problems.append("\"amp\" (NVIDIA Apex) is not supported with DeepSpeed ZeRO: remove it and enable \"bf16\" or \"fp16\"")
+        problems.append(
+            '"amp" (NVIDIA Apex) is not supported with DeepSpeed ZeRO: remove it and enable "bf16" or "fp16"'
+        )
     configured = on[0] if on else "fp32"
     if requested is not None and requested != configured:
-        problems.append(f"--precision {requested} but the config trains in {configured}: "
-                        f"set \"{requested}\": {{\"enabled\": true}} in the config or pass --precision {configured}")
+        problems.append(
+            f"--precision {requested} but the config trains in {configured}: "
+            f'set "{requested}": {{"enabled": true}} in the config or pass --precision {configured}'
+        )
     return configured
 
 
@@ -263,7 +340,7 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
 
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
-        problems.append(f"\"zero_optimization\" must be an object, got {zero!r}")
+        problems.append(f'"zero_optimization" must be an object, got {zero!r}')
         return
     known = set(DeepSpeedZeroConfig.model_fields)
     known |= {f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
@@ -271,9 +348,12 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
         if key not in known:
             problems.append(f"unknown key zero_optimization.{key}{_suggest(key, known)}")
         elif _is_auto(value):
-            hint = ("the Trainer fills it with hidden_size**2 (4096 for a 64-wide model): set it explicitly"
-                    if key == "reduce_bucket_size" else "filled by the HF Trainer")
-            auto.append(f"zero_optimization.{key}: \"auto\" ({hint})")
+            hint = (
+                "the Trainer fills it with hidden_size**2 (4096 for a 64-wide model): set it explicitly"
+                if key == "reduce_bucket_size"
+                else "filled by the HF Trainer"
+            )
+            auto.append(f'zero_optimization.{key}: "auto" ({hint})')
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         problems.append(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -291,8 +371,10 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != int(value):
             problems.append(f"zero_optimization.{key} must be a whole number of elements, got {value}")
     if parsed.allgather_bucket_size % 2:  # DeepSpeed asserts this only when the engine starts
-        problems.append(f"zero_optimization.allgather_bucket_size must be even (NCCL 4-byte alignment of 16-bit "
-                        f"values), got {parsed.allgather_bucket_size}")
+        problems.append(
+            f"zero_optimization.allgather_bucket_size must be even (NCCL 4-byte alignment of 16-bit "
+            f"values), got {parsed.allgather_bucket_size}"
+        )
     if stage < 3 and any(k.startswith("stage3_") for k in zero):
         warnings.append(f"stage3_* keys have no effect at ZeRO stage {stage}")
     if stage == 0 and (zero.get("offload_optimizer") or zero.get("offload_param")):
@@ -300,8 +382,11 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
     if stage < 3 and zero.get("offload_param"):
         problems.append("offload_param needs ZeRO stage 3: remove it or set zero_optimization.stage to 3")
     settings_kwargs.update(
-        stage=stage, reduce_bucket=int(parsed.reduce_bucket_size), allgather_bucket=int(parsed.allgather_bucket_size),
-        overlap_comm=bool(parsed.overlap_comm), prefetch_bucket=int(parsed.prefetch_bucket_size),
+        stage=stage,
+        reduce_bucket=int(parsed.reduce_bucket_size),
+        allgather_bucket=int(parsed.allgather_bucket_size),
+        overlap_comm=bool(parsed.overlap_comm),
+        prefetch_bucket=int(parsed.prefetch_bucket_size),
         max_live_parameters=int(parsed.max_live_parameters),
         offload_optimizer=parsed.offload_optimizer is not None and str(parsed.offload_optimizer.device) != "none",
         offload_param=parsed.offload_param is not None and str(parsed.offload_param.device) != "none",
@@ -313,8 +398,12 @@ def _deepspeed_check(config: dict, micro: int, accum: int, problems: list) -> No
     to one rank, and it cannot parse "auto", so those keys are dropped (the Trainer replaces them first)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    copy = dict(_without_auto(config), train_batch_size=micro * accum, train_micro_batch_size_per_gpu=micro,
-                gradient_accumulation_steps=accum)
+    copy = dict(
+        _without_auto(config),
+        train_batch_size=micro * accum,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accum,
+    )
     try:
         DeepSpeedConfig(copy)
     except Exception as e:  # DeepSpeed raises assert/ValueError/pydantic errors alike; report its words
@@ -338,7 +427,9 @@ def _without_auto(value):
     return value
 
 
-def validate_config(config: dict, world: int, per_device_batch: int | None = None, precision: str | None = None) -> Settings:
+def validate_config(
+    config: dict, world: int, per_device_batch: int | None = None, precision: str | None = None
+) -> Settings:
     """Check a DeepSpeed config dict for `world` data-parallel ranks; return its numbers or raise PlanConfigError.
 
     Every problem is collected and reported at once, each with the fix. "auto" values are listed in
@@ -349,15 +440,20 @@ def validate_config(config: dict, world: int, per_device_batch: int | None = Non
     problems, warnings, auto = [], [], []
     for key in config:
         if key not in KNOWN_TOP_LEVEL_KEYS:
-            problems.append(f"unknown top-level key \"{key}\"{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}; "
-                            "DeepSpeed would silently ignore it")
+            problems.append(
+                f'unknown top-level key "{key}"{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}; '
+                "DeepSpeed would silently ignore it"
+            )
     batch = _batch_numbers(config, world, per_device_batch, problems, auto)
     chosen = _precision(config, precision, problems, auto)
     kwargs = {"stage": 0}
     _zero_section(config, kwargs, problems, warnings, auto)
     listed = {a.split(":")[0] for a in auto}
-    auto += [f"{path}: \"auto\" (filled by the HF Trainer from TrainingArguments)"
-             for path in _auto_paths(config) if path not in listed]
+    auto += [
+        f'{path}: "auto" (filled by the HF Trainer from TrainingArguments)'
+        for path in _auto_paths(config)
+        if path not in listed
+    ]
     comm = config.get("communication_data_type")
     comm_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "bfp16": 2, None: PRECISION_BYTES[chosen]}.get(comm)
     if comm_bytes is None:
@@ -367,15 +463,31 @@ def validate_config(config: dict, world: int, per_device_batch: int | None = Non
     if problems:
         raise PlanConfigError("DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
     train, micro, accum = batch
-    return Settings(world=world, micro_batch=micro, grad_accum=accum, train_batch=train, precision=chosen,
-                    comm_bytes=comm_bytes, trainer_auto=auto, warnings=warnings, **kwargs)
+    return Settings(
+        world=world,
+        micro_batch=micro,
+        grad_accum=accum,
+        train_batch=train,
+        precision=chosen,
+        comm_bytes=comm_bytes,
+        trainer_auto=auto,
+        warnings=warnings,
+        **kwargs,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- memory
 
 
-def model_state_bytes(params: int, largest: int, stage: int, precision: str, world: int,
-                      offload_optimizer: bool = False, offload_param: bool = False) -> dict:
+def model_state_bytes(
+    params: int,
+    largest: int,
+    stage: int,
+    precision: str,
+    world: int,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> dict:
     """Parameters, gradients and optimizer (Adam) states per GPU.
 
     Mixed precision (bf16/fp16), per parameter: 2 B 16-bit weights, 2 B 16-bit gradients, 4 B fp32 gradient
@@ -400,16 +512,18 @@ def model_state_bytes(params: int, largest: int, stage: int, precision: str, wor
     return {"params": weights, "grads": grads, "optimizer": optim}
 
 
-def _deepspeed_estimate(params: int, largest: int, stage: int, world: int, offload_optimizer: bool,
-                        offload_param: bool) -> int:
+def _deepspeed_estimate(
+    params: int, largest: int, stage: int, world: int, offload_optimizer: bool, offload_param: bool
+) -> int:
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
         return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=world, cpu_offload=offload_optimizer)[1]
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    return estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=world, cpu_offload=offload_optimizer,
-                                                 cpu_offload_params=offload_param)[1]
+    return estimate_zero3_model_states_mem_needs(
+        params, largest, num_gpus_per_node=world, cpu_offload=offload_optimizer, cpu_offload_params=offload_param
+    )[1]
 
 
 def zero_buffer_bytes(settings: Settings) -> float:
@@ -472,24 +586,43 @@ class MemoryPlan:
         return self.total <= self.capacity
 
 
-def memory_plan(shape: ModelShape, settings: Settings, fit: dict, impl: str, checkpointing: bool,
-                capacity: float, overhead: float = DEFAULT_OVERHEAD_GB * GiB, micro_batch: int | None = None,
-                chunk_size: int | None = None) -> MemoryPlan:
+def memory_plan(
+    shape: ModelShape,
+    settings: Settings,
+    fit: dict,
+    impl: str,
+    checkpointing: bool,
+    capacity: float,
+    overhead: float = DEFAULT_OVERHEAD_GB * GiB,
+    micro_batch: int | None = None,
+    chunk_size: int | None = None,
+) -> MemoryPlan:
     """Per-GPU memory of one training step (bytes), term by term."""
     micro = settings.micro_batch if micro_batch is None else micro_batch
     elem = PRECISION_BYTES[settings.precision]
     k = settings.contrastive_steps
-    terms = model_state_bytes(shape.params, shape.largest_param, settings.stage, settings.precision,
-                              settings.world, settings.offload_optimizer, settings.offload_param)
+    terms = model_state_bytes(
+        shape.params,
+        shape.largest_param,
+        settings.stage,
+        settings.precision,
+        settings.world,
+        settings.offload_optimizer,
+        settings.offload_param,
+    )
     terms["zero buffers"] = zero_buffer_bytes(settings)
     terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
     if k == 1:
-        terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size)
+        terms[f"loss ({impl})"] = loss_bytes(
+            impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size
+        )
     else:
         # The loss over all micro x world x K pairs runs on the cached embeddings in fp32, between the no-grad and
         # the grad passes (counted on top of the activations all the same: an upper bound). The cache: K x micro
         # image and text embeddings per rank in the training dtype plus their fp32 gradients, kept until replay.
-        terms[f"loss ({impl})"] = loss_bytes(impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size)
+        terms[f"loss ({impl})"] = loss_bytes(
+            impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size
+        )
         terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
     terms["transient grad"] = shape.largest_param * elem
@@ -499,7 +632,7 @@ def memory_plan(shape: ModelShape, settings: Settings, fit: dict, impl: str, che
 
 def max_micro_batch(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None) -> int:
     """Largest per-GPU batch whose plan fits (0 if even 1 does not); memory grows monotonically with batch."""
-    fits = lambda b: memory_plan(shape, settings, fit, impl, checkpointing, capacity, overhead, b, chunk_size).fits  # noqa: E731
+    fits = lambda b: memory_plan(shape, settings, fit, impl, checkpointing, capacity, overhead, b, chunk_size).fits
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -511,12 +644,24 @@ def max_micro_batch(shape, settings, fit, impl, checkpointing, capacity, overhea
     return lo
 
 
-def max_contrastive_steps(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None,
-                          limit: int = 1 << 20) -> int:
+def max_contrastive_steps(
+    shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, limit: int = 1 << 20
+) -> int:
     """Largest K whose plan fits at the config's micro batch under contrastive accumulation (0 if K=1 does not):
     the largest contrastive batch for this GPU count is micro x world x K."""
-    fits = lambda k: memory_plan(shape, replace(settings, grad_accum=k, contrastive_accumulation=True), fit, impl,  # noqa: E731
-                                 checkpointing, capacity, overhead, None, chunk_size).fits
+    fits = lambda k: (
+        memory_plan(
+            shape,
+            replace(settings, grad_accum=k, contrastive_accumulation=True),
+            fit,
+            impl,
+            checkpointing,
+            capacity,
+            overhead,
+            None,
+            chunk_size,
+        ).fits
+    )
     return _largest(fits, limit)
 
 
@@ -551,19 +696,26 @@ def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "t
         grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": ring * p * e}
     else:  # weights gathered for forward and again for backward in every micro-step (and for the no-grad pass)
         gathers = 3 if settings.contrastive_steps > 1 else 2
-        grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": accum * gathers * ring * p * e}
+        grads = {
+            "gradient reduce-scatter": accum * ring * p * g,
+            "parameter all-gather": accum * gathers * ring * p * e,
+        }
     # contrastive accumulation gathers all K micro-batches' fp32 embeddings at once: the same rows, fp32 bytes
     feature_bytes = 4 if settings.contrastive_steps > 1 else e
     batch = settings.micro_batch * n
     modality = accum * ring * batch * shape.projection_dim * feature_bytes  # one modality's rows
     loss = {
         "naive": {"naive loss: feature all-gather (forward)": 2 * modality},
-        "disco": {"disco loss: feature all-gather (forward)": 2 * modality,
-                  "disco loss: feature reduce-scatter (backward)": 2 * modality,
-                  "(paper: feature all-reduce in backward)": 4 * modality},
-        "tiled": {"tiled loss: text all-gather (forward)": modality,
-                  "tiled loss: column lse all-reduces (forward)": accum * 2 * 2 * ring * batch * 4,
-                  "tiled loss: text reduce-scatter (backward)": modality},
+        "disco": {
+            "disco loss: feature all-gather (forward)": 2 * modality,
+            "disco loss: feature reduce-scatter (backward)": 2 * modality,
+            "(paper: feature all-reduce in backward)": 4 * modality,
+        },
+        "tiled": {
+            "tiled loss: text all-gather (forward)": modality,
+            "tiled loss: column lse all-reduces (forward)": accum * 2 * 2 * ring * batch * 4,
+            "tiled loss: text reduce-scatter (backward)": modality,
+        },
     }
     return {**grads, **{k: v for impl in loss_impls for k, v in loss[impl].items()}}
 
@@ -584,26 +736,47 @@ def _fmt(nbytes: float) -> str:
     return f"{nbytes / GiB:8.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:8.1f} MiB"
 
 
-def plan(config_path, model_path, gpus: int, gpu_memory: str, per_device_batch=None, precision=None,
-         activation_checkpointing=False, loss_impls=LOSS_IMPLS, chunk_size=None,
-         overhead_gb: float = DEFAULT_OVERHEAD_GB, contrastive_accumulation: bool = True) -> dict:
+def plan(
+    config_path,
+    model_path,
+    gpus: int,
+    gpu_memory: str,
+    per_device_batch=None,
+    precision=None,
+    activation_checkpointing=False,
+    loss_impls=LOSS_IMPLS,
+    chunk_size=None,
+    overhead_gb: float = DEFAULT_OVERHEAD_GB,
+    contrastive_accumulation: bool = True,
+) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes)."""
     settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     shape = ModelShape.from_json(model_path)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
-    out = {"settings": asdict(settings), "model": {"params": shape.params, "largest_param": shape.largest_param},
-           "global_batch": settings.contrastive_batch, "contrastive_steps": settings.contrastive_steps, "capacity_bytes": capacity, "overhead_bytes": overhead,
-           "activation_checkpointing": activation_checkpointing, "memory": {}, "max_micro_batch": {}, "max_contrastive_steps": {},
-           "traffic": traffic_bytes(shape, settings, loss_impls)}
+    out = {
+        "settings": asdict(settings),
+        "model": {"params": shape.params, "largest_param": shape.largest_param},
+        "global_batch": settings.contrastive_batch,
+        "contrastive_steps": settings.contrastive_steps,
+        "capacity_bytes": capacity,
+        "overhead_bytes": overhead,
+        "activation_checkpointing": activation_checkpointing,
+        "memory": {},
+        "max_micro_batch": {},
+        "max_contrastive_steps": {},
+        "traffic": traffic_bytes(shape, settings, loss_impls),
+    }
     for impl in loss_impls:
         mem = memory_plan(shape, settings, fit, impl, activation_checkpointing, capacity, overhead, None, chunk_size)
         out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}
-        out["max_micro_batch"][impl] = max_micro_batch(shape, settings, fit, impl, activation_checkpointing,
-                                                       capacity, overhead, chunk_size)
+        out["max_micro_batch"][impl] = max_micro_batch(
+            shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
+        )
         if contrastive_accumulation:
-            out["max_contrastive_steps"][impl] = max_contrastive_steps(shape, settings, fit, impl, activation_checkpointing,
-                                                                       capacity, overhead, chunk_size)
+            out["max_contrastive_steps"][impl] = max_contrastive_steps(
+                shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
+            )
     return out
 
 
@@ -612,14 +785,22 @@ def format_report(result: dict, config_path, model_path) -> str:
     lines = [
         f"config {config_path}: OK for {s['world']} GPUs: micro batch {s['micro_batch']} x grad accum "
         f"{s['grad_accum']} x {s['world']} = train batch {s['train_batch']}; contrastive batch "
-        f"{result['global_batch']} " + (f"(micro x world x {result['contrastive_steps']}: contrastive accumulation)"
-                                        if result["contrastive_steps"] > 1 else "per micro-step") + f"; ZeRO-{s['stage']}, {s['precision']}",
+        f"{result['global_batch']} "
+        + (
+            f"(micro x world x {result['contrastive_steps']}: contrastive accumulation)"
+            if result["contrastive_steps"] > 1
+            else "per micro-step"
+        )
+        + f"; ZeRO-{s['stage']}, {s['precision']}",
         f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters; activation checkpointing "
         f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
     lines += [f"note: {w}" for w in s["warnings"]] + [f"needs the HF Trainer: {a}" for a in s["trainer_auto"]]
-    lines += ["", f"per-GPU memory (of {result['capacity_bytes'] / GiB:.0f} GiB)".ljust(30) + "".join(f"{i:>14}" for i in impls)]
+    lines += [
+        "",
+        f"per-GPU memory (of {result['capacity_bytes'] / GiB:.0f} GiB)".ljust(30) + "".join(f"{i:>14}" for i in impls),
+    ]
     names = [n for n in result["memory"][impls[0]]["terms"] if not n.startswith("loss")] + ["loss"]
     for name in names:
         cells = []
@@ -628,14 +809,22 @@ def format_report(result: dict, config_path, model_path) -> str:
             cells.append(_fmt(terms[f"loss ({impl})"] if name == "loss" else terms[name]))
         lines.append(f"  {name:<28}" + "".join(f"{c:>14}" for c in cells))
     lines.append(f"  {'total':<28}" + "".join(f"{_fmt(result['memory'][i]['total']):>14}" for i in impls))
-    lines.append(f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls))
+    lines.append(
+        f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls)
+    )
     lines.append(f"  {'largest per-GPU batch':<28}" + "".join(f"{result['max_micro_batch'][i]:>14}" for i in impls))
     k = result["contrastive_steps"]
-    lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{result['max_micro_batch'][i] * s['world'] * k:>14}" for i in impls))
+    lines.append(
+        f"  {'  = contrastive batch':<28}"
+        + "".join(f"{result['max_micro_batch'][i] * s['world'] * k:>14}" for i in impls)
+    )
     if result["max_contrastive_steps"]:
         steps = result["max_contrastive_steps"]
         lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{steps[i]:>14}" for i in impls))
-        lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls))
+        lines.append(
+            f"  {'  = contrastive batch':<28}"
+            + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls)
+        )
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
     lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
     return "\n".join(lines)
@@ -651,14 +840,20 @@ def _parse(argv):
     p.add_argument("--model", required=True, help="CLIPConfig JSON, e.g. recipes/models/vit_b32.json")
     p.add_argument("--gpus", type=int, required=True, help="data-parallel world size")
     p.add_argument("--gpu_memory", default="40GB", help="memory per GPU, e.g. 40GB, 80GB")
-    p.add_argument("--per_device_batch", type=int, help="per-GPU micro batch (when the config says \"auto\")")
-    p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help="must match the config (fills \"auto\")")
+    p.add_argument("--per_device_batch", type=int, help='per-GPU micro batch (when the config says "auto")')
+    p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help='must match the config (fills "auto")')
     p.add_argument("--activation_checkpointing", action="store_true")
-    p.add_argument("--loss_impl", choices=BENCH_LOSS_IMPLS, action="append", help=f"repeatable; default: {', '.join(LOSS_IMPLS)}")
+    p.add_argument(
+        "--loss_impl", choices=BENCH_LOSS_IMPLS, action="append", help=f"repeatable; default: {', '.join(LOSS_IMPLS)}"
+    )
     p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
-    p.add_argument("--no_contrastive_accumulation", dest="contrastive_accumulation", action="store_false",
-                   help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world")
+    p.add_argument(
+        "--no_contrastive_accumulation",
+        dest="contrastive_accumulation",
+        action="store_false",
+        help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world",
+    )
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
 
@@ -667,9 +862,19 @@ def main(argv: list[str] | None = None) -> int:
     """`disco-clip plan`: exit 0 when every requested loss fits, 1 when one does not, 2 on a bad config."""
     args = _parse(argv)
     try:
-        result = plan(args.deepspeed, args.model, args.gpus, args.gpu_memory, args.per_device_batch,
-                      args.precision, args.activation_checkpointing, tuple(args.loss_impl or LOSS_IMPLS),
-                      args.chunk_size, args.overhead_gb, args.contrastive_accumulation)
+        result = plan(
+            args.deepspeed,
+            args.model,
+            args.gpus,
+            args.gpu_memory,
+            args.per_device_batch,
+            args.precision,
+            args.activation_checkpointing,
+            tuple(args.loss_impl or LOSS_IMPLS),
+            args.chunk_size,
+            args.overhead_gb,
+            args.contrastive_accumulation,
+        )
     except PlanConfigError as e:
         print(f"disco-clip plan: {e}", file=sys.stderr)
         return 2

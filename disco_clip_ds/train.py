@@ -57,22 +57,47 @@ logger = logging.getLogger("disco_clip_ds.train")
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained CLIP weights: hub id or folder"})
-    model_config: str | None = field(default=None, metadata={"help": "CLIPConfig JSON to train from scratch, e.g. recipes/models/tiny.json"})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer hub id or folder (default: model_name_or_path), e.g. openai/clip-vit-base-patch32"})
-    loss_impl: str = field(default="tiled", metadata={"choices": list(LOSS_IMPLS), "help": "tiled / disco: global-batch loss; local: each device's own batch (HF's example)"})
-    chunk_size: int | None = field(default=None, metadata={"help": "rows per tile of the tiled loss (default: automatic)"})
+    model_config: str | None = field(
+        default=None, metadata={"help": "CLIPConfig JSON to train from scratch, e.g. recipes/models/tiny.json"}
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer hub id or folder (default: model_name_or_path), e.g. openai/clip-vit-base-patch32"
+        },
+    )
+    loss_impl: str = field(
+        default="tiled",
+        metadata={
+            "choices": list(LOSS_IMPLS),
+            "help": "tiled / disco: global-batch loss; local: each device's own batch (HF's example)",
+        },
+    )
+    chunk_size: int | None = field(
+        default=None, metadata={"help": "rows per tile of the tiled loss (default: automatic)"}
+    )
     image_size: int | None = field(default=None, metadata={"help": "training resolution (default: the model config's)"})
-    max_text_length: int | None = field(default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"})
+    max_text_length: int | None = field(
+        default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"}
+    )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
 
 
 @dataclass
 class DataArguments:
-    train_shards: str = field(metadata={"help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::'"})
-    train_num_samples: int | None = field(default=None, metadata={"help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json)"})
-    shuffle_buffer: int = field(default=1000, metadata={"help": "samples in each reader's shuffle buffer (0: stream order)"})
-    zeroshot_data: str | None = field(default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"})
+    train_shards: str = field(
+        metadata={"help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::'"}
+    )
+    train_num_samples: int | None = field(
+        default=None, metadata={"help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json)"}
+    )
+    shuffle_buffer: int = field(
+        default=1000, metadata={"help": "samples in each reader's shuffle buffer (0: stream order)"}
+    )
+    zeroshot_data: str | None = field(
+        default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
+    )
     zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
 
 
@@ -88,9 +113,26 @@ class DiscoTrainingArguments(TrainingArguments):
     weight_decay: float = field(default=0.1)
     warmup_steps: float = field(default=0)
     dataloader_num_workers: int = field(default=2)
-    resume_from_checkpoint: str | None = field(default=None, metadata={"help": "a checkpoint folder, or 'latest' (the newest complete one in output_dir; fresh start if none)"})
-    contrastive_accumulation: bool = field(default=True, metadata={"help": "with --gradient_accumulation_steps K > 1, contrast all micro x world x K pairs of an optimizer step (gradient caching); false: independent micro-batch losses"})
-    stop_signals: str = field(default="SIGTERM,SIGUSR1", metadata={"help": f"signals that stop every rank at the next step with a checkpoint, exit code {EXIT_PREEMPTED} ('none': off)"})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "a checkpoint folder, or 'latest' (the newest complete one in output_dir; fresh start if none)"
+        },
+    )
+    contrastive_accumulation: bool = field(
+        default=True,
+        metadata={
+            "help": "with --gradient_accumulation_steps K > 1, contrast all micro x world x K pairs of an optimizer "
+            "step (gradient caching); false: independent micro-batch losses"
+        },
+    )
+    stop_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "signals that stop every rank at the next step with a checkpoint, "
+            f"exit code {EXIT_PREEMPTED} ('none': off)"
+        },
+    )
 
     def __post_init__(self):
         if not torch.cuda.is_available():
@@ -156,8 +198,11 @@ class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Train
         last_time, last_step = self._last_log
         steps = max(1, step - last_step)
         elapsed = now - last_time
-        local = torch.tensor([self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
-                             dtype=torch.float64, device=self.args.device)
+        local = torch.tensor(
+            [self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
+            dtype=torch.float64,
+            device=self.args.device,
+        )
         per_rank = self.accelerator.gather(local[None]).reshape(world, 3).cpu()
         self._data_time, self._last_log = 0.0, (now, step)
         samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
@@ -217,27 +262,38 @@ def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot read DeepSpeed config {path}: {error}") from error
     micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
-    expected = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "train_batch_size": micro * accum * world}
+    expected = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+    }
     wrong = {k: v for k, v in config.items() if k in expected and v != "auto" and v != expected[k]}
     if wrong:
         raise UsageError(
             f"{path}: {wrong} contradicts --per_device_train_batch_size {micro} x --gradient_accumulation_steps "
-            f"{accum} x {world} ranks (= {expected}); set those values to \"auto\" or change the arguments to match"
+            f'{accum} x {world} ranks (= {expected}); set those values to "auto" or change the arguments to match'
         )
 
 
 def _check_arguments(model_args: ModelArguments, args: DiscoTrainingArguments) -> None:
     """Values that would fail only once the model is built, or silently do something else."""
     if args.max_steps == 0:  # the Trainer would read 0 as "not set" and train --num_train_epochs
-        raise UsageError("--max_steps 0 trains nothing: give a positive number, or leave it out to train --num_train_epochs")
+        raise UsageError(
+            "--max_steps 0 trains nothing: give a positive number, or leave it out to train --num_train_epochs"
+        )
     if args.per_device_train_batch_size < 1:
         raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size}: must be at least 1")
     if model_args.model_config:
         try:
             json.loads(Path(model_args.model_config).read_text())
         except (OSError, ValueError) as error:
-            raise UsageError(f"--model_config {model_args.model_config} is not a readable JSON file: {error}") from error
-    for flag, value in (("--tokenizer_name", model_args.tokenizer_name), ("--model_name_or_path", model_args.model_name_or_path)):
+            raise UsageError(
+                f"--model_config {model_args.model_config} is not a readable JSON file: {error}"
+            ) from error
+    for flag, value in (
+        ("--tokenizer_name", model_args.tokenizer_name),
+        ("--model_name_or_path", model_args.model_name_or_path),
+    ):
         if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
             raise UsageError(f"{flag} {value}: no such folder")
 
@@ -245,26 +301,43 @@ def _check_arguments(model_args: ModelArguments, args: DiscoTrainingArguments) -
 def _model_and_processor(model_args: ModelArguments):
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     if not tokenizer_name:
-        raise UsageError("training from --model_config needs --tokenizer_name (e.g. recipes/tokenizer or openai/clip-vit-base-patch32)")
+        raise UsageError(
+            "training from --model_config needs --tokenizer_name (e.g. recipes/tokenizer or "
+            "openai/clip-vit-base-patch32)"
+        )
     if bool(model_args.model_name_or_path) == bool(model_args.model_config):
-        raise UsageError("give exactly one of --model_name_or_path (pretrained weights) or --model_config (a CLIPConfig JSON)")
+        raise UsageError(
+            "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a CLIPConfig JSON)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    model = build_model(model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size)
+    model = build_model(
+        model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
+    )
     text, vision = model.config.text_config, model.config.vision_config
     image_size = model_args.image_size or vision.image_size
     if image_size != vision.image_size:
-        raise UsageError(f"--image_size {image_size} differs from the model's {vision.image_size}: set image_size in the model config instead")
+        raise UsageError(
+            f"--image_size {image_size} differs from the model's {vision.image_size}: set image_size in the "
+            "model config instead"
+        )
     max_length = model_args.max_text_length or text.max_position_embeddings
     if max_length > text.max_position_embeddings:
-        raise UsageError(f"--max_text_length {max_length} exceeds the model's max_position_embeddings {text.max_position_embeddings}")
-    if (text.eos_token_id, text.bos_token_id) != (tokenizer.eos_token_id, tokenizer.bos_token_id) or len(tokenizer) > text.vocab_size:
+        raise UsageError(
+            f"--max_text_length {max_length} exceeds the model's max_position_embeddings {text.max_position_embeddings}"
+        )
+    if (text.eos_token_id, text.bos_token_id) != (tokenizer.eos_token_id, tokenizer.bos_token_id) or len(
+        tokenizer
+    ) > text.vocab_size:
         # CLIP pools the text at the eos position: a mismatch trains on the wrong token without any error.
         raise UsageError(
-            f"tokenizer {tokenizer_name} (bos {tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, {len(tokenizer)} tokens) does not "
+            f"tokenizer {tokenizer_name} (bos {tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, "
+            f"{len(tokenizer)} tokens) does not "
             f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
         )
     _lock_towers(model, model_args)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
     return model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer), image_size, max_length
 
 
@@ -282,8 +355,10 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
     if args.resume_from_checkpoint is None:
         existing = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
         if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
-            raise UsageError(f"{args.output_dir} holds checkpoints ({existing}): pass --resume_from_checkpoint latest "
-                             "to continue that run, or choose a new --output_dir")
+            raise UsageError(
+                f"{args.output_dir} holds checkpoints ({existing}): pass --resume_from_checkpoint latest "
+                "to continue that run, or choose a new --output_dir"
+            )
         return None
     if args.resume_from_checkpoint != "latest":
         return args.resume_from_checkpoint
@@ -340,17 +415,38 @@ def _train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrai
 
     reads_own_shards = not args.accelerator_config.dispatch_batches
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
-    stream = ShardStream(urls, image_size, rank=rank, world_size=world, seed=args.seed, shuffle_buffer=data_args.shuffle_buffer,
-                         num_workers=args.dataloader_num_workers)
+    stream = ShardStream(
+        urls,
+        image_size,
+        rank=rank,
+        world_size=world,
+        seed=args.seed,
+        shuffle_buffer=data_args.shuffle_buffer,
+        num_workers=args.dataloader_num_workers,
+    )
     stopper = StopOnSignal(stop_signals)  # before the DataLoader forks its workers
-    trainer = DiscoTrainer(model=model, args=args, train_dataset=stream, data_collator=ClipCollator(processor.tokenizer, max_length),
-                           processing_class=processor, reads_own_shards=reads_own_shards, callbacks=[stopper])
+    trainer = DiscoTrainer(
+        model=model,
+        args=args,
+        train_dataset=stream,
+        data_collator=ClipCollator(processor.tokenizer, max_length),
+        processing_class=processor,
+        reads_own_shards=reads_own_shards,
+        callbacks=[stopper],
+    )
     trainer.stop_signals = stop_signals
     if data_args.zeroshot_steps > 0:
         _attach_zeroshot(trainer, data_args, processor, image_size)
-    logger.info("%d samples per epoch, %d steps of %d x %d ranks x %d micro-steps (global contrastive batch %d), loss %s",
-                num_samples, args.max_steps, args.per_device_train_batch_size, args.world_size,
-                args.gradient_accumulation_steps, trainer.contrastive_batch_size(), model.config.loss_impl)
+    logger.info(
+        "%d samples per epoch, %d steps of %d x %d ranks x %d micro-steps (global contrastive batch %d), loss %s",
+        num_samples,
+        args.max_steps,
+        args.per_device_train_batch_size,
+        args.world_size,
+        args.gradient_accumulation_steps,
+        trainer.contrastive_batch_size(),
+        model.config.loss_impl,
+    )
 
     if trainer.is_world_process_zero():
         _write_run_file(args, model_args, data_args, num_samples, trainer.contrastive_batch_size())
@@ -380,32 +476,56 @@ def _stream_totals(trainer: DiscoTrainer, stream: ShardStream) -> tuple[int, int
 def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:
     from .evaluate import ZeroShotCallback  # imported only when asked for
 
-    ZeroShotCallback(data_args.zeroshot_data, processor.tokenizer, image_size, data_args.zeroshot_steps,
-                     batch_size=trainer.args.per_device_eval_batch_size).attach(trainer)
+    ZeroShotCallback(
+        data_args.zeroshot_data,
+        processor.tokenizer,
+        image_size,
+        data_args.zeroshot_steps,
+        batch_size=trainer.args.per_device_eval_batch_size,
+    ).attach(trainer)
 
 
 def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
     out = Path(args.output_dir).resolve()
     weights = any((out / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
-    print(f"\nmodel:  {out}" + ("" if weights else "  (no weights: ZeRO-3 without stage3_gather_16bit_weights_on_model_save; "
-                                                 f"run `disco-clip export {get_last_checkpoint(str(out))} DIR`)"))
+    print(
+        f"\nmodel:  {out}"
+        + (
+            ""
+            if weights
+            else "  (no weights: ZeRO-3 without stage3_gather_16bit_weights_on_model_save; "
+            f"run `disco-clip export {get_last_checkpoint(str(out))} DIR`)"
+        )
+    )
     print(f"logs:   {out / 'runs'}  (tensorboard --logdir {out / 'runs'}), trainer_state.json")
     print(f"skipped samples: {metrics['skipped_samples']}")
 
 
-def _write_run_file(args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, num_samples: int,
-                    contrastive_batch: int) -> None:
+def _write_run_file(
+    args: DiscoTrainingArguments,
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    num_samples: int,
+    contrastive_batch: int,
+) -> None:
     """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled)."""
     plugin = args.deepspeed_plugin
     run = {
-        "data": data_args.train_shards, "train_num_samples": num_samples, "loss_impl": model_args.loss_impl,
-        "world_size": args.world_size, "micro_batch_per_rank": args.per_device_train_batch_size,
+        "data": data_args.train_shards,
+        "train_num_samples": num_samples,
+        "loss_impl": model_args.loss_impl,
+        "world_size": args.world_size,
+        "micro_batch_per_rank": args.per_device_train_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "contrastive_accumulation": args.contrastive_accumulation, "global_contrastive_batch": contrastive_batch,
+        "contrastive_accumulation": args.contrastive_accumulation,
+        "global_contrastive_batch": contrastive_batch,
         "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "zero_stage": plugin.zero_stage if plugin is not None else None,
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32", "max_steps": args.max_steps,
-        "versions": {name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")},
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "max_steps": args.max_steps,
+        "versions": {
+            name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
+        },
     }
     write_json(Path(args.output_dir) / "run.json", {k: v for k, v in run.items() if v is not None})
 

@@ -16,13 +16,31 @@ from transformers import CLIPTokenizer
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # CLIP's zero-shot templates and caption words: the demo data's captions and prompts stay in a few tokens.
 TEMPLATES = [
-    "a photo of the number {}.", "a photo of the digit {}.", "a blurry photo of the number {}.",
-    "a handwritten {}.", "a drawing of the digit {}.", "an image of the number {}.", "a close-up photo of a {}.",
-    "a black and white photo of the number {}.", "a bright photo of a {}.", "a photo of a small {}.",
-    "a photo of a big {}.", "a low resolution photo of the {}.", "a cropped photo of the {}.", "itap of a {}.",
-    "handwritten digit {}", "the digit {}, written by hand", "a scan of a handwritten {}", "a blurry handwritten {}",
-    "a small grey picture of the digit {}", "the number {}, drawn by hand", "a low resolution image of a handwritten {}",
-    "a good photo of the {}.", "a rendering of a {}.", "a sketch of a {}.", "a pixelated photo of the {}.",
+    "a photo of the number {}.",
+    "a photo of the digit {}.",
+    "a blurry photo of the number {}.",
+    "a handwritten {}.",
+    "a drawing of the digit {}.",
+    "an image of the number {}.",
+    "a close-up photo of a {}.",
+    "a black and white photo of the number {}.",
+    "a bright photo of a {}.",
+    "a photo of a small {}.",
+    "a photo of a big {}.",
+    "a low resolution photo of the {}.",
+    "a cropped photo of the {}.",
+    "itap of a {}.",
+    "handwritten digit {}",
+    "the digit {}, written by hand",
+    "a scan of a handwritten {}",
+    "a blurry handwritten {}",
+    "a small grey picture of the digit {}",
+    "the number {}, drawn by hand",
+    "a low resolution image of a handwritten {}",
+    "a good photo of the {}.",
+    "a rendering of a {}.",
+    "a sketch of a {}.",
+    "a pixelated photo of the {}.",
 ]
 WORDS = (
     "the a an of in on with and is are this that photo picture image drawing digit number handwritten white "
@@ -61,14 +79,18 @@ def main():
     merges = _merges(bpe)
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     tokenizer.save_pretrained(args.output)
-    print(f"saved {len(vocab)}-token CLIP tokenizer to {args.output}: "
-          f"bos={tokenizer.bos_token_id} eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id}")
+    print(
+        f"saved {len(vocab)}-token CLIP tokenizer to {args.output}: "
+        f"bos={tokenizer.bos_token_id} eos={tokenizer.eos_token_id} pad={tokenizer.pad_token_id}"
+    )
 
 
 def _merges(bpe: Tokenizer):
     import json
 
-    return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
+    return [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]
+    ]
 
 
 if __name__ == "__main__":

@@ -176,8 +176,14 @@ def write_samples(folder: Path, samples: list[dict], per_shard: int) -> None:
 
 def train_env(**extra: str) -> dict:
     """The environment of a training launch on CPU: one thread per rank, offline, this checkout importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(REPO), **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO),
+        **extra,
+    }
 
 
 def train_command(launcher: str, nproc: int, config: str | None = None) -> list[str]:
@@ -189,8 +195,18 @@ def train_command(launcher: str, nproc: int, config: str | None = None) -> list[
     elif launcher == "torchrun":
         cmd = [VENV_BIN / "torchrun", "--nproc_per_node", str(nproc), "--master_port", port, "-m", module]
     elif launcher == "accelerate":
-        cmd = [VENV_BIN / "accelerate", "launch", "--config_file", config, "--num_processes", str(nproc),
-               "--main_process_port", port, "-m", "disco_clip_ds.train"]
+        cmd = [
+            VENV_BIN / "accelerate",
+            "launch",
+            "--config_file",
+            config,
+            "--num_processes",
+            str(nproc),
+            "--main_process_port",
+            port,
+            "-m",
+            "disco_clip_ds.train",
+        ]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
     return [str(c) for c in cmd]
@@ -198,8 +214,9 @@ def train_command(launcher: str, nproc: int, config: str | None = None) -> list[
 
 def run_training(cmd: list, log: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """Run a training command to its end (output also saved to `log`); fails the test with the log's tail."""
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=train_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=REPO, env=train_env(**env), capture_output=True, text=True, timeout=timeout
+    )
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{cmd[0]} run failed:\n" + (proc.stdout + proc.stderr)[-4000:]
@@ -208,14 +225,41 @@ def run_training(cmd: list, log: Path | None = None, timeout: float = 300, **env
 
 LAUNCH_SEED = 7
 LAUNCH_COMMON = [
-    "--tokenizer_name", str(TOKENIZER_DIR),
-    "--logging_steps", "1", "--save_steps", "3", "--save_total_limit", "5", "--dataloader_num_workers", "1",
-    "--shuffle_buffer", "8", "--disable_tqdm", "true", "--report_to", "none", "--seed", str(LAUNCH_SEED),
+    "--tokenizer_name",
+    str(TOKENIZER_DIR),
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    "3",
+    "--save_total_limit",
+    "5",
+    "--dataloader_num_workers",
+    "1",
+    "--shuffle_buffer",
+    "8",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "none",
+    "--seed",
+    str(LAUNCH_SEED),
 ]
 # Plain SGD without clipping: the update is linear in the gradient, so a gradient off by any factor (the
 # published DisCo code's 1/N) shows in the weights; Adam would normalise such a factor away.
-SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
-       "--max_grad_norm", "0", "--weight_decay", "0"]
+SGD = [
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "0.5",
+    "--lr_scheduler_type",
+    "constant",
+    "--warmup_steps",
+    "0",
+    "--max_grad_norm",
+    "0",
+    "--weight_decay",
+    "0",
+]
 
 
 def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
@@ -230,8 +274,9 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
     if launcher == "accelerate":
         name = ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml"
         yaml = REPO / "recipes/accelerate" / name
-    return run_training(train_command(launcher, nproc, yaml) + train_args, log=output.parent / f"{output.name}.log",
-                        timeout=timeout)
+    return run_training(
+        train_command(launcher, nproc, yaml) + train_args, log=output.parent / f"{output.name}.log", timeout=timeout
+    )
 
 
 def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 600) -> None:
@@ -244,8 +289,14 @@ def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 6
     reference before the runs compared with it (the first one runs in an untouched interpreter). test_accumulate's
     runs logged bit-identical losses and saved bit-identical weights this way and with one process per run."""
     plan = [(str(output), [*LAUNCH_COMMON, "--output_dir", str(output), *map(str, args)]) for output, args in runs]
-    proc = subprocess.run([sys.executable, "-c", _ONE_PROCESS, json.dumps(plan)], cwd=REPO, env=train_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ONE_PROCESS, json.dumps(plan)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         started = proc.stdout.split()  # the driver names each run before starting it
         log = Path(started[-1] + ".log") if started else None

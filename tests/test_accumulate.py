@@ -38,6 +38,7 @@ SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_ba
 
 # --- the math, float64, one process ---
 
+
 def _tiny_model(dropout: float = 0.0):
     from transformers import CLIPConfig
 
@@ -75,7 +76,8 @@ def clip_loss_fp64(image_embeds, text_embeds, logit_scale):
 def assert_same_grads(got: dict, expected: dict):
     assert got.keys() == expected.keys() and "logit_scale" in got
     for name, want in expected.items():
-        # per tensor, in norm: k_proj's bias has a zero gradient (softmax ignores it), where elementwise checks see noise
+        # per tensor, in norm: k_proj's bias has a zero gradient (softmax ignores it), where elementwise checks see
+        # noise
         assert (got[name] - want).norm() <= GRAD_RTOL * want.norm() + 1e-12, name
     assert expected["logit_scale"].abs().item() > 1e-6
 
@@ -101,7 +103,9 @@ def _cached_gradient_step(model, batches, replay: bool = True):
         if replay:
             _set_rng_state(states[k])
         out = model(**batch)
-        surrogate_loss(out.image_embeds, out.text_embeds, out.logit_scale, grads[k], scale_grad, len(batches)).backward()
+        surrogate_loss(
+            out.image_embeds, out.text_embeds, out.logit_scale, grads[k], scale_grad, len(batches)
+        ).backward()
     return loss, _grads(model)
 
 
@@ -127,8 +131,9 @@ def test_dropout_is_replayed_between_the_two_passes_float64():
     model.zero_grad()
     torch.manual_seed(123)
     outs = [model(**batch) for batch in batches]
-    reference = clip_loss_fp64(torch.cat([o.image_embeds for o in outs]), torch.cat([o.text_embeds for o in outs]),
-                               outs[0].logit_scale)
+    reference = clip_loss_fp64(
+        torch.cat([o.image_embeds for o in outs]), torch.cat([o.text_embeds for o in outs]), outs[0].logit_scale
+    )
     reference.backward()
     expected = _grads(model)
     torch.manual_seed(123)
@@ -142,6 +147,7 @@ def test_dropout_is_replayed_between_the_two_passes_float64():
 
 
 # --- bad settings: refused before training, with what to change ---
+
 
 def _settings(**kw):
     base = dict(gradient_accumulation_steps=2, contrastive_accumulation=True, n_gpu=1, parallelism_config=None)
@@ -172,8 +178,12 @@ def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 8}))
-    args = lambda accum: SimpleNamespace(deepspeed=str(config), per_device_train_batch_size=4,  # noqa: E731
-                                         gradient_accumulation_steps=accum, world_size=2)
+    args = lambda accum: SimpleNamespace(
+        deepspeed=str(config),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accum,
+        world_size=2,
+    )
     check_deepspeed_batch(args(8))
     with pytest.raises(UsageError, match="gradient_accumulation_steps.*--gradient_accumulation_steps 2"):
         check_deepspeed_batch(args(2))
@@ -183,24 +193,56 @@ def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
 def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
     """2 ranks under torchrun: each rank prints the reason and the launch ends (no rank waits in a collective)."""
     write_shards(tmp_path / "data", num_shards=2, per_shard=4)
-    cmd = [*train_command("torchrun", 2), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
-           "--train_shards", str(tmp_path / "data"), "--model_config", str(TINY_CONFIG),
-           "--tokenizer_name", str(TOKENIZER_DIR), "--loss_impl", "local", "--gradient_accumulation_steps", "2"]
+    cmd = [
+        *train_command("torchrun", 2),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--train_shards",
+        str(tmp_path / "data"),
+        "--model_config",
+        str(TINY_CONFIG),
+        "--tokenizer_name",
+        str(TOKENIZER_DIR),
+        "--loss_impl",
+        "local",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert (proc.stdout + proc.stderr).count("cannot be accumulated contrastively") == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert (proc.stdout + proc.stderr).count("cannot be accumulated contrastively") == 2, (proc.stdout + proc.stderr)[
+        -3000:
+    ]
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 # --- the planner: contrastive batch micro x world x K ---
+
 
 def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     from disco_clip_ds import plan as P
 
     config, vit = REPO / "ds_configs/vit_b32_196k_8gpu.json", REPO / "recipes/models/vit_b32.json"
     out = tmp_path / "plan.json"
-    code = P.main(["--deepspeed", str(config), "--model", str(vit), "--gpus", "8", "--gpu_memory", "40GB",
-                   "--activation_checkpointing", "--loss_impl", "tiled", "--json", str(out)])
+    code = P.main(
+        [
+            "--deepspeed",
+            str(config),
+            "--model",
+            str(vit),
+            "--gpus",
+            "8",
+            "--gpu_memory",
+            "40GB",
+            "--activation_checkpointing",
+            "--loss_impl",
+            "tiled",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert code == 0 and result["global_batch"] == 3072 * 8 * 8 == 196608 and result["memory"]["tiled"]["fits"]
     terms = result["memory"]["tiled"]["terms"]
@@ -208,19 +250,31 @@ def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     assert terms["cached embeddings"] == 2 * 8 * 3072 * 512 * (2 + 4)
     # the loss spans all 196608 pairs (fp32 inputs), the activations one micro-batch: those of the 64-GPU run
     assert terms["loss (tiled)"] == P.loss_bytes("tiled", 196608, 8, 512, 4)
-    paper = P.plan(REPO / "ds_configs/vit_b32_196k_64gpu.json", vit, 64, "40GB", activation_checkpointing=True, loss_impls=("tiled",))
+    paper = P.plan(
+        REPO / "ds_configs/vit_b32_196k_64gpu.json",
+        vit,
+        64,
+        "40GB",
+        activation_checkpointing=True,
+        loss_impls=("tiled",),
+    )
     assert terms["activations"] == paper["memory"]["tiled"]["terms"]["activations"]
     # the largest K at this micro batch fits and K + 1 does not
     k = result["max_contrastive_steps"]["tiled"]
     shape, fit, settings = P.ModelShape.from_json(vit), P.load_fit(), P.validate_config(P.load_config(config), 8)
-    fits = lambda steps: P.memory_plan(shape, P.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits  # noqa: E731
+    fits = lambda steps: (
+        P.memory_plan(shape, P.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits
+    )
     assert k >= 8 and fits(k) and not fits(k + 1)
     # without contrastive accumulation the same config contrasts one micro-step's pairs only
-    plain = P.plan(config, vit, 8, "40GB", activation_checkpointing=True, loss_impls=("tiled",), contrastive_accumulation=False)
+    plain = P.plan(
+        config, vit, 8, "40GB", activation_checkpointing=True, loss_impls=("tiled",), contrastive_accumulation=False
+    )
     assert plain["global_batch"] == 3072 * 8 and "cached embeddings" not in plain["memory"]["tiled"]["terms"]
 
 
 # --- end to end: the Trainer under every engine ---
+
 
 @pytest.fixture(scope="module")
 def initial_model(tmp_path_factory):
@@ -234,8 +288,20 @@ E2E_TIMEOUT = pytest.mark.timeout(1800)
 # AdamW with weight decay, clipping that bites, and a warmup + cosine schedule: all act on the accumulated gradient
 # at the optimizer step, so K micro-batches must still train like one batch of all pairs. Adam divides by each
 # gradient's own scale, which lifts fp32 summation-order noise in near-zero gradients: a looser update bound.
-ADAMW = ["--optim", "adamw_torch", "--learning_rate", "1e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.05",
-         "--lr_scheduler_type", "cosine", "--warmup_steps", "1"]
+ADAMW = [
+    "--optim",
+    "adamw_torch",
+    "--learning_rate",
+    "1e-3",
+    "--weight_decay",
+    "0.1",
+    "--max_grad_norm",
+    "0.05",
+    "--lr_scheduler_type",
+    "cosine",
+    "--warmup_steps",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -243,22 +309,36 @@ def runs(tmp_path_factory, initial_model):
     """The references (1 rank, K=1, micro 4b; SGD and AdamW) and the accumulating runs; ~3 min on 2 cores."""
     root = tmp_path_factory.mktemp("accum")
     write_shards(root / "data", num_shards=4, per_shard=24, seed=3)
-    data = ["--model_name_or_path", str(initial_model), "--train_shards", f"{root}/data/{{00000..00003}}.tar",
-            "--train_num_samples", "96"]
+    data = [
+        "--model_name_or_path",
+        str(initial_model),
+        "--train_shards",
+        f"{root}/data/{{00000..00003}}.tar",
+        "--train_num_samples",
+        "96",
+    ]
     common, same = [*data, *SGD], [*data, *SGD, *SAME_STREAM]
-    micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]  # noqa: E731
+    micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
     gc = ["--gradient_checkpointing", "true"]
     zero1 = root / "zero1.json"
-    zero1.write_text(json.dumps({**json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()),
-                                 "zero_optimization": {"stage": 1, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000}}))
+    zero1.write_text(
+        json.dumps(
+            {
+                **json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()),
+                "zero_optimization": {"stage": 1, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000},
+            }
+        )
+    )
     # the one-rank runs share one interpreter (the reference first); each is what `python -m disco_clip_ds.train` runs
-    launch_in_one_process([
-        (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
-        (root / "n1_k4", [*same, *micro(MICRO, 4)]),
-        (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
-        (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
-        (root / "adamw_k4", [*data, *ADAMW, *SAME_STREAM, *micro(MICRO, 4)]),
-    ])
+    launch_in_one_process(
+        [
+            (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
+            (root / "n1_k4", [*same, *micro(MICRO, 4)]),
+            (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
+            (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
+            (root / "adamw_k4", [*data, *ADAMW, *SAME_STREAM, *micro(MICRO, 4)]),
+        ]
+    )
     # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
     launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), ds_config=str(zero1))
     launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2))

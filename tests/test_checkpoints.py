@@ -20,28 +20,75 @@ import pytest
 
 from helpers import REPO, save_initial_model, step_losses, train_command, train_env, weights, write_shards
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+]  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
 STEPS, SAVE, PER_RANK = 10, 2, 8
 BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `data`)
 # The faults run under the deepspeed launcher, whose signal handling and exit codes they check; the reference and
 # resumed runs, where the launcher plays no part, under torchrun: it starts ~10 s sooner on a loaded 2-core machine.
 QUICK = "torchrun"
 ARGS = [
-    "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--train_num_samples", "96", "--per_device_train_batch_size", str(PER_RANK),
-    "--logging_steps", "1", "--save_steps", str(SAVE), "--save_total_limit", "5", "--dataloader_num_workers", "1",
-    "--shuffle_buffer", "8", "--disable_tqdm", "true", "--report_to", "none", "--seed", "7",
+    "--tokenizer_name",
+    str(REPO / "recipes/tokenizer"),
+    "--train_num_samples",
+    "96",
+    "--per_device_train_batch_size",
+    str(PER_RANK),
+    "--logging_steps",
+    "1",
+    "--save_steps",
+    str(SAVE),
+    "--save_total_limit",
+    "5",
+    "--dataloader_num_workers",
+    "1",
+    "--shuffle_buffer",
+    "8",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "none",
+    "--seed",
+    "7",
     # SGD, constant lr, no clipping: any change in the trajectory shows in the weights
-    "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--weight_decay", "0",
-    "--deepspeed", str(REPO / "ds_configs/cpu_zero2.json"),
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "0.5",
+    "--lr_scheduler_type",
+    "constant",
+    "--max_grad_norm",
+    "0",
+    "--weight_decay",
+    "0",
+    "--deepspeed",
+    str(REPO / "ds_configs/cpu_zero2.json"),
 ]
 
 
 def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
     """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log."""
-    train = ["--output_dir", str(output), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"], *ARGS, *args]
+    train = [
+        "--output_dir",
+        str(output),
+        "--model_name_or_path",
+        str(data["model"]),
+        "--train_shards",
+        data["shards"],
+        *ARGS,
+        *args,
+    ]
     log = open(output.parent / f"{output.name}.log", "a")
-    return subprocess.Popen(train_command(launcher, 2) + train, cwd=REPO, env=train_env(DISCO_FAULT=fault),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        train_command(launcher, 2) + train,
+        cwd=REPO,
+        env=train_env(DISCO_FAULT=fault),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def run(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "", timeout=400) -> tuple[int, str]:
@@ -86,8 +133,11 @@ def _ranks_of(launcher_pid: int) -> list[int]:
     """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
     import psutil
 
-    train = [p for p in psutil.Process(launcher_pid).children(recursive=True)
-             if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])]
+    train = [
+        p
+        for p in psutil.Process(launcher_pid).children(recursive=True)
+        if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])
+    ]
     pids = {p.pid for p in train}
     return [p.pid for p in train if p.ppid() not in pids]  # not their DataLoader workers (forked: same command line)
 
@@ -115,8 +165,13 @@ def same_weights(a: Path, b: Path) -> float:
 def data(tmp_path_factory):
     """4 shards x 24 samples; the first sample of three shards is bad, and the list names a missing shard."""
     root = tmp_path_factory.mktemp("ckdata")
-    write_shards(root / "shards", num_shards=4, per_shard=24, seed=1,
-                 bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"})
+    write_shards(
+        root / "shards",
+        num_shards=4,
+        per_shard=24,
+        seed=1,
+        bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"},
+    )
     shards = f"{root}/shards/{{00000..00003}}.tar::{root}/shards/missing.tar"
     return {"shards": shards, "model": save_initial_model(root / "tiny", 7)}
 
@@ -189,7 +244,15 @@ def test_sigterm_to_the_process_group_saves_a_resumable_checkpoint(full, data, t
     """As SLURM does: the launcher, every rank and every DataLoader worker get it (sent by rank 0 to its group);
     deepspeed's launch.py then SIGTERMs each rank's process tree too."""
     out = tmp_path / "run"
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--stop_signals", "SIGTERM", fault="signal_group_at_step=SIGTERM:step=3,rank=0")
+    rc, log = run(
+        out,
+        data,
+        "--max_steps",
+        str(STEPS),
+        "--stop_signals",
+        "SIGTERM",
+        fault="signal_group_at_step=SIGTERM:step=3,rank=0",
+    )
     assert rc != 0
     assert "stopped by SIGTERM at step 3: checkpoint-3 saved" in log, log[-3000:]
     assert "DataLoader worker" not in log  # the workers ignore it: the rank handles it
@@ -241,7 +304,9 @@ def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data
     assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "checkpoint-4").exists()
     assert not (out / "tmp-checkpoints" / "checkpoint-4").exists()
     # the free-space check before a save: the last checkpoint's size does not fit, nothing is written
-    rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", fault="disk_free_mib=1:step=4")
+    rc, log = run(
+        out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", fault="disk_free_mib=1:step=4"
+    )
     assert rc == 1 and "free) while saving checkpoint-4" in log and "needs ~" in log, log[-3000:]
     assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "tmp-checkpoints").exists()
 
@@ -258,20 +323,44 @@ def test_a_finished_run_stays_finished(full, tmp_path, data):
 
 # --- the run lock, in process (no launcher needed) ---
 
+
 def _train_main(out: Path, data: dict, *args: str) -> int:
     from disco_clip_ds.train import main
 
-    return main(["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"],
-                 *ARGS[:ARGS.index("--deepspeed")], "--max_steps", "1", "--dataloader_num_workers", "0", *args])
+    return main(
+        [
+            "--output_dir",
+            str(out),
+            "--model_name_or_path",
+            str(data["model"]),
+            "--train_shards",
+            data["shards"],
+            *ARGS[: ARGS.index("--deepspeed")],
+            "--max_steps",
+            "1",
+            "--dataloader_num_workers",
+            "0",
+            *args,
+        ]
+    )
 
 
 def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tmp_path, capsys):
     from disco_clip_ds import checkpoints
 
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from disco_clip_ds.checkpoints import acquire_run_lock; "
-                               "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)", str(out)],
-                              env=train_env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from disco_clip_ds.checkpoints import acquire_run_lock; "
+            "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)",
+            str(out),
+        ],
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         files = sorted(p.name for p in out.iterdir())
@@ -321,15 +410,36 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
     cases = [
         (["--max_steps", "0"], "--max_steps 0 trains nothing"),
         (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
-        (["--tokenizer_name", str(tmp_path / "no_tokenizer")], f"--tokenizer_name {tmp_path / 'no_tokenizer'}: no such folder"),
-        (["--model_name_or_path", str(tmp_path / "no_model")], f"--model_name_or_path {tmp_path / 'no_model'}: no such folder"),
+        (
+            ["--tokenizer_name", str(tmp_path / "no_tokenizer")],
+            f"--tokenizer_name {tmp_path / 'no_tokenizer'}: no such folder",
+        ),
+        (
+            ["--model_name_or_path", str(tmp_path / "no_model")],
+            f"--model_name_or_path {tmp_path / 'no_model'}: no such folder",
+        ),
     ]
     for argv, message in cases:
         assert _train_main(tmp_path / "run", data, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     from disco_clip_ds.train import main
 
-    assert main(["--output_dir", str(tmp_path / "run"), "--model_config", str(bad_json), "--train_shards", data["shards"],
-                 "--tokenizer_name", str(REPO / "recipes/tokenizer"), "--report_to", "none"]) == 2
+    assert (
+        main(
+            [
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--model_config",
+                str(bad_json),
+                "--train_shards",
+                data["shards"],
+                "--tokenizer_name",
+                str(REPO / "recipes/tokenizer"),
+                "--report_to",
+                "none",
+            ]
+        )
+        == 2
+    )
     assert f"--model_config {bad_json} is not a readable JSON file" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -47,7 +47,6 @@ def test_a_command_gets_every_word_after_it(capsys):
     assert "checkpoint_dir" in capsys.readouterr().out
 
 
-
 def test_library_errors_become_exit_codes_with_the_message(tmp_path, capsys):
     assert main(["data", "verify", str(tmp_path)]) == 1  # a failed run: the library raised DataError
     assert "disco-clip data verify: no NNNNN.tar shard in" in capsys.readouterr().err

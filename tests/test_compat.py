@@ -26,8 +26,11 @@ def _deepspeed_init_with_a_0dim_parameter(rank, world_size):
             super().__init__()
             self.scale, self.weight = torch.nn.Parameter(torch.tensor(1.0)), torch.nn.Parameter(torch.ones(3))
 
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2},
+    }
     try:
         deepspeed.initialize(model=Scaled(), config=config)
     except RuntimeError as error:

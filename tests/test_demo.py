@@ -106,12 +106,19 @@ def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
 def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "disco_clip_ds.data.demo", "--output", str(tmp_path / "again")],
-        env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"}, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    contract = [p.relative_to(demo_data) for p in sorted(demo_data.rglob("*"))
-                if p.parent.name in ("train", "eval") and (p.suffix == ".tar" or p.suffix in (".json", ".txt"))
-                and not p.name.endswith("_stats.json")]
+    contract = [
+        p.relative_to(demo_data)
+        for p in sorted(demo_data.rglob("*"))
+        if p.parent.name in ("train", "eval")
+        and (p.suffix == ".tar" or p.suffix in (".json", ".txt"))
+        and not p.name.endswith("_stats.json")
+    ]
     assert len(contract) == 15  # 8 + 2 tars, 2 sizes.json, summary.json, classnames, templates
     for rel in contract:
         assert (tmp_path / "again" / rel).read_bytes() == (demo_data / rel).read_bytes(), rel

@@ -35,15 +35,20 @@ def test_the_paper_configs_are_shipped():
 def test_batch_arithmetic_matches_world_size_in_name(path):
     config = json.loads(path.read_text())  # plain json: the arithmetic is checked here independently of plan.py
     world = world_size_from_name(path)
-    values = [config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")]
+    values = [
+        config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    ]
     if "auto" in values:
         readme = (CONFIG_DIR / "README.md").read_text()
-        assert any(path.name in line and '"auto"' in line for line in readme.splitlines()), \
-            f"{path.name} leaves batch values to the Trainer (\"auto\"); ds_configs/README.md must say so"
+        assert any(path.name in line and '"auto"' in line for line in readme.splitlines()), (
+            f'{path.name} leaves batch values to the Trainer ("auto"); ds_configs/README.md must say so'
+        )
         return
     train, micro, accum = values[0], values[1], values[2] or 1
     assert train == micro * accum * world, f"{path.name}: {train} != {micro} x {accum} x {world}"
-    if path.name.startswith("vit_b32_"):  # the contrastive batch in the name: micro x world x K (contrastive accumulation)
+    if path.name.startswith(
+        "vit_b32_"
+    ):  # the contrastive batch in the name: micro x world x K (contrastive accumulation)
         size = re.search(r"_(\d+)k_", path.name).group(1)
         assert micro * accum * world == {"32": 32768, "196": 196608}[size]
 
@@ -59,21 +64,25 @@ def test_config_passes_validation(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_is_explained_in_readme(path):
-    assert f"`{path.name}`" in (CONFIG_DIR / "README.md").read_text(), f"ds_configs/README.md does not explain {path.name}"
+    assert f"`{path.name}`" in (CONFIG_DIR / "README.md").read_text(), (
+        f"ds_configs/README.md does not explain {path.name}"
+    )
 
 
 def test_paper_configs_keep_planner_inputs_explicit():
     for name in ("vit_b32_32k_8gpu.json", "vit_b32_196k_64gpu.json", "vit_b32_196k_8gpu.json"):
         text = (CONFIG_DIR / name).read_text()
-        assert '"auto"' not in text, f"{name}: the planner needs every value; no \"auto\" in the paper configs"
+        assert '"auto"' not in text, f'{name}: the planner needs every value; no "auto" in the paper configs'
         config = json.loads(text)
         assert config["bf16"]["enabled"] is True and config["zero_optimization"]["stage"] == 2
 
 
 # The TrainingArguments that recipes/train_vit_b32.sh passes with the paper configs: the optimizer's values (the
 # configs leave the optimizer to the Trainer) and those the HF Trainer checks against the JSON's explicit values.
-PAPER_TRAINER_FLAGS = "--gradient_accumulation_steps 1 --bf16 --learning_rate 5e-4 --adam_beta1 0.9 --adam_beta2 0.98 " \
-                      "--adam_epsilon 1e-6 --weight_decay 0.2 --max_grad_norm 0"
+PAPER_TRAINER_FLAGS = (
+    "--gradient_accumulation_steps 1 --bf16 --learning_rate 5e-4 --adam_beta1 0.9 --adam_beta2 0.98 "
+    "--adam_epsilon 1e-6 --weight_decay 0.2 --max_grad_norm 0"
+)
 
 
 @pytest.mark.slow
@@ -82,20 +91,57 @@ def test_paper_config_settings_run_under_deepspeed_and_the_trainer(tmp_path):
     overlap_comm, fp32 gradient reduction, torch AdamW, activation checkpointing, and the README's flags."""
     root = CONFIG_DIR.parent
     recipe = " ".join((root / "recipes/train_vit_b32.sh").read_text().replace("\\\n", " ").split())
-    for pair in re.findall(r"--\w+(?: [^-\s]\S*)?", PAPER_TRAINER_FLAGS.replace("--gradient_accumulation_steps 1 ", "")):
+    for pair in re.findall(
+        r"--\w+(?: [^-\s]\S*)?", PAPER_TRAINER_FLAGS.replace("--gradient_accumulation_steps 1 ", "")
+    ):
         assert pair in recipe, f"recipes/train_vit_b32.sh does not pass {pair}"
     assert '--gradient_accumulation_steps "$ACCUM"' in recipe
-    for config, accum in re.findall(r"DS_CONFIG=ds_configs/(\S+)\s+PER_GPU=\d+ ACCUM=(\d+)", recipe):  # each RUN's K = its JSON's
+    for config, accum in re.findall(
+        r"DS_CONFIG=ds_configs/(\S+)\s+PER_GPU=\d+ ACCUM=(\d+)", recipe
+    ):  # each RUN's K = its JSON's
         assert json.loads((CONFIG_DIR / config).read_text())["gradient_accumulation_steps"] == int(accum), config
     write_shards(tmp_path / "shards", 2, 8)
-    config = dict(json.loads((CONFIG_DIR / "vit_b32_32k_8gpu.json").read_text()), train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    config = dict(
+        json.loads((CONFIG_DIR / "vit_b32_32k_8gpu.json").read_text()),
+        train_batch_size=8,
+        train_micro_batch_size_per_gpu=4,
+    )
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    cmd = [*train_command("deepspeed", 2), "--model_config", str(root / "recipes/models/tiny.json"),
-           "--tokenizer_name", str(root / "recipes/tokenizer"), "--train_shards", str(tmp_path / "shards"),
-           "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none", "--disable_tqdm", "true",
-           "--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--save_steps", "100",
-           "--deepspeed", str(tmp_path / "ds.json"), "--per_device_train_batch_size", "4",
-           "--lr_scheduler_type", "cosine", "--warmup_steps", "1", "--activation_checkpointing", *PAPER_TRAINER_FLAGS.split()]
+    cmd = [
+        *train_command("deepspeed", 2),
+        "--model_config",
+        str(root / "recipes/models/tiny.json"),
+        "--tokenizer_name",
+        str(root / "recipes/tokenizer"),
+        "--train_shards",
+        str(tmp_path / "shards"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "2",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--dataloader_num_workers",
+        "1",
+        "--shuffle_buffer",
+        "8",
+        "--save_steps",
+        "100",
+        "--deepspeed",
+        str(tmp_path / "ds.json"),
+        "--per_device_train_batch_size",
+        "4",
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        "1",
+        "--activation_checkpointing",
+        *PAPER_TRAINER_FLAGS.split(),
+    ]
     run_training(cmd, timeout=240)
     state = json.loads((tmp_path / "out/trainer_state.json").read_text())
-    assert state["global_step"] == 2 and all(math.isfinite(h["train_loss"]) for h in state["log_history"] if "train_loss" in h)
+    assert state["global_step"] == 2 and all(
+        math.isfinite(h["train_loss"]) for h in state["log_history"] if "train_loss" in h
+    )

@@ -38,11 +38,24 @@ def tiny_clip_config(tokenizer, image_size: int = IMAGE_SIZE):
     from transformers import CLIPConfig
 
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=image_size, patch_size=8)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=8,
+    )
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
 
 
@@ -174,12 +187,21 @@ def test_zeroshot_classification_matches_float64_reference(cls_set):
     model, tokenizer, processor = tiny_clip()
     model.train()  # the function must evaluate in eval mode and restore the flag
     classifier, image_rows = _reference_embeddings(model, tokenizer, processor, images, CLASSNAMES, TEMPLATES)
-    assert torch.allclose(ev.zeroshot_classifier(model, tokenizer, CLASSNAMES, TEMPLATES, batch_size=4).double(), classifier, atol=1e-5)
+    assert torch.allclose(
+        ev.zeroshot_classifier(model, tokenizer, CLASSNAMES, TEMPLATES, batch_size=4).double(), classifier, atol=1e-5
+    )
     reference = _reference_metrics((image_rows @ classifier.T).numpy(), labels)
     assert 0 < reference["acc5"] < 1  # the fixed set is informative: neither all right nor all wrong
     for batch_size in (1, 4, 64):
         metrics = ev.zeroshot_classification(
-            model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, batch_size=batch_size, progress=False
+            model,
+            tokenizer,
+            str(folder),
+            CLASSNAMES,
+            TEMPLATES,
+            image_processor=processor,
+            batch_size=batch_size,
+            progress=False,
         )
         assert metrics == pytest.approx(reference, abs=1e-9), batch_size
     assert model.training
@@ -188,34 +210,60 @@ def test_zeroshot_classification_matches_float64_reference(cls_set):
 def test_zeroshot_classification_accepts_a_dataloader(cls_set):
     folder, images, labels = cls_set
     model, tokenizer, processor = tiny_clip()
-    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")["pixel_values"]
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")[
+        "pixel_values"
+    ]
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(pixels, torch.tensor(labels)), batch_size=5)
     from_loader = ev.zeroshot_classification(model, tokenizer, loader, CLASSNAMES, TEMPLATES, progress=False)
-    from_shards = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    from_shards = ev.zeroshot_classification(
+        model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False
+    )
     assert from_loader == pytest.approx(from_shards)
 
 
 def test_zeroshot_retrieval_matches_float64_reference(tmp_path):
     rng = np.random.default_rng(3)
-    captions = [["a red square", "red"], ["two cats"], ["the sea", "blue water", "waves"], ["night"], ["a dog"], ["tree"]]
+    captions = [
+        ["a red square", "red"],
+        ["two cats"],
+        ["the sea", "blue water", "waves"],
+        ["night"],
+        ["a dog"],
+        ["tree"],
+    ]
     images = [noise_image_bytes(rng) for _ in captions]
     write_samples(tmp_path, [{"png": img, "txt": "\n".join(caps)} for img, caps in zip(images, captions)], per_shard=4)
     model, tokenizer, processor = tiny_clip(seed=1)
 
     model.double()
     with torch.no_grad():
-        texts = [F.normalize(model.get_text_features(**tokenizer([t], return_tensors="pt")).pooler_output[0], dim=0) for caps in captions for t in caps]
+        texts = [
+            F.normalize(model.get_text_features(**tokenizer([t], return_tensors="pt")).pooler_output[0], dim=0)
+            for caps in captions
+            for t in caps
+        ]
         image_rows = [
-            F.normalize(model.get_image_features(pixel_values=processor(images=Image.open(io.BytesIO(d)).convert("RGB"), return_tensors="pt")["pixel_values"].double()).pooler_output[0], dim=0)
+            F.normalize(
+                model.get_image_features(
+                    pixel_values=processor(images=Image.open(io.BytesIO(d)).convert("RGB"), return_tensors="pt")[
+                        "pixel_values"
+                    ].double()
+                ).pooler_output[0],
+                dim=0,
+            )
             for d in images
         ]
     model.float()
     scores = (torch.stack(texts) @ torch.stack(image_rows).T).numpy()
     owner = np.array([i for i, caps in enumerate(captions) for _ in caps])
     image_rank = np.array([np.sum(row > row[o]) for row, o in zip(scores, owner)])
-    text_rank = np.array([min(np.sum(scores[:, i] > scores[t, i]) for t in np.flatnonzero(owner == i)) for i in range(len(images))])
+    text_rank = np.array(
+        [min(np.sum(scores[:, i] > scores[t, i]) for t in np.flatnonzero(owner == i)) for i in range(len(images))]
+    )
 
-    metrics = ev.zeroshot_retrieval(model, tokenizer, str(tmp_path), image_processor=processor, batch_size=4, progress=False)
+    metrics = ev.zeroshot_retrieval(
+        model, tokenizer, str(tmp_path), image_processor=processor, batch_size=4, progress=False
+    )
     assert set(metrics) == {f"{d}_retrieval_recall@{k}" for d in ("image", "text") for k in (1, 5, 10)}
     for k in (1, 5, 10):
         assert metrics[f"image_retrieval_recall@{k}"] == pytest.approx(np.mean(image_rank < k))
@@ -245,7 +293,9 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert record["task"] == "zeroshot_classification"
     model, tokenizer, processor = tiny_clip()
-    expected = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    expected = ev.zeroshot_classification(
+        model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False
+    )
     assert record["metrics"] == pytest.approx(expected)
 
 
@@ -301,23 +351,37 @@ def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, tmp_path):
     folder, images, labels = cls_set
     model, tokenizer, processor = tiny_clip()
     tokens = tokenizer(["a photo", "two cats playing"], padding="max_length", max_length=16, return_tensors="pt")
-    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")["pixel_values"]
-    train = [{"input_ids": tokens["input_ids"][i], "attention_mask": tokens["attention_mask"][i], "pixel_values": pixels[i]} for i in range(2)] * 4
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")[
+        "pixel_values"
+    ]
+    train = [
+        {"input_ids": tokens["input_ids"][i], "attention_mask": tokens["attention_mask"][i], "pixel_values": pixels[i]}
+        for i in range(2)
+    ] * 4
 
     def collate(rows):
         batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
         return {**batch, "return_loss": True}
 
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
     ev.ZeroShotCallback(folder, tokenizer, IMAGE_SIZE, every_n_steps=2, batch_size=4).attach(trainer)
     trainer.train()
     logged = {e["step"]: e for e in trainer.state.log_history if "zeroshot_acc1" in e}
     assert sorted(logged) == [2, 3]  # every 2 steps, and the last
-    final = ev.zeroshot_classification(model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False)
+    final = ev.zeroshot_classification(
+        model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False
+    )
     assert {k: logged[3][f"zeroshot_{k}"] for k in final} == pytest.approx(final)
 
 
@@ -337,7 +401,9 @@ def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_p
 
 def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
     rng = np.random.default_rng(1)
-    write_samples(tmp_path, [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": f"caption {i}"} for i in range(3)], per_shard=3)
+    write_samples(
+        tmp_path, [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": f"caption {i}"} for i in range(3)], per_shard=3
+    )
     assert ev.main(["--model", str(model_dir), "--data", str(tmp_path), "--classnames", "imagenet1k"]) == 2
     err = capsys.readouterr().err
     assert "no .cls members" in err and "use --task zeroshot_retrieval" in err

@@ -54,19 +54,45 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
         texts = [f"a photo of the number {w}." for w in ("one", "two", "three", "four")]
         tokens = tokenizer(texts, padding="max_length", max_length=16, return_tensors="pt")
         pixels = torch.randn(4, 3, 64, 64, generator=gen).to(dtype)
-        loss = engine(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels, return_loss=True).loss
+        loss = engine(
+            input_ids=tokens["input_ids"],
+            attention_mask=tokens["attention_mask"],
+            pixel_values=pixels,
+            return_loss=True,
+        ).loss
         engine.backward(loss)
         engine.step()
     engine.save_checkpoint(str(checkpoint))
     if rank == 0:  # what the Trainer writes beside DeepSpeed's state
         model.config.save_pretrained(checkpoint)
         tokenizer.save_pretrained(checkpoint)
-        CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
-        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 3, "max_steps": 3, "train_batch_size": 4, "log_history": [{"loss": float(loss), "step": 3}]}))
+        CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(
+            checkpoint
+        )
+        (checkpoint / "trainer_state.json").write_text(
+            json.dumps(
+                {
+                    "global_step": 3,
+                    "max_steps": 3,
+                    "train_batch_size": 4,
+                    "log_history": [{"loss": float(loss), "step": 3}],
+                }
+            )
+        )
         # what `disco-clip train` records for the model card beside the checkpoints
-        (checkpoint.parent / "run.json").write_text(json.dumps({
-            "world_size": world_size, "micro_batch_per_rank": 4, "global_contrastive_batch": 4 * world_size,
-            "loss_impl": "tiled", "zero_stage": stage, "precision": precision, "versions": {"deepspeed": deepspeed.__version__}}))
+        (checkpoint.parent / "run.json").write_text(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "micro_batch_per_rank": 4,
+                    "global_contrastive_batch": 4 * world_size,
+                    "loss_impl": "tiled",
+                    "zero_stage": stage,
+                    "precision": precision,
+                    "versions": {"deepspeed": deepspeed.__version__},
+                }
+            )
+        )
     engine.eval()
     with torch.no_grad():
         # the exported weights are the fp32 masters; compare against an fp32 forward with them
@@ -79,7 +105,10 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
 
 def _train_and_save_stages(rank, world_size, stages, root):
     # one spawn for all stages: the ranks' imports cost more than the runs
-    return {stage: _train_and_save(rank, world_size, stage, "fp32", root / f"zero{stage}" / "checkpoint-3") for stage in stages}
+    return {
+        stage: _train_and_save(rank, world_size, stage, "fp32", root / f"zero{stage}" / "checkpoint-3")
+        for stage in stages
+    }
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +144,13 @@ for i, folder in enumerate(folders):
 def reload_in_fresh_process(tmp: Path, *folders: Path) -> list[dict]:
     """Load each folder with transformers alone (no disco_clip_ds import) in a new interpreter; its embeddings."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    subprocess.run([sys.executable, "-c", RELOAD, json.dumps(PROMPTS), *map(str, folders)], check=True, env=env, cwd=tmp, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", RELOAD, json.dumps(PROMPTS), *map(str, folders)],
+        check=True,
+        env=env,
+        cwd=tmp,
+        timeout=120,
+    )
     return [torch.load(tmp / f"emb{i}.pt") for i in range(len(folders))]
 
 
@@ -128,8 +163,10 @@ def exports(trained_checkpoints, tmp_path_factory):
     both stages reloaded in one fresh interpreter (its imports cost more than the forwards)."""
     root, _ = trained_checkpoints
     tmp = tmp_path_factory.mktemp("exports")
-    outs = {stage: ex.export_checkpoint(root / f"zero{stage}", tmp / f"zero{stage}", eval_metrics=EVAL_RECORD)
-            for stage in (2, 3)}  # run folder -> newest checkpoint
+    outs = {
+        stage: ex.export_checkpoint(root / f"zero{stage}", tmp / f"zero{stage}", eval_metrics=EVAL_RECORD)
+        for stage in (2, 3)
+    }  # run folder -> newest checkpoint
     return dict(zip(outs, zip(outs.values(), reload_in_fresh_process(tmp, *outs.values()))))
 
 
@@ -137,7 +174,14 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
     _, stage, trained = checkpoint
     out, reloaded = exports[stage]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["README.md", "config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+        [
+            "README.md",
+            "config.json",
+            "model.safetensors",
+            "preprocessor_config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
     )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["CLIPModel"]
@@ -145,9 +189,16 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
     torch.testing.assert_close(reloaded["image"], trained["image"], rtol=1e-5, atol=1e-5)
     assert reloaded["logit_scale"].dim() == 0
     card = (out / "README.md").read_text()
-    for fact in (f"| DeepSpeed ZeRO stage | {stage} |", "| world size (data-parallel ranks) | 2 |",
-                 "| global contrastive batch (pairs per loss) | 8 |", "| loss implementation | tiled |",
-                 "| precision | fp32 |", "| optimizer steps | 3 |", "| acc1 | 0.8750 |", "library_name: transformers"):
+    for fact in (
+        f"| DeepSpeed ZeRO stage | {stage} |",
+        "| world size (data-parallel ranks) | 2 |",
+        "| global contrastive batch (pairs per loss) | 8 |",
+        "| loss implementation | tiled |",
+        "| precision | fp32 |",
+        "| optimizer steps | 3 |",
+        "| acc1 | 0.8750 |",
+        "library_name: transformers",
+    ):
         assert fact in card, fact
 
 
@@ -234,7 +285,14 @@ def _push_cli(args, home: Path, **env):
     """`disco-clip push` in a fresh interpreter with an empty HF home: no cached token, offline."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     clean.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", **env)
-    return subprocess.run([sys.executable, "-m", "disco_clip_ds.cli", "push", *args], capture_output=True, text=True, env=clean, cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "disco_clip_ds.cli", "push", *args],
+        capture_output=True,
+        text=True,
+        env=clean,
+        cwd=REPO,
+        timeout=120,
+    )
 
 
 def test_push_dry_run_lists_exactly_the_exported_files(exported, tmp_path):
@@ -285,7 +343,9 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     url = ex.push_folder(exported, "someone/tiny-clip", private=True, revision="v1")
     assert url.endswith("/commit/abc")
-    assert calls["files"] == [path for path, _ in ex.upload_plan(exported)] == sorted(p.name for p in exported.iterdir())
+    assert (
+        calls["files"] == [path for path, _ in ex.upload_plan(exported)] == sorted(p.name for p in exported.iterdir())
+    )
     assert calls["repo"] == ("someone/tiny-clip", True, True) and calls["branch"] == "v1" and calls["revision"] == "v1"
 
 
@@ -295,8 +355,24 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
 def launch_training(output: Path, *args: str) -> None:
     """`torchrun --nproc_per_node 2 -m disco_clip_ds.train` with the tiny model on CPU; fails with its log. (torchrun
     starts ~5 s sooner than the deepspeed launcher, which test_train and test_checkpoints cover.)"""
-    cmd = [*train_command("torchrun", 2), "--model_config", MODEL_CONFIG, "--tokenizer_name", TOKENIZER_DIR, "--output_dir", output, "--report_to", "none",
-           "--disable_tqdm", "true", "--dataloader_num_workers", "1", "--logging_steps", "1", *args]
+    cmd = [
+        *train_command("torchrun", 2),
+        "--model_config",
+        MODEL_CONFIG,
+        "--tokenizer_name",
+        TOKENIZER_DIR,
+        "--output_dir",
+        output,
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--dataloader_num_workers",
+        "1",
+        "--logging_steps",
+        "1",
+        *args,
+    ]
     run_training(cmd, timeout=600)  # imports alone take minutes on a busy 2-core machine
 
 
@@ -309,13 +385,40 @@ def zero3_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(5)
     digits = "zero one two three four five six seven eight nine".split()
-    write_samples(root / "train", [{"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"} for i in range(32)], per_shard=16)
-    write_samples(root / "eval", [{"png": noise_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10)
+    write_samples(
+        root / "train",
+        [
+            {"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"}
+            for i in range(32)
+        ],
+        per_shard=16,
+    )
+    write_samples(
+        root / "eval", [{"png": noise_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10
+    )
     (root / "eval" / "classnames.txt").write_text("\n".join(digits) + "\n")
     (root / "eval" / "zeroshot_classification_templates.txt").write_text("a photo of the digit {c}\n{c}\n")
-    launch_training(root / "out", "--deepspeed", REPO / "ds_configs" / "cpu_zero3.json", "--train_shards", root / "train",
-                    "--train_num_samples", "32", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "4",
-                    "--per_device_eval_batch_size", "8", "--zeroshot_data", root / "eval", "--zeroshot_steps", "2")
+    launch_training(
+        root / "out",
+        "--deepspeed",
+        REPO / "ds_configs" / "cpu_zero3.json",
+        "--train_shards",
+        root / "train",
+        "--train_num_samples",
+        "32",
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "8",
+        "--zeroshot_data",
+        root / "eval",
+        "--zeroshot_steps",
+        "2",
+    )
     return root
 
 
@@ -336,8 +439,15 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
 
     data = str(zero3_run / "eval")
     model, tokenizer, processor = ev.load_for_eval(str(exported))
-    metrics = ev.zeroshot_classification(model, tokenizer, data, ev.find_classnames(data, None), ev.find_templates(data, None),
-                                         image_processor=processor, progress=False)
+    metrics = ev.zeroshot_classification(
+        model,
+        tokenizer,
+        data,
+        ev.find_classnames(data, None),
+        ev.find_templates(data, None),
+        image_processor=processor,
+        progress=False,
+    )
     assert {k: during[4][f"zeroshot_{k}"] for k in metrics} == pytest.approx(metrics)
 
 

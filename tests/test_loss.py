@@ -88,11 +88,16 @@ def test_matches_float64_reference(world):
         assert math.isfinite(ref_loss)
         rows = [r[k] for r in per_rank]
         rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        what = f"world={world} sizes={sizes} impl={impl} (chunk, keep)={chunk} dtype={dtype} features={features.__name__}"
+        what = (
+            f"world={world} sizes={sizes} impl={impl} (chunk, keep)={chunk} dtype={dtype} features={features.__name__}"
+        )
         # mean over ranks of the returned values is the global loss
         assert sum(r[3] for r in rows) / world == pytest.approx(ref_loss, rel=rtol), what
         # each rank's feature gradient / N is the global gradient w.r.t. its rows
-        for got, ref in ((torch.cat([r[4] for r in rows]) / world, ref_gx), (torch.cat([r[5] for r in rows]) / world, ref_gy)):
+        for got, ref in (
+            (torch.cat([r[4] for r in rows]) / world, ref_gx),
+            (torch.cat([r[5] for r in rows]) / world, ref_gy),
+        ):
             torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * ref.abs().max().item() / 10, msg=what)
         # mean over ranks of the logit scale's gradient is the global one
         assert sum(r[6] for r in rows) / world == pytest.approx(ref_gt, rel=rtol, abs=rtol / 10), what
@@ -121,7 +126,7 @@ def mixed_far_features(n=10, seed=0):
     e = torch.eye(DIM, dtype=torch.float64)
     x = torch.stack([e[0] if i < n // 2 else e[1] for i in range(n)])
     y = torch.stack([(e[0], -e[0], e[1])[j % 3] for j in range(n)])
-    noise = lambda: 0.05 * torch.randn(n, DIM, generator=g, dtype=torch.float64)  # noqa: E731
+    noise = lambda: 0.05 * torch.randn(n, DIM, generator=g, dtype=torch.float64)
     return F.normalize(x + noise(), dim=1).float(), F.normalize(y + noise(), dim=1).float()
 
 
@@ -269,7 +274,9 @@ def _wire_rank(rank, world, sizes, dim, dtype):
     g = torch.Generator().manual_seed(rank)
     out = {}
     for impl in ("twoblock", "disco", "tiled"):
-        x, y = (F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in range(2))
+        x, y = (
+            F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in range(2)
+        )
         with WireBytes() as wire:
             if impl == "twoblock":
                 twoblock_loss(x, y, torch.tensor(20.0)).backward()

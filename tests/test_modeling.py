@@ -40,7 +40,11 @@ def batch(dtype=torch.float64, n=GLOBAL_BATCH):
     for i, length in enumerate(lengths):
         ids[i, 0], ids[i, 1:length] = 0, torch.randint(2, 539, (length - 1,), generator=g)
     mask = (torch.arange(12) <= lengths[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype)}
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype),
+    }
 
 
 def reference_loss_and_grads(model: DiscoCLIPModel, inputs) -> tuple[float, dict]:
@@ -69,7 +73,7 @@ def _rank_loss_and_grads(rank, world, impl, sizes):
     torch.set_num_threads(1)
     model, full = tiny_model(impl), batch()
     start = sum(sizes[:rank])
-    local = {k: v[start:start + sizes[rank]] for k, v in full.items()}
+    local = {k: v[start : start + sizes[rank]] for k, v in full.items()}
     loss = model(**local, return_loss=True).loss
     loss.backward()
     grads = {}
@@ -113,7 +117,7 @@ def test_local_loss_on_two_ranks_is_the_per_device_loss(two_rank_results):
     # "local" must stay what HF's contrastive example trains with: each rank's own b x b loss, no gathering.
     results = two_rank_results["local", (3, 3)]
     model, full = tiny_model("local"), batch()
-    halves = [model(**{k: v[s:s + 3] for k, v in full.items()}, return_loss=True).loss.item() for s in (0, 3)]
+    halves = [model(**{k: v[s : s + 3] for k, v in full.items()}, return_loss=True).loss.item() for s in (0, 3)]
     assert [loss for loss, _ in results] == pytest.approx(halves, rel=1e-10)
 
 
@@ -205,9 +209,13 @@ def test_from_pretrained_of_a_stock_clip_checkpoint_defaults_to_tiled(tmp_path):
 
 # --- CLIP's initialisation (OpenAI CLIP clip/model.py, open_clip transformer.py), hand-computed per group ---
 
+
 def _config(text_width, text_layers, vision_width, vision_layers, patch=16, image=64):
     config = CLIPConfig.from_json_file(str(TINY))
-    for tower, width, layers in ((config.text_config, text_width, text_layers), (config.vision_config, vision_width, vision_layers)):
+    for tower, width, layers in (
+        (config.text_config, text_width, text_layers),
+        (config.vision_config, vision_width, vision_layers),
+    ):
         tower.hidden_size, tower.num_hidden_layers, tower.intermediate_size = width, layers, 4 * width
     config.vision_config.patch_size, config.vision_config.image_size = patch, image
     return config
@@ -260,14 +268,20 @@ def assert_clip_init(model, config, names=None):
         values, n = raw.double(), raw.numel()
         checked.update(group)
         if dist == "const":  # in the parameter's dtype
-            assert torch.equal(raw, torch.full_like(raw, scale)), f"{pattern}: expected all {scale}, got {raw[:4].tolist()}"
+            assert torch.equal(raw, torch.full_like(raw, scale)), (
+                f"{pattern}: expected all {scale}, got {raw[:4].tolist()}"
+            )
             continue
         std = scale if dist == "normal" else scale / 3**0.5
         # 5 standard errors of the sample std and mean; a fixed seed makes the draw reproducible
-        assert values.std().item() == pytest.approx(std, rel=5 / (2 * n) ** 0.5), f"{pattern} ({dist} {scale:.4g}): std {values.std().item():.4g}"
+        assert values.std().item() == pytest.approx(std, rel=5 / (2 * n) ** 0.5), (
+            f"{pattern} ({dist} {scale:.4g}): std {values.std().item():.4g}"
+        )
         assert abs(values.mean().item()) < 5 * std / n**0.5, f"{pattern}: mean {values.mean().item():.4g}"
         if dist == "uniform":  # bounded at the bound, and reaching close to it
-            assert scale * (1 - 10 / n) <= values.abs().max().item() <= scale, f"{pattern}: max {values.abs().max().item():.4g} vs {scale:.4g}"
+            assert scale * (1 - 10 / n) <= values.abs().max().item() <= scale, (
+                f"{pattern}: max {values.abs().max().item():.4g} vs {scale:.4g}"
+            )
     missed = set(params if names is None else names) - checked
     assert not missed, f"no rule checked {sorted(missed)}"
 
@@ -314,7 +328,11 @@ def test_only_weights_missing_from_a_checkpoint_get_clip_init(tmp_path):
     }
     weights = load_file(tmp_path / "model.safetensors")
     assert missing <= weights.keys()
-    save_file({k: v for k, v in weights.items() if k not in missing}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if k not in missing},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     torch.manual_seed(3)
     model = DiscoCLIPModel.from_pretrained(tmp_path)
     state = model.state_dict()
@@ -343,7 +361,9 @@ def test_fresh_model_under_zero3_gets_clip_init(two_rank_results):
     # CLIPModel builds its towers with `_from_config`, which partitions them inside zero.Init under ZeRO-3
     # (rank 0's copy: the projections outside the towers are not partitioned yet; the engine broadcasts them)
     partitioned, params = two_rank_results["zero3"]
-    assert any(n.startswith("text_model.") for n in partitioned) and any(n.startswith("vision_model.") for n in partitioned)
+    assert any(n.startswith("text_model.") for n in partitioned) and any(
+        n.startswith("vision_model.") for n in partitioned
+    )
 
     class Gathered(torch.nn.Module):
         def named_parameters(self):

@@ -28,7 +28,7 @@ def optimizer() -> torch.optim.Optimizer:
 
 def test_cosine_warmup_is_open_clips_schedule_step_for_step():
     # open_clip_train.scheduler.cosine_lr, written out: (s + 1) / warmup, then a cosine over the remaining steps
-    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * (s - WARMUP) / (STEPS - WARMUP))) * LR  # noqa: E731
+    cosine = lambda s: 0.5 * (1 + math.cos(math.pi * (s - WARMUP) / (STEPS - WARMUP))) * LR
     expected = [LR * (s + 1) / WARMUP if s < WARMUP else cosine(s) for s in range(STEPS)]
     opt = optimizer()
     stock = get_scheduler("cosine", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
@@ -38,7 +38,7 @@ def test_cosine_warmup_is_open_clips_schedule_step_for_step():
 
 def test_only_the_warmup_moves_and_the_state_resumes():
     opt = optimizer()
-    linear = lambda opt: get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)  # noqa: E731
+    linear = lambda opt: get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
     stock = lrs(linear(optimizer()), STEPS)
     shifted = warmup_from_first_step(linear(opt), WARMUP)
     first = lrs(shifted, 30)

@@ -37,8 +37,9 @@ def test_transform_normalises_with_clip_mean_std():
     for train in (True, False):
         x = ImageTransform(32, train=train)(image, random.Random(0))
         assert x.shape == (3, 32, 32)
-        expected = (torch.tensor([1.0, 0.0, 128 / 255]) - torch.tensor([0.48145466, 0.4578275, 0.40821073])) / torch.tensor(
-            [0.26862954, 0.26130258, 0.27577711])
+        expected = (
+            torch.tensor([1.0, 0.0, 128 / 255]) - torch.tensor([0.48145466, 0.4578275, 0.40821073])
+        ) / torch.tensor([0.26862954, 0.26130258, 0.27577711])
         torch.testing.assert_close(x[:, 16, 16], expected, atol=2e-3, rtol=0)
 
 
@@ -52,8 +53,9 @@ def test_random_crop_depends_on_the_rng_only():
 
 def test_collator_pads_to_max_length_with_eos_and_no_labels():
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    batch = ClipCollator(tokenizer, max_length=12)([(torch.zeros(3, 8, 8), "a photo of the digit seven"),
-                                                    (torch.ones(3, 8, 8), "seven")])
+    batch = ClipCollator(tokenizer, max_length=12)(
+        [(torch.zeros(3, 8, 8), "a photo of the digit seven"), (torch.ones(3, 8, 8), "seven")]
+    )
     assert set(batch) == {"pixel_values", "input_ids", "attention_mask"}
     assert batch["input_ids"].shape == (2, 12) and batch["pixel_values"].shape == (2, 3, 8, 8)
     ids = batch["input_ids"][1].tolist()
@@ -65,7 +67,9 @@ def test_collator_pads_to_max_length_with_eos_and_no_labels():
 
 def test_ranks_and_workers_read_disjoint_shards_and_resample(tmp_path):
     urls = write_shards(tmp_path, num_shards=4, per_shard=5)
-    per_rank = [_keys_seen(ShardStream(urls, 16, rank=r, world_size=2, shuffle_buffer=0), 20, workers=2) for r in range(2)]
+    per_rank = [
+        _keys_seen(ShardStream(urls, 16, rank=r, world_size=2, shuffle_buffer=0), 20, workers=2) for r in range(2)
+    ]
     one_pass = [set(seen[:10]) for seen in per_rank]  # each rank owns 2 shards = 10 samples per pass
     assert all(len(s) == 10 for s in one_pass)
     assert not one_pass[0] & one_pass[1]

@@ -42,8 +42,11 @@ def test_gradient_accumulation_enters_the_arithmetic():
 
 
 def test_unknown_keys_are_caught_with_a_suggestion():
-    config = {"train_micro_batch_size": 8, "train_batch_size": 32,
-              "zero_optimization": {"stage": 2, "reduce_bucket": 5e7}}
+    config = {
+        "train_micro_batch_size": 8,
+        "train_batch_size": 32,
+        "zero_optimization": {"stage": 2, "reduce_bucket": 5e7},
+    }
     msg = problems_of(config)
     assert "unknown top-level key \"train_micro_batch_size\" (did you mean 'train_micro_batch_size_per_gpu'?)" in msg
     assert "unknown key zero_optimization.reduce_bucket (did you mean 'reduce_bucket_size'?)" in msg
@@ -54,7 +57,9 @@ def test_precision_and_zero_problems():
     assert "enable one" in problems_of(both)
     bf16 = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True}}
     assert "--precision fp16 but the config trains in bf16" in problems_of(bf16, precision="fp16")
-    assert "stage must be 0, 1, 2 or 3, got 5" in problems_of({"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 5}})
+    assert "stage must be 0, 1, 2 or 3, got 5" in problems_of(
+        {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 5}}
+    )
     bucket = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}
     assert "zero_optimization.reduce_bucket_size" in problems_of(bucket)
     assert "positive integer" in problems_of({"train_micro_batch_size_per_gpu": 0})
@@ -62,23 +67,45 @@ def test_precision_and_zero_problems():
 
 def test_flags_and_deepspeed_engine_checks():
     config = {"train_micro_batch_size_per_gpu": 8}
-    assert "--per_device_batch 16 contradicts train_micro_batch_size_per_gpu 8" in problems_of(config, per_device_batch=16)
+    assert "--per_device_batch 16 contradicts train_micro_batch_size_per_gpu 8" in problems_of(
+        config, per_device_batch=16
+    )
     odd = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2, "allgather_bucket_size": 25000001}}
     assert "allgather_bucket_size must be even" in problems_of(odd)
-    offload = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}
+    offload = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}},
+    }
     assert "offload_param needs ZeRO stage 3" in problems_of(offload)
 
 
 def test_cpu_config_plans_with_the_trainer_values_given(capsys):
-    code = P.main(["--deepspeed", str(ROOT / "ds_configs/cpu_zero2.json"), "--model", str(ROOT / "recipes/models/tiny.json"),
-                   "--gpus", "2", "--gpu_memory", "8GB", "--per_device_batch", "64", "--precision", "fp32"])
+    code = P.main(
+        [
+            "--deepspeed",
+            str(ROOT / "ds_configs/cpu_zero2.json"),
+            "--model",
+            str(ROOT / "recipes/models/tiny.json"),
+            "--gpus",
+            "2",
+            "--gpu_memory",
+            "8GB",
+            "--per_device_batch",
+            "64",
+            "--precision",
+            "fp32",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "needs the HF Trainer: gradient_clipping" in out and "micro batch 64 x grad accum 1 x 2" in out
 
 
 def test_auto_values_need_the_trainer_or_a_flag():
-    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-              "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    }
     assert "pass --per_device_batch" in problems_of(config)
     settings = P.validate_config(config, 4, per_device_batch=16)
     assert settings.train_batch == 64
@@ -115,7 +142,9 @@ def test_model_states_match_deepspeed_and_hand_counts():
     assert sum(P.model_state_bytes(p, largest, 0, "fp32", n).values()) == 16 * p  # weights, grads, Adam m and v
     assert sum(P.model_state_bytes(p, largest, 1, "bf16", n).values()) == pytest.approx(4 * p + 16 * p / n)
     offloaded = P.model_state_bytes(p, largest, 2, "bf16", n, offload_optimizer=True)
-    assert sum(offloaded.values()) == pytest.approx(2 * p) and offloaded["optimizer"] == 0  # DeepSpeed: 16-bit weights only
+    assert (
+        sum(offloaded.values()) == pytest.approx(2 * p) and offloaded["optimizer"] == 0
+    )  # DeepSpeed: 16-bit weights only
 
 
 def test_traffic_hand_computed():
@@ -138,8 +167,16 @@ def test_parameter_count_is_the_real_models():
     assert P.ModelShape.from_json(VIT).params == 151_277_313
 
 
-@pytest.mark.parametrize("csv_name", ["plan_loss_check_cpu.csv", "loss_bench_cpu.csv", "loss_bench_cpu_one_block.csv",
-                                      "loss_bench_cpu_one_block_w4.csv", "plan_loss_check_one_block_cpu.csv"])
+@pytest.mark.parametrize(
+    "csv_name",
+    [
+        "plan_loss_check_cpu.csv",
+        "loss_bench_cpu.csv",
+        "loss_bench_cpu_one_block.csv",
+        "loss_bench_cpu_one_block_w4.csv",
+        "plan_loss_check_one_block_cpu.csv",
+    ],
+)
 def test_loss_term_within_25_percent_of_loss_benchmark(csv_name):
     """The loss working-set formulas against the loss benchmark's measured per-rank peaks (bench/loss_bench.py).
     Batches >= 4096 only: below that the process's fixed costs (thread pools, gloo buffers) dominate."""
@@ -148,7 +185,11 @@ def test_loss_term_within_25_percent_of_loss_benchmark(csv_name):
     path = ROOT / "bench/results" / csv_name
     if not path.exists():
         pytest.skip(f"{path.name} not written yet (python bench/loss_bench.py)")
-    rows = [r for r in csv.DictReader(path.open()) if r["status"] == "ok" and int(r["batch"]) >= 4096 and r.get("device", "cpu") == "cpu"]
+    rows = [
+        r
+        for r in csv.DictReader(path.open())
+        if r["status"] == "ok" and int(r["batch"]) >= 4096 and r.get("device", "cpu") == "cpu"
+    ]
     assert rows
     for r in rows:
         elem = {"fp32": 4, "bf16": 2}[r["dtype"]]
@@ -172,8 +213,21 @@ def test_loss_terms_scale_as_the_paper_says():
 @pytest.mark.parametrize("config, gpus", [(CFG_32K, 8), (CFG_196K, 64)], ids=["32k_8gpu", "196k_64gpu"])
 def test_paper_runs_fit_on_40gb_with_disco_and_tiled(config, gpus, tmp_path):
     out = tmp_path / "plan.json"
-    code = P.main(["--deepspeed", str(config), "--model", str(VIT), "--gpus", str(gpus), "--gpu_memory", "40GB",
-                   "--activation_checkpointing", "--json", str(out)])
+    code = P.main(
+        [
+            "--deepspeed",
+            str(config),
+            "--model",
+            str(VIT),
+            "--gpus",
+            str(gpus),
+            "--gpu_memory",
+            "40GB",
+            "--activation_checkpointing",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     memory = result["memory"]
     assert memory["disco"]["fits"] and memory["tiled"]["fits"]
@@ -193,7 +247,16 @@ def test_without_checkpointing_the_paper_batch_does_not_fit():
 
 
 def _measured_train_peak(model: Path, batch: int) -> float:
-    cmd = [sys.executable, str(ROOT / "bench/measure_memory.py"), "--model", str(model), "--batch", str(batch), "--mode", "train"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/measure_memory.py"),
+        "--model",
+        str(model),
+        "--batch",
+        str(batch),
+        "--mode",
+        "train",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=120).stdout
     return json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20
@@ -209,4 +272,6 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
     settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
     estimate = P.memory_plan(shape, settings, P.load_fit(), "naive", False, capacity=float("inf"), overhead=0.0).total
     measured = _measured_train_peak(path, batch)
-    assert abs(estimate / measured - 1) < 0.25, f"{model} b={batch}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
+    assert abs(estimate / measured - 1) < 0.25, (
+        f"{model} b={batch}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
+    )

@@ -55,10 +55,20 @@ BAD = [
     ("/missing2.jpg", dict(status=404), "gone too", "failed_to_download", "HTTP Error 404: Not Found"),
     ("/error.jpg", dict(status=500), "server error", "failed_to_download", "HTTP Error 500: Internal Server Error"),
     ("/hang.jpg", dict(hang=True), "never answers", "failed_to_download", "timed out"),
-    ("/trickle.jpg", dict(body=TRICKLE_BODY, trickle=TRICKLE), "trickles", "failed_to_download",
-     f"download exceeded the {DEADLINE}s deadline"),
-    ("/corrupt.jpg", dict(body=b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4), "corrupt", "failed_to_resize",
-     "Image decoding error"),
+    (
+        "/trickle.jpg",
+        dict(body=TRICKLE_BODY, trickle=TRICKLE),
+        "trickles",
+        "failed_to_download",
+        f"download exceeded the {DEADLINE}s deadline",
+    ),
+    (
+        "/corrupt.jpg",
+        dict(body=b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4),
+        "corrupt",
+        "failed_to_resize",
+        "Image decoding error",
+    ),
     ("/empty.jpg", dict(body=b""), "empty file", "failed_to_resize", None),
 ]
 
@@ -100,9 +110,28 @@ def adversarial(tmp_path_factory):
     with ImageServer() as server:
         rows = serve_all(server)
         url_list = write_laion_parquet(tmp / "urls.parquet", rows)
-        argv = ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(tmp / "out"),
-                "--image_size", str(SIZE), "--processes", "2", "--threads", "8", "--samples_per_shard", "6",
-                "--timeout", "2", "--max_download_seconds", str(DEADLINE), "--encode_quality", "90"]
+        argv = [
+            "--preset",
+            "laion400m",
+            "--url_list",
+            str(url_list),
+            "--output",
+            str(tmp / "out"),
+            "--image_size",
+            str(SIZE),
+            "--processes",
+            "2",
+            "--threads",
+            "8",
+            "--samples_per_shard",
+            "6",
+            "--timeout",
+            "2",
+            "--max_download_seconds",
+            str(DEADLINE),
+            "--encode_quality",
+            "90",
+        ]
         started = time.monotonic()
         rc = prep.download_main(argv)
         seconds = time.monotonic() - started
@@ -205,8 +234,20 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
 def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, capsys):
     rows = [(image_server.add(f"/gone{i}.jpg", status=404), "x") for i in range(3)]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
-    rc = prep.download_main(["--preset", "laion400m", "--url_list", str(url_list), "--output", str(tmp_path / "out"),
-                             "--threads", "4", "--timeout", "2"])
+    rc = prep.download_main(
+        [
+            "--preset",
+            "laion400m",
+            "--url_list",
+            str(url_list),
+            "--output",
+            str(tmp_path / "out"),
+            "--threads",
+            "4",
+            "--timeout",
+            "2",
+        ]
+    )
     assert rc == 1
     assert "no sample was downloaded" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -214,14 +255,40 @@ def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, caps
 
 
 def _download_argv(url_list: Path, output: Path) -> list[str]:
-    return ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(output), "--image_size", str(SIZE),
-            "--processes", "1", "--threads", "2", "--samples_per_shard", "6", "--timeout", "5"]
+    return [
+        "--preset",
+        "laion400m",
+        "--url_list",
+        str(url_list),
+        "--output",
+        str(output),
+        "--image_size",
+        str(SIZE),
+        "--processes",
+        "1",
+        "--threads",
+        "2",
+        "--samples_per_shard",
+        "6",
+        "--timeout",
+        "5",
+    ]
 
 
 @pytest.mark.slow
 def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path, capsys):
-    rows = [(image_server.add(f"/img{i}.png", body=image_bytes("PNG", "RGB", (20 + i, 30), (9 * i, 100, 250 - 9 * i)),
-                              content_type="image/png", delay=0.1), f"picture number {i}") for i in range(24)]
+    rows = [
+        (
+            image_server.add(
+                f"/img{i}.png",
+                body=image_bytes("PNG", "RGB", (20 + i, 30), (9 * i, 100, 250 - 9 * i)),
+                content_type="image/png",
+                delay=0.1,
+            ),
+            f"picture number {i}",
+        )
+        for i in range(24)
+    ]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
     shards = [f"{i:05d}.tar" for i in range(4)]
 
@@ -232,7 +299,12 @@ def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path,
     cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_download_argv(url_list, resumed)]
     # The worker stops itself once shard 0 is written (a named fault point), so the kill lands in a known state.
     hold = tmp_path / "held.pid"
-    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "DISCO_CLIP_FAULT": "hold_after:0", "DISCO_CLIP_FAULT_FILE": str(hold)}
+    env = {
+        **os.environ,
+        "NO_ALBUMENTATIONS_UPDATE": "1",
+        "DISCO_CLIP_FAULT": "hold_after:0",
+        "DISCO_CLIP_FAULT_FILE": str(hold),
+    }
     proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not hold.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -286,8 +358,13 @@ def _write_tar(path: Path, names: list[str]) -> None:
 
 def test_summarize_aggregates_stats_and_names_failed_shards(tmp_path):
     stats = {
-        0: dict(count=4, successes=2, failed_to_download=1, failed_to_resize=1,
-                status_dict={"success": 2, "HTTP Error 404: Not Found": 1, "Image decoding error\n": 1}),
+        0: dict(
+            count=4,
+            successes=2,
+            failed_to_download=1,
+            failed_to_resize=1,
+            status_dict={"success": 2, "HTTP Error 404: Not Found": 1, "Image decoding error\n": 1},
+        ),
         2: dict(count=3, successes=3, failed_to_download=0, failed_to_resize=0, status_dict={"success": 3}),
     }
     for i, s in stats.items():
@@ -299,9 +376,16 @@ def test_summarize_aggregates_stats_and_names_failed_shards(tmp_path):
     _write_tar(tmp_path / "00003.tar", ["a.jpg", "b.jpg", "c.jpg"])
     summary, sizes = summarize(tmp_path, n_expected=4)
     assert not (tmp_path / "00003_stats.json").exists()
-    assert summary == {"shards": 4, "shards_done": 2, "shards_failed": ["00001", "00003"], "count": 7, "successes": 5,
-                       "failed_to_download": 1, "failed_to_resize": 1,
-                       "failures_by_reason": {"HTTP Error 404: Not Found": 1, "Image decoding error": 1}}
+    assert summary == {
+        "shards": 4,
+        "shards_done": 2,
+        "shards_failed": ["00001", "00003"],
+        "count": 7,
+        "successes": 5,
+        "failed_to_download": 1,
+        "failed_to_resize": 1,
+        "failures_by_reason": {"HTTP Error 404: Not Found": 1, "Image decoding error": 1},
+    }
     assert sizes == {"00000.tar": 2, "00002.tar": 3}
     with tarfile.open(tmp_path / "00000.tar") as tar:
         assert tar.getnames() == ["k0.jpg", "k0.txt", "k1.jpg", "k1.txt"]
@@ -362,8 +446,10 @@ def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
         metadata_main(["--dataset", "laion/relaion2B-en-research-safe", "--output", str(tmp_path / "empty")])
 
 
-@pytest.mark.parametrize("script, args", [("relaion400m.sh", []), ("datacomp.sh", ["small"]),
-                                          ("datacomp.sh", ["medium"]), ("cc3m.sh", ["GCC.tsv"])])
+@pytest.mark.parametrize(
+    "script, args",
+    [("relaion400m.sh", []), ("datacomp.sh", ["small"]), ("datacomp.sh", ["medium"]), ("cc3m.sh", ["GCC.tsv"])],
+)
 @pytest.mark.slow
 def test_data_prep_scripts_run_through_with_valid_arguments(script, args, tmp_path):
     """Each data_prep script, with `disco-clip` replaced by a recorder: every call parses as our CLI does."""

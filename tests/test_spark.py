@@ -31,7 +31,10 @@ from imageserver import ImageServer
 
 JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(480),
+]  # a hung JVM fails the test instead of holding CI (bound for a loaded machine)
 
 DEADLINE = 3
 TRICKLE = 0.2  # seconds per byte: the trickled image alone would take minutes without the deadline
@@ -91,9 +94,28 @@ def url_list(server, tmp_path_factory):
 
 
 def _argv(url_list: Path, output: Path, distributor: str, processes: int = 2) -> list[str]:
-    return ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(output), "--image_size", "32",
-            "--processes", str(processes), "--threads", "4", "--samples_per_shard", str(SHARD), "--timeout", "2",
-            "--max_download_seconds", str(DEADLINE), "--distributor", distributor]
+    return [
+        "--preset",
+        "laion400m",
+        "--url_list",
+        str(url_list),
+        "--output",
+        str(output),
+        "--image_size",
+        "32",
+        "--processes",
+        str(processes),
+        "--threads",
+        "4",
+        "--samples_per_shard",
+        str(SHARD),
+        "--timeout",
+        "2",
+        "--max_download_seconds",
+        str(DEADLINE),
+        "--distributor",
+        distributor,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +189,16 @@ def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_pa
     out, hold, log = tmp_path / "out", tmp_path / "held.pid", tmp_path / "run.log"
     env = {**os.environ, "DISCO_CLIP_FAULT": "hold_after:1", "DISCO_CLIP_FAULT_FILE": str(hold)}
     # --processes 3 with --spark_master local[1]: the master wins, so tasks (shards) run one at a time
-    cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download",
-           *_argv(url_list, out, "pyspark", processes=3), "--spark_master", "local[1]"]
+    cli = [
+        sys.executable,
+        "-m",
+        "disco_clip_ds.cli",
+        "data",
+        "download",
+        *_argv(url_list, out, "pyspark", processes=3),
+        "--spark_master",
+        "local[1]",
+    ]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT)
     try:
@@ -198,8 +228,9 @@ def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_pa
 
 
 @needs_java
-def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(spark, references, url_list, tmp_path,
-                                                                         capsys):
+def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
+    spark, references, url_list, tmp_path, capsys
+):
     out = tmp_path / "out"
     # the session's Python workers take their environment from SparkContext.environment, not os.environ
     spark.sparkContext.environment["DISCO_CLIP_FAULT"] = "exit_before:2"
@@ -258,15 +289,15 @@ def test_missing_java_stops_the_cli_before_any_work(tmp_path):
 def test_java_problem_names_an_old_or_absent_java(tmp_path):
     fake = tmp_path / "jdk11" / "bin"
     fake.mkdir(parents=True)
-    (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "11.0.21" 2023-10-17\' >&2\n')
+    (fake / "java").write_text("#!/bin/sh\necho 'openjdk version \"11.0.21\" 2023-10-17' >&2\n")
     (fake / "java").chmod(0o755)
     assert "is Java 11; pyspark 4 needs Java 17+" in java_problem({"PATH": str(fake)})
     assert "is Java 11" in java_problem({"JAVA_HOME": str(tmp_path / "jdk11"), "PATH": ""})
-    (fake / "java").write_text('#!/bin/sh\necho \'java version "1.8.0_392"\' >&2\n')
+    (fake / "java").write_text("#!/bin/sh\necho 'java version \"1.8.0_392\"' >&2\n")
     assert "is Java 8;" in java_problem({"PATH": str(fake)})
     assert "has no bin/java" in java_problem({"JAVA_HOME": str(tmp_path), "PATH": str(fake)})
     assert "no java on PATH and JAVA_HOME is unset" in java_problem({"PATH": str(tmp_path)})
-    (fake / "java").write_text('#!/bin/sh\necho \'openjdk version "21.0.2" 2024-01-16\' >&2\n')
+    (fake / "java").write_text("#!/bin/sh\necho 'openjdk version \"21.0.2\" 2024-01-16' >&2\n")
     assert java_problem({"PATH": str(fake)}) is None
 
 
@@ -281,8 +312,14 @@ def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
     (env_dir / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (env_dir / "bin" / "python").chmod(0o755)
     script = Path(__file__).resolve().parents[1] / "data_prep" / "relaion2b_spark.sh"
-    env = {**os.environ, "ENV_DIR": str(env_dir), "CALLS": str(tmp_path / "calls"), "MASTER": "spark://10.0.0.1:7077",
-           "OUT": str(tmp_path / "shards"), "PARTS": "part-0000[0-1]-*"}
+    env = {
+        **os.environ,
+        "ENV_DIR": str(env_dir),
+        "CALLS": str(tmp_path / "calls"),
+        "MASTER": "spark://10.0.0.1:7077",
+        "OUT": str(tmp_path / "shards"),
+        "PARTS": "part-0000[0-1]-*",
+    }
     subprocess.run(["bash", str(script), "download"], cwd=tmp_path, env=env, check=True, timeout=60)
     calls = [line.split("\0")[:-1] for line in (tmp_path / "calls").read_text().splitlines() if line]
     assert [c[0] for c in calls] == ["disco-clip", "spark-submit", "disco-clip"]

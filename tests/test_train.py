@@ -35,7 +35,13 @@ def initial_weights(initial_model):
 def shards(tmp_path_factory):
     """4 shards x 24 samples; the first sample of three shards is bad, and the list names a missing shard."""
     folder = tmp_path_factory.mktemp("shards")
-    write_shards(folder, num_shards=4, per_shard=24, seed=1, bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"})
+    write_shards(
+        folder,
+        num_shards=4,
+        per_shard=24,
+        seed=1,
+        bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"},
+    )
     return f"{folder}/{{00000..00003}}.tar::{folder}/missing.tar"
 
 
@@ -44,13 +50,40 @@ def runs(tmp_path_factory, shards, initial_model):
     """One run per launcher and engine, doubling as the equivalence runs. ~2 min on 2 cores. (Each rank reading its
     own shards, and resuming, are test_checkpoints' runs.)"""
     root = tmp_path_factory.mktemp("runs")
-    common = ["--model_name_or_path", str(initial_model), "--train_shards", shards, "--train_num_samples", "96", *SGD, *SAME_STREAM]
+    common = [
+        "--model_name_or_path",
+        str(initial_model),
+        "--train_shards",
+        shards,
+        "--train_num_samples",
+        "96",
+        *SGD,
+        *SAME_STREAM,
+    ]
     launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
     launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
-    launch("accelerate", 2, root / "n2_zero3_tiled", *common, "--per_device_train_batch_size", str(PER_RANK),
-           ds_config="cpu_zero3.json")
-    launch("accelerate", 2, root / "n2_fsdp_tiled", *common, "--per_device_train_batch_size", str(PER_RANK), ds_config=None)
-    launch("deepspeed", 2, root / "n2_zero2_disco", *common, "--per_device_train_batch_size", str(PER_RANK), "--loss_impl", "disco")
+    launch(
+        "accelerate",
+        2,
+        root / "n2_zero3_tiled",
+        *common,
+        "--per_device_train_batch_size",
+        str(PER_RANK),
+        ds_config="cpu_zero3.json",
+    )
+    launch(
+        "accelerate", 2, root / "n2_fsdp_tiled", *common, "--per_device_train_batch_size", str(PER_RANK), ds_config=None
+    )
+    launch(
+        "deepspeed",
+        2,
+        root / "n2_zero2_disco",
+        *common,
+        "--per_device_train_batch_size",
+        str(PER_RANK),
+        "--loss_impl",
+        "disco",
+    )
     return root
 
 
@@ -80,8 +113,18 @@ def test_bad_samples_are_skipped_counted_and_reported(runs):
 def test_logs_carry_the_clip_metrics(runs):
     history = json.loads((runs / "n2_zero3_tiled" / "trainer_state.json").read_text())["log_history"]
     logged = history[0]
-    for key in ("loss", "logit_scale", "global_contrastive_batch", "samples_per_s", "samples_per_s_per_rank",
-                "step_time_s", "data_time_s", "peak_mem_gib_rank0", "peak_mem_gib_rank1", "skipped_samples"):
+    for key in (
+        "loss",
+        "logit_scale",
+        "global_contrastive_batch",
+        "samples_per_s",
+        "samples_per_s_per_rank",
+        "step_time_s",
+        "data_time_s",
+        "peak_mem_gib_rank0",
+        "peak_mem_gib_rank1",
+        "skipped_samples",
+    ):
         assert key in logged, key
     assert logged["global_contrastive_batch"] == 2 * PER_RANK
     assert logged["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-3)  # CLIP's initial temperature, read under ZeRO-3
@@ -111,6 +154,7 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
 
 
 # --- bad input: clear errors before any rank starts work (in-process, no launcher) ---
+
 
 def _train_main(tmp_path, *args):
     from disco_clip_ds.train import main
@@ -146,8 +190,12 @@ def bad_arguments_setup(tmp_path, monkeypatch):
     config["text_config"]["eos_token_id"] = 49407
     (tmp_path / "wrong_eos.json").write_text(json.dumps(config))
     (tmp_path / "not.json").write_text('{"zero_optimization": {"stage": 2,')  # cut short
-    return {"data": str(tmp_path / "data"), "tmp": str(tmp_path), "wrong_eos": str(tmp_path / "wrong_eos.json"),
-            "not_json": str(tmp_path / "not.json")}
+    return {
+        "data": str(tmp_path / "data"),
+        "tmp": str(tmp_path),
+        "wrong_eos": str(tmp_path / "wrong_eos.json"),
+        "not_json": str(tmp_path / "not.json"),
+    }
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
@@ -171,9 +219,17 @@ def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     from disco_clip_ds.train import UsageError, check_deepspeed_batch
 
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": "auto"}))
-    args = lambda micro, accum, world: SimpleNamespace(deepspeed=str(config), per_device_train_batch_size=micro,  # noqa: E731
-                                                      gradient_accumulation_steps=accum, world_size=world)
+    config.write_text(
+        json.dumps(
+            {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": "auto"}
+        )
+    )
+    args = lambda micro, accum, world: SimpleNamespace(
+        deepspeed=str(config),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        world_size=world,
+    )
     check_deepspeed_batch(args(16, 2, 2))  # 16 x 2 x 2 = 64
     check_deepspeed_batch(args(16, 1, 4))
     with pytest.raises(UsageError, match="train_batch_size.*= .*'train_batch_size': 32"):
@@ -184,8 +240,14 @@ def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     with pytest.raises(UsageError, match="cannot read DeepSpeed config"):
         check_deepspeed_batch(args(16, 2, 2))
     for shipped in ("cpu_zero2.json", "cpu_zero3.json"):  # all "auto": any arguments fit
-        check_deepspeed_batch(SimpleNamespace(deepspeed=str(REPO / "ds_configs" / shipped), per_device_train_batch_size=3,
-                                              gradient_accumulation_steps=5, world_size=7))
+        check_deepspeed_batch(
+            SimpleNamespace(
+                deepspeed=str(REPO / "ds_configs" / shipped),
+                per_device_train_batch_size=3,
+                gradient_accumulation_steps=5,
+                world_size=7,
+            )
+        )
 
 
 def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
@@ -197,7 +259,9 @@ def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
     folder = tmp_path / "data"
     write_shards(folder, num_shards=2, per_shard=50)  # sizes.json: 100 samples
     urls = expand_shards(str(folder))
-    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=2, max_steps=-1, num_train_epochs=3)
+    args = SimpleNamespace(
+        per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=2, max_steps=-1, num_train_epochs=3
+    )
     assert _steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (10, 100)  # ceil(300 / 32)
     assert _steps_and_samples(DataArguments(train_shards=str(folder), train_num_samples=64), args, urls) == (6, 64)
     args.max_steps = 7
@@ -212,6 +276,8 @@ def test_locked_towers_are_frozen_and_the_rest_trains():
     _lock_towers(model, ModelArguments(lock_image_tower=True))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert not any(n.startswith(("vision_model.", "visual_projection.")) for n in trainable)
-    assert {"logit_scale", "text_projection.weight"} <= trainable and any(n.startswith("text_model.") for n in trainable)
+    assert {"logit_scale", "text_projection.weight"} <= trainable and any(
+        n.startswith("text_model.") for n in trainable
+    )
     _lock_towers(model, ModelArguments(lock_text_tower=True))
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"logit_scale"}

@@ -84,9 +84,7 @@ def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[
     """A stratified, seeded train/eval split of sample indices (each part in ascending order)."""
     from sklearn.model_selection import train_test_split
 
-    train, held = train_test_split(
-        np.arange(len(labels)), test_size=eval_fraction, random_state=seed, stratify=labels
-    )
+    train, held = train_test_split(np.arange(len(labels)), test_size=eval_fraction, random_state=seed, stratify=labels)
     return np.sort(train), np.sort(held)
 
 
@@ -233,8 +231,10 @@ def check_output_folder(output: Path) -> None:
     if output.is_dir():
         foreign = sorted(entry.name for entry in output.iterdir() if entry.name not in DEMO_ENTRIES)
         if foreign:
-            raise UsageError(f"--output {output} holds {', '.join(foreign[:3])}, which is not a demo build: "
-                             "give a new or empty folder")
+            raise UsageError(
+                f"--output {output} holds {', '.join(foreign[:3])}, which is not a demo build: "
+                "give a new or empty folder"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     check_output_folder(args.output)
     started = time.monotonic()
     summary, eval_sizes = build_demo(
-        args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.processes, args.threads,
-        args.seed
+        args.output,
+        args.image_size,
+        args.samples_per_shard,
+        args.eval_fraction,
+        args.processes,
+        args.threads,
+        args.seed,
     )
     print(
         f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "

@@ -93,8 +93,17 @@ class ShardStream(torch.utils.data.IterableDataset):
     produced, across all workers.
     """
 
-    def __init__(self, urls: list[str], image_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle_buffer: int = 1000, train: bool = True, num_workers: int = 0):
+    def __init__(
+        self,
+        urls: list[str],
+        image_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        train: bool = True,
+        num_workers: int = 0,
+    ):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.shuffle_buffer = shuffle_buffer
@@ -177,7 +186,11 @@ class ClipCollator:
 
     def __call__(self, batch: list[tuple[torch.Tensor, str]]) -> dict[str, torch.Tensor]:
         pixels, captions = zip(*batch)
-        tokens = self.tokenizer(list(captions), padding="max_length", truncation=True, max_length=self.max_length,
-                                return_tensors="pt")
-        return {"pixel_values": torch.stack(pixels), "input_ids": tokens["input_ids"],
-                "attention_mask": tokens["attention_mask"]}
+        tokens = self.tokenizer(
+            list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        return {
+            "pixel_values": torch.stack(pixels),
+            "input_ids": tokens["input_ids"],
+            "attention_mask": tokens["attention_mask"],
+        }

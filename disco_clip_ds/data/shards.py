@@ -89,7 +89,7 @@ def _folder_sizes(folder: Path) -> dict[str, int]:
         try:
             sizes.update({name: int(n) for name, n in json.loads(sizes_file.read_text()).items()})
         except (ValueError, AttributeError, TypeError) as e:
-            raise ValueError(f"unreadable {sizes_file} (want {{\"00000.tar\": count, ...}}): {e}") from e
+            raise ValueError(f'unreadable {sizes_file} (want {{"00000.tar": count, ...}}): {e}') from e
     return sizes
 
 
