@@ -18,7 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, save_initial_model, step_losses, train_command, train_env, weights, write_shards
+from helpers import (
+    LAUNCH_COMMON,
+    REPO,
+    save_initial_model,
+    step_losses,
+    train_command,
+    train_env,
+    weights,
+    write_shards,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,28 +39,13 @@ BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing sha
 # resumed runs, where the launcher plays no part, under torchrun: it starts ~10 s sooner on a loaded 2-core machine.
 QUICK = "torchrun"
 ARGS = [
-    "--tokenizer_name",
-    str(REPO / "recipes/tokenizer"),
+    *LAUNCH_COMMON,  # tokenizer, logging, workers, shuffle buffer, seed; argparse keeps the last --save_steps
     "--train_num_samples",
     "96",
     "--per_device_train_batch_size",
     str(PER_RANK),
-    "--logging_steps",
-    "1",
     "--save_steps",
     str(SAVE),
-    "--save_total_limit",
-    "5",
-    "--dataloader_num_workers",
-    "1",
-    "--shuffle_buffer",
-    "8",
-    "--disable_tqdm",
-    "true",
-    "--report_to",
-    "none",
-    "--seed",
-    "7",
     # SGD, constant lr, no clipping: any change in the trajectory shows in the weights
     "--optim",
     "sgd",
