@@ -238,11 +238,17 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
         assert prep.download_main(_argv(url_list, out, "pyspark")) == 1
     finally:
         del spark.sparkContext.environment["DISCO_CLIP_FAULT"]
+    # the run is over when it returns: no task of it still runs (shard 1's outlives the crash of shard 2 by
+    # about a second, the trickle's deadline), so nothing writes into the folder after its summary
+    assert [e.numRunningTasks for e in spark.sparkContext.statusTracker().getExecutorInfos()] == [0]
     err = capsys.readouterr().err
     assert "error: the Spark job failed" in err and "shard(s) failed; re-run to retry" in err
     summary = json.loads((out / "summary.json").read_text())
     assert "00002" in summary["shards_failed"] and not (out / "00002.tar").exists()
     assert len(summary["shards_failed"]) + summary["shards_done"] == N_SHARDS
+    assert sorted(p.name for p in out.glob("*_stats.json")) == sorted(
+        f"{i:05d}_stats.json" for i in range(N_SHARDS) if f"{i:05d}" not in summary["shards_failed"]
+    )
     assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
     assert _outputs(out) == _outputs(references[1])
 

@@ -34,7 +34,7 @@ from .fetch import bypass_proxy_for_loopback, download_image_with_deadline
 from .inputs import expected_shards, input_columns, input_files
 from .outputs import canonicalize_tar, done_shards, prepare_output_for_resume, print_summary, shard_name, summarize
 from .shards import write_json
-from .spark import check_spark, is_spark_failure, spark_session
+from .spark import check_spark, is_spark_failure, jobs_drained_on_failure, spark_session
 
 # Importing img2dataset pulls in albumentations, which phones home for updates unless told not to.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -213,9 +213,10 @@ def download(cfg: DownloadConfig) -> dict:
     spark = cfg.distributor == "pyspark"
     session = spark_session(cfg.spark_master, cfg.processes) if spark else contextlib.nullcontext()
     fetch = functools.partial(download_image_with_deadline, deadline_s=cfg.max_download_seconds)
-    with img2dataset_fetch(fetch, run=_download_shard), session:
+    with img2dataset_fetch(fetch, run=_download_shard), session as active:
         try:
-            img2dataset.download(**kwargs)
+            with jobs_drained_on_failure(active) if spark else contextlib.nullcontext():
+                img2dataset.download(**kwargs)
         except Exception as err:
             if not is_spark_failure(err):
                 raise

@@ -8,6 +8,8 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 from ..errors import DataError, UsageError
@@ -117,3 +119,49 @@ def spark_session(master: str | None, processes: int):
         yield session
     finally:
         session.stop()
+
+
+@contextlib.contextmanager
+def jobs_drained_on_failure(session, timeout_s: float = 120.0):
+    """Run the Spark jobs started inside as one job group; when they fail, return only once none of their
+    tasks still runs.
+
+    A job aborts on its first lost task while its other tasks run on: each finishes its shard, or has
+    its Python worker killed `spark.python.task.killTimeout` after the abort. Were the failed run to
+    return at once, a re-run could start downloading a shard that a stray worker is still writing, and
+    the two writers would interleave in one tar. On success every task has ended already.
+    """
+    context = session.sparkContext
+    group = f"disco-clip-download-{uuid.uuid4().hex[:12]}"
+    keys = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
+    before = {key: context.getLocalProperty(key) for key in keys}
+    # interruptOnCancel stays False: an interrupted task thread would end while its Python worker, no
+    # longer watched, writes on; uninterrupted, the task ends only when its worker has ended or been killed
+    context.setJobGroup(group, "disco-clip data download", interruptOnCancel=False)
+    try:
+        yield
+    except Exception:
+        running = _wait_for_tasks(context, group, timeout_s)
+        if running:
+            print(
+                f"warning: {running} task(s) of the failed Spark job still run after {timeout_s:.0f}s; "
+                "let them end before re-running into the same --output",
+                file=sys.stderr,
+            )
+        raise
+    finally:
+        for key, value in before.items():
+            context.setLocalProperty(key, value)
+
+
+def _wait_for_tasks(context, group: str, timeout_s: float) -> int:
+    """Poll Spark's status tracker until no task of `group` runs; return how many still do at the timeout."""
+    tracker = context.statusTracker()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jobs = [info for info in map(tracker.getJobInfo, tracker.getJobIdsForGroup(group)) if info is not None]
+        stages = [stage for job in jobs for stage in job.stageIds]
+        running = sum(info.numActiveTasks for info in map(tracker.getStageInfo, stages) if info is not None)
+        if running == 0 or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
