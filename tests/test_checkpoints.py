@@ -63,7 +63,10 @@ ARGS = [
 
 
 def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
-    """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log."""
+    """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log.
+
+    Under accelerate the DeepSpeed config comes from its ZeRO-2 config file rather than --deepspeed."""
+    args_ = ARGS[: ARGS.index("--deepspeed")] if launcher == "accelerate" else ARGS
     train = [
         "--output_dir",
         str(output),
@@ -71,12 +74,13 @@ def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str
         str(data["model"]),
         "--train_shards",
         data["shards"],
-        *ARGS,
+        *args_,
         *args,
     ]
+    yaml = REPO / "recipes/accelerate/deepspeed_zero2.yaml" if launcher == "accelerate" else None
     log = open(output.parent / f"{output.name}.log", "a")
     return subprocess.Popen(
-        train_command(launcher, 2) + train,
+        train_command(launcher, 2, yaml) + train,
         cwd=REPO,
         env=train_env(DISCO_FAULT=fault),
         stdout=log,
@@ -257,8 +261,12 @@ def test_sigterm_to_the_process_group_saves_a_resumable_checkpoint(full, data, t
 
 
 # deepspeed: the command dies, launch.py and the ranks would train on (the ranks watch their grandparent);
-# torchrun forwards SIGTERM (the ranks checkpoint and stop) but dies of SIGUSR1 (the ranks watch their parent)
-@pytest.mark.parametrize("launcher,sig", [("deepspeed", "SIGTERM"), ("torchrun", "SIGTERM"), ("torchrun", "SIGUSR1")])
+# torchrun and accelerate forward SIGTERM (the ranks checkpoint and stop) but die of SIGUSR1 (the ranks watch their
+# parent; accelerate's SIGUSR1 is torchrun's, which it runs in-process)
+@pytest.mark.parametrize(
+    "launcher,sig",
+    [("deepspeed", "SIGTERM"), ("torchrun", "SIGTERM"), ("torchrun", "SIGUSR1"), ("accelerate", "SIGTERM")],
+)
 def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, launcher, sig):
     out = tmp_path / "run"
     proc = start(out, data, "--max_steps", "100000", launcher=launcher)
@@ -279,7 +287,7 @@ def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, l
         _kill_group(proc.pid)
     assert not (out / "model.safetensors").exists()  # the run did not go on to the end
     log = (out.parent / "run.log").read_text()
-    if (launcher, sig) == ("torchrun", "SIGTERM"):  # forwarded to the ranks (and their workers): a clean stop
+    if sig == "SIGTERM" and launcher != "deepspeed":  # forwarded to the ranks (and their workers): a clean stop
         assert "stopped by SIGTERM at step" in log and "DataLoader worker" not in log, log[-3000:]
     else:
         assert "launcher (pid " in log and "is gone: exiting" in log
