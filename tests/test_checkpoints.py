@@ -21,6 +21,7 @@ import pytest
 from helpers import (
     LAUNCH_COMMON,
     REPO,
+    SGD,
     save_initial_model,
     step_losses,
     train_command,
@@ -46,17 +47,7 @@ ARGS = [
     str(PER_RANK),
     "--save_steps",
     str(SAVE),
-    # SGD, constant lr, no clipping: any change in the trajectory shows in the weights
-    "--optim",
-    "sgd",
-    "--learning_rate",
-    "0.5",
-    "--lr_scheduler_type",
-    "constant",
-    "--max_grad_norm",
-    "0",
-    "--weight_decay",
-    "0",
+    *SGD,  # constant lr, no clipping: any change in the trajectory shows in the weights
     "--deepspeed",
     str(REPO / "ds_configs/cpu_zero2.json"),
 ]
