@@ -15,6 +15,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -22,7 +23,7 @@ import pytest
 
 from disco_clip_ds.data import prep
 from disco_clip_ds.data.metadata import _metadata_parser
-from disco_clip_ds.data.spark import java_problem, spark_session
+from disco_clip_ds.data.spark import java_problem, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.verify import verify_main
 from disco_clip_ds.errors import UsageError
 
@@ -275,6 +276,43 @@ def test_spark_master_is_checked_before_any_work(spark, url_list, tmp_path):
 
 
 # --- no Spark session needed ----------------------------------------------------------------------
+
+
+class _StuckContext:
+    """The few SparkContext calls jobs_drained_on_failure makes; one task of its job group never ends."""
+
+    def __init__(self):
+        self.properties = {"spark.jobGroup.id": "the notebook's group"}
+
+    def getLocalProperty(self, key):
+        return self.properties.get(key)
+
+    def setLocalProperty(self, key, value):
+        if value is None:
+            self.properties.pop(key, None)
+        else:
+            self.properties[key] = value
+
+    def setJobGroup(self, group, description, interruptOnCancel=False):
+        self.properties.update({"spark.jobGroup.id": group, "spark.job.description": description})
+
+    def statusTracker(self):
+        jobs = {7: SimpleNamespace(stageIds=[3])}
+        return SimpleNamespace(
+            getJobIdsForGroup=lambda group: [7] if group.startswith("disco-clip-download-") else [],
+            getJobInfo=jobs.get,
+            getStageInfo=lambda stage: SimpleNamespace(numActiveTasks=1),
+        )
+
+
+def test_a_task_outliving_the_wait_is_named_and_the_callers_job_group_restored(capsys):
+    context = _StuckContext()
+    with pytest.raises(RuntimeError, match="job aborted"):
+        with jobs_drained_on_failure(SimpleNamespace(sparkContext=context), timeout_s=0.3):
+            raise RuntimeError("job aborted")
+    err = capsys.readouterr().err
+    assert "1 task(s) of the failed Spark job still run after 0s" in err and "before re-running" in err
+    assert context.properties == {"spark.jobGroup.id": "the notebook's group"}
 
 
 def test_missing_java_stops_the_cli_before_any_work(tmp_path):
