@@ -5,7 +5,7 @@ DeepSpeed ZeRO-1/2/3, FSDP (accelerate) or DDP.
 Plain gradient accumulation adds no negatives to a contrastive loss: each micro-step's loss sees only its own
 batch. Here every optimizer step of K micro-batches
   1. embeds all K micro-batches without grad, saving the RNG state before each so that dropout is replayed;
-  2. computes the distributed loss (`disco_clip_ds.loss`) over the K x micro rows of every rank, i.e. over all
+  2. computes the distributed loss (`disco_clip_ds.losses`) over the K x micro rows of every rank, i.e. over all
      micro x world x K pairs, and its gradient w.r.t. each cached embedding and the logit multiplier;
   3. re-runs each micro-batch with grad, RNG restored, and back-propagates (embedding . cached gradient) plus
      the multiplier's term, through the Trainer's ordinary `training_step`: one engine/accelerator backward per
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UsageError
-from .loss import disco_clip_loss
+from .losses import disco_clip_loss
 
 
 class AccumulationError(UsageError):

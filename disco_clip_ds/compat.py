@@ -1,11 +1,13 @@
 """Workarounds for other packages' releases, each behind a gate and with the reason; nothing else lives here.
 
-Delete an entry when the oldest supported release of its package no longer needs it.
+Delete an entry when the oldest supported release of its package no longer needs it; tests/test_compat.py shows,
+for each, that the installed release still does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from importlib import metadata
 
@@ -17,14 +19,80 @@ def _version(package: str) -> str | None:
         return None
 
 
+# --- torch: the single-tensor collectives renamed ----------------------------------------------------------------
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single / reduce_scatter_single and
+# warns (FutureWarning) at every call of the old names; the releases before it that pyproject admits have only the
+# old names. Gate: the new name where torch.distributed has it. Looked up at each call, so that a caller can wrap
+# torch.distributed's functions (the loss's byte-counting test and benchmark do).
+def all_gather_single(output, input, group=None) -> None:
+    """torch.distributed's single-tensor all-gather, under the installed release's name."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
+def reduce_scatter_single(output, input, op, group=None) -> None:
+    """torch.distributed's single-tensor reduce-scatter, under the installed release's name."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, input, op=op, group=group)
+
+
 # --- deepspeed: 0-dim parameters ----------------------------------------------------------------------------
 # deepspeed 0.19.8 broadcasts every parameter as `p.data.view(torch.uint8)`, which raises for a 0-dim tensor such as
 # CLIP's `logit_scale` (engine init under ZeRO-1/2, zero.Init and weight gathering under ZeRO-3). Under those
-# releases, and only then, DiscoCLIPModel holds it as a 1-element vector; its state dict keeps CLIP's 0-dim layout
-# through the two hooks below. Widen the tuple when a later release turns out to share the bug (tests/test_compat.py
-# checks the gate against the installed release's behaviour).
+# releases, and only then, DiscoCLIPModel holds it as a 1-element vector; its state dict, its `save_pretrained`
+# output and its `from_pretrained` input keep CLIP's 0-dim layout (the functions below). Widen the tuple when a later
+# release turns out to share the bug (tests/test_compat.py checks the gate against the installed release's behaviour).
 ZERO_DIM_BROKEN_DEEPSPEED = ("0.19.8",)
 LOGIT_SCALE_AS_VECTOR = _version("deepspeed") in ZERO_DIM_BROKEN_DEEPSPEED
+
+# Set while a non-ZeRO-3 `from_pretrained` runs: transformers then loads tensors by attribute with a shape check, so
+# the model must keep CLIP's 0-dim shape until the weights are in.
+_defer_vector_logit_scale = contextvars.ContextVar("defer_vector_logit_scale", default=False)
+
+
+def adopt_vector_logit_scale(model) -> None:
+    """At a CLIPModel's construction, under the gate: the hooks that keep CLIP's 0-dim layout in its state dict, and
+    the vector parameter itself (deferred inside `load_with_vector_logit_scale`)."""
+    if not LOGIT_SCALE_AS_VECTOR:
+        return
+    model._register_state_dict_hook(logit_scale_to_scalar_hook)
+    model.register_load_state_dict_pre_hook(logit_scale_to_param_shape_hook)
+    if not _defer_vector_logit_scale.get():
+        make_logit_scale_vector(model)
+
+
+def load_with_vector_logit_scale(load, zero3: bool):
+    """`load()` (a `from_pretrained`) under the gate: the plain loader needs CLIP's 0-dim shape while it sets the
+    weights, so the vector comes after it; ZeRO-3 builds the model inside zero.Init, which needs the vector at
+    construction, and loads through `_load_from_state_dict`, where the pre-hook reshapes."""
+    token = _defer_vector_logit_scale.set(LOGIT_SCALE_AS_VECTOR and not zero3)
+    try:
+        model = load()
+    finally:
+        _defer_vector_logit_scale.reset(token)
+    make_logit_scale_vector(model)
+    return model
+
+
+def make_logit_scale_vector(model) -> None:
+    """Under the gate: replace a 0-dim `model.logit_scale` with a 1-element parameter."""
+    if LOGIT_SCALE_AS_VECTOR and model.logit_scale.dim() == 0:
+        import torch
+
+        scale = model.logit_scale
+        model.logit_scale = torch.nn.Parameter(scale.detach().reshape(1), requires_grad=scale.requires_grad)
+
+
+def scalar_logit_scale_in(state_dict: dict | None) -> dict | None:
+    """A state dict passed to `save_pretrained`, with CLIP's 0-dim `logit_scale`: ZeRO-3's consolidated state dict is
+    gathered from the parameters and bypasses the state-dict hook."""
+    if state_dict is None or "logit_scale" not in state_dict:
+        return state_dict
+    return {**state_dict, "logit_scale": state_dict["logit_scale"].reshape(())}
 
 
 def logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):
@@ -41,6 +109,26 @@ def logit_scale_to_param_shape_hook(module, state_dict, prefix, *args):
     if key in state_dict and state_dict[key].numel() == 1:
         shape = getattr(module.logit_scale, "ds_shape", module.logit_scale.shape)  # ZeRO-3 keeps the full shape there
         state_dict[key] = state_dict[key].reshape(shape)
+
+
+# --- transformers 5: a model class defined outside transformers is "custom code" ---------------------------------
+# For custom code (`PreTrainedModel.is_custom_code()`: any class whose module is not under `transformers.`),
+# `_initialize_weights(module, is_custom_code=True)` marks a module as initialised without running `_init_weights`
+# when all its own parameters are loaded: vacuously true for a module with none of its own (CLIPAttention, CLIPMLP),
+# so CLIP's rules for those would never run in DiscoCLIPModel. Its init writes only through
+# `transformers.initialization`, which skips loaded tensors as the library's own rules do, so it can run as library
+# code. Gate: releases whose PreTrainedModel has `is_custom_code`.
+def init_as_library_code(initialize):
+    """`initialize` (a model's `_initialize_weights`) as transformers calls it for its own classes."""
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "is_custom_code"):
+        return initialize
+
+    def initialize_weights(module, is_custom_code: bool = False) -> None:
+        initialize(module, False)
+
+    return initialize_weights
 
 
 # --- transformers 5: weight conversions kept on the model --------------------------------------------------------

@@ -5,16 +5,16 @@ partitioned parameters need no special casing. A saved model is a plain CLIPMode
 
 A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLIP and open_clip initialise theirs
 (`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
-and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip.py).
+and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip/).
 
-Under deepspeed releases that cannot broadcast a 0-dim parameter (see compat.py) the model holds CLIP's
-`logit_scale` as a 1-element vector; its state dict, its `save_pretrained` output and its `from_pretrained` input
-keep CLIP's 0-dim layout, so checkpoints stay CLIPModel-compatible in both directions.
+Under deepspeed releases that cannot broadcast a 0-dim parameter the model holds CLIP's `logit_scale` as a
+1-element vector (compat.py); its state dict, its `save_pretrained` output and its `from_pretrained` input keep
+CLIP's 0-dim layout, so checkpoints stay CLIPModel-compatible in both directions.
 """
 
 from __future__ import annotations
 
-import contextvars
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -34,9 +34,7 @@ from transformers.models.clip.modeling_clip import (
 )
 
 from . import LOSS_IMPLS, compat
-
-# re-exported; read compat.LOGIT_SCALE_AS_VECTOR, which tests switch
-from .compat import LOGIT_SCALE_AS_VECTOR  # noqa: F401
+from .losses import disco_clip_loss
 
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
 
@@ -49,13 +47,8 @@ class DiscoCLIPOutput(CLIPOutput):
     logit_scale: torch.Tensor | None = None
 
 
-# Set while a non-ZeRO-3 `from_pretrained` runs: transformers then loads tensors by attribute with a shape
-# check, so the model must keep CLIP's 0-dim shape until the weights are in.
-_defer_vector_logit_scale = contextvars.ContextVar("defer_vector_logit_scale", default=False)
-
-
 class DiscoCLIPModel(CLIPModel):
-    """CLIPModel with the distributed contrastive loss (`disco_clip_ds.loss`) computed in `forward`.
+    """CLIPModel with the distributed contrastive loss (`disco_clip_ds.losses`) computed in `forward`.
 
     Config attributes: `loss_impl` ("tiled" default, "disco", or "local" = CLIP's own per-device loss)
     and `chunk_size` (tile size of the tiled loss; None = the loss module's default).
@@ -69,7 +62,7 @@ class DiscoCLIPModel(CLIPModel):
         # own `_init_weights`, at construction and for a checkpoint's missing weights alike, so they get ours too.
         for tower in (self.text_model, self.vision_model):
             tower._init_weights = _with_clip_init(tower._init_weights)
-            tower._initialize_weights = _as_library_code(tower._initialize_weights)
+            tower._initialize_weights = compat.init_as_library_code(tower._initialize_weights)
         # transformers' rules already ran while CLIPModel built the towers: run the init again, now with CLIP's.
         # Under from_pretrained, transformers disables `init_weights` during construction, so this is a no-op there.
         for module in self.modules():
@@ -79,12 +72,7 @@ class DiscoCLIPModel(CLIPModel):
         config.chunk_size = getattr(config, "chunk_size", None)
         if config.loss_impl not in LOSS_IMPLS:
             raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {config.loss_impl!r}")
-        if compat.LOGIT_SCALE_AS_VECTOR:
-            # The state dict always speaks CLIP's 0-dim layout; see the module docstring.
-            self._register_state_dict_hook(compat.logit_scale_to_scalar_hook)
-            self.register_load_state_dict_pre_hook(compat.logit_scale_to_param_shape_hook)
-            if not _defer_vector_logit_scale.get():
-                self._make_logit_scale_vector()
+        compat.adopt_vector_logit_scale(self)
 
     def _init_weights(self, module: nn.Module) -> None:
         """transformers' init, overridden by OpenAI CLIP's and open_clip's where they differ (`clip_init_`).
@@ -107,36 +95,21 @@ class DiscoCLIPModel(CLIPModel):
             super().initialize_weights()
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        super()._initialize_weights(module, False)  # see `_as_library_code`
-
-    def _make_logit_scale_vector(self) -> None:
-        if self.logit_scale.dim() == 0:
-            self.logit_scale = nn.Parameter(
-                self.logit_scale.detach().reshape(1), requires_grad=self.logit_scale.requires_grad
-            )
+        compat.init_as_library_code(super()._initialize_weights)(module, is_custom_code)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """As `CLIPModel.from_pretrained` (hub id or folder); loads any CLIPModel checkpoint."""
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        # ZeRO-3 builds the model inside zero.Init, which needs the vector at construction, and loads through
-        # `_load_from_state_dict`, where the pre-hook reshapes; the plain loader needs the deferral.
-        token = _defer_vector_logit_scale.set(compat.LOGIT_SCALE_AS_VECTOR and not is_deepspeed_zero3_enabled())
-        try:
-            model = super().from_pretrained(*args, **kwargs)
-        finally:
-            _defer_vector_logit_scale.reset(token)
-        if compat.LOGIT_SCALE_AS_VECTOR:
-            model._make_logit_scale_vector()
+        load = functools.partial(super().from_pretrained, *args, **kwargs)
+        model = compat.load_with_vector_logit_scale(load, zero3=is_deepspeed_zero3_enabled())
         compat.clear_weight_conversions(model)  # our state dict is CLIP's layout: saving must not transform keys
         return model
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
         """Save as a plain CLIPModel checkpoint (architectures ["CLIPModel"], 0-dim logit_scale)."""
-        if state_dict is not None and "logit_scale" in state_dict:
-            # A ZeRO-3 consolidated state dict is gathered from the parameters and bypasses the state-dict hook.
-            state_dict = {**state_dict, "logit_scale": state_dict["logit_scale"].reshape(())}
+        state_dict = compat.scalar_logit_scale_in(state_dict)
         super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
         if is_main_process:
             config_file = Path(save_directory) / "config.json"
@@ -186,8 +159,6 @@ class DiscoCLIPModel(CLIPModel):
                     logits_per_text if logits_per_text is not None else logit_scale * text_embeds @ image_embeds.t()
                 )
             else:
-                from .loss import disco_clip_loss
-
                 # fp32 logits even under autocast (Trainer --bf16 without DeepSpeed): the loss turns it off itself.
                 loss = disco_clip_loss(
                     image_embeds,
@@ -214,16 +185,6 @@ def _torch_linear_init_(linear: nn.Linear) -> None:
     init.uniform_(linear.weight, -bound, bound)
     if linear.bias is not None:
         init.uniform_(linear.bias, -bound, bound)
-
-
-def _as_library_code(initialize):
-    # transformers treats a model class defined outside it as custom code and then skips every module without
-    # parameters of its own (CLIPAttention, CLIPMLP) during init, as if loaded, so their rules would never run.
-    # Our init writes only through `transformers.initialization`, which skips loaded tensors, as the library's does.
-    def initialize_weights(module: nn.Module, is_custom_code: bool = False) -> None:
-        initialize(module, False)
-
-    return initialize_weights
 
 
 def _with_clip_init(hf_init):

@@ -67,7 +67,7 @@ def _micro_batches(model, k: int, b: int):
 
 
 def clip_loss_fp64(image_embeds, text_embeds, logit_scale):
-    """CLIP's loss written out, for references independent of disco_clip_ds.loss."""
+    """CLIP's loss written out, for references independent of disco_clip_ds.losses."""
     logits = logit_scale * image_embeds @ text_embeds.T
     labels = torch.arange(logits.shape[0])
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2

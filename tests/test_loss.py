@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disco_clip_ds.loss import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
+from disco_clip_ds.losses import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
 
 from helpers import run_ranks
 
@@ -134,7 +134,7 @@ def mixed_far_features(n=10, seed=0):
 def test_exact_paths_for_far_rows_and_columns(monkeypatch, keep):
     """The one-exponential shortcuts' exact fallbacks, checked against float64 autograd; turning either off
     breaks the result, so this case does reach both of them."""
-    from disco_clip_ds import loss as L
+    from disco_clip_ds.losses import softmax as L
 
     x, y = mixed_far_features()
     ref_loss, ref_gx, ref_gy, ref_gt = reference(x, y, math.log(100.0))

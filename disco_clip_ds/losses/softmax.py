@@ -1,4 +1,5 @@
-"""The exact distributed CLIP loss: DisCo decomposition and a tiled successor. Torch only.
+"""CLIP's exact global-batch loss, each rank computing its own rows: the DisCo decomposition and a tiled loss.
+Torch only; the collectives that move the features are in comm.py.
 
 Notation: rank r holds b_r image rows x_i and text rows y_i (L2-normalised); X, Y are all ranks' rows in rank
 order, B = sum_r b_r, s = logit_scale and S = s X Y^T. The global CLIP loss is
@@ -19,46 +20,28 @@ Two implementations of the per-rank term:
   feature bytes on the wire). Rank r owns the block S_r = s X_r Y^T: its rows give the image-to-text
   log-sum-exps, and its columns' partial log-sum-exps, combined across ranks by two all-reduces of B floats,
   give the text-to-image ones. The block is walked in tiles of `chunk_size` rows, twice: pass 1 for the
-  log-sum-exps, pass 2 (backward) recomputing each tile into its gradient. 4 b x B x d matmuls per rank (disco
-  and the earlier two-block tiled loss: 6), peak extra memory O(B*d + tile) with one modality's B x d buffer
-  and its gradient. When the b x B block fits `keep_bytes` its logits are kept and the recompute skipped (3).
+  log-sum-exps, pass 2 (backward) recomputing each tile into its gradient. 4 b x B x d matmuls per rank
+  (disco: 6), peak extra memory O(B*d + tile) with one modality's B x d buffer and its gradient. When the b x B
+  block fits `keep_bytes` its logits are kept and the recompute skipped (3).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from . import LOSS_IMPLS
+from .. import LOSS_IMPLS, compat
+from .comm import gather_features, rank_and_world
 
 IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
-# torch 2.13 renamed the single-tensor collectives; the old names still work there but warn. Looked up at each
-# call, so that a caller (the byte-counting test and benchmark) can wrap torch.distributed's functions.
-_AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-_RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-# Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. Measured on CPU (B = 8192, d = 512):
-# tiles of 128-1024 rows all beat the plain b x B block; below ~64 rows the matmuls get inefficient.
+# Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. On CPU, tiles of a few hundred rows beat
+# the plain b x B block (bench/loss); much smaller tiles make the matmuls inefficient.
 DEFAULT_TILE_ELEMENTS = 1 << 21
 # The tiled loss keeps its b x B fp32 logits between forward and backward (skipping the recompute) when they
 # take at most this many bytes: by default when the block is one default tile anyway, so that no extra memory
 # is spent; raise it to trade memory for a quarter of the loss's matmuls.
 DEFAULT_KEEP_BYTES = DEFAULT_TILE_ELEMENTS * 4
-
-
-def _all_gather_single(out, inp, group=None):
-    getattr(dist, _AG_NAME)(out, inp, group=group)
-
-
-def _reduce_scatter_single(out, inp, op, group=None):
-    getattr(dist, _RS_NAME)(out, inp, op=op, group=group)
-
-
-def _world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, group) -> list[int]:
@@ -67,7 +50,7 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
     Each rank shares its shapes before any feature collective, so a bad input on one rank raises the same
     error on all ranks instead of leaving the others blocked in the all-gather.
     """
-    _, world = _world(group)
+    _, world = rank_and_world(group)
     shape = lambda t: list(t.shape) if t.dim() == 2 else [-1, -1]
     scale_dim = logit_scale.dim() if torch.is_tensor(logit_scale) else 0
     meta = torch.tensor(
@@ -76,7 +59,7 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
     )
     if world > 1:
         gathered = meta.new_empty(world * meta.numel())  # gloo wants the flat layout
-        _all_gather_single(gathered, meta, group=group)
+        compat.all_gather_single(gathered, meta, group=group)
         gathered = gathered.view(world, -1)
     else:
         gathered = meta[None]
@@ -99,51 +82,6 @@ def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, log
     if problems:
         raise ValueError("DiscoClipLoss: bad input. " + "; ".join(problems))
     return [m[2] for m in metas]
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather rows in forward (uneven counts allowed); reduce-scatter (sum) their gradient in backward.
-
-    A SUM reduce-scatter returns to each rank exactly the gradient of every rank's loss w.r.t. its rows and
-    moves half the bytes of the all-reduce-then-slice that the DisCo paper uses. Several tensors (image and
-    text) go through one call, each into its own contiguous (B, d) buffer: no packing copies.
-    """
-
-    @staticmethod
-    def forward(ctx, sizes: list[int], group, *locals_: torch.Tensor):
-        ctx.sizes, ctx.rank, ctx.group = sizes, _world(group)[0], group
-        return tuple(_gather_rows(t, sizes, group) for t in locals_)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return (None, None, *(_reduce_scatter_rows(g, ctx.sizes, ctx.rank, ctx.group) for g in grads))
-
-
-def _gather_rows(local: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    pad = max(sizes)
-    padded = F.pad(local, (0, 0, 0, pad - local.shape[0])) if local.shape[0] < pad else local.contiguous()
-    out = local.new_empty((len(sizes) * pad, local.shape[1]))
-    _all_gather_single(out, padded, group=group)
-    if pad * len(sizes) == sum(sizes):
-        return out
-    return torch.cat([out[r * pad : r * pad + n] for r, n in enumerate(sizes)])
-
-
-def _reduce_scatter_rows(grad: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    pad = max(sizes)
-    grad = grad.contiguous()
-    if pad * len(sizes) != sum(sizes):  # re-pad each rank's block to the common size
-        grad = torch.cat([F.pad(g, (0, 0, 0, pad - g.shape[0])) for g in grad.split(sizes)])
-    out = grad.new_empty((pad, grad.shape[1]))
-    _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=group)
-    return out[: sizes[rank]]
-
-
-def gather_features(*local: torch.Tensor, sizes: list[int], group=None) -> tuple[torch.Tensor, ...]:
-    """All ranks' rows of each tensor, in rank order; differentiable (gradient summed back to the owner)."""
-    if _world(group)[1] == 1:
-        return local
-    return _GatherRows.apply(sizes, group, *local)
 
 
 # Below these, a shortcut's shared shift can have lost terms to fp32 underflow (exp(-87) is fp32's smallest normal):
@@ -177,7 +115,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, images, texts, scale, sizes, group, chunk, keep_bytes):
-        rank, world = _world(group)
+        rank, world = rank_and_world(group)
         need_grad = any(ctx.needs_input_grad[:3])
         texts32, s = texts.float(), float(scale)
         b, total = images.shape[0], texts.shape[0]
@@ -223,7 +161,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         g = grad_total.float().reshape(1)
         if world > 1:  # each column's term belongs to the loss of the rank that owns the text
             owners = g.new_empty(world)
-            _all_gather_single(owners, g, group=group)
+            compat.all_gather_single(owners, g, group=group)
             g_col = owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
         else:
             g_col = g.expand(texts.shape[0])
@@ -312,7 +250,7 @@ def disco_clip_loss(
     """Functional form of :class:`DiscoClipLoss`; see the module docstring for the exact contract."""
     _check_options(impl, chunk_size, keep_bytes)
     sizes = _check_inputs(image_features, text_features, logit_scale, group)
-    world = _world(group)[1]
+    world = rank_and_world(group)[1]
     total = sum(sizes)
     # Autocast would run the logit matmuls in 16 bits (an error of ~0.3 at logit 100): the loss keeps its own fp32.
     with torch.autocast(device_type=image_features.device.type, enabled=False):
