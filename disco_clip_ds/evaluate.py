@@ -98,11 +98,6 @@ def _unwrap(model):
     return model
 
 
-def _features(output) -> torch.Tensor:
-    # transformers 5 returns a model output whose pooler_output is the projected embedding; 4.x a tensor
-    return output.pooler_output if hasattr(output, "pooler_output") else output
-
-
 def _first_param(model) -> torch.Tensor:
     return next(model.parameters())
 
@@ -112,7 +107,7 @@ def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
     """L2-normalised float32 image embeddings."""
     model = _unwrap(model)
     param = _first_param(model)
-    out = _features(model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)))
+    out = model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)).pooler_output
     return F.normalize(out.float(), dim=-1).cpu()
 
 
@@ -131,7 +126,8 @@ def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) 
             max_length=max_length,
             return_tensors="pt",
         ).to(device)
-        out = _features(model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]))
+        out = model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        out = out.pooler_output  # transformers 5: a model output whose pooler_output is the projected embedding
         chunks.append(F.normalize(out.float(), dim=-1).cpu())
     return torch.cat(chunks)
 

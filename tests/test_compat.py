@@ -1,12 +1,20 @@
-"""compat.py: each gate matches the installed release's behaviour, and the branch for releases without the bug
-(CLIP's own 0-dim logit_scale) runs here too, with the gate forced off."""
+"""compat.py: each workaround is still needed on the installed release (each test reproduces the upstream behaviour
+it works around, and fails once that is gone), each gate matches the installed release's behaviour, and the branch
+for releases without the deepspeed bug (CLIP's own 0-dim logit_scale) runs here too, with the gate forced off."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
+import re
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
@@ -15,6 +23,37 @@ from disco_clip_ds.modeling import DiscoCLIPModel, build_model
 from helpers import TINY_CONFIG, run_ranks
 
 TINY = TINY_CONFIG
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+# --- torch: the single-tensor collectives renamed ---
+
+
+def test_both_names_of_the_single_tensor_collectives_are_still_needed():
+    """pyproject admits a torch older than 2.13, which has only the old names; a torch with the new names warns at
+    every call of the old ones. compat's choice calls without a warning."""
+    import torch.distributed as dist
+
+    floor = re.search(r'"torch>=([0-9.]+)', PYPROJECT.read_text()).group(1)
+    assert tuple(int(part) for part in floor.split(".")[:2]) < (2, 13), "drop the old names from compat.py"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compat.all_gather_single(torch.empty(2), torch.ones(2))
+            compat.reduce_scatter_single(torch.empty(2), torch.ones(2), op=dist.ReduceOp.SUM)
+            ours = len(caught)
+            dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))
+            dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2), op=dist.ReduceOp.SUM)
+    finally:
+        dist.destroy_process_group()
+    assert ours == 0, [str(w.message) for w in caught]
+    if hasattr(dist, "all_gather_single"):
+        old = [str(w.message) for w in caught[ours:]]
+        assert len(old) == 2 and all("deprecated" in message for message in old), old
+
+
+# --- deepspeed: 0-dim parameters ---
 
 
 def _deepspeed_init_with_a_0dim_parameter(rank, world_size):
@@ -74,3 +113,74 @@ def test_the_model_without_the_workaround_is_clip_itself(monkeypatch, tmp_path):
     again = DiscoCLIPModel.from_pretrained(tmp_path / "m")
     assert again.logit_scale.dim() == 0 and again.logit_scale.item() == pytest.approx(2.5)
     assert again._weight_conversions == []
+
+
+# --- transformers 5 ---
+
+
+def test_transformers_skips_the_init_of_custom_code_modules_without_parameters_of_their_own():
+    """A class defined outside transformers is custom code, and its modules without parameters of their own (CLIP's
+    attention and MLP blocks) are marked initialised without `_init_weights`: DiscoCLIPModel runs as library code."""
+    assert DiscoCLIPModel.is_custom_code() and not CLIPModel.is_custom_code()
+    model = CLIPModel(CLIPConfig.from_json_file(str(TINY)))
+    attention = model.text_model.encoder.layers[0].self_attn
+    assert not list(attention.parameters(recurse=False))
+    seen = []
+    model._init_weights = seen.append
+    for initialize in (model._initialize_weights, compat.init_as_library_code(model._initialize_weights)):
+        attention.__dict__.pop("_is_hf_initialized", None)
+        initialize(attention, is_custom_code=True)
+    assert seen == [attention]  # the stock call skipped it; the library-code one ran the init
+
+
+def test_transformers_zero3_loader_keeps_key_conversions_that_re_prefix_the_saved_keys():
+    """transformers' ZeRO-3 loader keeps every registered key conversion on the model, used or not, and saving
+    reverses them into "vision_model.vision_model.*" keys; `clear_weight_conversions` keeps CLIP's keys."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.integrations.deepspeed import _load_state_dict_into_zero3_model
+
+    model = CLIPModel(CLIPConfig.from_json_file(str(TINY)))
+    weights = dict(model.state_dict())
+    _load_state_dict_into_zero3_model(
+        model, weights, SimpleNamespace(weight_mapping=get_model_conversion_mapping(model))
+    )
+    assert any(key.startswith("vision_model.vision_model.") for key in revert_weight_conversion(model, weights))
+    compat.clear_weight_conversions(model)
+    assert set(revert_weight_conversion(model, weights)) == set(weights)
+
+
+# --- accelerate: re-sharding an iterable dataset that is already per-rank ---
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_accelerate_keeps_one_nth_of_a_ranks_own_stream():
+    """Without dispatch_batches accelerate shards an IterableDataset over the processes: rank 0 of 2 keeps every
+    other batch of a stream that is already its own."""
+    from accelerate.data_loader import prepare_data_loader
+
+    loader = DataLoader(_Stream(), batch_size=2)
+    loader = prepare_data_loader(loader, num_processes=2, process_index=0, dispatch_batches=False, put_on_device=False)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [4, 5]]
+    compat.unshard_iterable_dataset(loader)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+# --- img2dataset: no hook for the fetch function ---
+
+
+def test_img2dataset_takes_no_fetch_function_and_the_wrapped_downloader_is_there():
+    import img2dataset
+
+    assert not any(
+        "fetch" in name or "download_image" in name for name in inspect.signature(img2dataset.download).parameters
+    )
+    i2d_main = importlib.import_module("img2dataset.main")
+    original = i2d_main.Downloader
+    with compat.img2dataset_fetch(lambda *args, **kwargs: None):
+        assert i2d_main.Downloader is not original
+    assert i2d_main.Downloader is original

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds import plan as P
+from disco_clip_ds.errors import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 VIT = ROOT / "recipes/models/vit_b32.json"
@@ -119,15 +120,20 @@ def test_bad_files_are_reported(tmp_path):
         P.load_config(broken)
     with pytest.raises(P.PlanConfigError, match="no such file"):
         P.load_config(tmp_path / "missing.json")
-    assert P.main(["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"]) == 2
+    assert run_main(P.main, ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"], "disco-clip plan") == 2
 
 
 def test_cli_prints_one_clear_error_for_a_bad_config(tmp_path, capsys):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 8}))
-    assert P.main(["--deepspeed", str(config), "--model", str(VIT), "--gpus", "4"]) == 2
+    argv = ["--deepspeed", str(config), "--model", str(VIT), "--gpus", "4"]
+    assert run_main(P.main, argv, "disco-clip plan") == 2
     err = capsys.readouterr().err
     assert "train_batch_size 100 != " in err and "Traceback" not in err
+    # `python -m disco_clip_ds.plan` is the same command: one line, exit 2
+    proc = subprocess.run([sys.executable, "-m", "disco_clip_ds.plan", *argv], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.startswith("disco-clip plan: DeepSpeed config problems")
+    assert "train_batch_size 100 != " in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ---------------------------------------------------------------------------------- hand-computed terms
@@ -199,12 +205,15 @@ def test_loss_term_within_25_percent_of_loss_benchmark(csv_name):
 
 
 def test_loss_terms_scale_as_the_paper_says():
-    """naive O(B^2) per rank, disco O(B^2/N), tiled O(B*d): the asymptotics the paper and loss.py claim."""
+    """local O(b^2) per rank, disco O(B^2/N), tiled O(B*d): the asymptotics the paper and disco_clip_ds.losses
+    claim."""
     d, e, big = 512, 2, 1 << 17
-    naive = P.loss_bytes("naive", 2 * big, 8, d, e) / P.loss_bytes("naive", big, 8, d, e)
+    local = P.loss_bytes("local", 2 * big, 8, d, e) / P.loss_bytes("local", big, 8, d, e)
     disco = P.loss_bytes("disco", big, 64, d, e) / P.loss_bytes("disco", big, 8, d, e)
     tiled = P.loss_bytes("tiled", 2 * big, 8, d, e) / P.loss_bytes("tiled", big, 8, d, e)
-    assert 3.9 < naive <= 4.0 and 1 / 8 < disco < 1 / 4 and 1.9 < tiled < 2.2
+    assert 3.9 < local <= 4.0 and 1 / 8 < disco < 1 / 4 and 1.9 < tiled < 2.2
+    # the local loss depends on the local batch alone: the same b on 8 or 64 GPUs
+    assert P.loss_bytes("local", 8 * big, 64, d, e) == P.loss_bytes("local", big, 8, d, e)
 
 
 # ------------------------------------------------------------------------------------- the paper's runs
@@ -231,10 +240,10 @@ def test_paper_runs_fit_on_40gb_with_disco_and_tiled(config, gpus, tmp_path):
     result = json.loads(out.read_text())
     memory = result["memory"]
     assert memory["disco"]["fits"] and memory["tiled"]["fits"]
-    assert memory["tiled"]["total"] < memory["disco"]["total"] < memory["naive"]["total"]
-    # The table shows what naive would need: at 196K its B x B logits alone are ~576 GiB per GPU.
-    if gpus == 64:
-        assert not memory["naive"]["fits"] and memory["naive"]["terms"]["loss (naive)"] > 500 * P.GiB
+    assert memory["tiled"]["total"] < memory["disco"]["total"]
+    # The table shows what CLIP's per-device loss needs: its b x b logits at the micro batch, in fp32.
+    b = result["settings"]["micro_batch"]
+    assert memory["local"]["terms"]["loss (local)"] == pytest.approx(4 * b * b * 4 + 2 * b * 512 * 2)
     assert code == (0 if all(m["fits"] for m in memory.values()) else 1)
 
 
@@ -265,12 +274,12 @@ def _measured_train_peak(model: Path, batch: int) -> float:
 @pytest.mark.parametrize("model, batch", [("tiny", 256), ("tiny", 1024), ("small", 32), ("small", 128)])
 @pytest.mark.slow
 def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
-    """Single process, fp32, AdamW, the model's own (naive) loss: what the CPU can run. The activation
+    """Single process, fp32, AdamW, the model's own (local) loss: what the CPU can run. The activation
     coefficients come from ViT-B/32 and probe models (activation_fit.json), never from these two models."""
     path = ROOT / f"recipes/models/{model}.json"
     shape = P.ModelShape.from_json(path)
     settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
-    estimate = P.memory_plan(shape, settings, P.load_fit(), "naive", False, capacity=float("inf"), overhead=0.0).total
+    estimate = P.memory_plan(shape, settings, P.load_fit(), "local", False, capacity=float("inf"), overhead=0.0).total
     measured = _measured_train_peak(path, batch)
     assert abs(estimate / measured - 1) < 0.25, (
         f"{model} b={batch}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"

@@ -1,0 +1,58 @@
+"""Plan a run before launch: validate a DeepSpeed config, estimate per-GPU memory and per-rank traffic.
+
+    disco-clip plan --deepspeed ds_configs/vit_b32_32k_8gpu.json --model recipes/models/vit_b32.json \
+        --gpus 8 --gpu_memory 40GB [--per_device_batch B --precision bf16 --activation_checkpointing --loss_impl tiled]
+
+checks.py reads and validates the config for a world size; memory.py counts each GPU's memory term by term and finds
+the largest batch that fits; traffic.py counts the bytes each rank sends; report.py puts them together (`plan`),
+prints the table and is the command (`main`). The losses planned are the ones the package ships (LOSS_IMPLS).
+"""
+
+from .. import LOSS_IMPLS
+from ..errors import PlanConfigError
+from .checks import KNOWN_TOP_LEVEL_KEYS, load_config, validate_config
+from .memory import (
+    DEFAULT_OVERHEAD_GB,
+    FIT_FILE,
+    PRECISION_BYTES,
+    GiB,
+    MemoryPlan,
+    ModelShape,
+    Settings,
+    load_fit,
+    loss_bytes,
+    max_contrastive_steps,
+    max_micro_batch,
+    memory_plan,
+    model_state_bytes,
+    zero_buffer_bytes,
+)
+from .report import format_report, main, parse_memory, plan
+from .traffic import traffic_bytes
+
+__all__ = [
+    "DEFAULT_OVERHEAD_GB",
+    "FIT_FILE",
+    "GiB",
+    "KNOWN_TOP_LEVEL_KEYS",
+    "LOSS_IMPLS",
+    "PRECISION_BYTES",
+    "MemoryPlan",
+    "ModelShape",
+    "PlanConfigError",
+    "Settings",
+    "format_report",
+    "load_config",
+    "load_fit",
+    "loss_bytes",
+    "main",
+    "max_contrastive_steps",
+    "max_micro_batch",
+    "memory_plan",
+    "model_state_bytes",
+    "parse_memory",
+    "plan",
+    "traffic_bytes",
+    "validate_config",
+    "zero_buffer_bytes",
+]

@@ -1,0 +1,339 @@
+"""Per-GPU memory of one training step, term by term: model states (DeepSpeed's own ZeRO-2/3 estimators where
+they apply, the same accounting written out for stages 0/1 and fp32), ZeRO's communication buffers, activations
+(per-sample coefficients fitted on measured CPU peaks of real CLIPModels: activation_fit.json, made by
+bench/plan/act_fit.py), the loss's working set per implementation, the largest parameter's transient gradient and
+a fixed framework overhead; and the largest per-GPU batch, or contrastive accumulation steps, that fit.
+
+With gradient_accumulation_steps K > 1 and contrastive accumulation (the trainer's default,
+disco_clip_ds/accumulate.py) the contrastive batch is micro x world x K: activations stay those of one micro-batch,
+the loss runs over all micro x world x K pairs, and each rank caches its K x micro embeddings and their gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import LOSS_IMPLS
+from ..errors import PlanConfigError
+
+FIT_FILE = Path(__file__).with_name("activation_fit.json")
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GiB = 2**30
+# Not measurable without a GPU here: CUDA context, NCCL buffers and cuBLAS workspaces, allocator slack. A round
+# figure, stated in every report; override with --overhead_gb.
+DEFAULT_OVERHEAD_GB = 2.0
+
+
+@dataclass
+class ModelShape:
+    """What the memory model needs from a CLIPConfig: tower shapes, inputs and parameter counts."""
+
+    towers: dict  # name -> {"layers", "tokens", "hidden", "mlp"}
+    image: tuple  # (channels, height, width)
+    text_tokens: int
+    projection_dim: int
+    params: int
+    largest_param: int
+
+    @classmethod
+    def from_json(cls, path) -> "ModelShape":
+        """Read a CLIPConfig JSON; count parameters exactly on the meta device (no memory, no weights)."""
+        import torch
+        from transformers import CLIPConfig, CLIPModel
+
+        path = Path(path)
+        if not path.is_file():
+            raise PlanConfigError(
+                f"--model {path}: no such file; pass a CLIPConfig JSON such as recipes/models/vit_b32.json"
+            )
+        try:
+            config = CLIPConfig.from_json_file(str(path))
+        except (OSError, ValueError) as e:
+            raise PlanConfigError(f"--model {path}: not a readable CLIPConfig JSON ({e})") from None
+        with torch.device("meta"):
+            model = CLIPModel(config)
+        numels = [p.numel() for p in model.parameters()]
+        v, t = config.vision_config, config.text_config
+        towers = {
+            "vision": {
+                "layers": v.num_hidden_layers,
+                "tokens": (v.image_size // v.patch_size) ** 2 + 1,
+                "hidden": v.hidden_size,
+                "mlp": v.intermediate_size,
+            },
+            "text": {
+                "layers": t.num_hidden_layers,
+                "tokens": t.max_position_embeddings,
+                "hidden": t.hidden_size,
+                "mlp": t.intermediate_size,
+            },
+        }
+        return cls(
+            towers,
+            (v.num_channels, v.image_size, v.image_size),
+            t.max_position_embeddings,
+            config.projection_dim,
+            sum(numels),
+            max(numels),
+        )
+
+    def features(self) -> dict:
+        """Shape sums the activation fit is linear in (see bench/plan/act_fit.py)."""
+        ts = self.towers.values()
+        return {
+            "layer_sh": sum(t["layers"] * t["tokens"] * t["hidden"] for t in ts),
+            "layer_sm": sum(t["layers"] * t["tokens"] * t["mlp"] for t in ts),
+            "embed_sh": sum(t["tokens"] * t["hidden"] for t in ts),
+            "tower_layer_sh_sm": [(t["tokens"] * t["hidden"], t["tokens"] * t["mlp"]) for t in ts],
+        }
+
+    def input_bytes(self, pixel_bytes: int) -> int:
+        """One sample's inputs: pixels in the compute dtype, int64 token ids."""
+        return math.prod(self.image) * pixel_bytes + self.text_tokens * 8
+
+    @staticmethod
+    def activation_elements_from(features: dict, fit: dict, checkpointing: bool) -> float:
+        """Activation elements per sample from the shape sums and the fitted coefficients."""
+        embed = fit["eps"] * features["embed_sh"]
+        if not checkpointing:
+            return fit["alpha"] * features["layer_sh"] + fit["beta"] * features["layer_sm"] + embed
+        one_layer = max(fit["alpha"] * sh + fit["beta"] * sm for sh, sm in features["tower_layer_sh_sm"])
+        return fit["delta"] * features["layer_sh"] + embed + one_layer
+
+    def activation_bytes_per_sample(self, fit: dict, checkpointing: bool, elem_bytes: int) -> float:
+        return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(
+            elem_bytes
+        )
+
+
+def load_fit(path=FIT_FILE) -> dict:
+    """The fitted activation coefficients (alpha, beta, eps, delta)."""
+    try:
+        return json.loads(Path(path).read_text())["coefficients"]
+    except (OSError, KeyError, ValueError) as e:
+        raise PlanConfigError(
+            f"activation fit {path} unreadable ({e}); regenerate it with: python bench/plan/act_fit.py"
+        ) from None
+
+
+@dataclass
+class Settings:
+    """The validated numbers of a DeepSpeed config for one world size."""
+
+    world: int
+    micro_batch: int
+    grad_accum: int
+    train_batch: int
+    stage: int
+    precision: str
+    comm_bytes: int
+    reduce_bucket: int = 500_000_000
+    allgather_bucket: int = 500_000_000
+    overlap_comm: bool = False
+    prefetch_bucket: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    trainer_auto: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    contrastive_accumulation: bool = True  # the trainer's --contrastive_accumulation
+
+    @property
+    def contrastive_steps(self) -> int:
+        """Micro-steps whose pairs one contrastive loss spans: K under contrastive accumulation, else 1."""
+        return self.grad_accum if self.contrastive_accumulation else 1
+
+    @property
+    def contrastive_batch(self) -> int:
+        return self.micro_batch * self.world * self.contrastive_steps
+
+
+def model_state_bytes(
+    params: int,
+    largest: int,
+    stage: int,
+    precision: str,
+    world: int,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> dict:
+    """Parameters, gradients and optimizer (Adam) states per GPU.
+
+    Mixed precision (bf16/fp16), per parameter: 2 B 16-bit weights, 2 B 16-bit gradients, 4 B fp32 gradient
+    partition, 12 B fp32 master weights + Adam m and v. ZeRO-1 partitions the fp32 parts, ZeRO-2 also the
+    16-bit gradients, ZeRO-3 also the 16-bit weights (plus the largest layer gathered). For stages 2 and 3 the
+    total is DeepSpeed's own estimate_zero{2,3}_model_states_mem_needs (2P + 18P/N; 4*largest + 18P/N, less
+    what CPU offload moves off the GPU). fp32 training: 4 B weights, 4 B gradients, 8 B Adam states,
+    partitioned the same way.
+    """
+    n, p = world, params
+    if precision == "fp32":
+        weights = 4 * p / n + 4 * largest if stage == 3 else 4 * p
+        grads = 4 * p / n if stage >= 2 else 4 * p
+        optim = 0.0 if offload_optimizer else (8 * p / n if stage >= 1 else 8 * p)
+        return {"params": weights, "grads": grads, "optimizer": optim}
+    weights = (2 * p / n + 4 * largest if stage == 3 else 2 * p) if not offload_param else 4 * largest
+    optim = 0.0 if offload_optimizer else (12 * p / n if stage >= 1 else 12 * p)
+    if stage in (2, 3):  # DeepSpeed's estimator is the reference total; gradients are what remains of it
+        total = _deepspeed_estimate(p, largest, stage, n, offload_optimizer, offload_param)
+        return {"params": weights, "grads": max(0.0, total - weights - optim), "optimizer": optim}
+    grads = 2 * p + (0.0 if offload_optimizer else (4 * p / n if stage == 1 else 4 * p))
+    return {"params": weights, "grads": grads, "optimizer": optim}
+
+
+def _deepspeed_estimate(
+    params: int, largest: int, stage: int, world: int, offload_optimizer: bool, offload_param: bool
+) -> int:
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=world, cpu_offload=offload_optimizer)[1]
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    return estimate_zero3_model_states_mem_needs(
+        params, largest, num_gpus_per_node=world, cpu_offload=offload_optimizer, cpu_offload_params=offload_param
+    )[1]
+
+
+def zero_buffer_bytes(settings: Settings) -> float:
+    """ZeRO's communication buckets. DeepSpeed allocates them at their configured size whatever the model's
+    (ZeRO-1/2 reduce buffers, doubled with overlap_comm); its docs budget 4.5x the allgather_bucket_size and
+    reduce_bucket_size values with overlap_comm, which is what is counted here. ZeRO-3: the prefetch and
+    reduce buckets."""
+    e = PRECISION_BYTES[settings.precision]
+    if settings.stage == 0:
+        return 0.0
+    if settings.stage == 3:
+        return settings.prefetch_bucket * e + settings.reduce_bucket * settings.comm_bytes
+    buckets = settings.reduce_bucket * settings.comm_bytes + settings.allgather_bucket * e
+    return buckets * (4.5 if settings.overlap_comm else 1.0)
+
+
+def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_size: int | None = None) -> float:
+    """Peak working set of the CLIP loss on one rank: global batch `batch`, local rows b = batch/world.
+
+    Counted from the code (disco_clip_ds/losses for disco and tiled, CLIP's own loss in DiscoCLIPModel for local)
+    and checked against measured peaks (tests/test_plan.py). G = one modality's gathered features, B x d x elem;
+    rows = chunk_size or the loss's own default_chunk_size, at most b.
+    local (CLIP's per-device loss over this rank's b pairs): b x b logits, the two log-softmax outputs autograd
+      keeps and their gradients, counted in fp32 (an upper bound under 16-bit training): 4 b^2 fp32 at peak, plus
+      both modalities' local features (2 x b x d).
+    disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
+      their gradients and the softmax: 7 b x B fp32, plus 2 G, their gradients (2 G) and fp32 copies of bf16 keys.
+    tiled (one block): G (texts only), their fp32 gradient (B x d) built in backward, an fp32 copy of bf16
+      texts, four tile-sized fp32 buffers of rows x B (the logits, their exponentials and the temporaries of the
+      reductions and gradient matmuls; with the default keep_bytes a kept block is one tile), the fp32 image
+      gradient (b x d) and both local modalities' gradients (2 x b x d).
+    """
+    from ..losses import default_chunk_size
+
+    b = batch / world
+    gathered = batch * dim * elem
+    fp32_keys = batch * dim * 4 if elem != 4 else 0
+    rows = min(chunk_size or default_chunk_size(batch), b)
+    if impl == "local":
+        return 2 * b * dim * elem + 4 * b * b * 4
+    if impl == "disco":
+        return 4 * gathered + 2 * fp32_keys + 7 * b * batch * 4
+    if impl == "tiled":
+        return gathered + batch * dim * 4 + fp32_keys + 4 * rows * batch * 4 + b * dim * (4 + 2 * elem)
+    raise PlanConfigError(f"--loss_impl must be one of {LOSS_IMPLS}, got {impl!r}")
+
+
+@dataclass
+class MemoryPlan:
+    terms: dict  # name -> bytes per GPU
+    total: float
+    capacity: float
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+def memory_plan(
+    shape: ModelShape,
+    settings: Settings,
+    fit: dict,
+    impl: str,
+    checkpointing: bool,
+    capacity: float,
+    overhead: float = DEFAULT_OVERHEAD_GB * GiB,
+    micro_batch: int | None = None,
+    chunk_size: int | None = None,
+) -> MemoryPlan:
+    """Per-GPU memory of one training step (bytes), term by term."""
+    micro = settings.micro_batch if micro_batch is None else micro_batch
+    elem = PRECISION_BYTES[settings.precision]
+    k = settings.contrastive_steps
+    terms = model_state_bytes(
+        shape.params,
+        shape.largest_param,
+        settings.stage,
+        settings.precision,
+        settings.world,
+        settings.offload_optimizer,
+        settings.offload_param,
+    )
+    terms["zero buffers"] = zero_buffer_bytes(settings)
+    terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
+    if k == 1:
+        terms[f"loss ({impl})"] = loss_bytes(
+            impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size
+        )
+    else:
+        # The loss over all micro x world x K pairs runs on the cached embeddings in fp32, between the no-grad and
+        # the grad passes (counted on top of the activations all the same: an upper bound). The cache: K x micro
+        # image and text embeddings per rank in the training dtype plus their fp32 gradients, kept until replay.
+        terms[f"loss ({impl})"] = loss_bytes(
+            impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size
+        )
+        terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
+    # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
+    terms["transient grad"] = shape.largest_param * elem
+    terms["framework"] = overhead
+    return MemoryPlan(terms, sum(terms.values()), capacity)
+
+
+def max_micro_batch(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None) -> int:
+    """Largest per-GPU batch whose plan fits (0 if even 1 does not); memory grows monotonically with batch."""
+    fits = lambda b: memory_plan(shape, settings, fit, impl, checkpointing, capacity, overhead, b, chunk_size).fits
+    return _largest(fits)
+
+
+def max_contrastive_steps(
+    shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, limit: int = 1 << 20
+) -> int:
+    """Largest K whose plan fits at the config's micro batch under contrastive accumulation (0 if K=1 does not):
+    the largest contrastive batch for this GPU count is micro x world x K."""
+    fits = lambda k: (
+        memory_plan(
+            shape,
+            replace(settings, grad_accum=k, contrastive_accumulation=True),
+            fit,
+            impl,
+            checkpointing,
+            capacity,
+            overhead,
+            None,
+            chunk_size,
+        ).fits
+    )
+    return _largest(fits, limit)
+
+
+def _largest(fits, limit: float = math.inf) -> int:
+    """Largest n in [1, limit] with fits(n), for monotone fits (doubling, then bisection); 0 if none."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

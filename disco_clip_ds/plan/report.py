@@ -1,0 +1,186 @@
+"""Plan a run before launch: validate a DeepSpeed config, estimate per-GPU memory and per-rank traffic.
+
+`plan()` gathers the checks, memory and traffic of each loss into one JSON-able dict; `format_report` prints it as a
+table; `main` is `disco-clip plan`, whose bad inputs raise `PlanConfigError` (exit 2 through
+`disco_clip_ds.errors.run_main`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from .. import LOSS_IMPLS
+from ..errors import PlanConfigError
+from .checks import load_config, validate_config
+from .memory import (
+    DEFAULT_OVERHEAD_GB,
+    PRECISION_BYTES,
+    GiB,
+    ModelShape,
+    load_fit,
+    max_contrastive_steps,
+    max_micro_batch,
+    memory_plan,
+)
+from .traffic import traffic_bytes
+
+
+def parse_memory(text: str) -> float:
+    """'40GB', '40GiB', '80 GB', '40' (GiB) -> bytes. GPU vendors' 'GB' is GiB in practice (A100 40GB = 40 GiB)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(G|GB|GiB|M|MB|MiB|T|TB|TiB)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise PlanConfigError(f"--gpu_memory {text!r}: write it as e.g. 40GB or 80GiB")
+    unit = (match.group(2) or "G")[0].upper()
+    return float(match.group(1)) * {"M": 2**20, "G": GiB, "T": 2**40}[unit]
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:8.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:8.1f} MiB"
+
+
+def plan(
+    config_path,
+    model_path,
+    gpus: int,
+    gpu_memory: str,
+    per_device_batch=None,
+    precision=None,
+    activation_checkpointing=False,
+    loss_impls=LOSS_IMPLS,
+    chunk_size=None,
+    overhead_gb: float = DEFAULT_OVERHEAD_GB,
+    contrastive_accumulation: bool = True,
+) -> dict:
+    """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes)."""
+    settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
+    settings.contrastive_accumulation = contrastive_accumulation
+    shape = ModelShape.from_json(model_path)
+    fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
+    out = {
+        "settings": asdict(settings),
+        "model": {"params": shape.params, "largest_param": shape.largest_param},
+        "global_batch": settings.contrastive_batch,
+        "contrastive_steps": settings.contrastive_steps,
+        "capacity_bytes": capacity,
+        "overhead_bytes": overhead,
+        "activation_checkpointing": activation_checkpointing,
+        "memory": {},
+        "max_micro_batch": {},
+        "max_contrastive_steps": {},
+        "traffic": traffic_bytes(shape, settings, loss_impls),
+    }
+    for impl in loss_impls:
+        mem = memory_plan(shape, settings, fit, impl, activation_checkpointing, capacity, overhead, None, chunk_size)
+        out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}
+        out["max_micro_batch"][impl] = max_micro_batch(
+            shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
+        )
+        if contrastive_accumulation:
+            out["max_contrastive_steps"][impl] = max_contrastive_steps(
+                shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
+            )
+    return out
+
+
+def format_report(result: dict, config_path, model_path) -> str:
+    s, impls = result["settings"], list(result["memory"])
+    lines = [
+        f"config {config_path}: OK for {s['world']} GPUs: micro batch {s['micro_batch']} x grad accum "
+        f"{s['grad_accum']} x {s['world']} = train batch {s['train_batch']}; contrastive batch "
+        f"{result['global_batch']} "
+        + (
+            f"(micro x world x {result['contrastive_steps']}: contrastive accumulation)"
+            if result["contrastive_steps"] > 1
+            else "per micro-step"
+        )
+        + f"; ZeRO-{s['stage']}, {s['precision']}",
+        f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters; activation checkpointing "
+        f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
+        f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
+    ]
+    lines += [f"note: {w}" for w in s["warnings"]] + [f"needs the HF Trainer: {a}" for a in s["trainer_auto"]]
+    lines += [
+        "",
+        f"per-GPU memory (of {result['capacity_bytes'] / GiB:.0f} GiB)".ljust(30) + "".join(f"{i:>14}" for i in impls),
+    ]
+    names = [n for n in result["memory"][impls[0]]["terms"] if not n.startswith("loss")] + ["loss"]
+    for name in names:
+        cells = []
+        for impl in impls:
+            terms = result["memory"][impl]["terms"]
+            cells.append(_fmt(terms[f"loss ({impl})"] if name == "loss" else terms[name]))
+        lines.append(f"  {name:<28}" + "".join(f"{c:>14}" for c in cells))
+    lines.append(f"  {'total':<28}" + "".join(f"{_fmt(result['memory'][i]['total']):>14}" for i in impls))
+    lines.append(
+        f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls)
+    )
+    lines.append(f"  {'largest per-GPU batch':<28}" + "".join(f"{result['max_micro_batch'][i]:>14}" for i in impls))
+    k = result["contrastive_steps"]
+    lines.append(
+        f"  {'  = contrastive batch':<28}"
+        + "".join(f"{result['max_micro_batch'][i] * s['world'] * k:>14}" for i in impls)
+    )
+    if result["max_contrastive_steps"]:
+        steps = result["max_contrastive_steps"]
+        lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{steps[i]:>14}" for i in impls))
+        lines.append(
+            f"  {'  = contrastive batch':<28}"
+            + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls)
+        )
+    lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
+    lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
+    return "\n".join(lines)
+
+
+def _parse(argv):
+    import argparse
+
+    # argparse rather than HfArgumentParser: nothing here is a TrainingArguments field, and `plan` must
+    # answer bad arguments before importing transformers.
+    p = argparse.ArgumentParser(prog="disco-clip plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--model", required=True, help="CLIPConfig JSON, e.g. recipes/models/vit_b32.json")
+    p.add_argument("--gpus", type=int, required=True, help="data-parallel world size")
+    p.add_argument("--gpu_memory", default="40GB", help="memory per GPU, e.g. 40GB, 80GB")
+    p.add_argument("--per_device_batch", type=int, help='per-GPU micro batch (when the config says "auto")')
+    p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help='must match the config (fills "auto")')
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument(
+        "--loss_impl", choices=LOSS_IMPLS, action="append", help=f"repeatable; default: {', '.join(LOSS_IMPLS)}"
+    )
+    p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
+    p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
+    p.add_argument(
+        "--no_contrastive_accumulation",
+        dest="contrastive_accumulation",
+        action="store_false",
+        help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world",
+    )
+    p.add_argument("--json", help="also write the plan as JSON to this path")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip plan`: 0 when every requested loss fits, 1 when one does not; a bad config raises
+    PlanConfigError."""
+    args = _parse(argv)
+    result = plan(
+        args.deepspeed,
+        args.model,
+        args.gpus,
+        args.gpu_memory,
+        args.per_device_batch,
+        args.precision,
+        args.activation_checkpointing,
+        tuple(args.loss_impl or LOSS_IMPLS),
+        args.chunk_size,
+        args.overhead_gb,
+        args.contrastive_accumulation,
+    )
+    print(format_report(result, args.deepspeed, args.model))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if all(m["fits"] for m in result["memory"].values()) else 1

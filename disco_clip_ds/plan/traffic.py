@@ -1,0 +1,49 @@
+"""Bytes one rank sends per optimizer step: ZeRO's gradient and parameter collectives and the loss's.
+
+disco all-gathers both modalities' features and reduce-scatters their gradient in backward (the DisCo paper
+all-reduces there: twice the bytes); tiled moves the texts only, plus two all-reduces of B fp32 column values; local
+sends nothing. Ring collectives: a rank sends (and receives) (N-1)/N of the buffer for all-gather and reduce-scatter,
+2(N-1)/N for all-reduce.
+"""
+
+from __future__ import annotations
+
+from .memory import PRECISION_BYTES, ModelShape, Settings
+
+
+def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "tiled")) -> dict:
+    """Bytes one rank sends per optimizer step (ring collectives), by collective; the loss's per impl."""
+    n, p, accum = settings.world, shape.params, settings.grad_accum
+    ring = (n - 1) / n
+    e = PRECISION_BYTES[settings.precision]
+    g = settings.comm_bytes
+    if settings.stage == 0:
+        grads = {"gradient all-reduce": 2 * ring * p * g}
+    elif settings.stage == 1:  # reduce-scatter at the accumulation boundary, then all-gather updated weights
+        grads = {"gradient reduce-scatter": ring * p * g, "parameter all-gather": ring * p * e}
+    elif settings.stage == 2:  # gradients reduced in every micro-step's backward
+        grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": ring * p * e}
+    else:  # weights gathered for forward and again for backward in every micro-step (and for the no-grad pass)
+        gathers = 3 if settings.contrastive_steps > 1 else 2
+        grads = {
+            "gradient reduce-scatter": accum * ring * p * g,
+            "parameter all-gather": accum * gathers * ring * p * e,
+        }
+    # contrastive accumulation gathers all K micro-batches' fp32 embeddings at once: the same rows, fp32 bytes
+    feature_bytes = 4 if settings.contrastive_steps > 1 else e
+    batch = settings.micro_batch * n
+    modality = accum * ring * batch * shape.projection_dim * feature_bytes  # one modality's rows
+    loss = {
+        "local": {},  # each rank's own pairs: nothing to send
+        "disco": {
+            "disco loss: feature all-gather (forward)": 2 * modality,
+            "disco loss: feature reduce-scatter (backward)": 2 * modality,
+            "(paper: feature all-reduce in backward)": 4 * modality,
+        },
+        "tiled": {
+            "tiled loss: text all-gather (forward)": modality,
+            "tiled loss: column lse all-reduces (forward)": accum * 2 * 2 * ring * batch * 4,
+            "tiled loss: text reduce-scatter (backward)": modality,
+        },
+    }
+    return {**grads, **{k: v for impl in loss_impls for k, v in loss[impl].items()}}
