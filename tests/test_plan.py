@@ -247,6 +247,23 @@ def test_paper_runs_fit_on_40gb_with_disco_and_tiled(config, gpus, tmp_path):
     assert code == (0 if all(m["fits"] for m in memory.values()) else 1)
 
 
+def test_the_local_loss_is_planned_per_micro_batch_under_accumulation():
+    """CLIP's per-device loss contrasts each micro-batch alone (the trainer refuses to accumulate it contrastively):
+    with K = 8 its loss term is the micro-batch's own, without cached embeddings, and it has no largest K."""
+    config = ROOT / "ds_configs/vit_b32_196k_8gpu.json"
+    result = P.plan(config, VIT, 8, "40GB", activation_checkpointing=True, loss_impls=("tiled", "local"))
+    assert result["contrastive_steps"] == 8
+    local, tiled = result["memory"]["local"]["terms"], result["memory"]["tiled"]["terms"]
+    assert local["loss (local)"] == pytest.approx(4 * 3072 * 3072 * 4 + 2 * 3072 * 512 * 2)
+    assert "cached embeddings" not in local and "cached embeddings" in tiled
+    assert list(result["max_contrastive_steps"]) == ["tiled"]
+    report = P.format_report(result, config, VIT)
+    assert "planned as `--contrastive_accumulation false`" in report
+    settings = P.validate_config(P.load_config(config), 8)
+    with pytest.raises(P.PlanConfigError, match="local cannot be accumulated contrastively"):
+        P.max_contrastive_steps(P.ModelShape.from_json(VIT), settings, P.load_fit(), "local", True, 40 * P.GiB, 0.0)
+
+
 def test_without_checkpointing_the_paper_batch_does_not_fit():
     result = P.plan(CFG_32K, VIT, 8, "40GB", loss_impls=("tiled",))
     assert not result["memory"]["tiled"]["fits"] and result["max_micro_batch"]["tiled"] < 4096

@@ -268,7 +268,8 @@ def memory_plan(
     """Per-GPU memory of one training step (bytes), term by term."""
     micro = settings.micro_batch if micro_batch is None else micro_batch
     elem = PRECISION_BYTES[settings.precision]
-    k = settings.contrastive_steps
+    # the local loss contrasts each micro-batch alone: the trainer accumulates it plainly, never contrastively
+    k = 1 if impl == "local" else settings.contrastive_steps
     terms = model_state_bytes(
         shape.params,
         shape.largest_param,
@@ -308,7 +309,9 @@ def max_contrastive_steps(
     shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, limit: int = 1 << 20
 ) -> int:
     """Largest K whose plan fits at the config's micro batch under contrastive accumulation (0 if K=1 does not):
-    the largest contrastive batch for this GPU count is micro x world x K."""
+    the largest contrastive batch for this GPU count is micro x world x K. For the global-batch losses only."""
+    if impl == "local":
+        raise PlanConfigError("--loss_impl local cannot be accumulated contrastively: plan tiled or disco")
     fits = lambda k: (
         memory_plan(
             shape,

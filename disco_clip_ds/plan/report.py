@@ -78,7 +78,7 @@ def plan(
         out["max_micro_batch"][impl] = max_micro_batch(
             shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
         )
-        if contrastive_accumulation:
+        if contrastive_accumulation and impl != "local":
             out["max_contrastive_steps"][impl] = max_contrastive_steps(
                 shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
             )
@@ -102,34 +102,38 @@ def format_report(result: dict, config_path, model_path) -> str:
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
     lines += [f"note: {w}" for w in s["warnings"]] + [f"needs the HF Trainer: {a}" for a in s["trainer_auto"]]
+    if result["contrastive_steps"] > 1 and "local" in impls:
+        lines.append("note: local contrasts each micro-batch alone: planned as `--contrastive_accumulation false`")
     lines += [
         "",
         f"per-GPU memory (of {result['capacity_bytes'] / GiB:.0f} GiB)".ljust(30) + "".join(f"{i:>14}" for i in impls),
     ]
-    names = [n for n in result["memory"][impls[0]]["terms"] if not n.startswith("loss")] + ["loss"]
-    for name in names:
+    # every impl's terms in order ("cached embeddings" is not the local loss's), its loss last under one name
+    names = dict.fromkeys(n for i in impls for n in result["memory"][i]["terms"] if not n.startswith("loss"))
+    for name in [*names, "loss"]:
         cells = []
         for impl in impls:
             terms = result["memory"][impl]["terms"]
-            cells.append(_fmt(terms[f"loss ({impl})"] if name == "loss" else terms[name]))
+            name_here = f"loss ({impl})" if name == "loss" else name
+            cells.append(_fmt(terms[name_here]) if name_here in terms else "-")
         lines.append(f"  {name:<28}" + "".join(f"{c:>14}" for c in cells))
     lines.append(f"  {'total':<28}" + "".join(f"{_fmt(result['memory'][i]['total']):>14}" for i in impls))
     lines.append(
         f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls)
     )
     lines.append(f"  {'largest per-GPU batch':<28}" + "".join(f"{result['max_micro_batch'][i]:>14}" for i in impls))
+    # the local loss contrasts each GPU's own micro-batch; the others all ranks' pairs (times K when accumulating)
+    contrasted = lambda impl, micro, k: micro if impl == "local" else micro * s["world"] * k
     k = result["contrastive_steps"]
     lines.append(
         f"  {'  = contrastive batch':<28}"
-        + "".join(f"{result['max_micro_batch'][i] * s['world'] * k:>14}" for i in impls)
+        + "".join(f"{contrasted(i, result['max_micro_batch'][i], k):>14}" for i in impls)
     )
     if result["max_contrastive_steps"]:
         steps = result["max_contrastive_steps"]
-        lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{steps[i]:>14}" for i in impls))
-        lines.append(
-            f"  {'  = contrastive batch':<28}"
-            + "".join(f"{steps[i] * s['micro_batch'] * s['world']:>14}" for i in impls)
-        )
+        cells = [(steps[i], contrasted(i, s["micro_batch"], steps[i])) if i in steps else ("-", "-") for i in impls]
+        lines.append(f"  {'largest K at this micro':<28}" + "".join(f"{k:>14}" for k, _ in cells))
+        lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{batch:>14}" for _, batch in cells))
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
     lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
     return "\n".join(lines)
