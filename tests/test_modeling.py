@@ -19,7 +19,7 @@ from helpers import run_ranks
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "models" / "tiny.json"
 GLOBAL_BATCH = 6
-# The models run in float64; the loss accumulates in float32 by design (loss.py), so agreement is at fp32 level.
+# The models run in float64; the loss accumulates in float32 by design (losses/), so agreement is at fp32 level.
 LOSS_RTOL = 1e-6
 
 
