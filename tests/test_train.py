@@ -157,9 +157,11 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
 
 
 def _train_main(tmp_path, *args):
+    """`disco-clip train` in this process: its exit code, its messages on stderr."""
+    from disco_clip_ds.errors import run_main
     from disco_clip_ds.train import main
 
-    return main(["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args])
+    return run_main(main, ["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args], "disco-clip train")
 
 
 MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
@@ -216,7 +218,8 @@ def test_an_earlier_runs_checkpoints_are_never_silently_overwritten(bad_argument
 def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     from types import SimpleNamespace
 
-    from disco_clip_ds.train import UsageError, check_deepspeed_batch
+    from disco_clip_ds.errors import UsageError
+    from disco_clip_ds.train import check_deepspeed_batch
 
     config = tmp_path / "ds.json"
     config.write_text(
