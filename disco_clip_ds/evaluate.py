@@ -522,7 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     """`disco-clip eval`: print (and optionally write) the result record."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
+    try:
+        (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # HfArgumentParser's word for argument names it does not know
+        raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
     record = run_eval(args)
     print(json.dumps(record, indent=2))
     if args.output:

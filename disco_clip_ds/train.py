@@ -225,7 +225,8 @@ def parse_args(argv: list[str] | None = None):
     deepspeed = values.get("deepspeed")
     if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
         _read_json("--deepspeed", deepspeed)  # TrainingArguments reads it while parsing, and would not name the file
-    with _usage_error():  # TrainingArguments.__post_init__ refuses what cannot work together with a ValueError
+    # unknown names, and what TrainingArguments.__post_init__ refuses as not working together, are ValueErrors
+    with _usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):
         return parser.parse_dict(values) if from_file else parser.parse_args_into_dataclasses(args=argv)
 
 
@@ -250,14 +251,14 @@ def _read_json(flag: str, path: str) -> dict:
 
 
 @contextlib.contextmanager
-def _usage_error(prefix: str = ""):
-    """A plain ValueError or OSError raised inside (by a reader of the user's files) becomes a UsageError."""
+def _usage_error(prefix: str = "", suffix: str = ""):
+    """A plain ValueError or OSError raised inside (by a reader of the user's input) becomes a UsageError."""
     try:
         yield
     except (ValueError, OSError) as error:
         if isinstance(error, DiscoClipError):
             raise
-        raise UsageError(f"{prefix}{error}") from error
+        raise UsageError(f"{prefix}{error}{suffix}") from error
 
 
 @dataclass

@@ -280,7 +280,7 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
 
 def launch_training(output: Path, *args: str) -> None:
     """`torchrun --nproc_per_node 2 -m disco_clip_ds.train` with the tiny model on CPU; fails with its log. (torchrun
-    starts ~5 s sooner than the deepspeed launcher, which test_train and test_checkpoints cover.)"""
+    starts sooner than the deepspeed launcher, which test_train and test_checkpoints cover.)"""
     cmd = [
         *train_command("torchrun", 2),
         "--model_config",

@@ -2,7 +2,7 @@
 disco; the deepspeed, torchrun and accelerate launchers; corrupt shards; bad arguments; the saved model loads as a
 plain CLIPModel in a fresh process. (Resume, and ranks reading their own shards, are in test_checkpoints.py.)
 
-Every launch costs ~15-25 s of imports on 2 cores, so each run serves several checks (module-scoped fixtures).
+A launch costs most of its time in imports, so each run serves several checks (module-scoped fixtures).
 """
 
 import json
@@ -47,7 +47,7 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shards, initial_model):
-    """One run per launcher and engine, doubling as the equivalence runs. ~2 min on 2 cores. (Each rank reading its
+    """One run per launcher and engine, doubling as the equivalence runs. (Each rank reading its
     own shards, and resuming, are test_checkpoints' runs.)"""
     root = tmp_path_factory.mktemp("runs")
     common = [
