@@ -209,6 +209,18 @@ def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_arguments_setu
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter
+def test_python_m_train_exits_with_the_errors_code_and_one_line(bad_arguments_setup, tmp_path):
+    """`python -m disco_clip_ds.train`, as every launcher runs it, maps errors as `disco-clip train` does."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--train_shards", bad_arguments_setup["data"], *MODEL]
+    result = subprocess.run(
+        [sys.executable, "-m", "disco_clip_ds.train", *argv], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 2
+    assert "disco-clip train: training from --model_config needs --tokenizer_name" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_an_earlier_runs_checkpoints_are_never_silently_overwritten(bad_arguments_setup, tmp_path, capsys):
     (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)
     assert _train_main(tmp_path, "--train_shards", bad_arguments_setup["data"], *MODEL, *TOK) == 2
