@@ -4,7 +4,7 @@ for a full disk.
 The Trainer writes checkpoint-N in place, so a kill mid-save leaves a folder that the stock `get_last_checkpoint`
 picks and every resume then fails on. Neither transformers (5.x dropped its tmp-checkpoint staging) nor DeepSpeed
 stages a multi-rank save, hence `CompleteCheckpointsMixin`: the Trainer writes into tmp-checkpoints/checkpoint-N and
-rank 0 renames it to checkpoint-N once every rank has written its part. Training, export and evaluation pick a
+rank 0 renames it to checkpoint-N once every rank has written its part. Training and export pick a
 checkpoint with `newest_complete`, which skips any folder `checkpoint_problem` finds incomplete.
 """
 
