@@ -23,12 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UsageError
+from .errors import AccumulationError
 from .losses import disco_clip_loss
-
-
-class AccumulationError(UsageError):
-    """Arguments with which contrastive accumulation cannot work; the message says what to change."""
 
 
 def check_contrastive_accumulation(args, loss_impl: str) -> None:

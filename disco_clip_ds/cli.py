@@ -1,8 +1,8 @@
 """`disco-clip` command line: argparse subcommands and dispatch only.
 
-Each command lives in its own module as `main(argv) -> int | None` with its own parser, imported only when the
-command runs, so that `disco-clip --help` and `disco-clip data --help` answer without importing torch.
-Exit codes: 0 success, 1 a run that failed, 2 bad usage (argparse's own convention).
+Each command lives in its own module as `main(argv)` with its own parser, imported only when the command runs, so
+that `disco-clip --help` and `disco-clip data --help` answer without importing torch. A command raises the package's
+errors; `errors.run_main` turns them into a message and an exit code (listed in errors.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from .errors import DiscoClipError
+from .errors import UsageError, run_main
 
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
@@ -28,7 +28,7 @@ COMMANDS = {
     ("data", "demo"): ("disco_clip_ds.data.demo", "main", "build the offline digits demo dataset"),
     (None, "eval"): ("disco_clip_ds.evaluate", "main", "zero-shot classification / retrieval eval"),
     (None, "export"): ("disco_clip_ds.export", "export_main", "checkpoint -> plain CLIPModel folder with model card"),
-    (None, "push"): ("disco_clip_ds.export", "push_main", "upload an exported folder to the HF hub"),
+    (None, "push"): ("disco_clip_ds.hub", "push_main", "upload an exported folder to the HF hub"),
     (None, "plan"): ("disco_clip_ds.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic plan"),
     ("bench", "loss"): ("bench/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),
     ("bench", "train"): ("bench/train_bench.py", None, "benchmark training throughput per loss"),
@@ -60,30 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_script(rel_path: str, argv: list[str]) -> int:
-    # Benchmarks are scripts in the repo's bench/ folder, not part of the installed package.
-    script = Path(__file__).resolve().parents[1] / rel_path
-    if not script.exists():
-        print(
-            f"disco-clip: {rel_path} not found; bench commands need a source checkout (pip install -e .)",
-            file=sys.stderr,
-        )
-        return 2
-    sys.argv = [str(script), *argv]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+def _script(rel_path: str):
+    """`main(argv)` of a benchmark script in the repo's bench/ folder (not part of the installed package)."""
+
+    def run(argv: list[str]) -> None:
+        script = Path(__file__).resolve().parents[1] / rel_path
+        if not script.exists():
+            raise UsageError(f"{rel_path} not found; bench commands need a source checkout (pip install -e .)")
+        sys.argv = [str(script), *argv]
+        runpy.run_path(str(script), run_name="__main__")
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command words, run the command; a library error becomes exit code 1 with its message."""
+    """Parse the command words and run the command through `errors.run_main`; return its exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.func is None:
-        return _run_script(args.target, args.argv)
-    try:
-        return getattr(importlib.import_module(args.target), args.func)(args.argv) or 0
-    except DiscoClipError as error:
-        print(f"{args.prog}: {error}", file=sys.stderr)
-        return error.exit_code
+        command = _script(args.target)
+    else:
+        command = getattr(importlib.import_module(args.target), args.func)
+    return run_main(command, args.argv, args.prog)
 
 
 if __name__ == "__main__":

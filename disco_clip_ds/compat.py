@@ -197,3 +197,41 @@ def img2dataset_fetch(fetch, run=_call):
 
 def _wrap_downloader(original, fetch, run, **kwargs):
     return _SwappedFetchDownloader(original(**kwargs), fetch, run)
+
+
+# --- accelerate: a launched CPU world counted as one process --------------------------------------------------------
+def use_cpu_without_gpu(args) -> None:
+    """accelerate (1.x) on a machine without a GPU counts one process while the launcher (deepspeed, torchrun,
+    accelerate launch) started several, unless TrainingArguments says use_cpu; DeepSpeed then refuses the batch
+    arithmetic (`train_batch_size is not equal to ...`). ACCELERATE_USE_CPU instead silently drops DeepSpeed for DDP.
+    Call on TrainingArguments before its own __post_init__. Gate: no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        args.use_cpu = True
+
+
+# --- deepspeed: deepspeed.comm unset on CPU before the engine exists -------------------------------------------------
+def init_deepspeed_comm(args) -> None:
+    """ZeRO-3 builds the model inside deepspeed.zero.Init, which reads the world size from deepspeed.comm. With
+    use_cpu, accelerate (1.x) sets up torch.distributed but not deepspeed.comm, which DeepSpeed itself sets up only
+    when the engine starts, after the model is built: zero.Init would partition for a world of 1. Call before
+    building the model. Gate: a DeepSpeed run of several ranks; where deepspeed.comm is up already (accelerate does
+    it on GPU), init_distributed does nothing."""
+    if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
+        import deepspeed
+
+        deepspeed.init_distributed()
+
+
+# --- transformers Trainer: the process group is never destroyed ----------------------------------------------------
+def destroy_process_group() -> None:
+    """torch.distributed asks that a process group be destroyed before the interpreter exits: gloo worker threads
+    still holding work at finalization abort the process ("terminate called without an active exception", SIGABRT)
+    after a finished run. The Trainer (5.x) has accelerate create the group and never destroys it (accelerate's
+    Accelerator.end_training would; the Trainer does not call it), nor does DeepSpeed. Call at the end of a launched
+    rank. Gate: a group that is still initialized."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

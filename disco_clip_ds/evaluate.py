@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
+from .checkpoints import has_weights
 from .data.shards import IMAGE_EXTS, is_url, write_json
-from .errors import DataError, DiscoClipError, UsageError
+from .errors import DataError, UsageError
 
 RESOURCES = Path(__file__).resolve().parent / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
@@ -146,14 +147,17 @@ def zeroshot_classifier(
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
-    `data.shards.expand_shards`) or a list of such specs; local shards must exist."""
+    `data.shards.expand_shards`) or a list of such specs; local shards must exist (else UsageError)."""
     from .data.shards import expand_shards
 
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    urls = [url for item in specs for url in expand_shards(str(item))]
+    try:
+        urls = [url for item in specs for url in expand_shards(str(item))]
+    except (ValueError, FileNotFoundError) as e:  # an empty spec, a folder without shards
+        raise UsageError(str(e)) from e
     missing = [url for url in urls if not is_url(url) and not os.path.isfile(url)]
     if missing:
-        raise FileNotFoundError(
+        raise UsageError(
             f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards "
             "or a brace pattern"
         )
@@ -270,7 +274,7 @@ def zeroshot_classification(
     iterable of `(pixel_values, class_indices)` batches, such as a DataLoader.
     """
     if not classnames or not templates:
-        raise ValueError("zero-shot classification needs at least one class name and one template")
+        raise UsageError("zero-shot classification needs at least one class name and one template")
     with _EvalMode(_unwrap(model)):
         classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
         logits, targets = [], []
@@ -280,10 +284,10 @@ def zeroshot_classification(
             logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
             targets.append(torch.as_tensor(labels, dtype=torch.long))
     if not logits:
-        raise ValueError("the evaluation data holds no samples")
+        raise DataError("the evaluation data holds no samples")
     targets = torch.cat(targets)
     if targets.min() < 0 or targets.max() >= len(classnames):
-        raise ValueError(
+        raise UsageError(
             f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} "
             "class names"
         )
@@ -320,7 +324,7 @@ def zeroshot_retrieval(
                 else torch.empty(0, image_embeddings[-1].shape[1])
             )
     if not image_embeddings or not text_to_image:
-        raise ValueError("the evaluation data holds no image with a caption")
+        raise DataError("the evaluation data holds no image with a caption")
     scores = torch.cat(text_embeddings) @ torch.cat(image_embeddings).T
     return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
 
@@ -339,7 +343,7 @@ def _shard_folder(data: str) -> Path | None:
         return Path(data)
     try:
         return Path(resolve_shards(data)[0]).parent
-    except FileNotFoundError:
+    except UsageError:
         return None
 
 
@@ -352,11 +356,9 @@ def find_classnames(data: str, classnames: str | None) -> list[str]:
         folder = _shard_folder(data)
         path = folder / CLASSNAMES_FILE if folder else None
         if path is None or not path.is_file():
-            raise FileNotFoundError(
-                f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)"
-            )
+            raise UsageError(f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
+        raise UsageError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
     return read_lines(path)
 
 
@@ -369,10 +371,10 @@ def find_templates(data: str, templates: str | None) -> list[str]:
         beside = folder / TEMPLATES_FILE if folder else None
         path = beside if beside is not None and beside.is_file() else NAMED_TEMPLATES["openai_imagenet"]
     if not Path(path).is_file():
-        raise FileNotFoundError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
+        raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
     lines = read_lines(path)
     if not all("{c}" in line for line in lines):
-        raise ValueError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
+        raise UsageError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
     return lines
 
 
@@ -401,7 +403,7 @@ class ZeroShotCallback(TrainerCallback):
         from transformers import CLIPImageProcessor
 
         if every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+            raise UsageError(f"every_n_steps must be positive, got {every_n_steps}")
         self.data = str(data_dir)
         self.shards = resolve_shards(self.data)
         self.classnames = find_classnames(self.data, classnames)
@@ -468,23 +470,27 @@ class EvalArguments:
 
 
 def load_for_eval(model_id: str, device: str = "cpu"):
-    """(CLIPModel, tokenizer, image processor) from a folder or hub id, with transformers alone."""
+    """(CLIPModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A folder without
+    full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
     folder = Path(model_id)
-    if folder.is_dir() and not any(folder.glob("model*.safetensors")) and not any(folder.glob("pytorch_model*.bin")):
+    if folder.is_dir() and not has_weights(folder):
         hint = "a DeepSpeed checkpoint without full weights (ZeRO-3): " if (folder / "latest").is_file() else ""
-        raise FileNotFoundError(
+        raise UsageError(
             f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)"
         )
-    model = CLIPModel.from_pretrained(model_id).to(device)
-    return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
+    try:
+        model = CLIPModel.from_pretrained(model_id).to(device)
+        return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
+    except OSError as e:  # no such folder or hub id, or one without the config / processor files
+        raise UsageError(f"--model {model_id}: {e}") from e
 
 
 def run_eval(args: EvalArguments) -> dict:
     """Evaluate as the CLI does and return CLIP_benchmark's result record."""
     if args.batch_size <= 0:
-        raise ValueError(f"--batch_size must be positive, got {args.batch_size}")
+        raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
     shards = resolve_shards(args.data)
     check_eval_shards(shards, args.task)
     if args.task == "zeroshot_classification":
@@ -512,15 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     """`disco-clip eval`: print (and optionally write) the result record."""
     from transformers import HfArgumentParser
 
-    (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
     try:
-        record = run_eval(args)
-    except DiscoClipError as e:
-        print(f"disco-clip eval: {e}", file=sys.stderr)
-        return e.exit_code
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"disco-clip eval: {e}", file=sys.stderr)
-        return 1
+        (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # HfArgumentParser's word for argument names it does not know
+        raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
+    record = run_eval(args)
     print(json.dumps(record, indent=2))
     if args.output:
         write_json(args.output, record)

@@ -1,4 +1,4 @@
-"""Trainer/DeepSpeed checkpoint -> plain CLIPModel folder with a model card; upload of that folder to the hub.
+"""Trainer/DeepSpeed checkpoint -> plain CLIPModel folder with a model card (`hub.py` uploads that folder).
 
 An exported folder loads with transformers alone (`CLIPModel.from_pretrained`, `CLIPProcessor.from_pretrained`):
 model.safetensors (fp32), config.json (architectures ["CLIPModel"]), tokenizer and image-processor files and
@@ -11,13 +11,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
+from .checkpoints import WEIGHT_FILES, has_weights, newest_complete
 from .errors import ExportError, UsageError
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
@@ -26,24 +25,20 @@ IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint folder to export: `path` itself, or its newest `checkpoint-N` when it is a run folder
-    holding checkpoints but no weights of its own."""
+    """The checkpoint folder to export: `path` itself, or its newest complete `checkpoint-N` when it is a run
+    folder holding checkpoints but no weights of its own."""
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"checkpoint folder '{path}' does not exist")
-    if _has_weights(path) or (path / "latest").is_file():
+    if has_weights(path) or (path / "latest").is_file():
         return path
-    newest = _newest_checkpoint(path)
+    newest = newest_complete(path)
     if newest is not None:
         return newest
     raise ExportError(
         f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' "
-        "file) nor checkpoint-N folders"
+        "file) nor complete checkpoint-N folders"
     )
-
-
-def _has_weights(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in WEIGHT_FILES)
 
 
 def _deepspeed_tag_dir(checkpoint: Path) -> Path | None:
@@ -89,18 +84,22 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
 
 
 def _read_weight_file(path: Path) -> dict:
-    import torch
-    from safetensors.torch import load_file
-
     try:
         if path.name.endswith(".index.json"):  # sharded: the index maps each weight to its shard file
             shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-            return {name: tensor for shard in shards for name, tensor in load_file(str(path.parent / shard)).items()}
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+            return {name: tensor for shard in shards for name, tensor in _read_one_file(path.parent / shard).items()}
+        return _read_one_file(path)
     except Exception as e:
         raise ExportError(f"cannot read weights '{path}': {e}") from e
+
+
+def _read_one_file(path: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def build_clip_model(checkpoint: Path, state_dict: dict):
@@ -166,13 +165,6 @@ def describe_run(checkpoint: Path) -> dict:
     if versions.get("deepspeed") and "zero_stage" in info:
         info["deepspeed"] = versions["deepspeed"]
     return {k: v for k, v in info.items() if v is not None}
-
-
-def _newest_checkpoint(folder: Path) -> Path | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    newest = get_last_checkpoint(str(folder))
-    return Path(newest) if newest else None
 
 
 def _from_trainer_state(path: Path) -> dict:
@@ -310,8 +302,10 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
         if output_dir.exists():
             output_dir.rmdir()  # empty, checked above
         os.rename(staging, output_dir)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, OSError):  # e.g. a full disk: nothing is left behind
+            raise ExportError(f"cannot write '{output_dir}': {error}") from error
         raise
     return output_dir
 
@@ -328,111 +322,16 @@ def export_main(argv: list[str] | None = None) -> int:
         "--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)"
     )
     args = parser.parse_args(argv)
-    try:
-        records = [json.loads(Path(f).read_text()) for f in args.eval_results]
-        out = export_checkpoint(
-            args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from
-        )
-    except (ExportError, OSError, json.JSONDecodeError) as e:
-        print(f"disco-clip export: {e}", file=sys.stderr)
-        return 1
+    records = [_read_eval_results(f) for f in args.eval_results]
+    out = export_checkpoint(
+        args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from
+    )
     print(f"exported {args.checkpoint_dir} -> {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
 
-# ----------------------------------------------------------------------------------------------- push
-
-
-def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
-    """(path in repo, bytes) of every file that `push_folder` uploads, after checking it is an export."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ExportError(f"'{folder}' is not a folder")
-    if (folder / "latest").exists() or any(folder.glob("global_step*")) or any(folder.glob("checkpoint-*")):
-        raise ExportError(
-            f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and "
-            "push OUTPUT_DIR"
-        )
-    if not (folder / "config.json").is_file() or not _has_weights(folder):
-        raise ExportError(f"'{folder}' is not an exported model folder (needs config.json and model.safetensors)")
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-    return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
-
-
-def require_hub_token() -> str:
-    """The Hugging Face token from huggingface_hub's usual places; ExportError saying how to set one if none.
-
-    Training with --push_to_hub can call this before it starts, so a missing token is not found hours later."""
-    from huggingface_hub import get_token
-
-    token = get_token()
-    if token is None:
-        raise ExportError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
-    return token
-
-
-def push_folder(folder, repo_id: str, private: bool = False, revision: str | None = None, dry_run: bool = False) -> str:
-    """Upload an exported folder to the hub model repo `repo_id` (created when missing) in one commit.
-
-    The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`'s cache). With
-    `dry_run` nothing is contacted and the plan is printed. Returns the commit URL (or the target URL).
-    """
-    from huggingface_hub import HfApi, get_token
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:  # the hub's own rule, checked before anything is read or contacted, dry run included
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        raise UsageError(f"--repo_id {repo_id!r} is not a valid hub id ({e}); expected USER/NAME or ORG/NAME") from e
-    plan = upload_plan(folder)
-    branch = revision or "main"
-    target = f"https://huggingface.co/{repo_id}/tree/{branch}"
-    if dry_run:
-        print(f"dry run: would upload {len(plan)} files to {target} ({'private' if private else 'public'} model repo)")
-        for path, size in plan:
-            print(f"  {path}  ({size:,} bytes)")
-        if get_token() is None:
-            print("note: no Hugging Face token found; set HF_TOKEN or run `hf auth login` before pushing")
-        return target
-    api = HfApi(token=require_hub_token())
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    if revision:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
-    # exactly the planned files (no hidden ones): upload_folder takes them as patterns, in one commit
-    commit = api.upload_folder(
-        folder_path=str(folder),
-        repo_id=repo_id,
-        revision=revision,
-        allow_patterns=[path for path, _ in plan],
-        commit_message="Upload CLIPModel exported by disco-clip-ds",
-    )
-    return commit.commit_url
-
-
-def push_main(argv: list[str] | None = None) -> int:
-    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry_run]`."""
-    parser = argparse.ArgumentParser(
-        prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub"
-    )
-    parser.add_argument("folder", help="a folder written by `disco-clip export`")
-    parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="create the repo private")
-    parser.add_argument("--revision", help="branch to push to (created when missing; default main)")
-    parser.add_argument("--dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
-    args = parser.parse_args(argv)
+def _read_eval_results(path: str) -> dict:
     try:
-        url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
-    except (ExportError, UsageError) as e:
-        print(f"disco-clip push: {e}", file=sys.stderr)
-        return e.exit_code
-    except Exception as e:  # hub errors (auth, network, permissions) carry their own explanation
-        print(f"disco-clip push: upload to {args.repo_id} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    if not args.dry_run:
-        print(f"pushed {args.folder} -> {url}")
-    return 0
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--eval_results {path} is not a readable JSON file: {error}") from error

@@ -8,6 +8,7 @@ the ModelArguments and DataArguments below.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    CLIPConfig,
     CLIPImageProcessor,
     CLIPProcessor,
     HfArgumentParser,
@@ -28,28 +30,17 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 from . import compat
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
-from .checkpoints import (
-    EXIT_PREEMPTED,
-    CheckpointError,
-    CompleteCheckpointsMixin,
-    Preempted,
-    StopOnSignal,
-    acquire_run_lock,
-    finished_message,
-    parse_signals,
-    release_run_lock,
-    resolve_latest,
-    resume_hint,
-)
+from .checkpoints import CompleteCheckpointsMixin, checkpoint_folders, has_weights, newest_complete, resolve_latest
 from .data.pipeline import ClipCollator, ShardStream
-from .data.shards import count_samples, expand_shards, write_json
-from .errors import UsageError
+from .data.shards import count_samples, expand_shards, shards_for_reader, write_json
+from .errors import EXIT_PREEMPTED, CheckpointError, DiscoClipError, ExportError, Preempted, UsageError, run_main
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
 from .optim import warmup_from_first_step, without_clip_no_decay
+from .preemption import StopSignalsMixin, finished_message, parse_signals, resume_hint
+from .runlock import acquire_run_lock, release_run_lock
 
 logger = logging.getLogger("disco_clip_ds.train")
 
@@ -103,7 +94,8 @@ class DataArguments:
 
 @dataclass
 class DiscoTrainingArguments(TrainingArguments):
-    """TrainingArguments with CLIP-pretraining defaults; CPU is chosen automatically when there is no GPU."""
+    """TrainingArguments with CLIP-pretraining defaults; CPU is chosen automatically when there is no GPU, and each
+    rank reads its own shards unless --accelerator_config says dispatch_batches."""
 
     remove_unused_columns: bool = field(default=False, metadata={"help": "kept False: batches hold only model inputs"})
     report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "tensorboard, wandb, none, ..."})
@@ -135,25 +127,21 @@ class DiscoTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        if not torch.cuda.is_available():
-            # Without it, on CPU, accelerate's state counts one process while DeepSpeed's launcher started them all.
-            self.use_cpu = True
-        if isinstance(self.deepspeed, str) and not self.deepspeed.lstrip().startswith("{"):
-            # TrainingArguments parses the file itself and reports a JSON error without naming it.
-            try:
-                json.loads(Path(self.deepspeed).read_text())
-            except (OSError, ValueError) as error:
-                raise UsageError(f"--deepspeed {self.deepspeed} is not a readable JSON file: {error}") from error
+        compat.use_cpu_without_gpu(self)
         super().__post_init__()
         if self.accelerator_config.dispatch_batches is None:
             # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(CompleteCheckpointsMixin, ContrastiveAccumulationMixin, Trainer):
+class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
     memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
-    gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model."""
+    gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model.
+
+    Checkpoints are complete or absent (`checkpoints.CompleteCheckpointsMixin`); `stop_signals=(...)` stop training
+    at the next step with a checkpoint (`preemption.StopSignalsMixin`; `self.stopper.stopped` says whether one did).
+    """
 
     def __init__(self, *args, reads_own_shards: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -228,14 +216,83 @@ def _peak_memory_gib(device: torch.device) -> float:
 
 
 def parse_args(argv: list[str] | None = None):
-    """(ModelArguments, DataArguments, DiscoTrainingArguments) from argv, or from one .json/.yaml file."""
+    """(ModelArguments, DataArguments, DiscoTrainingArguments) from argv, or from one .json/.yaml file. Values that
+    TrainingArguments refuses while parsing are a UsageError."""
     parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments))
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=argv)
+    from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
+    values = _read_arguments_file(argv[0]) if from_file else vars(parser.parse_known_args(argv)[0])
+    deepspeed = values.get("deepspeed")
+    if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
+        _read_json("--deepspeed", deepspeed)  # TrainingArguments reads it while parsing, and would not name the file
+    # unknown names, and what TrainingArguments.__post_init__ refuses as not working together, are ValueErrors
+    with _usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):
+        return parser.parse_dict(values) if from_file else parser.parse_args_into_dataclasses(args=argv)
+
+
+def _read_arguments_file(path: str) -> dict:
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise UsageError(f"{path} is not a readable arguments file: {error}") from error
+    if not isinstance(values, dict):
+        raise UsageError(f"{path} holds no argument names and values")
+    return values
+
+
+def _read_json(flag: str, path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{flag} {path} is not a readable JSON file: {error}") from error
+
+
+@contextlib.contextmanager
+def _usage_error(prefix: str = "", suffix: str = ""):
+    """A plain ValueError or OSError raised inside (by a reader of the user's input) becomes a UsageError."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        if isinstance(error, DiscoClipError):
+            raise
+        raise UsageError(f"{prefix}{error}{suffix}") from error
+
+
+@dataclass
+class CheckedRun:
+    """What `validate` established on the way, for training to use as is."""
+
+    urls: list[str]
+    num_samples: int
+    max_steps: int
+    stop_signals: tuple[int, ...]
+    hub_model_id: str | None
+    tokenizer: object
+    image_size: int
+    max_length: int
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
+    """Every check of the arguments, before any work: a UsageError (or AccumulationError) saying what to change.
+
+    Reads the shard lists, the tokenizer and the model's config (not its weights), so that a tokenizer or image
+    size that does not fit the model is refused before the model is built. Identical on every rank."""
+    check_contrastive_accumulation(args, model_args.loss_impl)
+    check_deepspeed_batch(args)
+    _check_numbers(args)
+    _check_model_source(model_args)
+    hub_model_id = _check_hub_and_zeroshot(data_args, args)
+    stop_signals = parse_signals(args.stop_signals)
+    with _usage_error():  # unreadable shard lists and counts: the messages name the fix
+        urls = expand_shards(data_args.train_shards)
+        max_steps, num_samples = _steps_and_samples(data_args, args, urls)
+        ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+        shards_for_reader(urls, 0, ranks * max(1, args.dataloader_num_workers))  # a shard for every reader
+    tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
+    return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length)
 
 
 def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> tuple[int, int]:
@@ -275,7 +332,7 @@ def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
         )
 
 
-def _check_arguments(model_args: ModelArguments, args: DiscoTrainingArguments) -> None:
+def _check_numbers(args: DiscoTrainingArguments) -> None:
     """Values that would fail only once the model is built, or silently do something else."""
     if args.max_steps == 0:  # the Trainer would read 0 as "not set" and train --num_train_epochs
         raise UsageError(
@@ -283,24 +340,10 @@ def _check_arguments(model_args: ModelArguments, args: DiscoTrainingArguments) -
         )
     if args.per_device_train_batch_size < 1:
         raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size}: must be at least 1")
-    if model_args.model_config:
-        try:
-            json.loads(Path(model_args.model_config).read_text())
-        except (OSError, ValueError) as error:
-            raise UsageError(
-                f"--model_config {model_args.model_config} is not a readable JSON file: {error}"
-            ) from error
-    for flag, value in (
-        ("--tokenizer_name", model_args.tokenizer_name),
-        ("--model_name_or_path", model_args.model_name_or_path),
-    ):
-        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
-            raise UsageError(f"{flag} {value}: no such folder")
 
 
-def _model_and_processor(model_args: ModelArguments):
-    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
-    if not tokenizer_name:
+def _check_model_source(model_args: ModelArguments) -> None:
+    if not (model_args.tokenizer_name or model_args.model_name_or_path):
         raise UsageError(
             "training from --model_config needs --tokenizer_name (e.g. recipes/tokenizer or "
             "openai/clip-vit-base-patch32)"
@@ -309,11 +352,45 @@ def _model_and_processor(model_args: ModelArguments):
         raise UsageError(
             "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a CLIPConfig JSON)"
         )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    model = build_model(
-        model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
-    )
-    text, vision = model.config.text_config, model.config.vision_config
+    if model_args.model_config:
+        _read_json("--model_config", model_args.model_config)
+    for flag, value in (
+        ("--tokenizer_name", model_args.tokenizer_name),
+        ("--model_name_or_path", model_args.model_name_or_path),
+    ):
+        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+            raise UsageError(f"{flag} {value}: no such folder")
+
+
+def _check_hub_and_zeroshot(data_args: DataArguments, args: DiscoTrainingArguments) -> str | None:
+    """The hub repo to push to at the end (None: no push), once a token is known to be there."""
+    if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
+        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+    if not args.push_to_hub:
+        return None
+    if not args.hub_model_id:
+        raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
+    from .hub import require_hub_token
+
+    try:
+        require_hub_token()  # now, not after hours of training
+    except ExportError as error:
+        raise UsageError(str(error)) from error
+    return args.hub_model_id
+
+
+def _check_tokenizer_and_sizes(model_args: ModelArguments):
+    """(tokenizer, image size, max text length), once they fit the model's config."""
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with _usage_error(f"{flag} {tokenizer_name}: "):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    if model_args.model_config:
+        config = CLIPConfig.from_json_file(model_args.model_config)
+    else:
+        with _usage_error(f"--model_name_or_path {model_args.model_name_or_path}: "):
+            config = CLIPConfig.from_pretrained(model_args.model_name_or_path)
+    text, vision = config.text_config, config.vision_config
     image_size = model_args.image_size or vision.image_size
     if image_size != vision.image_size:
         raise UsageError(
@@ -334,11 +411,14 @@ def _model_and_processor(model_args: ModelArguments):
             f"{len(tokenizer)} tokens) does not "
             f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
         )
-    _lock_towers(model, model_args)
+    return tokenizer, image_size, max_length
+
+
+def _processor(tokenizer, image_size: int) -> CLIPProcessor:
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
-    return model, CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer), image_size, max_length
+    return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
 def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
@@ -353,10 +433,10 @@ def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
 
 def _resume_point(args: DiscoTrainingArguments) -> str | None:
     if args.resume_from_checkpoint is None:
-        existing = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+        existing = checkpoint_folders(args.output_dir)
         if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
             raise UsageError(
-                f"{args.output_dir} holds checkpoints ({existing}): pass --resume_from_checkpoint latest "
+                f"{args.output_dir} holds checkpoints ({existing[0]}): pass --resume_from_checkpoint latest "
                 "to continue that run, or choose a new --output_dir"
             )
         return None
@@ -369,77 +449,61 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
-    to output_dir. Holds output_dir's run lock throughout; raises Preempted after a stop signal's checkpoint."""
-    check_contrastive_accumulation(args, model_args.loss_impl)
-    check_deepspeed_batch(args)
-    _check_arguments(model_args, args)
-    stop_signals = parse_signals(args.stop_signals)
+    to output_dir. Validates every argument first; holds output_dir's run lock throughout; raises Preempted after
+    a stop signal's checkpoint."""
+    checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
     acquire_run_lock(args.output_dir)
     try:
-        return _train(model_args, data_args, args, stop_signals)
+        return _train(model_args, data_args, args, checked)
     finally:
         release_run_lock()
 
 
-def _train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, stop_signals) -> dict:
+def _train(
+    model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun
+) -> dict:
     resume_from = _resume_point(args)
     set_seed(args.seed)
-    urls = expand_shards(data_args.train_shards)
-    args.max_steps, num_samples = _steps_and_samples(data_args, args, urls)
+    args.max_steps = checked.max_steps
     finished = finished_message(resume_from, args.max_steps)
     if finished:  # resuming would train one step past the end and change the final model
         if args.process_index == 0:
             print(finished)
         return {}
-    hub_model_id = args.hub_model_id if args.push_to_hub else None
-    if args.push_to_hub and not hub_model_id:
-        raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
-    if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
-        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
-    if hub_model_id:
-        from .export import ExportError, require_hub_token
-
-        try:
-            require_hub_token()  # now, not after hours of training
-        except ExportError as error:
-            raise UsageError(str(error)) from error
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
-    if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
-        # ZeRO-3 builds the model inside zero.Init, which reads the world size from deepspeed.comm; on CPU nothing
-        # has set that up before the engine exists, and zero.Init would partition for a world of 1.
-        import deepspeed
-
-        deepspeed.init_distributed()
-    model, processor, image_size, max_length = _model_and_processor(model_args)
+    compat.init_deepspeed_comm(args)
+    model = build_model(
+        model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
+    )
+    _lock_towers(model, model_args)
+    processor = _processor(checked.tokenizer, checked.image_size)
 
     reads_own_shards = not args.accelerator_config.dispatch_batches
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     stream = ShardStream(
-        urls,
-        image_size,
+        checked.urls,
+        checked.image_size,
         rank=rank,
         world_size=world,
         seed=args.seed,
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
     )
-    stopper = StopOnSignal(stop_signals)  # before the DataLoader forks its workers
     trainer = DiscoTrainer(
         model=model,
         args=args,
         train_dataset=stream,
-        data_collator=ClipCollator(processor.tokenizer, max_length),
+        data_collator=ClipCollator(processor.tokenizer, checked.max_length),
         processing_class=processor,
         reads_own_shards=reads_own_shards,
-        callbacks=[stopper],
+        stop_signals=checked.stop_signals,
     )
-    trainer.stop_signals = stop_signals
     if data_args.zeroshot_steps > 0:
-        _attach_zeroshot(trainer, data_args, processor, image_size)
+        _attach_zeroshot(trainer, data_args, processor, checked.image_size)
     logger.info(
         "%d samples per epoch, %d steps of %d x %d ranks x %d micro-steps (global contrastive batch %d), loss %s",
-        num_samples,
+        checked.num_samples,
         args.max_steps,
         args.per_device_train_batch_size,
         args.world_size,
@@ -449,10 +513,10 @@ def _train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrai
     )
 
     if trainer.is_world_process_zero():
-        _write_run_file(args, model_args, data_args, num_samples, trainer.contrastive_batch_size())
+        _write_run_file(args, model_args, data_args, checked.num_samples, trainer.contrastive_batch_size())
     result = trainer.train(resume_from_checkpoint=resume_from)
-    if stopper.stopped:
-        raise Preempted(resume_hint(args.output_dir, stopper.describe(), trainer.state.global_step))
+    if trainer.stopper.stopped:
+        raise Preempted(resume_hint(args.output_dir, trainer.stopper.describe(), trainer.state.global_step))
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)
@@ -461,8 +525,8 @@ def _train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrai
     trainer.save_state()
     if trainer.is_world_process_zero():
         _report(args, metrics)
-        if hub_model_id:
-            _export_and_push(args, hub_model_id)
+        if checked.hub_model_id:
+            _export_and_push(args, checked.hub_model_id)
     return metrics
 
 
@@ -487,14 +551,13 @@ def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: i
 
 def _report(args: DiscoTrainingArguments, metrics: dict) -> None:
     out = Path(args.output_dir).resolve()
-    weights = any((out / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
     print(
         f"\nmodel:  {out}"
         + (
             ""
-            if weights
+            if has_weights(out)
             else "  (no weights: ZeRO-3 without stage3_gather_16bit_weights_on_model_save; "
-            f"run `disco-clip export {get_last_checkpoint(str(out))} DIR`)"
+            f"run `disco-clip export {newest_complete(out)} DIR`)"
         )
     )
     print(f"logs:   {out / 'runs'}  (tensorboard --logdir {out / 'runs'}), trainer_state.json")
@@ -540,52 +603,32 @@ def _version(package: str) -> str | None:
 
 
 def _export_and_push(args: DiscoTrainingArguments, repo_id: str) -> None:
-    from .export import export_checkpoint, push_folder
+    from .export import export_checkpoint
+    from .hub import push_folder
 
-    checkpoint = get_last_checkpoint(args.output_dir)
-    folder = Path(args.output_dir) / f"export-{Path(checkpoint).name}"  # one per checkpoint: a re-run reuses it
+    checkpoint = newest_complete(args.output_dir)
+    if checkpoint is None:
+        raise CheckpointError(f"no complete checkpoint in {args.output_dir} to export for --push_to_hub")
+    folder = Path(args.output_dir) / f"export-{checkpoint.name}"  # one per checkpoint: a re-run reuses it
     if not folder.exists():
         folder = export_checkpoint(checkpoint, folder)
     print(f"pushed: {push_folder(folder, repo_id, private=bool(args.hub_private_repo), revision=args.hub_revision)}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry (`disco-clip train`). Returns 2 with a message for unusable arguments or files."""
+    """`disco-clip train`: parse the arguments, validate them, train. Errors are raised (`errors.run_main` turns
+    them into a message and an exit code)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    try:
-        return _main(argv)
-    finally:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launched rank: the process ends after this
-            _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    # As torch.distributed's docs ask, before the interpreter exits: gloo worker threads still holding work at
-    # finalization abort the process ("terminate called without an active exception", SIGABRT), which failed a
-    # finished 2-rank run in CI once; neither the Trainer nor accelerate nor DeepSpeed destroys the group.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _main(argv: list[str] | None) -> int:
     try:
         model_args, data_args, args = parse_args(argv)
         # as HF's run_clip: the main process logs at INFO, the others at --log_level_replica (WARNING by default)
         logging.getLogger().setLevel(logging.INFO if args.should_log else args.get_process_log_level())
         train(model_args, data_args, args)
-    except (ValueError, FileNotFoundError) as error:  # UsageError, bad shards/configs: the message says what to fix
-        print(f"disco-clip train: {error}", file=sys.stderr)
-        return 2
-    except Preempted as stop:
-        print(f"disco-clip train: {stop}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except CheckpointError as error:  # e.g. disk full: one line, the last complete checkpoint is intact
-        print(f"disco-clip train: {error}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launched rank: the process ends after this
+            compat.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, None, "disco-clip train"))

@@ -4,7 +4,7 @@ to one rank or to the whole process group, SIGTERM to the launcher alone, a full
 folder, a finished run re-run. The user-visible result is checked: files, weights, exit codes, messages. A resumed
 run continues with the losses and weights of the uninterrupted one; the ranks read their own shards, skipping bad ones.
 
-Each launch costs ~20-40 s of imports on 2 cores; the uninterrupted reference run serves several tests.
+A launch costs most of its time in imports; the uninterrupted reference run serves several tests.
 """
 
 import json
@@ -33,11 +33,11 @@ from helpers import (
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-]  # each launch is 20-40 s on a quiet 2-core machine, minutes on a busy one
+]  # launches take minutes on a busy 2-core machine
 STEPS, SAVE, PER_RANK = 10, 2, 8
 BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `data`)
 # The faults run under the deepspeed launcher, whose signal handling and exit codes they check; the reference and
-# resumed runs, where the launcher plays no part, under torchrun: it starts ~10 s sooner on a loaded 2-core machine.
+# resumed runs, where the launcher plays no part, under torchrun, which starts sooner.
 QUICK = "torchrun"
 ARGS = [
     *LAUNCH_COMMON,  # tokenizer, logging, workers, shuffle buffer, seed; argparse keeps the last --save_steps
@@ -184,9 +184,11 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     shutil.copytree(out / "tmp-checkpoints" / "checkpoint-4", out / "checkpoint-5")
     shutil.rmtree(out / "checkpoint-5" / "global_step4")
     (out / "checkpoint-5" / "model.safetensors").unlink()
+    from disco_clip_ds.errors import run_main
     from disco_clip_ds.export import export_main
 
-    assert export_main([str(out / "checkpoint-5"), str(tmp_path / "export")]) != 0  # export refuses partials too
+    argv = [str(out / "checkpoint-5"), str(tmp_path / "export")]
+    assert run_main(export_main, argv, "disco-clip export") != 0  # export refuses partials too
     rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert "skipping incomplete checkpoint" in log and "checkpoint-5 (no readable trainer_state.json)" in log
@@ -196,7 +198,7 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
 
 
 def test_sigusr1_on_one_rank_stops_every_rank_with_a_checkpoint_and_resumes_exactly(full, data, tmp_path):
-    from disco_clip_ds.checkpoints import EXIT_PREEMPTED
+    from disco_clip_ds.errors import EXIT_PREEMPTED
 
     out = tmp_path / "run"
     rc, log = run(out, data, "--max_steps", str(STEPS), fault="signal_at_step=SIGUSR1:step=3,rank=1")  # to rank 1 alone
@@ -318,9 +320,12 @@ def test_a_finished_run_stays_finished(full, tmp_path, data):
 
 
 def _train_main(out: Path, data: dict, *args: str) -> int:
+    """`disco-clip train` in this process: its exit code, its messages on stderr."""
+    from disco_clip_ds.errors import run_main
     from disco_clip_ds.train import main
 
-    return main(
+    return run_main(
+        main,
         [
             "--output_dir",
             str(out),
@@ -334,19 +339,20 @@ def _train_main(out: Path, data: dict, *args: str) -> int:
             "--dataloader_num_workers",
             "0",
             *args,
-        ]
+        ],
+        "disco-clip train",
     )
 
 
 def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tmp_path, capsys):
-    from disco_clip_ds import checkpoints
+    from disco_clip_ds import runlock
 
     out = tmp_path / "run"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from disco_clip_ds.checkpoints import acquire_run_lock; "
+            "import sys, time; from disco_clip_ds.runlock import acquire_run_lock; "
             "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)",
             str(out),
         ],
@@ -360,25 +366,10 @@ def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tm
         assert _train_main(out, data) == 2
         err = capsys.readouterr().err
         assert f"{out} is in use by another run (host " in err and f"pid {holder.pid}" in err
-        assert sorted(p.name for p in out.iterdir()) == files == [checkpoints.LOCK_FILE]
+        assert sorted(p.name for p in out.iterdir()) == files == [runlock.LOCK_FILE]
     finally:
         holder.kill()
         holder.wait()
-
-
-def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(data, tmp_path, caplog):
-    from disco_clip_ds import checkpoints
-
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / checkpoints.LOCK_FILE).write_text("host gone, pid 999999, since 2026-01-01 00:00:00")  # holder killed -9
-    checkpoints.acquire_run_lock(out)
-    try:
-        assert "taking over the lock of a run that is no longer running (host gone, pid 999999" in caplog.text
-        assert f"pid {os.getpid()}" in (out / checkpoints.LOCK_FILE).read_text()
-    finally:
-        checkpoints.release_run_lock()
-    assert (out / checkpoints.LOCK_FILE).read_text() == ""  # a clean exit leaves no holder behind
 
 
 def test_output_dir_that_is_a_file_and_bad_stop_signals_are_refused(data, tmp_path, capsys):
@@ -415,10 +406,12 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
     for argv, message in cases:
         assert _train_main(tmp_path / "run", data, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+    from disco_clip_ds.errors import run_main
     from disco_clip_ds.train import main
 
     assert (
-        main(
+        run_main(
+            main,
             [
                 "--output_dir",
                 str(tmp_path / "run"),
@@ -430,7 +423,8 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
                 str(REPO / "recipes/tokenizer"),
                 "--report_to",
                 "none",
-            ]
+            ],
+            "disco-clip train",
         )
         == 2
     )

@@ -184,3 +184,82 @@ def test_img2dataset_takes_no_fetch_function_and_the_wrapped_downloader_is_there
     with compat.img2dataset_fetch(lambda *args, **kwargs: None):
         assert i2d_main.Downloader is not original
     assert i2d_main.Downloader is original
+
+
+# --- training on CPU under a launcher: use_cpu, deepspeed.comm, the process group ------------------------------------
+
+_LAUNCHED_RANK = r"""
+import json, sys
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainingArguments
+from disco_clip_ds import compat
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return {"loss": self.w(x).pow(2).mean()}
+
+workaround = sys.argv[3] == "on"
+args = TrainingArguments(output_dir=sys.argv[1], deepspeed=sys.argv[2], report_to="none", max_steps=1,
+                         per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True, use_cpu=workaround)
+seen = {"world": args.world_size}
+if workaround:
+    import deepspeed.comm
+    seen["ds_comm_before_the_engine"] = deepspeed.comm.is_initialized()
+    compat.init_deepspeed_comm(args)
+    seen["ds_comm_world"] = deepspeed.comm.get_world_size()
+    Trainer(model=Tiny(), args=args, train_dataset=[{"x": torch.ones(2)}] * 8).train()
+    seen["group_after_train"] = dist.is_initialized()
+    compat.destroy_process_group()
+    seen["group_after_destroy"] = dist.is_initialized()
+print("RESULT " + json.dumps(seen), flush=True)
+"""
+
+
+def _launch_two_cpu_ranks(tmp_path, workaround: str) -> list[dict]:
+    """Two fresh interpreters with the environment torchrun or deepspeed gives its ranks (no process group yet), each
+    building TrainingArguments with a DeepSpeed ZeRO-2 config; what each saw."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO, free_port
+
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "DS_ACCELERATOR": "cpu",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        command = [sys.executable, "-c", _LAUNCHED_RANK, str(tmp_path / workaround), "ds_configs/cpu_zero2.json"]
+        procs.append(subprocess.Popen([*command, workaround], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True))
+    outputs = [proc.communicate(timeout=400)[0] for proc in procs]
+    seen = [
+        json.loads(line[len("RESULT ") :]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
+    ]
+    assert len(seen) == 2, outputs
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the workarounds concern training on CPU")
+def test_a_launched_cpu_run_needs_use_cpu_deepspeed_comm_and_the_group_teardown(tmp_path):
+    # without use_cpu, accelerate counts one process where the launcher started two
+    assert [rank["world"] for rank in _launch_two_cpu_ranks(tmp_path, "off")] == [1, 1]
+    for rank in _launch_two_cpu_ranks(tmp_path, "on"):
+        assert rank["world"] == 2
+        # nothing has set up deepspeed.comm before the engine exists (zero.Init would see a world of 1) ...
+        assert rank["ds_comm_before_the_engine"] is False and rank["ds_comm_world"] == 2
+        # ... and the group the Trainer had accelerate create outlives training unless it is destroyed
+        assert rank["group_after_train"] is True and rank["group_after_destroy"] is False

@@ -14,10 +14,16 @@ import torch.nn.functional as F
 from PIL import Image
 
 from disco_clip_ds import evaluate as ev
+from disco_clip_ds.errors import run_main
 
 from helpers import noise_image_bytes, write_samples
 
 IMAGE_SIZE = 32
+
+
+def eval_main(argv: list[str]) -> int:
+    """`disco-clip eval` in this process: its exit code, its messages on stderr."""
+    return run_main(ev.main, argv, "disco-clip eval")
 
 
 # ------------------------------------------------------------------------------------ shared tiny pieces
@@ -287,7 +293,7 @@ def model_dir(tmp_path_factory):
 def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
     folder, images, labels = cls_set
     out = tmp_path / "res" / "zeroshot.json"
-    assert ev.main(["--model", str(model_dir), "--data", str(folder), "--batch_size", "3", "--output", str(out)]) == 0
+    assert eval_main(["--model", str(model_dir), "--data", str(folder), "--batch_size", "3", "--output", str(out)]) == 0
     record = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == record
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
@@ -314,7 +320,7 @@ def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, messa
     (tmp_path / "TPL").write_text("no placeholder here\n")
     extra = [str(tmp_path / "TPL") if e == "TPL" else e.replace("DIR", str(folder)) for e in extra]
     argv = ["--model", str(model_dir), "--data", str(folder), *extra]
-    assert ev.main(argv) == 1
+    assert eval_main(argv) == 2  # bad usage, as from every command
     assert message in capsys.readouterr().err
 
 
@@ -324,14 +330,16 @@ def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, ca
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text((model_dir / "config.json").read_text())
     (checkpoint / "latest").write_text("global_step8")
-    assert ev.main(["--model", str(checkpoint), "--data", str(folder)]) == 1
+    assert eval_main(["--model", str(checkpoint), "--data", str(folder)]) == 2
     assert "run `disco-clip export" in capsys.readouterr().err
 
 
 def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path, capsys):
     folder, _, _ = cls_set
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
-    assert ev.main(["--model", str(model_dir), "--data", str(folder), "--classnames", str(tmp_path / "three.txt")]) == 1
+    assert (
+        eval_main(["--model", str(model_dir), "--data", str(folder), "--classnames", str(tmp_path / "three.txt")]) == 2
+    )
     assert "there are 3 class names" in capsys.readouterr().err
 
 
@@ -395,7 +403,7 @@ def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_p
     data = shard.read_bytes()
     # 612 bytes: the first member's header and the start of its image, cut inside the image
     shard.write_bytes(data[:612] if damage == "truncate" else b"not a tar at all" * 64)
-    assert ev.main(["--model", str(model_dir), "--data", str(folder)]) == 1
+    assert eval_main(["--model", str(model_dir), "--data", str(folder)]) == 1
     assert f"shard '{shard}' {message}" in capsys.readouterr().err
 
 
@@ -404,7 +412,7 @@ def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
     write_samples(
         tmp_path, [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": f"caption {i}"} for i in range(3)], per_shard=3
     )
-    assert ev.main(["--model", str(model_dir), "--data", str(tmp_path), "--classnames", "imagenet1k"]) == 2
+    assert eval_main(["--model", str(model_dir), "--data", str(tmp_path), "--classnames", "imagenet1k"]) == 2
     err = capsys.readouterr().err
     assert "no .cls members" in err and "use --task zeroshot_retrieval" in err
-    assert ev.main(["--model", str(model_dir), "--data", str(tmp_path), "--task", "zeroshot_retrieval"]) == 0
+    assert eval_main(["--model", str(model_dir), "--data", str(tmp_path), "--task", "zeroshot_retrieval"]) == 0

@@ -28,7 +28,7 @@ from disco_clip_ds.data.inputs import expected_shards, input_columns
 from disco_clip_ds.data.metadata import _metadata_parser, metadata_main
 from disco_clip_ds.data.outputs import prepare_output_for_resume, summarize
 from disco_clip_ds.data.verify import _verify_parser, verify_main
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.errors import DataError, UsageError, run_main
 
 from helpers import image_bytes
 from imageserver import ImageServer
@@ -214,7 +214,7 @@ def test_verify_passes_good_shards_and_catches_a_truncated_tar(adversarial, tmp_
     for cut in (third.offset, third.offset_data + third.size // 2):
         (copy / "00000.tar").write_bytes(data[:cut])
         capsys.readouterr()
-        assert verify_main([str(copy)]) == 1, cut
+        assert run_main(verify_main, [str(copy)], "disco-clip data verify") == 1, cut
         assert "BROKEN 00000.tar" in capsys.readouterr().err
         assert "00000.tar" not in json.loads((copy / "sizes.json").read_text())
 
@@ -225,7 +225,7 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
     with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
         sink.write({"__key__": "a", "jpg": image_bytes("JPEG", "RGB", (8, 8), (1, 2, 3)), "txt": "one two"})
         sink.write({"__key__": "b", "jpg": b"not a jpeg", "txt": "three"})
-    assert verify_main([str(tmp_path)]) == 1
+    assert run_main(verify_main, [str(tmp_path)], "disco-clip data verify") == 1
     err = capsys.readouterr().err
     assert "b.jpg: cannot decode" in err
 
@@ -234,7 +234,8 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
 def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, capsys):
     rows = [(image_server.add(f"/gone{i}.jpg", status=404), "x") for i in range(3)]
     url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
-    rc = prep.download_main(
+    rc = run_main(
+        prep.download_main,
         [
             "--preset",
             "laion400m",
@@ -246,7 +247,8 @@ def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, caps
             "4",
             "--timeout",
             "2",
-        ]
+        ],
+        "disco-clip data download",
     )
     assert rc == 1
     assert "no sample was downloaded" in capsys.readouterr().err
@@ -302,8 +304,7 @@ def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path,
     env = {
         **os.environ,
         "NO_ALBUMENTATIONS_UPDATE": "1",
-        "DISCO_CLIP_FAULT": "hold_after:0",
-        "DISCO_CLIP_FAULT_FILE": str(hold),
+        "DISCO_FAULT": f"hold_after={hold}:shard=0",
     }
     proc = subprocess.Popen(cli, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

@@ -26,7 +26,7 @@ from disco_clip_ds.data import prep
 from disco_clip_ds.data.metadata import _metadata_parser
 from disco_clip_ds.data.spark import java_problem, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.verify import verify_main
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import UsageError, run_main
 
 from helpers import image_bytes
 from imageserver import ImageServer
@@ -189,7 +189,7 @@ def test_verify_accepts_the_spark_shards(references, capsys):
 def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_path):
     """A CLI run on its own local[1] session, killed once shard 1 is written; then re-run in-process."""
     out, hold, log = tmp_path / "out", tmp_path / "held.pid", tmp_path / "run.log"
-    env = {**os.environ, "DISCO_CLIP_FAULT": "hold_after:1", "DISCO_CLIP_FAULT_FILE": str(hold)}
+    env = {**os.environ, "DISCO_FAULT": f"hold_after={hold}:shard=1"}
     # --processes 3 with --spark_master local[1]: the master wins, so tasks (shards) run one at a time
     cli = [
         sys.executable,
@@ -236,11 +236,11 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
 ):
     out = tmp_path / "out"
     # the session's Python workers take their environment from SparkContext.environment, not os.environ
-    spark.sparkContext.environment["DISCO_CLIP_FAULT"] = "exit_before:2"
+    spark.sparkContext.environment["DISCO_FAULT"] = "exit_before:shard=2"
     try:
-        assert prep.download_main(_argv(url_list, out, "pyspark")) == 1
+        assert run_main(prep.download_main, _argv(url_list, out, "pyspark"), "disco-clip data download") == 1
     finally:
-        del spark.sparkContext.environment["DISCO_CLIP_FAULT"]
+        del spark.sparkContext.environment["DISCO_FAULT"]
     # the run is over when it returns: no task of it still runs (shard 1's outlives the crash of shard 2 by
     # about a second, the trickle's deadline), so nothing writes into the folder after its summary
     assert [e.numRunningTasks for e in spark.sparkContext.statusTracker().getExecutorInfos()] == [0]
@@ -261,7 +261,7 @@ def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
     rows = [(server.add(f"/nothing{i}.jpg", status=404), "x") for i in range(3)]
     url_list = tmp_path / "urls.parquet"
     pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
-    assert prep.download_main(_argv(url_list, tmp_path / "out", "pyspark")) == 1
+    assert run_main(prep.download_main, _argv(url_list, tmp_path / "out", "pyspark"), "disco-clip data download") == 1
     assert "no sample was downloaded" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["failures_by_reason"] == {"HTTP Error 404: Not Found": 3}

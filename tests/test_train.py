@@ -2,7 +2,7 @@
 disco; the deepspeed, torchrun and accelerate launchers; corrupt shards; bad arguments; the saved model loads as a
 plain CLIPModel in a fresh process. (Resume, and ranks reading their own shards, are in test_checkpoints.py.)
 
-Every launch costs ~15-25 s of imports on 2 cores, so each run serves several checks (module-scoped fixtures).
+A launch costs most of its time in imports, so each run serves several checks (module-scoped fixtures).
 """
 
 import json
@@ -47,7 +47,7 @@ def shards(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shards, initial_model):
-    """One run per launcher and engine, doubling as the equivalence runs. ~2 min on 2 cores. (Each rank reading its
+    """One run per launcher and engine, doubling as the equivalence runs. (Each rank reading its
     own shards, and resuming, are test_checkpoints' runs.)"""
     root = tmp_path_factory.mktemp("runs")
     common = [
@@ -157,9 +157,11 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
 
 
 def _train_main(tmp_path, *args):
+    """`disco-clip train` in this process: its exit code, its messages on stderr."""
+    from disco_clip_ds.errors import run_main
     from disco_clip_ds.train import main
 
-    return main(["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args])
+    return run_main(main, ["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args], "disco-clip train")
 
 
 MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
@@ -207,6 +209,18 @@ def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_arguments_setu
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter
+def test_python_m_train_exits_with_the_errors_code_and_one_line(bad_arguments_setup, tmp_path):
+    """`python -m disco_clip_ds.train`, as every launcher runs it, maps errors as `disco-clip train` does."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--train_shards", bad_arguments_setup["data"], *MODEL]
+    result = subprocess.run(
+        [sys.executable, "-m", "disco_clip_ds.train", *argv], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert result.returncode == 2
+    assert "disco-clip train: training from --model_config needs --tokenizer_name" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_an_earlier_runs_checkpoints_are_never_silently_overwritten(bad_arguments_setup, tmp_path, capsys):
     (tmp_path / "out" / "checkpoint-7").mkdir(parents=True)
     assert _train_main(tmp_path, "--train_shards", bad_arguments_setup["data"], *MODEL, *TOK) == 2
@@ -216,7 +230,8 @@ def test_an_earlier_runs_checkpoints_are_never_silently_overwritten(bad_argument
 def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     from types import SimpleNamespace
 
-    from disco_clip_ds.train import UsageError, check_deepspeed_batch
+    from disco_clip_ds.errors import UsageError
+    from disco_clip_ds.train import check_deepspeed_batch
 
     config = tmp_path / "ds.json"
     config.write_text(

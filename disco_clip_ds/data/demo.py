@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError, UsageError
+from ..errors import DataError, UsageError, run_main
 from . import prep
 from .fetch import environ
 from .outputs import shard_name
@@ -269,4 +269,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # img2dataset spawns workers that re-import the main module
-    sys.exit(main())
+    sys.exit(run_main(main, None, "disco-clip data demo"))

@@ -22,14 +22,14 @@ import difflib
 import functools
 import inspect
 import os
-import signal
 import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import faults
 from ..compat import img2dataset_fetch
-from ..errors import UsageError
+from ..errors import DataError, UsageError
 from .fetch import bypass_proxy_for_loopback, download_image_with_deadline
 from .inputs import expected_shards, input_columns, input_files
 from .outputs import canonicalize_tar, done_shards, prepare_output_for_resume, print_summary, shard_name, summarize
@@ -66,9 +66,9 @@ PRESETS = {
 
 def _download_shard(downloader, row):
     """One shard in an img2dataset worker, between the tests' fault points, canonicalized where it was written."""
-    _fault_point("exit_before", row[0])
+    faults.before_shard(row[0])
     result = downloader(row)
-    _fault_point("hold_after", row[0])
+    faults.after_shard(row[0])
     if result[0]:
         # Canonicalize here, in parallel and next to the data, rather than have the driver read and
         # rewrite every tar at the end (on a cluster, all of them over the shared filesystem).
@@ -76,21 +76,6 @@ def _download_shard(downloader, row):
         with contextlib.suppress(tarfile.TarError, OSError):
             canonicalize_tar(Path(downloader.output_folder) / f"{shard_name(row[0])}.tar")
     return result
-
-
-def _fault_point(point: str, shard_id: int) -> None:
-    """Fault injection for the tests, at named points of a worker's shard: DISCO_CLIP_FAULT=POINT:SHARD.
-
-    `exit_before:k` ends the worker process before shard k starts, as a crashed executor would.
-    `hold_after:k` writes the worker's pid to DISCO_CLIP_FAULT_FILE once shard k is written and stops
-    the worker, so that a test can kill the run in a known state.
-    """
-    if os.environ.get("DISCO_CLIP_FAULT") != f"{point}:{shard_id}":
-        return
-    if point == "exit_before":
-        os._exit(3)
-    Path(os.environ["DISCO_CLIP_FAULT_FILE"]).write_text(str(os.getpid()))
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 @dataclass
@@ -299,15 +284,13 @@ def _download_parser() -> argparse.ArgumentParser:
 
 
 def download_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data download`: see `_download_parser`."""
+    """`disco-clip data download`: see `_download_parser`. A DataError when nothing arrived or a shard failed."""
     args, rest = _download_parser().parse_known_args(argv)
     cfg = DownloadConfig(**vars(args), extra=_parse_passthrough(rest))
     summary = download(cfg)
     print_summary(summary, Path(cfg.output))
     if summary["successes"] == 0:
-        print("error: no sample was downloaded; see failures_by_reason in summary.json", file=sys.stderr)
-        return 1
+        raise DataError("no sample was downloaded; see failures_by_reason in summary.json")
     if summary["shards_failed"]:
-        print(f"error: {len(summary['shards_failed'])} shard(s) failed; re-run to retry", file=sys.stderr)
-        return 1
+        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed; re-run to retry")
     return 0

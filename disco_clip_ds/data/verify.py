@@ -105,7 +105,7 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 
 def verify_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data verify DIR`: non-zero exit when a shard is broken."""
+    """`disco-clip data verify DIR`: a DataError when a shard is broken."""
     args = _verify_parser().parse_args(argv)
     if not args.folder.is_dir():
         raise UsageError(f"{args.folder} is not a folder")
@@ -117,4 +117,6 @@ def verify_main(argv: list[str] | None = None) -> int:
     )
     for name, errors in report["broken"].items():
         print(f"  BROKEN {name}: " + "; ".join(errors[:3]), file=sys.stderr)
-    return 1 if report["broken"] else 0
+    if report["broken"]:
+        raise DataError(f"{len(report['broken'])} broken shard(s) in {args.folder}: re-create or remove them")
+    return 0

@@ -1,0 +1,119 @@
+"""Deterministic fault injection for the tests: faults fire at named points of the code, never by timing.
+
+One environment variable names them, entries separated by ';':
+
+    DISCO_FAULT="ACTION[=VALUE]:KEY=N,KEY=N;ACTION[=VALUE]:KEY=N"
+
+An entry fires at its point when every KEY=N holds there: `step` (the optimizer step), `shard` (a download shard),
+`rank` (this process's training rank). A VALUE holds no ':' or ';'. The actions, by point:
+
+In a training rank's checkpoint save (`checkpoints.py`), after the model and DeepSpeed files are written and before
+the RNG and Trainer state:
+    kill_in_save:step=N[,rank=R]        SIGKILL to this rank
+    enospc_in_save:step=N[,rank=R]      an OSError ENOSPC, as a full disk raises it
+Before that save, in its free-space check:
+    disk_free_mib=M:step=N              the check sees M MiB free
+At the end of a training step (`preemption.py`):
+    signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
+    signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it
+In the download worker of shard K (`data/prep.py`):
+    exit_before:shard=K                 the worker process ends (exit code 3) before the shard starts, as a crashed
+                                        executor would
+    hold_after=FILE:shard=K             once the shard is written, the worker writes its pid to FILE and stops itself
+                                        (SIGSTOP), so that a test can kill the run in a known state
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("disco_clip_ds.faults")
+ENV = "DISCO_FAULT"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One DISCO_FAULT entry: its action, its VALUE ('' when none) and the conditions for it to fire."""
+
+    action: str
+    value: str = ""
+    where: dict[str, int] = field(default_factory=dict)
+
+
+def parse(text: str) -> list[Fault]:
+    """The entries of a DISCO_FAULT value."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        head, _, conditions = entry.partition(":")
+        action, _, value = head.partition("=")
+        where = dict(c.split("=", 1) for c in conditions.split(",") if c)
+        faults.append(Fault(action, value, {key: int(n) for key, n in where.items()}))
+    return faults
+
+
+def fault(action: str, **at: int) -> Fault | None:
+    """The DISCO_FAULT entry for `action` whose conditions all hold at this point (`at`: step=..., shard=...), else
+    None. A condition on `rank` is checked against this process's training rank."""
+    for candidate in parse(os.environ.get(ENV, "")):
+        if candidate.action == action and all(_holds(key, n, at) for key, n in candidate.where.items()):
+            return candidate
+    return None
+
+
+def _holds(key: str, n: int, at: dict[str, int]) -> bool:
+    if key == "rank":
+        from .ranks import rank  # here: the download workers, which never ask for a rank, do not import torch
+
+        return rank() == n
+    return at.get(key) == n
+
+
+# --- the points ---
+
+
+def in_save(step: int) -> None:
+    """The point inside a checkpoint save: kill_in_save, enospc_in_save."""
+    if fault("kill_in_save", step=step):
+        from .ranks import rank
+
+        logger.warning("%s: killing rank %d inside the save of step %d", ENV, rank(), step)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault("enospc_in_save", step=step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"({ENV})")
+
+
+def forced_free_bytes(step: int) -> int | None:
+    """What the free-space check before the save of `step` is to see (disk_free_mib), or None: measure it."""
+    forced = fault("disk_free_mib", step=step)
+    return int(forced.value) * 2**20 if forced else None
+
+
+def at_step_end(step: int) -> None:
+    """The point at the end of a training step: signal_at_step, signal_group_at_step."""
+    for action, send in (
+        ("signal_at_step", lambda s: os.kill(os.getpid(), s)),
+        ("signal_group_at_step", lambda s: os.killpg(os.getpgid(0), s)),
+    ):
+        spec = fault(action, step=step)
+        if spec:
+            name = (spec.value or "SIGTERM").upper()
+            send(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+
+
+def before_shard(shard: int) -> None:
+    """The point before a download worker starts shard `shard`: exit_before."""
+    if fault("exit_before", shard=shard):
+        os._exit(3)
+
+
+def after_shard(shard: int) -> None:
+    """The point after a download worker wrote shard `shard`: hold_after."""
+    spec = fault("hold_after", shard=shard)
+    if spec:
+        Path(spec.value).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)

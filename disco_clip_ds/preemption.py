@@ -1,0 +1,194 @@
+"""Stopping cleanly: on a stop signal (SIGTERM, SIGUSR1 by default) every rank stops at the next step boundary with
+a complete checkpoint and `disco-clip train` raises `Preempted`; a rank whose launcher died exits at once instead of
+training on unsupervised; a finished run stays finished.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from . import faults
+from .checkpoints import checkpoint_step
+from .errors import EXIT_LAUNCHER_GONE, Preempted, UsageError
+from .ranks import any_true, rank
+
+
+def parse_signals(names: str) -> tuple[int, ...]:
+    """'SIGTERM,SIGUSR1' -> signal numbers; '' or 'none' -> ()."""
+    if names.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(
+            signal.Signals[n.strip().upper() if n.strip().upper().startswith("SIG") else "SIG" + n.strip().upper()]
+            for n in names.split(",")
+        )
+    except KeyError as e:
+        raise UsageError(f"--stop_signals {names}: unknown signal {e}; e.g. SIGTERM,SIGUSR1") from None
+
+
+class StopOnSignal(TrainerCallback):
+    """On a stop signal at any rank, every rank stops at the next step boundary (one all-reduce of a flag per
+    step), the Trainer saves a checkpoint, and `stopped` names the signal. Installs the handlers at once, so that
+    DataLoader workers forked later inherit them before their init ignores them.
+
+    Also watches the launcher: a rank whose launcher died without a stop signal exits at once (EXIT_LAUNCHER_GONE)
+    instead of training on unsupervised. Its last complete checkpoint stays usable."""
+
+    def __init__(self, signals: tuple[int, ...], watch_launcher: bool = True, poll_s: float = 0.5):
+        self.signals, self.received, self.stopped = signals, None, None
+        self._wakeup_r = None
+        if signals and threading.current_thread() is threading.main_thread():
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            if signal.set_wakeup_fd(w, warn_on_full_buffer=False) == -1:
+                self._wakeup_r = r  # the C-level handler writes here at once, even while Python is busy in C
+            for s in signals:
+                signal.signal(s, self._on_signal)
+        if watch_launcher and os.environ.get("LOCAL_RANK") is not None and Path("/proc").is_dir():
+            threading.Thread(target=self._watch_launcher, args=(poll_s,), daemon=True, name="launcher-watch").start()
+
+    def _on_signal(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            print(
+                f"[rank {rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _signal_seen(self) -> bool:
+        if self.received is not None:
+            return True
+        if self._wakeup_r is not None:
+            try:
+                return bool(os.read(self._wakeup_r, 64))
+            except BlockingIOError:
+                return False
+        return False
+
+    def _watch_launcher(self, poll_s: float) -> None:
+        # The deepspeed command runs launch.py, which runs the ranks: killing the command alone leaves launch.py
+        # and the ranks running, so watch the grandparent too. torchrun and accelerate are the parent.
+        parent = os.getppid()
+        chain = [parent]
+        if b"deepspeed.launcher.launch" in _read_proc(parent, "cmdline"):
+            chain.append(_ppid(parent))
+        while True:
+            time.sleep(poll_s)
+            if self._signal_seen():
+                return  # a stop is under way: it saves and exits on its own, whatever the launcher does
+            if os.getppid() != parent or (len(chain) > 1 and _ppid(parent) != chain[1]):
+                print(
+                    f"[rank {rank()}] launcher (pid {chain[-1]}) is gone: exiting, the last complete checkpoint "
+                    "stays usable",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(EXIT_LAUNCHER_GONE)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        faults.at_step_end(state.global_step)
+        if self.signals and any_true(self._stop_requested(), args.device) and state.global_step < state.max_steps:
+            # (at max_steps the run ends and saves anyway: finished, not preempted)
+            self.stopped = self.received or "a signal on another rank"
+            control.should_save = control.should_training_stop = True
+        return control
+
+    def _stop_requested(self) -> bool:
+        # a call of its own: CPython runs pending signal handlers on entering a function, so a signal this rank
+        # sent itself just before is seen here, deterministically
+        return self.received is not None
+
+    def describe(self) -> str:
+        return self.stopped if isinstance(self.stopped, str) else signal.Signals(self.stopped).name
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ppid(pid: int) -> int:
+    stat = _read_proc(pid, "stat")
+    return int(stat.rsplit(b")", 1)[1].split()[1]) if stat else -1
+
+
+class StopSignalsMixin:
+    """Mix into a Trainer subclass (before Trainer), which then takes `stop_signals=(...)` at construction: a
+    `StopOnSignal` callback (`self.stopper`) stops training on them, and DataLoader workers ignore them (the rank
+    handles them; a worker killed by SIGTERM would abort the run)."""
+
+    def __init__(self, *args, stop_signals: tuple[int, ...] = (), **kwargs):
+        self.stop_signals = tuple(stop_signals)
+        self.stopper = StopOnSignal(self.stop_signals)  # before the DataLoader forks its workers
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.stopper]
+        super().__init__(*args, **kwargs)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates the DataLoader it holds
+        if self.stop_signals and getattr(base, "num_workers", 0) > 0:
+            base.worker_init_fn = _IgnoreSignals(self.stop_signals, base.worker_init_fn)
+            atexit.register(_kill_workers)
+        return loader
+
+
+class _IgnoreSignals:
+    """worker_init_fn: ignore the stop signals, then run the previous init (picklable, for spawn)."""
+
+    def __init__(self, signals, then):
+        self.signals, self.then = signals, then
+
+    def __call__(self, worker_id):
+        for s in self.signals:
+            signal.signal(s, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def _kill_workers() -> None:
+    # Workers that ignore SIGTERM would make multiprocessing's exit handler (terminate, then join) wait forever
+    # when the rank leaves on an error; at exit they hold nothing worth keeping.
+    import multiprocessing
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # not torch's handler: a killed worker is no error now
+    for worker in multiprocessing.active_children():
+        worker.kill()
+        worker.join(timeout=5)
+
+
+# --- a finished run stays finished ---
+
+
+def finished_message(checkpoint: str | None, max_steps: int) -> str | None:
+    """A message when `checkpoint` has already reached max_steps (re-running would train past the end)."""
+    if checkpoint is None:
+        return None
+    step = checkpoint_step(checkpoint)
+    if step < max_steps:
+        return None
+    return (
+        f"run finished: {Path(checkpoint).name} reached step {step} of --max_steps {max_steps}; nothing to do "
+        f"(raise --max_steps to train on)"
+    )
+
+
+def resume_hint(output_dir: str, signame: str, step: int) -> str:
+    """What a run stopped by `signame` saved, and the command that resumes it."""
+    argv = " ".join(a for a in sys.argv[1:])
+    again = "" if "--resume_from_checkpoint" in argv else " --resume_from_checkpoint latest"
+    return (
+        f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: re-run the same "
+        f"command{again and ' with' + again} (exit code {Preempted.exit_code})"
+    )

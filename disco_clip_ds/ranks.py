@@ -1,0 +1,46 @@
+"""Agreement across training ranks, before and after the Trainer exists: one rank decides, every rank learns the
+verdict. In a single process (no process group, or a group of one) each function is a no-op."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True inside a process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank (0 outside a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def from_rank0(value):
+    """`value` as computed on rank 0, on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_true(flag: bool, device) -> bool:
+    """True on every rank when `flag` is true on every rank."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def any_true(flag: bool, device) -> bool:
+    """True on every rank when `flag` is true on any rank."""
+    return not all_true(not flag, device)
+
+
+def barrier() -> None:
+    """Wait for every rank."""
+    if is_distributed():
+        dist.barrier()

@@ -1,0 +1,62 @@
+"""faults.py: DISCO_FAULT entries fire at their named point only, and the points do what the catalogue says.
+(Their use in training and downloads: test_checkpoints.py, test_prep.py, test_spark.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from disco_clip_ds import faults
+from disco_clip_ds.faults import Fault
+
+
+def test_entries_parse_into_action_value_and_conditions():
+    assert faults.parse("kill_in_save:step=4; signal_at_step=SIGUSR1:step=3,rank=1;hold_after=/tmp/h:shard=0;") == [
+        Fault("kill_in_save", "", {"step": 4}),
+        Fault("signal_at_step", "SIGUSR1", {"step": 3, "rank": 1}),
+        Fault("hold_after", "/tmp/h", {"shard": 0}),
+    ]
+    assert faults.parse("") == []
+
+
+def test_an_entry_fires_where_all_its_conditions_hold(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "disk_free_mib=3:step=4;kill_in_save:step=2,rank=1;enospc_in_save:step=2,rank=0")
+    assert faults.forced_free_bytes(4) == 3 * 2**20
+    assert faults.forced_free_bytes(5) is None
+    assert faults.fault("kill_in_save", step=2) is None  # one process is rank 0
+    assert faults.fault("enospc_in_save", step=2) == Fault("enospc_in_save", "", {"step": 2, "rank": 0})
+    assert faults.fault("enospc_in_save", shard=2) is None  # a condition the point does not know never holds
+    with pytest.raises(OSError, match="No space left"):
+        faults.in_save(2)
+    faults.in_save(3)
+    monkeypatch.delenv(faults.ENV)
+    assert faults.fault("enospc_in_save", step=2) is None
+
+
+def _point(code: str, fault: str) -> subprocess.Popen:
+    """A fresh interpreter that reaches the point `code` with DISCO_FAULT set."""
+    env = {**os.environ, faults.ENV: fault}
+    return subprocess.Popen([sys.executable, "-c", f"from disco_clip_ds import faults; {code}; print('past')"], env=env)
+
+
+def test_exit_before_ends_the_worker_and_only_at_its_shard():
+    assert _point("faults.before_shard(1)", "exit_before:shard=2").wait(timeout=60) == 0
+    assert _point("faults.before_shard(2)", "exit_before:shard=2").wait(timeout=60) == 3
+
+
+def test_hold_after_writes_the_pid_and_stops_the_worker(tmp_path):
+    hold = tmp_path / "held.pid"
+    proc = _point("faults.after_shard(1)", f"hold_after={hold}:shard=1")
+    try:
+        deadline = time.monotonic() + 60
+        while not hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hold.read_text() == str(proc.pid)
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,35 @@
+"""preemption.py in one process: the signal names, a finished run, the resume hint. (Stopping ranks on a signal,
+and the launcher watch, under real launchers: test_checkpoints.py.)"""
+
+import json
+import signal
+
+import pytest
+
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.preemption import finished_message, parse_signals, resume_hint
+
+
+def test_stop_signals_are_named_with_or_without_sig():
+    assert parse_signals("SIGTERM, usr1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("none") == parse_signals(" ") == ()
+    with pytest.raises(UsageError, match="--stop_signals SIGFOO: unknown signal"):
+        parse_signals("SIGFOO")
+
+
+def test_a_checkpoint_at_max_steps_is_a_finished_run(tmp_path):
+    checkpoint = tmp_path / "checkpoint-10"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    assert finished_message(None, 10) is None
+    assert finished_message(str(checkpoint), 11) is None
+    assert "run finished: checkpoint-10 reached step 10 of --max_steps 10" in finished_message(str(checkpoint), 10)
+
+
+def test_the_resume_hint_names_the_checkpoint_and_the_exit_code(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["train.py", "--max_steps", "9"])
+    hint = resume_hint("out", "SIGUSR1", 3)
+    assert hint.startswith("stopped by SIGUSR1 at step 3: checkpoint-3 saved in out")
+    assert "with --resume_from_checkpoint latest (exit code 75)" in hint
+    monkeypatch.setattr("sys.argv", ["train.py", "--resume_from_checkpoint", "latest"])
+    assert "with --resume" not in resume_hint("out", "SIGTERM", 3)
