@@ -13,21 +13,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (
+from disco_clip_ds.testing import (
     REPO,
     SGD,
     TINY_CONFIG,
     TOKENIZER_DIR,
-    assert_same_training,
     launch,
     launch_in_one_process,
-    save_initial_model,
-    step_losses,
     train_command,
     train_env,
-    weights,
     write_shards,
 )
+
+from helpers import assert_same_training, save_initial_model, step_losses, weights
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,

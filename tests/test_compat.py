@@ -11,8 +11,7 @@ from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
-
-from helpers import TINY_CONFIG, run_ranks
+from disco_clip_ds.testing import TINY_CONFIG, run_ranks
 
 TINY = TINY_CONFIG
 

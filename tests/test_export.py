@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from disco_clip_ds import export as ex
-
-from helpers import TINY_CONFIG, TOKENIZER_DIR, noise_image_bytes, run_ranks, run_training, train_command, write_samples
+from disco_clip_ds.testing import (
+    TINY_CONFIG,
+    TOKENIZER_DIR,
+    noise_image_bytes,
+    run_ranks,
+    run_training,
+    train_command,
+    write_samples,
+)
 
 pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
 

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.loss import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
-
-from helpers import run_ranks
+from disco_clip_ds.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark's byte counter and baseline
 

@@ -10,8 +10,7 @@ from transformers import AutoTokenizer
 
 from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, to_rgb
 from disco_clip_ds.data.shards import epoch_order
-
-from helpers import TOKENIZER_DIR, write_shards
+from disco_clip_ds.testing import TOKENIZER_DIR, write_shards
 
 TOKENIZER = TOKENIZER_DIR
 

@@ -29,9 +29,7 @@ from disco_clip_ds.data.metadata import _metadata_parser, metadata_main
 from disco_clip_ds.data.outputs import prepare_output_for_resume, summarize
 from disco_clip_ds.data.verify import _verify_parser, verify_main
 from disco_clip_ds.errors import DataError, UsageError
-
-from helpers import image_bytes
-from imageserver import ImageServer
+from disco_clip_ds.testing import ImageServer, image_bytes
 
 SIZE = 32
 DEADLINE = 4

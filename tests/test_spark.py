@@ -27,9 +27,7 @@ from disco_clip_ds.data.metadata import _metadata_parser
 from disco_clip_ds.data.spark import java_problem, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.verify import verify_main
 from disco_clip_ds.errors import UsageError
-
-from helpers import image_bytes
-from imageserver import ImageServer
+from disco_clip_ds.testing import ImageServer, image_bytes
 
 JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")

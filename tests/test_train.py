@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAUNCH_SEED, REPO, SGD, assert_same_training, launch, save_initial_model, weights, write_shards
+from disco_clip_ds.testing import LAUNCH_SEED, REPO, SGD, launch, write_shards
+
+from helpers import assert_same_training, save_initial_model, weights
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the

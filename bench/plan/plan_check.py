@@ -1,23 +1,31 @@
-"""The planner's estimate against measured CPU peak memory of whole training steps (world size 1, fp32, AdamW).
+"""The planner's estimates against measured CPU peak memory: whole training steps, and the loss alone.
 
-    python bench/plan_check.py      # ~3 min on 2 cores; prints a markdown table
+    python bench/plan/plan_check.py          # whole steps: a few minutes on 2 cores; prints a markdown table
+    python bench/plan/plan_check.py --loss   # the loss term against the loss benchmark's CSVs (seconds)
 
-Each point runs bench/measure_memory.py --mode train in a fresh process; the estimate is memory_plan() with
-stage 0, fp32, the model's own (naive) loss, no framework overhead. tests/test_plan.py asserts the
-no-checkpointing points (tiny and small, two batch sizes each) within 25 %.
+Whole steps (world size 1, fp32, AdamW): each point runs bench/loss/measure_memory.py --mode train in a fresh
+process; the estimate is memory_plan() with stage 0, fp32, the model's own (naive) loss, no framework overhead.
+tests/test_plan.py asserts the no-checkpointing points (tiny and small, two batch sizes each) within 25 %.
+
+--loss: `loss_bytes()` against each measured per-rank peak in LOSS_CSVS (written by bench/loss/loss_bench.py),
+batches >= 4096 (below that the process's fixed costs, thread pools and gloo buffers, dominate), CPU rows of the
+impls the planner models; exits 1 when one is off by 25 % or more. tests/test_plan.py measures the same at one
+small batch itself.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from disco_clip_ds import plan as P  # noqa: E402
+from disco_clip_ds import plan as P
 
+ROOT = Path(__file__).resolve().parents[2]
+MEASURE = ROOT / "bench/loss/measure_memory.py"
 POINTS = [
     ("tiny", 256, False),
     ("tiny", 1024, False),
@@ -26,23 +34,22 @@ POINTS = [
     ("tiny", 1024, True),
     ("small", 128, True),
 ]
+LOSS_CSVS = [
+    ROOT / "bench/plan/results/plan_loss_check_cpu.csv",
+    ROOT / "bench/plan/results/plan_loss_check_one_block_cpu.csv",
+    ROOT / "bench/loss/results/loss_bench_cpu.csv",
+    ROOT / "bench/loss/results/loss_bench_cpu_one_block.csv",
+    ROOT / "bench/loss/results/loss_bench_cpu_one_block_w4.csv",
+]
+TOLERANCE = 0.25
 
 
-def main() -> None:
+def check_steps() -> None:
     fit = P.load_fit()
     print("| model | batch | act. ckpt | measured MiB | estimate MiB | error |\n| --- | --- | --- | --- | --- | --- |")
     for name, batch, ckpt in POINTS:
         path = ROOT / f"recipes/models/{name}.json"
-        cmd = [
-            sys.executable,
-            str(ROOT / "bench/measure_memory.py"),
-            "--model",
-            str(path),
-            "--batch",
-            str(batch),
-            "--mode",
-            "train",
-        ]
+        cmd = [sys.executable, str(MEASURE), "--model", str(path), "--batch", str(batch), "--mode", "train"]
         out = subprocess.run(
             cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True
         ).stdout
@@ -57,5 +64,41 @@ def main() -> None:
         )
 
 
+def check_loss() -> int:
+    """Print each measured loss peak beside the planner's; return how many are off by TOLERANCE or more."""
+    print("| file | impl | world | batch | dtype | measured MiB | estimate MiB | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    off = 0
+    for path in LOSS_CSVS:
+        for r in csv.DictReader(path.open()):
+            if r["status"] != "ok" or int(r["batch"]) < 4096 or r.get("device", "cpu") != "cpu":
+                continue
+            elem = {"fp32": 4, "bf16": 2}[r["dtype"]]
+            try:
+                estimate = P.loss_bytes(r["impl"], int(r["batch"]), int(r["world"]), int(r["dim"]), elem) / 2**20
+            except P.PlanConfigError:  # a benchmark baseline the planner does not model
+                continue
+            measured = float(r["peak_extra_mib"])
+            error = estimate / measured - 1
+            off += abs(error) >= TOLERANCE
+            print(
+                f"| {path.relative_to(ROOT)} | {r['impl']} | {r['world']} | {r['batch']} | {r['dtype']} | "
+                f"{measured:.0f} | {estimate:.0f} | {error:+.1%} |"
+            )
+    return off
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loss", action="store_true", help="check the loss term against the loss benchmark's CSVs")
+    args = parser.parse_args(argv)
+    if args.loss:
+        off = check_loss()
+        print(f"{off} point(s) off by {TOLERANCE:.0%} or more")
+        return 1 if off else 0
+    check_steps()
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
