@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from disco_clip_ds import export as ex
+from disco_clip_ds.data.demo import DIGITS
 from disco_clip_ds.testing import (
     TINY_CONFIG,
     TOKENIZER_DIR,
@@ -177,6 +178,7 @@ def exports(trained_checkpoints, tmp_path_factory):
     return dict(zip(outs, zip(outs.values(), reload_in_fresh_process(tmp, *outs.values()))))
 
 
+@pytest.mark.slow
 def test_export_reproduces_trained_embeddings(checkpoint, exports):
     _, stage, trained = checkpoint
     out, reloaded = exports[stage]
@@ -209,6 +211,7 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
         assert fact in card, fact
 
 
+@pytest.mark.slow
 def test_export_trained_weights_differ_from_init(checkpoint):
     # guards the embedding test: a checkpoint that silently exported the initial weights would also "match"
     # itself, but not a fresh DiscoCLIPModel with the same seed
@@ -243,6 +246,7 @@ def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_path):
     folder, _, _ = checkpoint
     broken = tmp_path / "checkpoint-3"
@@ -258,6 +262,7 @@ def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_pa
         ex.export_checkpoint(broken, tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_export_refusals(checkpoint, tmp_path, capsys):
     folder, _, _ = checkpoint
     taken = tmp_path / "taken"
@@ -302,6 +307,7 @@ def _push_cli(args, home: Path, **env):
     )
 
 
+@pytest.mark.slow
 def test_push_dry_run_lists_exactly_the_exported_files(exported, tmp_path):
     result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip", "--revision", "v1", "--dry_run"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -311,17 +317,20 @@ def test_push_dry_run_lists_exactly_the_exported_files(exported, tmp_path):
     assert "no Hugging Face token" in result.stdout
 
 
+@pytest.mark.slow
 def test_push_without_token_fails_clearly(exported, tmp_path):
     result = _push_cli([str(exported), "--repo_id", "someone/tiny-clip"], tmp_path)
     assert result.returncode == 1
     assert "no Hugging Face token: set HF_TOKEN or run `hf auth login`" in result.stderr
 
 
+@pytest.mark.slow
 def test_push_refuses_raw_checkpoints(zero2_checkpoint, capsys):
     assert ex.push_main([str(zero2_checkpoint), "--repo_id", "someone/x", "--dry_run"]) == 1
     assert "run `disco-clip export" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
     """The upload path up to the network: the same file list as the dry run goes into one upload_folder commit."""
     import huggingface_hub
@@ -391,11 +400,10 @@ def zero3_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(5)
-    digits = "zero one two three four five six seven eight nine".split()
     write_samples(
         root / "train",
         [
-            {"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"}
+            {"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {DIGITS[i % 10]}"}
             for i in range(32)
         ],
         per_shard=16,
@@ -403,7 +411,7 @@ def zero3_run(tmp_path_factory):
     write_samples(
         root / "eval", [{"png": noise_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10
     )
-    (root / "eval" / "classnames.txt").write_text("\n".join(digits) + "\n")
+    (root / "eval" / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
     (root / "eval" / "zeroshot_classification_templates.txt").write_text("a photo of the digit {c}\n{c}\n")
     launch_training(
         root / "out",
@@ -429,6 +437,7 @@ def zero3_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run, tmp_path):
     from disco_clip_ds import evaluate as ev
 

@@ -137,6 +137,7 @@ def adversarial(tmp_path_factory):
     return tmp / "out", rc, seconds, rows, hits
 
 
+@pytest.mark.slow
 def test_summary_counts_match_the_truth(adversarial):
     out, rc, _, rows, _ = adversarial
     assert rc == 0
@@ -156,6 +157,7 @@ def test_summary_counts_match_the_truth(adversarial):
     assert reasons == expected
 
 
+@pytest.mark.slow
 def test_each_good_image_arrives_resized_with_its_own_caption(adversarial):
     out, *_ = adversarial
     samples = read_tars(out)
@@ -174,6 +176,7 @@ def test_each_good_image_arrives_resized_with_its_own_caption(adversarial):
     }
 
 
+@pytest.mark.slow
 def test_trickle_and_hang_do_not_hold_the_run(adversarial):
     _, _, seconds, _, hits = adversarial
     # without the deadline the trickle alone would hold a worker for len(body) * TRICKLE seconds
@@ -181,6 +184,7 @@ def test_trickle_and_hang_do_not_hold_the_run(adversarial):
     assert hits["/trickle.jpg"] == 1 and hits["/hang.jpg"] == 1
 
 
+@pytest.mark.slow
 def test_shards_read_back_with_webdataset_and_hf_datasets(adversarial):
     import webdataset as wds
     from datasets import load_dataset
@@ -197,6 +201,7 @@ def test_shards_read_back_with_webdataset_and_hf_datasets(adversarial):
     assert all(s["jpg"].size == (SIZE, SIZE) for s in hf_samples)
 
 
+@pytest.mark.slow
 def test_verify_passes_good_shards_and_catches_a_truncated_tar(adversarial, tmp_path, capsys):
     out, *_ = adversarial
     copy = tmp_path / "shards"
