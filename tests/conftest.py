@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from disco_clip_ds.testing import ImageServer, release_shm_buffers
+from disco_clip_ds.testing.imageserver import ImageServer
+from disco_clip_ds.testing.ranks import release_shm_buffers
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")

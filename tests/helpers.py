@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disco_clip_ds.testing import TINY_CONFIG
+from disco_clip_ds.testing.launch import TINY_CONFIG
 
 
 def save_initial_model(folder: Path, seed: int) -> Path:

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disco_clip_ds.testing import (
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import (
     REPO,
     SGD,
     TINY_CONFIG,
@@ -22,7 +23,6 @@ from disco_clip_ds.testing import (
     launch_in_one_process,
     train_command,
     train_env,
-    write_shards,
 )
 
 from helpers import assert_same_training, save_initial_model, step_losses, weights

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.testing import LAUNCH_COMMON, REPO, SGD, train_command, train_env, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_command, train_env
 
 from helpers import save_initial_model, step_losses, weights
 

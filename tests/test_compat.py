@@ -11,7 +11,8 @@ from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
-from disco_clip_ds.testing import TINY_CONFIG, run_ranks
+from disco_clip_ds.testing.launch import TINY_CONFIG
+from disco_clip_ds.testing.ranks import run_ranks
 
 TINY = TINY_CONFIG
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.plan import load_config, validate_config
-from disco_clip_ds.testing import run_training, train_command, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import run_training, train_command
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from disco_clip_ds import evaluate as ev
-from disco_clip_ds.testing import noise_image_bytes, write_samples
+from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 
 IMAGE_SIZE = 32
 

@@ -15,15 +15,9 @@ import torch
 
 from disco_clip_ds import export as ex
 from disco_clip_ds.data.demo import DIGITS
-from disco_clip_ds.testing import (
-    TINY_CONFIG,
-    TOKENIZER_DIR,
-    noise_image_bytes,
-    run_ranks,
-    run_training,
-    train_command,
-    write_samples,
-)
+from disco_clip_ds.testing.images import noise_image_bytes, write_samples
+from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR, run_training, train_command
+from disco_clip_ds.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
 

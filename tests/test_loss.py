@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.loss import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
-from disco_clip_ds.testing import WireBytes, run_ranks
+from disco_clip_ds.testing.ranks import run_ranks
+from disco_clip_ds.testing.wire import WireBytes
 
 DIM = 16
 # (impl, chunk_size, keep_bytes): the tiled loss on a ragged multi-tile walk, recomputing its logits in backward

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds import plan as P
-from disco_clip_ds.testing import REPO, mmap_threshold_env, peak_extra_mib, run_ranks
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib
+from disco_clip_ds.testing.ranks import run_ranks
 
 VIT = REPO / "recipes/models/vit_b32.json"
 CFG_32K = REPO / "ds_configs/vit_b32_32k_8gpu.json"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.testing import LAUNCH_SEED, REPO, SGD, launch, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import LAUNCH_SEED, REPO, SGD, launch
 
 from helpers import assert_same_training, save_initial_model, weights
 

@@ -36,7 +36,9 @@ from types import SimpleNamespace
 
 import torch
 
-from disco_clip_ds.testing import REPO, rss_mib, run_ranks
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.memory import rss_mib
+from disco_clip_ds.testing.ranks import run_ranks
 
 DS_CONFIG = {  # cpu_zero2.json with small buckets: its 50M-element buckets would dwarf the tiny model's memory
     "train_batch_size": "auto",

@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from disco_clip_ds.testing import ImageServer, download_args, image_bytes, write_url_list
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
 
 
 def _serve(n_images: int, delay: float, ready, stop) -> None:

@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from disco_clip_ds.testing import ImageServer, download_args, free_port, image_bytes, write_url_list
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
+from disco_clip_ds.testing.ranks import free_port
 
 
 def _image(i: int) -> bytes:

@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from disco_clip_ds.testing import REPO, free_port, mmap_threshold_env, reset_peak_rss, rss_mib
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
+from disco_clip_ds.testing.ranks import free_port
 
 FIELDS = [
     "model",

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from disco_clip_ds.testing import RanksFailed, WireBytes, mmap_threshold_env, peak_extra_mib, rss_mib, run_ranks
+from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib, rss_mib
+from disco_clip_ds.testing.ranks import RanksFailed, run_ranks
+from disco_clip_ds.testing.wire import WireBytes
 
 # The losses compared by default: the bench-only baselines naive (open_clip's default) and twoblock (this repo's
 # earlier tiled loss), and the package's disco and tiled; tiled last: ratios are to it.

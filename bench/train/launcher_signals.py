@@ -22,7 +22,8 @@ from pathlib import Path
 
 import psutil
 
-from disco_clip_ds.testing import REPO, free_port
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import free_port
 
 BIN = Path(sys.executable).parent
 SAVE_S = 5

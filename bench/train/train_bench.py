@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from disco_clip_ds.testing import REPO, run_ranks
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import run_ranks
 
 IMPLS = ("local", "disco", "tiled")
 

@@ -228,7 +228,7 @@ def ensure_openclip_venv(venv: Path) -> Path:
 def _env() -> dict:
     """Our launches' environment (one thread per rank, offline), with this checkout importable in open_clip's
     virtualenv too (same_batches.py trains there with disco_clip_ds.optim)."""
-    from disco_clip_ds.testing import train_env
+    from disco_clip_ds.testing.launch import train_env
 
     env = train_env(NO_ALBUMENTATIONS_UPDATE="1")
     # DeepSpeed JIT-builds its CPU shared-memory comm op into torch's extension cache, one folder for every venv on
@@ -248,7 +248,7 @@ def _timed(cmd: list[str], log: Path) -> float:
 
 
 def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
-    from disco_clip_ds.testing import train_command
+    from disco_clip_ds.testing.launch import train_command
 
     wall = _timed(
         [
@@ -307,7 +307,7 @@ def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
 def run_open_clip(
     python: Path, seed: int, steps: int, data: Path, out: Path, model_config: Path, ours_model: Path
 ) -> dict:
-    from disco_clip_ds.testing import free_port
+    from disco_clip_ds.testing.ranks import free_port
 
     shards = sorted((data / "train").glob("*.tar"))
     first, last = shards[0].stem, shards[-1].stem

@@ -8,8 +8,9 @@ import queue
 import socket
 import time
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
+
+from ..data.fetch import environ
 
 _PORTS: set[int] = set()  # handed out since the last release_shm_buffers()
 
@@ -41,22 +42,6 @@ class RanksFailed(RuntimeError):
     def __init__(self, errors: dict[int, str]):
         self.errors = dict(sorted(errors.items()))
         super().__init__("\n".join(f"[rank {r}] {msg}" for r, msg in self.errors.items()))
-
-
-@contextmanager
-def _environ(extra: dict[str, str]):
-    """`extra` in os.environ while the ranks start: a spawned process reads its environment at exec (as glibc's
-    MALLOC_* variables must be), and the caller's environment is left as it was."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _rank_entry(fn, rank, world_size, port, backend, threads, args, results):
@@ -113,7 +98,7 @@ def run_ranks(
         ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, backend, threads, args, results))
         for r in range(world_size)
     ]
-    with _environ(env or {}):
+    with environ(**(env or {})):  # a spawned process reads its environment (glibc's MALLOC_* too) when it starts
         for p in procs:
             p.start()
     outcomes: dict[int, tuple[str, bytes | str]] = {}
