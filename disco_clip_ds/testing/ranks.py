@@ -57,6 +57,9 @@ def _rank_entry(fn, rank, world_size, port, backend, threads, args, results):
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    # The queue's feeder thread starts with the first put: here, before `fn` can exhaust memory (or limit it, as
+    # the loss benchmark does), so that an error can still be reported.
+    results.put((rank, "started", None))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -111,7 +114,8 @@ def run_ranks(
                 break
             try:
                 rank, status, value = results.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
-                outcomes[rank] = (status, value)
+                if status != "started":
+                    outcomes[rank] = (status, value)
             except queue.Empty:
                 for rank, p in enumerate(procs):  # a rank killed from outside (the OOM killer) reports nothing
                     if rank not in outcomes and p.exitcode not in (None, 0) and results.empty():
