@@ -1,6 +1,6 @@
 """The planner's estimates against measured CPU peak memory: whole training steps, and the loss alone.
 
-    python bench/plan/plan_check.py          # whole steps: a few minutes on 2 cores; prints a markdown table
+    python bench/plan/plan_check.py          # whole steps, a few minutes: results/plan_check.csv and a table
     python bench/plan/plan_check.py --loss   # the loss term against the loss benchmark's CSVs (seconds)
 
 Whole steps (world size 1, fp32, AdamW): each point runs bench/loss/measure_memory.py --mode train in a fresh
@@ -44,16 +44,18 @@ LOSS_CSVS = [
 TOLERANCE = 0.25
 
 
-def check_steps() -> None:
+def check_steps(out: Path) -> None:
+    """Measure each of POINTS, print it beside the estimate, and write the table to `out` (after every point)."""
     fit = P.load_fit()
     print("| model | batch | act. ckpt | measured MiB | estimate MiB | error |\n| --- | --- | --- | --- | --- | --- |")
+    rows = []
     for name, batch, ckpt in POINTS:
         path = ROOT / f"recipes/models/{name}.json"
         cmd = [sys.executable, str(MEASURE), "--model", str(path), "--batch", str(batch), "--mode", "train"]
-        out = subprocess.run(
+        stdout = subprocess.run(
             cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True
         ).stdout
-        measured = json.loads(out.strip().splitlines()[-1])["delta_mib"]
+        measured = json.loads(stdout.strip().splitlines()[-1])["delta_mib"]
         settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
         shape = P.ModelShape.from_json(path)
         estimate = P.memory_plan(shape, settings, fit, "naive", ckpt, float("inf"), 0.0).total / 2**20
@@ -62,6 +64,20 @@ def check_steps() -> None:
             f"{estimate / measured - 1:+.0%} |",
             flush=True,
         )
+        rows.append(
+            {
+                "model": name,
+                "batch": batch,
+                "act_ckpt": ckpt,
+                "measured_mib": round(measured, 1),
+                "estimate_mib": round(estimate, 1),
+                "error": round(estimate / measured - 1, 3),
+            }
+        )
+        with out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 def check_loss() -> int:
@@ -91,12 +107,13 @@ def check_loss() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loss", action="store_true", help="check the loss term against the loss benchmark's CSVs")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "plan_check.csv")
     args = parser.parse_args(argv)
     if args.loss:
         off = check_loss()
         print(f"{off} point(s) off by {TOLERANCE:.0%} or more")
         return 1 if off else 0
-    check_steps()
+    check_steps(args.out)
     return 0
 
 
