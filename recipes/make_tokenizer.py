@@ -13,7 +13,8 @@ import itertools
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPTokenizer
 
-DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+from disco_clip_ds.data.demo import DIGITS
+
 # CLIP's zero-shot templates and caption words: the demo data's captions and prompts stay in a few tokens.
 TEMPLATES = [
     "a photo of the number {}.",

@@ -14,21 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import (
     REPO,
     SGD,
     TINY_CONFIG,
     TOKENIZER_DIR,
-    assert_same_training,
     launch,
     launch_in_one_process,
-    save_initial_model,
-    step_losses,
     train_command,
     train_env,
-    weights,
-    write_shards,
 )
+
+from helpers import assert_same_training, save_initial_model, step_losses, weights
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -245,61 +243,6 @@ def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-# --- the planner: contrastive batch micro x world x K ---
-
-
-def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
-    from disco_clip_ds import plan as P
-
-    config, vit = REPO / "ds_configs/vit_b32_196k_8gpu.json", REPO / "recipes/models/vit_b32.json"
-    out = tmp_path / "plan.json"
-    code = P.main(
-        [
-            "--deepspeed",
-            str(config),
-            "--model",
-            str(vit),
-            "--gpus",
-            "8",
-            "--gpu_memory",
-            "40GB",
-            "--activation_checkpointing",
-            "--loss_impl",
-            "tiled",
-            "--json",
-            str(out),
-        ]
-    )
-    result = json.loads(out.read_text())
-    assert code == 0 and result["global_batch"] == 3072 * 8 * 8 == 196608 and result["memory"]["tiled"]["fits"]
-    terms = result["memory"]["tiled"]["terms"]
-    # by hand: 8 micro-batches x 3072 rows x 512 dims, image and text, bf16 embeddings + their fp32 gradients
-    assert terms["cached embeddings"] == 2 * 8 * 3072 * 512 * (2 + 4)
-    # the loss spans all 196608 pairs (fp32 inputs), the activations one micro-batch: those of the 64-GPU run
-    assert terms["loss (tiled)"] == P.loss_bytes("tiled", 196608, 8, 512, 4)
-    paper = P.plan(
-        REPO / "ds_configs/vit_b32_196k_64gpu.json",
-        vit,
-        64,
-        "40GB",
-        activation_checkpointing=True,
-        loss_impls=("tiled",),
-    )
-    assert terms["activations"] == paper["memory"]["tiled"]["terms"]["activations"]
-    # the largest K at this micro batch fits and K + 1 does not
-    k = result["max_contrastive_steps"]["tiled"]
-    shape, fit, settings = P.ModelShape.from_json(vit), P.load_fit(), P.validate_config(P.load_config(config), 8)
-    fits = lambda steps: (
-        P.memory_plan(shape, dataclasses.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits
-    )
-    assert k >= 8 and fits(k) and not fits(k + 1)
-    # without contrastive accumulation the same config contrasts one micro-step's pairs only
-    plain = P.plan(
-        config, vit, 8, "40GB", activation_checkpointing=True, loss_impls=("tiled",), contrastive_accumulation=False
-    )
-    assert plain["global_batch"] == 3072 * 8 and "cached embeddings" not in plain["memory"]["tiled"]["terms"]
-
-
 # --- end to end: the Trainer under every engine ---
 
 
@@ -382,11 +325,13 @@ def runs(tmp_path_factory, initial_model):
 
 @E2E_TIMEOUT
 @pytest.mark.parametrize("run", ["n1_k4", "n2_k2_zero1", "n2_k2_zero2", "n2_k2_zero3_gc", "n2_k2_fsdp", "n2_k2_ddp_gc"])
+@pytest.mark.slow
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
     assert_same_training(runs / run, runs / "n1_k1", weights(initial_model), steps=STEPS)
 
 
 @E2E_TIMEOUT
+@pytest.mark.slow
 def test_contrastive_accumulation_false_keeps_independent_micro_batch_losses(runs):
     """The flag off: the same K=4 run trains on 4 separate losses of b pairs, so the reference check above can fail."""
     plain, reference = step_losses(runs / "n1_k4_plain"), step_losses(runs / "n1_k1")
@@ -397,6 +342,7 @@ def test_contrastive_accumulation_false_keeps_independent_micro_batch_losses(run
 
 
 @E2E_TIMEOUT
+@pytest.mark.slow
 def test_logged_contrastive_batch_is_micro_x_world_x_k(runs):
     for run, expected in (("n1_k4", 4 * MICRO), ("n2_k2_zero2", 4 * MICRO), ("n1_k1", 4 * MICRO)):
         logged = json.loads((runs / run / "trainer_state.json").read_text())["log_history"][0]
@@ -405,6 +351,7 @@ def test_logged_contrastive_batch_is_micro_x_world_x_k(runs):
 
 
 @E2E_TIMEOUT
+@pytest.mark.slow
 def test_resumed_run_continues_exactly(runs):
     full, resumed = step_losses(runs / "full"), step_losses(runs / "resumed")
     assert (runs / "resumed.log").read_text().count("{'loss': ") == 2  # steps 3 and 4 were trained after the resume

@@ -18,17 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    LAUNCH_COMMON,
-    REPO,
-    SGD,
-    save_initial_model,
-    step_losses,
-    train_command,
-    train_env,
-    weights,
-    write_shards,
-)
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_command, train_env
+
+from helpers import save_initial_model, step_losses, weights
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,8 +19,8 @@ from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
-
-from helpers import TINY_CONFIG, run_ranks
+from disco_clip_ds.testing.launch import TINY_CONFIG
+from disco_clip_ds.testing.ranks import run_ranks
 
 TINY = TINY_CONFIG
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -227,7 +227,8 @@ def _launch_two_cpu_ranks(tmp_path, workaround: str) -> list[dict]:
     import subprocess
     import sys
 
-    from helpers import REPO, free_port
+    from disco_clip_ds.testing.launch import REPO
+    from disco_clip_ds.testing.ranks import free_port
 
     port, procs = free_port(), []
     for rank in range(2):

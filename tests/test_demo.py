@@ -38,6 +38,7 @@ def digits():
     return load_digits()
 
 
+@pytest.mark.slow
 def test_layout_contract(demo_data):
     train, evl = demo_data / "train", demo_data / "eval"
     assert sorted(p.name for p in train.glob("*.tar")) == [f"{i:05d}.tar" for i in range(8)]
@@ -74,6 +75,7 @@ def _check_against_sklearn(sample: dict, digits) -> tuple[int, int]:
     return index, label
 
 
+@pytest.mark.slow
 def test_images_captions_and_labels_match_sklearn(demo_data, digits):
     train = [_check_against_sklearn(s, digits) for s in samples_of(demo_data / "train")]
     evl = samples_of(demo_data / "eval")
@@ -87,6 +89,7 @@ def test_images_captions_and_labels_match_sklearn(demo_data, digits):
     assert len({s["txt"].decode().replace(w, "") for s in evl for w in WORDS}) > 10  # several templates
 
 
+@pytest.mark.slow
 def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
     import webdataset as wds
     from datasets import load_dataset
@@ -103,6 +106,7 @@ def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
     assert len(labels) == 360 and set(labels) == set(range(10))
 
 
+@pytest.mark.slow
 def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "disco_clip_ds.data.demo", "--output", str(tmp_path / "again")],

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.plan import load_config, validate_config
-
-from helpers import run_training, train_command, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import run_training, train_command
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.json"))
@@ -55,11 +55,19 @@ def test_batch_arithmetic_matches_world_size_in_name(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_passes_validation(path):
+    """The planner's checks accept the config without a warning, and read the batch numbers the name promises."""
     config = load_config(path)
     per_device = None
     if config.get("train_micro_batch_size_per_gpu") == "auto":
         per_device = 8
-    validate_config(config, world_size_from_name(path), per_device_batch=per_device)  # raises with every problem
+    world = world_size_from_name(path)
+    settings = validate_config(config, world, per_device_batch=per_device)  # raises PlanConfigError on a problem
+    assert settings.warnings == [], settings.warnings
+    assert settings.world == world
+    assert settings.train_batch == settings.micro_batch * settings.grad_accum * world
+    if per_device is None:
+        assert settings.micro_batch == config["train_micro_batch_size_per_gpu"]
+        assert settings.train_batch == config["train_batch_size"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

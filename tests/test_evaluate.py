@@ -15,8 +15,7 @@ from PIL import Image
 
 from disco_clip_ds import evaluate as ev
 from disco_clip_ds.errors import run_main
-
-from helpers import noise_image_bytes, write_samples
+from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 
 IMAGE_SIZE = 32
 

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from disco_clip_ds import export as ex
+from disco_clip_ds.data.demo import DIGITS
 from disco_clip_ds.errors import run_main
-
-from helpers import TINY_CONFIG, TOKENIZER_DIR, noise_image_bytes, run_ranks, run_training, train_command, write_samples
+from disco_clip_ds.testing.images import noise_image_bytes, write_samples
+from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR, run_training, train_command
+from disco_clip_ds.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
 
@@ -172,6 +174,7 @@ def exports(trained_checkpoints, tmp_path_factory):
     return dict(zip(outs, zip(outs.values(), reload_in_fresh_process(tmp, *outs.values()))))
 
 
+@pytest.mark.slow
 def test_export_reproduces_trained_embeddings(checkpoint, exports):
     _, stage, trained = checkpoint
     out, reloaded = exports[stage]
@@ -204,6 +207,7 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
         assert fact in card, fact
 
 
+@pytest.mark.slow
 def test_export_trained_weights_differ_from_init(checkpoint):
     # guards the embedding test: a checkpoint that silently exported the initial weights would also "match"
     # itself, but not a fresh DiscoCLIPModel with the same seed
@@ -238,6 +242,7 @@ def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
+@pytest.mark.slow
 def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_path):
     folder, _, _ = checkpoint
     broken = tmp_path / "checkpoint-3"
@@ -258,6 +263,7 @@ def export_main(argv: list[str]) -> int:
     return run_main(ex.export_main, argv, "disco-clip export")
 
 
+@pytest.mark.slow
 def test_export_refusals(checkpoint, tmp_path, capsys):
     folder, _, _ = checkpoint
     taken = tmp_path / "taken"
@@ -310,11 +316,10 @@ def zero3_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(5)
-    digits = "zero one two three four five six seven eight nine".split()
     write_samples(
         root / "train",
         [
-            {"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {digits[i % 10]}"}
+            {"jpg": noise_image_bytes(rng, "JPEG", 64), "txt": f"a photo of the digit {DIGITS[i % 10]}"}
             for i in range(32)
         ],
         per_shard=16,
@@ -322,7 +327,7 @@ def zero3_run(tmp_path_factory):
     write_samples(
         root / "eval", [{"png": noise_image_bytes(rng, size=64), "cls": str(i % 10)} for i in range(20)], per_shard=10
     )
-    (root / "eval" / "classnames.txt").write_text("\n".join(digits) + "\n")
+    (root / "eval" / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
     (root / "eval" / "zeroshot_classification_templates.txt").write_text("a photo of the digit {c}\n{c}\n")
     launch_training(
         root / "out",
@@ -348,6 +353,7 @@ def zero3_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run, tmp_path):
     from disco_clip_ds import evaluate as ev
 

@@ -14,7 +14,7 @@ import pytest
 from disco_clip_ds import hub
 from disco_clip_ds.errors import run_main
 
-from helpers import REPO, TINY_CONFIG, TOKENIZER_DIR
+from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR
 
 
 def push_main(argv: list[str]) -> int:

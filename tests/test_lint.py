@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from helpers import REPO
+from disco_clip_ds.testing.launch import REPO
 
 PATHS = ["disco_clip_ds", "tests", "bench", "recipes", "data_prep"]
 

@@ -1,18 +1,14 @@
 """DiscoClipLoss against an independent float64 single-process CLIP loss, on 1-4 gloo ranks."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.losses import DEFAULT_KEEP_BYTES, DiscoClipLoss, disco_clip_loss
-
-from helpers import run_ranks
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmark's byte counter and baseline
+from disco_clip_ds.testing.ranks import run_ranks
+from disco_clip_ds.testing.wire import WireBytes
 
 DIM = 16
 # (impl, chunk_size, keep_bytes): the tiled loss on a ragged multi-tile walk, recomputing its logits in backward
@@ -269,19 +265,14 @@ def test_per_rank_upstream_gradients_reach_the_right_columns():
 
 def _wire_rank(rank, world, sizes, dim, dtype):
     """Bytes this rank sends through each collective during one forward + backward, per impl."""
-    from loss_bench import WireBytes, twoblock_loss
-
     g = torch.Generator().manual_seed(rank)
     out = {}
-    for impl in ("twoblock", "disco", "tiled"):
+    for impl in ("disco", "tiled"):
         x, y = (
             F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in range(2)
         )
         with WireBytes() as wire:
-            if impl == "twoblock":
-                twoblock_loss(x, y, torch.tensor(20.0)).backward()
-            else:
-                DiscoClipLoss(impl)(x, y, torch.tensor(20.0)).backward()
+            DiscoClipLoss(impl)(x, y, torch.tensor(20.0)).backward()
         out[impl] = wire.total
     return out
 
@@ -291,18 +282,18 @@ def _wire_rank(rank, world, sizes, dim, dtype):
 def test_wire_bytes_per_rank_halve(dtype):
     """Bytes on the wire per rank per step, counted at torch.distributed's collectives (ring algorithms), against
     the hand count: the one-block loss gathers and reduce-scatters the texts only, plus two all-reduces of B
-    fp32 column values and one of the N upstream gradients; the earlier two-block tiled loss (and disco) move
-    both modalities."""
+    fp32 column values and one of the N upstream gradients; disco (and the earlier two-block tiled loss, kept as
+    a baseline in bench/loss, whose collectives are disco's) move both modalities."""
     sizes, dim = [6, 3, 5], 512
     n, pad, total, elem = len(sizes), max(sizes), sum(sizes), dtype.itemsize
     counted = run_ranks(_wire_rank, n, sizes, dim, dtype)
     shape_check = (n - 1) * 7 * 8  # every rank's 7 int64 shape values
     feature = (n - 1) * pad * dim * elem  # one modality's (padded) rows, all-gathered or reduce-scattered
+    twoblock = shape_check + 4 * feature  # both modalities gathered, their gradients reduce-scattered
     expected = {
-        "twoblock": shape_check + 4 * feature,
         "disco": shape_check + 4 * feature,
         "tiled": shape_check + 2 * feature + 2 * (2 * (n - 1) / n * total * 4) + (n - 1) * 4,
     }
     for rank, got in enumerate(counted):
         assert got == pytest.approx(expected), f"rank {rank}"
-        assert got["tiled"] / got["twoblock"] < 0.51
+        assert got["tiled"] / twoblock < 0.51

@@ -13,8 +13,7 @@ import torch
 from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
-
-from helpers import run_ranks
+from disco_clip_ds.testing.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "models" / "tiny.json"

@@ -7,8 +7,7 @@ import torch
 from transformers import get_scheduler
 
 from disco_clip_ds.optim import warmup_from_first_step
-
-from helpers import REPO
+from disco_clip_ds.testing.launch import REPO
 
 LR, WARMUP, STEPS = 1e-3, 10, 100
 

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, to_rgb
 from disco_clip_ds.data.shards import epoch_order
-
-from helpers import TOKENIZER_DIR, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
 TOKENIZER = TOKENIZER_DIR
 

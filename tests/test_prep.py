@@ -29,9 +29,9 @@ from disco_clip_ds.data.metadata import _metadata_parser, metadata_main
 from disco_clip_ds.data.outputs import prepare_output_for_resume, summarize
 from disco_clip_ds.data.verify import _verify_parser, verify_main
 from disco_clip_ds.errors import DataError, UsageError, run_main
-
-from helpers import image_bytes
-from imageserver import ImageServer
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
 
 SIZE = 32
 DEADLINE = 4
@@ -87,11 +87,6 @@ def serve_all(server: ImageServer) -> list[tuple[str, str | None]]:
     return rows
 
 
-def write_laion_parquet(path: Path, rows) -> Path:
-    pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), path)
-    return path
-
-
 def read_tars(folder: Path) -> dict[str, dict[str, bytes]]:
     """All samples of all NNNNN.tar in `folder`, by key, read with tarfile."""
     samples: dict[str, dict[str, bytes]] = {}
@@ -109,29 +104,9 @@ def adversarial(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("adversarial")
     with ImageServer() as server:
         rows = serve_all(server)
-        url_list = write_laion_parquet(tmp / "urls.parquet", rows)
-        argv = [
-            "--preset",
-            "laion400m",
-            "--url_list",
-            str(url_list),
-            "--output",
-            str(tmp / "out"),
-            "--image_size",
-            str(SIZE),
-            "--processes",
-            "2",
-            "--threads",
-            "8",
-            "--samples_per_shard",
-            "6",
-            "--timeout",
-            "2",
-            "--max_download_seconds",
-            str(DEADLINE),
-            "--encode_quality",
-            "90",
-        ]
+        url_list = write_url_list(tmp / "urls.parquet", rows)
+        options = dict(image_size=SIZE, processes=2, threads=8, samples_per_shard=6, timeout=2)
+        argv = download_args(url_list, tmp / "out", **options, max_download_seconds=DEADLINE, encode_quality=90)
         started = time.monotonic()
         rc = prep.download_main(argv)
         seconds = time.monotonic() - started
@@ -139,6 +114,7 @@ def adversarial(tmp_path_factory):
     return tmp / "out", rc, seconds, rows, hits
 
 
+@pytest.mark.slow
 def test_summary_counts_match_the_truth(adversarial):
     out, rc, _, rows, _ = adversarial
     assert rc == 0
@@ -158,6 +134,7 @@ def test_summary_counts_match_the_truth(adversarial):
     assert reasons == expected
 
 
+@pytest.mark.slow
 def test_each_good_image_arrives_resized_with_its_own_caption(adversarial):
     out, *_ = adversarial
     samples = read_tars(out)
@@ -176,6 +153,7 @@ def test_each_good_image_arrives_resized_with_its_own_caption(adversarial):
     }
 
 
+@pytest.mark.slow
 def test_trickle_and_hang_do_not_hold_the_run(adversarial):
     _, _, seconds, _, hits = adversarial
     # without the deadline the trickle alone would hold a worker for len(body) * TRICKLE seconds
@@ -183,6 +161,7 @@ def test_trickle_and_hang_do_not_hold_the_run(adversarial):
     assert hits["/trickle.jpg"] == 1 and hits["/hang.jpg"] == 1
 
 
+@pytest.mark.slow
 def test_shards_read_back_with_webdataset_and_hf_datasets(adversarial):
     import webdataset as wds
     from datasets import load_dataset
@@ -199,6 +178,7 @@ def test_shards_read_back_with_webdataset_and_hf_datasets(adversarial):
     assert all(s["jpg"].size == (SIZE, SIZE) for s in hf_samples)
 
 
+@pytest.mark.slow
 def test_verify_passes_good_shards_and_catches_a_truncated_tar(adversarial, tmp_path, capsys):
     out, *_ = adversarial
     copy = tmp_path / "shards"
@@ -233,21 +213,10 @@ def test_verify_reports_an_undecodable_image(tmp_path, capsys):
 @pytest.mark.slow
 def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, capsys):
     rows = [(image_server.add(f"/gone{i}.jpg", status=404), "x") for i in range(3)]
-    url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
+    url_list = write_url_list(tmp_path / "urls.parquet", rows)
     rc = run_main(
         prep.download_main,
-        [
-            "--preset",
-            "laion400m",
-            "--url_list",
-            str(url_list),
-            "--output",
-            str(tmp_path / "out"),
-            "--threads",
-            "4",
-            "--timeout",
-            "2",
-        ],
+        download_args(url_list, tmp_path / "out", threads=4, timeout=2),
         "disco-clip data download",
     )
     assert rc == 1
@@ -257,24 +226,7 @@ def test_download_fails_loudly_when_nothing_arrives(image_server, tmp_path, caps
 
 
 def _download_argv(url_list: Path, output: Path) -> list[str]:
-    return [
-        "--preset",
-        "laion400m",
-        "--url_list",
-        str(url_list),
-        "--output",
-        str(output),
-        "--image_size",
-        str(SIZE),
-        "--processes",
-        "1",
-        "--threads",
-        "2",
-        "--samples_per_shard",
-        "6",
-        "--timeout",
-        "5",
-    ]
+    return download_args(url_list, output, image_size=SIZE, processes=1, threads=2, samples_per_shard=6, timeout=5)
 
 
 @pytest.mark.slow
@@ -291,7 +243,7 @@ def test_interrupted_download_resumes_to_the_same_shards(image_server, tmp_path,
         )
         for i in range(24)
     ]
-    url_list = write_laion_parquet(tmp_path / "urls.parquet", rows)
+    url_list = write_url_list(tmp_path / "urls.parquet", rows)
     shards = [f"{i:05d}.tar" for i in range(4)]
 
     reference = tmp_path / "reference"
@@ -407,8 +359,8 @@ def test_resume_preparation_redoes_a_missing_tar_and_refuses_stray_json(tmp_path
 
 
 def test_download_arguments_are_checked_before_any_work(tmp_path):
-    url_list = write_laion_parquet(tmp_path / "urls.parquet", [("http://127.0.0.1:9/x.jpg", "x")])
-    base = ["--preset", "laion400m", "--url_list", str(url_list), "--output", str(tmp_path / "out")]
+    url_list = write_url_list(tmp_path / "urls.parquet", [("http://127.0.0.1:9/x.jpg", "x")])
+    base = download_args(url_list, tmp_path / "out")
     with pytest.raises(UsageError, match="did you mean --encode_quality"):
         prep.download_main(base + ["--encode_qualty", "90"])
     with pytest.raises(UsageError, match="use --output"):

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -27,9 +26,9 @@ from disco_clip_ds.data.metadata import _metadata_parser
 from disco_clip_ds.data.spark import java_problem, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.verify import verify_main
 from disco_clip_ds.errors import UsageError, run_main
-
-from helpers import image_bytes
-from imageserver import ImageServer
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
 
 JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
@@ -90,34 +89,12 @@ def server():
 @pytest.fixture(scope="module")
 def url_list(server, tmp_path_factory):
     rows = [(server.add(path, **behaviour), caption) for path, behaviour, caption in ROUTES]
-    path = tmp_path_factory.mktemp("spark_input") / "urls.parquet"
-    pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), path)
-    return path
+    return write_url_list(tmp_path_factory.mktemp("spark_input") / "urls.parquet", rows)
 
 
 def _argv(url_list: Path, output: Path, distributor: str, processes: int = 2) -> list[str]:
-    return [
-        "--preset",
-        "laion400m",
-        "--url_list",
-        str(url_list),
-        "--output",
-        str(output),
-        "--image_size",
-        "32",
-        "--processes",
-        str(processes),
-        "--threads",
-        "4",
-        "--samples_per_shard",
-        str(SHARD),
-        "--timeout",
-        "2",
-        "--max_download_seconds",
-        str(DEADLINE),
-        "--distributor",
-        distributor,
-    ]
+    options = dict(image_size=32, processes=processes, threads=4, samples_per_shard=SHARD, timeout=2)
+    return download_args(url_list, output, **options, max_download_seconds=DEADLINE, distributor=distributor)
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +236,7 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
 @needs_java
 def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
     rows = [(server.add(f"/nothing{i}.jpg", status=404), "x") for i in range(3)]
-    url_list = tmp_path / "urls.parquet"
-    pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
+    url_list = write_url_list(tmp_path / "urls.parquet", rows)
     assert run_main(prep.download_main, _argv(url_list, tmp_path / "out", "pyspark"), "disco-clip data download") == 1
     assert "no sample was downloaded" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
@@ -322,8 +298,7 @@ def test_missing_java_stops_the_cli_before_any_work(tmp_path):
     empty_bin.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     env["PATH"] = str(empty_bin)
-    url_list = tmp_path / "urls.parquet"
-    pq.write_table(pa.table({"URL": ["http://127.0.0.1:9/a.jpg"], "TEXT": ["a"]}), url_list)
+    url_list = write_url_list(tmp_path / "urls.parquet", [("http://127.0.0.1:9/a.jpg", "a")])
     cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *_argv(url_list, tmp_path / "out", "pyspark")]
     result = subprocess.run(cli, check=False, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1

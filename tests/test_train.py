@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAUNCH_SEED, REPO, SGD, assert_same_training, launch, save_initial_model, weights, write_shards
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import LAUNCH_SEED, REPO, SGD, launch
+
+from helpers import assert_same_training, save_initial_model, weights
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
@@ -87,22 +90,27 @@ def runs(tmp_path_factory, shards, initial_model):
     return root
 
 
+@pytest.mark.slow
 def test_one_rank_with_2b_trains_like_two_ranks_with_b(runs, initial_weights):
     assert_same_training(runs / "n1_zero2_tiled", runs / "n2_zero2_tiled", initial_weights, steps=STEPS)
 
 
+@pytest.mark.slow
 def test_zero3_trains_like_zero2(runs, initial_weights):
     assert_same_training(runs / "n2_zero3_tiled", runs / "n2_zero2_tiled", initial_weights, steps=STEPS)
 
 
+@pytest.mark.slow
 def test_fsdp_trains_like_deepspeed(runs, initial_weights):
     assert_same_training(runs / "n2_fsdp_tiled", runs / "n2_zero2_tiled", initial_weights, steps=STEPS)
 
 
+@pytest.mark.slow
 def test_disco_trains_like_tiled(runs, initial_weights):
     assert_same_training(runs / "n2_zero2_disco", runs / "n2_zero2_tiled", initial_weights, steps=STEPS)
 
 
+@pytest.mark.slow
 def test_bad_samples_are_skipped_counted_and_reported(runs):
     for name in ("n1_zero2_tiled", "n2_zero2_tiled", "n2_zero3_tiled", "n2_fsdp_tiled", "n2_zero2_disco"):
         skipped = json.loads((runs / name / "train_results.json").read_text())["skipped_samples"]
@@ -110,6 +118,7 @@ def test_bad_samples_are_skipped_counted_and_reported(runs):
         assert f"skipped samples: {skipped}" in (runs / f"{name}.log").read_text()
 
 
+@pytest.mark.slow
 def test_logs_carry_the_clip_metrics(runs):
     history = json.loads((runs / "n2_zero3_tiled" / "trainer_state.json").read_text())["log_history"]
     logged = history[0]
@@ -133,6 +142,7 @@ def test_logs_carry_the_clip_metrics(runs):
     assert run["global_contrastive_batch"] == 2 * PER_RANK and run["world_size"] == 2 and run["data"]
 
 
+@pytest.mark.slow
 def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
     code = (
         "import sys, torch; from transformers import CLIPModel, CLIPProcessor\n"

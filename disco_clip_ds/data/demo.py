@@ -35,7 +35,7 @@ from .fetch import environ
 from .outputs import shard_name
 from .shards import write_json
 
-CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]  # class names in label order
 CAPTION_TEMPLATES = [
     "a photo of the number {word}.",
     "handwritten digit {digit}",
@@ -77,7 +77,7 @@ def digit_images(size: int) -> tuple[list[bytes], np.ndarray]:
 def captions_for(labels: np.ndarray, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     picks = rng.integers(len(CAPTION_TEMPLATES), size=len(labels))
-    return [CAPTION_TEMPLATES[t].format(word=CLASS_NAMES[y], digit=y) for t, y in zip(picks, labels)]
+    return [CAPTION_TEMPLATES[t].format(word=DIGITS[y], digit=y) for t, y in zip(picks, labels)]
 
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,7 +178,7 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
                 )
         os.replace(tmp, folder / name)
         sizes[name] = len(chunk)
-    (folder / "classnames.txt").write_text("\n".join(CLASS_NAMES) + "\n")
+    (folder / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
     (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
     write_json(folder / "sizes.json", sizes)
     return sizes

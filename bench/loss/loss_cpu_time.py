@@ -4,9 +4,9 @@ Wall-clock timings on a shared CPU move with other jobs; the CPU time the proces
 time.process_time) does not, much. World 1, so no collectives: rank r's work is the same b x B blocks at any world
 size (b = B / N), here with b = B. Impls interleaved per repetition.
 
-    python bench/loss_cpu_time.py --batch 1024 --reps 3     # writes bench/results/loss_cpu_time.csv
+    python bench/loss/loss_cpu_time.py --batch 1024 --reps 3     # writes bench/loss/results/loss_cpu_time.csv
 
---ref REV adds the tiled loss as disco_clip_ds/loss.py was at git revision REV (rows "tiled@REV", "tiled_keep@REV"),
+--ref REV adds the tiled loss as the package had it at git revision REV (rows "tiled@REV", "tiled_keep@REV"),
 interleaved with the rest: a before/after measurement of a change to the loss, in one run.
 """
 
@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loss_bench import twoblock_loss
+from disco_clip_ds.losses import disco_clip_loss
 
-from disco_clip_ds.loss import disco_clip_loss
+from loss_bench import twoblock_loss
 
 IMPLS = {
     "disco": lambda x, y, s: disco_clip_loss(x, y, s, impl="disco"),
@@ -39,16 +38,20 @@ IMPLS = {
 
 
 def loss_at(rev: str):
-    """disco_clip_ds/loss.py as it was at git revision `rev`, imported as a module of its own."""
-    root = Path(__file__).resolve().parents[1]
-    show = ["git", "show", f"{rev}:disco_clip_ds/loss.py"]
-    source = subprocess.run(show, cwd=root, check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "loss_at_rev.py"
-    path.write_text(source.replace("from . import LOSS_IMPLS", "from disco_clip_ds import LOSS_IMPLS"))
-    spec = importlib.util.spec_from_file_location("loss_at_rev", path)
-    module = importlib.util.module_from_spec(spec)
+    """The package's CLIP loss as it was at git revision `rev`, imported as a package of its own beside today's."""
+    root = Path(__file__).resolve().parents[2]
+    tree = Path(tempfile.mkdtemp())
+    archive = subprocess.run(["git", "archive", rev, "disco_clip_ds"], cwd=root, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    package = tree / "disco_clip_ds"
+    spec = importlib.util.spec_from_file_location(
+        "disco_clip_ds_at_rev", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    # the loss lived in one module, loss.py, before it became the losses/ package
+    name = "losses" if (package / "losses").is_dir() else "loss"
+    return importlib.import_module(f"{spec.name}.{name}")
 
 
 def cpu_seconds(fn, x, y, s) -> float:
@@ -63,7 +66,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", default="bench/results/loss_cpu_time.csv")
+    p.add_argument("--out", default="bench/loss/results/loss_cpu_time.csv")
     p.add_argument("--ref", help="also time the tiled loss of this git revision (e.g. main), interleaved")
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -7,7 +7,8 @@ the loss on this rank's features, collectives included). The impls share one eng
 that drift in the machine's speed hits them alike; `step_vs_local` is the median over rounds of each round's
 step-time ratio to the local loss's, minus 1.
 
-    python bench/train_bench.py [--models tiny small] [--per_rank 256] [--ranks 2] [--steps 6] [--out bench/results]
+    python bench/train/train_bench.py [--models tiny small] [--per_rank 256] [--ranks 2] [--steps 6]   # or:
+    disco-clip bench train ...
 
 Prints a table; writes train_bench.csv and train_bench.png to --out.
 """
@@ -17,17 +18,15 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import run_ranks
+
 IMPLS = ("local", "disco", "tiled")
 
 
@@ -44,7 +43,7 @@ def _batch(config, per_rank: int, seed: int) -> dict:
 def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int = 5) -> float:
     from transformers.models.clip.modeling_clip import image_text_contrastive_loss
 
-    from disco_clip_ds.loss import disco_clip_loss
+    from disco_clip_ds.losses import disco_clip_loss
 
     image = torch.nn.functional.normalize(torch.randn(per_rank, dim), dim=-1).requires_grad_()
     text = torch.nn.functional.normalize(torch.randn(per_rank, dim), dim=-1).requires_grad_()
@@ -62,21 +61,13 @@ def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int = 5) -> 
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, port: int, model_name: str, per_rank: int, steps: int, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, model_name: str, per_rank: int, steps: int) -> dict | None:
+    """Rank 0 returns {impl: (median step s, loss fwd+bwd s, step time vs local's - 1)}."""
     import deepspeed
 
     from disco_clip_ds.modeling import build_model
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
     torch.manual_seed(0)
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
     config = {
@@ -107,23 +98,12 @@ def _rank(rank: int, world: int, port: int, model_name: str, per_rank: int, step
             impl: statistics.median(t / ref - 1 for t, ref in zip(step_times[impl], step_times["local"]))
             for impl in IMPLS
         }
-        queue.put({impl: (statistics.median(step_times[impl]), loss_times[impl], vs_local[impl]) for impl in IMPLS})
-    torch.distributed.barrier()
+        return {impl: (statistics.median(step_times[impl]), loss_times[impl], vs_local[impl]) for impl in IMPLS}
+    return None
 
 
 def bench_model(model_name: str, per_rank: int, ranks: int, steps: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, ranks, port, model_name, per_rank, steps, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return result
+    return run_ranks(_rank, ranks, model_name, per_rank, steps, timeout=3600, env={"DS_ACCELERATOR": "cpu"})[0]
 
 
 def main() -> None:
@@ -132,7 +112,7 @@ def main() -> None:
     parser.add_argument("--per_rank", type=int, default=256)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per loss (after one warm-up round)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

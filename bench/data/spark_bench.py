@@ -1,21 +1,20 @@
 """Samples/s of `disco-clip data download` under Spark local mode vs multiprocessing, same input.
 
-A loopback image server (tests/imageserver.py, in a process of its own so that it does not share the
-GIL with the driver) serves N small JPEGs, each after a fixed delay that stands in for network latency.
+A loopback image server (disco_clip_ds.testing's ImageServer, in a process of its own so that it does not share
+the GIL with the driver) serves N small JPEGs, each after a fixed delay that stands in for network latency.
 Each configuration (processes x threads) is downloaded by both distributors, interleaved (mp, spark,
 mp, spark, ...) within one run so that load from other jobs on the machine hits both alike. Each
 download is a fresh CLI process, timed end to end: Spark's JVM start is part of what a user waits for.
 
-    .venv/bin/python bench/spark_bench.py --images 3000 --rounds 2 --configs 1x16 2x16 2x32
+    .venv/bin/python bench/data/spark_bench.py --images 3000 --rounds 2 --configs 1x16 2x16 2x32
 
-Writes bench/results/spark_bench.csv (one row per download) and prints a markdown table.
+Writes bench/data/results/spark_bench.csv (one row per download) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import io
 import json
 import multiprocessing as mp
 import os
@@ -26,48 +25,25 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
 
 
 def _serve(n_images: int, delay: float, ready, stop) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from PIL import Image
-
-    from imageserver import ImageServer
-
     with ImageServer() as server:
         for i in range(n_images):
-            buf = io.BytesIO()
-            Image.new("RGB", (64 + i % 64, 48), (i % 256, (7 * i) % 256, 100)).save(buf, "JPEG", quality=90)
-            server.add(f"/{i}.jpg", body=buf.getvalue(), delay=delay)
+            image = image_bytes("JPEG", "RGB", (64 + i % 64, 48), (i % 256, (7 * i) % 256, 100), quality=90)
+            server.add(f"/{i}.jpg", body=image, delay=delay)
         ready.put(server.base_url)
         stop.wait()
 
 
 def _download(url_list: Path, output: Path, distributor: str, processes: int, threads: int, shard: int) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "disco_clip_ds.cli",
-        "data",
-        "download",
-        "--preset",
-        "laion400m",
-        "--url_list",
-        str(url_list),
-        "--output",
-        str(output),
-        "--image_size",
-        "64",
-        "--processes",
-        str(processes),
-        "--threads",
-        str(threads),
-        "--samples_per_shard",
-        str(shard),
-        "--distributor",
-        distributor,
-    ]
+    options = dict(
+        image_size=64, processes=processes, threads=threads, samples_per_shard=shard, distributor=distributor
+    )
+    cmd = [sys.executable, "-m", "disco_clip_ds.cli", "data", "download", *download_args(url_list, output, **options)]
     env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "no_proxy": "127.0.0.1,localhost"}
     started, spark_ready, lines = time.perf_counter(), None, []
     with (
@@ -98,10 +74,8 @@ def main() -> None:
     p.add_argument("--samples_per_shard", type=int, default=250)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", nargs="+", default=["1x16", "2x16", "2x32"], help="PROCESSESxTHREADS")
-    p.add_argument("--csv", type=Path, default=ROOT / "bench/results/spark_bench.csv")
+    p.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "spark_bench.csv")
     args = p.parse_args()
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
@@ -111,9 +85,8 @@ def main() -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="spark_bench_") as tmp:
-            url_list = Path(tmp) / "urls.parquet"
-            urls = [f"{base_url}/{i}.jpg" for i in range(args.images)]
-            pq.write_table(pa.table({"URL": urls, "TEXT": [f"image {i}" for i in range(args.images)]}), url_list)
+            urls = [(f"{base_url}/{i}.jpg", f"image {i}") for i in range(args.images)]
+            url_list = write_url_list(Path(tmp) / "urls.parquet", urls)
             for rnd in range(args.rounds):
                 for config in args.configs:
                     processes, threads = map(int, config.split("x"))

@@ -1,6 +1,6 @@
 """Where a gap to open_clip comes from: both training loops on the same batches from the same initial weights.
 
-bench/vs_open_clip.py compares the two stacks end to end, where initial weights, data order and the stacks' loops
+vs_open_clip.py compares the two stacks end to end, where initial weights, data order and the stacks' loops
 all differ at once. This bench removes the first two. For each seed it draws one open_clip initialisation of the
 tiny CLIP (converted to CLIPModel's layout for our side) and fixed batches of 256 from our data stream, then trains
 100 steps in one process, fp32, lr 1e-3, wd 0.1, 10 warmup steps then cosine, clipping at 1.0:
@@ -15,8 +15,8 @@ and reports each final training loss (mean of the last 10 steps) and the loss on
 same stream (another seed). That our model and loop equal the Trainer's is checked elsewhere: a real 1-rank
 `disco_clip_ds.train` run from the same weights logs the same losses as `ours_hf_warmup` on its batches.
 
-Runs in open_clip's virtualenv for the training (see bench/vs_open_clip.py), ours for drawing the batches:
-  .venv/bin/python bench/same_batches.py                     # bench/results/same_batches.csv
+Runs in open_clip's virtualenv for the training (see vs_open_clip.py), ours for drawing the batches:
+  .venv/bin/python bench/vs_open_clip/same_batches.py          # writes results/same_batches.csv
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import csv
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+import vs_open_clip
+
+REPO = vs_open_clip.REPO
 STEPS, BATCH, LR, WD, WARMUP, CLIP_NORM, EVAL_BATCHES = 100, 256, 1e-3, 0.1, 10, 1.0, 10
 CONFIGS = ("open_clip", "ours", "ours_hf_warmup", "ours_2_readers")
 
@@ -58,7 +57,6 @@ def draw_batches(data: Path, seed: int, readers: int, steps: int, out: Path) -> 
 def train(config: str, seed: int, batches_file: str, eval_file: str, model_config: str) -> dict:
     """One configuration in open_clip's virtualenv; returns the training losses and the held-out loss."""
     import torch
-    import vs_open_clip
 
     from disco_clip_ds.optim import warmup_from_first_step, without_clip_no_decay
 
@@ -143,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "same_batches")
-    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results" / "same_batches.csv")
+    parser.add_argument(
+        "--results", type=Path, default=Path(__file__).resolve().parent / "results" / "same_batches.csv"
+    )
     args = parser.parse_args(argv)
 
-    import vs_open_clip
-
-    python = vs_open_clip.ensure_openclip_venv(Path(os.environ.get("OPENCLIP_VENV", REPO / "bench" / ".venv-openclip")))
+    python = vs_open_clip.ensure_openclip_venv(vs_open_clip.OPENCLIP_VENV)
     args.work.mkdir(parents=True, exist_ok=True)
     model_config = args.work / "disco-tiny.json"
     model_config.write_text(

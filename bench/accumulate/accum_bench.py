@@ -14,10 +14,10 @@ optimizer steps at K = 1, 2, 4, 8 in turn (round-robin, --rounds rounds), with t
 the Trainer mixin in a bare DDP loop (the Trainer cannot switch K between steps); `time_vs_k1_interleaved` is the
 median over rounds of each round's per-sample time ratio to K=1's.
 
-    python bench/accum_bench.py [--models tiny small] [--micro 64 16] [--ks 1 2 4 8] [--steps 4] [--ranks 2]
-    python bench/accum_bench.py --timing_only --interleaved [--rounds 6]   # accum_bench_timing.csv
+    python bench/accumulate/accum_bench.py [--models tiny small] [--micro 64 16] [--ks 1 2 4 8] [--steps 4]
+    python bench/accumulate/accum_bench.py --timing_only --interleaved [--rounds 6]   # accum_bench_timing.csv
 
-Prints a table; writes accum_bench.csv to --out (default bench/results).
+Prints a table; writes accum_bench.csv to --out (default bench/accumulate/results).
 """
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ import csv
 import json
 import os
 import resource
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.memory import rss_mib
+from disco_clip_ds.testing.ranks import run_ranks
+
 DS_CONFIG = {  # cpu_zero2.json with small buckets: its 50M-element buckets would dwarf the tiny model's memory
     "train_batch_size": "auto",
     "train_micro_batch_size_per_gpu": "auto",
@@ -78,39 +77,13 @@ class RandomPairs(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _rank(
-    rank: int,
-    world: int,
-    port: int,
-    model_name: str,
-    micro: int,
-    k: int,
-    contrastive: bool,
-    steps: int,
-    out: str,
-    queue,
-):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        DS_ACCELERATOR="cpu",
-        HF_HUB_OFFLINE="1",
-    )
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastive: bool, steps: int, out: str):
     import deepspeed
 
     from disco_clip_ds.modeling import build_model
     from disco_clip_ds.train import DiscoTrainer, DiscoTrainingArguments
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
     torch.manual_seed(0)
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
     args = DiscoTrainingArguments(
@@ -130,29 +103,22 @@ def _rank(
     )
     data = RandomPairs(model.config, micro * k * world * steps, seed=1)
     trainer = DiscoTrainer(model=model, args=args, train_dataset=data)
-    before = _rss_mib()
+    before = rss_mib("VmRSS")
     trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times = [h["step_time_s"] for h in trainer.state.log_history if "step_time_s" in h][1:]
     batch = [h["global_contrastive_batch"] for h in trainer.state.log_history if "global_contrastive_batch" in h][0]
-    queue.put(
-        (
-            rank,
-            {
-                "peak_mib": peak,
-                "train_mib": peak - before,
-                "step_s": statistics.median(times),
-                "contrastive_batch": batch,
-            },
-        )
-    )
     torch.distributed.barrier()
+    return {
+        "peak_mib": peak,
+        "train_mib": peak - before,
+        "step_s": statistics.median(times),
+        "contrastive_batch": batch,
+    }
 
 
-def _interleaved_rank(rank: int, world: int, port: int, model_name: str, micro: int, ks: list, rounds: int, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _interleaved_rank(rank: int, world: int, model_name: str, micro: int, ks: list, rounds: int) -> dict | None:
+    """Rank 0 returns {K: median over rounds of the per-sample time ratio to the first K}."""
     from disco_clip_ds.accumulate import cached_embedding_gradients, surrogate_loss
     from disco_clip_ds.modeling import build_model
 
@@ -189,44 +155,21 @@ def _interleaved_rank(rank: int, world: int, port: int, model_name: str, micro: 
             optimizer.zero_grad()
             if round_:
                 times[k].append((time.perf_counter() - start) / (micro * k * world))
-    if rank == 0:
-        queue.put({k: statistics.median(t / t1 for t, t1 in zip(times[k], times[ks[0]])) for k in ks})
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def _spawn(target, ranks: int, *args):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, ranks, port, *args, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    return procs, queue
+    if rank == 0:
+        return {k: statistics.median(t / t1 for t, t1 in zip(times[k], times[ks[0]])) for k in ks}
+    return None
 
 
 def run(model_name: str, micro: int, k: int, contrastive: bool, steps: int, ranks: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_rank, args=(r, ranks, port, model_name, micro, k, contrastive, steps, out, queue))
-            for r in range(ranks)
-        ]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=3600) for _ in procs)
-        for p in procs:
-            p.join()
+        results = run_ranks(
+            _rank, ranks, model_name, micro, k, contrastive, steps, out, timeout=3600, env={"DS_ACCELERATOR": "cpu"}
+        )
     return {
-        "peak_mib": max(r["peak_mib"] for r in results.values()),
-        "train_mib": max(r["train_mib"] for r in results.values()),
-        "step_s": statistics.median(r["step_s"] for r in results.values()),
+        "peak_mib": max(r["peak_mib"] for r in results),
+        "train_mib": max(r["train_mib"] for r in results),
+        "step_s": statistics.median(r["step_s"] for r in results),
         "contrastive_batch": results[0]["contrastive_batch"],
     }
 
@@ -252,7 +195,7 @@ def main() -> None:
     parser.add_argument(
         "--timing_only", action="store_true", help="only the interleaved timing: accum_bench_timing.csv"
     )
-    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -260,10 +203,9 @@ def main() -> None:
     for name, micro in zip(args.models, args.micro):
         interleaved = {}
         if args.interleaved:
-            procs, queue = _spawn(_interleaved_rank, args.ranks, name, micro, sorted(args.ks), args.rounds)
-            interleaved = queue.get(timeout=3600)
-            for p in procs:
-                p.join()
+            interleaved = run_ranks(
+                _interleaved_rank, args.ranks, name, micro, sorted(args.ks), args.rounds, timeout=3600
+            )[0]
             print(name, "interleaved per-sample time vs K=1:", interleaved, flush=True)
         if args.timing_only:
             rows += [

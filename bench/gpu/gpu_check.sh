@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # The GPU check: one prepared run on one H200 in at most 8 minutes (part limits: 15 + 40 + 2 x 120 + 150 s,
 # plus 5 s grace each = 470 s). Every part writes its CSV (and log) under
-# $OUT (default bench/results/gpu) and runs under its own time limit, so a part that fails or overruns leaves the
+# $OUT (default bench/gpu/results/gpu) and runs under its own time limit, so a part that fails or overruns leaves the
 # others' results and the total stays under 8 minutes; $OUT/parts.csv says how each part ended.
 #   env        nvidia-smi and library versions                                        (env.txt)
 #   infcl      pip install of Inf-CL's PyPI package `inf-cl` into a scratch folder; the machine may have no
 #              internet (or pass INF_CL_WHEELS=folder-with-the-wheel): then Inf-CL is left out of the loss parts
-#   loss_bf16  bench/loss_bench.py --device cuda --world 1: disco, [infcl,] tiled from B = 32K doubling while a
+#   loss_bf16  bench/loss/loss_bench.py --device cuda --world 1: disco, [infcl,] tiled from B = 32K doubling while a
 #   loss_fp32  configuration fits the GPU and its time limit (an OOM or timeout at one B skips the larger ones)
-#   step       bench/gpu_step.py: ViT-B/32 bf16 DeepSpeed ZeRO-2 steps at 1024 and 4096 per GPU (activation
+#   step       bench/gpu/gpu_step.py: ViT-B/32 bf16 DeepSpeed ZeRO-2 steps at 1024 and 4096 per GPU (activation
 #              checkpointing, tiled loss): samples/s and peak memory against `disco-clip plan`'s estimate
 #
-#   bash bench/gpu_check.sh                 # on the GPU machine (PYTHON=... to pick the interpreter)
-#   bash bench/gpu_check.sh --cpu-smoke     # tiny sizes on CPU: every part and code path above, no GPU needed
+#   bash bench/gpu/gpu_check.sh             # on the GPU machine (PYTHON=... to pick the interpreter)
+#   bash bench/gpu/gpu_check.sh --cpu-smoke # tiny sizes on CPU: every part and code path above, no GPU needed
 set -u
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu}
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-bench/gpu/results/gpu}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
+# The GPU machine's interpreter need not have this checkout installed: PYTHONPATH makes disco_clip_ds importable.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 
@@ -74,12 +75,12 @@ fi
 
 for dtype in bf16 fp32; do
   # shellcheck disable=SC2086  # word splitting of the lists is meant
-  part "loss_$dtype" "$LOSS_LIMIT" "$PY" bench/loss_bench.py --device "$DEVICE" --world 1 --batch $LOSS_BATCH \
+  part "loss_$dtype" "$LOSS_LIMIT" "$PY" bench/loss/loss_bench.py --device "$DEVICE" --world 1 --batch $LOSS_BATCH \
     --dtype "$dtype" --impl $IMPLS --reps 1 --timeout "$LOSS_CONFIG_LIMIT" ${LOSS_CHUNK:+--chunk_size "$LOSS_CHUNK"} \
     --out "$OUT/loss_$dtype.csv"
 done
 
-part step "$STEP_LIMIT" "$PY" bench/gpu_step.py --device "$DEVICE" "${STEP_ARGS[@]}" --out "$OUT/step.csv"
+part step "$STEP_LIMIT" "$PY" bench/gpu/gpu_step.py --device "$DEVICE" "${STEP_ARGS[@]}" --out "$OUT/step.csv"
 
 for f in "$OUT"/parts.csv "$OUT"/loss_*.csv "$OUT"/step.csv; do
   [ -f "$f" ] && { echo "== $f"; cat "$f"; }

@@ -1,6 +1,6 @@
 """Largest global contrastive batch that fits vs GPU count, per loss, for 40 GB and 80 GB GPUs (planner only).
 
-    python bench/plan_plot.py      # writes bench/results/plan_max_batch.csv and .png (seconds, no GPU)
+    python bench/plan/plan_plot.py      # writes bench/plan/results/plan_max_batch.csv and .png (seconds, no GPU)
 
 Settings are the paper configs' (ds_configs/vit_b32_32k_8gpu.json: bf16, ZeRO-2, fp32 gradient reduction,
 25M-element buckets with overlap_comm), ViT-B/32, AdamW, activation checkpointing on, 2 GiB framework overhead.
@@ -9,12 +9,11 @@ Settings are the paper configs' (ds_configs/vit_b32_32k_8gpu.json: bf16, ZeRO-2,
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from disco_clip_ds import plan as P  # noqa: E402
+from disco_clip_ds import plan as P
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -40,7 +39,7 @@ def main() -> None:
                         "max_global_batch": micro * n,
                     }
                 )
-    out = ROOT / "bench/results/plan_max_batch.csv"
+    out = ROOT / "bench/plan/results/plan_max_batch.csv"
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -4,9 +4,9 @@ signals it gets, then "saves" for SAVE_S seconds and exits 75, as a preempted tr
 For each launcher (deepspeed, torchrun, torchrun with TORCHELASTIC_SIGNALS_TO_HANDLE including SIGUSR1,
 accelerate) and each of {SIGTERM, SIGUSR1} sent {to the launcher alone, to the whole process group}: did the
 ranks get the signal, did they finish their save, were ranks left running, the launcher's exit code. Writes
-bench/results/launcher_signals.csv.
+bench/train/results/launcher_signals.csv.
 
-    .venv/bin/python bench/launcher_signals.py [LAUNCHER ...]   (a subset goes to launcher_signals_LAUNCHER.csv)
+    .venv/bin/python bench/train/launcher_signals.py [LAUNCHER ...]   (a subset goes to launcher_signals_LAUNCHER.csv)
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import free_port
+
 BIN = Path(sys.executable).parent
 SAVE_S = 5
 
@@ -117,17 +119,15 @@ def trial(launcher: str, sig: signal.Signals, target: str, tmp: Path, port: int)
 
 def main() -> None:
     rows = []
-    port = 29700
     with tempfile.TemporaryDirectory() as tmp:
         for launcher in sys.argv[1:] or ("deepspeed", "torchrun", "torchrun_usr1", "accelerate"):
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 for target in ("launcher", "group"):
-                    port += 1
-                    rows.append(trial(launcher, sig, target, Path(tmp), port))
+                    rows.append(trial(launcher, sig, target, Path(tmp), free_port()))
                     print(rows[-1], flush=True)
     out = (
-        REPO
-        / "bench/results"
+        Path(__file__).parent
+        / "results"
         / ("launcher_signals.csv" if len(sys.argv) == 1 else f"launcher_signals_{'_'.join(sys.argv[1:])}.csv")
     )
     with open(out, "w", newline="") as f:

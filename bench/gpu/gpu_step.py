@@ -8,8 +8,8 @@ the two numbers describe one setting. Peak memory: torch.cuda.max_memory_allocat
 (what the planner's terms count; the planner adds --overhead_gb for the CUDA context and allocator, shown apart),
 peak RSS growth from before the model was built on CPU.
 
-    python bench/gpu_step.py --model recipes/models/vit_b32.json --per_device 1024 4096 --device cuda \
-        --deepspeed ds_configs/vit_b32_32k_8gpu.json --activation_checkpointing --out bench/results/gpu/step.csv
+    python bench/gpu/gpu_step.py --model recipes/models/vit_b32.json --per_device 1024 4096 --device cuda \
+        --deepspeed ds_configs/vit_b32_32k_8gpu.json --activation_checkpointing --out bench/gpu/results/gpu/step.csv
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import argparse
 import csv
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
+from disco_clip_ds.testing.ranks import free_port
+
 FIELDS = [
     "model",
     "device",
@@ -46,11 +48,6 @@ FIELDS = [
 ]
 
 
-def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
 def _batch(config, per_device: int, dtype, device) -> dict:
     import torch
 
@@ -66,10 +63,7 @@ def point(args, per_device: int, ds_path: Path) -> dict:
     import torch
 
     cuda = args.device == "cuda"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if not cuda:
         os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
@@ -77,10 +71,7 @@ def point(args, per_device: int, ds_path: Path) -> dict:
     from disco_clip_ds.modeling import build_model
 
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
-    if not cuda:
-        with open("/proc/self/clear_refs", "w") as f:  # "5": peak RSS := current RSS, after the imports
-            f.write("5")
-    base = _rss_mib("VmRSS")
+    base = reset_peak_rss() if not cuda else rss_mib("VmRSS")  # on CPU the peak counts from here, after the imports
     torch.manual_seed(0)
     model = build_model(model_config=args.model, loss_impl=args.loss_impl)
     if args.activation_checkpointing:
@@ -104,7 +95,7 @@ def point(args, per_device: int, ds_path: Path) -> dict:
     if cuda:
         alloc, reserved = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
     else:
-        alloc, reserved = _rss_mib("VmHWM") - base, float("nan")
+        alloc, reserved = rss_mib("VmHWM") - base, float("nan")
     step_s = statistics.median(times)
     return {
         "step_s": round(step_s, 4),
@@ -172,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600, help="seconds per point (a fresh process each)")
-    p.add_argument("--out", default="bench/results/gpu/step.csv")
+    p.add_argument("--out", default="bench/gpu/results/gpu/step.csv")
     p.add_argument("--_point", type=int, help=argparse.SUPPRESS)  # internal: measure one point, print JSON
     args = p.parse_args(argv)
     if args.device == "cpu" and args.precision == "bf16":
@@ -181,7 +172,7 @@ def main(argv=None) -> int:
         print(json.dumps(point(args, args._point, _ds_config(args, args._point))), flush=True)
         return 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # freed large blocks go back: RSS tracks tensors
+    env = {**os.environ, **mmap_threshold_env(1 << 20)}  # freed large blocks go back: RSS tracks tensors
     rows = []
     for per_device in args.per_device:
         row = {

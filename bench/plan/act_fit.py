@@ -1,8 +1,8 @@
 """Fit the planner's activation-memory coefficients from measured CPU peaks of real CLIPModels.
 
-    python bench/act_fit.py            # ~8 min on 2 busy cores; writes disco_clip_ds/activation_fit.json
+    python bench/plan/act_fit.py       # ~8 min on 2 busy cores; writes disco_clip_ds/activation_fit.json
 
-Every (model, batch, checkpointing) point runs bench/measure_memory.py in a fresh process (forward+backward,
+Every (model, batch, checkpointing) point runs bench/loss/measure_memory.py in a fresh process (forward+backward,
 fp32, sdpa attention). Two batch sizes per model give the per-sample slope, free of fixed costs. The slope is
 modelled per encoder tower t (L layers, s tokens, width h, MLP width m) in activation elements per sample:
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from disco_clip_ds.plan import FIT_FILE, ModelShape  # noqa: E402
+from disco_clip_ds.plan import FIT_FILE, ModelShape
+
+ROOT = Path(__file__).resolve().parents[2]
 
 VIT_B32 = ROOT / "recipes/models/vit_b32.json"
 # (name, overrides for both towers, vision overrides, batches without / with checkpointing)
@@ -68,7 +68,7 @@ def _write_config(name: str, both: dict, vision: dict, folder: Path) -> Path:
 
 
 def _measure(path: Path, batch: int, checkpointing: bool) -> float:
-    cmd = [sys.executable, str(ROOT / "bench/measure_memory.py"), "--model", str(path), "--batch", str(batch)]
+    cmd = [sys.executable, str(ROOT / "bench/loss/measure_memory.py"), "--model", str(path), "--batch", str(batch)]
     cmd += ["--activation_checkpointing"] if checkpointing else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20
@@ -123,10 +123,11 @@ def main() -> None:
     FIT_FILE.write_text(
         json.dumps(
             {
-                "command": "python bench/act_fit.py",
+                "command": "python bench/plan/act_fit.py",
                 "what": "activation elements per sample = alpha*sum L*s*h + beta*sum L*s*m + eps*sum s*h "
                 "(no checkpointing); "
-                "delta*sum L*s*h + eps*sum s*h + max_tower(alpha*s*h + beta*s*m) (checkpointing); see bench/act_fit.py",
+                "delta*sum L*s*h + eps*sum s*h + max_tower(alpha*s*h + beta*s*m) (checkpointing); "
+                "see bench/plan/act_fit.py",
                 "measured_on": "CPU, fp32, torch %s, transformers %s, sdpa attention" % _versions(),
                 "coefficients": fit,
                 "points": rows,

@@ -8,15 +8,16 @@ Ours runs as recipes/quickstart.sh does (DeepSpeed ZeRO-2, tiled loss); open_cli
 `disco-clip eval` on the demo eval split (open_clip's weights converted to CLIPModel's layout, the conversion checked
 against open_clip's own encoders), with the same tokenizer and image processor.
 
-open_clip is a bench-only tool in its own virtualenv (default bench/.venv-openclip, OPENCLIP_VENV to override),
-never a dependency of the package. On CPU it needs two things that this script supplies at run time:
+open_clip is a bench-only tool in its own virtualenv (default bench/vs_open_clip/.venv-openclip, OPENCLIP_VENV to
+override), never a dependency of the package; this file runs in both (its open_clip side imports nothing of ours).
+On CPU open_clip needs two things that this script supplies at run time:
 - the registry's torchvision 0.28.0 is a CUDA build whose compiled ops cannot load against the CPU torch, and its
   fake-kernel registrations then fail on missing op schemas: we declare the two schemas (no kernels) before import;
   open_clip only uses torchvision's PIL transforms;
 - open_clip_train wraps the model in DDP with `device_ids=[device]`, which DDP refuses for a CPU module: we drop it.
 
-  .venv/bin/python bench/vs_open_clip.py                 # writes bench/results/vs_open_clip{,_curves}.csv, .png
-  .venv/bin/python bench/vs_open_clip.py --seeds 0 --steps 5 --out /tmp/vs   # a smoke run
+  .venv/bin/python bench/vs_open_clip/vs_open_clip.py      # writes results/vs_open_clip{,_curves}.csv and .png
+  .venv/bin/python bench/vs_open_clip/vs_open_clip.py --seeds 0 --steps 5 --out /tmp/vs --results /tmp/vs  # smoke run
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+OPENCLIP_VENV = Path(os.environ.get("OPENCLIP_VENV", Path(__file__).resolve().parent / ".venv-openclip"))
 OPENCLIP_VERSION = "3.3.0"
 TORCH_VERSION = "2.13.0"
 TORCHVISION_VERSION = "0.28.0"  # the release paired with torch 2.13; a CUDA build on the registry (see above)
@@ -224,13 +226,11 @@ def ensure_openclip_venv(venv: Path) -> Path:
 
 
 def _env() -> dict:
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        NO_ALBUMENTATIONS_UPDATE="1",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS="1",
-    )
+    """Our launches' environment (one thread per rank, offline), with this checkout importable in open_clip's
+    virtualenv too (same_batches.py trains there with disco_clip_ds.optim)."""
+    from disco_clip_ds.testing.launch import train_env
+
+    env = train_env(NO_ALBUMENTATIONS_UPDATE="1")
     # DeepSpeed JIT-builds its CPU shared-memory comm op into torch's extension cache, one folder for every venv on
     # the machine: another venv's build of it holds the lock (and rebuilds it for its own paths). Use our own.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / "outputs" / "torch_extensions"))
@@ -247,17 +247,12 @@ def _timed(cmd: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_ours(seed: int, steps: int, data: Path, out: Path, port: int) -> dict:
-    bin_dir = Path(sys.executable).parent
+def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
+    from disco_clip_ds.testing.launch import train_command
+
     wall = _timed(
         [
-            str(bin_dir / "deepspeed"),
-            "--num_gpus",
-            str(NPROC),
-            "--master_port",
-            str(port),
-            "--module",
-            "disco_clip_ds.train",
+            *train_command("deepspeed", NPROC),
             "--deepspeed",
             "ds_configs/cpu_zero2.json",
             "--train_shards",
@@ -310,8 +305,10 @@ def run_ours(seed: int, steps: int, data: Path, out: Path, port: int) -> dict:
 
 
 def run_open_clip(
-    python: Path, seed: int, steps: int, data: Path, out: Path, port: int, model_config: Path, ours_model: Path
+    python: Path, seed: int, steps: int, data: Path, out: Path, model_config: Path, ours_model: Path
 ) -> dict:
+    from disco_clip_ds.testing.ranks import free_port
+
     shards = sorted((data / "train").glob("*.tar"))
     first, last = shards[0].stem, shards[-1].stem
     name = model_config.stem
@@ -381,7 +378,7 @@ def run_open_clip(
             "--nproc_per_node",
             str(NPROC),
             "--master_port",
-            str(port),
+            str(free_port()),
             __file__,
             "oc-train",
             str(out / "open_clip_args.json"),
@@ -455,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "vs_open_clip")
-    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
 
-    python = ensure_openclip_venv(Path(os.environ.get("OPENCLIP_VENV", REPO / "bench" / ".venv-openclip")))
+    python = ensure_openclip_venv(OPENCLIP_VENV)
     if not (args.data / "train" / "sizes.json").exists():
         subprocess.run(
             [str(Path(sys.executable).parent / "disco-clip"), "data", "demo", "--output", str(args.data)],
@@ -478,10 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows, curves = [], []
     for seed in args.seeds:  # alternate the stacks, so machine load hits both alike
-        port = 20000 + (os.getpid() * 7 + seed * 2) % 20000  # away from other jobs' fixed ports on a shared machine
-        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}", port)
+        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}")
         theirs = run_open_clip(
-            python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", port + 1, model_config, ours["model"]
+            python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", model_config, ours["model"]
         )
         for stack, run in (("ours", ours), ("open_clip", theirs)):
             metrics = zeroshot(run["model"], args.data)

@@ -1,6 +1,6 @@
 """Measure the CPU peak memory of one CLIPModel training step, in a fresh process.
 
-    python bench/measure_memory.py --model recipes/models/vit_b32.json --batch 8 [--activation_checkpointing]
+    python bench/loss/measure_memory.py --model recipes/models/vit_b32.json --batch 8 [--activation_checkpointing]
         [--mode fwdbwd|train]
 
 Prints one JSON line. The number is peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs)
@@ -10,10 +10,11 @@ RSS then tracks what torch holds instead of what the allocator keeps cached.
 
 - fwdbwd: model and (persistent) gradients exist before the region; the region is one forward+backward at
   --batch with the model's own contrastive loss. Its delta is the activation memory (plus the B x B loss,
-  negligible at these batch sizes); bench/act_fit.py fits per-sample coefficients on it.
+  negligible at these batch sizes); bench/plan/act_fit.py fits per-sample coefficients on it.
 - train: the region starts after the imports, before the model is built; it covers building the model and
   two AdamW steps at --batch, gradients kept allocated between steps as DeepSpeed's ZeRO buffers are. This is
-  the whole-step peak the planner's world-size-1 fp32 estimate is checked against (tests/test_plan.py).
+  the whole-step peak the planner's world-size-1 fp32 estimate is checked against (tests/test_plan.py,
+  bench/plan/plan_check.py).
 """
 
 from __future__ import annotations
@@ -21,22 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
-MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
+from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
 
-
-def _mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) / 1024
-
-
-def _reset_peak() -> float:
-    """Reset the peak-RSS watermark to the current RSS and return it (MiB)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _mib("VmRSS")
+MMAP_ENV = mmap_threshold_env(65536)
 
 
 def _inputs(config, batch: int, dtype):
@@ -60,13 +50,13 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = CLIPConfig.from_json_file(model_path)
-    base = _reset_peak()
+    base = reset_peak_rss()
     model = CLIPModel(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if mode == "fwdbwd":
         _step(model, config, 1)  # materialise gradients and lazy buffers outside the region
-        base = _reset_peak()
+        base = reset_peak_rss()
         _step(model, config, batch)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -74,7 +64,7 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
             optimizer.zero_grad(set_to_none=False)
             _step(model, config, batch)
             optimizer.step()
-    peak = _mib("VmHWM")
+    peak = rss_mib("VmHWM")
     return {
         "model": model_path,
         "batch": batch,
@@ -101,10 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         help="weights, inputs and activations (bf16: checks the planner's halving)",
     )
     args = parser.parse_args(argv)
-    if os.environ.get(MMAP_ENV) != "65536":  # must be set before the process starts: re-exec with it
-        os.execve(
-            sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, MMAP_ENV: "65536"}
-        )
+    if MMAP_ENV.items() - os.environ.items():  # glibc reads it when the process starts: re-exec with it
+        os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, **MMAP_ENV})
     print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype)))
 
 

@@ -2,7 +2,7 @@
 
 Too heavy for the test suite (master, worker, executor and driver JVMs); run by hand:
 
-    .venv/bin/python bench/spark_standalone_check.py
+    .venv/bin/python bench/data/spark_standalone_check.py
 
 Starts the master and worker from this venv's pyspark (`spark-class`, as data_prep/relaion2b_spark.sh does
 on a cluster), downloads the same loopback input with the multiprocessing path and with
@@ -13,32 +13,22 @@ trickling image was cut by the deadline inside the executor. Stops both daemons 
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from disco_clip_ds.testing.download import download_args, write_url_list
+from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.imageserver import ImageServer
+from disco_clip_ds.testing.ranks import free_port
 
 
 def _image(i: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (40 + i, 30), (10 * i % 256, 80, 200)).save(buf, "JPEG")
-    return buf.getvalue()
+    return image_bytes("JPEG", "RGB", (40 + i, 30), (10 * i % 256, 80, 200))
 
 
 def _wait_for(path: Path, text: str, seconds: float) -> None:
@@ -51,16 +41,12 @@ def _wait_for(path: Path, text: str, seconds: float) -> None:
 
 
 def main() -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     import pyspark
 
     from disco_clip_ds.data import prep
 
-    from imageserver import ImageServer
-
     tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
-    port = _free_port()
+    port = free_port()
     master_url = f"spark://127.0.0.1:{port}"
     # spark-class finds Spark through the Python that has pyspark; executors' Python workers use PYSPARK_PYTHON
     env = {
@@ -85,7 +71,7 @@ def main() -> int:
                         "--port",
                         str(port),
                         "--webui-port",
-                        str(_free_port()),
+                        str(free_port()),
                     ],
                     env=env,
                     stdout=log,
@@ -104,7 +90,7 @@ def main() -> int:
                         "--memory",
                         "2G",
                         "--webui-port",
-                        str(_free_port()),
+                        str(free_port()),
                         master_url,
                     ],
                     env=env,
@@ -118,28 +104,12 @@ def main() -> int:
             rows = [(server.add(f"/{i}.jpg", body=_image(i)), f"image {i}") for i in range(10)]
             rows.append((server.add("/trickle.jpg", body=_image(99) * 40, trickle=0.2), "trickles"))
             rows.append((server.add("/gone.jpg", status=404), "gone"))
-            url_list = tmp / "urls.parquet"
-            pq.write_table(pa.table({"URL": [u for u, _ in rows], "TEXT": [c for _, c in rows]}), url_list)
-            base = [
-                "--preset",
-                "laion400m",
-                "--url_list",
-                str(url_list),
-                "--image_size",
-                "32",
-                "--threads",
-                "4",
-                "--samples_per_shard",
-                "4",
-                "--timeout",
-                "2",
-                "--max_download_seconds",
-                "3",
-            ]
-            assert prep.download_main([*base, "--output", str(tmp / "mp"), "--processes", "2"]) == 0
+            url_list = write_url_list(tmp / "urls.parquet", rows)
+            options = dict(image_size=32, threads=4, samples_per_shard=4, timeout=2, max_download_seconds=3)
+            assert prep.download_main(download_args(url_list, tmp / "mp", **options, processes=2)) == 0
             started = time.monotonic()
             rc = prep.download_main(
-                [*base, "--output", str(tmp / "cluster"), "--distributor", "pyspark", "--spark_master", master_url]
+                download_args(url_list, tmp / "cluster", **options, distributor="pyspark", spark_master=master_url)
             )
             seconds = time.monotonic() - started
         assert rc == 0, rc

@@ -1,7 +1,7 @@
 """Per-rank peak extra memory, forward+backward time and wire bytes of the CLIP loss, impls side by side.
 
 Impls: naive (open_clip's default), disco (the paper), twoblock (this repo's earlier tiled loss, kept here as
-the baseline: two b x B blocks per rank, both modalities gathered), tiled (disco_clip_ds.loss: one block) and,
+the baseline: two b x B blocks per rank, both modalities gathered), tiled (disco_clip_ds.losses: one block) and,
 on request, infcl (Inf-CL's `inf-cl` package: Triton kernels, CUDA only, each direction separately).
 Each (world, batch, impl) runs in `world` freshly spawned ranks (gloo on CPU, NCCL on one or more GPUs), so
 memory peaks never mix; with --rounds R the impls run interleaved (A, B, C, A, B, C, ...) so that drift in a
@@ -9,7 +9,7 @@ shared machine's speed hits them alike, and `time_vs_tiled` is the median over r
 On CPU each rank gets a data-segment limit (RLIMIT_DATA): an impl that needs more fails its allocation and is
 recorded as OOM instead of waking the kernel's OOM killer. Writes a CSV and a log-log PNG of memory vs batch.
 
-    python bench/loss_bench.py --world 4 --batch 4096 8192 16384 32768      # or: disco-clip bench loss ...
+    python bench/loss/loss_bench.py --world 4 --batch 4096 8192 16384 32768    # or: disco-clip bench loss ...
 """
 
 from __future__ import annotations
@@ -17,84 +17,22 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
-from disco_clip_ds import BENCH_LOSS_IMPLS as IMPLS  # tiled last: ratios are to it
+from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib, rss_mib
+from disco_clip_ds.testing.ranks import RanksFailed, run_ranks
+from disco_clip_ds.testing.wire import WireBytes
 
-CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
-
-FIELDS = [
-    "impl",
-    "world",
-    "batch",
-    "dim",
-    "dtype",
-    "device",
-    "peak_extra_mib",
-    "time_ms",
-    "wire_mib",
-    "time_vs_tiled",
-    "rounds_ms",
-    "status",
-]
-
-
-class WireBytes:
-    """Counts the bytes this rank sends through torch.distributed collectives while active.
-
-    Ring algorithms (what NCCL and gloo use for large tensors): an all-gather sends (N-1) input-sized pieces, a
-    reduce-scatter (N-1) output-sized pieces, an all-reduce 2 (N-1)/N of the tensor. Calls made inside a
-    counted call (a deprecated name forwarding to its new one) are not counted again.
-    """
-
-    RULES: ClassVar[dict] = {
-        "all_gather_single": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
-        "all_gather_into_tensor": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
-        "all_gather": lambda n, out, inp: (n - 1) * inp.nelement() * inp.element_size(),
-        "reduce_scatter_single": lambda n, out, inp: (n - 1) * out.nelement() * out.element_size(),
-        "reduce_scatter_tensor": lambda n, out, inp: (n - 1) * out.nelement() * out.element_size(),
-        "all_reduce": lambda n, t, *_: 2 * (n - 1) / n * t.nelement() * t.element_size(),
-    }
-
-    def __init__(self):
-        self.total, self.calls, self._saved, self._depth = 0.0, [], {}, 0
-
-    def __enter__(self):
-        for name, rule in self.RULES.items():
-            if hasattr(dist, name):
-                self._saved[name] = original = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, rule, original))
-        return self
-
-    def _wrap(self, name, rule, original):
-        def counted(*args, **kwargs):
-            if self._depth == 0:
-                nbytes = rule(dist.get_world_size(kwargs.get("group")), *args[:2])
-                self.total += nbytes
-                self.calls.append((name, nbytes))
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved = {}
+# The losses compared by default: the bench-only baselines naive (open_clip's default) and twoblock (this repo's
+# earlier tiled loss), and the package's disco and tiled; tiled last: ratios are to it.
+IMPLS = ("naive", "disco", "twoblock", "tiled")
 
 
 def naive_loss(image, text, scale, group=None):
@@ -134,14 +72,16 @@ def twoblock_loss(image, text, scale, chunk_size=None, group=None):
     Both modalities gathered; per direction, row tiles of the rank's b x B block against all keys, each tile's
     gradient accumulated in the same pass as its log-sum-exp (3 matmuls per tile, 6 b x B x d per rank).
     """
-    from disco_clip_ds import loss as L
+    from disco_clip_ds.losses import default_chunk_size, gather_features
+    from disco_clip_ds.losses.comm import rank_and_world
+    from disco_clip_ds.losses.softmax import _check_inputs
 
-    sizes = L._check_inputs(image, text, scale, group)
-    world, total = L._world(group)[1], sum(sizes)
+    sizes = _check_inputs(image, text, scale, group)
+    world, total = rank_and_world(group)[1], sum(sizes)
     with torch.autocast(device_type=image.device.type, enabled=False):
         scale = torch.as_tensor(scale, device=image.device).float()
-        all_images, all_texts = L.gather_features(image, text, sizes=sizes, group=group)
-        chunk = chunk_size or L.default_chunk_size(total)
+        all_images, all_texts = gather_features(image, text, sizes=sizes, group=group)
+        chunk = chunk_size or default_chunk_size(total)
         lse_sum = _TwoBlockLSE.apply(image, all_texts, scale, chunk) + _TwoBlockLSE.apply(
             text, all_images, scale, chunk
         )
@@ -179,143 +119,113 @@ class _TwoBlockLSE(torch.autograd.Function):
         return (*(g.mul_(grad_total).to(dt) for g, dt in zip(ctx.grads, ctx.dtypes)), None)
 
 
-def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
+
+FIELDS = [
+    "impl",
+    "world",
+    "batch",
+    "dim",
+    "dtype",
+    "device",
+    "peak_extra_mib",
+    "time_ms",
+    "wire_mib",
+    "time_vs_tiled",
+    "rounds_ms",
+    "status",
+]
 
 
 def _limit_memory(extra_gib: float):
     """Cap this process's data segment at its current size plus `extra_gib`."""
     import resource
 
-    limit = int((_rss_mib("VmData") / 1024 + extra_gib) * 2**30)
+    limit = int((rss_mib("VmData") / 1024 + extra_gib) * 2**30)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def _is_oom(err: BaseException) -> bool:
-    text = f"{type(err).__name__}: {err}"
-    return isinstance(err, MemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text
+def _status(failed: RanksFailed) -> str:
+    """The CSV status of a failed configuration: OOM when any rank ran out of memory, else the first error."""
+    first_lines = [message.splitlines()[0] for message in failed.errors.values()]
+    for line in first_lines:
+        if line.startswith("died with exit code"):
+            return "killed (OOM killer?)"
+        if line.startswith("MemoryError") or "out of memory" in line.lower() or "can't allocate memory" in line:
+            return "OOM"
+    return f"error: {first_lines[0]}"[:300]
 
 
-def _rank_main(rank, world, port, cfg, results):
-    import torch
-    import torch.distributed as dist
+def _rank_main(rank, world, cfg):
+    """One configuration on this rank: (peak extra MiB of the first call, median ms, bytes sent)."""
+    from disco_clip_ds.losses import DiscoClipLoss
 
-    from disco_clip_ds.loss import DiscoClipLoss
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = cfg["device"] == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
+    b = cfg["batch"] // world
+    gen = torch.Generator(device=device).manual_seed(rank)
+    make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)
+    image, text = make().to(dtype).requires_grad_(), make().to(dtype).requires_grad_()
+    log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
+    if cfg["impl"] == "naive":
+        loss_fn = naive_loss
+    elif cfg["impl"] == "infcl":
+        loss_fn = infcl_loss
+    elif cfg["impl"] == "twoblock":
+        loss_fn = lambda i, t, s: twoblock_loss(i, t, s, chunk_size=cfg["chunk_size"])
     else:
-        torch.set_num_threads(max(1, cfg["threads"] // world))
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    try:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
-        b = cfg["batch"] // world
-        gen = torch.Generator(device=device).manual_seed(rank)
-        make = lambda: torch.nn.functional.normalize(torch.randn(b, cfg["dim"], device=device, generator=gen), dim=1)
-        image, text = make().to(dtype).requires_grad_(), make().to(dtype).requires_grad_()
-        log_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
-        if cfg["impl"] == "naive":
-            loss_fn = naive_loss
-        elif cfg["impl"] == "infcl":
-            loss_fn = infcl_loss
-        elif cfg["impl"] == "twoblock":
-            loss_fn = lambda i, t, s: twoblock_loss(i, t, s, chunk_size=cfg["chunk_size"])
-        else:
-            loss_fn = DiscoClipLoss(cfg["impl"], chunk_size=cfg["chunk_size"])
+        loss_fn = DiscoClipLoss(cfg["impl"], chunk_size=cfg["chunk_size"])
 
-        def step():
-            loss_fn(image, text, log_scale.exp()).backward()
-            image.grad = text.grad = log_scale.grad = None
+    def step():
+        loss_fn(image, text, log_scale.exp()).backward()
+        image.grad = text.grad = log_scale.grad = None
 
-        # Warm up on a few rows: thread pools, kernels and communicator buffers are set up once per process.
-        warm = [t[:8].detach().requires_grad_() for t in (image, text)]
-        loss_fn(*warm, log_scale.exp()).backward()
-        if not cuda and cfg["mem_limit_gib"]:
-            _limit_memory(cfg["mem_limit_gib"])
+    # Warm up on a few rows: thread pools, kernels and communicator buffers are set up once per process.
+    warm = [t[:8].detach().requires_grad_() for t in (image, text)]
+    loss_fn(*warm, log_scale.exp()).backward()
+    if not cuda and cfg["mem_limit_gib"]:
+        _limit_memory(cfg["mem_limit_gib"])
+    start = time.perf_counter()
+    with WireBytes() as wire:
+        peak = peak_extra_mib(step, device)  # the first call: cold caches
+    times = [time.perf_counter() - start] if cfg["reps"] == 0 else []  # with no reps, the cold call's time
+    for _ in range(cfg["reps"]):
+        dist.barrier()
         start = time.perf_counter()
-        with WireBytes() as wire:
-            peak = _measure_peak(step, device)
-        times = [time.perf_counter() - start] if cfg["reps"] == 0 else []  # with no reps, the cold call's time
-        for _ in range(cfg["reps"]):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        results.put((rank, "ok", peak, statistics.median(times) * 1000, wire.total))
-    except BaseException as err:  # noqa: BLE001 - the parent records it and stops the other ranks
-        results.put((rank, "OOM" if _is_oom(err) else f"error: {type(err).__name__}: {err}"[:300], None, None, None))
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure_peak(step, device) -> float:
-    """Peak memory above the steady state during one forward+backward, in MiB (the first call: cold caches)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
         step()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = _rss_mib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak RSS (VmHWM) to the current RSS
-        f.write("5")
-    step()
-    return _rss_mib("VmHWM") - base
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return peak, statistics.median(times) * 1000, wire.total
 
 
 def run_config(cfg: dict, timeout: float) -> dict:
     """One (impl, world, batch) in fresh ranks; returns a CSV row. Peak is the max over ranks, time the max median."""
-    # A fixed mmap threshold makes glibc return every large freed block to the OS, so RSS tracks live tensors.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, cfg["world"], port, cfg, results)) for r in range(cfg["world"])]
-    for p in procs:
-        p.start()
-    outcomes, status = [], "ok"
-    deadline = time.monotonic() + timeout
-    while len(outcomes) < cfg["world"]:
-        try:
-            outcome = results.get(timeout=max(1.0, deadline - time.monotonic()))
-        except queue.Empty:
-            status = "timeout"
-            break
-        if outcome[1] != "ok":  # one rank failed: the others would wait forever in a collective
-            status = outcome[1]
-            break
-        if not all(p.is_alive() or p.exitcode == 0 for p in procs):
-            status = "killed (OOM killer?)"
-            break
-        outcomes.append(outcome)
-    for p in procs:
-        p.join(timeout=1 if status != "ok" else 30)
-        if p.is_alive():
-            p.kill()
-            p.join()
     row = {k: cfg[k] for k in ("impl", "world", "batch", "dim", "dtype", "device")}
-    ok = status == "ok"
-    row.update(
-        peak_extra_mib=round(max(o[2] for o in outcomes), 1) if ok else "",
-        time_ms=round(max(o[3] for o in outcomes), 1) if ok else "",
-        wire_mib=round(max(o[4] for o in outcomes) / 2**20, 3) if ok else "",
-        status=status,
+    try:
+        outcomes = run_ranks(
+            _rank_main,
+            cfg["world"],
+            cfg,
+            timeout=timeout,
+            backend="nccl" if cfg["device"] == "cuda" else "gloo",
+            threads=max(1, cfg["threads"] // cfg["world"]),
+            # every large freed block goes back to the OS, so that RSS tracks live tensors
+            env=mmap_threshold_env(1 << 20),
+            grace=1.0,  # one rank failed: the others would wait forever in a collective
+        )
+    except RanksFailed as failed:
+        return dict(row, peak_extra_mib="", time_ms="", wire_mib="", status=_status(failed))
+    except TimeoutError:
+        return dict(row, peak_extra_mib="", time_ms="", wire_mib="", status="timeout")
+    return dict(
+        row,
+        peak_extra_mib=round(max(o[0] for o in outcomes), 1),
+        time_ms=round(max(o[1] for o in outcomes), 1),
+        wire_mib=round(max(o[2] for o in outcomes) / 2**20, 3),
+        status="ok",
     )
-    return row
 
 
 def plot(rows: list[dict], path: Path):
@@ -385,7 +295,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument(
-        "--out", default="bench/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)"
+        "--out", default="bench/loss/results/loss_bench_cpu.csv", help="CSV path (a PNG plot is written beside it)"
     )
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from the CSV at --out")
     p.add_argument(

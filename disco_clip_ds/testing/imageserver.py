@@ -1,4 +1,5 @@
-"""A loopback HTTP server for download tests: good images, error codes, hangs, trickles, corrupt files.
+"""A loopback HTTP server for download tests and benchmarks: good images, error codes, hangs, trickles, corrupt
+files.
 
     with ImageServer() as server:
         url = server.add("/a.jpg", body=jpeg_bytes)                # 200 with the bytes

@@ -1,0 +1,13 @@
+"""What the tests and the benchmarks share (as transformers.testing_utils does): harness only, no test logic.
+
+    ranks        free ports, `run_ranks` (N spawned torch.distributed ranks), DeepSpeed's leftover shm buffers
+    memory       peak memory of a piece of work (resident memory on CPU, the allocator's count on CUDA)
+    wire         `WireBytes`: the bytes a rank sends through torch.distributed's collectives
+    images       image bytes, training shards and eval shards made on the spot
+    imageserver  `ImageServer`: a loopback HTTP server with good, failing, hanging and trickling routes
+    download     the URL list and the arguments of `disco-clip data download`
+    launch       `disco_clip_ds.train` on CPU ranks: paths, the launcher command, its environment and arguments
+
+Import from the module that does the job (`from disco_clip_ds.testing.ranks import run_ranks`); each imports
+torch and friends only inside its functions.
+"""

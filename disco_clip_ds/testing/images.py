@@ -1,0 +1,79 @@
+"""Images and shards made on the spot: flat-colour and noise images, img2dataset-layout training shards and
+CLIP_benchmark-layout eval shards."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+
+def image_bytes(fmt: str = "JPEG", mode: str = "RGB", size: tuple[int, int] = (40, 40), color=0, **save) -> bytes:
+    """One flat-colour image encoded as `fmt` (`save`: PIL's encoder options, e.g. quality=90): its pixels
+    identify it."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, color).save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+def noise_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
+    """A size x size RGB image of uniform noise from the numpy Generator `rng`."""
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, bad: dict | None = None) -> list[str]:
+    """img2dataset-layout training shards (key.jpg/.txt/.json) plus sizes.json, captioned with the demo's digit
+    words; `bad` = {sample index: kind} with kinds 'corrupt' (truncated JPEG bytes), 'no_text', 'gray', 'rgba'.
+    Returns the shard paths."""
+    import webdataset as wds
+
+    from disco_clip_ds.data.demo import DIGITS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng, bad, sizes, index = random.Random(seed), bad or {}, {}, 0
+
+    def random_image(mode, fmt="JPEG"):
+        size = (rng.randint(40, 90), rng.randint(40, 90))
+        color = tuple(rng.randrange(256) for _ in range(len(mode)))
+        return image_bytes(fmt, mode, size, color if len(mode) > 1 else color[0])
+
+    for s in range(num_shards):
+        name = f"{s:05d}.tar"
+        with wds.TarWriter(str(folder / name)) as sink:
+            for _ in range(per_shard):
+                kind = bad.get(index)
+                key = f"{s:05d}{index:04d}"
+                sample = {"__key__": key, "json": json.dumps({"key": key}).encode()}
+                if kind == "rgba":
+                    sample["png"] = random_image("RGBA", "PNG")
+                else:
+                    sample["jpg"] = random_image("L" if kind == "gray" else "RGB")
+                if kind == "corrupt":
+                    sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]
+                if kind != "no_text":
+                    sample["txt"] = f"a photo of the digit {DIGITS[index % 10]}".encode()
+                sink.write(sample)
+                index += 1
+        sizes[name] = per_shard
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+    return [str(folder / f"{s:05d}.tar") for s in range(num_shards)]
+
+
+def write_samples(folder: Path, samples: list[dict], per_shard: int) -> None:
+    """Write `samples` (dicts of webdataset fields, e.g. {"png": bytes, "cls": "3"}) as NNNNN.tar shards with keys
+    s00000, s00001, ... (CLIP_benchmark's layout)."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for shard, start in enumerate(range(0, len(samples), per_shard)):
+        with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
+            for i, sample in enumerate(samples[start : start + per_shard], start):
+                sink.write({"__key__": f"s{i:05d}", **sample})
