@@ -1,6 +1,6 @@
 """Where the optimizer set-up follows OpenCLIP rather than the Trainer's defaults: weight-decay groups and warmup.
 
-Torch only, so that bench/same_batches.py can run these exact rules beside open_clip in its own virtualenv.
+Torch only, so that bench/vs_open_clip/same_batches.py can run these exact rules beside open_clip in its own virtualenv.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def warmup_from_first_step(scheduler: LambdaLR, warmup: int) -> LambdaLR:
 
     transformers' warmups give step s the factor s / warmup, so the first optimizer step runs at lr 0 and is lost.
     OpenCLIP's (`open_clip_train/scheduler.py`, `_warmup_lr`) starts at lr / warmup and reaches the full lr at step
-    warmup - 1; from step `warmup` on both are the same. On the same batches and weights the lost step alone left the
-    tiny CLIP 0.035-0.077 higher in loss after 100 steps (3 seeds, bench/same_batches.py)."""
+    warmup - 1; from step `warmup` on both are the same (bench/vs_open_clip/same_batches.py measures
+    what the lost step costs)."""
     shifted = [lambda step, f=f: f(step + 1) if step < warmup else f(step) for f in scheduler.lr_lambdas]
     # last_epoch - 1: the constructor steps once, back to where the stock scheduler stands
     shifted_scheduler = LambdaLR(scheduler.optimizer, shifted, last_epoch=scheduler.last_epoch - 1)

@@ -16,7 +16,7 @@ esac
 export DS_CONFIG NPROC
 # Optimizer: the CLIP paper's ViT settings (Radford et al. 2021, appendix F hyperparameters: AdamW beta2 0.98, eps 1e-6,
 # weight decay 0.2, lr 5e-4, cosine), as DisCo-CLIP and OpenCLIP's LAION runs use them. On the tiny CLIP
-# (bench/vs_open_clip.py's setting, transformers' init) beta2 0.98 / eps 1e-6 ended at 4.56 against 4.54: no cost.
+# (bench/vs_open_clip/vs_open_clip.py's setting, transformers' init) beta2 0.98 / eps 1e-6 ended at 4.56 against 4.54: no cost.
 exec bash recipes/train_deepspeed.sh \
   --train_shards "${SHARDS:?set SHARDS to the img2dataset shards, e.g. /data/laion400m/{00000..41407}.tar}" \
   --model_config recipes/models/vit_b32.json --tokenizer_name openai/clip-vit-base-patch32 --loss_impl tiled \

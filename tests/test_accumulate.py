@@ -4,7 +4,6 @@ one rank, and N ranks x K micro-batches like one rank with N x K x b, under plai
 ZeRO-1/2/3 and FSDP, with gradient checkpointing; a resumed run continues exactly; bad settings are refused.
 """
 
-import dataclasses
 import json
 import shutil
 import subprocess

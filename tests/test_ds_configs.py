@@ -33,7 +33,7 @@ def test_the_paper_configs_are_shipped():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_batch_arithmetic_matches_world_size_in_name(path):
-    config = json.loads(path.read_text())  # plain json: the arithmetic is checked here independently of plan.py
+    config = json.loads(path.read_text())  # plain json: the arithmetic is checked here independently of the planner
     world = world_size_from_name(path)
     values = [
         config.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

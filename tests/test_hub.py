@@ -13,7 +13,6 @@ import pytest
 
 from disco_clip_ds import hub
 from disco_clip_ds.errors import run_main
-
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR
 
 

@@ -4,6 +4,7 @@ whole training steps of real CLIPModels (tiny and small, two batch sizes each)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -260,7 +261,7 @@ def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     k = result["max_contrastive_steps"]["tiled"]
     shape, fit, settings = P.ModelShape.from_json(vit), P.load_fit(), P.validate_config(P.load_config(config), 8)
     fits = lambda steps: (
-        P.memory_plan(shape, P.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits
+        P.memory_plan(shape, dataclasses.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits
     )
     assert k >= 8 and fits(k) and not fits(k + 1)
     # without contrastive accumulation the same config contrasts one micro-step's pairs only

@@ -1,6 +1,6 @@
 """Fit the planner's activation-memory coefficients from measured CPU peaks of real CLIPModels.
 
-    python bench/plan/act_fit.py       # ~8 min on 2 busy cores; writes disco_clip_ds/activation_fit.json
+    python bench/plan/act_fit.py       # writes disco_clip_ds/plan/activation_fit.json
 
 Every (model, batch, checkpointing) point runs bench/loss/measure_memory.py in a fresh process (forward+backward,
 fp32, sdpa attention). Two batch sizes per model give the per-sample slope, free of fixed costs. The slope is
@@ -11,7 +11,7 @@ modelled per encoder tower t (L layers, s tokens, width h, MLP width m) in activ
 
 plus the input tensors (pixels, token ids) counted exactly. alpha, beta, eps are fitted by least squares over
 ViT-B/32 and three probe models that vary depth, width, MLP ratio and image tokens; delta likewise on the
-checkpointed runs. The planner (disco_clip_ds/plan.py) scales elements by the training precision's bytes.
+checkpointed runs. The planner (disco_clip_ds/plan/) scales elements by the training precision's bytes.
 No s^2 attention term: sdpa (flash / memory-efficient kernels) stores no attention matrix.
 """
 
