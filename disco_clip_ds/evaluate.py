@@ -459,10 +459,7 @@ class EvalArguments:
         default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"}
     )
     templates: str | None = field(
-        default=None,
-        metadata={
-            "help": "templates file or 'openai_imagenet' (default: the file beside the shards, else OpenAI's 80)"
-        },
+        default=None, metadata={"help": "templates file or 'openai_imagenet' (default: beside the shards, or OpenAI's)"}
     )
     batch_size: int = field(default=64)
     output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})

@@ -326,9 +326,14 @@ def _measured_train_peak(model: Path, batch: int) -> float:
         "--mode",
         "train",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=120).stdout
-    return json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20
+    # A fresh process with a minimal environment: nothing that earlier in-process tests left in os.environ. Peak
+    # resident memory can only overstate the step (pages faulted in from outside it), so the smaller of two runs.
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "OMP_NUM_THREADS": "1"}
+    peaks = []
+    for _ in range(2):
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=120).stdout
+        peaks.append(json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20)
+    return min(peaks)
 
 
 @pytest.mark.parametrize("model, batch", [("tiny", 256), ("tiny", 1024), ("small", 32), ("small", 128)])
