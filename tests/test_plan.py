@@ -318,7 +318,8 @@ def test_loss_term_within_25_percent_of_measured_peak(impl):
 def _measured_train_peak(model: Path, batch: int) -> float:
     cmd = [
         sys.executable,
-        str(REPO / "bench/loss/measure_memory.py"),
+        "-m",
+        "disco_clip_ds.testing.step_memory",
         "--model",
         str(model),
         "--batch",

@@ -2,7 +2,7 @@
 
     python bench/plan/act_fit.py       # writes disco_clip_ds/plan/activation_fit.json
 
-Every (model, batch, checkpointing) point runs bench/loss/measure_memory.py in a fresh process (forward+backward,
+Every (model, batch, checkpointing) point runs disco_clip_ds.testing.step_memory in a fresh process (forward+backward,
 fp32, sdpa attention). Two batch sizes per model give the per-sample slope, free of fixed costs. The slope is
 modelled per encoder tower t (L layers, s tokens, width h, MLP width m) in activation elements per sample:
 
@@ -68,7 +68,7 @@ def _write_config(name: str, both: dict, vision: dict, folder: Path) -> Path:
 
 
 def _measure(path: Path, batch: int, checkpointing: bool) -> float:
-    cmd = [sys.executable, str(ROOT / "bench/loss/measure_memory.py"), "--model", str(path), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "disco_clip_ds.testing.step_memory", "--model", str(path), "--batch", str(batch)]
     cmd += ["--activation_checkpointing"] if checkpointing else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20

@@ -3,7 +3,7 @@
     python bench/plan/plan_check.py          # whole steps, a few minutes: results/plan_check.csv and a table
     python bench/plan/plan_check.py --loss   # the loss term against the loss benchmark's CSVs (seconds)
 
-Whole steps (world size 1, fp32, AdamW): each point runs bench/loss/measure_memory.py --mode train in a fresh
+Whole steps (world size 1, fp32, AdamW): each point runs disco_clip_ds.testing.step_memory --mode train in a fresh
 process; the estimate is memory_plan() with stage 0, fp32, the model's own (naive) loss, no framework overhead.
 tests/test_plan.py asserts the no-checkpointing points (tiny and small, two batch sizes each) within 25 %.
 
@@ -25,7 +25,6 @@ from pathlib import Path
 from disco_clip_ds import plan as P
 
 ROOT = Path(__file__).resolve().parents[2]
-MEASURE = ROOT / "bench/loss/measure_memory.py"
 POINTS = [
     ("tiny", 256, False),
     ("tiny", 1024, False),
@@ -51,7 +50,17 @@ def check_steps(out: Path) -> None:
     rows = []
     for name, batch, ckpt in POINTS:
         path = ROOT / f"recipes/models/{name}.json"
-        cmd = [sys.executable, str(MEASURE), "--model", str(path), "--batch", str(batch), "--mode", "train"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "disco_clip_ds.testing.step_memory",
+            "--model",
+            str(path),
+            "--batch",
+            str(batch),
+            "--mode",
+            "train",
+        ]
         stdout = subprocess.run(
             cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True
         ).stdout

@@ -2,6 +2,7 @@
 
     ranks        free ports, `run_ranks` (N spawned torch.distributed ranks), DeepSpeed's leftover shm buffers
     memory       peak memory of a piece of work (resident memory on CPU, the allocator's count on CUDA)
+    step_memory  the peak memory of one CLIPModel training step in a fresh process (`python -m` it)
     wire         `WireBytes`: the bytes a rank sends through torch.distributed's collectives
     images       image bytes, training shards and eval shards made on the spot
     imageserver  `ImageServer`: a loopback HTTP server with good, failing, hanging and trickling routes

@@ -1,7 +1,7 @@
 """Measure the CPU peak memory of one CLIPModel training step, in a fresh process.
 
-    python bench/loss/measure_memory.py --model recipes/models/vit_b32.json --batch 8 [--activation_checkpointing]
-        [--mode fwdbwd|train]
+    python -m disco_clip_ds.testing.step_memory --model recipes/models/vit_b32.json --batch 8
+        [--activation_checkpointing] [--mode fwdbwd|train]
 
 Prints one JSON line. The number is peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs)
 minus the resident memory just before the measured region, in MiB. Run it with MALLOC_MMAP_THRESHOLD_=65536
@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
+from .memory import mmap_threshold_env, reset_peak_rss, rss_mib
 
 MMAP_ENV = mmap_threshold_env(65536)
 
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if MMAP_ENV.items() - os.environ.items():  # glibc reads it when the process starts: re-exec with it
-        os.execve(sys.executable, [sys.executable, __file__, *(argv or sys.argv[1:])], {**os.environ, **MMAP_ENV})
+        os.execve(
+            sys.executable, [sys.executable, "-m", __spec__.name, *(argv or sys.argv[1:])], {**os.environ, **MMAP_ENV}
+        )
     print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype)))
 
 
