@@ -16,6 +16,8 @@ from disco_clip_ds import plan as P
 ROOT = Path(__file__).resolve().parents[2]
 
 GPUS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# the global-batch losses: `local` contrasts each rank's micro-batch alone, so it has no global batch to draw
+IMPLS = tuple(impl for impl in P.LOSS_IMPLS if impl != "local")
 
 
 def main() -> None:
@@ -26,7 +28,7 @@ def main() -> None:
         for n in GPUS:
             config = dict(base, train_batch_size=base["train_micro_batch_size_per_gpu"] * n)
             settings = P.validate_config(config, n)
-            for impl in P.LOSS_IMPLS:
+            for impl in IMPLS:
                 micro = P.max_micro_batch(
                     shape, settings, fit, impl, True, P.parse_memory(memory), P.DEFAULT_OVERHEAD_GB * P.GiB
                 )
@@ -58,7 +60,7 @@ def _plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for impl, color in zip(P.LOSS_IMPLS, ("tab:red", "tab:blue", "tab:green")):
+    for impl, color in zip(IMPLS, ("tab:blue", "tab:green")):
         for memory, style in (("40GB", "-"), ("80GB", "--")):
             pts = [(r["gpus"], r["max_global_batch"]) for r in rows if r["impl"] == impl and r["gpu_memory"] == memory]
             ax.plot(*zip(*pts), style, marker="o", color=color, label=f"{impl}, {memory}")
