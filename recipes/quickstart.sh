@@ -19,8 +19,7 @@ $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/p
 
 [ -f "$DATA/train/sizes.json" ] || $VENV/bin/disco-clip data demo --output "$DATA"
 
-# AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F); here they end at
-# zero-shot acc1 0.950 against 0.944 with the Trainer's 0.999 / 1e-8.
+# AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F).
 # deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.
 $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
   --deepspeed ds_configs/cpu_zero2.json \
