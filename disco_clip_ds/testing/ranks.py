@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def release_shm_buffers() -> None:
-    """Unlink the /dev/shm buffers (66 MiB per rank) that DeepSpeed's CPU comm op (0.19.8) leaves behind after a
+    """Unlink the /dev/shm buffers (one per rank) that DeepSpeed's CPU comm op (0.19.8) leaves behind after a
     multi-rank run, for the runs started on a port from free_port() since the last call; call it once they ended.
 
     Their names carry the master port (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK): another session on the
