@@ -340,6 +340,18 @@ def _check_numbers(args: DiscoTrainingArguments) -> None:
         )
     if args.per_device_train_batch_size < 1:
         raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size}: must be at least 1")
+    if args.save_strategy == "steps" and args.save_steps <= 0:
+        raise UsageError(f"--save_steps {args.save_steps:g}: give a positive number, or --save_strategy no")
+    # A non-finite or absurd rate trains on to exit 0 with NaN weights; refuse it before any work.
+    if not (math.isfinite(args.learning_rate) and 0 < args.learning_rate <= 1):
+        raise UsageError(
+            f"--learning_rate {args.learning_rate:g}: give a finite number in (0, 1]; CLIP trains at 1e-4 to 1e-3"
+        )
+    if not (math.isfinite(args.weight_decay) and 0 <= args.weight_decay * args.learning_rate < 1):
+        raise UsageError(
+            f"--weight_decay {args.weight_decay:g}: give a finite number of at least 0 and below 1 / --learning_rate "
+            "(AdamW scales the weights by 1 - lr x wd every step); CLIP uses 0.1 to 0.2"
+        )
 
 
 def _check_model_source(model_args: ModelArguments) -> None:
@@ -381,6 +393,13 @@ def _check_hub_and_zeroshot(data_args: DataArguments, args: DiscoTrainingArgumen
 
 def _check_tokenizer_and_sizes(model_args: ModelArguments):
     """(tokenizer, image size, max text length), once they fit the model's config."""
+    for flag, value in (
+        ("--max_text_length", model_args.max_text_length),
+        ("--image_size", model_args.image_size),
+        ("--chunk_size", model_args.chunk_size),
+    ):
+        if value is not None and value < 1:  # 0 would silently mean "the default"
+            raise UsageError(f"{flag} {value}: give a positive number, or leave it out for the default")
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with _usage_error(f"{flag} {tokenizer_name}: "):

@@ -137,6 +137,23 @@ def test_bad_files_are_reported(tmp_path):
     assert run_main(P.main, ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"], "disco-clip plan") == 2
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--gpu_memory", "0GB", "a GPU's memory is more than 0"),
+        ("--model", "[1, 2]", "its top level is not a JSON object"),
+    ],
+)
+def test_bad_planner_inputs_are_one_line_with_exit_2(flag, value, message, tmp_path, capsys):
+    if flag == "--model":
+        (tmp_path / "list.json").write_text(value)
+        value = str(tmp_path / "list.json")
+    argv = ["--deepspeed", str(CFG_32K), "--model", str(VIT), "--gpus", "8", "--gpu_memory", "40GB", flag, value]
+    assert run_main(P.main, argv, "disco-clip plan") == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_prints_one_clear_error_for_a_bad_config(tmp_path, capsys):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 8}))

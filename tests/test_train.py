@@ -181,6 +181,12 @@ BAD_ARGUMENTS = {
     "too few shards": (["{data}", *MODEL, *TOK, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
     "no hub token": (["{data}", *MODEL, *TOK, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
     "deepspeed not json": (["{data}", *MODEL, *TOK, "--deepspeed", "{not_json}"], "is not a readable JSON file"),
+    "learning rate inf": (["{data}", *MODEL, *TOK, "--learning_rate", "inf"], "--learning_rate inf: give a finite"),
+    "learning rate 1e30": (["{data}", *MODEL, *TOK, "--learning_rate", "1e30"], "--learning_rate 1e+30: give a"),
+    "weight decay nan": (["{data}", *MODEL, *TOK, "--weight_decay", "nan"], "--weight_decay nan: give a finite"),
+    "weight decay negative": (["{data}", *MODEL, *TOK, "--weight_decay", "-0.1"], "--weight_decay -0.1: give a"),
+    "save steps 0": (["{data}", *MODEL, *TOK, "--save_steps", "0"], "--save_steps 0: give a positive number"),
+    "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
 }
 
 

@@ -50,6 +50,8 @@ class ModelShape:
                 f"--model {path}: no such file; pass a CLIPConfig JSON such as recipes/models/vit_b32.json"
             )
         try:
+            if not isinstance(json.loads(path.read_text()), dict):
+                raise ValueError("its top level is not a JSON object")
             config = CLIPConfig.from_json_file(str(path))
         except (OSError, ValueError) as e:
             raise PlanConfigError(f"--model {path}: not a readable CLIPConfig JSON ({e})") from None

@@ -34,7 +34,10 @@ def parse_memory(text: str) -> float:
     if not match:
         raise PlanConfigError(f"--gpu_memory {text!r}: write it as e.g. 40GB or 80GiB")
     unit = (match.group(2) or "G")[0].upper()
-    return float(match.group(1)) * {"M": 2**20, "G": GiB, "T": 2**40}[unit]
+    nbytes = float(match.group(1)) * {"M": 2**20, "G": GiB, "T": 2**40}[unit]
+    if nbytes <= 0:
+        raise PlanConfigError(f"--gpu_memory {text!r}: a GPU's memory is more than 0, e.g. 40GB or 80GiB")
+    return nbytes
 
 
 def _fmt(nbytes: float) -> str:
