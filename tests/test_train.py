@@ -187,6 +187,8 @@ BAD_ARGUMENTS = {
     "weight decay negative": (["{data}", *MODEL, *TOK, "--weight_decay", "-0.1"], "--weight_decay -0.1: give a"),
     "save steps 0": (["{data}", *MODEL, *TOK, "--save_steps", "0"], "--save_steps 0: give a positive number"),
     "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
+    "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
+    "chunk size 0": (["{data}", *MODEL, *TOK, "--chunk_size", "0"], "--chunk_size 0: give a positive"),
 }
 
 
