@@ -91,6 +91,16 @@ def test_bad_samples_are_skipped_and_counted(tmp_path):
     assert stream.skipped.value == 3 + second_pass_starts_with_missing
 
 
+def test_empty_captions_and_oversized_images_are_skipped_and_counted(tmp_path):
+    urls = write_shards(tmp_path, num_shards=1, per_shard=6, bad={1: "empty_text", 4: "large"})
+    stream = ShardStream(urls, 16, shuffle_buffer=0, max_image_pixels=300 * 300)
+    seen = _keys_seen(stream, 4)  # one pass: 4 of the 6 samples
+    assert [caption for caption, _ in seen] == [f"a photo of the digit {d}" for d in ("zero", "two", "three", "five")]
+    assert stream.skipped.value == 2
+    everything = ShardStream(urls, 16, shuffle_buffer=0, max_image_pixels=400 * 400)  # the cap is inclusive
+    assert len(_keys_seen(everything, 5)) == 5 and everything.skipped.value == 1
+
+
 def test_shard_set_without_readable_samples_raises(tmp_path):
     bad = tmp_path / "00000.tar"
     bad.write_bytes(b"not a tar file at all" * 10)

@@ -24,6 +24,9 @@ from .shards import IMAGE_EXTS, epoch_order, shards_for_reader
 logger = logging.getLogger(__name__)
 
 TEXT_KEYS = ("txt", "text", "caption")
+# Images above this many pixels are skipped unread: a small file can hold a huge flat image (a decompression bomb)
+# whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
+MAX_IMAGE_PIXELS = 50_000_000
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
 
@@ -89,7 +92,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
     e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is only used to check
-    up front that every reader gets a shard. `skipped` counts skipped samples and shards, `decoded` the samples
+    up front that every reader gets a shard. Samples whose caption is empty or whitespace, and images of more
+    than `max_image_pixels` pixels, are skipped. `skipped` counts skipped samples and shards, `decoded` the samples
     produced, across all workers.
     """
 
@@ -103,9 +107,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         shuffle_buffer: int = 1000,
         train: bool = True,
         num_workers: int = 0,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
+        self.max_image_pixels = max_image_pixels
         self.shuffle_buffer = shuffle_buffer
         self.transform = ImageTransform(image_size, train=train)
         spawn = multiprocessing.get_context("spawn")
@@ -165,11 +171,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._count_skip(f"sample {key} of {sample.get('__url__')}", "no image or no caption")
             return None
         try:
-            with Image.open(io.BytesIO(sample[image_key])) as image:
+            caption = sample[text_key].decode("utf-8").strip()
+            if not caption:
+                raise ValueError("empty caption")
+            with Image.open(io.BytesIO(sample[image_key])) as image:  # reads the header only
+                if image.width * image.height > self.max_image_pixels:
+                    raise ValueError(f"{image.width} x {image.height} pixels, above {self.max_image_pixels}")
                 image.load()
                 rng = random.Random(f"{self.seed}/{epoch}/{key}")
                 pixels = self.transform(image, rng)
-            caption = sample[text_key].decode("utf-8").strip()
         except Exception as error:  # PIL raises many types for corrupt data; any of them means skip this one
             self._count_skip(f"sample {key} of {sample.get('__url__')}", error)
             return None

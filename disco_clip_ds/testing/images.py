@@ -31,7 +31,8 @@ def noise_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
 
 def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, bad: dict | None = None) -> list[str]:
     """img2dataset-layout training shards (key.jpg/.txt/.json) plus sizes.json, captioned with the demo's digit
-    words; `bad` = {sample index: kind} with kinds 'corrupt' (truncated JPEG bytes), 'no_text', 'gray', 'rgba'.
+    words; `bad` = {sample index: kind} with kinds 'corrupt' (truncated JPEG bytes), 'no_text', 'empty_text'
+    (whitespace only), 'gray', 'rgba', 'large' (400 x 400 pixels, where the others have 40 to 90 a side).
     Returns the shard paths."""
     import webdataset as wds
 
@@ -40,8 +41,8 @@ def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, b
     folder.mkdir(parents=True, exist_ok=True)
     rng, bad, sizes, index = random.Random(seed), bad or {}, {}, 0
 
-    def random_image(mode, fmt="JPEG"):
-        size = (rng.randint(40, 90), rng.randint(40, 90))
+    def random_image(mode, fmt="JPEG", large=False):
+        size = (400, 400) if large else (rng.randint(40, 90), rng.randint(40, 90))
         color = tuple(rng.randrange(256) for _ in range(len(mode)))
         return image_bytes(fmt, mode, size, color if len(mode) > 1 else color[0])
 
@@ -55,10 +56,12 @@ def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, b
                 if kind == "rgba":
                     sample["png"] = random_image("RGBA", "PNG")
                 else:
-                    sample["jpg"] = random_image("L" if kind == "gray" else "RGB")
+                    sample["jpg"] = random_image("L" if kind == "gray" else "RGB", large=kind == "large")
                 if kind == "corrupt":
                     sample["jpg"] = sample["jpg"][: len(sample["jpg"]) // 3]
-                if kind != "no_text":
+                if kind == "empty_text":
+                    sample["txt"] = b" \n\t "
+                elif kind != "no_text":
                     sample["txt"] = f"a photo of the digit {DIGITS[index % 10]}".encode()
                 sink.write(sample)
                 index += 1
