@@ -4,9 +4,13 @@ benchmarks (ranks, images, the image server, launches) is disco_clip_ds.testing.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
-from disco_clip_ds.testing.launch import TINY_CONFIG
+from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, train_command, train_env
 
 
 def save_initial_model(folder: Path, seed: int) -> Path:
@@ -49,3 +53,94 @@ def assert_same_training(a: Path, b: Path, w0: dict, steps: int, loss_rtol=1e-5,
     gap = torch.cat([(wa[k] - wb[k]).reshape(-1) for k in w0])
     assert update.norm() > 1e-2 * torch.cat([w.reshape(-1) for w in w0.values()]).norm()  # training moved the weights
     assert gap.norm() <= update_rtol * update.norm(), f"updates differ by {gap.norm() / update.norm():.2e} (relative)"
+
+
+# --- launched runs: a 2-rank training in its own session, its log in OUTPUT.log beside the run folder ---
+
+
+def start_run(output: Path, train_args: list[str], launcher="deepspeed", fault: str = "", nproc=2, **env):
+    """Start `disco-clip train TRAIN_ARGS` under LAUNCHER in its own session (process group = the launcher's pid),
+    stdout+stderr appended to OUTPUT.log. Under accelerate the ZeRO-2 yaml is the DeepSpeed config."""
+    yaml = REPO / "recipes/accelerate/deepspeed_zero2.yaml" if launcher == "accelerate" else None
+    log = open(output.parent / f"{output.name}.log", "a")
+    return subprocess.Popen(
+        train_command(launcher, nproc, yaml) + train_args,
+        cwd=REPO,
+        env=train_env(DISCO_FAULT=fault, **env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def run_to_end(output: Path, train_args: list[str], launcher="deepspeed", fault="", timeout=400, **kw):
+    """Run `start_run` to its end: (exit code, this launch's part of the log); no process it started is left."""
+    logfile = output.parent / f"{output.name}.log"
+    before = logfile.stat().st_size if logfile.exists() else 0
+    proc = start_run(output, train_args, launcher=launcher, fault=fault, **kw)
+    try:
+        proc.wait(timeout=timeout)
+        wait_group(proc.pid, timeout=120)  # ranks may outlive a launcher killed by the signal: let them save
+    finally:
+        kill_group(proc.pid)
+    return proc.returncode, logfile.read_text()[before:]
+
+
+def wait_group(pgid: int, timeout: float) -> None:
+    """Wait until no live process is left in process group PGID (or TIMEOUT s)."""
+    import psutil
+
+    def members():
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p.pid)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        return found
+
+    deadline = time.monotonic() + timeout
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def ranks_of(launcher_pid: int) -> list[int]:
+    """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
+    import psutil
+
+    train = [
+        p
+        for p in psutil.Process(launcher_pid).children(recursive=True)
+        if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])
+    ]
+    pids = {p.pid for p in train}
+    return [p.pid for p in train if p.ppid() not in pids]  # not their DataLoader workers (forked: same command line)
+
+
+def alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def complete_checkpoints(output: Path) -> list[str]:
+    """The checkpoint-N folders of OUTPUT that checkpoint_problem finds complete, oldest first."""
+    from disco_clip_ds.checkpoints import checkpoint_problem
+
+    found = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return [p.name for p in found if checkpoint_problem(p) is None]
+
+
+def same_weights(a: Path, b: Path) -> float:
+    """The largest absolute difference between the saved weights of runs A and B (same keys asserted)."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)

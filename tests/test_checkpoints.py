@@ -8,7 +8,6 @@ A launch costs most of its time in imports; the uninterrupted reference run serv
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -19,9 +18,19 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_command, train_env
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_env
 
-from helpers import save_initial_model, step_losses, weights
+from helpers import (
+    alive,
+    complete_checkpoints,
+    kill_group,
+    ranks_of,
+    run_to_end,
+    same_weights,
+    save_initial_model,
+    start_run,
+    step_losses,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,101 +55,27 @@ ARGS = [
 ]
 
 
-def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
-    """A 2-rank run in its own session (process group = the launcher's pid), stdout+stderr into OUTPUT.log.
-
-    Under accelerate the DeepSpeed config comes from its ZeRO-2 config file rather than --deepspeed."""
-    args_ = ARGS[: ARGS.index("--deepspeed")] if launcher == "accelerate" else ARGS
-    train = [
+def train_args(output: Path, data: dict, launcher: str, *args: str) -> list[str]:
+    """The training arguments of a run of this file (under accelerate its ZeRO-2 yaml replaces --deepspeed)."""
+    base = ARGS[: ARGS.index("--deepspeed")] if launcher == "accelerate" else ARGS
+    return [
         "--output_dir",
         str(output),
         "--model_name_or_path",
         str(data["model"]),
         "--train_shards",
         data["shards"],
-        *args_,
-        *args,
-    ]
-    yaml = REPO / "recipes/accelerate/deepspeed_zero2.yaml" if launcher == "accelerate" else None
-    log = open(output.parent / f"{output.name}.log", "a")
-    return subprocess.Popen(
-        train_command(launcher, 2, yaml) + train,
-        cwd=REPO,
-        env=train_env(DISCO_FAULT=fault),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    ] + [*base, *args]
+
+
+def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:
+    return start_run(output, train_args(output, data, launcher, *args), launcher=launcher, fault=fault)
 
 
 def run(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "", timeout=400) -> tuple[int, str]:
-    """(exit code, this launch's log)."""
-    logfile = output.parent / f"{output.name}.log"
-    before = logfile.stat().st_size if logfile.exists() else 0
-    proc = start(output, data, *args, launcher=launcher, fault=fault)
-    try:
-        proc.wait(timeout=timeout)
-        _wait_group(proc.pid, timeout=120)  # ranks may outlive a launcher killed by the signal: let them save
-    finally:
-        _kill_group(proc.pid)
-    return proc.returncode, logfile.read_text()[before:]
-
-
-def _wait_group(pgid: int, timeout: float) -> None:
-    import psutil
-
-    def members():
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p.pid)
-            except (ProcessLookupError, psutil.Error):
-                pass
-        return found
-
-    deadline = time.monotonic() + timeout
-    while members() and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _ranks_of(launcher_pid: int) -> list[int]:
-    """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
-    import psutil
-
-    train = [
-        p
-        for p in psutil.Process(launcher_pid).children(recursive=True)
-        if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])
-    ]
-    pids = {p.pid for p in train}
-    return [p.pid for p in train if p.ppid() not in pids]  # not their DataLoader workers (forked: same command line)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
-
-def complete_checkpoints(output: Path) -> list[str]:
-    from disco_clip_ds.checkpoints import checkpoint_problem
-
-    found = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    return [p.name for p in found if checkpoint_problem(p) is None]
-
-
-def same_weights(a: Path, b: Path) -> float:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    return run_to_end(
+        output, train_args(output, data, launcher, *args), launcher=launcher, fault=fault, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -261,16 +196,16 @@ def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, l
         while not (out / "checkpoint-2").exists():  # training is under way
             assert proc.poll() is None and time.monotonic() < deadline, (out.parent / "run.log").read_text()[-3000:]
             time.sleep(0.2)
-        ranks = _ranks_of(proc.pid)
+        ranks = ranks_of(proc.pid)
         assert len(ranks) == 2, ranks
         proc.send_signal(signal.Signals[sig])  # as `timeout`, Popen.terminate() or a supervisor do
         proc.wait(timeout=60)
         deadline = time.monotonic() + 60
-        while _alive(ranks) and time.monotonic() < deadline:
+        while alive(ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(ranks), f"ranks {_alive(ranks)} outlived the {launcher} launcher"
+        assert not alive(ranks), f"ranks {alive(ranks)} outlived the {launcher} launcher"
     finally:
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
     assert not (out / "model.safetensors").exists()  # the run did not go on to the end
     log = (out.parent / "run.log").read_text()
     if sig == "SIGTERM" and launcher != "deepspeed":  # forwarded to the ranks (and their workers): a clean stop
