@@ -254,7 +254,11 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
     def _stream_failed(self, failure: BaseException | None):
         """Raise on every rank once any rank's data loading failed: its DataError as one line (the same on every
         rank); any other error, a bug, with its traceback on the rank that hit it."""
-        mine = None if failure is None else f"rank {self.args.process_index}: {error_message(failure)}".splitlines()[0]
+        mine = None
+        if failure is not None:  # a DataError names its reader and rank; anything else gets the rank put first
+            mine = error_message(failure).splitlines()[0] if isinstance(failure, DataError) else None
+            mine = mine or f"rank {self.args.process_index}'s data loading failed: {type(failure).__name__}: {failure}"
+            mine = mine.splitlines()[0]
         messages = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             messages = [None] * torch.distributed.get_world_size()

@@ -252,3 +252,62 @@ def test_max_image_pixels_skips_and_counts_a_larger_image(full):
     assert "400 x 400 pixels, above 90000" in log
     skipped = json.loads((full / "train_results.json").read_text())["skipped_samples"]
     assert skipped >= 4  # the large image, the corrupt one, the ones without or with an empty caption
+
+
+# --- a reader without samples ---
+
+
+def _empty_second_shard(folder: Path, sizes: bool) -> str:
+    """Two shards, the second a valid tar without members; sizes.json (when asked for) records 5 and 0 samples."""
+    import tarfile
+
+    urls = write_shards(folder, num_shards=1, per_shard=5)
+    tarfile.open(folder / "00001.tar", "w").close()
+    if sizes:
+        (folder / "sizes.json").write_text(json.dumps({"00000.tar": 5, "00001.tar": 0}))
+    else:
+        (folder / "sizes.json").unlink()
+    return urls[0].replace("00000.tar", "{00000..00001}.tar")
+
+
+def test_a_reader_with_only_empty_shards_is_refused_before_the_model_is_built(tmp_path, capsys):
+    from disco_clip_ds.errors import run_main
+    from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
+    from disco_clip_ds.train import main
+
+    shards = _empty_second_shard(tmp_path / "shards", sizes=True)
+    argv = ["--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--train_shards", shards]
+    argv += [*LAUNCH_COMMON, "--max_steps", "1", "--dataloader_num_workers", "2"]  # 1 rank x 2 workers: 2 readers
+    assert run_main(main, argv, "disco-clip train") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "disco-clip train: reader 1 of 2 (rank 0, DataLoader worker 1) would read only shards without samples ("
+        f"{tmp_path / 'shards' / '00001.tar'}: 0 samples in their sizes.json"
+    ), err
+    assert "leave empty shards out of --train_shards, or use fewer ranks x --dataloader_num_workers" in err[0]
+    assert not (tmp_path / "run").exists()
+    assert run_main(main, [*argv[:-2], "--dataloader_num_workers", "1", "--max_image_pixels", "0"], "t") == 2
+    assert "--max_image_pixels 0: give a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_whose_shards_hold_no_sample_stops_every_rank_with_one_line(data, tmp_path):
+    """Counts unknown (no sizes.json): rank 1's reader finds nothing once training runs; both ranks end, each with
+    the same one line, exit 1, no traceback (deepspeed launcher: it passes the ranks' exit code on)."""
+    from disco_clip_ds.testing.launch import LAUNCH_COMMON
+
+    from helpers import run_to_end
+
+    shards = _empty_second_shard(tmp_path / "shards", sizes=False)
+    out = tmp_path / "run"
+    args = ["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", shards]
+    args += [*LAUNCH_COMMON, "--max_steps", "2", "--train_num_samples", "5"]
+    rc, log = run_to_end(out, args, launcher="deepspeed", timeout=300)
+    lines = [line for line in log.splitlines() if line.startswith("disco-clip train: ")]
+    assert rc == 1 and len(lines) == 2, log[-3000:]
+    assert lines[0] == lines[1] and lines[0].startswith(
+        "disco-clip train: reader 1 of 2 (rank 1, DataLoader worker 0) found no readable sample in its shard(s) "
+        f"{tmp_path / 'shards' / '00001.tar'}: check that they exist and hold samples"
+    ), lines
+    assert "Traceback" not in log
