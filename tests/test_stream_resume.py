@@ -247,6 +247,30 @@ def test_a_checkpoint_without_stream_state_resumes_by_skipping(full, data, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
+    """accelerate's dispatch_batches: rank 0 reads for both ranks with 3 workers, handing out 2 batches per step;
+    after 2 steps its next batch comes from worker 4 mod 3 = 1."""
+    from helpers import run_to_end, same_weights
+
+    dispatch = ["--accelerator_config", '{"dispatch_batches": true}', "--dataloader_num_workers", "3"]
+    dispatch += ["--gradient_accumulation_steps", "1", "--max_steps", "4", "--save_steps", "2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    rc, log = run_to_end(full, _launch_args(full, data, *dispatch), launcher="torchrun")
+    assert rc == 0, log[-3000:]
+    resumed.mkdir()
+    shutil.copy(full / "run.json", resumed / "run.json")
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    rc, log = run_to_end(
+        resumed, _launch_args(resumed, data, *dispatch, "--resume_from_checkpoint", "latest"), launcher="torchrun"
+    )
+    assert rc == 0, log[-3000:]
+    assert "resume: the data stream seeks to where 3 readers stood" in log
+    assert same_weights(resumed, full) <= 1e-6
+    assert _decoded(resumed) <= 2 * 2 * PER_RANK + 3 * (2 + 1) * 2 * PER_RANK  # 2 steps trained, and what is ahead
+
+
+@pytest.mark.slow
 def test_max_image_pixels_skips_and_counts_a_larger_image(full):
     log = (full.parent / "run.log").read_text()
     assert "400 x 400 pixels, above 90000" in log
