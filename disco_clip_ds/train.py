@@ -170,7 +170,7 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
         self.reads_own_shards = reads_own_shards
         self._data_time, self._last_log = 0.0, None
         self._stream_positions: dict[int, list[int]] = {}  # reader -> newest position trained on (stream_state.py)
-        self._stream_rows, self._resume_checkpoint = None, None
+        self._stream_rows, self._resume_checkpoint, self._skipped_on_resume = None, None, False
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resume_checkpoint = resume_from_checkpoint  # for get_resumed_dataloader, which is not told it
@@ -193,12 +193,16 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
                 STATE_FILE,
                 num_batches,
             )
+            self._skipped_on_resume = True  # the skipped batches' positions are never seen
             return super().get_resumed_dataloader(dataloader, num_batches)
         positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
         config = self.args.accelerator_config
         # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
         per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
         stream.restore(positions, num_batches * per_step)
+        # this rank's readers stand there until their next batch: a save before it must keep their positions
+        mine = range(stream.rank * stream.workers, (stream.rank + 1) * stream.workers)
+        self._stream_positions.update({r: [r, *pos] for r, pos in positions.items() if r in mine})
         logger.info("resume: the data stream seeks to where %d readers stood in %s", len(positions), checkpoint)
         return dataloader
 
@@ -212,8 +216,20 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         stream = self.train_dataset
-        if self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ShardStream):
-            write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
+        if not (self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ShardStream)):
+            return
+        seen = len(set(self._stream_rows[:, 0].tolist()) - {-1})
+        if self._skipped_on_resume and seen < stream.num_readers:
+            # after skipping, a reader that has not handed out a batch since stands at an unknown place
+            logger.info(
+                "%s gets no %s: %d of %d readers have a known position",
+                output_dir,
+                STATE_FILE,
+                seen,
+                stream.num_readers,
+            )
+            return
+        write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()

@@ -250,24 +250,28 @@ def test_a_checkpoint_without_stream_state_resumes_by_skipping(full, data, tmp_p
 @pytest.mark.timeout(900)
 def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
     """accelerate's dispatch_batches: rank 0 reads for both ranks with 3 workers, handing out 2 batches per step;
-    after 2 steps its next batch comes from worker 4 mod 3 = 1."""
+    after 2 steps its next batch comes from worker 4 mod 3 = 1. The resumed run's checkpoint-3 follows one step
+    (2 batches) in which reader 0 handed out nothing: its restored position must be saved again, which a second
+    resume from it shows."""
     from helpers import run_to_end, same_weights
 
     dispatch = ["--accelerator_config", '{"dispatch_batches": true}', "--dataloader_num_workers", "3"]
-    dispatch += ["--gradient_accumulation_steps", "1", "--max_steps", "4", "--save_steps", "2"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    dispatch += ["--gradient_accumulation_steps", "1", "--max_steps", "4"]
+    full = tmp_path / "full"
     rc, log = run_to_end(full, _launch_args(full, data, *dispatch), launcher="torchrun")
     assert rc == 0, log[-3000:]
-    resumed.mkdir()
-    shutil.copy(full / "run.json", resumed / "run.json")
-    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    rc, log = run_to_end(
-        resumed, _launch_args(resumed, data, *dispatch, "--resume_from_checkpoint", "latest"), launcher="torchrun"
-    )
-    assert rc == 0, log[-3000:]
-    assert "resume: the data stream seeks to where 3 readers stood" in log
-    assert same_weights(resumed, full) <= 1e-6
-    assert _decoded(resumed) <= 2 * 2 * PER_RANK + 3 * (2 + 1) * 2 * PER_RANK  # 2 steps trained, and what is ahead
+    for source, step, out in ((full, 2, tmp_path / "resumed"), (tmp_path / "resumed", 3, tmp_path / "again")):
+        out.mkdir()
+        shutil.copy(full / "run.json", out / "run.json")
+        shutil.copytree(source / f"checkpoint-{step}", out / f"checkpoint-{step}")
+        rc, log = run_to_end(
+            out, _launch_args(out, data, *dispatch, "--resume_from_checkpoint", "latest"), launcher="torchrun"
+        )
+        assert rc == 0, log[-3000:]
+        assert "resume: the data stream seeks to where 3 readers stood" in log
+        assert same_weights(out, full) <= 1e-6, out.name
+        trained = (4 - step) * 2 * PER_RANK
+        assert _decoded(out) <= trained + 3 * (2 + 1) * 2 * PER_RANK  # what it trained on, and what is ahead
 
 
 @pytest.mark.slow
