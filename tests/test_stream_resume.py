@@ -244,6 +244,7 @@ def test_a_checkpoint_without_stream_state_resumes_by_skipping(full, data, tmp_p
     assert "has no stream_state.json (saved by an older version): fast-forwarding the data stream" in log
     assert same_weights(out, full) <= 1e-6
     assert _decoded(out) >= STEPS * PER_STEP  # every sample since step 0 decoded again
+    assert (out / "checkpoint-5" / "stream_state.json").is_file()  # every reader handed out a batch since: known
 
 
 @pytest.mark.slow
