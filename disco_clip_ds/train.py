@@ -34,12 +34,30 @@ from transformers import (
 from . import compat
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import CompleteCheckpointsMixin, checkpoint_folders, has_weights, newest_complete, resolve_latest
-from .data.pipeline import ClipCollator, ShardStream
-from .data.shards import count_samples, expand_shards, shards_for_reader, write_json
-from .errors import EXIT_PREEMPTED, CheckpointError, DiscoClipError, ExportError, Preempted, UsageError, run_main
+from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_KEY, ClipCollator, ShardStream, error_message
+from .data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
+from .data.stream_state import (
+    STATE_FILE,
+    as_rows,
+    note_positions,
+    positions_to_restore,
+    read_stream_state,
+    write_stream_state,
+)
+from .errors import (
+    EXIT_PREEMPTED,
+    CheckpointError,
+    DataError,
+    DiscoClipError,
+    ExportError,
+    Preempted,
+    UsageError,
+    run_main,
+)
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
 from .optim import warmup_from_first_step, without_clip_no_decay
 from .preemption import StopSignalsMixin, finished_message, parse_signals, resume_hint
+from .ranks import any_true
 from .runlock import acquire_run_lock, release_run_lock
 
 logger = logging.getLogger("disco_clip_ds.train")
@@ -90,6 +108,10 @@ class DataArguments:
         default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
     )
     zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
+    max_image_pixels: int = field(
+        default=MAX_IMAGE_PIXELS,
+        metadata={"help": "skip (and count) training images of more pixels, read from the header before decoding"},
+    )
 
 
 @dataclass
@@ -147,6 +169,67 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
         super().__init__(*args, **kwargs)
         self.reads_own_shards = reads_own_shards
         self._data_time, self._last_log = 0.0, None
+        self._stream_positions: dict[int, list[int]] = {}  # reader -> newest position trained on (stream_state.py)
+        self._stream_rows, self._resume_checkpoint, self._skipped_on_resume = None, None, False
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resume_checkpoint = resume_from_checkpoint  # for get_resumed_dataloader, which is not told it
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the
+        `num_batches` batches trained on; a checkpoint without that file falls back to the Trainer's skipping."""
+        checkpoint, stream = self._resume_checkpoint, self.train_dataset
+        if isinstance(checkpoint, bool):
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        state = read_stream_state(checkpoint) if isinstance(stream, ShardStream) else None
+        if state is None:
+            logger.info(
+                "resume: %s has no %s (saved by an older version): fast-forwarding the data stream by reading and "
+                "decoding the %d batches per rank trained on",
+                checkpoint,
+                STATE_FILE,
+                num_batches,
+            )
+            self._skipped_on_resume = True  # the skipped batches' positions are never seen
+            return super().get_resumed_dataloader(dataloader, num_batches)
+        positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
+        config = self.args.accelerator_config
+        # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
+        per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
+        stream.restore(positions, num_batches * per_step)
+        # this rank's readers stand there until their next batch: a save before it must keep their positions
+        mine = range(stream.rank * stream.workers, (stream.rank + 1) * stream.workers)
+        self._stream_positions.update({r: [r, *pos] for r, pos in positions.items() if r in mine})
+        logger.info("resume: the data stream seeks to where %d readers stood in %s", len(positions), checkpoint)
+        return dataloader
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # every rank's newest stream positions, gathered before anything is written: a collective inside the save
+        # would hang when one rank's write fails before it
+        rows = as_rows(self._stream_positions, max(1, self.args.dataloader_num_workers))
+        self._stream_rows = self.accelerator.gather(rows.to(self.args.device)).cpu()
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        stream = self.train_dataset
+        if not (self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ShardStream)):
+            return
+        seen = len(set(self._stream_rows[:, 0].tolist()) - {-1})
+        if self._skipped_on_resume and seen < stream.num_readers:
+            # after skipping, a reader that has not handed out a batch since stands at an unknown place
+            logger.info(
+                "%s gets no %s: %d of %d readers have a known position",
+                output_dir,
+                STATE_FILE,
+                seen,
+                stream.num_readers,
+            )
+            return
+        write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -172,9 +255,33 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
         start = time.perf_counter()
         if self._last_log is None:  # the clock starts at the first batch: no start-up time, and after a resume
             self._last_log = (start, self.state.global_step)  # global_step is the restored one
-        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        failure = None
+        try:
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        except Exception as error:  # every rank must learn of it: see _stream_failed
+            failure, batches = error, ([], None)
+        if any_true(failure is not None, self.args.device):  # a collective every step: no rank waits on a dead one
+            self._stream_failed(failure)
+        for batch in batches[0]:  # the stream's positions ride in the batch; the model must not see them
+            note_positions(self._stream_positions, batch.pop(POSITION_KEY, None))
         self._data_time += time.perf_counter() - start
         return batches
+
+    def _stream_failed(self, failure: BaseException | None):
+        """Raise on every rank once any rank's data loading failed: its DataError as one line (the same on every
+        rank); any other error, a bug, with its traceback on the rank that hit it."""
+        mine = None
+        if failure is not None:  # a DataError names its reader and rank; anything else gets the rank put first
+            mine = error_message(failure).splitlines()[0] if isinstance(failure, DataError) else None
+            mine = mine or f"rank {self.args.process_index}'s data loading failed: {type(failure).__name__}: {failure}"
+            mine = mine.splitlines()[0]
+        messages = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, mine)
+        if failure is not None and not isinstance(failure, DataError):
+            raise failure
+        raise DataError(next(m for m in messages if m is not None)) from failure
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # the training log, reached by every rank at the same step
@@ -289,10 +396,28 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     with _usage_error():  # unreadable shard lists and counts: the messages name the fix
         urls = expand_shards(data_args.train_shards)
         max_steps, num_samples = _steps_and_samples(data_args, args, urls)
-        ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
-        shards_for_reader(urls, 0, ranks * max(1, args.dataloader_num_workers))  # a shard for every reader
+        _check_readers(data_args, args, urls)
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
     return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length)
+
+
+def _check_readers(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> None:
+    """Every reader (rank x DataLoader worker) gets a shard, and, where the shards' counts are recorded, a sample:
+    a reader with none would fail only once training has started."""
+    if data_args.max_image_pixels < 1:
+        raise UsageError(f"--max_image_pixels {data_args.max_image_pixels}: give a positive number of pixels")
+    ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+    workers = max(1, args.dataloader_num_workers)
+    shards_for_reader(urls, 0, ranks * workers)  # a shard for every reader
+    empty = empty_reader(urls, ranks * workers)
+    if empty:
+        reader, shards = empty
+        raise UsageError(
+            f"reader {reader} of {ranks * workers} (rank {reader // workers}, DataLoader worker {reader % workers}) "
+            f"would read only shards without samples ({', '.join(shards[:3])}{' ...' if len(shards) > 3 else ''}: "
+            "0 samples in their sizes.json / *_stats.json): leave empty shards out of --train_shards, or use fewer "
+            "ranks x --dataloader_num_workers"
+        )
 
 
 def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> tuple[int, int]:
@@ -508,6 +633,7 @@ def _train(
         seed=args.seed,
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
+        max_image_pixels=data_args.max_image_pixels,
     )
     trainer = DiscoTrainer(
         model=model,
