@@ -193,6 +193,10 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
+def _stage(stage: int | None) -> str:
+    return "none (no DeepSpeed)" if stage is None else str(stage)
+
+
 def _batch(facts: dict) -> str:
     k = facts["gradient_accumulation_steps"]
     mode = " contrastive" if facts.get("contrastive_accumulation") and k > 1 else ""
@@ -252,7 +256,7 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
     if "zero_stage" in old and old.get("zero_stage") != new.get("zero_stage"):
         stage = old.get("zero_stage")
         problems.append(
-            f"ZeRO stage {stage} -> {new.get('zero_stage')}: "
+            f"ZeRO stage {_stage(stage)} -> {_stage(new.get('zero_stage'))}: "
             + (f"pass a --deepspeed config with stage {stage}" if stage is not None else "drop --deepspeed")
             + " (optimizer state does not move between stages), or export the checkpoint and start a new --output_dir"
         )
