@@ -11,8 +11,9 @@ What may change, and why:
   the same: contrastive accumulation is exact, so 2 ranks x K=1 and 1 rank x K=2 train the same steps. DeepSpeed's
   ZeRO-1/2 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
   automatically: the resume is exact, so there is nothing to opt into, and a flag would only turn a working resume
-  into an error. Without DeepSpeed (DDP, FSDP) and under ZeRO-3 (DeepSpeed 0.19 loads a universal checkpoint under
-  stage 3 only from per-rank model-state files that a conversion does not write) the world size is fixed;
+  into an error. Without DeepSpeed (DDP, FSDP) and under ZeRO-3 the world size is fixed: deepspeed 0.19.8 resumes a
+  ZeRO-3 universal checkpoint on fewer ranks without error but not at the uninterrupted run's weights, and the
+  optimizer state of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
 - the data readers, with --ignore_data_skip: the stream restarts from the beginning (each reader's position is kept
   only when ranks x workers is unchanged);
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
@@ -253,7 +254,8 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             f"model {changed}: resume with the run's own model (its config.json is in the checkpoint), or choose a new "
             "--output_dir"
         )
-    if "zero_stage" in old and old.get("zero_stage") != new.get("zero_stage"):
+    stage_changed = "zero_stage" in old and old.get("zero_stage") != new.get("zero_stage")
+    if stage_changed:
         stage = old.get("zero_stage")
         problems.append(
             f"ZeRO stage {_stage(stage)} -> {_stage(new.get('zero_stage'))}: "
@@ -268,8 +270,8 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             f"contrastive batch {old['global_contrastive_batch']} ({_batch(old)}) -> "
             f"{new['global_contrastive_batch']} ({_batch(new)}): {_batch_advice(old, new)}"
         )
-    if known("world_size") and old["world_size"] != new["world_size"] and not batch_changed:
-        if not converts_world_size(old, new) and old.get("zero_stage") == new.get("zero_stage"):
+    if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
+        if not converts_world_size(old, new):
             problems.append(
                 f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO-1/2 checkpoints move to "
                 f"another number of ranks; resume on {_ranks(old['world_size'])}"
@@ -371,6 +373,8 @@ def _convert(checkpoint: Path, root: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     tag = _deepspeed_tag(checkpoint)
+    if tag is None or not tag.is_dir():
+        raise CheckpointError(f"{checkpoint} has no DeepSpeed state ('latest' and its tag folder) to convert")
     staging = root / f"tmp-{checkpoint.name}"
     shutil.rmtree(staging, ignore_errors=True)  # what an interrupted conversion left
     staging.mkdir(parents=True)
