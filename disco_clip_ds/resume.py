@@ -228,12 +228,10 @@ def _batch_advice(old: dict, new: dict) -> str:
 
 def _reader_advice(old: dict, new: dict) -> str:
     readers, ranks = old["data_readers"], new["data_readers"] // max(1, new["dataloader_num_workers"])
-    keep = (
-        f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or "
-        if (readers % ranks == 0)
-        else ""
-    )
-    return keep + "--ignore_data_skip to restart the data stream (samples seen before are seen again)"
+    restart = "--ignore_data_skip to restart the data stream (samples seen before are seen again)"
+    if readers % ranks:
+        return "pass " + restart
+    return f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
 
 
 def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> list[str]:

@@ -311,7 +311,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"
 
 
-def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model: list[str] | None = None) -> str:
+def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="cannot resume") -> str:
     """`disco-clip train ... --resume_from_checkpoint latest EXTRA` in this process (1 rank): its one line."""
     from disco_clip_ds import train
     from disco_clip_ds.errors import run_main
@@ -355,6 +355,53 @@ def test_changed_settings_are_refused_in_one_line_before_the_model_is_built(full
         out, data, capsys, monkeypatch, "--deepspeed", ZERO2, *one_rank, model=["--model_config", str(bigger)]
     )
     assert "model vision_config.hidden_size 64 -> 128" in line
+    line = _refusal(out, data, capsys, monkeypatch, "--resume_from_checkpoint", str(out / "checkpoint-9"), prefix="")
+    assert line == f"disco-clip train: --resume_from_checkpoint {out / 'checkpoint-9'}: no such folder"
     after = _digest(out)
     assert after.pop("run.lock") == hashlib.sha256(b"").hexdigest()  # the run lock, released
     assert after == before  # nothing else written: no run.json rewrite, no conversion
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_ranks_on_a_two_rank_checkpoint_get_one_line_each_and_exit_2(full, data, tmp_path):
+    """Launched, so that every rank is seen to refuse on its own (before: DeepSpeed's "DP world size of 2 but the
+    current world size is 3" at the end of a long traceback, after the model was built)."""
+    out = _stopped_at_save(full, tmp_path / "run")
+    rc, log = run_to_end(
+        out,
+        _args(out, data, "--deepspeed", ZERO2, "--resume_from_checkpoint", "latest"),
+        launcher="deepspeed",
+        nproc=3,
+    )
+    assert rc == 2, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("disco-clip train: ")]
+    expected = (
+        f"disco-clip train: cannot resume checkpoint-{SAVE} under changed settings: contrastive batch 8 (4 per "
+        "rank x 2 ranks x K 1) -> 12 (4 per rank x 3 ranks x K 1): resume on a number of ranks that divides 8; data "
+        "readers (ranks x DataLoader workers) 2 -> 3: pass --ignore_data_skip to restart the data stream (samples "
+        "seen before are seen again)"
+    )
+    assert lines == [expected] * 3, log[-3000:]
+    assert "Traceback" not in log and not (out / "universal").exists()
+
+
+@pytest.mark.slow
+def test_the_trainers_checkpoints_need_deepspeeds_inject_missing_state_to_convert(full, tmp_path):
+    """The Trainer's engine saves no universal_checkpoint_info (Megatron-DeepSpeed's models carry it), which
+    ds_to_universal requires; its --inject_missing_state adds the default one (resume._convert passes it)."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    options = argparse.Namespace(
+        input_folder=str(full / f"checkpoint-{SAVE}" / f"global_step{SAVE}"),
+        output_folder=str(tmp_path / "universal" / f"global_step{SAVE}_universal"),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    with pytest.raises(AssertionError, match="universal_checkpoint_info state is missing"):
+        ds_to_universal.main(options)
