@@ -311,7 +311,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"
 
 
-def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="cannot resume") -> str:
+def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:
     """`disco-clip train ... --resume_from_checkpoint latest EXTRA` in this process (1 rank): its one line."""
     from disco_clip_ds import train
     from disco_clip_ds.errors import run_main
@@ -324,7 +324,7 @@ def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None
     assert run_main(train.main, argv, "disco-clip train") == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        f"disco-clip train: cannot resume checkpoint-{SAVE} under changed "
+        f"disco-clip train: {prefix or f'cannot resume checkpoint-{SAVE} under changed settings: '}"
     ), lines
     return lines[0]
 
@@ -355,7 +355,9 @@ def test_changed_settings_are_refused_in_one_line_before_the_model_is_built(full
         out, data, capsys, monkeypatch, "--deepspeed", ZERO2, *one_rank, model=["--model_config", str(bigger)]
     )
     assert "model vision_config.hidden_size 64 -> 128" in line
-    line = _refusal(out, data, capsys, monkeypatch, "--resume_from_checkpoint", str(out / "checkpoint-9"), prefix="")
+    line = _refusal(
+        out, data, capsys, monkeypatch, "--resume_from_checkpoint", str(out / "checkpoint-9"), prefix="--resume"
+    )
     assert line == f"disco-clip train: --resume_from_checkpoint {out / 'checkpoint-9'}: no such folder"
     after = _digest(out)
     assert after.pop("run.lock") == hashlib.sha256(b"").hexdigest()  # the run lock, released
