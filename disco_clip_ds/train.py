@@ -491,7 +491,9 @@ def _resume_point(
     if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
         resume.drop_universal(args.output_dir)
         return last
-    logger.info("resume: %s was saved by %d ranks, this run has %d", last, old["world_size"], args.world_size)
+    logger.info(
+        "resume: %s, world size %d -> %d: through a universal checkpoint", last, old["world_size"], args.world_size
+    )
     resume.load_universal(args)
     return str(resume.universal_checkpoint(last, args.output_dir))
 

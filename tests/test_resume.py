@@ -296,7 +296,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     ]
     rc, log = run_to_end(out, _args(out, data, *resumed), launcher="torchrun", nproc=1)
     assert rc == 0, log[-3000:]
-    assert f"checkpoint-{SAVE} was saved by 2 ranks, this run has 1" in log
+    assert f"checkpoint-{SAVE}, world size 2 -> 1: through a universal checkpoint" in log
     # the steps after SAVE, the moments, the schedule and the step count carried over: the same losses and weights
     assert_same_training(out, full, weights(data["model"]), STEPS)
     assert _digest(checkpoint) == before  # the original checkpoint is untouched
