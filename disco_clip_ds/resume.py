@@ -360,7 +360,8 @@ def universal_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.Pat
     error = from_rank0(error)
     if error:
         raise CheckpointError(
-            error + f"; the checkpoint is unchanged: resume on {checkpoint_facts(checkpoint).get('world_size')} ranks"
+            error
+            + f"; the checkpoint is unchanged: resume on {_ranks(checkpoint_facts(checkpoint).get('world_size', 0))}"
         )
     return final
 
