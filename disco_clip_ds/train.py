@@ -31,9 +31,17 @@ from transformers import (
     set_seed,
 )
 
-from . import compat
+from . import compat, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
-from .checkpoints import CompleteCheckpointsMixin, checkpoint_folders, has_weights, newest_complete, resolve_latest
+from .checkpoints import (
+    CompleteCheckpointsMixin,
+    checkpoint_folders,
+    checkpoint_problem,
+    checkpoint_step,
+    has_weights,
+    newest_complete,
+    resolve_latest,
+)
 from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_KEY, ClipCollator, ShardStream, error_message
 from .data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
 from .data.stream_state import (
@@ -575,7 +583,12 @@ def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
         module.requires_grad_(False)
 
 
-def _resume_point(args: DiscoTrainingArguments) -> str | None:
+def _resume_point(
+    args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, checked: CheckedRun
+) -> str | None:
+    """The checkpoint to resume (None: a fresh start), once its run's fixed settings are found to match this
+    command's (`resume.check_resume`: one line naming what differs), before the model is built; on another world
+    size, its universal conversion (`resume.universal_checkpoint`)."""
     if args.resume_from_checkpoint is None:
         existing = checkpoint_folders(args.output_dir)
         if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
@@ -585,10 +598,29 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
             )
         return None
     if args.resume_from_checkpoint != "latest":
-        return args.resume_from_checkpoint
-    last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
-    logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
-    return last
+        last = args.resume_from_checkpoint
+        problem = checkpoint_problem(last) if Path(last).is_dir() else "no such folder"
+        if problem:
+            raise UsageError(f"--resume_from_checkpoint {last}: {problem}")
+    else:
+        last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
+        logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
+    if last is None:
+        return None
+    step = checkpoint_step(last)
+    new = {
+        **resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps),
+        "model": resume.model_architecture(model_args.model_name_or_path, model_args.model_config),
+    }
+    old = resume.check_resume(last, step, new, args.ignore_data_skip)
+    if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
+        resume.drop_universal(args.output_dir)
+        return last
+    logger.info(
+        "resume: %s, world size %d -> %d: through a universal checkpoint", last, old["world_size"], args.world_size
+    )
+    resume.load_universal(args)
+    return str(resume.universal_checkpoint(last, args.output_dir))
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
@@ -607,7 +639,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 def _train(
     model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun
 ) -> dict:
-    resume_from = _resume_point(args)
+    resume_from = _resume_point(args, model_args, data_args, checked)
     set_seed(args.seed)
     args.max_steps = checked.max_steps
     finished = finished_message(resume_from, args.max_steps)
@@ -658,7 +690,7 @@ def _train(
     )
 
     if trainer.is_world_process_zero():
-        _write_run_file(args, model_args, data_args, checked.num_samples, trainer.contrastive_batch_size())
+        _write_run_file(args, model_args, data_args, checked, resume_from)
     result = trainer.train(resume_from_checkpoint=resume_from)
     if trainer.stopper.stopped:
         raise Preempted(resume_hint(args.output_dir, trainer.stopper.describe(), trainer.state.global_step))
@@ -713,29 +745,28 @@ def _write_run_file(
     args: DiscoTrainingArguments,
     model_args: ModelArguments,
     data_args: DataArguments,
-    num_samples: int,
-    contrastive_batch: int,
+    checked: CheckedRun,
+    resume_from: str | None,
 ) -> None:
-    """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled)."""
-    plugin = args.deepspeed_plugin
-    run = {
-        "data": data_args.train_shards,
-        "train_num_samples": num_samples,
-        "loss_impl": model_args.loss_impl,
-        "world_size": args.world_size,
-        "micro_batch_per_rank": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "contrastive_accumulation": args.contrastive_accumulation,
-        "global_contrastive_batch": contrastive_batch,
-        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
-        "zero_stage": plugin.zero_stage if plugin is not None else None,
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        "max_steps": args.max_steps,
-        "versions": {
-            name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
-        },
-    }
-    write_json(Path(args.output_dir) / "run.json", {k: v for k, v in run.items() if v is not None})
+    """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled).
+    Written at a run's first launch; a resume adds a segment (`resume.with_resume`) and leaves the facts as they were,
+    so that they stay true of every step."""
+    facts = resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps)
+    path = Path(args.output_dir) / "run.json"
+    if resume_from is None:
+        run = {
+            **facts,
+            "loss_impl": model_args.loss_impl,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "versions": {
+                name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
+            },
+        }
+    else:
+        recorded = resume.read_run_file(args.output_dir) or resume.read_run_file(Path(resume_from).parent)
+        universal = Path(resume_from).parent.name == resume.UNIVERSAL_DIR
+        run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, universal, args.ignore_data_skip)
+    write_json(path, {k: v for k, v in run.items() if v is not None})
 
 
 def _version(package: str) -> str | None:
