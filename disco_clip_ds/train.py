@@ -33,7 +33,15 @@ from transformers import (
 
 from . import compat
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
-from .checkpoints import CompleteCheckpointsMixin, checkpoint_folders, has_weights, newest_complete, resolve_latest
+from .checkpoints import (
+    CompleteCheckpointsMixin,
+    check_resume,
+    checkpoint_folders,
+    has_weights,
+    keep_final_model,
+    newest_complete,
+    resolve_latest,
+)
 from .data.pipeline import ClipCollator, ShardStream
 from .data.shards import count_samples, expand_shards, shards_for_reader, write_json
 from .errors import EXIT_PREEMPTED, CheckpointError, DiscoClipError, ExportError, Preempted, UsageError, run_main
@@ -483,12 +491,15 @@ def _train(
     model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun
 ) -> dict:
     resume_from = _resume_point(args)
+    if resume_from and args.resume_from_checkpoint != "latest":
+        check_resume(resume_from)  # 'latest' is a checkpoint that verifies; a folder given by name is verified here
     set_seed(args.seed)
     args.max_steps = checked.max_steps
     finished = finished_message(resume_from, args.max_steps)
     if finished:  # resuming would train one step past the end and change the final model
+        repaired = keep_final_model(args.output_dir, resume_from)  # a final save cut short is written again
         if args.process_index == 0:
-            print(finished)
+            print(repaired or finished)
         return {}
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
     compat.init_deepspeed_comm(args)
@@ -539,9 +550,7 @@ def _train(
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)
-    trainer.save_metrics("train", metrics)
-    trainer.save_model(args.output_dir)
-    trainer.save_state()
+    trainer.save_final(metrics)  # metrics, model, state, then the manifest that makes the final model verifiable
     if trainer.is_world_process_zero():
         _report(args, metrics)
         if checked.hub_model_id:
