@@ -256,10 +256,10 @@ def _keep_final_model(run_dir: Path, checkpoint: Path) -> str | None:
         return None
     try:
         written = _write_final_from(checkpoint, run_dir)
-    except OSError as error:
+    except Exception as error:  # copyfile's OSError, or safetensors' error when consolidating
         if _is_disk_full(error):
             needed = sum(p.stat().st_size for p in _final_files_in(checkpoint))
-            raise CheckpointError(disk_full_message(run_dir, needed, None, "the final model")) from error
+            raise CheckpointError(disk_full_message(run_dir, needed, "the final model")) from error
         raise
     return (
         f"run finished at {checkpoint.name}, but its final model was not usable ({problem}): rewritten in {run_dir} "
@@ -307,30 +307,32 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
-def _free_bytes(output_dir: Path, step: int | None) -> int:
-    forced = faults.forced_free_bytes(step) if step is not None else None
+def _free_bytes(output_dir: Path, step: int) -> int:
+    forced = faults.forced_free_bytes(step)
     return forced if forced is not None else shutil.disk_usage(output_dir).free
 
 
-def disk_full_message(output_dir: Path, needed: int | None, step: int | None, what: str | None = None) -> str:
-    """One line: where space ran out (free and needed), what is still intact, and how to go on."""
+def disk_full_message(output_dir: Path, needed: int | None, what: str, free: int | None = None) -> str:
+    """One line: where space ran out (free and needed), what is still intact, and how to go on. `free`: what a
+    free-space check saw (default: what is free now)."""
     last = newest_complete(output_dir, checksums=False, warn=False)
     need = f"needs ~{_size(needed)}, " if needed else ""
+    free = shutil.disk_usage(output_dir).free if free is None else free
     return (
-        f"no space left in {output_dir} ({need}{_size(_free_bytes(output_dir, step))} free) while saving "
-        f"{what or f'checkpoint-{step}'}; "
+        f"no space left in {output_dir} ({need}{_size(free)} free) while saving {what}; "
         f"{'the last complete checkpoint ' + last.name + ' is intact' if last else 'no checkpoint was saved'}: "
         "free space, then resume with --resume_from_checkpoint latest"
     )
 
 
 def _is_disk_full(error: BaseException | None) -> bool:
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    # torch.save's C++ writer loses the errno: "basic_ios::clear: iostream error", "file write failed"
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    # the writers that lose the errno: torch.save's C++ writer ("basic_ios::clear: iostream error", "file write
+    # failed", "unexpected pos"), safetensors ("I/O error: No space left on device (os error 28)")
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos")
+    return error is not None and any(
+        s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos", "os error 28")
     )
 
 
@@ -363,7 +365,7 @@ class CompleteCheckpointsMixin:
             return super().save_model(output_dir, _internal_call)
         try:  # the writes come after any gather (ZeRO-3) that save_model does with the other ranks
             super().save_model(output_dir, _internal_call)
-        except (OSError, RuntimeError) as error:
+        except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
             self._failures.append(error)
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -379,18 +381,18 @@ class CompleteCheckpointsMixin:
         with self._recording_failures() as failures:
             try:
                 super()._save_checkpoint(model, trial)
-            except (OSError, RuntimeError) as error:  # after DeepSpeed's last barrier: nothing collective is left
+            except Exception as error:  # after DeepSpeed's last barrier: nothing collective is left
                 failures.append(error)
             finally:
                 self._staging_dir = None
-        error = failures[0] if failures else None
-        if error is None and rank() == 0:
+        self._settle(failures[0] if failures else None, run_dir, needed, name, staging / name)
+        error = None  # every rank has written its part: rank 0 adds the manifest and publishes
+        if rank() == 0:
             try:
                 self._publish(staging / name, run_dir / name)
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # a full disk while writing the manifest, or an incomplete folder
                 error = e
-        self._settle(error, run_dir, needed, step, name, staging / name)
-        barrier()  # no rank moves on (or exits) before checkpoint-N exists
+        self._settle(error, run_dir, needed, name, staging / name)  # no rank moves on before checkpoint-N exists
 
     def save_final(self, metrics: dict) -> None:
         """The final save into output_dir (train metrics, model, Trainer state), then its manifest, written last:
@@ -408,15 +410,16 @@ class CompleteCheckpointsMixin:
                 self.save_model(str(run_dir))
                 faults.in_final_save(step)
                 self.save_state()
-            except (OSError, RuntimeError) as error:
+            except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
                 failures.append(error)
-        error = failures[0] if failures else None
-        if error is None and rank() == 0:
+        self._settle(failures[0] if failures else None, run_dir, needed, "the final model", None)
+        error = None  # every rank has written its part: the manifest, over what this save wrote, comes last
+        if rank() == 0:
             try:
                 write_manifest(run_dir, sorted(n for n, t in final_files(run_dir).items() if before.get(n) != t))
-            except OSError as e:
+            except Exception as e:  # e.g. no space left for the manifest
                 error = e
-        self._settle(error, run_dir, needed, step, "the final model", None)
+        self._settle(error, run_dir, needed, "the final model", None)
 
     @contextlib.contextmanager
     def _recording_failures(self):
@@ -436,7 +439,7 @@ class CompleteCheckpointsMixin:
                 try:
                     faults.in_deepspeed_write(self.state.global_step)
                     return write(*args, **kwargs)
-                except (OSError, RuntimeError) as error:
+                except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
                     failures.append(error)
                     return None
 
@@ -468,7 +471,7 @@ class CompleteCheckpointsMixin:
                 else:
                     setattr(owner, attr, previous)
 
-    def _settle(self, error, run_dir: Path, needed: int, step: int, what: str, staged: Path | None) -> None:
+    def _settle(self, error, run_dir: Path, needed: int, what: str, staged: Path | None) -> None:
         """Every rank learns whether the save failed anywhere; if it did, rank 0 removes the partial save and every
         rank raises: one line for a full disk (on any rank), else the error itself."""
         device = self.args.device
@@ -479,17 +482,16 @@ class CompleteCheckpointsMixin:
             shutil.rmtree(staged, ignore_errors=True)
         barrier()  # the partial save is gone before any rank reports
         if disk_full:
-            raise CheckpointError(disk_full_message(run_dir, needed, step, what)) from error
+            raise CheckpointError(disk_full_message(run_dir, needed, what)) from error
         if error is None:
             raise CheckpointError(f"another rank failed to save {what}; the last complete checkpoint is intact")
         raise error
 
     def _check_space(self, run_dir: Path, needed: int, step: int, what: str, every_rank_writes: bool) -> None:
         """Every rank (that writes) compares its free space with `needed`; all stop together, before writing."""
-        writes = every_rank_writes or self.args.should_save
-        enough = all_true(not writes or _free_bytes(run_dir, step) >= needed, self.args.device)
-        if not enough:
-            raise CheckpointError(disk_full_message(run_dir, needed, step, what))
+        free = _free_bytes(run_dir, step) if every_rank_writes or self.args.should_save else None
+        if not all_true(free is None or free >= needed, self.args.device):
+            raise CheckpointError(disk_full_message(run_dir, needed, what, free))
 
     def _checkpoint_bytes(self, run_dir: Path) -> int:
         """The space checkpoint-N will take (same on every rank): the last complete checkpoint's size, or before the
