@@ -312,6 +312,26 @@ def _free_bytes(output_dir: Path, step: int) -> int:
     return forced if forced is not None else shutil.disk_usage(output_dir).free
 
 
+START_BYTES = 2**20  # run.lock, run.json, the logs: with less free, a run cannot even start
+
+
+def check_space_at_start(output_dir: str | os.PathLike) -> None:
+    """Refuse (CheckpointError, on every rank, decided on rank 0) to start a run in a folder whose disk is full."""
+
+    def check() -> None:
+        folder = Path(output_dir).absolute()
+        while not folder.exists():
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
+        if free < START_BYTES:
+            raise CheckpointError(
+                f"no space left in {output_dir} ({_size(free)} free, a run needs at least {_size(START_BYTES)} to "
+                "start and room for its checkpoints): free space or choose another --output_dir"
+            )
+
+    _on_rank0(check)
+
+
 def disk_full_message(output_dir: Path, needed: int | None, what: str, free: int | None = None) -> str:
     """One line: where space ran out (free and needed), what is still intact, and how to go on. `free`: what a
     free-space check saw (default: what is free now)."""

@@ -36,6 +36,7 @@ from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumula
 from .checkpoints import (
     CompleteCheckpointsMixin,
     check_resume,
+    check_space_at_start,
     checkpoint_folders,
     has_weights,
     keep_final_model,
@@ -480,6 +481,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     a stop signal's checkpoint."""
     checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
+    check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
     acquire_run_lock(args.output_dir)
     try:
         return _train(model_args, data_args, args, checked)
