@@ -500,6 +500,8 @@ class CompleteCheckpointsMixin:
         disk_full = any_true(_is_disk_full(error), device)
         if rank() == 0 and staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                staged.parent.rmdir()  # tmp-checkpoints, when nothing else is staged
         barrier()  # the partial save is gone before any rank reports
         if disk_full:
             raise CheckpointError(disk_full_message(run_dir, needed, what)) from error
