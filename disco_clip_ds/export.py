@@ -45,10 +45,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise ExportError(f"checkpoint folder '{path}' does not exist")
     holds_model = has_weights(path) or (path / "latest").is_file() or (path / MANIFEST).is_file()
     if checkpoint_folders(path):  # a run folder
-        problem = final_model_problem(path) if holds_model else "missing"
-        if problem is None:
-            return path
-        logger.warning("skipping the final model in %s: %s", path, problem)
+        if holds_model:
+            problem = final_model_problem(path)
+            if problem is None:
+                return path
+            logger.warning("skipping the final model in %s: %s", path, problem)
         newest = newest_complete(path)
         if newest is None:
             raise ExportError(f"'{path}' holds no final model or checkpoint-N that verifies (see the lines above)")
