@@ -225,7 +225,16 @@ def _on_rank0(compute):
 # --- the final model in the run folder ---
 
 # what a checkpoint holds only to resume from, and the final save does not write
-RESUME_ONLY = ("scheduler.pt", "rng_state*.pth", "latest", "zero_to_fp32.py", "optimizer.pt", "scaler.pt", MANIFEST)
+RESUME_ONLY = (
+    "scheduler.pt",
+    "rng_state*.pth",
+    "latest",
+    "zero_to_*.py",
+    "optimizer.pt",
+    "scaler.pt",
+    "stream_state.json",
+    MANIFEST,
+)
 
 
 def final_model_problem(run_dir: str | os.PathLike, checksums: bool = True) -> str | None:
