@@ -12,6 +12,7 @@ the write itself to fail. The uninterrupted reference run serves every compariso
 import logging
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,15 @@ import pytest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
 
-from helpers import complete_checkpoints, run_to_end, same_weights, save_initial_model
+from helpers import (
+    complete_checkpoints,
+    kill_group,
+    run_to_end,
+    same_weights,
+    save_initial_model,
+    start_run,
+    wait_group,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 8
@@ -44,6 +53,24 @@ def run(out: Path, data: dict, *args: str, launcher=QUICK, fault="", steps=STEPS
     argv = ["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"]]
     argv += [*ARGS, "--max_steps", str(steps), "--save_steps", str(save), *args]
     return run_to_end(out, argv, launcher=launcher, fault=fault, timeout=timeout)
+
+
+def run_after(marker: Path, out: Path, data: dict, *args: str, **kw) -> tuple[int, str, float]:
+    """`run` under the deepspeed launcher, also timing how long its ranks lived on once MARKER appeared (the save
+    that fails has begun): (exit code, log, seconds)."""
+    argv = ["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"]]
+    argv += [*ARGS, "--max_steps", str(kw.pop("steps")), "--save_steps", str(kw.pop("save")), *args]
+    logfile = out.parent / f"{out.name}.log"
+    proc = start_run(out, argv, launcher="deepspeed", **kw)
+    try:
+        while not marker.exists() and proc.poll() is None:
+            time.sleep(0.05)
+        began = time.monotonic()
+        proc.wait(timeout=300)  # a hang (gloo's own timeout is 30 min) fails here
+        wait_group(proc.pid, timeout=120)
+        return proc.returncode, logfile.read_text(), time.monotonic() - began
+    finally:
+        kill_group(proc.pid)
 
 
 def lines(log: str, start: str) -> list[str]:
@@ -134,7 +161,8 @@ def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(
 
 
 def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_path):
-    from disco_clip_ds.checkpoints import MANIFEST, checkpoint_problem, newest_complete
+    from disco_clip_ds.checkpoints import MANIFEST, check_resume, checkpoint_problem, newest_complete
+    from disco_clip_ds.errors import CheckpointError, UsageError
 
     out = copy_unfinished(full, tmp_path / "run", 3)
     for n in (1, 2, 3):
@@ -144,6 +172,11 @@ def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_pa
     assert checkpoint_problem(out / "checkpoint-3") is None
     assert checkpoint_problem(out / "checkpoint-2") == "1 DeepSpeed optimizer shards for 2 ranks"
     assert newest_complete(out) == out / "checkpoint-3"
+    check_resume(out / "checkpoint-3")
+    with pytest.raises(CheckpointError, match="checkpoint-2: 1 DeepSpeed optimizer shards for 2 ranks; the newest"):
+        check_resume(out / "checkpoint-2")
+    with pytest.raises(UsageError, match="checkpoint-9: no such folder"):  # a typo is bad usage (exit 2)
+        check_resume(out / "checkpoint-9")
 
 
 def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full, data, tmp_path, caplog):
@@ -240,14 +273,15 @@ def test_a_real_full_disk_at_the_first_a_later_and_the_final_save_is_one_line(da
     assert sorted(p.name for p in out.iterdir()) == ["run.json", "run.lock"]
 
     out = disk(6 * 1024)  # checkpoint-2 fits, checkpoint-4 does not: the write fails inside DeepSpeed's save
-    rc, log = run(out, data, launcher="deepspeed", steps=4, save=2, fault="disk_free_mib=100000:step=4")
-    assert rc == 1
+    marker = out / "tmp-checkpoints" / "checkpoint-4"
+    rc, log, took = run_after(marker, out, data, steps=4, save=2, fault="disk_free_mib=100000:step=4")
+    assert rc == 1 and took < 60
     full_disk_lines(log, out, "checkpoint-4", "checkpoint-2")
     assert checkpoint_problem(out / "checkpoint-2") is None and not (out / "tmp-checkpoints").exists()
 
     out = disk(4800)  # checkpoint-2 fits, the final model does not: safetensors' write fails on rank 0 alone
-    rc, log = run(out, data, launcher="deepspeed", steps=2, save=2, fault="disk_free_mib=100000:step=2")
-    assert rc == 1
+    rc, log, took = run_after(out / "checkpoint-2", out, data, steps=2, save=2, fault="disk_free_mib=100000:step=2")
+    assert rc == 1 and took < 60
     full_disk_lines(log, out, "the final model", "checkpoint-2")
     assert checkpoint_problem(out / "checkpoint-2") is None
     # space freed (the tmpfs grown), the same command again: the final model is written from checkpoint-2
