@@ -5,10 +5,11 @@ DeepSpeed ZeRO-1/2/3, FSDP (accelerate) or DDP.
 Plain gradient accumulation adds no negatives to a contrastive loss: each micro-step's loss sees only its own
 batch. Here every optimizer step of K micro-batches
   1. embeds all K micro-batches without grad, saving the RNG state before each so that dropout is replayed;
-  2. computes the distributed loss (`disco_clip_ds.losses`) over the K x micro rows of every rank, i.e. over all
-     micro x world x K pairs, and its gradient w.r.t. each cached embedding and the logit multiplier;
+  2. computes the global-batch loss (`disco_clip_ds.losses`: CLIP's or SigLIP's) over the K x micro rows of every
+     rank, i.e. over all micro x world x K pairs, and its gradient w.r.t. each cached embedding and the logit
+     parameters (CLIP's multiplier; SigLIP's multiplier and bias);
   3. re-runs each micro-batch with grad, RNG restored, and back-propagates (embedding . cached gradient) plus
-     the multiplier's term, through the Trainer's ordinary `training_step`: one engine/accelerator backward per
+     the logit parameters' terms, through the Trainer's ordinary `training_step`: one engine/accelerator backward per
      micro-batch, so ZeRO's, FSDP's and DDP's own accumulation and reduction paths run unchanged.
 
 By the chain rule the summed micro-step gradients are exactly the gradient of the global-batch loss; the loss
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import AccumulationError
-from .losses import disco_clip_loss
 
 
 def check_contrastive_accumulation(args, loss_impl: str) -> None:
@@ -83,54 +83,53 @@ class _Update:
     rng: list = field(default_factory=list)  # RNG state before each micro-batch's first forward
     rng_after: tuple | None = None  # after all first forwards: the stream continues from here
     grads: list = field(default_factory=list)  # (d l/d image_embeds, d l/d text_embeds) per micro-batch
-    scale_grad: torch.Tensor | None = None  # d l/d logit multiplier
+    param_grads: tuple = ()  # d l/d each logit parameter (multiplier, bias)
     loss: torch.Tensor | None = None  # this rank's share of the global-batch loss (mean over ranks = the loss)
 
 
-def cached_embedding_gradients(
-    image_embeds: list[torch.Tensor],
-    text_embeds: list[torch.Tensor],
-    logit_scale: torch.Tensor,
-    impl: str = "tiled",
-    chunk_size: int | None = None,
-    group=None,
-):
+def cached_embedding_gradients(image_embeds: list[torch.Tensor], text_embeds: list[torch.Tensor], params, loss_fn):
     """Step 2: this rank's loss over all its micro-batches' rows, and its gradient w.r.t. each of them.
 
-    image_embeds, text_embeds: per micro-batch (b_k, d) L2-normalised embeddings (no grad); logit_scale: the
-    0-dim multiplier. Returns (loss, [(grad_image_k, grad_text_k)], grad_logit_scale), gradients in fp32 (fp64
-    for fp64 embeddings). Collective under torch.distributed (all ranks call it at once)."""
+    image_embeds, text_embeds: per micro-batch (b_k, d) L2-normalised embeddings (no grad); params: the 0-dim logit
+    parameters the loss takes after the features (CLIP: the multiplier; SigLIP: the multiplier and the bias);
+    loss_fn(images, texts, *params): the global-batch loss (the model's `global_loss`). Returns (loss,
+    [(grad_image_k, grad_text_k)], (grad of each param)), gradients in fp32 (fp64 for fp64 embeddings).
+    Collective under torch.distributed (all ranks call it at once)."""
     sizes = [e.shape[0] for e in image_embeds]
     dtype = _at_least_fp32(image_embeds[0])
     images = torch.cat(image_embeds).detach().to(dtype).requires_grad_()
     texts = torch.cat(text_embeds).detach().to(dtype).requires_grad_()
-    scale = logit_scale.detach().to(dtype).reshape(()).requires_grad_()
+    leaves = tuple(p.detach().to(dtype).reshape(()).requires_grad_() for p in params)
     with torch.enable_grad():
-        loss = disco_clip_loss(images, texts, scale, impl=impl, chunk_size=chunk_size, group=group)
-        grad_images, grad_texts, grad_scale = torch.autograd.grad(loss, (images, texts, scale))
-    return loss.detach(), list(zip(grad_images.split(sizes), grad_texts.split(sizes))), grad_scale
+        loss = loss_fn(images, texts, *leaves)
+        grad_images, grad_texts, *param_grads = torch.autograd.grad(loss, (images, texts, *leaves))
+    return loss.detach(), list(zip(grad_images.split(sizes), grad_texts.split(sizes))), tuple(param_grads)
 
 
-def surrogate_loss(
-    image_embeds: torch.Tensor,
-    text_embeds: torch.Tensor,
-    logit_scale: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor],
-    scale_grad: torch.Tensor,
-    num_micro: int,
-) -> torch.Tensor:
+def surrogate_loss(image_embeds, text_embeds, params, grads, param_grads, num_micro: int) -> torch.Tensor:
     """Step 3: a scalar whose gradient w.r.t. the model is this micro-batch's share of the global-batch gradient.
 
-    The multiplier's term is split evenly over the K micro-batches (summing to its whole gradient) rather than
-    given to one: every parameter then gets a gradient in every micro-step, as in ordinary accumulation, which
-    ZeRO's per-micro-step gradient bookkeeping expects."""
+    The logit parameters' terms are split evenly over the K micro-batches (summing to their whole gradient) rather
+    than given to one: every parameter then gets a gradient in every micro-step, as in ordinary accumulation,
+    which ZeRO's per-micro-step gradient bookkeeping expects."""
     grad_images, grad_texts = grads
     dtype = grad_images.dtype  # 16-bit embeddings meet their fp32 gradients in fp32
-    return (
-        (image_embeds.to(dtype) * grad_images).sum()
-        + (text_embeds.to(dtype) * grad_texts).sum()
-        + logit_scale.to(dtype).reshape(()) * (scale_grad / num_micro)
-    )
+    value = (image_embeds.to(dtype) * grad_images).sum() + (text_embeds.to(dtype) * grad_texts).sum()
+    for param, grad in zip(params, param_grads):
+        value = value + param.to(dtype).reshape(()) * (grad / num_micro)
+    return value
+
+
+def logit_params(model, outputs) -> tuple[torch.Tensor, ...]:
+    """The logit parameters as the model's forward used them (its output carries each of `model.PARAM_NAMES`)."""
+    names = getattr(model, "PARAM_NAMES", None)
+    found = tuple(getattr(outputs, name, None) for name in names or ())
+    if not names or any(p is None for p in found):
+        raise RuntimeError(
+            f"{type(model).__name__}'s output lacks its logit parameters: contrastive accumulation needs "
+            "disco_clip_ds's DiscoCLIPModel or DiscoSiglipModel (or --contrastive_accumulation false)"
+        )
+    return found
 
 
 class ContrastiveAccumulationMixin:
@@ -140,7 +139,8 @@ class ContrastiveAccumulationMixin:
     Hooks: `get_batch_samples` (the Trainer 5 fetches an update's K batches up front, then loops `training_step`
     over them) records the batches; the first `training_step` of the update runs steps 1-2; `compute_loss`
     returns the surrogate for the micro-batch at hand, valued at the global-batch loss / K so the Trainer's
-    logged loss is the true one. The model's output must carry `image_embeds`, `text_embeds`, `logit_scale`.
+    logged loss is the true one. The model must be a DiscoCLIPModel or DiscoSiglipModel (`modeling.py`): its output
+    carries `image_embeds`, `text_embeds` and its logit parameters, and `global_loss` computes the loss from them.
     """
 
     def __init__(self, *args, **kwargs):
@@ -200,9 +200,9 @@ class ContrastiveAccumulationMixin:
         surrogate = surrogate_loss(
             outputs.image_embeds,
             outputs.text_embeds,
-            outputs.logit_scale,
+            logit_params(self.model, outputs),
             update.grads[update.index],
-            update.scale_grad,
+            update.param_grads,
             num_micro,
         )
         # Valued at loss / K (the Trainer sums the K micro-step values for its log), with the surrogate's gradient.
@@ -211,22 +211,16 @@ class ContrastiveAccumulationMixin:
 
     def _embed_and_cache(self, model, update: _Update) -> None:
         """Steps 1 and 2 for the whole update; collective under torch.distributed."""
-        config = self.model.config
         model.train()
-        image_embeds, text_embeds, scale = [], [], None
+        image_embeds, text_embeds, outputs = [], [], None
         with torch.no_grad(), self.compute_loss_context_manager():
             for batch in update.batches:
                 update.rng.append(_rng_state())
                 outputs = model(**{**self._prepare_inputs(batch), "return_loss": False, "return_logits": False})
                 image_embeds.append(outputs.image_embeds)
                 text_embeds.append(outputs.text_embeds)
-                scale = outputs.logit_scale
-        if scale is None:
-            raise RuntimeError(
-                f"{type(self.model).__name__}'s output has no logit_scale: contrastive accumulation needs "
-                "disco_clip_ds.DiscoCLIPModel (or --contrastive_accumulation false)"
-            )
+        params = logit_params(self.model, outputs)
         update.rng_after = _rng_state()
-        update.loss, update.grads, update.scale_grad = cached_embedding_gradients(
-            image_embeds, text_embeds, scale, impl=config.loss_impl, chunk_size=config.chunk_size
+        update.loss, update.grads, update.param_grads = cached_embedding_gradients(
+            image_embeds, text_embeds, params, self.model.global_loss
         )

@@ -218,6 +218,10 @@ def describe_run(checkpoint: Path) -> dict:
         info["loss_impl"] = config["loss_impl"]
     info.update(_from_trainer_state(checkpoint / "trainer_state.json"))
     info.update(_run_file(checkpoint))
+    if info.get("resumes"):  # run.json's facts hold for every step; a resume may have changed ranks and K
+        from .resume import describe_resumes
+
+        info["resumes"] = describe_resumes(info)
     versions = info.pop("versions", None) or {}
     if versions.get("deepspeed") and "zero_stage" in info:
         info["deepspeed"] = versions["deepspeed"]
@@ -259,6 +263,7 @@ RUN_FIELDS = [
     ("world_size", "world size (data-parallel ranks)"),
     ("micro_batch_per_rank", "micro-batch per rank"),
     ("gradient_accumulation_steps", "gradient accumulation steps"),
+    ("resumes", "resumed at (ranks x K from there)"),
     ("global_batch", "global batch per optimizer step"),
     ("loss_impl", "loss implementation"),
     ("zero_stage", "DeepSpeed ZeRO stage"),

@@ -1,7 +1,11 @@
-"""DiscoCLIPModel: a transformers CLIPModel whose forward returns the global-batch contrastive loss.
+"""DiscoCLIPModel and DiscoSiglipModel: transformers' CLIPModel and SiglipModel whose forward returns the
+global-batch loss of `disco_clip_ds.losses` (CLIP's softmax loss, SigLIP's sigmoid loss).
 
-The loss is computed inside `forward`, so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's
-partitioned parameters need no special casing. A saved model is a plain CLIPModel checkpoint.
+One mixin, `GlobalBatchLossMixin`, gives both models their forward (towers -> normalised embeddings -> the loss
+of `config.loss_impl`), their save as the plain transformers model and their ZeRO-3 initialisation; each model
+adds only its logit parameters, its own per-device loss and its initialisation. The loss is computed inside
+`forward`, so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's partitioned parameters need no
+special casing.
 
 A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLIP and open_clip initialise theirs
 (`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import CLIPConfig, CLIPModel, CLIPTextConfig
+from transformers import AutoConfig, CLIPConfig, CLIPModel, CLIPTextConfig, SiglipConfig, SiglipModel
 from transformers import initialization as init
 from transformers.models.clip.modeling_clip import (
     CLIPMLP,
@@ -32,11 +36,116 @@ from transformers.models.clip.modeling_clip import (
     CLIPVisionEmbeddings,
     image_text_contrastive_loss,
 )
+from transformers.models.siglip.modeling_siglip import SiglipOutput
 
 from . import LOSS_IMPLS, compat
 from .losses import disco_clip_loss
+from .losses.sigmoid import sigmoid_loss
 
 LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
+SIGLIP_LOGIT_SCALE_INIT, SIGLIP_LOGIT_BIAS_INIT = math.log(10.0), -10.0  # the SigLIP paper's initialisation
+
+
+class GlobalBatchLossMixin:
+    """What DiscoCLIPModel and DiscoSiglipModel share; mix in before the transformers model class.
+
+    A model supplies `PLAIN` (the transformers class it saves as), `IMPLS` (its loss_impl values), `OUTPUT` (its
+    output class, with `logit_scale` and any further logit parameter), `logit_params()` (the tensors the loss takes
+    after the features, e.g. (multiplier,) or (multiplier, bias)), `logits(text, image, params)`, `local_loss`
+    (its own per-device loss on those logits) and `global_loss(image, text, *params, group=None)`.
+    """
+
+    PLAIN: type
+    IMPLS: tuple[str, ...]
+    OUTPUT: type
+
+    def _adopt_loss_config(self, config) -> None:
+        config.loss_impl = getattr(config, "loss_impl", None) or "tiled"
+        config.chunk_size = getattr(config, "chunk_size", None)
+        if config.loss_impl not in self.IMPLS:
+            raise ValueError(
+                f"loss_impl must be one of {self.IMPLS} for {self.PLAIN.__name__}, got {config.loss_impl!r}"
+            )
+
+    def initialize_weights(self) -> None:
+        """As transformers', but under ZeRO-3 on gathered weights: the models build their towers with
+        `_from_config`, which partitions them inside zero.Init, and a plain init would write into their empty shards."""
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in self.parameters()):
+            from transformers.integrations.deepspeed import initialize_weights_zero3
+
+            initialize_weights_zero3(self)
+        else:
+            super().initialize_weights()
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
+        """Save as the plain transformers model (its class in `architectures`)."""
+        state_dict = self._plain_state_dict(state_dict)
+        super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            config_file = Path(save_directory) / "config.json"
+            config = json.loads(config_file.read_text())
+            config["architectures"] = [self.PLAIN.__name__]
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def _plain_state_dict(self, state_dict: dict | None) -> dict | None:
+        return state_dict
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        compat.init_as_library_code(super()._initialize_weights)(module, is_custom_code)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        return_loss: bool | None = None,
+        interpolate_pos_encoding: bool = False,
+        return_logits: bool | None = None,
+        **kwargs,
+    ):
+        """The transformers model's forward; with `return_loss` the loss is the global-batch one of
+        `config.loss_impl` (or the model's own per-device loss for "local").
+
+        `return_logits`: whether to build this rank's b x b logits (`logits_per_image` / `logits_per_text`).
+        Default: when no loss is asked for (inference, as the transformers model) or the loss is `local`, which
+        uses them; a training step with the global loss skips them (64 MiB of fp32 at b = 4096) and returns None.
+        """
+        vision_outputs = self.get_image_features(
+            pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
+        )
+        text_outputs = self.get_text_features(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+        image_embeds = nn.functional.normalize(vision_outputs.pooler_output, dim=-1)
+        text_embeds = nn.functional.normalize(text_outputs.pooler_output, dim=-1)
+        params = self.logit_params()
+        self.last_logit_scale = params[0].detach()  # for logging: under ZeRO-3 the parameter is partitioned
+        if return_logits is None:
+            return_logits = not return_loss or self.config.loss_impl == "local"
+        logits_per_text = self.logits(text_embeds, image_embeds, params) if return_logits else None
+        loss = None
+        if return_loss:
+            if self.config.loss_impl == "local":
+                local = (
+                    logits_per_text if logits_per_text is not None else self.logits(text_embeds, image_embeds, params)
+                )
+                loss = self.local_loss(local)
+            else:
+                # fp32 logits even under autocast (Trainer --bf16 without DeepSpeed): the loss turns it off itself.
+                loss = self.global_loss(image_embeds, text_embeds, *params)
+        return self.OUTPUT(
+            loss=loss,
+            logits_per_image=logits_per_text.t() if logits_per_text is not None else None,
+            logits_per_text=logits_per_text,
+            text_embeds=text_embeds,
+            image_embeds=image_embeds,
+            text_model_output=text_outputs,
+            vision_model_output=vision_outputs,
+            **dict(zip(self.PARAM_NAMES, params)),
+        )
 
 
 @dataclass
@@ -47,7 +156,7 @@ class DiscoCLIPOutput(CLIPOutput):
     logit_scale: torch.Tensor | None = None
 
 
-class DiscoCLIPModel(CLIPModel):
+class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
     """CLIPModel with the distributed contrastive loss (`disco_clip_ds.losses`) computed in `forward`.
 
     Config attributes: `loss_impl` ("tiled" default, "disco", or "local" = CLIP's own per-device loss)
@@ -55,6 +164,8 @@ class DiscoCLIPModel(CLIPModel):
     Under torch.distributed, `forward(..., return_loss=True).loss` on each rank is such that the mean over
     ranks is the global-batch loss and data-parallel gradient averaging yields the global-batch gradient.
     """
+
+    PLAIN, IMPLS, OUTPUT, PARAM_NAMES = CLIPModel, LOSS_IMPLS, DiscoCLIPOutput, ("logit_scale",)
 
     def __init__(self, config: CLIPConfig):
         super().__init__(config)
@@ -68,10 +179,7 @@ class DiscoCLIPModel(CLIPModel):
         for module in self.modules():
             module.__dict__.pop("_is_hf_initialized", None)
         self.init_weights()
-        config.loss_impl = getattr(config, "loss_impl", None) or "tiled"
-        config.chunk_size = getattr(config, "chunk_size", None)
-        if config.loss_impl not in LOSS_IMPLS:
-            raise ValueError(f"loss_impl must be one of {LOSS_IMPLS}, got {config.loss_impl!r}")
+        self._adopt_loss_config(config)
         compat.adopt_vector_logit_scale(self)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -82,20 +190,8 @@ class DiscoCLIPModel(CLIPModel):
         super()._init_weights(module)
         clip_init_(module)
 
-    def initialize_weights(self) -> None:
-        """As transformers', but under ZeRO-3 on gathered weights: CLIPModel builds its towers with `_from_config`,
-        which partitions them inside zero.Init, and a plain init would write into their empty shards."""
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in self.parameters()):
-            from transformers.integrations.deepspeed import initialize_weights_zero3
-
-            initialize_weights_zero3(self)
-        else:
-            super().initialize_weights()
-
-    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        compat.init_as_library_code(super()._initialize_weights)(module, is_custom_code)
+    def _plain_state_dict(self, state_dict: dict | None) -> dict | None:
+        return compat.scalar_logit_scale_in(state_dict)  # CLIP's 0-dim logit_scale (see compat)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -107,76 +203,72 @@ class DiscoCLIPModel(CLIPModel):
         compat.clear_weight_conversions(model)  # our state dict is CLIP's layout: saving must not transform keys
         return model
 
-    def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
-        """Save as a plain CLIPModel checkpoint (architectures ["CLIPModel"], 0-dim logit_scale)."""
-        state_dict = compat.scalar_logit_scale_in(state_dict)
-        super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
-            config_file = Path(save_directory) / "config.json"
-            config = json.loads(config_file.read_text())
-            config["architectures"] = ["CLIPModel"]
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
     def clamped_logit_scale(self) -> torch.Tensor:
         """The logit multiplier exp(logit_scale), clamped at 100 as in CLIP, as a 0-dim tensor."""
         return self.logit_scale.clamp(max=LOGIT_SCALE_MAX).exp().reshape(())
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        return_loss: bool | None = None,
-        interpolate_pos_encoding: bool = False,
-        return_logits: bool | None = None,
-        **kwargs,
-    ) -> DiscoCLIPOutput:
-        """CLIPModel's forward; with `return_loss` the loss is the distributed one of `config.loss_impl`.
+    def logit_params(self) -> tuple[torch.Tensor]:
+        return (self.clamped_logit_scale(),)
 
-        `return_logits`: whether to build this rank's b x b logits (`logits_per_image` / `logits_per_text`).
-        Default: when no loss is asked for (inference, as CLIPModel) or the loss is `local`, which uses them; a
-        training step with the distributed loss skips them (64 MiB of fp32 at b = 4096) and returns None there.
-        """
-        vision_outputs = self.get_image_features(
-            pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
-        )
-        text_outputs = self.get_text_features(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
-        image_embeds = nn.functional.normalize(vision_outputs.pooler_output, dim=-1)
-        text_embeds = nn.functional.normalize(text_outputs.pooler_output, dim=-1)
-        logit_scale = self.clamped_logit_scale()
-        self.last_logit_scale = logit_scale.detach()  # for logging: under ZeRO-3 the parameter is partitioned
-        if return_logits is None:
-            return_logits = not return_loss or self.config.loss_impl == "local"
-        logits_per_text = logit_scale * text_embeds @ image_embeds.t() if return_logits else None
+    def logits(self, text_embeds, image_embeds, params) -> torch.Tensor:
+        return params[0] * text_embeds @ image_embeds.t()
 
-        loss = None
-        if return_loss:
-            if self.config.loss_impl == "local":
-                loss = image_text_contrastive_loss(
-                    logits_per_text if logits_per_text is not None else logit_scale * text_embeds @ image_embeds.t()
-                )
-            else:
-                # fp32 logits even under autocast (Trainer --bf16 without DeepSpeed): the loss turns it off itself.
-                loss = disco_clip_loss(
-                    image_embeds,
-                    text_embeds,
-                    logit_scale,
-                    impl=self.config.loss_impl,
-                    chunk_size=self.config.chunk_size,
-                )
-        return DiscoCLIPOutput(
-            loss=loss,
-            logits_per_image=logits_per_text.t() if logits_per_text is not None else None,
-            logits_per_text=logits_per_text,
-            text_embeds=text_embeds,
-            image_embeds=image_embeds,
-            text_model_output=text_outputs,
-            vision_model_output=vision_outputs,
-            logit_scale=logit_scale,
-        )
+    def local_loss(self, logits_per_text) -> torch.Tensor:
+        return image_text_contrastive_loss(logits_per_text)
+
+    def global_loss(self, image_embeds, text_embeds, logit_scale, group=None) -> torch.Tensor:
+        impl, chunk = self.config.loss_impl, self.config.chunk_size
+        return disco_clip_loss(image_embeds, text_embeds, logit_scale, impl=impl, chunk_size=chunk, group=group)
+
+
+@dataclass
+class DiscoSiglipOutput(SiglipOutput):
+    """SiglipOutput plus the multiplier exp(logit_scale) and the bias as the loss used them, still attached to the
+    graph (contrastive accumulation recomputes the loss outside `forward`)."""
+
+    logit_scale: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+
+
+class DiscoSiglipModel(GlobalBatchLossMixin, SiglipModel):
+    """SiglipModel with the global-batch sigmoid loss (`disco_clip_ds.losses.sigmoid`) computed in `forward`.
+
+    Config attributes as DiscoCLIPModel's: `loss_impl` "tiled" (the global loss, each logit once) or "local"
+    (SiglipModel's own loss over the device's batch), and `chunk_size`. A fresh model (and a checkpoint without
+    them) starts from the paper's logit_scale = log 10 and logit_bias = -10, not transformers' zeros. The text
+    tower pools the last position: feed text padded to a fixed length, as SigLIP was trained.
+    """
+
+    PLAIN, IMPLS, OUTPUT, PARAM_NAMES = (
+        SiglipModel,
+        ("tiled", "local"),
+        DiscoSiglipOutput,
+        ("logit_scale", "logit_bias"),
+    )
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__(config)
+        self._adopt_loss_config(config)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, SiglipModel):
+            init.constant_(module.logit_scale, SIGLIP_LOGIT_SCALE_INIT)
+            init.constant_(module.logit_bias, SIGLIP_LOGIT_BIAS_INIT)
+
+    def logit_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.logit_scale.exp().reshape(()), self.logit_bias.reshape(())
+
+    def logits(self, text_embeds, image_embeds, params) -> torch.Tensor:
+        return params[0] * text_embeds @ image_embeds.t() + params[1]
+
+    def local_loss(self, logits_per_text) -> torch.Tensor:
+        # SiglipModel's own formula (transformers has it inline in forward): the mean over texts of the row sums.
+        signs = 2 * torch.eye(len(logits_per_text), device=logits_per_text.device) - 1
+        return -nn.functional.logsigmoid(signs * logits_per_text).sum(-1).mean()
+
+    def global_loss(self, image_embeds, text_embeds, logit_scale, logit_bias, group=None) -> torch.Tensor:
+        return sigmoid_loss(image_embeds, text_embeds, logit_scale, logit_bias, self.config.chunk_size, group)
 
 
 def _torch_linear_init_(linear: nn.Linear) -> None:
@@ -259,20 +351,33 @@ def build_model(
     model_config: str | None = None,
     loss_impl: str = "tiled",
     chunk_size: int | None = None,
-) -> DiscoCLIPModel:
-    """A DiscoCLIPModel from pretrained weights (hub id or folder) or fresh from a CLIPConfig JSON file."""
+) -> DiscoCLIPModel | DiscoSiglipModel:
+    """A DiscoCLIPModel or DiscoSiglipModel (by the config's model_type) from pretrained weights (hub id or folder)
+    or fresh from a config JSON file."""
     if bool(model_name_or_path) == bool(model_config):
-        raise ValueError(
-            "give exactly one of model_name_or_path (pretrained weights) or model_config (a CLIPConfig JSON)"
-        )
+        raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
     if model_name_or_path:
-        config = CLIPConfig.from_pretrained(model_name_or_path)
+        config = AutoConfig.from_pretrained(model_name_or_path)
     else:
         path = Path(model_config)
         if not path.is_file():
             raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
-        config = CLIPConfig.from_json_file(str(path))
+        config = _config_from_json(path)
+    model_class = MODEL_CLASSES.get(config.model_type)
+    if model_class is None:
+        raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(MODEL_CLASSES)}")
     config.loss_impl, config.chunk_size = loss_impl, chunk_size
     if model_name_or_path:
-        return DiscoCLIPModel.from_pretrained(model_name_or_path, config=config)
-    return DiscoCLIPModel(config)
+        return model_class.from_pretrained(model_name_or_path, config=config)
+    return model_class(config)
+
+
+MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel}
+
+
+def _config_from_json(path: Path):
+    model_type = json.loads(path.read_text()).get("model_type", "clip")  # a CLIPConfig JSON may omit it
+    config_class = {"clip": CLIPConfig, "siglip": SiglipConfig}.get(model_type)
+    if config_class is None:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one of clip, siglip")
+    return config_class.from_json_file(str(path))

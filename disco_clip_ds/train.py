@@ -31,24 +31,43 @@ from transformers import (
     set_seed,
 )
 
-from . import compat
+from . import compat, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (
     CompleteCheckpointsMixin,
     check_resume,
     check_space_at_start,
     checkpoint_folders,
+    checkpoint_step,
     has_weights,
     keep_final_model,
     newest_complete,
     resolve_latest,
 )
-from .data.pipeline import ClipCollator, ShardStream
-from .data.shards import count_samples, expand_shards, shards_for_reader, write_json
-from .errors import EXIT_PREEMPTED, CheckpointError, DiscoClipError, ExportError, Preempted, UsageError, run_main
+from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_KEY, ClipCollator, ShardStream, error_message
+from .data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
+from .data.stream_state import (
+    STATE_FILE,
+    as_rows,
+    note_positions,
+    positions_to_restore,
+    read_stream_state,
+    write_stream_state,
+)
+from .errors import (
+    EXIT_PREEMPTED,
+    CheckpointError,
+    DataError,
+    DiscoClipError,
+    ExportError,
+    Preempted,
+    UsageError,
+    run_main,
+)
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
 from .optim import warmup_from_first_step, without_clip_no_decay
 from .preemption import StopSignalsMixin, finished_message, parse_signals, resume_hint
+from .ranks import any_true
 from .runlock import acquire_run_lock, release_run_lock
 
 logger = logging.getLogger("disco_clip_ds.train")
@@ -99,6 +118,10 @@ class DataArguments:
         default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
     )
     zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
+    max_image_pixels: int = field(
+        default=MAX_IMAGE_PIXELS,
+        metadata={"help": "skip (and count) training images of more pixels, read from the header before decoding"},
+    )
 
 
 @dataclass
@@ -156,6 +179,67 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
         super().__init__(*args, **kwargs)
         self.reads_own_shards = reads_own_shards
         self._data_time, self._last_log = 0.0, None
+        self._stream_positions: dict[int, list[int]] = {}  # reader -> newest position trained on (stream_state.py)
+        self._stream_rows, self._resume_checkpoint, self._skipped_on_resume = None, None, False
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resume_checkpoint = resume_from_checkpoint  # for get_resumed_dataloader, which is not told it
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the
+        `num_batches` batches trained on; a checkpoint without that file falls back to the Trainer's skipping."""
+        checkpoint, stream = self._resume_checkpoint, self.train_dataset
+        if isinstance(checkpoint, bool):
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        state = read_stream_state(checkpoint) if isinstance(stream, ShardStream) else None
+        if state is None:
+            logger.info(
+                "resume: %s has no %s (saved by an older version): fast-forwarding the data stream by reading and "
+                "decoding the %d batches per rank trained on",
+                checkpoint,
+                STATE_FILE,
+                num_batches,
+            )
+            self._skipped_on_resume = True  # the skipped batches' positions are never seen
+            return super().get_resumed_dataloader(dataloader, num_batches)
+        positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
+        config = self.args.accelerator_config
+        # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
+        per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
+        stream.restore(positions, num_batches * per_step)
+        # this rank's readers stand there until their next batch: a save before it must keep their positions
+        mine = range(stream.rank * stream.workers, (stream.rank + 1) * stream.workers)
+        self._stream_positions.update({r: [r, *pos] for r, pos in positions.items() if r in mine})
+        logger.info("resume: the data stream seeks to where %d readers stood in %s", len(positions), checkpoint)
+        return dataloader
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # every rank's newest stream positions, gathered before anything is written: a collective inside the save
+        # would hang when one rank's write fails before it
+        rows = as_rows(self._stream_positions, max(1, self.args.dataloader_num_workers))
+        self._stream_rows = self.accelerator.gather(rows.to(self.args.device)).cpu()
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        stream = self.train_dataset
+        if not (self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ShardStream)):
+            return
+        seen = len(set(self._stream_rows[:, 0].tolist()) - {-1})
+        if self._skipped_on_resume and seen < stream.num_readers:
+            # after skipping, a reader that has not handed out a batch since stands at an unknown place
+            logger.info(
+                "%s gets no %s: %d of %d readers have a known position",
+                output_dir,
+                STATE_FILE,
+                seen,
+                stream.num_readers,
+            )
+            return
+        write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -181,9 +265,33 @@ class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumu
         start = time.perf_counter()
         if self._last_log is None:  # the clock starts at the first batch: no start-up time, and after a resume
             self._last_log = (start, self.state.global_step)  # global_step is the restored one
-        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        failure = None
+        try:
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        except Exception as error:  # every rank must learn of it: see _stream_failed
+            failure, batches = error, ([], None)
+        if any_true(failure is not None, self.args.device):  # a collective every step: no rank waits on a dead one
+            self._stream_failed(failure)
+        for batch in batches[0]:  # the stream's positions ride in the batch; the model must not see them
+            note_positions(self._stream_positions, batch.pop(POSITION_KEY, None))
         self._data_time += time.perf_counter() - start
         return batches
+
+    def _stream_failed(self, failure: BaseException | None):
+        """Raise on every rank once any rank's data loading failed: its DataError as one line (the same on every
+        rank); any other error, a bug, with its traceback on the rank that hit it."""
+        mine = None
+        if failure is not None:  # a DataError names its reader and rank; anything else gets the rank put first
+            mine = error_message(failure).splitlines()[0] if isinstance(failure, DataError) else None
+            mine = mine or f"rank {self.args.process_index}'s data loading failed: {type(failure).__name__}: {failure}"
+            mine = mine.splitlines()[0]
+        messages = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, mine)
+        if failure is not None and not isinstance(failure, DataError):
+            raise failure
+        raise DataError(next(m for m in messages if m is not None)) from failure
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # the training log, reached by every rank at the same step
@@ -298,10 +406,28 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     with _usage_error():  # unreadable shard lists and counts: the messages name the fix
         urls = expand_shards(data_args.train_shards)
         max_steps, num_samples = _steps_and_samples(data_args, args, urls)
-        ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
-        shards_for_reader(urls, 0, ranks * max(1, args.dataloader_num_workers))  # a shard for every reader
+        _check_readers(data_args, args, urls)
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
     return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length)
+
+
+def _check_readers(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> None:
+    """Every reader (rank x DataLoader worker) gets a shard, and, where the shards' counts are recorded, a sample:
+    a reader with none would fail only once training has started."""
+    if data_args.max_image_pixels < 1:
+        raise UsageError(f"--max_image_pixels {data_args.max_image_pixels}: give a positive number of pixels")
+    ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+    workers = max(1, args.dataloader_num_workers)
+    shards_for_reader(urls, 0, ranks * workers)  # a shard for every reader
+    empty = empty_reader(urls, ranks * workers)
+    if empty:
+        reader, shards = empty
+        raise UsageError(
+            f"reader {reader} of {ranks * workers} (rank {reader // workers}, DataLoader worker {reader % workers}) "
+            f"would read only shards without samples ({', '.join(shards[:3])}{' ...' if len(shards) > 3 else ''}: "
+            "0 samples in their sizes.json / *_stats.json): leave empty shards out of --train_shards, or use fewer "
+            "ranks x --dataloader_num_workers"
+        )
 
 
 def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> tuple[int, int]:
@@ -459,7 +585,12 @@ def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
         module.requires_grad_(False)
 
 
-def _resume_point(args: DiscoTrainingArguments) -> str | None:
+def _resume_point(
+    args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, checked: CheckedRun
+) -> str | None:
+    """The checkpoint to resume (None: a fresh start), once its run's fixed settings are found to match this
+    command's (`resume.check_resume`: one line naming what differs), before the model is built; on another world
+    size, its universal conversion (`resume.universal_checkpoint`)."""
     if args.resume_from_checkpoint is None:
         existing = checkpoint_folders(args.output_dir)
         if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
@@ -469,10 +600,29 @@ def _resume_point(args: DiscoTrainingArguments) -> str | None:
             )
         return None
     if args.resume_from_checkpoint != "latest":
-        return args.resume_from_checkpoint
-    last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
-    logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
-    return last
+        last = args.resume_from_checkpoint
+        # verified on rank 0 against its manifest: a missing folder is bad usage (exit 2), one that does not verify a
+        # failed run (exit 1) naming the newest checkpoint beside it that does
+        check_resume(last)
+    else:
+        last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
+        logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
+    if last is None:
+        return None
+    step = checkpoint_step(last)
+    new = {
+        **resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps),
+        "model": resume.model_architecture(model_args.model_name_or_path, model_args.model_config),
+    }
+    old = resume.check_resume(last, step, new, args.ignore_data_skip)
+    if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
+        resume.drop_universal(args.output_dir)
+        return last
+    logger.info(
+        "resume: %s, world size %d -> %d: through a universal checkpoint", last, old["world_size"], args.world_size
+    )
+    resume.load_universal(args)
+    return str(resume.universal_checkpoint(last, args.output_dir))
 
 
 def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> dict:
@@ -492,9 +642,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 def _train(
     model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun
 ) -> dict:
-    resume_from = _resume_point(args)
-    if resume_from and args.resume_from_checkpoint != "latest":
-        check_resume(resume_from)  # 'latest' is a checkpoint that verifies; a folder given by name is verified here
+    resume_from = _resume_point(args, model_args, data_args, checked)
     set_seed(args.seed)
     args.max_steps = checked.max_steps
     finished = finished_message(resume_from, args.max_steps)
@@ -521,6 +669,7 @@ def _train(
         seed=args.seed,
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
+        max_image_pixels=data_args.max_image_pixels,
     )
     trainer = DiscoTrainer(
         model=model,
@@ -545,7 +694,7 @@ def _train(
     )
 
     if trainer.is_world_process_zero():
-        _write_run_file(args, model_args, data_args, checked.num_samples, trainer.contrastive_batch_size())
+        _write_run_file(args, model_args, data_args, checked, resume_from)
     result = trainer.train(resume_from_checkpoint=resume_from)
     if trainer.stopper.stopped:
         raise Preempted(resume_hint(args.output_dir, trainer.stopper.describe(), trainer.state.global_step))
@@ -598,29 +747,28 @@ def _write_run_file(
     args: DiscoTrainingArguments,
     model_args: ModelArguments,
     data_args: DataArguments,
-    num_samples: int,
-    contrastive_batch: int,
+    checked: CheckedRun,
+    resume_from: str | None,
 ) -> None:
-    """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled)."""
-    plugin = args.deepspeed_plugin
-    run = {
-        "data": data_args.train_shards,
-        "train_num_samples": num_samples,
-        "loss_impl": model_args.loss_impl,
-        "world_size": args.world_size,
-        "micro_batch_per_rank": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "contrastive_accumulation": args.contrastive_accumulation,
-        "global_contrastive_batch": contrastive_batch,
-        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
-        "zero_stage": plugin.zero_stage if plugin is not None else None,
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        "max_steps": args.max_steps,
-        "versions": {
-            name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
-        },
-    }
-    write_json(Path(args.output_dir) / "run.json", {k: v for k, v in run.items() if v is not None})
+    """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled).
+    Written at a run's first launch; a resume adds a segment (`resume.with_resume`) and leaves the facts as they were,
+    so that they stay true of every step."""
+    facts = resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps)
+    path = Path(args.output_dir) / "run.json"
+    if resume_from is None:
+        run = {
+            **facts,
+            "loss_impl": model_args.loss_impl,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "versions": {
+                name: _version(name) for name in ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
+            },
+        }
+    else:
+        recorded = resume.read_run_file(args.output_dir) or resume.read_run_file(Path(resume_from).parent)
+        universal = Path(resume_from).parent.name == resume.UNIVERSAL_DIR
+        run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, universal, args.ignore_data_skip)
+    write_json(path, {k: v for k, v in run.items() if v is not None})
 
 
 def _version(package: str) -> str | None:

@@ -45,6 +45,7 @@ def _tiny_model(dropout: float = 0.0):
     config = CLIPConfig.from_json_file(str(REPO / "recipes/models/tiny.json"))
     for tower in (config.text_config, config.vision_config):
         tower.dropout = tower.attention_dropout = dropout
+    config.chunk_size = 5  # several tiles
     torch.manual_seed(SEED)
     model = DiscoCLIPModel(config).double().train()
     with torch.no_grad():
@@ -86,7 +87,13 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _cached_gradient_step(model, batches, replay: bool = True):
     """Steps 1-3 of the accumulation as the Trainer mixin runs them, on a bare model; returns (loss, grads)."""
-    from disco_clip_ds.accumulate import _rng_state, _set_rng_state, cached_embedding_gradients, surrogate_loss
+    from disco_clip_ds.accumulate import (
+        _rng_state,
+        _set_rng_state,
+        cached_embedding_gradients,
+        logit_params,
+        surrogate_loss,
+    )
 
     model.zero_grad()
     states, images, texts = [], [], []
@@ -96,14 +103,13 @@ def _cached_gradient_step(model, batches, replay: bool = True):
             out = model(**batch)
             images.append(out.image_embeds)
             texts.append(out.text_embeds)
-    loss, grads, scale_grad = cached_embedding_gradients(images, texts, out.logit_scale, impl="tiled", chunk_size=5)
+    loss, grads, param_grads = cached_embedding_gradients(images, texts, logit_params(model, out), model.global_loss)
     for k, batch in enumerate(batches):
         if replay:
             _set_rng_state(states[k])
         out = model(**batch)
-        surrogate_loss(
-            out.image_embeds, out.text_embeds, out.logit_scale, grads[k], scale_grad, len(batches)
-        ).backward()
+        params = logit_params(model, out)
+        surrogate_loss(out.image_embeds, out.text_embeds, params, grads[k], param_grads, len(batches)).backward()
     return loss, _grads(model)
 
 
@@ -119,6 +125,29 @@ def test_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     loss, got = _cached_gradient_step(model, batches)
     assert loss.item() == pytest.approx(reference.item(), rel=LOSS_RTOL)
     assert_same_grads(got, expected)
+
+
+def test_siglip_cached_gradients_equal_autograd_over_the_whole_batch_float64():
+    """The same for the sigmoid loss, whose bias is a second logit parameter with its own cached gradient."""
+    from disco_clip_ds.modeling import build_model
+
+    torch.manual_seed(SEED)
+    model = build_model(model_config=str(REPO / "recipes/models/siglip_tiny.json"), chunk_size=5).double().train()
+    with torch.no_grad():
+        model.logit_bias.fill_(-1.0)  # the loss then depends on the bias markedly
+    batches = _micro_batches(model, k=4, b=3)
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    model.zero_grad()
+    out = model(**whole)
+    logits = out.logit_scale * out.image_embeds @ out.text_embeds.T + out.logit_bias  # SigLIP's loss written out
+    signs = 2 * torch.eye(len(logits), dtype=logits.dtype) - 1
+    reference = -F.logsigmoid(signs * logits).sum() / len(logits)
+    reference.backward()
+    expected = _grads(model)
+    loss, got = _cached_gradient_step(model, batches)
+    assert loss.item() == pytest.approx(reference.item(), rel=LOSS_RTOL)
+    assert_same_grads(got, expected)
+    assert expected["logit_bias"].abs().item() > 1e-6
 
 
 def test_dropout_is_replayed_between_the_two_passes_float64():

@@ -46,9 +46,7 @@ def test_batch_arithmetic_matches_world_size_in_name(path):
         return
     train, micro, accum = values[0], values[1], values[2] or 1
     assert train == micro * accum * world, f"{path.name}: {train} != {micro} x {accum} x {world}"
-    if path.name.startswith(
-        "vit_b32_"
-    ):  # the contrastive batch in the name: micro x world x K (contrastive accumulation)
+    if path.name.startswith(("vit_b32_", "siglip_b16_")):  # the contrastive batch in the name: micro x world x K
         size = re.search(r"_(\d+)k_", path.name).group(1)
         assert micro * accum * world == {"32": 32768, "196": 196608}[size]
 

@@ -8,8 +8,9 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, to_rgb
+from disco_clip_ds.data.pipeline import ClipCollator, ImageTransform, ShardStream, error_message, to_rgb
 from disco_clip_ds.data.shards import epoch_order
+from disco_clip_ds.errors import DataError
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
@@ -19,7 +20,7 @@ TOKENIZER = TOKENIZER_DIR
 def _keys_seen(stream: ShardStream, n: int, workers: int = 0) -> list[tuple]:
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
     out = []
-    for pixels, caption in loader:
+    for pixels, caption, _ in loader:
         out.append((caption, round(float(pixels.sum()), 2)))
         if len(out) == n:
             return out
@@ -101,11 +102,17 @@ def test_empty_captions_and_oversized_images_are_skipped_and_counted(tmp_path):
     assert len(_keys_seen(everything, 5)) == 5 and everything.skipped.value == 1
 
 
-def test_shard_set_without_readable_samples_raises(tmp_path):
+def test_shard_set_without_readable_samples_raises_one_line(tmp_path):
     bad = tmp_path / "00000.tar"
     bad.write_bytes(b"not a tar file at all" * 10)
-    with pytest.raises(RuntimeError, match="no readable samples"):
+    with pytest.raises(DataError, match=r"^reader 0 of 1 \(rank 0, DataLoader worker 0\) found no readable sample"):
         _keys_seen(ShardStream([str(bad)], 16, shuffle_buffer=0), 1)
+    # in a DataLoader worker torch re-raises it with the worker's traceback as the message: the line is recovered
+    with pytest.raises(DataError) as raised:
+        _keys_seen(ShardStream([str(bad)], 16, shuffle_buffer=4, num_workers=1), 1, workers=1)
+    assert "Traceback" in str(raised.value)
+    assert error_message(raised.value).startswith("reader 0 of 1 (rank 0, DataLoader worker 0) found no readable")
+    assert "\n" not in error_message(raised.value) and str(bad) in error_message(raised.value)
 
 
 def test_too_few_shards_for_the_readers_is_a_clear_error(tmp_path):

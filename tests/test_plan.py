@@ -367,3 +367,74 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
     assert abs(estimate / measured - 1) < 0.25, (
         f"{model} b={batch}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
     )
+
+
+# ----------------------------------------------------------------------- SigLIP's sigmoid loss
+
+SIGLIP_B16 = REPO / "recipes/models/siglip_b16.json"
+SIGLIP_32K = REPO / "ds_configs/siglip_b16_32k_8gpu.json"
+
+
+def test_sigmoid_loss_terms_by_hand_and_flat_in_the_world_size():
+    b, d = 1024, 768
+    rows = 2048  # the sigmoid loss's default tile: 2M logits / 1024 columns, capped at b
+    fp32 = P.loss_bytes("tiled", b * 8, 8, d, 4, loss="sigmoid")
+    assert fp32 == 2 * b * d * 4 + 3 * b * d * 4 + 3 * min(rows, b) * b * 4 + 2 * b * d * 4
+    bf16 = P.loss_bytes("tiled", b * 8, 8, d, 2, loss="sigmoid")
+    assert bf16 == 2 * b * d * 2 + 2 * b * d * 4 + 3 * b * d * 4 + 3 * b * b * 4 + 2 * b * d * 2
+    assert P.loss_bytes("tiled", b * 64, 64, d, 2, loss="sigmoid") == bf16  # same local batch, 8x the ranks
+    assert P.loss_bytes("tiled", b * 64, 64, d, 2) > 8 * P.loss_bytes("tiled", b * 8, 8, d, 2) / 2  # CLIP's grows
+    with pytest.raises(P.PlanConfigError, match="the sigmoid loss has tiled, local"):
+        P.loss_bytes("disco", b * 8, 8, d, 2, loss="sigmoid")
+
+
+def test_sigmoid_traffic_by_hand():
+    shape = P.ModelShape.from_json(SIGLIP_B16)
+    assert shape.loss == "sigmoid" and shape.projection_dim == 768
+    settings = P.validate_config(P.load_config(SIGLIP_32K), 8)
+    traffic = P.traffic_bytes(shape, settings, ("tiled",))
+    block = 4096 * 768
+    assert traffic["sigmoid loss: text ring (forward)"] == 7 * block * 2  # bf16 features, 7 hops
+    assert traffic["sigmoid loss: text ring (backward)"] == 7 * block * 2
+    assert traffic["sigmoid loss: fp32 gradient ring (backward)"] == 8 * block * 4  # 8 hops, the last one home
+
+
+def test_siglip_b16_32k_plan_verdict(capsys):
+    argv = ["--deepspeed", str(SIGLIP_32K), "--model", str(SIGLIP_B16), "--gpus", "8", "--activation_checkpointing"]
+    assert P.main([*argv, "--gpu_memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "sigmoid loss" in out and "tiled" in out and "disco" not in out.split("per-GPU memory")[1].splitlines()[0]
+    assert P.main([*argv, "--gpu_memory", "40GB"]) == 1  # ds_configs/README.md: fits on 80 GB, not on 40 GB
+    with pytest.raises(P.PlanConfigError, match="--loss_impl disco: the sigmoid loss has tiled, local"):
+        P.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
+
+
+def _sigmoid_peak_rank(rank, world, batch, dim) -> float:
+    """As _loss_peak_rank, for the sigmoid loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from disco_clip_ds.losses.sigmoid import SigmoidLoss
+
+    gen = torch.Generator().manual_seed(rank)
+    image, text = (
+        F.normalize(torch.randn(batch // world, dim, generator=gen), dim=1).requires_grad_() for _ in range(2)
+    )
+    scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
+    loss_fn = SigmoidLoss()
+    loss_fn(image[:8].detach().requires_grad_(), text[:8].detach().requires_grad_(), scale, bias).backward()
+
+    def step():
+        loss_fn(image, text, scale, bias).backward()
+        image.grad = text.grad = scale.grad = bias.grad = None
+
+    return peak_extra_mib(step) * 2**20
+
+
+@pytest.mark.slow
+def test_sigmoid_loss_term_within_25_percent_of_measured_peak():
+    """As for CLIP's losses: 2 gloo ranks, B = 4096, d = 512, fp32."""
+    batch, world, dim = 4096, 2, 512
+    measured = max(run_ranks(_sigmoid_peak_rank, world, batch, dim, env=mmap_threshold_env(1 << 20)))
+    estimate = P.loss_bytes("tiled", batch, world, dim, 4, loss="sigmoid")
+    assert abs(estimate / measured - 1) < 0.25, f"estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f}"

@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from disco_clip_ds.data.shards import count_samples, epoch_order, expand_shards, shards_for_reader
+from disco_clip_ds.data.shards import (
+    count_samples,
+    empty_reader,
+    epoch_order,
+    expand_shards,
+    shard_sizes,
+    shards_for_reader,
+)
 
 
 def test_brace_expansion_and_sources_joined_with_double_colon():
@@ -55,3 +62,13 @@ def test_epoch_order_is_a_reproducible_permutation_that_changes_per_epoch():
     assert all(sorted(o) == shards for o in orders)
     assert orders[0] == epoch_order(shards, seed=1, epoch=0, reader=0)
     assert len({tuple(o) for o in orders}) > 1
+
+
+def test_empty_reader_is_found_from_recorded_counts_only(tmp_path):
+    (tmp_path / "sizes.json").write_text(json.dumps({f"{i:05d}.tar": n for i, n in enumerate([4, 0, 3, 0, 0])}))
+    urls = [str(tmp_path / f"{i:05d}.tar") for i in range(5)]
+    assert shard_sizes(urls) == dict(zip(urls, [4, 0, 3, 0, 0]))
+    assert empty_reader(urls, 1) is None and empty_reader(urls[1:3], 1) is None  # an empty shard among others: fine
+    assert empty_reader(urls, 2) == (1, [urls[1], urls[3]])  # reader 1: both of its shards are empty
+    assert empty_reader(urls, 5) == (1, [urls[1]])  # the first such reader
+    assert empty_reader(urls + ["https://host/00005.tar"], 2) is None  # a count unknown: the stream finds out

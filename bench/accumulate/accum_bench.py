@@ -142,14 +142,17 @@ def _interleaved_rank(rank: int, world: int, model_name: str, micro: int, ks: li
             else:  # steps 1-3 of disco_clip_ds.accumulate, as the mixin runs them
                 with torch.no_grad():
                     outs = [ddp(**b) for b in batches[:k]]
-                loss, grads, scale_grad = cached_embedding_gradients(
-                    [o.image_embeds for o in outs], [o.text_embeds for o in outs], outs[0].logit_scale
+                loss, grads, param_grads = cached_embedding_gradients(
+                    [o.image_embeds for o in outs],
+                    [o.text_embeds for o in outs],
+                    (outs[0].logit_scale,),
+                    model.global_loss,
                 )
                 for i, b in enumerate(batches[:k]):
                     with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
                         out = ddp(**b)
                         surrogate_loss(
-                            out.image_embeds, out.text_embeds, out.logit_scale, grads[i], scale_grad, k
+                            out.image_embeds, out.text_embeds, (out.logit_scale,), grads[i], param_grads, k
                         ).backward()
             optimizer.step()
             optimizer.zero_grad()

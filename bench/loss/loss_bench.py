@@ -73,10 +73,9 @@ def twoblock_loss(image, text, scale, chunk_size=None, group=None):
     gradient accumulated in the same pass as its log-sum-exp (3 matmuls per tile, 6 b x B x d per rank).
     """
     from disco_clip_ds.losses import default_chunk_size, gather_features
-    from disco_clip_ds.losses.comm import rank_and_world
-    from disco_clip_ds.losses.softmax import _check_inputs
+    from disco_clip_ds.losses.comm import check_inputs, rank_and_world
 
-    sizes = _check_inputs(image, text, scale, group)
+    sizes = check_inputs(image, text, {"logit_scale": scale}, group, "twoblock")
     world, total = rank_and_world(group)[1], sum(sizes)
     with torch.autocast(device_type=image.device.type, enabled=False):
         scale = torch.as_tensor(scale, device=image.device).float()

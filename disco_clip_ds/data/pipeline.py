@@ -2,6 +2,8 @@
 
 Runs inside DataLoader workers. Each (rank, worker) reads a disjoint set of shards and passes over it again
 and again, in a fresh order each time, so multi-epoch runs never run dry (the Trainer stops at max_steps).
+Shuffling permutes blocks of raw samples before decoding, so that a reader's place is a few integers that each
+sample carries along: a resumed run seeks there instead of reading and decoding the stream from its start.
 Unreadable shards and corrupt or incomplete samples are skipped and counted in a counter shared by all workers.
 """
 
@@ -17,9 +19,10 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from webdataset.tariterators import tarfile_samples
 
+from ..errors import DataError
 from .shards import IMAGE_EXTS, epoch_order, shards_for_reader
+from .tar_samples import raw_samples
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +90,28 @@ class ImageTransform:
         return (pixels - self.mean) / self.std
 
 
+# A sample's place in its reader's stream, carried through the batch (`POSITION_KEY`) so that the trainer knows
+# where each reader stands after the batches it has trained on: the reader (rank * workers + worker), the samples it
+# has produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's
+# order and the sample's index in the shard), and how many entries of the block's permutation are done.
+POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
+POSITION_KEY = "stream_position"
+
+
 class ShardStream(torch.utils.data.IterableDataset):
-    """Endless stream of (pixel_values, caption) from webdataset shards.
+    """Endless stream of (pixel_values, caption, position) from webdataset shards.
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
-    e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is only used to check
-    up front that every reader gets a shard. Samples whose caption is empty or whitespace, and images of more
-    than `max_image_pixels` pixels, are skipped. `skipped` counts skipped samples and shards, `decoded` the samples
+    e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is used to check up front
+    that every reader gets a shard. Samples whose caption is empty or whitespace, and images of more than
+    `max_image_pixels` pixels, are skipped. `skipped` counts skipped samples and shards, `decoded` the samples
     produced, across all workers.
+
+    Shuffling: each pass over a reader's shards (in a fresh shard order per pass) is cut into blocks of
+    `shuffle_buffer` consecutive raw (undecoded) samples; each block is read, permuted by a permutation drawn from
+    (seed, reader, pass, block start), and decoded in that order. Unlike a reservoir of decoded samples, the state
+    is then a handful of integers (`position`), and `restore` resumes a reader exactly there: it re-reads one
+    block's raw bytes (seeking to it within the shard) and decodes only the samples not yet produced.
     """
 
     def __init__(
@@ -112,56 +129,85 @@ class ShardStream(torch.utils.data.IterableDataset):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.max_image_pixels = max_image_pixels
-        self.shuffle_buffer = shuffle_buffer
+        self.block = max(1, shuffle_buffer)
         self.transform = ImageTransform(image_size, train=train)
         spawn = multiprocessing.get_context("spawn")
         self.skipped, self.decoded = spawn.Value("q", 0), spawn.Value("q", 0)  # shared with forked/spawned workers
-        workers = max(1, num_workers)
-        shards_for_reader(self.urls, rank * workers, world_size * workers)  # fail early, in the main process
+        self.workers = max(1, num_workers)
+        shards_for_reader(self.urls, rank * self.workers, self.num_readers)  # fail early, in the main process
+        self.start: dict[int, tuple[int, ...]] = {}  # reader -> (count, epoch, shard, member, offset) to resume at
+        self.worker_shift = 0
+
+    @property
+    def num_readers(self) -> int:
+        """Readers over all ranks and workers, as constructed (ranks x `num_workers`)."""
+        return self.world_size * self.workers
+
+    def restore(self, positions: dict[int, tuple[int, ...]], consumed_batches: int) -> None:
+        """Resume where the readers stood: `positions` maps a (global) reader to its newest position past the
+        reader field (count, epoch, shard, member, offset); readers without one start afresh. `consumed_batches`:
+        the batches this rank's DataLoader had handed out; it serves batches from its workers in turn, so the
+        next batch is from worker consumed_batches mod workers: a fresh worker w takes that old worker's place."""
+        self.start = {int(reader): tuple(int(v) for v in pos) for reader, pos in positions.items()}
+        self.worker_shift = consumed_batches
 
     def _count_skip(self, what: str, error: BaseException | str) -> None:
         with self.skipped.get_lock():
             self.skipped.value += 1
         logger.warning("skipping %s: %s", what, error)
 
-    def _reader(self) -> tuple[int, int]:
+    def _reader(self) -> tuple[int, int, int]:
+        """(reader, readers in all, workers per rank) of this DataLoader worker (or of the main process)."""
         info = torch.utils.data.get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        return self.rank * workers + worker, self.world_size * workers
+        return self.rank * workers + (worker + self.worker_shift) % workers, self.world_size * workers, workers
 
     def __iter__(self):
-        reader, num_readers = self._reader()
+        reader, num_readers, workers = self._reader()
         shards = shards_for_reader(self.urls, reader, num_readers)
-        rng = random.Random(f"{self.seed}/shuffle/{reader}")
-        samples = self._decoded(shards, reader)
-        if self.shuffle_buffer <= 1:
-            yield from samples
-            return
-        buffer = []
-        for sample in samples:  # reservoir-style buffer, as webdataset's shuffle()
-            buffer.append(sample)
-            if len(buffer) >= self.shuffle_buffer:
-                yield buffer.pop(rng.randrange(len(buffer)))
+        count, *start = self.start.get(reader, (0, 0, 0, 0, 0))
+        for place, item in self._samples(shards, (reader, num_readers, workers), start):
+            count += 1
+            with self.decoded.get_lock():
+                self.decoded.value += 1
+            yield (*item, torch.tensor([reader, count, *place], dtype=torch.int64))
 
-    def _decoded(self, shards: list[str], reader: int):
-        for epoch in itertools.count():
+    def _samples(self, shards: list[str], where: tuple[int, int, int], start: list[int]):
+        """(position past the reader and count fields, decoded item) from `start` = (epoch, shard, member, offset)
+        on, pass after pass; `where` = (reader, readers in all, workers per rank)."""
+        (reader, num_readers, workers), (epoch, shard, member, offset) = where, start
+        fresh = (shard, member, offset) == (0, 0, 0)
+        for epoch in itertools.count(epoch):
             produced = 0
-            for sample in self._raw_samples(epoch_order(shards, self.seed, epoch, reader)):
-                item = self._decode(sample, epoch)
-                if item is not None:
-                    produced += 1
-                    with self.decoded.get_lock():
-                        self.decoded.value += 1
-                    yield item
-            if produced == 0:  # without this an unreadable shard set would spin forever
-                raise RuntimeError(f"no readable samples in shards {shards}: check the paths and the tar files")
+            raw = self._raw_samples(epoch_order(shards, self.seed, epoch, reader), shard, member)
+            while block := list(itertools.islice(raw, self.block)):
+                first_shard, first_member, _ = block[0]
+                order = list(range(len(block)))
+                random.Random(f"{self.seed}/block/{reader}/{epoch}/{first_shard}/{first_member}").shuffle(order)
+                for done in range(offset + 1, len(block) + 1):
+                    item = self._decode(block[order[done - 1]][2], epoch)
+                    if item is not None:
+                        produced += 1
+                        yield (epoch, first_shard, first_member, done), item
+                offset = 0
+            if produced == 0 and fresh:  # without this an unreadable shard set would spin forever
+                shown = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
+                raise DataError(
+                    f"reader {reader} of {num_readers} (rank {reader // workers}, DataLoader worker "
+                    f"{reader % workers}) found no readable sample in its shard(s) {shown}: check that they "
+                    "exist and hold samples, or use fewer ranks x --dataloader_num_workers than there are good shards"
+                )
+            fresh, shard, member = True, 0, 0
 
-    def _raw_samples(self, shards: list[str]):
-        def on_error(error: BaseException) -> bool:
-            self._count_skip("unreadable shard or tar member", error)
-            return True  # keep going with the next member or shard
-
-        return tarfile_samples(({"url": url} for url in shards), handler=on_error)
+    def _raw_samples(self, order: list[str], shard: int, member: int):
+        """(shard index in `order`, sample index in the shard, raw sample) from that shard and sample on."""
+        for index in range(shard, len(order)):
+            first = member if index == shard else 0
+            try:
+                for k, sample in enumerate(raw_samples(order[index], first), first):
+                    yield index, k, sample
+            except Exception as error:  # missing, unreadable or truncated: the samples read so far stand
+                self._count_skip(f"unreadable shard or tar member in {order[index]}", error)
 
     def _decode(self, sample: dict, epoch: int):
         key = sample.get("__key__", "?")
@@ -187,20 +233,35 @@ class ShardStream(torch.utils.data.IterableDataset):
 
 
 class ClipCollator:
-    """List of (pixel_values, caption) -> {"pixel_values", "input_ids", "attention_mask"}: tensors only, so that
-    accelerate can dispatch them, and no `labels` (the model computes its own loss). Captions are padded to
-    `max_length` so every batch has one shape."""
+    """List of (pixel_values, caption[, position]) -> {"pixel_values", "input_ids", "attention_mask"[,
+    POSITION_KEY]}: tensors only, so that accelerate can dispatch (and slice) them, and no `labels` (the model
+    computes its own loss). Captions are padded to `max_length` so every batch has one shape. The positions (one
+    row per sample) are for the trainer, which takes them out before the model sees the batch."""
 
     def __init__(self, tokenizer, max_length: int):
         self.tokenizer, self.max_length = tokenizer, max_length
 
-    def __call__(self, batch: list[tuple[torch.Tensor, str]]) -> dict[str, torch.Tensor]:
-        pixels, captions = zip(*batch)
+    def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
+        pixels, captions, *positions = zip(*batch)
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
-        return {
+        collated = {
             "pixel_values": torch.stack(pixels),
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
         }
+        if positions:
+            collated[POSITION_KEY] = torch.stack(positions[0])
+        return collated
+
+
+def error_message(error: BaseException) -> str:
+    """The one-line message of an error raised in the stream, also when a DataLoader worker raised it: torch
+    re-raises a worker's error as the same type with the worker's whole traceback as its message, whose last line
+    is `module.Type: message`."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last

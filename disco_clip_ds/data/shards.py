@@ -57,7 +57,16 @@ def count_samples(urls: list[str]) -> int:
     Raises ValueError naming the shards it cannot count (remote URLs, or folders with neither file): pass
     --train_num_samples for those.
     """
-    total, unknown = 0, []
+    sizes = shard_sizes(urls)
+    return sum(sizes[url] for url in urls)
+
+
+def shard_sizes(urls: list[str]) -> dict[str, int]:
+    """Samples in each of the given local shards, from each folder's sizes.json or img2dataset's *_stats.json.
+
+    Raises ValueError as `count_samples` does when a shard cannot be counted.
+    """
+    counts, unknown = {}, []
     cache: dict[Path, dict[str, int]] = {}
     for url in urls:
         if is_url(url):
@@ -66,7 +75,7 @@ def count_samples(urls: list[str]) -> int:
         path = Path(url)
         sizes = cache.setdefault(path.parent, _folder_sizes(path.parent))
         if path.name in sizes:
-            total += sizes[path.name]
+            counts[url] = sizes[path.name]
         else:
             unknown.append(url)
     if unknown:
@@ -74,7 +83,21 @@ def count_samples(urls: list[str]) -> int:
             f"cannot count the samples of {len(unknown)} shard(s), e.g. {unknown[0]}: no entry in a sizes.json or "
             "img2dataset *_stats.json beside them; pass --train_num_samples"
         )
-    return total
+    return counts
+
+
+def empty_reader(urls: list[str], num_readers: int) -> tuple[int, list[str]] | None:
+    """The first reader whose shards all hold 0 samples by their recorded counts, with those shards; None when every
+    reader has samples or the counts are not all known (the stream then finds out as it reads)."""
+    try:
+        sizes = shard_sizes(urls)
+    except ValueError:
+        return None
+    for reader in range(num_readers):
+        shards = shards_for_reader(urls, reader, num_readers)
+        if not any(sizes[url] for url in shards):
+            return reader, shards
+    return None
 
 
 def _folder_sizes(folder: Path) -> dict[str, int]:

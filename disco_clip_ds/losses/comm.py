@@ -60,3 +60,52 @@ def gather_features(*local: torch.Tensor, sizes: list[int], group=None) -> tuple
     if rank_and_world(group)[1] == 1:
         return local
     return _GatherRows.apply(sizes, group, *local)
+
+
+def check_inputs(image_features, text_features, scalars: dict, group, who: str) -> list[int]:
+    """Validate shapes on every rank at once and return each rank's local batch size.
+
+    `scalars` maps a name (e.g. "logit_scale") to its value, which must be a 0-dim tensor or a Python number.
+    Each rank shares its shapes before any feature collective, so a bad input on one rank raises the same error
+    on all ranks instead of leaving the others blocked in the exchange of features.
+    """
+    _, world = rank_and_world(group)
+    shape = lambda t: list(t.shape) if t.dim() == 2 else [-1, -1]
+    scalar_dims = [v.dim() if torch.is_tensor(v) else 0 for v in scalars.values()]
+    meta = torch.tensor(
+        [image_features.dim(), text_features.dim(), *shape(image_features), *shape(text_features), *scalar_dims],
+        device=image_features.device,
+    )
+    if world > 1:
+        gathered = meta.new_empty(world * meta.numel())  # gloo wants the flat layout
+        compat.all_gather_single(gathered, meta, group=group)
+        gathered = gathered.view(world, -1)
+    else:
+        gathered = meta[None]
+    metas = gathered.tolist()  # one device-to-host copy for every rank's shapes
+    problems = []
+    for rank, (nd_i, nd_t, b_i, d_i, b_t, d_t, *dims) in enumerate(metas):
+        where = f"rank {rank}: " if world > 1 else ""
+        for name, nd in zip(scalars, dims):
+            if nd != 0:
+                problems.append(f"{where}{name} must be a 0-dim tensor or a number, got {nd}-D")
+        if nd_i != 2 or nd_t != 2:
+            problems.append(f"{where}features must be 2-D (batch, dim); got image {nd_i}-D and text {nd_t}-D")
+        elif (b_i, d_i) != (b_t, d_t):
+            problems.append(f"{where}image features {(b_i, d_i)} and text features {(b_t, d_t)} differ in shape")
+    dims = {m[3] for m in metas if m[0] == 2}
+    if not problems and len(dims) > 1:
+        problems.append(f"feature dim differs between ranks: {[m[3] for m in metas]}; all ranks must use one model")
+    if problems:
+        raise ValueError(f"{who}: bad input. " + "; ".join(problems))
+    return [m[2] for m in metas]
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group=None, tag: int = 0) -> list:
+    """Post the send of `send` to the next rank and the receive into `recv` from the previous one (a ring step);
+    returns the requests to wait on. Empty tensors are neither sent nor received: every rank knows the sizes."""
+    rank, world = rank_and_world(group)
+    peer = lambda r: dist.get_global_rank(group, r % world) if group is not None else r % world
+    ops = [dist.P2POp(dist.isend, send, peer(rank + 1), group, tag)] if send.numel() else []
+    ops += [dist.P2POp(dist.irecv, recv, peer(rank - 1), group, tag)] if recv.numel() else []
+    return dist.batch_isend_irecv(ops) if ops else []

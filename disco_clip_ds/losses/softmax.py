@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import LOSS_IMPLS, compat
-from .comm import gather_features, rank_and_world
+from .comm import check_inputs, gather_features, rank_and_world
 
 IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
 # Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. On CPU, tiles of a few hundred rows beat
@@ -42,46 +42,6 @@ DEFAULT_TILE_ELEMENTS = 1 << 21
 # take at most this many bytes: by default when the block is one default tile anyway, so that no extra memory
 # is spent; raise it to trade memory for a quarter of the loss's matmuls.
 DEFAULT_KEEP_BYTES = DEFAULT_TILE_ELEMENTS * 4
-
-
-def _check_inputs(image_features: torch.Tensor, text_features: torch.Tensor, logit_scale, group) -> list[int]:
-    """Validate shapes on every rank at once and return each rank's local batch size.
-
-    Each rank shares its shapes before any feature collective, so a bad input on one rank raises the same
-    error on all ranks instead of leaving the others blocked in the all-gather.
-    """
-    _, world = rank_and_world(group)
-    shape = lambda t: list(t.shape) if t.dim() == 2 else [-1, -1]
-    scale_dim = logit_scale.dim() if torch.is_tensor(logit_scale) else 0
-    meta = torch.tensor(
-        [image_features.dim(), text_features.dim(), *shape(image_features), *shape(text_features), scale_dim],
-        device=image_features.device,
-    )
-    if world > 1:
-        gathered = meta.new_empty(world * meta.numel())  # gloo wants the flat layout
-        compat.all_gather_single(gathered, meta, group=group)
-        gathered = gathered.view(world, -1)
-    else:
-        gathered = meta[None]
-    metas = gathered.tolist()  # one device-to-host copy for every rank's shapes
-    problems = []
-    for rank, (nd_i, nd_t, b_i, d_i, b_t, d_t, nd_s) in enumerate(metas):
-        where = f"rank {rank}: " if world > 1 else ""
-        if nd_s != 0:
-            problems.append(
-                f"{where}logit_scale must be a 0-dim tensor (the multiplier, e.g. model.logit_scale.exp()), got "
-                f"{nd_s}-D"
-            )
-        if nd_i != 2 or nd_t != 2:
-            problems.append(f"{where}features must be 2-D (batch, dim); got image {nd_i}-D and text {nd_t}-D")
-        elif (b_i, d_i) != (b_t, d_t):
-            problems.append(f"{where}image features {(b_i, d_i)} and text features {(b_t, d_t)} differ in shape")
-    dims = {m[3] for m in metas if m[0] == 2}
-    if not problems and len(dims) > 1:
-        problems.append(f"feature dim differs between ranks: {[m[3] for m in metas]}; all ranks must use one model")
-    if problems:
-        raise ValueError("DiscoClipLoss: bad input. " + "; ".join(problems))
-    return [m[2] for m in metas]
 
 
 # Below these, a shortcut's shared shift can have lost terms to fp32 underflow (exp(-87) is fp32's smallest normal):
@@ -249,7 +209,7 @@ def disco_clip_loss(
 ) -> torch.Tensor:
     """Functional form of :class:`DiscoClipLoss`; see the module docstring for the exact contract."""
     _check_options(impl, chunk_size, keep_bytes)
-    sizes = _check_inputs(image_features, text_features, logit_scale, group)
+    sizes = check_inputs(image_features, text_features, {"logit_scale": logit_scale}, group, "DiscoClipLoss")
     world = rank_and_world(group)[1]
     total = sum(sizes)
     # Autocast would run the logit matmuls in 16 bits (an error of ~0.3 at logit 100): the loss keeps its own fp32.

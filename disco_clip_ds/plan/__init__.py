@@ -2,10 +2,12 @@
 
     disco-clip plan --deepspeed ds_configs/vit_b32_32k_8gpu.json --model recipes/models/vit_b32.json \
         --gpus 8 --gpu_memory 40GB [--per_device_batch B --precision bf16 --activation_checkpointing --loss_impl tiled]
+    (--model recipes/models/siglip_b16.json plans SigLIP's sigmoid loss)
 
 checks.py reads and validates the config for a world size; memory.py counts each GPU's memory term by term and finds
 the largest batch that fits; traffic.py counts the bytes each rank sends; report.py puts them together (`plan`),
-prints the table and is the command (`main`). The losses planned are the ones the package ships (LOSS_IMPLS).
+prints the table and is the command (`main`). The losses planned are the ones the package ships for the model's
+family (FAMILY_IMPLS: CLIP's softmax loss, SigLIP's sigmoid loss).
 """
 
 from .. import LOSS_IMPLS
@@ -13,6 +15,7 @@ from ..errors import PlanConfigError
 from .checks import KNOWN_TOP_LEVEL_KEYS, load_config, validate_config
 from .memory import (
     DEFAULT_OVERHEAD_GB,
+    FAMILY_IMPLS,
     FIT_FILE,
     PRECISION_BYTES,
     GiB,
@@ -32,6 +35,7 @@ from .traffic import traffic_bytes
 
 __all__ = [
     "DEFAULT_OVERHEAD_GB",
+    "FAMILY_IMPLS",
     "FIT_FILE",
     "GiB",
     "KNOWN_TOP_LEVEL_KEYS",

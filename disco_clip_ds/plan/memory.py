@@ -27,9 +27,15 @@ GiB = 2**30
 DEFAULT_OVERHEAD_GB = 2.0
 
 
+# The loss each model family trains with, and the implementations the package ships for it.
+LOSS_FAMILIES = {"clip": "softmax", "siglip": "sigmoid"}
+FAMILY_IMPLS = {"softmax": LOSS_IMPLS, "sigmoid": ("tiled", "local")}
+
+
 @dataclass
 class ModelShape:
-    """What the memory model needs from a CLIPConfig: tower shapes, inputs and parameter counts."""
+    """What the memory model needs from a CLIPConfig or SiglipConfig: tower shapes, inputs, parameter counts and the
+    loss family (softmax for CLIP, sigmoid for SigLIP)."""
 
     towers: dict  # name -> {"layers", "tokens", "hidden", "mlp"}
     image: tuple  # (channels, height, width)
@@ -37,32 +43,45 @@ class ModelShape:
     projection_dim: int
     params: int
     largest_param: int
+    loss: str = "softmax"
 
     @classmethod
     def from_json(cls, path) -> "ModelShape":
-        """Read a CLIPConfig JSON; count parameters exactly on the meta device (no memory, no weights)."""
+        """Read a CLIPConfig or SiglipConfig JSON; count parameters exactly on the meta device (no memory, no
+        weights)."""
         import torch
-        from transformers import CLIPConfig, CLIPModel
+        from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
 
         path = Path(path)
         if not path.is_file():
             raise PlanConfigError(
-                f"--model {path}: no such file; pass a CLIPConfig JSON such as recipes/models/vit_b32.json"
+                f"--model {path}: no such file; pass a CLIPConfig or SiglipConfig JSON such as "
+                "recipes/models/vit_b32.json"
             )
         try:
-            if not isinstance(json.loads(path.read_text()), dict):
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
                 raise ValueError("its top level is not a JSON object")
-            config = CLIPConfig.from_json_file(str(path))
+            model_type = raw.get("model_type", "clip")
+            if model_type not in LOSS_FAMILIES:
+                raise ValueError(f"model_type {model_type!r} is not one of {sorted(LOSS_FAMILIES)}")
+            config_class, model_class = (
+                (SiglipConfig, SiglipModel) if model_type == "siglip" else (CLIPConfig, CLIPModel)
+            )
+            config = config_class.from_json_file(str(path))
         except (OSError, ValueError) as e:
-            raise PlanConfigError(f"--model {path}: not a readable CLIPConfig JSON ({e})") from None
+            raise PlanConfigError(f"--model {path}: not a readable CLIPConfig or SiglipConfig JSON ({e})") from None
         with torch.device("meta"):
-            model = CLIPModel(config)
+            model = model_class(config)
         numels = [p.numel() for p in model.parameters()]
         v, t = config.vision_config, config.text_config
+        # CLIP's vision tower adds a class token; SigLIP's pools the patches with an attention head instead.
+        vision_tokens = (v.image_size // v.patch_size) ** 2 + (model_type == "clip")
+        embed_dim = config.projection_dim if model_type == "clip" else t.projection_size
         towers = {
             "vision": {
                 "layers": v.num_hidden_layers,
-                "tokens": (v.image_size // v.patch_size) ** 2 + 1,
+                "tokens": vision_tokens,
                 "hidden": v.hidden_size,
                 "mlp": v.intermediate_size,
             },
@@ -77,10 +96,16 @@ class ModelShape:
             towers,
             (v.num_channels, v.image_size, v.image_size),
             t.max_position_embeddings,
-            config.projection_dim,
+            embed_dim,
             sum(numels),
             max(numels),
+            LOSS_FAMILIES[model_type],
         )
+
+    def check_impl(self, impl: str) -> None:
+        """Refuse a loss implementation this model's loss family does not have."""
+        if impl not in FAMILY_IMPLS[self.loss]:
+            raise PlanConfigError(f"--loss_impl {impl}: the {self.loss} loss has {', '.join(FAMILY_IMPLS[self.loss])}")
 
     def features(self) -> dict:
         """Shape sums the activation fit is linear in (see bench/plan/act_fit.py)."""
@@ -214,25 +239,42 @@ def zero_buffer_bytes(settings: Settings) -> float:
     return buckets * (4.5 if settings.overlap_comm else 1.0)
 
 
-def loss_bytes(impl: str, batch: int, world: int, dim: int, elem: int, chunk_size: int | None = None) -> float:
-    """Peak working set of the CLIP loss on one rank: global batch `batch`, local rows b = batch/world.
+def loss_bytes(
+    impl: str, batch: int, world: int, dim: int, elem: int, chunk_size: int | None = None, loss: str = "softmax"
+) -> float:
+    """Peak working set of the loss on one rank: global batch `batch`, local rows b = batch/world.
 
-    Counted from the code (disco_clip_ds/losses for disco and tiled, CLIP's own loss in DiscoCLIPModel for local)
-    and checked against measured peaks (tests/test_plan.py). G = one modality's gathered features, B x d x elem;
+    Counted from the code (disco_clip_ds/losses for disco and tiled, the models' own losses for local) and checked
+    against measured peaks (tests/test_plan.py). G = one modality's gathered features, B x d x elem;
     rows = chunk_size or the loss's own default_chunk_size, at most b.
-    local (CLIP's per-device loss over this rank's b pairs): b x b logits, the two log-softmax outputs autograd
-      keeps and their gradients, counted in fp32 (an upper bound under 16-bit training): 4 b^2 fp32 at peak, plus
-      both modalities' local features (2 x b x d).
-    disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
-      their gradients and the softmax: 7 b x B fp32, plus 2 G, their gradients (2 G) and fp32 copies of bf16 keys.
-    tiled (one block): G (texts only), their fp32 gradient (B x d) built in backward, an fp32 copy of bf16
-      texts, four tile-sized fp32 buffers of rows x B (the logits, their exponentials and the temporaries of the
-      reductions and gradient matmuls; with the default keep_bytes a kept block is one tile), the fp32 image
-      gradient (b x d) and both local modalities' gradients (2 x b x d).
+    softmax (CLIP):
+      local (per-device loss over this rank's b pairs): b x b logits, the two log-softmax outputs autograd keeps
+        and their gradients, counted in fp32 (an upper bound under 16-bit training): 4 b^2 fp32 at peak, plus
+        both modalities' local features (2 x b x d).
+      disco: per direction a b x B similarity block and its scaled logits (both kept by autograd), in backward
+        their gradients and the softmax: 7 b x B fp32, plus 2 G, their gradients (2 G) and fp32 copies of bf16 keys.
+      tiled (one block): G (texts only), their fp32 gradient (B x d) built in backward, an fp32 copy of bf16
+        texts, four tile-sized fp32 buffers of rows x B (the logits, their exponentials and the temporaries of the
+        reductions and gradient matmuls; with the default keep_bytes a kept block is one tile), the fp32 image
+        gradient (b x d) and both local modalities' gradients (2 x b x d).
+    sigmoid (SigLIP), tiled (the ring): no term grows with the world size. Two text blocks in flight (b x d x elem
+      each) and the fp32 copy of the one computed on, the block's fp32 gradient and the one arriving (2 b x d
+      fp32), the fp32 image gradient and images (b x d each, the copy only for 16-bit), three tile-sized fp32
+      buffers of rows x b (dot products, sigmoid gradient, a matmul temporary) and both local gradients. local:
+      as CLIP's (b x b logits, log-sigmoid and their gradients).
     """
     from ..losses import default_chunk_size
+    from ..losses.sigmoid import default_chunk_size as sigmoid_chunk_size
 
     b = batch / world
+    if loss == "sigmoid":
+        if impl == "local":
+            return 2 * b * dim * elem + 4 * b * b * 4
+        if impl == "tiled":
+            rows = min(chunk_size or sigmoid_chunk_size(math.ceil(b)), b)
+            copies = 2 * b * dim * 4 if elem != 4 else 0  # fp32 copies of the computed block and of the images
+            return 2 * b * dim * elem + copies + 3 * b * dim * 4 + 3 * rows * b * 4 + 2 * b * dim * elem
+        raise PlanConfigError(f"--loss_impl {impl}: the sigmoid loss has {', '.join(FAMILY_IMPLS['sigmoid'])}")
     gathered = batch * dim * elem
     fp32_keys = batch * dim * 4 if elem != 4 else 0
     rows = min(chunk_size or default_chunk_size(batch), b)
@@ -285,14 +327,14 @@ def memory_plan(
     terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
     if k == 1:
         terms[f"loss ({impl})"] = loss_bytes(
-            impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size
+            impl, micro * settings.world, settings.world, shape.projection_dim, elem, chunk_size, shape.loss
         )
     else:
         # The loss over all micro x world x K pairs runs on the cached embeddings in fp32, between the no-grad and
         # the grad passes (counted on top of the activations all the same: an upper bound). The cache: K x micro
         # image and text embeddings per rank in the training dtype plus their fp32 gradients, kept until replay.
         terms[f"loss ({impl})"] = loss_bytes(
-            impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size
+            impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size, shape.loss
         )
         terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).

@@ -17,6 +17,7 @@ from ..errors import PlanConfigError
 from .checks import load_config, validate_config
 from .memory import (
     DEFAULT_OVERHEAD_GB,
+    FAMILY_IMPLS,
     PRECISION_BYTES,
     GiB,
     ModelShape,
@@ -52,7 +53,7 @@ def plan(
     per_device_batch=None,
     precision=None,
     activation_checkpointing=False,
-    loss_impls=LOSS_IMPLS,
+    loss_impls=None,
     chunk_size=None,
     overhead_gb: float = DEFAULT_OVERHEAD_GB,
     contrastive_accumulation: bool = True,
@@ -61,10 +62,13 @@ def plan(
     settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     shape = ModelShape.from_json(model_path)
+    loss_impls = tuple(loss_impls or FAMILY_IMPLS[shape.loss])  # default: every one the model's loss has
+    for impl in loss_impls:
+        shape.check_impl(impl)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
     out = {
         "settings": asdict(settings),
-        "model": {"params": shape.params, "largest_param": shape.largest_param},
+        "model": {"params": shape.params, "largest_param": shape.largest_param, "loss": shape.loss},
         "global_batch": settings.contrastive_batch,
         "contrastive_steps": settings.contrastive_steps,
         "capacity_bytes": capacity,
@@ -100,7 +104,8 @@ def format_report(result: dict, config_path, model_path) -> str:
             else "per micro-step"
         )
         + f"; ZeRO-{s['stage']}, {s['precision']}",
-        f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters; activation checkpointing "
+        f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters, {result['model']['loss']} loss; "
+        "activation checkpointing "
         f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
@@ -149,14 +154,17 @@ def _parse(argv):
     # answer bad arguments before importing transformers.
     p = argparse.ArgumentParser(prog="disco-clip plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
-    p.add_argument("--model", required=True, help="CLIPConfig JSON, e.g. recipes/models/vit_b32.json")
+    p.add_argument("--model", required=True, help="CLIPConfig or SiglipConfig JSON, e.g. recipes/models/vit_b32.json")
     p.add_argument("--gpus", type=int, required=True, help="data-parallel world size")
     p.add_argument("--gpu_memory", default="40GB", help="memory per GPU, e.g. 40GB, 80GB")
     p.add_argument("--per_device_batch", type=int, help='per-GPU micro batch (when the config says "auto")')
     p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help='must match the config (fills "auto")')
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument(
-        "--loss_impl", choices=LOSS_IMPLS, action="append", help=f"repeatable; default: {', '.join(LOSS_IMPLS)}"
+        "--loss_impl",
+        choices=LOSS_IMPLS,
+        action="append",
+        help="repeatable; default: every one the model's loss has (CLIP: tiled, disco, local; SigLIP: tiled, local)",
     )
     p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         args.per_device_batch,
         args.precision,
         args.activation_checkpointing,
-        tuple(args.loss_impl or LOSS_IMPLS),
+        args.loss_impl,
         args.chunk_size,
         args.overhead_gb,
         args.contrastive_accumulation,

@@ -2,8 +2,9 @@
 
 disco all-gathers both modalities' features and reduce-scatters their gradient in backward (the DisCo paper
 all-reduces there: twice the bytes); tiled moves the texts only, plus two all-reduces of B fp32 column values; local
-sends nothing. Ring collectives: a rank sends (and receives) (N-1)/N of the buffer for all-gather and reduce-scatter,
-2(N-1)/N for all-reduce.
+sends nothing. The sigmoid loss (SigLIP, tiled) passes the text blocks round a ring: N - 1 blocks in forward, N - 1
+again in backward with N fp32 gradient blocks, the last bringing each home. Ring collectives: a rank sends (and
+receives) (N-1)/N of the buffer for all-gather and reduce-scatter, 2(N-1)/N for all-reduce.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "t
     feature_bytes = 4 if settings.contrastive_steps > 1 else e
     batch = settings.micro_batch * n
     modality = accum * ring * batch * shape.projection_dim * feature_bytes  # one modality's rows
+    block = accum * settings.micro_batch * shape.projection_dim  # one rank's rows, elements
+    if shape.loss == "sigmoid":
+        loss = {
+            "local": {},
+            "tiled": {
+                "sigmoid loss: text ring (forward)": (n - 1) * block * feature_bytes,
+                "sigmoid loss: text ring (backward)": (n - 1) * block * feature_bytes,
+                "sigmoid loss: fp32 gradient ring (backward)": n * block * 4 if n > 1 else 0,
+            },
+        }
+        return {**grads, **{k: v for impl in loss_impls for k, v in loss[impl].items()}}
     loss = {
         "local": {},  # each rank's own pairs: nothing to send
         "disco": {

@@ -1,4 +1,5 @@
-"""Bytes a rank sends through torch.distributed's collectives, counted at the call (ring algorithms)."""
+"""Bytes a rank sends through torch.distributed's collectives (ring algorithms) and point-to-point sends, counted at
+the call."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ def _scattered(n, out, inp):
     return (n - 1) * out.nelement() * out.element_size()
 
 
+def _sent(op) -> int:
+    return op.tensor.nelement() * op.tensor.element_size() if "send" in op.op.__name__ else 0
+
+
 class WireBytes:
-    """Counts the bytes this rank sends through torch.distributed collectives while active (a context manager).
+    """Counts the bytes this rank sends through torch.distributed collectives and point-to-point sends while
+    active (a context manager).
 
     Ring algorithms (what NCCL and gloo use for large tensors): an all-gather sends (N-1) input-sized pieces, a
     reduce-scatter (N-1) output-sized pieces, an all-reduce 2 (N-1)/N of the tensor. Calls made inside a
@@ -29,6 +35,7 @@ class WireBytes:
         "reduce_scatter_single": _scattered,
         "reduce_scatter_tensor": _scattered,
         "all_reduce": lambda n, t, *_: 2 * (n - 1) / n * t.nelement() * t.element_size(),
+        "batch_isend_irecv": lambda n, ops, *_: sum(_sent(op) for op in ops),  # point to point: each sent tensor
     }
 
     def __init__(self):

@@ -1,0 +1,164 @@
+"""SigLIP's pairwise sigmoid loss over the global batch of all ranks, each logit computed once. Torch only.
+
+Notation as in softmax.py: rank r holds b_r image rows x_i and text rows y_j (L2-normalised), B = sum_r b_r,
+s = exp(logit_scale), t = logit_bias, u_ij = s x_i . y_j + t, z_ij = +1 when i = j and -1 otherwise. The global
+loss (Zhai et al., 2023) is
+
+    L = -(1/B) sum_i sum_j log sigmoid(z_ij u_ij) = (1/B) sum_ij [softplus(u_ij) - [i = j] u_ij].
+
+Rank r returns l_r = N/B * (its image rows' terms against all B texts), so mean_r l_r = L. With no normaliser
+over a row or column, the B x B pairs split into blocks that need nothing from each other: rank r walks its
+image rows against one rank's text block at a time, the text blocks passing rank to rank around a ring, so a
+rank never holds more than two text blocks and a tile of logits, whatever the number of ranks. Only the texts
+travel. In backward the blocks go round again with their gradient, each rank adding its rows' part, so that
+after the last step every text block is back with its owner carrying d(sum_r g_r l_r)/d(its rows) for any
+upstream gradients g_r: data-parallel averaging then gives every encoder parameter, s and t exactly dL/dtheta,
+as for the softmax loss. The logits are recomputed in backward rather than kept (they are b x B per rank).
+
+d/du_ij of the summand is sigmoid(u_ij) - [i = j], so a tile's gradient is one sigmoid of its logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import check_inputs, rank_and_world, ring_exchange
+
+# Logits per tile (rows x one rank's texts, fp32) when chunk_size is None: 2M -> 8 MiB, as the softmax loss.
+DEFAULT_TILE_ELEMENTS = 1 << 21
+
+
+def _tiles(rows: int, chunk: int):
+    return (slice(start, start + chunk) for start in range(0, rows, chunk))
+
+
+class _RingSigmoid(torch.autograd.Function):
+    """sum over this rank's image rows i and all texts j of softplus(u_ij) - [i = j] u_ij, texts streamed round
+    the ring (forward: N - 1 steps of text blocks; backward: N - 1 of text blocks and N of their fp32
+    gradients, the last one bringing each gradient home)."""
+
+    @staticmethod
+    def forward(ctx, images, texts, scale, bias, sizes, group, chunk):
+        rank, world = rank_and_world(group)
+        s, t = float(scale), float(bias)
+        images32 = images.float()
+        total = images32.new_zeros(())
+        block = texts.detach()  # travels in its own dtype; computed on in fp32
+        for k in range(world):
+            src = (rank - k) % world
+            nxt, pending = None, []
+            if k < world - 1:  # the next block travels while this one is computed
+                nxt = block.new_empty((sizes[(src - 1) % world], block.shape[1]))
+                pending = ring_exchange(block, nxt, group, tag=0)
+            block32 = block.float()
+            for rows in _tiles(images32.shape[0], chunk):
+                logits = torch.addmm(images32.new_tensor(t), images32[rows] * s, block32.T)
+                total += F.softplus(logits).sum()
+                if src == rank:  # the positive pairs (i, i) lie on this block's diagonal
+                    total -= logits.diagonal(rows.start).sum()
+            for work in pending:
+                work.wait()
+            block = nxt
+        ctx.save_for_backward(images, texts)
+        ctx.meta = (sizes, group, chunk, s, t, scale.dtype, bias.dtype)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        images, texts = ctx.saved_tensors
+        sizes, group, chunk, s, t, scale_dtype, bias_dtype = ctx.meta
+        rank, world = rank_and_world(group)
+        g = float(grad_total)
+        images32 = images.float()
+        grad_i = torch.zeros_like(images32)
+        grad_s, grad_t = images32.new_zeros(()), images32.new_zeros(())
+        block, block_grad = texts, torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
+        for k in range(world):
+            src, nxt_src = (rank - k) % world, (rank - k - 1) % world
+            nxt, pending = None, []
+            if k < world - 1:
+                nxt = block.new_empty((sizes[nxt_src], block.shape[1]))
+                pending = ring_exchange(block, nxt, group, tag=0)
+            block32 = block.float()
+            for rows in _tiles(images32.shape[0], chunk):
+                q = images32[rows]
+                dots = q @ block32.T
+                grad = torch.sigmoid(dots * s + t)
+                if src == rank:
+                    grad.diagonal(rows.start).sub_(1.0)
+                grad.mul_(g)
+                grad_s += torch.vdot(grad.reshape(-1), dots.reshape(-1))
+                grad_t += grad.sum()
+                grad_i[rows].addmm_(grad, block32, alpha=s)
+                block_grad.addmm_(grad.T, q, alpha=s)
+            if world > 1:  # the gradient follows its block to the next rank; the last step brings it home
+                arrived = block_grad.new_empty((sizes[nxt_src], block.shape[1]))
+                for work in ring_exchange(block_grad, arrived, group, tag=1):
+                    work.wait()
+                block_grad = arrived
+            for work in pending:
+                work.wait()
+            block = nxt if nxt is not None else block
+        return (
+            grad_i.to(images.dtype),
+            block_grad.to(texts.dtype),
+            grad_s.to(scale_dtype),
+            grad_t.to(bias_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def default_chunk_size(block_rows: int) -> int:
+    """Image rows per tile so that one tile against a text block of `block_rows` holds ~DEFAULT_TILE_ELEMENTS."""
+    return max(32, DEFAULT_TILE_ELEMENTS // max(1, block_rows) // 8 * 8)
+
+
+def sigmoid_loss(image_features, text_features, logit_scale, logit_bias, chunk_size=None, group=None) -> torch.Tensor:
+    """Functional form of :class:`SigmoidLoss`; see the module docstring for the exact contract."""
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    logit_scale, logit_bias = _as_scalar(logit_scale), _as_scalar(logit_bias)
+    scalars = {"logit_scale": logit_scale, "logit_bias": logit_bias}
+    sizes = check_inputs(image_features, text_features, scalars, group, "SigmoidLoss")
+    world, total = rank_and_world(group)[1], sum(sizes)
+    device = image_features.device
+    # Autocast would run the logit matmuls in 16 bits: the loss keeps its own fp32.
+    with torch.autocast(device_type=device.type, enabled=False):
+        scale = torch.as_tensor(logit_scale, device=device).float()
+        bias = torch.as_tensor(logit_bias, device=device).float()
+        chunk = chunk_size or default_chunk_size(max(sizes))
+        terms = _RingSigmoid.apply(image_features, text_features, scale, bias, sizes, group, chunk)
+        return terms * (world / total) if total else terms
+
+
+def _as_scalar(value):
+    # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
+    return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
+
+
+class SigmoidLoss(nn.Module):
+    """Global-batch sigmoid (SigLIP) loss over all ranks of `group`, each rank computing only its own rows.
+
+    forward(image_features, text_features, logit_scale, logit_bias): this rank's (b, d) L2-normalised features
+    (ranks may hold different b, or none), the logit multiplier (e.g. `model.logit_scale.exp()`) and the bias.
+    Returns this rank's share l_r with mean_r l_r = the single-device loss over the global batch, and gradients
+    such that data-parallel averaging yields exactly the global-batch gradient. Without torch.distributed it is
+    SigLIP's loss on the local batch. `chunk_size`: image rows per tile (None: about 8 MiB of logits per tile).
+    """
+
+    def __init__(self, chunk_size: int | None = None, group=None):
+        super().__init__()
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+        self.chunk_size, self.group = chunk_size, group
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias) -> torch.Tensor:
+        return sigmoid_loss(image_features, text_features, logit_scale, logit_bias, self.chunk_size, self.group)
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}"
