@@ -193,7 +193,7 @@ class _Keys:
 
         class KeyStream(ShardStream):
             def _decode(self, sample, epoch):
-                return f"{epoch}/{sample['__key__']}"
+                return f"{epoch}/{sample['__key__']}", None  # in place of (pixels, caption)
 
         return KeyStream(urls, 64, rank=rank, world_size=world, seed=7, shuffle_buffer=8, num_workers=workers)
 
@@ -203,8 +203,12 @@ class _Keys:
 
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(stream, batch_size=PER_RANK, num_workers=workers, collate_fn=list)
+        loader = DataLoader(stream, batch_size=PER_RANK, num_workers=workers, collate_fn=_keys_of)
         return list(itertools.islice(loader, count))
+
+
+def _keys_of(batch: list) -> list[str]:
+    return [key for key, *_ in batch]  # each item: (key, None, its stream position)
 
 
 def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_path):
