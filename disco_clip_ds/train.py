@@ -63,6 +63,7 @@ from .errors import (
     run_main,
 )
 from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
+from .numerics import FiniteStepsMixin
 from .optim import warmup_from_first_step, without_clip_no_decay
 from .preemption import StopSignalsMixin, finished_message, parse_signals, resume_hint
 from .ranks import any_true
@@ -164,7 +165,9 @@ class DiscoTrainingArguments(TrainingArguments):
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer):
+class DiscoTrainer(
+    FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer
+):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
     memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
     gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model.
