@@ -1,31 +1,39 @@
-"""Checkpoints that are complete or absent, the one rule for the newest complete checkpoint, and a one-line error
-for a full disk.
+"""Checkpoints that are complete, verified or skipped, the one rule for the newest good checkpoint, a final model
+that can be verified and repaired, and a one-line error for a full disk.
 
 The Trainer writes checkpoint-N in place, so a kill mid-save leaves a folder that the stock `get_last_checkpoint`
 picks and every resume then fails on. Neither transformers (5.x dropped its tmp-checkpoint staging) nor DeepSpeed
 stages a multi-rank save, hence `CompleteCheckpointsMixin`: the Trainer writes into tmp-checkpoints/checkpoint-N and
-rank 0 renames it to checkpoint-N once every rank has written its part. Training and export pick a
-checkpoint with `newest_complete`, which skips any folder `checkpoint_problem` finds incomplete.
+rank 0, once every rank has written its part, records every file's size and checksum in its manifest.json and
+renames it to checkpoint-N. A file cut short or damaged later (a full disk on another job, a bad copy) shows against
+the manifest: training and export pick a checkpoint with `newest_complete`, which skips (naming why) any folder
+`checkpoint_problem` finds incomplete or not matching its manifest. The final model in the run folder gets a manifest
+too, written last: a final save cut short leaves none, and a re-run rewrites the final model from the last
+checkpoint (`keep_final_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import faults
-from .errors import CheckpointError
-from .ranks import all_true, barrier, from_rank0, rank
+from .errors import CheckpointError, DiscoClipError, UsageError
+from .ranks import all_true, any_true, barrier, from_rank0, rank
 
 logger = logging.getLogger("disco_clip_ds.checkpoints")
 
 STAGING = "tmp-checkpoints"
+MANIFEST = "manifest.json"
 WEIGHT_FILES = (  # the full-weight files that transformers writes, in the order they are looked for
     "model.safetensors",
     "model.safetensors.index.json",
@@ -39,14 +47,86 @@ def has_weights(folder: str | os.PathLike) -> bool:
     return any((Path(folder) / name).is_file() for name in WEIGHT_FILES)
 
 
+# --- manifests: every file's size and checksum ---
+
+
+def _checksum(path: Path) -> str:
+    # xxh3-128 (xxhash, a dependency of datasets): it catches truncation, bit rot and partial copies as surely as a
+    # cryptographic hash (nobody forges checkpoints here) at memory speed, several GB/s per core, where sha256 or
+    # blake2b manage a few hundred MB/s: checksumming a multi-GB checkpoint costs about what reading it costs.
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksums(folder: Path, names: list[str]) -> list[str]:
+    # one thread per file: the hash releases the GIL, and a ZeRO checkpoint has one large shard per rank
+    with ThreadPoolExecutor(max(1, min(8, len(names), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda name: _checksum(folder / name), names))
+
+
+def write_manifest(folder: str | os.PathLike, names: list[str] | None = None) -> None:
+    """Record the size and checksum of every file under `folder` (or of `names`, paths relative to it) in
+    folder/manifest.json, written atomically."""
+    folder = Path(folder)
+    if names is None:
+        names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    sizes = [(folder / name).stat().st_size for name in names]
+    files = {
+        name: {"size": size, "xxh3_128": digest}
+        for name, size, digest in zip(names, sizes, _checksums(folder, names), strict=True)
+    }
+    tmp = folder / f"{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def manifest_problem(folder: str | os.PathLike, checksums: bool = True) -> str | None:
+    """What in `folder` does not match its manifest.json (None: every file it lists is there with its size and, with
+    `checksums`, its checksum). Call only where a manifest exists.
+
+    Sizes are always compared (one stat per file). Checksums are compared by default: a flipped or zeroed block
+    keeps the size, and resuming from it fails deep inside DeepSpeed or trains on damaged weights; at xxh3 speed the
+    cost is about that of the reads the resume does anyway (the files are then in the page cache)."""
+    folder = Path(folder)
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{MANIFEST} is unreadable ({error})"
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing (the manifest lists it)"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return f"{name} is {size} bytes, the manifest says {entry['size']}"
+    if checksums:
+        names = list(files)
+        for name, digest in zip(names, _checksums(folder, names), strict=True):
+            if digest != files[name]["xxh3_128"]:
+                return f"{name} does not match its checksum in the manifest"
+    return None
+
+
 # --- what counts as a complete checkpoint ---
 
 
-def checkpoint_problem(folder: str | os.PathLike) -> str | None:
-    """Why `folder` cannot be resumed from (None when it is complete): Trainer state, weights, and every rank's
-    DeepSpeed files. Checkpoints written through CompleteCheckpointsMixin are complete by construction; this catches
-    those from older runs or copied by hand."""
+def checkpoint_problem(folder: str | os.PathLike, checksums: bool = True) -> str | None:
+    """Why `folder` cannot be resumed from (None when it can): its manifest (when it has one: every checkpoint
+    written through CompleteCheckpointsMixin does), then Trainer state, weights and every rank's DeepSpeed files (all
+    that older checkpoints, or those written by other tools, are checked for)."""
     folder = Path(folder)
+    if (folder / MANIFEST).exists():
+        problem = manifest_problem(folder, checksums)
+        if problem:
+            return problem
     try:
         json.loads((folder / "trainer_state.json").read_text())["global_step"]
     except (OSError, ValueError, KeyError):
@@ -82,13 +162,19 @@ def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]), reverse=True)
 
 
-def newest_complete(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint-N in output_dir (None if there is none), warning about each newer one skipped."""
+def newest_complete(
+    output_dir: str | os.PathLike, checksums: bool = True, older_than: int | None = None, warn: bool = True
+) -> Path | None:
+    """The newest checkpoint-N in output_dir that is complete and matches its manifest (None if there is none),
+    logging one line for each newer one skipped and why. `older_than`: only checkpoints before that step."""
     for folder in checkpoint_folders(output_dir):
-        problem = checkpoint_problem(folder)
+        if older_than is not None and int(folder.name.split("-")[-1]) >= older_than:
+            continue
+        problem = checkpoint_problem(folder, checksums)
         if problem is None:
             return folder
-        logger.warning("skipping incomplete checkpoint %s (%s)", folder, problem)
+        if warn:
+            logger.warning("skipping %s: %s", folder.name, problem)
     return None
 
 
@@ -96,6 +182,127 @@ def resolve_latest(output_dir: str | os.PathLike) -> str | None:
     """`newest_complete` chosen on rank 0, so that every rank resumes the same checkpoint."""
     newest = newest_complete(output_dir) if rank() == 0 else None
     return from_rank0(str(newest) if newest else None)
+
+
+def check_resume(checkpoint: str | os.PathLike) -> None:
+    """Refuse, on every rank, an explicit --resume_from_checkpoint folder that is missing (UsageError) or does not
+    verify (CheckpointError), naming the newest checkpoint beside it that does. Checked on rank 0."""
+    verdict = _on_rank0(lambda: _resume_refusal(Path(checkpoint)))
+    if verdict:
+        kind, message = verdict
+        raise (UsageError if kind == "usage" else CheckpointError)(message)
+
+
+def _resume_refusal(checkpoint: Path) -> tuple[str, str] | None:
+    if not checkpoint.is_dir():
+        return "usage", f"--resume_from_checkpoint {checkpoint}: no such folder"
+    problem = checkpoint_problem(checkpoint)
+    if problem is None:
+        return None
+    step = checkpoint.name.split("-")[-1]
+    good = newest_complete(checkpoint.parent, older_than=int(step) if step.isdigit() else None, warn=False)
+    instead = (
+        f"the newest checkpoint that verifies is {good}" if good else f"no checkpoint in {checkpoint.parent} verifies"
+    )
+    return "failed", f"cannot resume from {checkpoint}: {problem}; {instead}"
+
+
+def _on_rank0(compute):
+    """compute() on rank 0, its result on every rank. A DiscoClipError raised there is raised on every rank (the
+    other ranks would otherwise wait for the result until the process group times out)."""
+    result = None
+    if rank() == 0:
+        try:
+            result = ("ok", compute())
+        except DiscoClipError as error:
+            result = ("error", error)
+    kind, value = from_rank0(result)
+    if kind == "error":
+        raise value
+    return value
+
+
+# --- the final model in the run folder ---
+
+# what a checkpoint holds only to resume from, and the final save does not write
+RESUME_ONLY = (
+    "scheduler.pt",
+    "rng_state*.pth",
+    "latest",
+    "zero_to_*.py",
+    "optimizer.pt",
+    "scaler.pt",
+    "stream_state.json",
+    MANIFEST,
+)
+
+
+def final_model_problem(run_dir: str | os.PathLike, checksums: bool = True) -> str | None:
+    """Why the final model in `run_dir` cannot be used (None when it can). The final save writes its manifest
+    last, so a final save cut short has none; a run folder of an older version (checkpoints without manifests)
+    keeps the old rule: weights present."""
+    run_dir = Path(run_dir)
+    if (run_dir / MANIFEST).exists():
+        return manifest_problem(run_dir, checksums)
+    if not (has_weights(run_dir) or (run_dir / "latest").is_file()):
+        return "missing"
+    newest = next(iter(checkpoint_folders(run_dir)), None)
+    if newest is not None and (newest / MANIFEST).exists():
+        return f"no {MANIFEST}: the final save did not complete"
+    return None
+
+
+def keep_final_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> str | None:
+    """For a finished run, decided on rank 0 and returned on every rank: None when its final model verifies (then
+    nothing is touched); else the final model is rewritten from `checkpoint` (the last checkpoint, at the final
+    step) and one line says so."""
+    return _on_rank0(lambda: _keep_final_model(Path(run_dir), Path(checkpoint)))
+
+
+def _keep_final_model(run_dir: Path, checkpoint: Path) -> str | None:
+    problem = final_model_problem(run_dir)
+    if problem is None:
+        return None
+    try:
+        written = _write_final_from(checkpoint, run_dir)
+    except Exception as error:  # copyfile's OSError, or safetensors' error when consolidating
+        if _is_disk_full(error):
+            needed = sum(p.stat().st_size for p in _final_files_in(checkpoint))
+            raise CheckpointError(disk_full_message(run_dir, needed, "the final model")) from error
+        raise
+    return (
+        f"run finished at {checkpoint.name}, but its final model was not usable ({problem}): rewritten in {run_dir} "
+        f"from {checkpoint.name} ({', '.join(written)}), the weights the run ended with"
+    )
+
+
+def _final_files_in(checkpoint: Path) -> list[Path]:
+    return [p for p in sorted(checkpoint.iterdir()) if p.is_file() and not any(p.match(g) for g in RESUME_ONLY)]
+
+
+def _write_final_from(checkpoint: Path, run_dir: Path) -> list[str]:
+    """Write the final model into run_dir from `checkpoint`: its weight files as the final save writes them (the
+    same step's weights), or, for a ZeRO-3 checkpoint without full weights, the fp32 weights consolidated from its
+    optimizer partitions as `disco-clip export` does. The manifest comes last."""
+    (run_dir / MANIFEST).unlink(missing_ok=True)
+    for name in WEIGHT_FILES:  # the final save's leftovers, e.g. a half-written model.safetensors
+        (run_dir / name).unlink(missing_ok=True)
+    copied = [p.name for p in _final_files_in(checkpoint)]
+    for name in copied:
+        shutil.copyfile(checkpoint / name, run_dir / name)
+    if not has_weights(checkpoint):
+        from .export import build_clip_model, load_state_dict
+
+        state_dict, _ = load_state_dict(checkpoint)
+        build_clip_model(checkpoint, state_dict).save_pretrained(run_dir)  # model.safetensors and config.json
+        copied = sorted({*copied, "model.safetensors", "config.json"})
+    write_manifest(run_dir, copied)
+    return copied
+
+
+def final_files(run_dir: Path) -> dict[str, int]:
+    """The files directly in run_dir with their modification times: what the final save wrote is what changed."""
+    return {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file() and p.name != MANIFEST}
 
 
 # --- disk space ---
@@ -106,7 +313,7 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
 def _free_bytes(output_dir: Path, step: int) -> int:
@@ -114,25 +321,47 @@ def _free_bytes(output_dir: Path, step: int) -> int:
     return forced if forced is not None else shutil.disk_usage(output_dir).free
 
 
-def disk_full_message(output_dir: Path, needed: int | None, step: int) -> str:
-    """One line: where space ran out, what is still intact, and how to go on."""
-    last = newest_complete(output_dir)
+START_BYTES = 2**20  # run.lock, run.json, the logs: with less free, a run cannot even start
+
+
+def check_space_at_start(output_dir: str | os.PathLike) -> None:
+    """Refuse (CheckpointError, on every rank, decided on rank 0) to start a run in a folder whose disk is full."""
+
+    def check() -> None:
+        folder = Path(output_dir).absolute()
+        while not folder.exists():
+            folder = folder.parent
+        free = shutil.disk_usage(folder).free
+        if free < START_BYTES:
+            raise CheckpointError(
+                f"no space left in {output_dir} ({_size(free)} free, a run needs at least {_size(START_BYTES)} to "
+                "start and room for its checkpoints): free space or choose another --output_dir"
+            )
+
+    _on_rank0(check)
+
+
+def disk_full_message(output_dir: Path, needed: int | None, what: str, free: int | None = None) -> str:
+    """One line: where space ran out (free and needed), what is still intact, and how to go on. `free`: what a
+    free-space check saw (default: what is free now)."""
+    last = newest_complete(output_dir, checksums=False, warn=False)
     need = f"needs ~{_size(needed)}, " if needed else ""
+    free = shutil.disk_usage(output_dir).free if free is None else free
     return (
-        f"no space left in {output_dir} ({need}{_size(_free_bytes(output_dir, step))} free) while saving "
-        f"checkpoint-{step}; "
+        f"no space left in {output_dir} ({need}{_size(free)} free) while saving {what}; "
         f"{'the last complete checkpoint ' + last.name + ' is intact' if last else 'no checkpoint was saved'}: "
         "free space, then resume with --resume_from_checkpoint latest"
     )
 
 
-def _is_disk_full(error: BaseException) -> bool:
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    # torch.save's C++ writer loses the errno: "basic_ios::clear: iostream error", "file write failed"
+def _is_disk_full(error: BaseException | None) -> bool:
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    # the writers that lose the errno: torch.save's C++ writer ("basic_ios::clear: iostream error", "file write
+    # failed", "unexpected pos"), safetensors ("I/O error: No space left on device (os error 28)")
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos")
+    return error is not None and any(
+        s in text for s in ("iostream error", "write failed", "No space left", "unexpected pos", "os error 28")
     )
 
 
@@ -140,10 +369,17 @@ def _is_disk_full(error: BaseException) -> bool:
 
 
 class CompleteCheckpointsMixin:
-    """Mix into a Trainer subclass (before Trainer): checkpoint-N appears complete or not at all, rotation
-    (save_total_limit) only counts complete ones, and a full disk is one clear CheckpointError."""
+    """Mix into a Trainer subclass (before Trainer): checkpoint-N appears complete, with its manifest, or not at
+    all; rotation (save_total_limit) only counts complete ones; the final model (`save_final`) gets a manifest once
+    written; a full disk is one clear CheckpointError on every rank, before or during any of these saves.
+
+    No failure may leave ranks waiting in different collectives (a hang with no message): every rank checks the
+    free space before writing, and while a save is under way a write that fails on one rank is recorded instead of
+    raised (`_failures`), so that the rank goes on through the same DeepSpeed barriers as the others and every rank
+    learns of it in the agreement that follows."""
 
     _staging_dir: Path | None = None
+    _failures: list[BaseException] | None = None  # a list while a save is under way: this rank's failed writes
 
     def _get_output_dir(self, trial) -> str:
         # The stock _save_checkpoint writes into _get_output_dir(trial)/checkpoint-N: point it at the staging area.
@@ -153,47 +389,161 @@ class CompleteCheckpointsMixin:
         faults.in_save(self.state.global_step)  # the named point: model and DeepSpeed files written, state not
         super()._save_rng_state(output_dir)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._failures is None:
+            return super().save_model(output_dir, _internal_call)
+        try:  # the writes come after any gather (ZeRO-3) that save_model does with the other ranks
+            super().save_model(output_dir, _internal_call)
+        except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
+            self._failures.append(error)
+
     def _save_checkpoint(self, model, trial) -> None:
         run_dir = Path(super()._get_output_dir(trial))
-        step, name, device = (
-            self.state.global_step,
-            f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}",
-            self.args.device,
-        )
+        step = self.state.global_step
+        name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
         staging = run_dir / STAGING
-        needed = None
-        if rank() == 0:
-            previous = newest_complete(run_dir)
-            needed = int(1.1 * _folder_bytes(previous)) if previous else None
-        # the check on rank 0, the verdict on every rank: all ranks stop together, before writing anything
-        enough = all_true(rank() != 0 or not needed or _free_bytes(run_dir, step) >= needed, device)
-        if not enough:
-            raise CheckpointError(disk_full_message(run_dir, from_rank0(needed), step))
+        needed = self._checkpoint_bytes(run_dir)
+        self._check_space(run_dir, needed, step, name, every_rank_writes=True)
         if rank() == 0 and (staging / name).exists():
             shutil.rmtree(staging / name)
-        self._staging_dir, error = staging, None
-        try:
-            super()._save_checkpoint(model, trial)
-        except (OSError, RuntimeError) as e:
-            error = e
-        finally:
-            self._staging_dir = None
-        if not all_true(error is None, device):
-            if rank() == 0:
-                shutil.rmtree(staging / name, ignore_errors=True)
-            if error is None:
-                raise CheckpointError(f"another rank failed to save {name}; the last complete checkpoint is intact")
-            if _is_disk_full(error):
-                raise CheckpointError(disk_full_message(run_dir, needed, step)) from error
-            raise error
+        self._staging_dir = staging
+        with self._recording_failures() as failures:
+            try:
+                super()._save_checkpoint(model, trial)
+            except Exception as error:  # after DeepSpeed's last barrier: nothing collective is left
+                failures.append(error)
+            finally:
+                self._staging_dir = None
+        self._settle(failures[0] if failures else None, run_dir, needed, name, staging / name)
+        error = None  # every rank has written its part: rank 0 adds the manifest and publishes
         if rank() == 0:
-            self._publish(staging / name, run_dir / name)
-        barrier()  # no rank moves on (or exits) before checkpoint-N exists
+            try:
+                self._publish(staging / name, run_dir / name)
+            except Exception as e:  # a full disk while writing the manifest, or an incomplete folder
+                error = e
+        self._settle(error, run_dir, needed, name, staging / name)  # no rank moves on before checkpoint-N exists
+
+    def save_final(self, metrics: dict) -> None:
+        """The final save into output_dir (train metrics, model, Trainer state), then its manifest, written last:
+        a kill or a full disk on the way leaves none, and the next run repairs the final model (`keep_final_model`)."""
+        run_dir, step = Path(self.args.output_dir), self.state.global_step
+        needed = int(1.1 * self._model_bytes()) + 2**20
+        self._check_space(run_dir, needed, step, "the final model", every_rank_writes=False)
+        before = {}
+        if rank() == 0:
+            (run_dir / MANIFEST).unlink(missing_ok=True)  # until the new one is written, the final model is unverified
+            before = final_files(run_dir)
+        with self._recording_failures() as failures:
+            try:
+                self.save_metrics("train", metrics)
+                self.save_model(str(run_dir))
+                faults.in_final_save(step)
+                self.save_state()
+            except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
+                failures.append(error)
+        self._settle(failures[0] if failures else None, run_dir, needed, "the final model", None)
+        error = None  # every rank has written its part: the manifest, over what this save wrote, comes last
+        if rank() == 0:
+            try:
+                write_manifest(run_dir, sorted(n for n, t in final_files(run_dir).items() if before.get(n) != t))
+            except Exception as e:  # e.g. no space left for the manifest
+                error = e
+        self._settle(error, run_dir, needed, "the final model", None)
+
+    @contextlib.contextmanager
+    def _recording_failures(self):
+        """While a save runs: a write that fails on this rank (the Trainer's weights, DeepSpeed's files) is
+        recorded, and the rank skips its remaining DeepSpeed writes but not the collectives between them. DeepSpeed
+        writes every checkpoint file through its checkpoint_engine, copies zero_to_fp32.py, and writes 'latest'
+        (rank 0) just before its closing barrier: that last one is written here instead, after it."""
+        self._failures = failures = []
+        engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
+        patched = []
+
+        def guard(write):
+            @functools.wraps(write)
+            def guarded(*args, **kwargs):
+                if failures:
+                    return None
+                try:
+                    faults.in_deepspeed_write(self.state.global_step)
+                    return write(*args, **kwargs)
+                except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
+                    failures.append(error)
+                    return None
+
+            return guarded
+
+        def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):  # noqa: B006 (DeepSpeed's signature)
+            tag = str(tag or f"global_step{engine.global_steps}")
+            done = original(save_dir, tag, client_state, False, exclude_frozen_parameters)
+            if save_latest and engine.global_rank == 0:
+                guard(Path(save_dir, "latest").write_text)(tag)
+            return done
+
+        if engine is not None and hasattr(engine, "checkpoint_engine"):
+            original = engine.save_checkpoint
+            for owner, attr, replacement in (
+                (engine.checkpoint_engine, "save", guard(engine.checkpoint_engine.save)),
+                (engine, "_copy_recovery_script", guard(engine._copy_recovery_script)),
+                (engine, "save_checkpoint", functools.wraps(original)(save_checkpoint)),
+            ):
+                patched.append((owner, attr, owner.__dict__.get(attr)))
+                setattr(owner, attr, replacement)
+        try:
+            yield failures
+        finally:
+            self._failures = None
+            for owner, attr, previous in reversed(patched):
+                if previous is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, previous)
+
+    def _settle(self, error, run_dir: Path, needed: int, what: str, staged: Path | None) -> None:
+        """Every rank learns whether the save failed anywhere; if it did, rank 0 removes the partial save and every
+        rank raises: one line for a full disk (on any rank), else the error itself."""
+        device = self.args.device
+        if all_true(error is None, device):
+            return
+        disk_full = any_true(_is_disk_full(error), device)
+        if rank() == 0 and staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                staged.parent.rmdir()  # tmp-checkpoints, when nothing else is staged
+        barrier()  # the partial save is gone before any rank reports
+        if disk_full:
+            raise CheckpointError(disk_full_message(run_dir, needed, what)) from error
+        if error is None:
+            raise CheckpointError(f"another rank failed to save {what}; the last complete checkpoint is intact")
+        raise error
+
+    def _check_space(self, run_dir: Path, needed: int, step: int, what: str, every_rank_writes: bool) -> None:
+        """Every rank (that writes) compares its free space with `needed`; all stop together, before writing."""
+        free = _free_bytes(run_dir, step) if every_rank_writes or self.args.should_save else None
+        if not all_true(free is None or free >= needed, self.args.device):
+            raise CheckpointError(disk_full_message(run_dir, needed, what, free))
+
+    def _checkpoint_bytes(self, run_dir: Path) -> int:
+        """The space checkpoint-N will take (same on every rank): the last complete checkpoint's size, or before the
+        first one an estimate from the weights and every rank's optimizer state, each +10 %."""
+        previous = newest_complete(run_dir, checksums=False, warn=False) if rank() == 0 else None
+        measured = from_rank0(_folder_bytes(previous) if previous else None)
+        if measured:
+            return int(1.1 * measured)
+        optimizer = torch_sum(_optimizer_bytes(self.optimizer), self.args.device)
+        # the weights twice: model.safetensors and DeepSpeed's model states; 1 MiB for the small files
+        return int(1.1 * (2 * self._model_bytes() + optimizer)) + 2**20
+
+    def _model_bytes(self) -> int:
+        # under ZeRO-3 a parameter's full size is ds_numel (its local tensor is a partition)
+        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.model.parameters())
 
     def _publish(self, staged: Path, final: Path) -> None:
-        problem = checkpoint_problem(staged)
+        problem = checkpoint_problem(staged, checksums=False)
         if problem:
             raise CheckpointError(f"{staged} is incomplete after every rank saved ({problem})")
+        write_manifest(staged)  # over every file present, from whichever part of the code it came
         if final.exists():
             shutil.rmtree(final)
         os.replace(staged, final)  # atomic on one filesystem: checkpoint-N is complete or absent
@@ -210,3 +560,31 @@ class CompleteCheckpointsMixin:
             save_total_limit=self.args.save_total_limit,
             best_model_checkpoint=None if best is None or STAGING in best else best,
         )
+
+
+def _optimizer_bytes(optimizer) -> int:
+    """This rank's optimizer state in bytes: the innermost torch optimizer's parameters (under ZeRO, the fp32
+    partition) and state tensors (e.g. Adam's moments), as its checkpoint shard will hold them."""
+    import torch
+
+    while hasattr(optimizer, "optimizer"):  # accelerate's wrapper, DeepSpeed's ZeRO optimizer, then torch's
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return 0
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def torch_sum(value: int, device) -> int:
+    """`value` summed over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from .ranks import is_distributed
+
+    if not is_distributed():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return int(t.item())

@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from .checkpoints import WEIGHT_FILES, has_weights, newest_complete
+from .checkpoints import (
+    MANIFEST,
+    WEIGHT_FILES,
+    checkpoint_folders,
+    checkpoint_problem,
+    final_model_problem,
+    has_weights,
+    manifest_problem,
+    newest_complete,
+)
 from .errors import ExportError, UsageError
 
+logger = logging.getLogger("disco_clip_ds.export")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
@@ -25,20 +36,39 @@ IMAGE_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint folder to export: `path` itself, or its newest complete `checkpoint-N` when it is a run
-    folder holding checkpoints but no weights of its own."""
+    """The folder to export, verified against its manifest where it has one. A run folder (one holding checkpoint-N
+    folders) gives its final model, or when that is missing or does not verify its newest checkpoint that does,
+    with one line for each one skipped and why. A checkpoint given by name that does not verify is refused, naming
+    the newest one beside it that does."""
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"checkpoint folder '{path}' does not exist")
-    if has_weights(path) or (path / "latest").is_file():
-        return path
-    newest = newest_complete(path)
-    if newest is not None:
+    holds_model = has_weights(path) or (path / "latest").is_file() or (path / MANIFEST).is_file()
+    if checkpoint_folders(path):  # a run folder
+        if holds_model:
+            problem = final_model_problem(path)
+            if problem is None:
+                return path
+            logger.warning("skipping the final model in %s: %s", path, problem)
+        newest = newest_complete(path)
+        if newest is None:
+            raise ExportError(f"'{path}' holds no final model or checkpoint-N that verifies (see the lines above)")
         return newest
-    raise ExportError(
-        f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' "
-        "file) nor complete checkpoint-N folders"
+    if not holds_model:
+        raise ExportError(
+            f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' "
+            "file) nor complete checkpoint-N folders"
+        )
+    is_checkpoint = (path / "latest").is_file() or any(path.glob("rng_state*.pth"))  # the Trainer's resume state
+    problem = (
+        checkpoint_problem(path) if is_checkpoint else manifest_problem(path) if (path / MANIFEST).is_file() else None
     )
+    if problem:
+        step = path.name.split("-")[-1]
+        good = newest_complete(path.parent, older_than=int(step) if step.isdigit() else None, warn=False)
+        instead = f"the newest checkpoint beside it that verifies is {good}" if good else "none beside it verifies"
+        raise ExportError(f"'{path}' does not verify: {problem}; {instead}")
+    return path
 
 
 def _deepspeed_tag_dir(checkpoint: Path) -> Path | None:
@@ -100,6 +130,33 @@ def _read_one_file(path: Path) -> dict:
     if path.suffix == ".safetensors":
         return load_file(str(path))
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# Trained CLIP weights are O(1) (logit_scale at most ln 100). Beyond 1e15 the dot product of two such rows over a
+# hidden width of a few thousand comes within a few orders of magnitude of float32's limit (3.4e38): such weights come
+# from a diverged run, and a model exported from them yields inf and NaN embeddings.
+ABSURD_WEIGHT = 1e15
+
+
+def check_weights(state_dict: dict, source: Path) -> None:
+    """Refuse (one line naming the tensor) weights with NaN or inf, or of absurd magnitude (> ABSURD_WEIGHT)."""
+    import torch
+
+    for name, tensor in state_dict.items():
+        if not torch.is_tensor(tensor) or not tensor.is_floating_point():
+            continue
+        bad = (~torch.isfinite(tensor)).sum().item()
+        if bad:
+            raise ExportError(
+                f"weight '{name}' in {source} holds {bad} NaN or inf values of {tensor.numel()}: the run diverged "
+                "before this checkpoint; export an earlier one"
+            )
+        peak = tensor.abs().max().item() if tensor.numel() else 0.0
+        if peak > ABSURD_WEIGHT:
+            raise ExportError(
+                f"weight '{name}' in {source} reaches |w| = {peak:.3g} (trained CLIP weights are O(1); above "
+                f"{ABSURD_WEIGHT:.0e} its products overflow float32): the run diverged; export an earlier checkpoint"
+            )
 
 
 def build_clip_model(checkpoint: Path, state_dict: dict):
@@ -296,6 +353,7 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
     _prepare_output(output_dir)
     processor_source = _processor_source(checkpoint, processor_from)
     state_dict, weights_from = load_state_dict(checkpoint)
+    check_weights(state_dict, checkpoint)
     model = build_clip_model(checkpoint, state_dict)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:

@@ -10,9 +10,14 @@ An entry fires at its point when every KEY=N holds there: `step` (the optimizer 
 In a training rank's checkpoint save (`checkpoints.py`), after the model and DeepSpeed files are written and before
 the RNG and Trainer state:
     kill_in_save:step=N[,rank=R]        SIGKILL to this rank
-    enospc_in_save:step=N[,rank=R]      an OSError ENOSPC, as a full disk raises it
-Before that save, in its free-space check:
+At each DeepSpeed file write of a save (checkpoint or final; rank 0's model states, every rank's optimizer shard), in
+the middle of DeepSpeed's collectives:
+    enospc_in_save:step=N[,rank=R]      an OSError ENOSPC, as a full disk raises it (with rank=R: on that rank alone)
+Before a save (checkpoint or final), in the free-space check of every rank:
     disk_free_mib=M:step=N              the check sees M MiB free
+In the final save (`checkpoints.py`), after the final weights are written and before the Trainer state and the
+manifest:
+    kill_in_final_save[:rank=R]         SIGKILL to this rank
 At the end of a training step (`preemption.py`):
     signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
     signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it
@@ -77,14 +82,28 @@ def _holds(key: str, n: int, at: dict[str, int]) -> bool:
 
 
 def in_save(step: int) -> None:
-    """The point inside a checkpoint save: kill_in_save, enospc_in_save."""
+    """The point inside a checkpoint save: kill_in_save."""
     if fault("kill_in_save", step=step):
-        from .ranks import rank
+        _kill(f"inside the save of step {step}")
 
-        logger.warning("%s: killing rank %d inside the save of step %d", ENV, rank(), step)
-        os.kill(os.getpid(), signal.SIGKILL)
+
+def in_deepspeed_write(step: int) -> None:
+    """The point at each DeepSpeed file write of a save: enospc_in_save."""
     if fault("enospc_in_save", step=step):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"({ENV})")
+
+
+def in_final_save(step: int) -> None:
+    """The point inside the final save, weights written, Trainer state and manifest not: kill_in_final_save."""
+    if fault("kill_in_final_save"):
+        _kill(f"inside the final save (step {step})")
+
+
+def _kill(where: str) -> None:
+    from .ranks import rank
+
+    logger.warning("%s: killing rank %d %s", ENV, rank(), where)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def forced_free_bytes(step: int) -> int | None:

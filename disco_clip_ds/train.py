@@ -35,10 +35,12 @@ from . import compat, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (
     CompleteCheckpointsMixin,
+    check_resume,
+    check_space_at_start,
     checkpoint_folders,
-    checkpoint_problem,
     checkpoint_step,
     has_weights,
+    keep_final_model,
     newest_complete,
     resolve_latest,
 )
@@ -619,9 +621,9 @@ def _resume_point(
         return None
     if args.resume_from_checkpoint != "latest":
         last = args.resume_from_checkpoint
-        problem = checkpoint_problem(last) if Path(last).is_dir() else "no such folder"
-        if problem:
-            raise UsageError(f"--resume_from_checkpoint {last}: {problem}")
+        # verified on rank 0 against its manifest: a missing folder is bad usage (exit 2), one that does not verify a
+        # failed run (exit 1) naming the newest checkpoint beside it that does
+        check_resume(last)
     else:
         last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
         logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
@@ -649,6 +651,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     a stop signal's checkpoint."""
     checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
+    check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
     acquire_run_lock(args.output_dir)
     try:
         return _train(model_args, data_args, args, checked)
@@ -664,8 +667,9 @@ def _train(
     args.max_steps = checked.max_steps
     finished = finished_message(resume_from, args.max_steps)
     if finished:  # resuming would train one step past the end and change the final model
+        repaired = keep_final_model(args.output_dir, resume_from)  # a final save cut short is written again
         if args.process_index == 0:
-            print(finished)
+            print(repaired or finished)
         return {}
     args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
     compat.init_deepspeed_comm(args)
@@ -719,9 +723,7 @@ def _train(
     skipped, decoded = _stream_totals(trainer, stream)
     metrics = {**result.metrics, "skipped_samples": skipped, "decoded_samples": decoded}
     trainer.log_metrics("train", metrics)
-    trainer.save_metrics("train", metrics)
-    trainer.save_model(args.output_dir)
-    trainer.save_state()
+    trainer.save_final(metrics)  # metrics, model, state, then the manifest that makes the final model verifiable
     if trainer.is_world_process_zero():
         _report(args, metrics)
         if checked.hub_model_id:

@@ -119,7 +119,7 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     assert run_main(export_main, argv, "disco-clip export") != 0  # export refuses partials too
     rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]
-    assert "skipping incomplete checkpoint" in log and "checkpoint-5 (no readable trainer_state.json)" in log
+    assert log.count("skipping checkpoint-5: no readable trainer_state.json") == 1  # rank 0 decides
     assert "resume: " + str(out / "checkpoint-2") in log
     assert not (out / "tmp-checkpoints").exists()  # the interrupted save's leftovers are removed
     assert same_weights(out, full) <= 1e-6  # the same weights as the uninterrupted run
@@ -218,7 +218,8 @@ def test_a_signal_to_the_launcher_alone_leaves_no_rank_running(data, tmp_path, l
 
 def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data, tmp_path):
     out = tmp_path / "run"
-    rc, log = run(out, data, "--max_steps", str(STEPS), fault="enospc_in_save:step=4")
+    # on rank 1 alone, in its DeepSpeed optimizer shard: rank 0 goes on through DeepSpeed's barriers, and so must rank 1
+    rc, log = run(out, data, "--max_steps", str(STEPS), fault="enospc_in_save:step=4,rank=1")
     assert rc == 1, log[-3000:]
     lines = [line for line in log.splitlines() if line.startswith("disco-clip train: no space left in")]
     assert len(lines) == 2, log[-3000:]  # one per rank

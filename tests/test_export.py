@@ -223,6 +223,25 @@ def test_export_trained_weights_differ_from_init(checkpoint):
     assert not torch.allclose(image, trained["image"], atol=1e-3)
 
 
+def test_weights_not_finite_or_absurd_are_refused_naming_the_tensor(tmp_path, capsys):
+    """A diverged run's weights (NaN, or 1e30: a dot product of two such rows overflows float32) are not exported."""
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
+    for value, says in ((float("nan"), "holds 1 NaN or inf values"), (1e30, "reaches |w| = 1e+30")):
+        checkpoint = tmp_path / "diverged"
+        with torch.no_grad():
+            model.text_projection.weight[1, 2] = value
+        model.save_pretrained(checkpoint)
+        AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
+        CLIPImageProcessor().save_pretrained(checkpoint)
+        capsys.readouterr()  # save_pretrained's progress bar
+        assert export_main([str(checkpoint), str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"disco-clip export: weight 'text_projection.weight' in {checkpoint} {says}"), err
+        assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
     """A checkpoint without DeepSpeed state (DDP, or ZeRO-3 with gathered weights) in sharded safetensors."""
     from safetensors.torch import load_file
@@ -249,12 +268,14 @@ def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_pa
     shutil.copytree(folder, broken)
     tag = (broken / "latest").read_text().strip()
     next((broken / tag).glob("*optim_states.pt")).unlink()  # one rank's partition lost
-    with pytest.raises(ex.ExportError, match="partial or corrupt DeepSpeed checkpoint"):
+    with pytest.raises(ex.ExportError, match="does not verify: 1 DeepSpeed optimizer shards for 2 ranks"):
         ex.export_checkpoint(broken, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no output, no staging left
+    with pytest.raises(ex.ExportError, match="partial or corrupt DeepSpeed checkpoint"):
+        ex.load_state_dict(broken)  # what export would meet past the check
 
     shutil.rmtree(broken / tag)
-    with pytest.raises(ex.ExportError, match="does not exist"):
+    with pytest.raises(ex.ExportError, match=f"does not verify: no DeepSpeed model states in {tag}"):
         ex.export_checkpoint(broken, tmp_path / "out")
 
 

@@ -30,8 +30,10 @@ def test_an_entry_fires_where_all_its_conditions_hold(monkeypatch):
     assert faults.fault("enospc_in_save", step=2) == Fault("enospc_in_save", "", {"step": 2, "rank": 0})
     assert faults.fault("enospc_in_save", shard=2) is None  # a condition the point does not know never holds
     with pytest.raises(OSError, match="No space left"):
-        faults.in_save(2)
-    faults.in_save(3)
+        faults.in_deepspeed_write(2)
+    faults.in_deepspeed_write(3)
+    faults.in_save(2)  # kill_in_save holds for rank 1 only
+    faults.in_final_save(2)
     monkeypatch.delenv(faults.ENV)
     assert faults.fault("enospc_in_save", step=2) is None
 
@@ -40,6 +42,11 @@ def _point(code: str, fault: str) -> subprocess.Popen:
     """A fresh interpreter that reaches the point `code` with DISCO_FAULT set."""
     env = {**os.environ, faults.ENV: fault}
     return subprocess.Popen([sys.executable, "-c", f"from disco_clip_ds import faults; {code}; print('past')"], env=env)
+
+
+def test_kill_in_final_save_kills_at_its_point_only():
+    assert _point("faults.in_save(3)", "kill_in_final_save").wait(timeout=60) == 0
+    assert _point("faults.in_final_save(3)", "kill_in_final_save").wait(timeout=60) == -signal.SIGKILL
 
 
 def test_exit_before_ends_the_worker_and_only_at_its_shard():
