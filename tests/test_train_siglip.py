@@ -63,3 +63,24 @@ def test_logit_bias_trains_and_the_result_is_a_plain_siglipmodel(runs, initial_m
     start = weights(initial_model)
     assert model.logit_bias.item() != pytest.approx(start["logit_bias"].item(), abs=1e-6)  # it has a gradient
     assert json.loads((out / "run.json").read_text())["global_contrastive_batch"] == 2 * PER_RANK
+
+
+def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp_path):
+    """`disco-clip export` of the run: a plain SiglipModel folder with its card, which transformers' own
+    zero-shot-image-classification pipeline loads and scores with sigmoid probabilities."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+
+    from disco_clip_ds.errors import run_main
+    from disco_clip_ds.export import export_main
+
+    assert run_main(export_main, [str(runs / "n2_zero2"), str(tmp_path / "export")], "disco-clip export") == 0
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "# SigLIP trained with disco-clip-ds" in card and "SiglipModel.from_pretrained" in card
+    classify = pipeline("zero-shot-image-classification", model=str(tmp_path / "export"))
+    assert type(classify.model).__name__ == "SiglipModel"
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    scores = [r["score"] for r in classify(image, candidate_labels=["zero", "one", "two"])]
+    assert len(scores) == 3 and all(0 < s < 1 for s in scores)
+    assert sum(scores) != pytest.approx(1.0, abs=1e-3)  # independent sigmoids, not a softmax over the labels
