@@ -11,6 +11,8 @@ import contextvars
 import functools
 from importlib import metadata
 
+from packaging.version import Version
+
 
 def _version(package: str) -> str | None:
     try:
@@ -222,6 +224,7 @@ def init_deepspeed_comm(args) -> None:
         import deepspeed
 
         deepspeed.init_distributed()
+        unlink_deepspeed_shm_buffer()
 
 
 # --- transformers Trainer: the process group is never destroyed ----------------------------------------------------
@@ -235,3 +238,36 @@ def destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# --- deepspeed: the CPU comm op's shared-memory buffers are never unlinked ------------------------------------------
+# On its CPU accelerator DeepSpeed's TorchBackend starts the shm comm op (`ShareMemCommBuilder`) whenever all ranks
+# are on one machine (LOCAL_SIZE == world size; the deepspeed launcher sets LOCAL_SIZE): each rank creates
+# /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (66 MiB) and maps every rank's buffer (shm.cpp
+# `shm_initialize`); nothing ever unlinks them (its `shared_close` is never called), so every run, finished or not,
+# leaves them behind. They serve `inference_all_reduce` only. Once every rank has mapped every buffer the names can
+# go: the mappings stay valid, and the kernel frees the memory when the last rank exits, however it exits.
+# Gate: the releases pyproject admits (all < 0.20 create them so); the runtime condition is that the buffers exist.
+SHM_BUFFERS_LEFT_DEEPSPEED = _version("deepspeed") is not None and Version(_version("deepspeed")) < Version("0.20")
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def deepspeed_shm_buffer(rank: int | None = None):
+    """The /dev/shm path of `rank`'s (default: this rank's) DeepSpeed CPU comm buffer, by shm.cpp's naming."""
+    import os
+    from pathlib import Path
+
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def unlink_deepspeed_shm_buffer() -> None:
+    """Under the gate, once deepspeed.comm is up on every rank: wait until every rank has mapped every buffer (a
+    barrier: `shm_initialize` returns only then), then unlink this rank's. Call on every rank."""
+    import torch.distributed as dist
+
+    if not SHM_BUFFERS_LEFT_DEEPSPEED or not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    deepspeed_shm_buffer(dist.get_rank()).unlink(missing_ok=True)

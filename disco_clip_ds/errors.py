@@ -5,7 +5,7 @@ Every command (`disco-clip ...` and `python -m disco_clip_ds.<module>`) runs thr
 line and returns the error's exit code:
 
     0    done (or already finished)
-    1    a run that failed (a full disk, a corrupt input, a failed download)
+    1    a run that failed (a full disk, a corrupt input, a failed download, a loss that is not finite)
     2    bad usage: what was passed cannot work (argparse's own code)
     75   stopped by a signal after a complete checkpoint: re-run the same command to resume (EX_TEMPFAIL)
     143  a training rank whose launcher died (as if terminated by SIGTERM along with it)
@@ -50,6 +50,10 @@ class DataError(DiscoClipError):
 
 class CheckpointError(DiscoClipError, RuntimeError):
     """A checkpoint that could not be written or read; the message says what is still intact."""
+
+
+class TrainingDiverged(DiscoClipError, ArithmeticError):
+    """A training step whose loss or gradient norm is not finite; the run stopped before saving that step."""
 
 
 class ExportError(DiscoClipError):

@@ -5,6 +5,9 @@ for classification or `key.txt` (captions, one per line) for retrieval; `classna
 `zeroshot_classification_templates.txt` (`{c}` = class name) next to the shards. ImageNet-1k class names and
 OpenAI's 80 templates ship in `resources/` for users who bring their own ImageNet val shards.
 
+Recall@k counts equal scores as CLIP_benchmark's code does (its `torch.topk` picks among them, see
+`retrieval_metrics`), not in the model's favour: with repeated captions the numbers match CLIP_benchmark's.
+
 Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so the functions here
 must run on every rank over the same data (they do: the shards are read whole on each rank, never split).
 """
@@ -12,7 +15,6 @@ must run on every rank over the same data (they do: the shards are read whole on
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tarfile
@@ -62,10 +64,11 @@ def classification_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[
     return metrics
 
 
-def _best_positive_rank(scores: torch.Tensor, positives: torch.Tensor) -> torch.Tensor:
-    """Per row, the rank (0 = top) of its best-scored positive column, ties counted in the row's favour."""
-    best_positive = scores.masked_fill(~positives, -math.inf).amax(1, keepdim=True)
-    return (scores > best_positive).sum(1)
+def _hits_in_top_k(scores: torch.Tensor, positives: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, whether one of its positive columns is among the `k` that `torch.topk` returns for it (all
+    columns when `k` exceeds them): CLIP_benchmark's `recall_at_k` rule, on the same scores."""
+    top = scores.topk(min(k, scores.shape[1]), dim=1).indices
+    return positives.gather(1, top).any(1)
 
 
 def retrieval_metrics(
@@ -76,16 +79,21 @@ def retrieval_metrics(
     `text_to_image[t]` is the image that caption t describes (an image may have several captions).
     image_retrieval_recall@k: fraction of captions whose image is among their top-k images;
     text_retrieval_recall@k: fraction of images with at least one of their captions among their top-k texts.
+
+    Equal scores follow CLIP_benchmark's convention (`recall_at_k` in clip_benchmark/metrics/zeroshot_retrieval.py):
+    the top-k of a row are the k columns that `torch.topk` returns, so of a positive tied with negatives at the k-th
+    place only the ones topk picks count, never all of them in the model's favour. Repeated captions make such ties
+    common in text retrieval. Which of equal scores topk picks is torch's choice (on CPU not the lowest index), so
+    the numbers match CLIP_benchmark's on the same scores and torch build. A k above the number of candidates counts
+    them all (CLIP_benchmark refuses it).
     """
     n_texts, n_images = scores.shape
     positives = torch.zeros_like(scores, dtype=torch.bool)
     positives[torch.arange(n_texts), text_to_image] = True
-    image_rank = _best_positive_rank(scores, positives)
-    text_rank = _best_positive_rank(scores.T, positives.T)
     metrics = {}
     for k in ks:
-        metrics[f"image_retrieval_recall@{k}"] = (image_rank < k).double().mean().item()
-        metrics[f"text_retrieval_recall@{k}"] = (text_rank < k).double().mean().item()
+        metrics[f"image_retrieval_recall@{k}"] = _hits_in_top_k(scores, positives, k).double().mean().item()
+        metrics[f"text_retrieval_recall@{k}"] = _hits_in_top_k(scores.T, positives.T, k).double().mean().item()
     return metrics
 
 

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -53,8 +52,13 @@ class StopOnSignal(TrainerCallback):
                 self._wakeup_r = r  # the C-level handler writes here at once, even while Python is busy in C
             for s in signals:
                 signal.signal(s, self._on_signal)
+        self._watch_done, self._watch = threading.Event(), None
         if watch_launcher and os.environ.get("LOCAL_RANK") is not None and Path("/proc").is_dir():
-            threading.Thread(target=self._watch_launcher, args=(poll_s,), daemon=True, name="launcher-watch").start()
+            self._watch = threading.Thread(
+                target=self._watch_launcher, args=(poll_s,), daemon=True, name="launcher-watch"
+            )
+            self._watch.start()
+            atexit.register(self.stop_watching)  # whatever ends the run: no thread of ours left at exit
 
     def _on_signal(self, signum, frame):
         if self.received is None:
@@ -82,8 +86,7 @@ class StopOnSignal(TrainerCallback):
         chain = [parent]
         if b"deepspeed.launcher.launch" in _read_proc(parent, "cmdline"):
             chain.append(_ppid(parent))
-        while True:
-            time.sleep(poll_s)
+        while not self._watch_done.wait(poll_s):
             if self._signal_seen():
                 return  # a stop is under way: it saves and exits on its own, whatever the launcher does
             if os.getppid() != parent or (len(chain) > 1 and _ppid(parent) != chain[1]):
@@ -94,6 +97,15 @@ class StopOnSignal(TrainerCallback):
                     flush=True,
                 )
                 os._exit(EXIT_LAUNCHER_GONE)
+
+    def stop_watching(self) -> None:
+        """Stop the launcher watch and wait for it: once training ends, its work is done."""
+        self._watch_done.set()
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join(timeout=5)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.stop_watching()
 
     def on_step_end(self, args, state, control, **kwargs):
         faults.at_step_end(state.global_step)
@@ -192,3 +204,31 @@ def resume_hint(output_dir: str, signame: str, step: int) -> str:
         f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: re-run the same "
         f"command{again and ' with' + again} (exit code {Preempted.exit_code})"
     )
+
+
+# --- a launched rank's exit ---
+
+
+def exit_without_finalization(code: int) -> None:
+    """Make this process, once it exits, end with `code` without interpreter finalization: the atexit handlers
+    still run (all of them, in their order) and the standard streams are flushed, then `os._exit(code)`. Call in a
+    launched rank whose outcome is decided (`code`: what `sys.exit` will be given) and process group destroyed.
+
+    Why: DeepSpeed ties the data-parallel process group to every model parameter (`param._dp_group`), so
+    `destroy_process_group()` cannot free it and its gloo worker threads (C++) live on into finalization, as may
+    our launcher watch. A C++ thread that needs the GIL there (to release a tensor a finished collective held) is
+    ended by CPython with `pthread_exit`, which aborts the whole process through a noexcept frame ("terminate
+    called without an active exception", SIGABRT: exit 250 under the deepspeed launcher), after the checkpoint
+    was saved and the exit code decided (pytorch/pytorch#38228). Without finalization no thread is ended so."""
+
+    def exit_now():
+        atexit.unregister(exit_now)
+        atexit._run_exitfuncs()  # the other handlers: DataLoader workers, multiprocessing's finalizers, logging
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    atexit.register(exit_now)  # registered last, so it runs first

@@ -65,8 +65,15 @@ from .errors import (
     run_main,
 )
 from .modeling import LOSS_IMPLS, MODEL_CLASSES, build_model, load_config
+from .numerics import FiniteStepsMixin
 from .optim import warmup_from_first_step, without_clip_no_decay
-from .preemption import StopSignalsMixin, finished_message, parse_signals, resume_hint
+from .preemption import (
+    StopSignalsMixin,
+    exit_without_finalization,
+    finished_message,
+    parse_signals,
+    resume_hint,
+)
 from .ranks import any_true
 from .runlock import acquire_run_lock, release_run_lock
 
@@ -170,7 +177,7 @@ class DiscoTrainingArguments(TrainingArguments):
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer):
+class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
     memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
     gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model.
@@ -828,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launched rank: the process ends after this
             compat.destroy_process_group()
+            error = sys.exc_info()[1]
+            exit_without_finalization(0 if error is None else getattr(error, "exit_code", 1))
 
 
 if __name__ == "__main__":

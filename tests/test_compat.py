@@ -264,3 +264,39 @@ def test_a_launched_cpu_run_needs_use_cpu_deepspeed_comm_and_the_group_teardown(
         assert rank["ds_comm_before_the_engine"] is False and rank["ds_comm_world"] == 2
         # ... and the group the Trainer had accelerate create outlives training unless it is destroyed
         assert rank["group_after_train"] is True and rank["group_after_destroy"] is False
+
+
+# --- deepspeed: the CPU comm op's /dev/shm buffers ---
+
+
+def _deepspeed_comm_buffers(rank, world, unlink):
+    """Start deepspeed.comm on a rank whose launcher said all ranks are local, as the deepspeed launcher does:
+    (whether this rank's buffer exists once every rank started, whether it does after the workaround)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed()
+    dist.barrier()  # every rank has created its buffer and mapped the others'
+    created = compat.deepspeed_shm_buffer(rank).exists()
+    if unlink:
+        compat.unlink_deepspeed_shm_buffer()
+    dist.barrier()
+    return created, compat.deepspeed_shm_buffer(rank).exists(), str(compat.deepspeed_shm_buffer(rank))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # deepspeed imports in two spawned ranks
+@pytest.mark.parametrize("unlink", [False, True], ids=["deepspeed_alone", "workaround"])
+def test_deepspeed_leaves_its_cpu_comm_buffers_unless_they_are_unlinked(unlink):
+    """The gate is on exactly when the installed deepspeed creates the buffers; without the workaround they outlive
+    the ranks, with it they are gone while the ranks still run."""
+    env = {"LOCAL_SIZE": "2", "DS_ACCELERATOR": "cpu"}
+    results = run_ranks(_deepspeed_comm_buffers, 2, unlink, timeout=500, env=env)
+    paths = [Path(path) for _, _, path in results]
+    try:
+        assert all(created for created, _, _ in results) == compat.SHM_BUFFERS_LEFT_DEEPSPEED, results
+        assert all(exists != unlink for _, exists, _ in results), results
+        assert all(path.exists() != unlink for path in paths)  # after the ranks ended
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)

@@ -134,8 +134,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.max_image_pixels = max_image_pixels
         self.block = max(1, shuffle_buffer)
         self.transform = ImageTransform(image_size, train=train, mean=mean, std=std)
-        spawn = multiprocessing.get_context("spawn")
-        self.skipped, self.decoded = spawn.Value("q", 0), spawn.Value("q", 0)  # shared with forked/spawned workers
+        # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
+        # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
+        # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).
+        context = multiprocessing.get_context()
+        self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
         self.workers = max(1, num_workers)
         shards_for_reader(self.urls, rank * self.workers, self.num_readers)  # fail early, in the main process
         self.start: dict[int, tuple[int, ...]] = {}  # reader -> (count, epoch, shard, member, offset) to resume at

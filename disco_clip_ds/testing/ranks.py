@@ -25,13 +25,17 @@ def free_port() -> int:
 
 
 def release_shm_buffers() -> None:
-    """Unlink the /dev/shm buffers (one per rank) that DeepSpeed's CPU comm op (0.19.8) leaves behind after a
-    multi-rank run, for the runs started on a port from free_port() since the last call; call it once they ended.
+    """Unlink the /dev/shm buffers (one per rank) of DeepSpeed's CPU comm op of the runs started on a port from
+    free_port() since the last call; call it once they ended. A training run unlinks its own as soon as every rank
+    has mapped them (compat.unlink_deepspeed_shm_buffer): this catches those of runs killed before that, and of
+    tests that start deepspeed.comm without it.
 
     Their names carry the master port (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK): another session on the
     same machine keeps its own, which its live runs need (a rank waits, forever, for its peers' buffers to appear)."""
+    from ..compat import SHM_BUFFER_PREFIX
+
     for port in list(_PORTS):
-        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        for buffer in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}_*_{port}_*"):
             buffer.unlink(missing_ok=True)
         _PORTS.discard(port)
 

@@ -1,0 +1,120 @@
+"""How launched runs end, as the user and the machine see it: a clean stop exits 75 with its checkpoint every time
+(10 stops in a row), and no run (finished, stopped, failed or killed) leaves a file in /dev/shm.
+
+Each run gets a /dev/shm of its own (a folder bind-mounted there in a private mount namespace, `unshare --mount`),
+so that what it leaves is told apart from other processes' files, exactly; this needs root.
+2 CPU ranks under the deepspeed launcher (the one that makes DeepSpeed create its shared-memory buffers), ZeRO-2,
+2-step runs of the tiny model from one shared initial model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_command, train_env
+
+from helpers import complete_checkpoints, kill_group, save_initial_model, wait_group
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None, reason="a private /dev/shm needs root and unshare"
+    ),
+]
+
+STOPS = 10
+
+
+@pytest.fixture(scope="module")
+def init(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exits")
+    write_shards(root / "shards", num_shards=2, per_shard=16, seed=1)
+    return {"model": save_initial_model(root / "tiny", 7), "shards": f"{root}/shards/{{00000..00001}}.tar"}
+
+
+def _start(init: dict, out: Path, fault: str = "", steps: int = 2) -> tuple[subprocess.Popen, Path]:
+    """Start a 2-rank run in a session of its own whose /dev/shm is a fresh folder (returned); log in OUT.log."""
+    shm = out.parent / f"{out.name}.shm"
+    shm.mkdir(parents=True)
+    args = ["--output_dir", str(out), "--model_name_or_path", str(init["model"]), "--train_shards", init["shards"],
+            *LAUNCH_COMMON, "--train_num_samples", "32", "--per_device_train_batch_size", "4", "--save_steps", "1",
+            *SGD, "--deepspeed", str(REPO / "ds_configs/cpu_zero2.json"), "--max_steps", str(steps)]  # fmt: skip
+    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"']
+    proc = subprocess.Popen(
+        [*private, str(shm), *train_command("deepspeed", 2), *args],
+        cwd=REPO,
+        env=train_env(DISCO_FAULT=fault),
+        stdout=open(f"{out}.log", "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    return proc, shm
+
+
+def _run(init: dict, out: Path, fault: str = "") -> tuple[int, str, list[str]]:
+    """(exit code, log, what is left in the run's /dev/shm) of a run to its end."""
+    proc, shm = _start(init, out, fault)
+    try:
+        proc.wait(timeout=600)
+        wait_group(proc.pid, timeout=120)
+    finally:
+        kill_group(proc.pid)
+    return proc.returncode, Path(f"{out}.log").read_text(), sorted(os.listdir(shm))
+
+
+def _message_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("disco-clip train: ")]
+
+
+def test_a_finished_run_leaves_nothing_in_dev_shm(init, tmp_path):
+    rc, log, left = _run(init, tmp_path / "run")
+    assert rc == 0, log[-3000:]
+    assert left == [], left  # DeepSpeed alone leaves deepspeed_allreduce_buffer_* (tests/test_compat.py)
+
+
+def test_a_failed_run_leaves_nothing_in_dev_shm(init, tmp_path):
+    rc, log, left = _run(init, tmp_path / "run", fault="enospc_in_save:step=1,rank=1")
+    assert rc == 1 and len(_message_lines(log)) >= 1, log[-3000:]
+    assert left == [], left
+
+
+def test_a_clean_stop_exits_75_with_its_checkpoint_every_time(init, tmp_path):
+    """STOPS stops in a row, the signal to rank 0, to rank 1 or to both, SIGTERM or SIGUSR1: every one exits 75
+    with one line per rank, checkpoint-1 complete, no abort, nothing left in /dev/shm."""
+    where = ["rank=0", "rank=1", ""]
+    for i in range(STOPS):
+        sig = ("SIGTERM", "SIGUSR1")[i % 2]
+        fault = f"signal_at_step={sig}:step=1" + (f",{where[i % 3]}" if where[i % 3] else "")
+        out = tmp_path / f"stop{i}"
+        rc, log, left = _run(init, out, fault)
+        assert rc == 75, f"stop {i} ({fault}): exit {rc}\n{log[-3000:]}"
+        assert len(_message_lines(log)) == 2 and "terminate called" not in log, f"stop {i}: {log[-3000:]}"
+        assert complete_checkpoints(out) == ["checkpoint-1"], f"stop {i}"
+        assert left == [], f"stop {i}: {left}"
+
+
+def test_a_killed_run_leaves_nothing_in_dev_shm(init, tmp_path):
+    """SIGKILL to the whole group once a checkpoint exists: nothing runs after it, so DeepSpeed's buffers must be
+    gone by then (without compat's workaround, 132 MiB stay), and the data stream's shared counters must not hold
+    named semaphores (sem.mp-*) that only a clean exit would unlink."""
+    out = tmp_path / "run"
+    proc, shm = _start(init, out, steps=1000)
+    try:
+        deadline = time.monotonic() + 600
+        while not complete_checkpoints(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert complete_checkpoints(out), Path(f"{out}.log").read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        wait_group(proc.pid, timeout=60)
+    finally:
+        kill_group(proc.pid)
+    assert sorted(os.listdir(shm)) == []
