@@ -291,10 +291,10 @@ def _write_final_from(checkpoint: Path, run_dir: Path) -> list[str]:
     for name in copied:
         shutil.copyfile(checkpoint / name, run_dir / name)
     if not has_weights(checkpoint):
-        from .export import build_clip_model, load_state_dict
+        from .export import build_plain_model, load_state_dict
 
         state_dict, _ = load_state_dict(checkpoint)
-        build_clip_model(checkpoint, state_dict).save_pretrained(run_dir)  # model.safetensors and config.json
+        build_plain_model(checkpoint, state_dict).save_pretrained(run_dir)  # model.safetensors and config.json
         copied = sorted({*copied, "model.safetensors", "config.json"})
     write_manifest(run_dir, copied)
     return copied

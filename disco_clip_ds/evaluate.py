@@ -101,7 +101,7 @@ def retrieval_metrics(
 
 
 def _unwrap(model):
-    """The CLIPModel inside a DeepSpeed engine or DDP wrapper (both keep it as `.module`)."""
+    """The CLIPModel or SiglipModel inside a DeepSpeed engine or DDP wrapper (both keep it as `.module`)."""
     while hasattr(model, "module") and not hasattr(model, "get_image_features"):
         model = model.module
     return model
@@ -122,15 +122,17 @@ def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """L2-normalised float32 text embeddings of `texts`, in batches."""
+    """L2-normalised float32 text embeddings of `texts`, in batches. SigLIP's text is padded to its fixed length,
+    as it was trained (its text tower pools the last position); CLIP's to the longest in the batch."""
     model = _unwrap(model)
     device = _first_param(model).device
     max_length = model.config.text_config.max_position_embeddings
+    padding = "max_length" if model.config.model_type == "siglip" else True
     chunks = []
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(
             list(texts[start : start + batch_size]),
-            padding=True,
+            padding=padding,
             truncation=True,
             max_length=max_length,
             return_tensors="pt",
@@ -475,9 +477,9 @@ class EvalArguments:
 
 
 def load_for_eval(model_id: str, device: str = "cpu"):
-    """(CLIPModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A folder without
-    full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+    """(CLIPModel or SiglipModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A
+    folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
     folder = Path(model_id)
     if folder.is_dir() and not has_weights(folder):
@@ -486,7 +488,7 @@ def load_for_eval(model_id: str, device: str = "cpu"):
             f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)"
         )
     try:
-        model = CLIPModel.from_pretrained(model_id).to(device)
+        model = AutoModel.from_pretrained(model_id).to(device)
         return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
     except OSError as e:  # no such folder or hub id, or one without the config / processor files
         raise UsageError(f"--model {model_id}: {e}") from e

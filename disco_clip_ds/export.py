@@ -1,4 +1,4 @@
-"""Trainer/DeepSpeed checkpoint -> plain CLIPModel folder with a model card (`hub.py` uploads that folder).
+"""Trainer/DeepSpeed checkpoint -> plain CLIPModel (or SiglipModel) folder with a model card (`hub.py` uploads it).
 
 An exported folder loads with transformers alone (`CLIPModel.from_pretrained`, `CLIPProcessor.from_pretrained`):
 model.safetensors (fp32), config.json (architectures ["CLIPModel"]), tokenizer and image-processor files and
@@ -159,15 +159,19 @@ def check_weights(state_dict: dict, source: Path) -> None:
             )
 
 
-def build_clip_model(checkpoint: Path, state_dict: dict):
-    """A transformers CLIPModel holding `state_dict`, every parameter accounted for."""
-    from transformers import CLIPConfig, CLIPModel
+def build_plain_model(checkpoint: Path, state_dict: dict):
+    """The plain transformers model (CLIPModel or SiglipModel, by the checkpoint's config) holding `state_dict`,
+    every parameter accounted for."""
+    from transformers import AutoConfig, CLIPModel, SiglipModel
 
     if not (checkpoint / "config.json").is_file():
         raise ExportError(f"partial checkpoint: no config.json in {checkpoint}")
-    config = CLIPConfig.from_pretrained(checkpoint)
-    config.architectures = ["CLIPModel"]
-    model = CLIPModel(config)
+    config = AutoConfig.from_pretrained(checkpoint)
+    plain = {"clip": CLIPModel, "siglip": SiglipModel}.get(config.model_type)
+    if plain is None:
+        raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP checkpoints")
+    config.architectures = [plain.__name__]
+    model = plain(config)
     expected = model.state_dict()
     buffers = {name for name, _ in model.named_buffers()}
     fixed = {}
@@ -175,7 +179,9 @@ def build_clip_model(checkpoint: Path, state_dict: dict):
         if name not in expected:
             if name in buffers:  # a non-persistent buffer DeepSpeed recorded anyway
                 continue
-            raise ExportError(f"checkpoint weight '{name}' has no place in CLIPModel: is this a CLIP checkpoint?")
+            raise ExportError(
+                f"checkpoint weight '{name}' has no place in {type(model).__name__}: is config.json this run's?"
+            )
         target = expected[name]
         if tensor.shape != target.shape:
             if tensor.numel() != target.numel():
@@ -275,14 +281,30 @@ RUN_FIELDS = [
 ]
 
 
-def model_card(run: dict, eval_records: list[dict], weights_from: str):
+CARD_FAMILY = {  # model_type -> (title, model class, the loss it was trained with)
+    "clip": (
+        "CLIP",
+        "CLIPModel",
+        "the exact distributed DisCo-CLIP contrastive loss ([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))",
+    ),
+    "siglip": (
+        "SigLIP",
+        "SiglipModel",
+        "SigLIP's sigmoid loss over the global batch ([arXiv 2303.15343](https://arxiv.org/abs/2303.15343)), "
+        "computed exactly across ranks",
+    ),
+}
+
+
+def model_card(run: dict, eval_records: list[dict], weights_from: str, model_type: str = "clip"):
     """A huggingface_hub ModelCard recording the set-up and the evaluation."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    title, class_name, loss = CARD_FAMILY[model_type]
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="zero-shot-image-classification",
-        tags=["clip", "disco-clip", "deepspeed"],
+        tags=[model_type, "disco-clip", "deepspeed"],
     )
     rows = [f"| {label} | {run[key]} |" for key, label in RUN_FIELDS if key in run]
     lines = [
@@ -290,10 +312,9 @@ def model_card(run: dict, eval_records: list[dict], weights_from: str):
         data.to_yaml(),
         "---",
         "",
-        "# CLIP trained with disco-clip-ds",
+        f"# {title} trained with disco-clip-ds",
         "",
-        "A `transformers` CLIPModel trained with disco-clip-ds, the exact distributed DisCo-CLIP contrastive loss "
-        "([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))"
+        f"A `transformers` {class_name} trained with disco-clip-ds, {loss}"
         + (" under DeepSpeed ZeRO." if "zero_stage" in run else "."),
         "",
         "## Training set-up",
@@ -319,9 +340,9 @@ def model_card(run: dict, eval_records: list[dict], weights_from: str):
         "## Use",
         "",
         "```python",
-        "from transformers import CLIPModel, CLIPProcessor",
+        f"from transformers import {class_name}, CLIPProcessor",
         "",
-        'model = CLIPModel.from_pretrained("THIS_FOLDER_OR_REPO")',
+        f'model = {class_name}.from_pretrained("THIS_FOLDER_OR_REPO")',
         'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
         "```",
         "",
@@ -354,13 +375,14 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
     processor_source = _processor_source(checkpoint, processor_from)
     state_dict, weights_from = load_state_dict(checkpoint)
     check_weights(state_dict, checkpoint)
-    model = build_clip_model(checkpoint, state_dict)
+    model = build_plain_model(checkpoint, state_dict)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
     try:
         model.save_pretrained(staging)
         AutoTokenizer.from_pretrained(processor_source).save_pretrained(staging)
         AutoImageProcessor.from_pretrained(processor_source).save_pretrained(staging)
-        model_card(describe_run(checkpoint), _eval_records(eval_metrics), weights_from).save(staging / "README.md")
+        card = model_card(describe_run(checkpoint), _eval_records(eval_metrics), weights_from, model.config.model_type)
+        card.save(staging / "README.md")
         staging.chmod(0o755)
         if output_dir.exists():
             output_dir.rmdir()  # empty, checked above

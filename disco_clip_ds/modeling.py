@@ -89,6 +89,13 @@ class GlobalBatchLossMixin:
             config["architectures"] = [self.PLAIN.__name__]
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """As the transformers model's `from_pretrained` (hub id or folder)."""
+        model = super().from_pretrained(*args, **kwargs)
+        compat.clear_weight_conversions(model)  # our state dict is the checkpoint layout: saving must not transform
+        return model
+
     def _plain_state_dict(self, state_dict: dict | None) -> dict | None:
         return state_dict
 
@@ -199,9 +206,7 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         load = functools.partial(super().from_pretrained, *args, **kwargs)
-        model = compat.load_with_vector_logit_scale(load, zero3=is_deepspeed_zero3_enabled())
-        compat.clear_weight_conversions(model)  # our state dict is CLIP's layout: saving must not transform keys
-        return model
+        return compat.load_with_vector_logit_scale(load, zero3=is_deepspeed_zero3_enabled())
 
     def clamped_logit_scale(self) -> torch.Tensor:
         """The logit multiplier exp(logit_scale), clamped at 100 as in CLIP, as a 0-dim tensor."""
@@ -356,13 +361,7 @@ def build_model(
     or fresh from a config JSON file."""
     if bool(model_name_or_path) == bool(model_config):
         raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
-    if model_name_or_path:
-        config = AutoConfig.from_pretrained(model_name_or_path)
-    else:
-        path = Path(model_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
-        config = _config_from_json(path)
+    config = load_config(model_name_or_path, model_config)
     model_class = MODEL_CLASSES.get(config.model_type)
     if model_class is None:
         raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(MODEL_CLASSES)}")
@@ -373,6 +372,16 @@ def build_model(
 
 
 MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel}
+
+
+def load_config(model_name_or_path: str | None = None, model_config: str | None = None):
+    """The CLIPConfig or SiglipConfig of pretrained weights (hub id or folder) or of a config JSON file."""
+    if model_name_or_path:
+        return AutoConfig.from_pretrained(model_name_or_path)
+    path = Path(model_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
+    return _config_from_json(path)
 
 
 def _config_from_json(path: Path):

@@ -41,7 +41,7 @@ logger = logging.getLogger("disco_clip_ds.resume")
 UNIVERSAL_DIR = "universal"  # OUTPUT_DIR/universal/checkpoint-N: a converted checkpoint, beside the original
 # The architecture fields of a CLIPConfig: a change in any of them changes the weights' shapes or meaning.
 ARCHITECTURE = {
-    "": ("projection_dim",),
+    "": ("model_type", "projection_dim"),
     "text_config": (
         "vocab_size",
         "hidden_size",
@@ -51,6 +51,7 @@ ARCHITECTURE = {
         "max_position_embeddings",
         "hidden_act",
         "projection_dim",
+        "projection_size",
     ),
     "vision_config": (
         "hidden_size",
@@ -86,7 +87,8 @@ SEGMENT_KEYS = (  # what a resume may change and records
 
 
 def architecture(config: dict) -> dict:
-    """The architecture fields (ARCHITECTURE) of a CLIPConfig dict, as 'text_config.hidden_size' -> value."""
+    """The architecture fields (ARCHITECTURE) of a CLIPConfig or SiglipConfig dict, as 'text_config.hidden_size' ->
+    value (a field the family lacks is None)."""
     found = {}
     for part, keys in ARCHITECTURE.items():
         section = config.get(part, {}) if part else config
@@ -97,10 +99,9 @@ def architecture(config: dict) -> dict:
 
 def model_architecture(model_name_or_path: str | None, model_config: str | None) -> dict:
     """The architecture of the model a command would build (its config only, no weights)."""
-    from transformers import CLIPConfig
+    from .modeling import load_config
 
-    config = CLIPConfig.from_json_file(model_config) if model_config else CLIPConfig.from_pretrained(model_name_or_path)
-    return architecture(config.to_dict())
+    return architecture(load_config(model_name_or_path, model_config).to_dict())
 
 
 def shards_digest(urls: list[str]) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoImageProcessor,
     AutoTokenizer,
-    CLIPConfig,
     CLIPImageProcessor,
     CLIPProcessor,
     HfArgumentParser,
@@ -64,7 +64,7 @@ from .errors import (
     UsageError,
     run_main,
 )
-from .modeling import LOSS_IMPLS, DiscoCLIPModel, build_model
+from .modeling import LOSS_IMPLS, MODEL_CLASSES, build_model, load_config
 from .numerics import FiniteStepsMixin
 from .optim import warmup_from_first_step, without_clip_no_decay
 from .preemption import (
@@ -84,7 +84,11 @@ logger = logging.getLogger("disco_clip_ds.train")
 class ModelArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained CLIP weights: hub id or folder"})
     model_config: str | None = field(
-        default=None, metadata={"help": "CLIPConfig JSON to train from scratch, e.g. recipes/models/tiny.json"}
+        default=None,
+        metadata={
+            "help": "CLIPConfig or SiglipConfig JSON to train from scratch, e.g. recipes/models/tiny.json, "
+            "recipes/models/siglip_tiny.json"
+        },
     )
     tokenizer_name: str | None = field(
         default=None,
@@ -504,7 +508,7 @@ def _check_model_source(model_args: ModelArguments) -> None:
         )
     if bool(model_args.model_name_or_path) == bool(model_args.model_config):
         raise UsageError(
-            "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a CLIPConfig JSON)"
+            "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a config JSON)"
         )
     if model_args.model_config:
         _read_json("--model_config", model_args.model_config)
@@ -546,11 +550,17 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with _usage_error(f"{flag} {tokenizer_name}: "):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    if model_args.model_config:
-        config = CLIPConfig.from_json_file(model_args.model_config)
-    else:
-        with _usage_error(f"--model_name_or_path {model_args.model_name_or_path}: "):
-            config = CLIPConfig.from_pretrained(model_args.model_name_or_path)
+    flag, source = (
+        ("--model_config", model_args.model_config)
+        if model_args.model_config
+        else ("--model_name_or_path", model_args.model_name_or_path)
+    )
+    with _usage_error(f"{flag} {source}: "):
+        config = load_config(model_args.model_name_or_path, model_args.model_config)
+    if config.model_type not in MODEL_CLASSES:
+        raise UsageError(
+            f"{flag} {source}: a {config.model_type} model; train CLIP or SigLIP ({sorted(MODEL_CLASSES)})"
+        )
     text, vision = config.text_config, config.vision_config
     image_size = model_args.image_size or vision.image_size
     if image_size != vision.image_size:
@@ -563,10 +573,10 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
         raise UsageError(
             f"--max_text_length {max_length} exceeds the model's max_position_embeddings {text.max_position_embeddings}"
         )
-    if (text.eos_token_id, text.bos_token_id) != (tokenizer.eos_token_id, tokenizer.bos_token_id) or len(
-        tokenizer
-    ) > text.vocab_size:
-        # CLIP pools the text at the eos position: a mismatch trains on the wrong token without any error.
+    # CLIP pools the text at the eos position: a mismatch trains on the wrong token without any error. (SigLIP pools
+    # the last position of text padded to max_length, whatever its tokens.)
+    clip_tokens = (text.eos_token_id, text.bos_token_id) == (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    if (config.model_type == "clip" and not clip_tokens) or len(tokenizer) > text.vocab_size:
         raise UsageError(
             f"tokenizer {tokenizer_name} (bos {tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, "
             f"{len(tokenizer)} tokens) does not "
@@ -575,20 +585,30 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
     return tokenizer, image_size, max_length
 
 
-def _processor(tokenizer, image_size: int) -> CLIPProcessor:
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
+def _processor(tokenizer, image_size: int, model_name_or_path: str | None) -> CLIPProcessor:
+    """The processor saved with the model: the pretrained model's own image processor when it has one (its
+    normalisation is what its weights expect: SigLIP's is 0.5, not CLIP's), else CLIP's at `image_size`."""
+    image_processor = None
+    if model_name_or_path:
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(model_name_or_path)
+        except (OSError, ValueError):  # a folder of weights without a preprocessor_config.json
+            image_processor = None
+    if image_processor is None:
+        image_processor = CLIPImageProcessor(
+            size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+        )
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
-def _lock_towers(model: DiscoCLIPModel, model_args: ModelArguments) -> None:
+def _lock_towers(model, model_args: ModelArguments) -> None:
+    """Freeze a tower and its projection (CLIP has projection layers; SigLIP's towers end in their own heads)."""
     towers = []
     if model_args.lock_image_tower:
-        towers += [model.vision_model, model.visual_projection]
+        towers += [model.vision_model, getattr(model, "visual_projection", None)]
     if model_args.lock_text_tower:
-        towers += [model.text_model, model.text_projection]
-    for module in towers:
+        towers += [model.text_model, getattr(model, "text_projection", None)]
+    for module in filter(None, towers):
         module.requires_grad_(False)
 
 
@@ -664,7 +684,7 @@ def _train(
         model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
     )
     _lock_towers(model, model_args)
-    processor = _processor(checked.tokenizer, checked.image_size)
+    processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
 
     reads_own_shards = not args.accelerator_config.dispatch_batches
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
@@ -677,6 +697,8 @@ def _train(
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
         max_image_pixels=data_args.max_image_pixels,
+        mean=processor.image_processor.image_mean,
+        std=processor.image_processor.image_std,
     )
     trainer = DiscoTrainer(
         model=model,

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, on a fresh machine: set up .venv, build the offline digits demo
 # dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
-# minutes), and print where the model and the logs are.
+# minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss.
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 DATA=data/demo OUT=outputs/quickstart
+#   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank: the ranks share the cores
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 NPROC=${NPROC:-2} STEPS=${STEPS:-300} PER_RANK=${PER_RANK:-128}
-DATA=${DATA:-data/demo} OUT=${OUT:-outputs/quickstart}
+LOSS=${LOSS:-softmax}
+case "$LOSS" in
+  softmax) MODEL=recipes/models/tiny.json; OUT=${OUT:-outputs/quickstart} ;;
+  sigmoid) MODEL=recipes/models/siglip_tiny.json; OUT=${OUT:-outputs/quickstart_sigmoid} ;;
+  *) echo "LOSS=$LOSS: softmax (CLIP) or sigmoid (SigLIP)" >&2; exit 2 ;;
+esac
+DATA=${DATA:-data/demo}
 
 VENV=.venv
 [ -x $VENV/bin/python ] || python3 -m venv $VENV
@@ -24,7 +31,7 @@ $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/p
 $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
   --deepspeed ds_configs/cpu_zero2.json \
   --train_shards "$DATA/train" \
-  --model_config recipes/models/tiny.json --tokenizer_name recipes/tokenizer --loss_impl tiled \
+  --model_config "$MODEL" --tokenizer_name recipes/tokenizer --loss_impl tiled \
   --output_dir "$OUT" --max_steps "$STEPS" --per_device_train_batch_size "$PER_RANK" \
   --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed 0 \
@@ -32,7 +39,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --resume_from_checkpoint latest
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a
-# plain CLIPModel folder with a model card; `disco-clip push "$OUT/export" --repo_id USER/NAME` uploads it.
+# plain CLIPModel (or SiglipModel) folder with a model card; `disco-clip push "$OUT/export" --repo_id USER/NAME` uploads it.
 $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_classification --output "$OUT/eval/zeroshot_classification.json"
 $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_retrieval --output "$OUT/eval/zeroshot_retrieval.json"
 rm -rf "$OUT/export"  # this script's own previous export: export refuses to write into a non-empty folder

@@ -67,12 +67,13 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tupl
 
 class ImageTransform:
     """PIL image -> normalised float tensor (3, size, size): random resized crop when training, else resize +
-    centre crop (CLIPImageProcessor's eval transform), bicubic, CLIP mean/std."""
+    centre crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default;
+    the model's image processor's when it has its own, e.g. SigLIP's 0.5)."""
 
-    def __init__(self, image_size: int, train: bool = True):
+    def __init__(self, image_size: int, train: bool = True, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
         self.image_size, self.train = image_size, train
-        self.mean = torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1)
-        self.std = torch.tensor(OPENAI_CLIP_STD).view(3, 1, 1)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
 
     def __call__(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
         image = to_rgb(image)
@@ -125,12 +126,14 @@ class ShardStream(torch.utils.data.IterableDataset):
         train: bool = True,
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
+        mean=OPENAI_CLIP_MEAN,
+        std=OPENAI_CLIP_STD,
     ):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.max_image_pixels = max_image_pixels
         self.block = max(1, shuffle_buffer)
-        self.transform = ImageTransform(image_size, train=train)
+        self.transform = ImageTransform(image_size, train=train, mean=mean, std=std)
         # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
         # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
         # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).

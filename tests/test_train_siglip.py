@@ -1,0 +1,86 @@
+"""`disco-clip train` on a SigLIP model (recipes/models/siglip_tiny.json) on 2 CPU ranks, the sigmoid loss in its
+forward: ZeRO-3 (accelerate), FSDP (accelerate) and 1 rank with 2 contrastively accumulated micro-batches each
+train exactly like 2 ranks under ZeRO-2 (torchrun), from one saved initialisation; the result is a plain
+SiglipModel folder. (The loss itself against float64 and open_clip: test_sigmoid_loss.py.)"""
+
+from pathlib import Path
+
+import pytest
+
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import REPO, SGD, launch
+
+from helpers import assert_same_training, weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+STEPS, PER_RANK = 4, 8
+SIGLIP_TINY = REPO / "recipes/models/siglip_tiny.json"
+
+
+@pytest.fixture(scope="module")
+def initial_model(tmp_path_factory) -> Path:
+    import torch
+
+    from disco_clip_ds.modeling import build_model
+
+    torch.manual_seed(3)
+    folder = tmp_path_factory.mktemp("init") / "siglip"
+    build_model(model_config=str(SIGLIP_TINY)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, initial_model):
+    root = tmp_path_factory.mktemp("siglip_runs")
+    write_shards(root / "shards", num_shards=2, per_shard=48, seed=4)
+    common = [
+        "--model_name_or_path", str(initial_model), "--train_shards", f"{root}/shards/{{00000..00001}}.tar",
+        "--train_num_samples", "96", "--max_steps", str(STEPS), *SGD,
+        "--accelerator_config", '{"dispatch_batches": true}',  # step t sees one global batch at any world size
+    ]  # fmt: skip
+    per_rank = ["--per_device_train_batch_size", str(PER_RANK)]
+    launch("torchrun", 2, root / "n2_zero2", *common, *per_rank)
+    launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
+    launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None)
+    launch("deepspeed", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
+    return root
+
+
+@pytest.mark.parametrize("run", ["n2_zero3", "n2_fsdp", "n1_k2"])
+def test_trains_like_two_ranks_under_zero2(runs, initial_model, run):
+    assert_same_training(runs / run, runs / "n2_zero2", weights(initial_model), steps=STEPS)
+
+
+def test_logit_bias_trains_and_the_result_is_a_plain_siglipmodel(runs, initial_model):
+    import json
+
+    from transformers import SiglipModel
+
+    out = runs / "n2_zero2"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["SiglipModel"]
+    model = SiglipModel.from_pretrained(out)
+    assert type(model) is SiglipModel
+    start = weights(initial_model)
+    assert model.logit_bias.item() != pytest.approx(start["logit_bias"].item(), abs=1e-6)  # it has a gradient
+    assert json.loads((out / "run.json").read_text())["global_contrastive_batch"] == 2 * PER_RANK
+
+
+def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp_path):
+    """`disco-clip export` of the run: a plain SiglipModel folder with its card, which transformers' own
+    zero-shot-image-classification pipeline loads and scores with sigmoid probabilities."""
+    import numpy as np
+    from PIL import Image
+    from transformers import pipeline
+
+    from disco_clip_ds.errors import run_main
+    from disco_clip_ds.export import export_main
+
+    assert run_main(export_main, [str(runs / "n2_zero2"), str(tmp_path / "export")], "disco-clip export") == 0
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "# SigLIP trained with disco-clip-ds" in card and "SiglipModel.from_pretrained" in card
+    classify = pipeline("zero-shot-image-classification", model=str(tmp_path / "export"))
+    assert type(classify.model).__name__ == "SiglipModel"
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    scores = [r["score"] for r in classify(image, candidate_labels=["zero", "one", "two"])]
+    assert len(scores) == 3 and all(0 < s < 1 for s in scores)
+    assert sum(scores) != pytest.approx(1.0, abs=1e-3)  # independent sigmoids, not a softmax over the labels
