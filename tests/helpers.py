@@ -55,6 +55,12 @@ def assert_same_training(a: Path, b: Path, w0: dict, steps: int, loss_rtol=1e-5,
     assert gap.norm() <= update_rtol * update.norm(), f"updates differ by {gap.norm() / update.norm():.2e} (relative)"
 
 
+def run_and_data(output: Path, data: dict) -> list[str]:
+    """The arguments naming a launched run's folder, its initial weights and its shards (`data`: a test's fixture
+    with "model" and "shards")."""
+    return ["--output_dir", str(output), "--model_name_or_path", str(data["model"]), "--train_shards", data["shards"]]
+
+
 # --- launched runs: a 2-rank training in its own session, its log in OUTPUT.log beside the run folder ---
 
 

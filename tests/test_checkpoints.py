@@ -25,6 +25,7 @@ from helpers import (
     complete_checkpoints,
     kill_group,
     ranks_of,
+    run_and_data,
     run_to_end,
     same_weights,
     save_initial_model,
@@ -58,14 +59,7 @@ ARGS = [
 def train_args(output: Path, data: dict, launcher: str, *args: str) -> list[str]:
     """The training arguments of a run of this file (under accelerate its ZeRO-2 yaml replaces --deepspeed)."""
     base = ARGS[: ARGS.index("--deepspeed")] if launcher == "accelerate" else ARGS
-    return [
-        "--output_dir",
-        str(output),
-        "--model_name_or_path",
-        str(data["model"]),
-        "--train_shards",
-        data["shards"],
-    ] + [*base, *args]
+    return [*run_and_data(output, data), *base, *args]
 
 
 def start(output: Path, data: dict, *args: str, launcher="deepspeed", fault: str = "") -> subprocess.Popen:

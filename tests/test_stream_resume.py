@@ -145,13 +145,10 @@ PIXEL_CAP = 300 * 300  # the data holds one 400 x 400 image: skipped under this 
 def _launch_args(output: Path, data: dict, *args: str) -> list[str]:
     from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
 
+    from helpers import run_and_data
+
     return [
-        "--output_dir",
-        str(output),
-        "--model_name_or_path",
-        str(data["model"]),
-        "--train_shards",
-        data["shards"],
+        *run_and_data(output, data),
         *LAUNCH_COMMON,
         "--dataloader_num_workers",
         str(WORKERS),
