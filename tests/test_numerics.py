@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from disco_clip_ds import numerics
+from disco_clip_ds.checkpoints import write_manifest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO
 from disco_clip_ds.testing.ranks import run_ranks
@@ -141,6 +142,7 @@ def test_a_poisoned_checkpoint_stops_at_the_first_non_finite_step_with_nothing_s
     out = tmp_path / "run"
     shutil.copytree(source / "checkpoint-2", out / "checkpoint-2")
     assert _poison(out / "checkpoint-2", keys, value) > 0
+    write_manifest(out / "checkpoint-2")  # as a run that saved these values would have recorded them
     rc, log = run_to_end(out, [*_args(out, model, shards, 6), "--resume_from_checkpoint", "latest"])
     lines = [line for line in log.splitlines() if line.startswith("disco-clip train: ")]
     assert rc == 1, log[-3000:]

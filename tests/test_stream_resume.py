@@ -204,8 +204,9 @@ def _resume_from_copy(full: Path, step: int, out: Path, data: dict, drop_state: 
     out.mkdir(parents=True)
     shutil.copy(full / "run.json", out / "run.json")
     shutil.copytree(full / f"checkpoint-{step}", out / f"checkpoint-{step}")
-    if drop_state:  # a checkpoint as older versions saved it
+    if drop_state:  # a checkpoint as older versions saved it: no stream state, no manifest
         (out / f"checkpoint-{step}" / "stream_state.json").unlink()
+        (out / f"checkpoint-{step}" / "manifest.json").unlink()
     return run_to_end(out, _launch_args(out, data, "--resume_from_checkpoint", "latest"), launcher="torchrun")
 
 

@@ -1,14 +1,16 @@
 """`disco-clip train` on a SigLIP model (recipes/models/siglip_tiny.json) on 2 CPU ranks, the sigmoid loss in its
-forward: ZeRO-3 (accelerate), FSDP (accelerate) and 1 rank with 2 contrastively accumulated micro-batches each
-train exactly like 2 ranks under ZeRO-2 (torchrun), from one saved initialisation; the result is a plain
-SiglipModel folder. (The loss itself against float64 and open_clip: test_sigmoid_loss.py.)"""
+forward: ZeRO-3 (accelerate), FSDP (accelerate), 1 rank with 2 contrastively accumulated micro-batches, and a run
+stopped by a signal and resumed each train exactly like 2 ranks under ZeRO-2 (torchrun), from one saved
+initialisation; the result is a plain SiglipModel folder that export, transformers' zero-shot pipeline and the
+zero-shot evaluation take. (The loss itself against float64 and open_clip: test_sigmoid_loss.py.)"""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import REPO, SGD, launch
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
 
 from helpers import assert_same_training, weights
 
@@ -43,10 +45,16 @@ def runs(tmp_path_factory, initial_model):
     launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
     launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None)
     launch("deepspeed", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
+    stopped = ["--save_steps", "2", *common, *per_rank]
+    command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
+    command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it
+    stop = subprocess.run(command, cwd=REPO, env=train_env(DISCO_FAULT="signal_at_step=SIGUSR1:step=2,rank=1"))
+    assert stop.returncode != 0 and (root / "resumed" / "checkpoint-2").is_dir()  # stopped there with a checkpoint
+    launch("torchrun", 2, root / "resumed", *stopped, "--resume_from_checkpoint", "latest")
     return root
 
 
-@pytest.mark.parametrize("run", ["n2_zero3", "n2_fsdp", "n1_k2"])
+@pytest.mark.parametrize("run", ["n2_zero3", "n2_fsdp", "n1_k2", "resumed"])
 def test_trains_like_two_ranks_under_zero2(runs, initial_model, run):
     assert_same_training(runs / run, runs / "n2_zero2", weights(initial_model), steps=STEPS)
 
@@ -84,3 +92,23 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     scores = [r["score"] for r in classify(image, candidate_labels=["zero", "one", "two"])]
     assert len(scores) == 3 and all(0 < s < 1 for s in scores)
     assert sum(scores) != pytest.approx(1.0, abs=1e-3)  # independent sigmoids, not a softmax over the labels
+
+
+def test_zero_shot_evaluation_pads_siglip_text_to_its_length(runs):
+    """disco-clip eval's classification on the trained SiglipModel: text padded to the 64 positions SigLIP pools
+    the last of; the same classifier as transformers' own pipeline input (padding="max_length")."""
+    import torch
+    from transformers import AutoTokenizer, SiglipModel
+
+    from disco_clip_ds.evaluate import encode_texts, zeroshot_classification
+
+    model = SiglipModel.from_pretrained(runs / "n2_zero2").eval()
+    tokenizer = AutoTokenizer.from_pretrained(runs / "n2_zero2")
+    names = ["zero", "one", "two"]
+    tokens = tokenizer(names, padding="max_length", max_length=64, return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.nn.functional.normalize(model.get_text_features(**tokens).pooler_output, dim=-1)
+    torch.testing.assert_close(encode_texts(model, tokenizer, names), expected)
+    pixels = torch.randn(6, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    metrics = zeroshot_classification(model, tokenizer, [(pixels, [0, 1, 2, 0, 1, 2])], names, ["{c}"], progress=False)
+    assert 0 <= metrics["acc1"] <= 1
