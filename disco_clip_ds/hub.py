@@ -81,7 +81,7 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
             repo_id=repo_id,
             revision=revision,
             allow_patterns=[path for path, _ in plan],
-            commit_message="Upload CLIPModel exported by disco-clip-ds",
+            commit_message="Upload a model exported by disco-clip-ds",
         )
     except Exception as e:  # the hub's errors (auth, network, permissions) carry their own explanation
         raise ExportError(f"upload to {repo_id} failed: {type(e).__name__}: {e}") from e
