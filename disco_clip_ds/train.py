@@ -183,7 +183,10 @@ class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin,
     gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model.
 
     Checkpoints are complete or absent (`checkpoints.CompleteCheckpointsMixin`); `stop_signals=(...)` stop training
-    at the next step with a checkpoint (`preemption.StopSignalsMixin`; `self.stopper.stopped` says whether one did).
+    at the next step with a checkpoint (`preemption.StopSignalsMixin`; `self.stopper.stopped` says whether one did);
+    a loss or gradient norm that is not finite stops every rank before anything of that step is saved
+    (`numerics.FiniteStepsMixin`). Each batch's stream positions are kept and saved in every checkpoint, and a
+    resume restores them (`get_resumed_dataloader`) instead of skipping batches.
     """
 
     def __init__(self, *args, reads_own_shards: bool = True, **kwargs):

@@ -17,8 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(autouse=True)
 def _release_deepspeed_shm_buffers():
-    """DeepSpeed's CPU comm op leaves a 66 MiB /dev/shm buffer per rank behind after every multi-rank run; over the
-    suite's launches that is gigabytes of RAM. Unlink those of the runs this test started, once it ends."""
+    """A safety net: training unlinks DeepSpeed's 66 MiB per-rank /dev/shm buffers once every rank has mapped them
+    (compat.unlink_deepspeed_shm_buffer), but a run killed during DeepSpeed's start-up leaves its own; over the
+    suite's launches those would add up. Unlink any left by the runs this test started, once it ends."""
     yield
     release_shm_buffers()
 

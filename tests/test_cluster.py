@@ -113,7 +113,7 @@ while read -r sid; do kill -s "$sig" -- "-$sid" 2>/dev/null; done < "$FAKE_SLURM
 """
 
 
-def _start_sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: str = ""):
+def _start_sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: str = "", launcher: str = "torchrun"):
     """Start recipes/slurm_multinode.sbatch as SLURM would on the first of two nodes (this host twice)."""
     import subprocess
 
@@ -135,6 +135,7 @@ def _start_sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: s
         MASTER_PORT=str(free_port()),
         DS_CONFIG="ds_configs/cpu_zero2.json",
         DISCO_FAULT=fault,
+        LAUNCHER=launcher,
     )
     return subprocess.Popen(
         ["bash", str(REPO / "recipes/slurm_multinode.sbatch"), *_train_args(data), *args],
@@ -147,10 +148,10 @@ def _start_sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: s
     )
 
 
-def _sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: str = "", proc=None) -> tuple[int, str]:
+def _sbatch(tmp_path, output, data, *args, fault="", launcher="torchrun", proc=None) -> tuple[int, str]:
     """Run the script to its end (or wait for PROC, started by _start_sbatch): (exit code, its log and the nodes')."""
     fake = tmp_path / "fake-slurm"
-    proc = proc or _start_sbatch(tmp_path, output, data, *args, fault=fault)
+    proc = proc or _start_sbatch(tmp_path, output, data, *args, fault=fault, launcher=launcher)
     try:
         out, _ = proc.communicate(timeout=400)
         wait_group(proc.pid, timeout=60)
@@ -165,8 +166,8 @@ def _sbatch(tmp_path: Path, output: Path, data: dict, *args: str, fault: str = "
 def test_two_nodes_preempted_together_leave_one_checkpoint_and_resume_exactly(data, tmp_path):
     """SIGTERM to every process of both nodes at step 2 (each rank sends it to its node's process group, as a
     preemption does): every rank stops with exit 75 and they leave one complete checkpoint covering both; SLURM
-    requeues a preempted job itself, and the next start (the same script) ends with the weights of one node running
-    both ranks from the same init."""
+    requeues a preempted job itself, and the next start (the same script, LAUNCHER=deepspeed: a hostfile and
+    --no_ssh per node) ends with the weights of one node running both ranks from the same init."""
     reference = tmp_path / "one_node"
     launch("torchrun", 2, reference, *_train_args(data))
 
@@ -179,8 +180,9 @@ def test_two_nodes_preempted_together_leave_one_checkpoint_and_resume_exactly(da
     assert len(list((out / "checkpoint-2").glob("rng_state_*.pth"))) == 2  # both nodes' ranks in one checkpoint
 
     (tmp_path / "fake-slurm" / "scontrol.log").unlink(missing_ok=True)
-    rc, log = _sbatch(tmp_path, out, data)  # the requeued job
+    rc, log = _sbatch(tmp_path, out, data, launcher="deepspeed")  # the requeued job, under deepspeed's launcher
     assert rc == 0, log[-4000:]
+    assert log.count("deepspeed --hostfile") == 2 and log.count("--no_ssh --node_rank") == 2
     assert not (tmp_path / "fake-slurm" / "scontrol.log").exists()  # finished: no requeue
     assert same_weights(out, reference) <= 1e-6
 
