@@ -276,10 +276,15 @@ def _saved_to_disk(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
+# what makes a folder without .tar shards at its top a datasets folder: data files, or images (imagefolder)
+FOLDER_DATA_SUFFIXES = {".parquet", ".arrow", *(f".{ext}" for ext in IMAGE_EXTS)}
+
+
 def is_datasets_source(data: str) -> bool:
     """Whether `data` names a 🤗 datasets dataset rather than webdataset shards: a folder saved with
-    `save_to_disk`, a folder holding parquet or arrow files (and no .tar at its top), a parquet / arrow / csv /
-    json file, or, where no such local path exists, a hub id ("name" or "owner/name")."""
+    `save_to_disk`, a folder without .tar shards at its top that holds parquet or arrow files or images
+    (`imagefolder`: class subfolders, or a metadata.jsonl), a parquet / arrow / csv / json file, or, where no
+    such local path exists, a hub id ("name" or "owner/name")."""
     if "::" in data or "{" in data or data.endswith(".tar") or is_url(data):
         return False
     path = Path(data)
@@ -288,7 +293,7 @@ def is_datasets_source(data: str) -> bool:
     if path.is_dir():
         if any(path.glob("*.tar")):
             return False
-        return _saved_to_disk(path) or any(p.suffix in (".parquet", ".arrow") for p in path.rglob("*"))
+        return _saved_to_disk(path) or any(p.suffix.lower() in FOLDER_DATA_SUFFIXES for p in path.rglob("*"))
     return not data.startswith(("/", ".", "~")) and bool(_HUB_ID.match(data))
 
 

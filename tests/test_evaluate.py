@@ -525,6 +525,19 @@ def test_datasets_classification_equals_shards(cls_set, hf_cls, model_dir, form,
     assert again["metrics"] == shards["metrics"]
 
 
+def test_imagefolder_classification_equals_shards(cls_set, model_dir, tmp_path, capsys):
+    """An `imagefolder` (one subfolder per class, labels a ClassLabel of the folder names): with the class names
+    given (they win over the folder names), the shards' metrics."""
+    folder, images, labels = cls_set
+    for i, (data, label) in enumerate(zip(images, labels)):
+        (tmp_path / "set" / f"class{label}").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "set" / f"class{label}" / f"{i:02d}.{'png' if i % 2 else 'jpg'}").write_bytes(data)
+    args = ["--model", str(model_dir), "--classnames", str(folder / "classnames.txt")]
+    args += ["--templates", str(folder / "zeroshot_classification_templates.txt")]
+    shards = _record([*args, "--data", str(folder)], capsys)["metrics"]
+    assert _record([*args, "--data", str(tmp_path / "set")], capsys)["metrics"] == pytest.approx(shards, abs=1e-12)
+
+
 @pytest.fixture(scope="module")
 def retrieval_sets(tmp_path_factory):
     """Six images with 1 to 3 captions each, as shards (captions one per line) and as a parquet dataset whose
