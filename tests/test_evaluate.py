@@ -399,7 +399,8 @@ def test_shipped_resources():
 @pytest.mark.parametrize("source", ["shards", "datasets"])
 def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp_path, source):
     """Logged every 2 steps and at the last, equal to an eval of the final model on the shards: from the shards
-    themselves, or from the same set as a parquet dataset (class names from its ClassLabel)."""
+    themselves, or from the same set as a parquet dataset (its split and columns named, class names from its
+    ClassLabel)."""
     from transformers import Trainer, TrainingArguments
 
     folder, images, labels = cls_set
@@ -429,8 +430,14 @@ def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
-    data = folder if source == "shards" else hf_cls["parquet"]
-    ev.ZeroShotCallback(data, tokenizer, IMAGE_SIZE, every_n_steps=2, batch_size=4).attach(trainer)
+    if source == "shards":
+        callback = ev.ZeroShotCallback(folder, tokenizer, IMAGE_SIZE, every_n_steps=2, batch_size=4)
+    else:
+        columns = dict(split="test", image_column="image", label_column="label")
+        callback = ev.ZeroShotCallback(
+            hf_cls["parquet"], tokenizer, IMAGE_SIZE, every_n_steps=2, batch_size=4, **columns
+        )
+    callback.attach(trainer)
     trainer.train()
     logged = {e["step"]: e for e in trainer.state.log_history if "zeroshot_acc1" in e}
     assert sorted(logged) == [2, 3]  # every 2 steps, and the last
