@@ -214,6 +214,9 @@ def _check_captions(column: str, feature) -> None:
 
 
 def _kind(feature) -> str:
+    inner = getattr(feature, "feature", None)
+    if inner is not None:
+        return f"lists of {_kind(inner)}"
     return getattr(feature, "dtype", None) or type(feature).__name__
 
 
@@ -346,7 +349,7 @@ class HFStream(torch.utils.data.IterableDataset):
                 part.load_state_dict(state)
             # .iter() rather than iter(): datasets splits an IterableDataset again over the DataLoader's workers when
             # iterated in one, and each reader here is already one worker's own part
-            rows = (batch for batch in part.iter(batch_size=1))
+            rows = part.iter(batch_size=1)
             empty = True
             while raw := list(itertools.islice(rows, self.block)):
                 empty = False
@@ -410,11 +413,11 @@ class HFStream(torch.utils.data.IterableDataset):
         newest: dict[int, list[int]] = {}
         note_positions(newest, rows[rows[:, 0] >= 0])
         readers = {}
+        names = STREAM_FIELDS if self.data.streaming else MAP_FIELDS
         for reader, row in sorted(newest.items()):
-            fields = self.position_fields[: len(STREAM_FIELDS) if self.data.streaming else len(MAP_FIELDS)]
-            entry = dict(zip(fields[1:], row[1 : len(fields)]))
+            entry = dict(zip(names[1:], row[1 : len(names)]))
             if self.data.streaming:
-                entry["state_dict"] = unpack_state(row[len(STREAM_FIELDS) :])
+                entry["state_dict"] = unpack_state(row[len(names) :])
             readers[str(reader)] = entry
         write_json(Path(folder) / STATE_FILE, {**self._state_facts(), "readers": readers})
 
@@ -455,7 +458,8 @@ def pack_state(state: dict | None) -> list[int]:
     raw = json.dumps(state, separators=(",", ":")).encode()
     if len(raw) > STATE_INTS * 8:
         raise DataError(
-            f"the dataset's state_dict takes {len(raw)} bytes, more than the {STATE_INTS * 8} a position holds"
+            f"the dataset's state_dict takes {len(raw)} bytes of JSON, more than the {STATE_INTS * 8} that a stream "
+            "position holds (STATE_INTS in disco_clip_ds/data/hf.py)"
         )
     return np.frombuffer(raw.ljust(STATE_INTS * 8, b"\0"), dtype=np.int64).tolist()
 
