@@ -455,8 +455,9 @@ class CheckedRun:
 def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
     """Every check of the arguments, before any work: a UsageError (or AccumulationError) saying what to change.
 
-    Reads the shard lists, the tokenizer and the model's config (not its weights), so that a tokenizer or image
-    size that does not fit the model is refused before the model is built. Identical on every rank."""
+    Reads the shard lists (or loads and checks the `datasets` dataset), the tokenizer and the model's config (not
+    its weights), so that a tokenizer or image size that does not fit the model is refused before the model is
+    built. Identical on every rank."""
     check_contrastive_accumulation(args, model_args.loss_impl)
     check_deepspeed_batch(args)
     _check_numbers(args)
@@ -515,7 +516,8 @@ def _steps_and_samples(
         raise UsageError(f"{hf.description}: its number of rows is not known: pass --train_num_samples")
     num_samples = data_args.train_num_samples or (hf.num_rows if hf is not None else count_samples(urls))
     if num_samples <= 0:
-        raise UsageError(f"no training samples in {data_args.train_shards} (count {num_samples})")
+        source = data_args.train_shards if hf is None else hf.description
+        raise UsageError(f"no training samples in {source} (count {num_samples})")
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.max_steps > 0:
         return args.max_steps, num_samples

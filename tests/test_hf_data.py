@@ -204,6 +204,22 @@ def test_an_imagefolder_with_metadata_jsonl(tmp_path):
         _check_rows(data, 5)
 
 
+def test_a_config_and_a_split_of_a_folder_are_chosen_by_name(folders, tmp_path):
+    """A local folder whose README.md declares two configurations (as hub datasets do), and a DatasetDict folder."""
+    rows = _rows(9)
+    for name, part in (("small", range(3)), ("large", range(3, 9))):
+        (tmp_path / "two" / name).mkdir(parents=True)
+        _dataset(rows).select(part).to_parquet(str(tmp_path / "two" / name / "rows.parquet"))
+    configs = "".join(f"- config_name: {n}\n  data_files: {n}/*.parquet\n" for n in ("small", "large"))
+    (tmp_path / "two" / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    for config, ids in (("small", range(3)), ("large", range(3, 9))):
+        data = load_training_dataset(_args(dataset_name=str(tmp_path / "two"), dataset_config_name=config), 1)
+        assert data.num_rows == len(ids) and "(" + config + ")" in data.description
+        assert sorted(int(item[1].split()[1]) for item in _one_pass(HFStream(data, SIZE))) == list(ids)
+    data = load_training_dataset(_args(dataset_name=str(folders / "dict"), train_split="validation"), 1)
+    assert sorted(int(item[1].split()[1]) for item in _one_pass(HFStream(data, SIZE))) == [0, 1, 2, 3]
+
+
 def test_a_list_of_captions_gives_one_per_pass_drawn_from_seed_pass_and_row(tmp_path):
     import datasets
 

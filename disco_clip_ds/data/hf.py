@@ -96,16 +96,13 @@ def _load(data_args, num_readers: int):
     split, streaming = data_args.train_split, data_args.streaming
     if data_args.train_file:
         path = Path(data_args.train_file)
-        kind = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
+        kind = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
         if kind is None:
             raise UsageError(f"--train_file {path}: give a .csv, .json, .jsonl or .parquet file")
         if not path.is_file():
             raise UsageError(f"--train_file {path}: no such file")
-        extra = {"delimiter": "\t"} if path.suffix == ".tsv" else {}
         try:
-            found = datasets.load_dataset(
-                kind, data_files={split: str(path)}, split=split, streaming=streaming, **extra
-            )
+            found = datasets.load_dataset(kind, data_files={split: str(path)}, split=split, streaming=streaming)
         except Exception as error:  # the reader's own error for a malformed file: one line of it
             raise UsageError(f"--train_file {path}: {_first_line(error)}") from error
         return found, None if streaming else len(found), str(path.parent.resolve())
