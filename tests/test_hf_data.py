@@ -390,6 +390,10 @@ def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, caps
         f"datasets {fresh} split train, columns image/caption, streaming: its number of rows is not known: pass "
         "--train_num_samples"
     )
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folders / "saved", damaged)
+    next(damaged.glob("*.arrow")).unlink()
+    assert say("--dataset_name", str(damaged)).startswith(f"--dataset_name {damaged}: ")
     tiny = _saved(tmp_path, _rows(1))
     capsys.readouterr()
     assert say("--dataset_name", str(tiny), "--dataloader_num_workers", "2") == (

@@ -109,7 +109,10 @@ def _load(data_args, num_readers: int):
     name, folder = data_args.dataset_name, Path(data_args.dataset_name)
     base = str(folder.resolve()) if folder.is_dir() else str(Path.cwd())
     if _is_saved_folder(folder):
-        found = datasets.load_from_disk(str(folder))
+        try:
+            found = datasets.load_from_disk(str(folder))
+        except Exception as error:  # a folder whose arrow files are missing or damaged
+            raise UsageError(f"--dataset_name {name}: {_first_line(error)}") from error
         if isinstance(found, datasets.DatasetDict):
             _check_split(name, split, list(found))
             found = found[split]
