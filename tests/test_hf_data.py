@@ -8,6 +8,7 @@ The launched tests (slow) train 2 ranks from a save_to_disk dataset and a stream
 a mid-run checkpoint to the uninterrupted run's losses and weights, and accumulate 1 rank x K=2 like 2 ranks x K=1.
 """
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -316,6 +317,41 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(folders, 
         assert [_sample(item) for item in again] == keys[n + 10 : n + 15], n
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(folders, streaming, tmp_path):
+    """Rank 0 of 2 with two workers, as the trainer folds and saves positions: after c batches the next comes from
+    worker c mod 2, so the fresh loader's worker 0 takes that worker's place."""
+    from transformers import AutoTokenizer
+
+    from disco_clip_ds.data.pipeline import POSITION_KEY, ClipCollator
+    from disco_clip_ds.data.stream_state import as_rows, note_positions
+    from disco_clip_ds.testing.launch import TOKENIZER_DIR
+
+    data = load_training_dataset(_args(dataset_name=str(folders / "parquet"), streaming=streaming), 4)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8)
+
+    def make():
+        return HFStream(data, SIZE, rank=0, world_size=2, seed=1, shuffle_buffer=4, num_workers=2)
+
+    def batches(stream, n):
+        loader = torch.utils.data.DataLoader(stream, batch_size=3, num_workers=2, collate_fn=collate)
+        return list(itertools.islice(loader, n))
+
+    reference = batches(make(), 10)
+    for consumed in (1, 2, 5):
+        newest: dict = {}
+        for batch in reference[:consumed]:
+            note_positions(newest, batch[POSITION_KEY])
+        stream = make()
+        stream.write_state(tmp_path, as_rows(newest, 2, len(stream.position_fields)))
+        stream.restore(
+            stream.positions_from(json.loads((tmp_path / "stream_state.json").read_text()), tmp_path), consumed
+        )
+        for got, want in zip(batches(stream, 4), reference[consumed : consumed + 4], strict=True):
+            assert torch.equal(got["pixel_values"], want["pixel_values"]), consumed
+            assert torch.equal(got["input_ids"], want["input_ids"]), consumed
+
+
 def test_a_saved_state_is_readable_and_refused_under_other_readers(folders, tmp_path):
     data = load_training_dataset(_args(dataset_name=str(folders / "parquet"), streaming=True), 2)
     reference = _take(HFStream(data, SIZE, rank=0, world_size=2, seed=5, shuffle_buffer=4), 6)
@@ -325,6 +361,8 @@ def test_a_saved_state_is_readable_and_refused_under_other_readers(folders, tmp_
     assert (entry["count"], entry["epoch"], entry["block"], entry["offset"]) == (6, 0, 1, 2)
     assert entry["state_dict"]["epoch"] == 0 and "examples_iterable" in entry["state_dict"]  # datasets' own
     assert unpack_state(pack_state(entry["state_dict"])) == entry["state_dict"] and len(pack_state(None)) == STATE_INTS
+    with pytest.raises(DataError, match=r"^the dataset's state_dict takes 1\d\d\d bytes of JSON, more than the 1024"):
+        pack_state({"sources": list(range(300))})  # e.g. a mix of many streams
     other = HFStream(data, SIZE, rank=0, world_size=3, seed=5, shuffle_buffer=4)
     with pytest.raises(UsageError, match="saved reading the data differently .num_readers 2 -> 3.*--ignore_data_skip"):
         other.positions_from(state, tmp_path)
