@@ -132,15 +132,18 @@ def test_save_on_each_node_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_what_differs_between_two_nodes_is_named(tmp_path):
-    """The facts two nodes' ranks would gather: node 1 has another learning rate, and sees another model config and
-    a third shard at the same paths."""
+def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
+    """The facts two nodes' ranks would gather: node 1 runs 2 ranks where node 0 runs 1 (torchrun's
+    --nproc_per_node), has another learning rate, and sees another model config and a third shard at the same
+    paths."""
     config = json.loads(TINY_CONFIG.read_text())
     (tmp_path / "model.json").write_text(json.dumps(config))
     (tmp_path / "shards").mkdir()
     for name in ("00000.tar", "00001.tar"):
         (tmp_path / "shards" / name).write_bytes(b"")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     node0 = nodes.launch_facts(*_parsed(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     layers = config["text_config"]["num_hidden_layers"]
     config["text_config"]["num_hidden_layers"] += 1
     (tmp_path / "model.json").write_text(json.dumps(config))
@@ -151,7 +154,7 @@ def test_what_differs_between_two_nodes_is_named(tmp_path):
     assert problem.startswith(
         "the nodes were not started alike: rank 1 (node 1 on b) differs from rank 0 (node 0 on a)"
     )
-    assert "--learning_rate 5e-05 -> 0.1" in problem
+    assert "--learning_rate 5e-05 -> 0.1" in problem and "ranks per node 1 -> 2" in problem
     assert f"the model (text_config.num_hidden_layers {layers} -> {layers + 1})" in problem
     assert "the training shards (count 2 -> 3, sha256 " in problem
     assert problem.endswith("start every node with the same arguments, files and software")
