@@ -103,12 +103,28 @@ def test_restarts_across_nodes_through_the_shared_rendezvous_store_are_refused(e
         nodes.check_elastic(env)
 
 
-def test_slurm_launch_starts_torchrun_without_the_shared_store():
-    from disco_clip_ds.cluster import ELASTIC_ENV
-
-    assert ELASTIC_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    script = (REPO / "recipes/train_torchrun.sh").read_text()
-    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script and "disco-clip node-check" in script
+@pytest.mark.parametrize(
+    "script, env, message",
+    [
+        ("train_torchrun.sh", {"NNODES": "2", "NODE_RANK": "2"}, "--node_rank 2 is out of range for --nnodes 2"),
+        ("train_deepspeed.sh", {"HOSTFILE": "bad", "MASTER_ADDR": "x"}, "--hostfile bad line 1 'node1 slots=eight'"),
+    ],
+)
+def test_the_recipes_check_a_nodes_arguments_before_the_launcher_starts(script, env, message, tmp_path):
+    """torchrun would wait forever for a node rank out of range; deepspeed answers a bad hostfile line with a
+    traceback. The recipes stop first, in one line, exit 2."""
+    (tmp_path / "bad").write_text("node1 slots=eight\n")
+    env = {k: str(tmp_path / v) if k == "HOSTFILE" else v for k, v in env.items()}
+    proc = subprocess.run(
+        ["bash", str(REPO / "recipes" / script), "--output_dir", str(tmp_path / "run")],
+        env=train_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("disco-clip node-check: ") and message in proc.stderr.replace(str(tmp_path) + "/", "")
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # --- the facts every node must share, and --save_on_each_node ---
