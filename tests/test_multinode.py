@@ -202,10 +202,10 @@ def _train_args(data, output: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _start_node(node: int, log: Path, train_args: list[str], rendezvous: list[str], bind=None, **env):
-    """Node NODE's torchrun (one rank) in its own session; with `bind` (SOURCE, TARGET), in a mount namespace of its
-    own where SOURCE is mounted on TARGET."""
-    torchrun = [str(VENV_BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", *rendezvous]
+def _start_node(node: int, log: Path, train_args: list[str], rendezvous: list[str], bind=None, nproc=1, **env):
+    """Node NODE's torchrun (NPROC ranks) in its own session; with `bind` (SOURCE, TARGET), in a mount namespace of
+    its own where SOURCE is mounted on TARGET."""
+    torchrun = [str(VENV_BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", str(nproc), *rendezvous]
     command = [*torchrun, "-m", "disco_clip_ds.train", *train_args]
     if bind:
         mount = f'mount --bind {bind[0]} {bind[1]} && exec "$@"'
@@ -265,9 +265,9 @@ def test_a_node_local_output_folder_is_refused_on_every_node(data, tmp_path):
 @pytest.mark.timeout(900)
 @needs_root
 def test_a_node_started_differently_is_refused_on_every_node(data, tmp_path):
-    """Node 1 sees another model config and a third shard at the same paths (its own data disk), and was given
-    another learning rate: every rank stops with one line naming rank 1, node 1 and each difference, before the
-    model is built or the output folder made."""
+    """Node 1 runs two ranks where node 0 runs one (world size 3, not 2), sees another model config and a third
+    shard at the same paths (its own data disk), and was given another learning rate: every rank stops with one line
+    naming rank 1, node 1 and each difference, before the model is built or the output folder made."""
     other = tmp_path / "other_data"
     shutil.copytree(data["root"] / "data", other)
     config = json.loads((other / "init/config.json").read_text())
@@ -280,15 +280,16 @@ def test_a_node_started_differently_is_refused_on_every_node(data, tmp_path):
         _start_node(0, tmp_path / "node0.log", _train_args(data, out), _static(0, port)),
         _start_node(
             1, tmp_path / "node1.log", [*_train_args(data, out), "--learning_rate", "0.1"], _static(1, port),
-            bind=(other, data["root"] / "data"),
+            bind=(other, data["root"] / "data"), nproc=2,
         ),
     ]  # fmt: skip
     codes = _finish(procs)
     layers = config["text_config"]["num_hidden_layers"]
-    for n in range(2):
+    for n, ranks in enumerate((1, 2)):
         log = (tmp_path / f"node{n}.log").read_text()
-        assert _one_line(log, "the nodes were not started alike: rank 1 (node 1 on ") == 1, log[-3000:]
+        assert _one_line(log, "the nodes were not started alike: rank 1 (node 1 on ") == ranks, log[-3000:]
         line = next(x for x in log.splitlines() if "not started alike" in x)
+        assert "(and ranks 2) differs from rank 0 (node 0 on " in line and "ranks per node 1 -> 2" in line
         assert "--learning_rate 0.5 -> 0.1" in line
         assert f"the model (text_config.num_hidden_layers {layers - 1} -> {layers})" in line
         assert "the training shards (count 2 -> 3, sha256 " in line
