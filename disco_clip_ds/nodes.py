@@ -168,10 +168,11 @@ def launch_problem(ranks: list[dict]) -> str | None:
     other = odd[0]
     a, b = first["facts"], other["facts"]
     changes = [_difference(name, a.get(name), b.get(name)) for name in {**a, **b} if a.get(name) != b.get(name)]
-    more = f" (and ranks {', '.join(str(r['rank']) for r in odd[1:])})" if len(odd) > 1 else ""
+    more = f" (ranks {', '.join(str(r['rank']) for r in odd[1:])} differ too)" if len(odd) > 1 else ""
     return (
-        f"the nodes were not started alike: rank {other['rank']} ({_where(other)}){more} differs from rank 0 "
-        f"({_where(first)}) in {'; '.join(changes)}: start every node with the same arguments, files and software"
+        f"the nodes were not started alike: rank {other['rank']} ({_where(other)}) differs from rank 0 "
+        f"({_where(first)}) in {'; '.join(changes)}{more}: start every node with the same arguments, files and "
+        "software"
     )
 
 

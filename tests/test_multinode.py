@@ -177,7 +177,7 @@ def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
     assert len(problem.splitlines()) == 1
     assert nodes.launch_problem([ranks[0], {**ranks[0], "rank": 1}]) is None
     three = [*ranks, {**ranks[1], "rank": 2}]
-    assert "rank 1 (node 1 on b) (and ranks 2) differs" in nodes.launch_problem(three)
+    assert "(ranks 2 differ too): start every node" in nodes.launch_problem(three)
 
 
 # --- launched: two nodes on this host ---
@@ -289,7 +289,8 @@ def test_a_node_started_differently_is_refused_on_every_node(data, tmp_path):
         log = (tmp_path / f"node{n}.log").read_text()
         assert _one_line(log, "the nodes were not started alike: rank 1 (node 1 on ") == ranks, log[-3000:]
         line = next(x for x in log.splitlines() if "not started alike" in x)
-        assert "(and ranks 2) differs from rank 0 (node 0 on " in line and "ranks per node 1 -> 2" in line
+        assert "differs from rank 0 (node 0 on " in line and "ranks per node 1 -> 2" in line
+        assert "(ranks 2 differ too): start every node with the same arguments, files and software" in line
         assert "--learning_rate 0.5 -> 0.1" in line
         assert f"the model (text_config.num_hidden_layers {layers - 1} -> {layers})" in line
         assert "the training shards (count 2 -> 3, sha256 " in line
