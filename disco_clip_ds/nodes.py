@@ -93,7 +93,8 @@ def _node() -> dict:
 
 def launch_facts(model_args, data_args, args) -> dict:
     """What every rank of a run must agree on, as comparable values: every argument, the contents of the files they
-    name (DeepSpeed config, model config, shard list), ranks per node and package versions. A fact that cannot be
+    name (DeepSpeed config, model config, the files of a model or tokenizer folder, the shard list), ranks per node
+    and package versions. A fact that cannot be
     read here is its error's text (the same error on every node passes on to the argument checks)."""
     from dataclasses import asdict
 
@@ -104,6 +105,9 @@ def launch_facts(model_args, data_args, args) -> dict:
     if isinstance(args.deepspeed, str) and not args.deepspeed.lstrip().startswith("{"):
         facts["the DeepSpeed config file"] = _read(lambda: json.loads(Path(args.deepspeed).read_text()))
     facts["the model"] = _read(lambda: _model(model_args))
+    for name, folder in (("model", model_args.model_name_or_path), ("tokenizer", model_args.tokenizer_name)):
+        if folder and Path(folder).is_dir():  # a hub id is compared as an argument
+            facts[f"the {name} files"] = _read(lambda folder=folder: _files(Path(folder)))
     facts["the training shards"] = _read(lambda: _shards(data_args.train_shards))
     facts["package versions"] = _read(_versions)
     return facts
@@ -127,6 +131,15 @@ def _model(model_args) -> dict:
     config = load_config(model_args.model_name_or_path, model_args.model_config).to_dict()
     config.pop("transformers_version", None)
     return config
+
+
+def _files(folder: Path) -> dict:
+    """The checksum of each file directly in `folder` (weights included: the same config with other weights
+    trains another run; xxh3 reads at about disk speed)."""
+    from .checkpoints import _checksums  # the checkpoint manifests' hash
+
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return dict(zip(names, _checksums(folder, names), strict=True))
 
 
 def _shards(spec: str) -> dict:

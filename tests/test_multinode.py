@@ -180,6 +180,25 @@ def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
     assert "(ranks 2 differ too): start every node" in nodes.launch_problem(three)
 
 
+def test_other_weights_under_the_same_config_are_named(tmp_path):
+    """A pretrained model folder at the same path with the same config.json but other weights: another run."""
+    from disco_clip_ds.train import parse_args
+
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "config.json").write_text(TINY_CONFIG.read_text())
+    argv = [
+        "--output_dir", str(tmp_path / "run"), "--model_name_or_path", str(init), "--tokenizer_name",
+        str(REPO / "recipes/tokenizer"), "--train_shards", str(tmp_path / "x.tar"), "--report_to", "none",
+    ]  # fmt: skip
+    facts = []
+    for weights in (b"\0" * 64, b"\1" * 64):
+        (init / "model.safetensors").write_bytes(weights)
+        facts.append(nodes.launch_facts(*parse_args(argv)))
+    problem = nodes.launch_problem([{"rank": r, "node": r, "host": "h", "facts": f} for r, f in enumerate(facts)])
+    assert " in the model files (model.safetensors " in problem and "config.json" not in problem
+
+
 # --- launched: two nodes on this host ---
 
 STEPS, SAVE = 6, 2
