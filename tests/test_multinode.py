@@ -64,7 +64,7 @@ def test_good_node_arguments_pass(tmp_path):
 
 
 @pytest.mark.slow  # imports deepspeed (seconds)
-def test_hostfiles_are_read_by_deepspeeds_own_rule():
+def test_hostfiles_are_read_by_deepspeeds_own_rule(tmp_path):
     """The reference is deepspeed's own parser: the same hostfiles pass and fail, with the same hosts."""
     from deepspeed.launcher.runner import _parse_hostfile
 
@@ -73,14 +73,11 @@ def test_hostfiles_are_read_by_deepspeeds_own_rule():
             theirs = list(_parse_hostfile(text.splitlines(keepends=True)).items())
         except ValueError:
             theirs = None
-        path = Path(f"/tmp/disco-hostfile-{os.getpid()}")
-        path.write_text(text)
+        (tmp_path / name).write_text(text)
         try:
-            ours = read_hostfile(path)
+            ours = read_hostfile(tmp_path / name)
         except UsageError:
             ours = None
-        finally:
-            path.unlink()
         assert ours == theirs, name
 
 
