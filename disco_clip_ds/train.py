@@ -31,7 +31,7 @@ from transformers import (
     set_seed,
 )
 
-from . import compat, resume
+from . import compat, nodes, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (
     CompleteCheckpointsMixin,
@@ -729,6 +729,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
     to output_dir. Validates every argument first; holds output_dir's run lock throughout; raises Preempted after
     a stop signal's checkpoint."""
+    nodes.check_nodes(model_args, data_args, args)  # every rank started alike, one --output_dir seen by all
     checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
     check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
