@@ -14,9 +14,10 @@ from .ranks import free_port
 MODULE = "disco_clip_ds.train"
 
 
-def node_command(launcher: str, nnodes: int, node_rank: int, port: int, nproc: int = 1, config=None) -> list[str]:
-    """Node NODE_RANK's command for `disco_clip_ds.train` on NNODES nodes of NPROC CPU ranks, master 127.0.0.1:PORT.
-    launcher: torchrun | accelerate (`config`: its --config_file) | deepspeed (`config`: its hostfile; --no_ssh)."""
+def node_command(launcher: str, nnodes: int, node_rank: int, port: int, nproc=1, config=None, script=None) -> list:
+    """Node NODE_RANK's command for `disco_clip_ds.train` (or SCRIPT, a file taking its arguments) on NNODES nodes
+    of NPROC CPU ranks, master 127.0.0.1:PORT. launcher: torchrun | accelerate (`config`: its --config_file) |
+    deepspeed (`config`: its hostfile; --no_ssh)."""
     master = ["--master_addr", "127.0.0.1", "--master_port", str(port)]
     if launcher == "torchrun":
         head = [VENV_BIN / "torchrun", "--nnodes", nnodes, "--node_rank", node_rank, "--nproc_per_node", nproc]
@@ -32,6 +33,8 @@ def node_command(launcher: str, nnodes: int, node_rank: int, port: int, nproc: i
         cmd += ["--module", MODULE]
     else:
         raise ValueError(f"unknown launcher {launcher!r}")
+    if script is not None:  # every launcher above ends with its module flag and the module
+        cmd[-2:] = [script]
     return [str(c) for c in cmd]
 
 
@@ -44,17 +47,17 @@ def hostfile(folder: Path, nnodes: int, slots: int = 1) -> Path:
 
 
 def start_nodes(
-    launcher: str, nnodes: int, train_args: list, log: Path, nproc=1, config=None, only=None, port=0, **env
+    launcher: str, nnodes: int, train_args: list, log: Path, nproc=1, config=None, only=None, port=0, script=None, **env
 ):
     """Start the launchers of `disco_clip_ds.train TRAIN_ARGS` for NNODES nodes (or the node ranks in `only`), each
-    in its own session, node R's output appended to LOG.nodeR.log, master port PORT (0: a free one): [Popen per
-    node started]."""
+    in its own session, node R's output appended to LOG.nodeR.log, master port PORT (0: a free one), SCRIPT in place
+    of the module if given: [Popen per node started]."""
     port, procs = port or free_port(), []
     for rank in range(nnodes) if only is None else only:
         with open(f"{log}.node{rank}.log", "a") as out:
             procs.append(
                 subprocess.Popen(
-                    node_command(launcher, nnodes, rank, port, nproc, config) + [str(a) for a in train_args],
+                    node_command(launcher, nnodes, rank, port, nproc, config, script) + [str(a) for a in train_args],
                     cwd=REPO,
                     env=train_env(**env),
                     stdout=out,
