@@ -102,9 +102,9 @@ def watching(timeout_s: float):
         if isinstance(error, DiscoClipError) or not any(lost in text.lower() for lost in _LOST):
             raise
         first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-        first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's source location
+        first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without gloo's source location and advice
         raise PeerError(
             f"lost contact with another rank (a collective got no answer within --ddp_timeout {timeout_s:g} s, or "
-            f"its peer closed the connection: {first[:200]}); look at the other nodes' logs for the first failure, "
+            f"its peer closed the connection: {first[:160]}); look at the other nodes' logs for the first failure, "
             "then resume every node with --resume_from_checkpoint latest"
         ) from error
