@@ -20,11 +20,7 @@ import contextlib
 import os
 import re
 
-from .errors import DiscoClipError
-
-
-class PeerError(DiscoClipError):
-    """The other ranks could not be reached, or one stopped answering; the message says what to check."""
+from .errors import DiscoClipError, PeerError
 
 
 def _master() -> str:

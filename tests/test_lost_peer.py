@@ -34,7 +34,8 @@ def test_the_default_ends_a_lost_peer_within_minutes(tmp_path):
 
 
 def test_a_closed_master_port_is_one_line_naming_it(monkeypatch):
-    from disco_clip_ds.peers import PeerError, joining
+    from disco_clip_ds.errors import PeerError
+    from disco_clip_ds.peers import joining
 
     port = free_port()  # bound by nobody
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
@@ -63,7 +64,8 @@ def test_a_closed_master_port_is_one_line_naming_it(monkeypatch):
     ],
 )  # fmt: skip
 def test_a_lost_peer_in_training_is_one_line(raised, expected):
-    from disco_clip_ds.peers import PeerError, watching
+    from disco_clip_ds.errors import PeerError
+    from disco_clip_ds.peers import watching
 
     with pytest.raises(PeerError, match="lost contact with another rank") as error:
         with watching(20):
