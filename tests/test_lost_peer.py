@@ -160,18 +160,20 @@ def test_a_peer_that_stops_answering_ends_the_survivor_within_the_timeout(data, 
         launcher, 2, _args(data, out) + extra, out, config=_config(launcher, data["root"]),
         DISCO_FAULT="signal_at_step=SIGSTOP:step=2,rank=1",
     )  # fmt: skip
+    stopped_ranks = []
     try:
         deadline = time.monotonic() + 400
-        while not any(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in ranks_of(nodes[1].pid)):
+        while not any(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in stopped_ranks):
             assert nodes[0].poll() is None and time.monotonic() < deadline, "rank 1 never reached step 2"
             time.sleep(0.2)
+            stopped_ranks = ranks_of(nodes[1].pid)
         stopped = time.monotonic()
         code = nodes[0].wait(timeout=TIMEOUT + MARGIN)  # no hang: raises TimeoutExpired otherwise
         took = time.monotonic() - stopped
         wait_group(nodes[0].pid, timeout=60)
     finally:
-        for node in nodes:
-            kill_group(node.pid)
+        for pid in [node.pid for node in nodes] + stopped_ranks:  # torchrun's ranks lead sessions of their own
+            kill_group(pid)
     log = (out.parent / f"{out.name}.node0.log").read_text()
     assert code != 0 and took <= TIMEOUT + MARGIN, log[-3000:]
     lines = _one_line(log)
