@@ -31,7 +31,7 @@ from transformers import (
     set_seed,
 )
 
-from . import compat, nodes, resume
+from . import compat, nodes, peers, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (
     CompleteCheckpointsMixin,
@@ -198,6 +198,15 @@ class DiscoTrainingArguments(TrainingArguments):
             "step (gradient caching); false: independent micro-batch losses"
         },
     )
+    # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
+    # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
+    # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and
+    # setup at scale, a zero-shot eval (every rank runs it, so none waits long); short enough to free the nodes for
+    # a restart well within a preemptible job's slot. Raise it for a very slow shared filesystem.
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "seconds a rank waits for the others (joining, and every collective) before it stops"},
+    )
     stop_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={
@@ -208,7 +217,9 @@ class DiscoTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         compat.use_cpu_without_gpu(self)
-        super().__post_init__()
+        with peers.joining(self.ddp_timeout):  # TrainingArguments joins the process group while it is set up
+            compat.init_cpu_process_group(self)
+            super().__post_init__()
         if self.accelerator_config.dispatch_batches is None:
             # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
             self.accelerator_config.dispatch_batches = False
@@ -735,7 +746,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
     acquire_run_lock(args.output_dir)
     try:
-        return _train(model_args, data_args, args, checked)
+        with peers.watching(args.ddp_timeout):
+            return _train(model_args, data_args, args, checked)
     finally:
         release_run_lock()
 
