@@ -196,8 +196,14 @@ def test_traffic_hand_computed():
     assert t["tiled loss: text all-gather (forward)"] == pytest.approx(features / 2)
     assert t["tiled loss: text reduce-scatter (backward)"] == pytest.approx(features / 2)
     assert t["tiled loss: column lse all-reduces (forward)"] == pytest.approx(2 * 2 * 7 / 8 * 32768 * 4)
-    assert t["gradient reduce-scatter"] == pytest.approx(7 / 8 * shape.params * 4)  # fp32 communication
+    # DeepSpeed all-reduces ZeRO-2's gradient buckets unless use_multi_rank_bucket_allreduce is off
+    assert t["gradient all-reduce (multi-rank buckets)"] == pytest.approx(2 * 7 / 8 * shape.params * 4)  # fp32
     assert t["parameter all-gather"] == pytest.approx(7 / 8 * shape.params * 2)
+    config = P.load_config(CFG_32K)
+    config["zero_optimization"]["use_multi_rank_bucket_allreduce"] = False
+    t = P.traffic_bytes(shape, P.validate_config(config, 8), ("tiled",))
+    assert t["gradient reduce-scatter"] == pytest.approx(7 / 8 * shape.params * 4)
+    assert "gradient all-reduce (multi-rank buckets)" not in t
 
 
 def test_parameter_count_is_the_real_models():

@@ -228,6 +228,7 @@ def _zero_section(config: dict, settings_kwargs: dict, problems: list, warnings:
         reduce_bucket=int(parsed.reduce_bucket_size),
         allgather_bucket=int(parsed.allgather_bucket_size),
         overlap_comm=bool(parsed.overlap_comm),
+        bucket_allreduce=bool(parsed.use_multi_rank_bucket_allreduce),
         prefetch_bucket=int(parsed.prefetch_bucket_size),
         max_live_parameters=int(parsed.max_live_parameters),
         offload_optimizer=parsed.offload_optimizer is not None and str(parsed.offload_optimizer.device) != "none",

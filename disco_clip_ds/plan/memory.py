@@ -160,6 +160,7 @@ class Settings:
     reduce_bucket: int = 500_000_000
     allgather_bucket: int = 500_000_000
     overlap_comm: bool = False
+    bucket_allreduce: bool = True  # zero_optimization.use_multi_rank_bucket_allreduce (DeepSpeed's default: on)
     prefetch_bucket: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     offload_optimizer: bool = False

@@ -5,6 +5,10 @@ all-reduces there: twice the bytes); tiled moves the texts only, plus two all-re
 sends nothing. The sigmoid loss (SigLIP, tiled) passes the text blocks round a ring: N - 1 blocks in forward, N - 1
 again in backward with N fp32 gradient blocks, the last bringing each home. Ring collectives: a rank sends (and
 receives) (N-1)/N of the buffer for all-gather and reduce-scatter, 2(N-1)/N for all-reduce.
+
+ZeRO-1/2 reduce gradients per bucket, and DeepSpeed all-reduces every bucket that spans more than one rank's
+partition while `use_multi_rank_bucket_allreduce` is on (its default): with buckets as large as ours that is the
+whole gradient, twice a reduce-scatter's bytes. bench/multinode measures the bytes a rank sends against these terms.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "t
     g = settings.comm_bytes
     if settings.stage == 0:
         grads = {"gradient all-reduce": 2 * ring * p * g}
-    elif settings.stage == 1:  # reduce-scatter at the accumulation boundary, then all-gather updated weights
-        grads = {"gradient reduce-scatter": ring * p * g, "parameter all-gather": ring * p * e}
-    elif settings.stage == 2:  # gradients reduced in every micro-step's backward
-        grads = {"gradient reduce-scatter": accum * ring * p * g, "parameter all-gather": ring * p * e}
+    elif settings.stage in (1, 2):  # gradients reduced (stage 1: at the accumulation boundary; 2: every micro-step)
+        reductions = 1 if settings.stage == 1 else accum
+        if settings.bucket_allreduce:
+            reduced = {"gradient all-reduce (multi-rank buckets)": reductions * 2 * ring * p * g}
+        else:
+            reduced = {"gradient reduce-scatter": reductions * ring * p * g}
+        grads = {**reduced, "parameter all-gather": ring * p * e}
     else:  # weights gathered for forward and again for backward in every micro-step (and for the no-grad pass)
         gathers = 3 if settings.contrastive_steps > 1 else 2
         grads = {
