@@ -101,7 +101,11 @@ def test_stream_and_collator_give_the_old_tensors_for_every_sample(tmp_path, ima
             sink.write({"__key__": key, ext: data, "txt": f"caption {key}".encode()})
     stream = ShardStream([str(tmp_path / "00000.tar")], 224, seed=3, shuffle_buffer=4)
     items = [item for item, _ in zip(stream, range(len(images)))]
-    batch = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8)(items)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8)
+    batch = collate(items)
+    # in a DataLoader worker the batch is written straight into shared memory: the same values
+    in_worker = next(iter(torch.utils.data.DataLoader(items, batch_size=len(items), num_workers=1, collate_fn=collate)))
+    assert torch.equal(in_worker["pixel_values"], batch["pixel_values"])
     for row, (_, caption, _) in zip(batch["pixel_values"], items):
         key = caption.split()[1]
         data = images[keys.index(key)]

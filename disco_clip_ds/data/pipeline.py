@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import multiprocessing
 import random
 
@@ -171,11 +172,11 @@ class ShardStream(torch.utils.data.IterableDataset):
 class ClipCollator:
     """List of (pixel_values, caption[, position]) -> {"pixel_values", "input_ids", "attention_mask"[,
     POSITION_KEY]}: tensors only, so that accelerate can dispatch (and slice) them, and no `labels` (the model
-    computes its own loss). uint8 crops (as ShardStream yields them) are normalised here, once per batch, with
-    `mean`/`std` (ImageTransform's rule; pass the model's, as to the stream); float pixels are taken as already
-    normalised. Captions are tokenized in one call per batch (a fast tokenizer does the batch in Rust) and padded
-    to `max_length` so every batch has one shape. The positions (one row per sample) are for the trainer, which
-    takes them out before the model sees the batch."""
+    computes its own loss). uint8 crops (as ShardStream yields them) are normalised here, straight into the
+    batch tensor, with `mean`/`std` (ImageTransform's rule; pass the model's image processor's); float pixels are
+    taken as already normalised. Captions are tokenized in one call per batch (a fast tokenizer does the batch
+    in Rust) and padded to `max_length` so every batch has one shape. The positions (one row per sample) are for
+    the trainer, which takes them out before the model sees the batch."""
 
     def __init__(self, tokenizer, max_length: int, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
         self.tokenizer, self.max_length = tokenizer, max_length
@@ -186,15 +187,28 @@ class ClipCollator:
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
-        pixels = torch.stack(pixels)
+        if pixels[0].dtype == torch.uint8:
+            pixels = self.normalize(pixels, out=batch_tensor((len(pixels), *pixels[0].shape), torch.float32))
+        else:
+            pixels = torch.stack(pixels)
         collated = {
-            "pixel_values": self.normalize(pixels) if pixels.dtype == torch.uint8 else pixels,
+            "pixel_values": pixels,
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
         }
         if positions:
             collated[POSITION_KEY] = torch.stack(positions[0])
         return collated
+
+
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool | None = None) -> torch.Tensor:
+    """An empty batch tensor, in shared memory when `shared` (by default: in a DataLoader worker), as
+    default_collate allocates its stacks (with the same torch calls): a batch in ordinary memory is copied into
+    shared memory whole (150 MB for 256 crops of 224 px) on its way to the main process."""
+    if not (torch.utils.data.get_worker_info() is not None if shared is None else shared):
+        return torch.empty(shape, dtype=dtype)
+    like = torch.empty(0, dtype=dtype)
+    return like.new(like._typed_storage()._new_shared(math.prod(shape), device=like.device)).resize_(shape)
 
 
 def error_message(error: BaseException) -> str:

@@ -1,14 +1,15 @@
 """Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
 
-The per-sample work stays on uint8 (PIL decodes and resamples in uint8; a crop leaves a worker as a uint8 tensor, a
-quarter of float32's bytes), and normalisation runs once per batch (`Normalize`, called by the
-collator) with the same operation order as per-sample normalisation, so the batch is bit-identical to it.
+The per-sample work stays on uint8, as PIL decodes and resamples; the collator turns the batch's crops into the
+float batch in one place (`Normalize`), with the same float32 operations as normalising each crop alone, so the
+batch is bit-identical to the per-sample float path.
 """
 
 from __future__ import annotations
 
 import io
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -61,15 +62,25 @@ def draft_scale(box: tuple[int, int, int, int], size: int) -> int:
 
 
 class Normalize:
-    """uint8 crops (..., 3, size, size) -> float32 (x / 255 - mean) / std, in that order: for a whole batch at once,
-    the same float32 operations, element by element, as normalising each crop alone."""
+    """uint8 crops -> float32 (x / 255 - mean) / std, in that order: the same float32 operations, element by
+    element, as normalising each crop alone in float32 (so bit-identical to it)."""
 
     def __init__(self, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
 
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels.float().div_(255.0).sub_(self.mean).div_(self.std)
+    def __call__(self, pixels: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A crop (3, size, size) -> its float tensor; a batch (n, 3, size, size) or a list of n crops -> the
+        float batch (n, 3, size, size), written straight into `out` (float32, that shape) when given."""
+        single = torch.is_tensor(pixels) and pixels.dim() == 3
+        crops = [pixels] if single else pixels
+        if out is None:
+            out = torch.empty((len(crops), *crops[0].shape), dtype=torch.float32)
+        for crop, row in zip(crops, out):
+            # Crop by crop: each pass runs over one crop's ~600 KB, which stays in cache for the next pass; three
+            # passes over a whole batch (150 MB at 256 x 224 px) would each go out to memory and back.
+            torch.div(crop, 255.0, out=row).sub_(self.mean).div_(self.std)
+        return out[0] if single else out
 
 
 class ImageTransform:
@@ -77,7 +88,7 @@ class ImageTransform:
     centre crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default;
     the model's image processor's when it has its own, e.g. SigLIP's 0.5).
 
-    `pixels` stops before normalisation (uint8), `normalize` (a `Normalize`) does it for a whole batch,
+    `pixels` stops before normalisation (uint8), `normalize` (a `Normalize`) does it, also for a whole batch,
     bit-identically; `from_bytes` decodes too. With `draft` (training crops only), a JPEG whose crop is at least
     twice the output size is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (the largest that still leaves the crop
     >= size a side), which changes pixels slightly; smaller images decode exactly as without it.
