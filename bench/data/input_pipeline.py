@@ -8,23 +8,26 @@ flips, so JPEG decode sees photographic texture, not flat colour), alt-text-like
 
 Speed: each side runs in its own process with one DataLoader worker (OMP_NUM_THREADS=1, torch threads 1), batch
 --batch, 224 px training crops, 77-token captions; after --warmup batches (open_clip fills its 1,000-sample shuffle
-buffer first) it times --batches batches: samples/s of that one worker (the main process only waits on it).
-Sides interleave over --rounds, and each reports its median.
-- ours: disco_clip_ds.data.pipeline.ShardStream + ClipCollator with recipes/tokenizer (a fast tokenizer), as
-  train.py builds them; `ours_before` runs the same code of --before_commit (checked out with `git archive`).
+buffer first) it times --batches batches. The rate is samples per CPU-second of that worker process (user + system,
+from /proc): on a shared machine that is what a worker with a core of its own delivers, where wall-clock rates
+(also written) swing with the load. The main process only waits on the worker. Sides interleave over --rounds;
+the table takes each side's median, and the ratio's median over rounds.
+- ours: disco_clip_ds.data.pipeline.ShardStream + ClipCollator as train.py builds them, with CLIP's own BPE as a
+  fast transformers tokenizer (made offline from open_clip's vocabulary file; the same tokens as open_clip's);
+  `ours_before` runs the same code of --before_commit (checked out with `git archive`).
 - open_clip: open_clip_train.data.get_wds_dataset with open_clip.image_transform(224, is_train=True) (ViT-B-32's
   train preprocess) and open_clip.get_tokenizer("ViT-B-32"), in bench/vs_open_clip's virtualenv (made by
   vs_open_clip.ensure_openclip_venv; open_clip is never a dependency of the package).
-- our `datasets` path (data/hf.py): not measured yet. Hook: add a function `hf_rate(args) -> (samples, seconds)`
-  and a `"hf": hf_rate` entry in RATES; `--parquet` writes the same samples as a parquet dataset (an `image`
-  column of JPEG bytes and a `caption` column) for it to read.
-Breakdown (--breakdown): each step timed alone in one process over the first --breakdown samples, in microseconds
-per sample; batch-wide steps (tokenize, collate, normalise) are timed per batch and divided by its size.
+- our `datasets` path (data/hf.py): not measured yet. Hook: add a function `hf_rate(args) -> dict` (as `_timed`
+  returns) and a `"hf": hf_rate` entry in RATES; `--parquet` writes the same samples as a parquet dataset (an
+  `image` column of JPEG bytes and a `caption` column) for it to read.
+Breakdown (--breakdown): each step timed alone in one process over the first --breakdown samples, in CPU
+microseconds per sample; batch-wide steps (tokenize, collate, normalise) are timed per batch and divided by its size.
 Draft decoding (only when the crop spans >= 2 x 224 px, so never on 256 px images): --draft_side S makes a second
 shard set S px on the short side and measures ours with draft decoding on and off, and the difference it makes on
 the normalised tensors (max and mean absolute).
 
-    .venv/bin/python bench/data/input_pipeline.py --rounds 3 --before_commit aef1fb6 --draft_side 512
+    .venv/bin/python bench/data/input_pipeline.py --rounds 5 --before_commit aef1fb6 --draft_side 512
 """
 
 from __future__ import annotations
@@ -156,17 +159,30 @@ def write_parquet(urls: list[str], out: Path) -> None:
 # ---------------------------------------------------------------- timing (each side in its own process)
 
 
-def _timed(loader, warmup: int, batches: int, batch: int) -> tuple[int, float]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(loader, warmup: int, batches: int, batch: int) -> dict:
+    """Samples, wall seconds and the DataLoader worker's CPU seconds over `batches` batches after `warmup`. On a
+    shared machine the worker's CPU seconds are what a core of its own would take; wall time also counts the
+    time it waited for a core."""
+    import multiprocessing
+
     it = iter(loader)
     for _ in range(warmup):
         next(it)
-    start = time.perf_counter()
+    (worker,) = multiprocessing.active_children()  # the one DataLoader worker
+    cpu, start = _cpu_seconds(worker.pid), time.perf_counter()
     for _ in range(batches):
         next(it)
-    return batches * batch, time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _cpu_seconds(worker.pid) - cpu
+    return {"samples": batches * batch, "wall_s": round(wall, 3), "worker_cpu_s": round(cpu, 3)}
 
 
-def ours_rate(args) -> tuple[int, float]:
+def ours_rate(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -189,7 +205,7 @@ def _open_clip_pipeline(args):
     return open_clip, preprocess, tokenizer, get_wds_dataset
 
 
-def open_clip_rate(args) -> tuple[int, float]:
+def open_clip_rate(args) -> dict:
     _, preprocess, tokenizer, get_wds_dataset = _open_clip_pipeline(args)
     oc_args = argparse.Namespace(
         train_data="::".join(args.urls),
@@ -212,15 +228,16 @@ RATES = {"ours": ours_rate, "ours_before": ours_rate, "open_clip": open_clip_rat
 
 
 class Steps:
-    """Microseconds per sample, summed per step."""
+    """CPU microseconds per sample (this process's user + system time, so that other load on the machine does not
+    count), summed per step."""
 
     def __init__(self):
         self.total: dict[str, float] = {}
 
-    def time(self, step: str, fn, *a, per: int = 1):
-        start = time.perf_counter()
+    def time(self, step: str, fn, *a):
+        start = time.process_time()
         out = fn(*a)
-        self.total[step] = self.total.get(step, 0.0) + (time.perf_counter() - start) / per
+        self.total[step] = self.total.get(step, 0.0) + time.process_time() - start
         return out
 
     def rows(self, side: str, n: int) -> list[dict]:
@@ -256,9 +273,9 @@ def ours_breakdown(args) -> list[dict]:
     normalize = ImageTransform(CROP).normalize
     mean, std = normalize.mean, normalize.std
     now, before = Steps(), Steps()
-    start = time.perf_counter()
+    start = time.process_time()
     raw = _raw(args.urls, args.breakdown)
-    now.total["read"] = time.perf_counter() - start
+    now.total["read"] = time.process_time() - start
     for b in range(0, len(raw), args.batch):
         crops, floats, captions = [], [], []
         for sample in raw[b : b + args.batch]:
@@ -292,11 +309,11 @@ def ours_breakdown(args) -> list[dict]:
 
     stream = iter(ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000))
     collate = ClipCollator(tokenizer, CONTEXT)
-    start = time.perf_counter()
+    start = time.process_time()
     for b in range(0, len(raw), args.batch):
         collate([next(stream) for _ in range(min(args.batch, len(raw) - b))])
     whole = Steps()
-    whole.total["whole stream + collate, in process"] = time.perf_counter() - start
+    whole.total["whole stream + collate, in process"] = time.process_time() - start
     return now.rows("ours", len(raw)) + before.rows("ours_before", len(raw)) + whole.rows("ours", len(raw))
 
 
@@ -308,10 +325,10 @@ def open_clip_breakdown(args) -> list[dict]:
 
     _, preprocess, tokenizer, _ = _open_clip_pipeline(args)
     steps = Steps()
-    start = time.perf_counter()
+    start = time.process_time()
     src = wds.tarfile_to_samples()([{"url": u} for u in args.urls])
     raw = [s for s, _ in zip(src, range(args.breakdown))]
-    steps.total["read"] = time.perf_counter() - start
+    steps.total["read"] = time.process_time() - start
     decode = wds.autodecode.Decoder([wds.autodecode.imagehandler("pilrgb")])
     names = {0: AUGMENT, 1: "to RGB", 2: "to float tensor", 3: "normalise"}
     for b in range(0, len(raw), args.batch):
@@ -395,26 +412,45 @@ def orchestrate(args) -> None:
     rows = []
     for r in range(args.rounds):
         for side, (python, path) in sides.items():
-            samples, seconds = _side(python, path, "rate", side, urls, args)
-            rows.append({"round": r, "side": side, "shards": f"{args.short_side}px", "samples": samples,
-                         "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1)})  # fmt: skip
-            print(rows[-1], flush=True)
+            rows.append(_rate_row(r, side, f"{args.short_side}px", _side(python, path, "rate", side, urls, args)))
     if args.draft_side:
         big = make_shards(root / f"shards_{args.draft_side}", 2, args.per_shard, args.draft_side, seed=1)
         for r in range(args.rounds):
             for side, extra in (("ours", ()), ("ours_no_draft", ("--no_draft",))):
-                samples, seconds = _side(ours_python, str(REPO), "rate", "ours", big, args, *extra)
-                rows.append({"round": r, "side": side, "shards": f"{args.draft_side}px", "samples": samples,
-                             "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1)})  # fmt: skip
-                print(rows[-1], flush=True)
+                measured = _side(ours_python, str(REPO), "rate", "ours", big, args, *extra)
+                rows.append(_rate_row(r, side, f"{args.draft_side}px", measured))
         draft = _side(ours_python, str(REPO), "draft", "ours", big, args)
         print(draft, flush=True)
         _write(RESULTS / f"{args.name}_draft.csv", [{"shards": f"{args.draft_side}px", **d} for d in draft])
     _write(RESULTS / f"{args.name}.csv", rows)
+    summarize(rows)
     steps = _side(ours_python, str(REPO), "breakdown", "ours", urls, args)
     steps += _side(oc_python, sides["open_clip"][1], "breakdown", "open_clip", urls, args)
     _write(RESULTS / f"{args.name}_steps.csv", steps)
     plot(rows, steps, RESULTS / f"{args.name}.png", args)
+
+
+def _rate_row(round_: int, side: str, shards: str, measured: dict) -> dict:
+    row = {"round": round_, "side": side, "shards": shards, **measured}
+    row["samples_per_cpu_s"] = round(measured["samples"] / measured["worker_cpu_s"], 1)
+    row["samples_per_wall_s"] = round(measured["samples"] / measured["wall_s"], 1)
+    print(row, flush=True)
+    return row
+
+
+def summarize(rows: list[dict]) -> None:
+    """Each side's median samples per worker CPU-second, and the medians over rounds of ours / open_clip."""
+    by: dict[tuple[str, str], dict[int, float]] = {}
+    for r in rows:
+        by.setdefault((r["shards"], r["side"]), {})[int(r["round"])] = float(r["samples_per_cpu_s"])
+    for (shards, side), rates in by.items():
+        print(f"{shards} {side}: {statistics.median(rates.values()):.1f} samples per worker CPU-second")
+    for side in ("ours", "ours_before"):
+        for shards in {s for s, _ in by}:
+            ours, theirs = by.get((shards, side)), by.get((shards, "open_clip"))
+            if ours and theirs:
+                ratio = statistics.median(ours[r] / theirs[r] for r in ours if r in theirs)
+                print(f"{shards} {side} / open_clip: {ratio:.2f}x (median over rounds)")
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -432,17 +468,18 @@ def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
     order = [s for s in ("ours_before", "ours", "open_clip") if any(r["side"] == s for r in rows)]
     shards = f"{args.short_side}px"
     medians = [
-        statistics.median(r["samples_per_s"] for r in rows if (r["side"], r["shards"]) == (s, shards)) for s in order
+        statistics.median(r["samples_per_cpu_s"] for r in rows if (r["side"], r["shards"]) == (s, shards))
+        for s in order
     ]
     colours = {"ours_before": "#bbbbbb", "ours": "#1f77b4", "open_clip": "#ff7f0e"}
     left.bar(order, medians, color=[colours[s] for s in order])
     for i, m in enumerate(medians):
         left.text(i, m, f"{m:.0f}", ha="center", va="bottom")
-    left.set_ylabel("samples/s, one DataLoader worker")
+    left.set_ylabel("samples per CPU-second of the one DataLoader worker")
     left.set_title(f"{args.short_side} px JPEGs -> {CROP} px crops, batch {args.batch}")
     sides = [s for s in ("ours_before", "ours", "open_clip") if any(r["side"] == s for r in steps)]
     step_names = list(dict.fromkeys(r["step"] for r in steps if not r["step"].startswith("whole")))
@@ -452,9 +489,9 @@ def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
         vals = [sum(r["us_per_sample"] for r in steps if r["side"] == s and r["step"] == step) for s in sides]
         right.barh(sides, vals, left=bottom, color=cmap(k), label=step)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    right.set_xlabel("microseconds per sample, one thread")
+    right.set_xlabel("CPU microseconds per sample, one thread")
     right.set_title("per-step cost")
-    right.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print("wrote", out)
