@@ -31,6 +31,7 @@ COMMANDS = {
     (None, "push"): ("disco_clip_ds.hub", "push_main", "upload an exported folder to the HF hub"),
     (None, "plan"): ("disco_clip_ds.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic plan"),
     (None, "slurm-launch"): ("disco_clip_ds.cluster", "main", "start this node's launcher from SLURM's variables"),
+    (None, "node-check"): ("disco_clip_ds.cluster", "node_check_main", "check a node's hostfile and node rank"),
     ("bench", "loss"): ("bench/loss/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),
     ("bench", "train"): ("bench/train/train_bench.py", None, "benchmark training throughput per loss"),
 }

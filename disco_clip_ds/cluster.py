@@ -1,16 +1,22 @@
-"""`disco-clip slurm-launch`: start this node's launcher of a multi-node job from SLURM's variables.
+"""`disco-clip slurm-launch`: start this node's launcher of a multi-node job from SLURM's variables; `disco-clip
+node-check`: a node's launch arguments (hostfile, node rank), checked before its launcher starts.
 
 `srun` runs one task per node (`--ntasks-per-node=1`); each task becomes (exec) the launcher with this node's rank
 and the job's master address: the first host of SLURM_JOB_NODELIST (expanded with python-hostlist, the compressed
 `gpu[01-04,07]` form included), SLURM_NODEID as the node rank, SLURM_JOB_NUM_NODES nodes. Exec rather than a
 child process, so that the signals SLURM sends the task (preemption, `--signal`) reach the launcher itself.
 recipes/slurm_multinode.sbatch uses it.
+
+The launchers' own checks of a node's arguments are a traceback (deepspeed: a bad hostfile line, a --node_rank out of
+range) or a wait without end (torchrun: a --node_rank out of range waits for a node that never comes):
+`check_node_launch` says the same in one line, and the recipes run it first.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +24,59 @@ from pathlib import Path
 from .errors import UsageError
 
 LAUNCHERS = ("torchrun", "deepspeed")
+# torchrun with restarts across nodes: the shared rendezvous store hangs the restarted workers (nodes.check_elastic)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed 0.19's rule (launcher/runner.py _parse_hostfile)
+
+
+def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """The (host, slots) lines of a DeepSpeed hostfile, by DeepSpeed's own rule (`HOSTFILE_LINE`, '#' comments and
+    blank lines skipped, a host once); UsageError naming the line that breaks it. Not deepspeed's parser itself:
+    importing deepspeed to read two columns costs seconds and prints its accelerator banner."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise UsageError(f"--hostfile {path}: {error.strerror or error}") from None
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.search(line)
+        if not match:
+            raise UsageError(f"--hostfile {path} line {number} {line!r}: write one node per line, 'HOST slots=GPUS'")
+        if match.group(1) in hosts:
+            raise UsageError(f"--hostfile {path} line {number}: {match.group(1)} is listed twice; one line per node")
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts:
+        raise UsageError(f"--hostfile {path} names no node: write one node per line, 'HOST slots=GPUS'")
+    return list(hosts.items())
+
+
+def check_node_launch(nnodes: str | None = None, node_rank: int | None = None, hostfile: str | None = None) -> None:
+    """This node's launch arguments: a hostfile DeepSpeed reads (`read_hostfile`), and a --node_rank within the
+    nodes (--nnodes, or the hostfile's lines). UsageError in one line; an elastic range (--nnodes 1:4) assigns ranks
+    itself and is not checked."""
+    count = len(read_hostfile(hostfile)) if hostfile else None
+    where = f"the {count} nodes of --hostfile {hostfile}" if hostfile else f"--nnodes {nnodes}"
+    if count is None and nnodes is not None and ":" not in nnodes:
+        if not nnodes.isdigit() or int(nnodes) < 1:
+            raise UsageError(f"--nnodes {nnodes}: give the number of nodes (or MIN:MAX for an elastic launch)")
+        count = int(nnodes)
+    if node_rank is not None and count is not None and not 0 <= node_rank < count:
+        raise UsageError(f"--node_rank {node_rank} is out of range for {where}: give 0 to {count - 1}, one per node")
+
+
+def node_check_main(argv: list[str] | None = None) -> int:
+    """`disco-clip node-check [--hostfile H] [--nnodes N] [--node_rank R]`: exit 0 when they can work, else one
+    line and exit 2."""
+    parser = argparse.ArgumentParser(prog="disco-clip node-check", description=check_node_launch.__doc__)
+    parser.add_argument("--hostfile")
+    parser.add_argument("--nnodes")
+    parser.add_argument("--node_rank", type=int)
+    args = parser.parse_args(argv)
+    check_node_launch(args.nnodes, args.node_rank, args.hostfile)
+    return 0
 
 
 def slurm_nodes(env=os.environ) -> tuple[list[str], int]:
@@ -85,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("give the training arguments after `--`, e.g. -- --output_dir runs/x --train_shards ...")
     command = launch_command(train_args, os.environ, args.launcher, args.nproc_per_node, args.master_port)
     print("slurm-launch:", " ".join(command), flush=True)
-    os.execv(command[0], command)
+    os.execve(command[0], command, {**os.environ, **ELASTIC_ENV})
     return 0  # not reached
 
 

@@ -213,6 +213,29 @@ def use_cpu_without_gpu(args) -> None:
         args.use_cpu = True
 
 
+# --- transformers: --ddp_timeout dropped on CPU ----------------------------------------------------------------------
+def init_cpu_process_group(args) -> None:
+    """transformers (5.x) passes `ddp_timeout` to the process group on GPU only: with use_cpu, `_setup_devices` hands
+    accelerate no timeout and gloo's group gets torch's 30 minutes, so a lost peer hangs its survivors that long.
+    Joining the group here first, with the timeout, is what accelerate would do (env://, the launcher's RANK and
+    WORLD_SIZE); it then finds the group up and keeps it. Call before TrainingArguments.__post_init__. Gate: use_cpu
+    in a launched rank whose group is not up yet."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if not (args.use_cpu and launched and int(os.environ["WORLD_SIZE"]) > 1) or dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=args.ddp_backend or "gloo",
+        timeout=timedelta(seconds=args.ddp_timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
 # --- deepspeed: deepspeed.comm unset on CPU before the engine exists -------------------------------------------------
 def init_deepspeed_comm(args) -> None:
     """ZeRO-3 builds the model inside deepspeed.zero.Init, which reads the world size from deepspeed.comm. With
@@ -223,7 +246,7 @@ def init_deepspeed_comm(args) -> None:
     if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
         import deepspeed
 
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=args.ddp_timeout_delta)  # its default is DeepSpeed's own 10 minutes
         unlink_deepspeed_shm_buffer()
 
 

@@ -5,7 +5,7 @@ Every command (`disco-clip ...` and `python -m disco_clip_ds.<module>`) runs thr
 line and returns the error's exit code:
 
     0    done (or already finished)
-    1    a run that failed (a full disk, a corrupt input, a failed download, a loss that is not finite)
+    1    a run that failed (a full disk, a corrupt input, a failed download, a loss that is not finite, a lost peer)
     2    bad usage: what was passed cannot work (argparse's own code)
     75   stopped by a signal after a complete checkpoint: re-run the same command to resume (EX_TEMPFAIL)
     143  a training rank whose launcher died (as if terminated by SIGTERM along with it)
@@ -58,6 +58,11 @@ class TrainingDiverged(DiscoClipError, ArithmeticError):
 
 class ExportError(DiscoClipError):
     """A checkpoint or output folder that cannot be exported or pushed, with what to do about it."""
+
+
+class PeerError(DiscoClipError):
+    """The other ranks could not be reached (no master, a node that never joined) or one stopped answering within
+    --ddp_timeout; the message says what to check."""
 
 
 class Preempted(DiscoClipError):

@@ -5,6 +5,11 @@ for classification or `key.txt` (captions, one per line) for retrieval; `classna
 `zeroshot_classification_templates.txt` (`{c}` = class name) next to the shards. ImageNet-1k class names and
 OpenAI's 80 templates ship in `resources/` for users who bring their own ImageNet val shards.
 
+Or a 🤗 `datasets` dataset (`DatasetSource`): a folder saved with `save_to_disk`, a parquet folder or data file,
+or a hub id, with an image column and a `ClassLabel` column (class names from the feature) for classification,
+or an image column and a caption column (a string or a list of strings per image) for retrieval. Templates come
+from the same file beside it (in the folder, or beside the file), else OpenAI's.
+
 Recall@k counts equal scores as CLIP_benchmark's code does (its `torch.topk` picks among them, see
 `retrieval_metrics`), not in the model's favour: with repeated captions the numbers match CLIP_benchmark's.
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tarfile
 import warnings
@@ -226,12 +232,13 @@ def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iter
     )
     for batch in dataset:
         images, values = zip(*batch)
-        pixel_values = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")[
-            "pixel_values"
-        ]
         if fields == "txt":
             values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
-        yield pixel_values, list(values)
+        yield _pixels(image_processor, images), list(values)
+
+
+def _pixels(image_processor, images) -> torch.Tensor:
+    return image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
 
 
 def _progress(batches, desc: str, enabled: bool):
@@ -240,15 +247,248 @@ def _progress(batches, desc: str, enabled: bool):
 
 
 def _as_batches(data, image_processor, fields: str, batch_size: int):
-    if isinstance(data, (str, os.PathLike)) or (
+    """Batches from a shard spec, a 🤗 datasets source (a DatasetSource, or a string naming one, opened with
+    its columns detected) or, as given, an iterable of batches."""
+    is_spec = isinstance(data, (str, os.PathLike)) or (
         isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))
-    ):
-        if image_processor is None:
-            raise ValueError(
-                "reading shards needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))"
-            )
+    )
+    if (is_spec or isinstance(data, DatasetSource)) and image_processor is None:
+        raise ValueError(
+            "reading images needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))"
+        )
+    if isinstance(data, (str, os.PathLike)) and is_datasets_source(str(data)):
+        task = "zeroshot_classification" if fields == "cls" else "zeroshot_retrieval"
+        data = DatasetSource.open(str(data), task)
+    if isinstance(data, DatasetSource):
+        return data.batches(image_processor, batch_size)
+    if is_spec:
         return shard_batches(data, image_processor, fields, batch_size)
     return data
+
+
+# ---------------------------------------------------------------------------------- 🤗 datasets sources
+
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "owner/name", as the hub spells them
+
+
+def _saved_to_disk(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+# what makes a folder without .tar shards at its top a datasets folder: data files, or images (imagefolder)
+FOLDER_DATA_SUFFIXES = {".parquet", ".arrow", *(f".{ext}" for ext in IMAGE_EXTS)}
+
+
+def is_datasets_source(data: str) -> bool:
+    """Whether `data` names a 🤗 datasets dataset rather than webdataset shards: a folder saved with
+    `save_to_disk`, a folder without .tar shards at its top that holds parquet or arrow files or images
+    (`imagefolder`: class subfolders, or a metadata.jsonl), a parquet / arrow / csv / json file, or, where no
+    such local path exists, a hub id ("name" or "owner/name")."""
+    if "::" in data or "{" in data or data.endswith(".tar") or is_url(data):
+        return False
+    path = Path(data)
+    if path.is_file():
+        return path.suffix in DATA_FILE_BUILDERS
+    if path.is_dir():
+        if any(path.glob("*.tar")):
+            return False
+        return _saved_to_disk(path) or any(p.suffix.lower() in FOLDER_DATA_SUFFIXES for p in path.rglob("*"))
+    return not data.startswith(("/", ".", "~")) and bool(_HUB_ID.match(data))
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _columns(features) -> str:
+    return ", ".join(features)
+
+
+def _is_text(feature) -> bool:
+    from datasets import Value
+
+    return isinstance(feature, Value) and feature.dtype in ("string", "large_string")
+
+
+def _is_captions(feature) -> bool:
+    """A string, or a list of strings, per row."""
+    from datasets import LargeList, List
+
+    if isinstance(feature, list) and len(feature) == 1:  # the old `[Value("string")]` spelling
+        return _is_text(feature[0])
+    return _is_text(feature) or (isinstance(feature, (List, LargeList)) and _is_text(feature.feature))
+
+
+def _is_image_like(feature) -> bool:
+    """An Image feature, or what `datasets.Image` casts from: image bytes, a path, or a {bytes, path} struct."""
+    from datasets import Image, Value
+
+    if isinstance(feature, Image):
+        return True
+    if isinstance(feature, Value):
+        return feature.dtype in ("string", "large_string", "binary", "large_binary")
+    return isinstance(feature, dict) and set(feature) == {"bytes", "path"}
+
+
+def _split_of(loaded, data: str, split: str | None):
+    """The split named `split` (default: the only one) of what datasets loaded."""
+    from datasets import DatasetDict, IterableDatasetDict
+
+    if isinstance(loaded, (DatasetDict, IterableDatasetDict)):
+        splits = dict(loaded)
+    else:  # one Dataset saved without a DatasetDict around it
+        splits = {str(loaded.split) if loaded.split else "train": loaded}
+    if split is None:
+        if len(splits) != 1:
+            raise UsageError(f"'{data}' has splits {', '.join(splits)}: pass --split NAME")
+        split = next(iter(splits))
+    if split not in splits:
+        raise UsageError(f"--split {split}: '{data}' has no such split (its splits: {', '.join(splits)})")
+    dataset = splits[split]
+    if dataset.features is None:  # a streamed json/csv whose types datasets has not read yet
+        dataset = dataset._resolve_features()
+    return dataset
+
+
+def load_eval_dataset(data: str, split: str | None = None, config: str | None = None):
+    """One split of a 🤗 datasets source (see `is_datasets_source`). Files and hub ids are streamed, so nothing
+    is copied into the datasets cache and no other split is downloaded; a `save_to_disk` folder is memory-mapped.
+    Anything datasets cannot open is a UsageError in one line."""
+    import datasets
+
+    path = Path(data)
+    try:
+        if path.is_dir() and _saved_to_disk(path):
+            if config:
+                raise UsageError(f"--dataset_config_name {config}: '{data}' is a save_to_disk folder, without configs")
+            loaded = datasets.load_from_disk(data)
+        elif path.is_file():
+            loaded = datasets.load_dataset(DATA_FILE_BUILDERS[path.suffix], data_files=data, streaming=True)
+        else:  # a folder of data files, or a hub id
+            loaded = datasets.load_dataset(data, name=config, streaming=True)
+    except (OSError, ValueError) as e:  # not found / offline (ConnectionError, DatasetNotFoundError), a bad config
+        where = "" if path.exists() else "no such local folder or file, and as a hub dataset: "
+        hint = "; pass --dataset_config_name NAME" if "Config name is missing" in str(e) else ""
+        raise UsageError(f"--data {data}: {where}{_one_line(e)}{hint}") from e
+    return _split_of(loaded, data, split)
+
+
+@dataclass
+class DatasetSource:
+    """A 🤗 datasets eval set, its columns checked: `image_column` and `value_column` (the ClassLabel for
+    zero-shot classification, the captions for retrieval). `classnames` are the ClassLabel's names, or the
+    ones given. Open one with `DatasetSource.open`; read it in order, whole, on every rank."""
+
+    dataset: object
+    name: str
+    task: str
+    image_column: str
+    value_column: str
+    classnames: list[str] | None = None
+
+    @classmethod
+    def open(
+        cls,
+        data: str,
+        task: str,
+        *,
+        split: str | None = None,
+        config: str | None = None,
+        image_column: str | None = None,
+        label_column: str | None = None,
+        caption_column: str | None = None,
+        classnames: Sequence[str] | None = None,
+    ) -> "DatasetSource":
+        """Load `data` and pick its columns: each named one must exist and hold the right kind of values; one
+        not named is the only column of its kind (the only Image column, the only ClassLabel, the only string or
+        list-of-strings column besides the image). Every problem is a UsageError in one line."""
+        dataset = load_eval_dataset(data, split, config)
+        features = dataset.features
+        image = _image_column(features, image_column, data)
+        if task == "zeroshot_classification":
+            value, names = _label_column(features, label_column, data, classnames)
+        else:
+            value, names = _caption_column(features, caption_column, data, image), None
+        return cls(dataset, data, task, image, value, names)
+
+    def batches(self, image_processor, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
+        """(pixel_values, [class index or caption list]) batches, in the dataset's order."""
+        from datasets import Image
+
+        dataset = self.dataset.select_columns([self.image_column, self.value_column])
+        if not isinstance(dataset.features[self.image_column], Image):
+            dataset = dataset.cast_column(self.image_column, Image())  # decode bytes or paths as an Image column
+        row = 0
+        for batch in dataset.iter(batch_size=batch_size):
+            images, values = batch[self.image_column], batch[self.value_column]
+            if any(image is None for image in images):
+                missing = row + next(i for i, image in enumerate(images) if image is None)
+                raise DataError(f"row {missing} of '{self.name}' has no image in column '{self.image_column}'")
+            if self.task == "zeroshot_retrieval":
+                values = [_caption_list(caption) for caption in values]
+            row += len(images)
+            yield _pixels(image_processor, images), list(values)
+
+
+def _caption_list(value) -> list[str]:
+    """A row's captions: one string is one caption (CLIP_benchmark counts several per image as a list)."""
+    texts = [value] if isinstance(value, str) else list(value or [])
+    return [text.strip() for text in texts if text and text.strip()]
+
+
+def _named(features, name: str, flag: str, data: str):
+    if name not in features:
+        raise UsageError(f"{flag} {name}: no such column in '{data}' (its columns: {_columns(features)})")
+    return features[name]
+
+
+def _only(features, found: list[str], kind: str, flag: str, data: str) -> str:
+    if len(found) != 1:
+        which = f"several {kind} columns ({', '.join(found)})" if found else f"no {kind} column"
+        raise UsageError(f"'{data}' has {which}: pass {flag} NAME (its columns: {_columns(features)})")
+    return found[0]
+
+
+def _image_column(features, name: str | None, data: str) -> str:
+    from datasets import Image
+
+    if name is None:
+        found = [column for column, feature in features.items() if isinstance(feature, Image)]
+        return _only(features, found, "Image", "--image_column", data)
+    feature = _named(features, name, "--image_column", data)
+    if not _is_image_like(feature):
+        raise UsageError(f"--image_column {name} holds {feature}, neither images nor image bytes or paths")
+    return name
+
+
+def _label_column(features, name: str | None, data: str, classnames) -> tuple[str, list[str]]:
+    from datasets import ClassLabel, Value
+
+    if name is None:
+        found = [column for column, feature in features.items() if isinstance(feature, ClassLabel)]
+        name = _only(features, found, "ClassLabel", "--label_column", data)
+    feature = _named(features, name, "--label_column", data)
+    if isinstance(feature, ClassLabel):
+        return name, list(classnames) if classnames else list(feature.names)
+    if not (isinstance(feature, Value) and feature.dtype.startswith(("int", "uint"))):
+        raise UsageError(f"--label_column {name} holds {feature}: it must hold class indices (a ClassLabel)")
+    if not classnames:
+        raise UsageError(
+            f"--label_column {name} is {feature}, not a ClassLabel with class names: pass --classnames FILE "
+            "(one name per class index, or imagenet1k)"
+        )
+    return name, list(classnames)
+
+
+def _caption_column(features, name: str | None, data: str, image: str) -> str:
+    if name is None:
+        found = [column for column, feature in features.items() if column != image and _is_captions(feature)]
+        return _only(features, found, "caption (string or list of strings)", "--caption_column", data)
+    feature = _named(features, name, "--caption_column", data)
+    if not _is_captions(feature):
+        raise UsageError(f"--caption_column {name} holds {feature}: it must hold a string or a list of strings")
+    return name
 
 
 # ------------------------------------------------------------------------------------------------ tasks
@@ -394,8 +634,10 @@ def find_templates(data: str, templates: str | None) -> list[str]:
 class ZeroShotCallback(TrainerCallback):
     """Zero-shot classification every `every_n_steps` optimizer steps (and at the last), logged like the loss.
 
-    Runs on every rank (ZeRO-3 forwards are collectives) and logs through `trainer.log`, so the metrics reach
-    the console, TensorBoard and `trainer_state.json` as `zeroshot_acc1` etc. Register it with
+    `data_dir` is what `disco-clip eval --data` takes: shards, or a 🤗 datasets source (then `split`, `config`,
+    `image_column` and `label_column` as `DatasetSource.open` takes them; by default the only split and column
+    of each kind). Runs on every rank (ZeRO-3 forwards are collectives) and logs through `trainer.log`, so the
+    metrics reach the console, TensorBoard and `trainer_state.json` as `zeroshot_acc1` etc. Register it with
     `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through.
     """
 
@@ -409,14 +651,35 @@ class ZeroShotCallback(TrainerCallback):
         image_processor=None,
         classnames=None,
         templates=None,
+        *,
+        split: str | None = None,
+        config: str | None = None,
+        image_column: str | None = None,
+        label_column: str | None = None,
     ):
         from transformers import CLIPImageProcessor
 
         if every_n_steps <= 0:
             raise UsageError(f"every_n_steps must be positive, got {every_n_steps}")
         self.data = str(data_dir)
-        self.shards = resolve_shards(self.data)
-        self.classnames = find_classnames(self.data, classnames)
+        if is_datasets_source(self.data):
+            self.source = DatasetSource.open(
+                self.data,
+                "zeroshot_classification",
+                split=split,
+                config=config,
+                image_column=image_column,
+                label_column=label_column,
+                classnames=find_classnames(self.data, classnames) if classnames else None,
+            )
+            self.classnames = self.source.classnames
+        else:
+            _refuse_dataset_options(
+                self.data,
+                {"split": split, "config": config, "image_column": image_column, "label_column": label_column},
+            )
+            self.source = resolve_shards(self.data)
+            self.classnames = find_classnames(self.data, classnames)
         self.templates = find_templates(self.data, templates)
         self.tokenizer = tokenizer
         self.image_processor = image_processor or CLIPImageProcessor(
@@ -443,7 +706,7 @@ class ZeroShotCallback(TrainerCallback):
         metrics = zeroshot_classification(
             model,
             self.tokenizer,
-            self.shards,
+            self.source,
             self.classnames,
             self.templates,
             image_processor=self.image_processor,
@@ -460,13 +723,36 @@ class ZeroShotCallback(TrainerCallback):
 class EvalArguments:
     model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
     data: str = field(
-        metadata={"help": "webdataset shards: a folder, 'dir/{00000..00009}.tar', or sources joined by '::'"}
+        metadata={
+            "help": "webdataset shards (a folder, 'dir/{00000..00009}.tar', or sources joined by '::'), or a datasets "
+            "dataset: a save_to_disk or parquet folder, a parquet/arrow/csv/json file, or a hub id"
+        }
     )
     task: str = field(
         default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]}
     )
+    split: str | None = field(default=None, metadata={"help": "split of a datasets dataset (default: its only one)"})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "config of a datasets dataset"})
+    image_column: str | None = field(
+        default=None, metadata={"help": "datasets: the image column (default: the only Image column)"}
+    )
+    label_column: str | None = field(
+        default=None,
+        metadata={"help": "datasets, zeroshot_classification: the class column (default: the only ClassLabel)"},
+    )
+    caption_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "datasets, zeroshot_retrieval: a string or list of strings per image (default: the only such "
+            "column)"
+        },
+    )
     classnames: str | None = field(
-        default=None, metadata={"help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards)"}
+        default=None,
+        metadata={
+            "help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards, or a datasets "
+            "ClassLabel's names)"
+        },
     )
     templates: str | None = field(
         default=None, metadata={"help": "templates file or 'openai_imagenet' (default: beside the shards, or OpenAI's)"}
@@ -474,6 +760,14 @@ class EvalArguments:
     batch_size: int = field(default=64)
     output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+
+
+def _refuse_dataset_options(data: str, given: dict[str, str | None]) -> None:
+    """The split and column options ({flag: value}) read a datasets dataset; with shards they would be ignored,
+    so refuse them."""
+    used = [flag for flag, value in given.items() if value]
+    if used:
+        raise UsageError(f"{', '.join(used)}: for a datasets dataset, but '{data}' is webdataset shards")
 
 
 def load_for_eval(model_id: str, device: str = "cpu"):
@@ -498,18 +792,42 @@ def run_eval(args: EvalArguments) -> dict:
     """Evaluate as the CLI does and return CLIP_benchmark's result record."""
     if args.batch_size <= 0:
         raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
-    shards = resolve_shards(args.data)
-    check_eval_shards(shards, args.task)
-    if args.task == "zeroshot_classification":
-        classnames, templates = find_classnames(args.data, args.classnames), find_templates(args.data, args.templates)
+    classify = args.task == "zeroshot_classification"
+    if is_datasets_source(args.data):
+        data = DatasetSource.open(
+            args.data,
+            args.task,
+            split=args.split,
+            config=args.dataset_config_name,
+            image_column=args.image_column,
+            label_column=args.label_column,
+            caption_column=args.caption_column,
+            classnames=find_classnames(args.data, args.classnames) if classify and args.classnames else None,
+        )
+        classnames = data.classnames
+    else:
+        _refuse_dataset_options(
+            args.data,
+            {
+                "--split": args.split,
+                "--dataset_config_name": args.dataset_config_name,
+                "--image_column": args.image_column,
+                "--label_column": args.label_column,
+                "--caption_column": args.caption_column,
+            },
+        )
+        data = resolve_shards(args.data)
+        check_eval_shards(data, args.task)
+        classnames = find_classnames(args.data, args.classnames) if classify else None
+    templates = find_templates(args.data, args.templates) if classify else None
     model, tokenizer, image_processor = load_for_eval(args.model, args.device)
-    if args.task == "zeroshot_classification":
+    if classify:
         metrics = zeroshot_classification(
-            model, tokenizer, shards, classnames, templates, image_processor=image_processor, batch_size=args.batch_size
+            model, tokenizer, data, classnames, templates, image_processor=image_processor, batch_size=args.batch_size
         )
     else:
         metrics = zeroshot_retrieval(
-            model, tokenizer, shards, image_processor=image_processor, batch_size=args.batch_size
+            model, tokenizer, data, image_processor=image_processor, batch_size=args.batch_size
         )
     return {
         "dataset": args.data,

@@ -5,7 +5,9 @@ One environment variable names them, entries separated by ';':
     DISCO_FAULT="ACTION[=VALUE]:KEY=N,KEY=N;ACTION[=VALUE]:KEY=N"
 
 An entry fires at its point when every KEY=N holds there: `step` (the optimizer step), `shard` (a download shard),
-`rank` (this process's training rank). A VALUE holds no ':' or ';'. The actions, by point:
+`rank` (this process's training rank), `attempt` (torchrun's restart count, TORCHELASTIC_RESTART_COUNT: 0 on the
+first start and counted per node, so that a fault does not fire again in the workers an elastic launch restarts on
+that node). A VALUE holds no ':' or ';'. The actions, by point:
 
 In a training rank's checkpoint save (`checkpoints.py`), after the model and DeepSpeed files are written and before
 the RNG and Trainer state:
@@ -75,6 +77,8 @@ def _holds(key: str, n: int, at: dict[str, int]) -> bool:
         from .ranks import rank  # here: the download workers, which never ask for a rank, do not import torch
 
         return rank() == n
+    if key == "attempt":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == n
     return at.get(key) == n
 
 

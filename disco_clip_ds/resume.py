@@ -116,10 +116,17 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
     plugin = args.deepspeed_plugin
     ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
     accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
+    if data_args.train_shards:
+        data, num_shards, digest = data_args.train_shards, len(urls), shards_digest(urls)
+    else:  # a `datasets` dataset: what the arguments name (source, split, columns, streaming) is its fingerprint
+        from .data.hf import describe_source
+
+        data, num_shards = describe_source(data_args), None
+        digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     return {
-        "data": data_args.train_shards,
-        "num_shards": len(urls),
-        "shards_sha256": shards_digest(urls),
+        "data": data,
+        "num_shards": num_shards,
+        "shards_sha256": digest,
         "train_num_samples": num_samples,
         "world_size": args.world_size,
         "micro_batch_per_rank": args.per_device_train_batch_size,
@@ -284,9 +291,13 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
         )
     if known("shards_sha256") and old["shards_sha256"] != new["shards_sha256"]:
         problems.append(
-            f"training data {old.get('data')} ({old.get('num_shards')} shards) -> {new.get('data')} "
-            f"({new.get('num_shards')} shards): pass the run's --train_shards, or --ignore_data_skip to train on the "
-            "new data from its start"
+            f"training data {_data(old)} -> {_data(new)}: pass the run's "
+            + (
+                "--train_shards"
+                if old.get("num_shards") is not None
+                else "--dataset_name/--train_file, split and columns"
+            )
+            + ", or --ignore_data_skip to train on the new data from its start"
         )
     if known("train_num_samples") and old["train_num_samples"] != new["train_num_samples"]:
         problems.append(
@@ -294,6 +305,11 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             f"--train_num_samples {old['train_num_samples']}, or --ignore_data_skip to restart the data stream"
         )
     return problems
+
+
+def _data(facts: dict) -> str:
+    shards = facts.get("num_shards")
+    return f"{facts.get('data')}" + (f" ({shards} shards)" if shards is not None else "")
 
 
 def converts_world_size(old: dict, new: dict) -> bool:

@@ -1,12 +1,15 @@
 """One writer per run folder: rank 0 holds an exclusive lock on OUTPUT_DIR/run.lock for as long as it trains.
 
-flock, not a pid file: the kernel releases the lock when its holder dies, however it dies. Taking the lock also
-removes what an interrupted save left in the staging folder (`checkpoints.STAGING`), which no other run can be
-writing then.
+A POSIX record lock (lockf), not a pid file: the kernel releases it when its holder dies, however it dies. Not
+flock either: a flock is shared with every child forked while it is held, so a DataLoader worker that outlives a
+killed rank 0 by its few seconds would hold the run's lock against the rank that torchrun restarts at once. Taking
+the lock also removes what an interrupted save left in the staging folder (`checkpoints.STAGING`), which no other run
+can be writing then.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -42,8 +45,11 @@ def _take_lock(output_dir: Path) -> str | None:
     fd = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     holder = os.read(fd, 4096).decode(errors="replace").strip()
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        # held by this process alone; closing any fd of the file would drop it (this one stays open)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
         os.close(fd)
         return (
             f"{output_dir} is in use by another run ({holder or 'holder unknown'}): wait for it to end, "

@@ -31,7 +31,7 @@ from transformers import (
     set_seed,
 )
 
-from . import compat, resume
+from . import compat, nodes, peers, resume
 from .accumulate import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from .checkpoints import (
     CompleteCheckpointsMixin,
@@ -44,7 +44,8 @@ from .checkpoints import (
     newest_complete,
     resolve_latest,
 )
-from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_KEY, ClipCollator, ShardStream, error_message
+from .data.hf import HFData, HFStream, load_training_dataset
+from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_FIELDS, POSITION_KEY, ClipCollator, ShardStream, error_message
 from .data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
 from .data.stream_state import (
     STATE_FILE,
@@ -116,14 +117,50 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    train_shards: str = field(
-        metadata={"help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::'"}
+    train_shards: str | None = field(
+        default=None,
+        metadata={
+            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (or give "
+            "--dataset_name / --train_file)"
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "a 🤗 datasets dataset to train from: hub id, or a folder (save_to_disk, parquet files, "
+            "imagefolder with metadata.jsonl)"
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "the configuration of --dataset_name"})
+    train_split: str = field(default="train", metadata={"help": "the split of --dataset_name to train on"})
+    train_file: str | None = field(
+        default=None, metadata={"help": "a csv, json(l) or parquet file of image paths (or bytes) and captions"}
+    )
+    image_column: str = field(
+        default="image",
+        metadata={"help": "column of --dataset_name/--train_file with the images: an Image feature, bytes or paths"},
+    )
+    caption_column: str = field(
+        default="caption",
+        metadata={"help": "column with the captions: a string, or a list of strings (one drawn per pass)"},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "stream --dataset_name/--train_file (an IterableDataset) instead of loading it"},
     )
     train_num_samples: int | None = field(
-        default=None, metadata={"help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json)"}
+        default=None,
+        metadata={
+            "help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json, or the dataset's "
+            "number of rows)"
+        },
     )
     shuffle_buffer: int = field(
-        default=1000, metadata={"help": "samples in each reader's shuffle buffer (0: stream order)"}
+        default=1000,
+        metadata={
+            "help": "samples in each reader's shuffle buffer (0: stream order; a map-style dataset is permuted "
+            "whole each pass unless 0)"
+        },
     )
     zeroshot_data: str | None = field(
         default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
@@ -161,6 +198,15 @@ class DiscoTrainingArguments(TrainingArguments):
             "step (gradient caching); false: independent micro-batch losses"
         },
     )
+    # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
+    # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
+    # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and
+    # setup at scale, a zero-shot eval (every rank runs it, so none waits long); short enough to free the nodes for
+    # a restart well within a preemptible job's slot. Raise it for a very slow shared filesystem.
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "seconds a rank waits for the others (joining, and every collective) before it stops"},
+    )
     stop_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={
@@ -171,7 +217,9 @@ class DiscoTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         compat.use_cpu_without_gpu(self)
-        super().__post_init__()
+        with peers.joining(self.ddp_timeout):  # TrainingArguments joins the process group while it is set up
+            compat.init_cpu_process_group(self)
+            super().__post_init__()
         if self.accelerator_config.dispatch_batches is None:
             # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
             self.accelerator_config.dispatch_batches = False
@@ -208,7 +256,7 @@ class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin,
             from transformers.trainer_utils import get_last_checkpoint
 
             checkpoint = get_last_checkpoint(self.args.output_dir)
-        state = read_stream_state(checkpoint) if isinstance(stream, ShardStream) else None
+        state = read_stream_state(checkpoint) if isinstance(stream, (ShardStream, HFStream)) else None
         if state is None:
             logger.info(
                 "resume: %s has no %s (saved by an older version): fast-forwarding the data stream by reading and "
@@ -219,7 +267,10 @@ class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin,
             )
             self._skipped_on_resume = True  # the skipped batches' positions are never seen
             return super().get_resumed_dataloader(dataloader, num_batches)
-        positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
+        if isinstance(stream, HFStream):
+            positions = stream.positions_from(state, checkpoint)
+        else:
+            positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
         config = self.args.accelerator_config
         # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
         per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
@@ -233,14 +284,16 @@ class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin,
     def _save_checkpoint(self, model, trial) -> None:
         # every rank's newest stream positions, gathered before anything is written: a collective inside the save
         # would hang when one rank's write fails before it
-        rows = as_rows(self._stream_positions, max(1, self.args.dataloader_num_workers))
+        width = len(getattr(self.train_dataset, "position_fields", POSITION_FIELDS))
+        rows = as_rows(self._stream_positions, max(1, self.args.dataloader_num_workers), width)
         self._stream_rows = self.accelerator.gather(rows.to(self.args.device)).cpu()
         super()._save_checkpoint(model, trial)
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         stream = self.train_dataset
-        if not (self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ShardStream)):
+        readers_known = isinstance(stream, (ShardStream, HFStream))
+        if not (self.is_world_process_zero() and self._stream_rows is not None and readers_known):
             return
         seen = len(set(self._stream_rows[:, 0].tolist()) - {-1})
         if self._skipped_on_resume and seen < stream.num_readers:
@@ -253,7 +306,10 @@ class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin,
                 stream.num_readers,
             )
             return
-        write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
+        if isinstance(stream, HFStream):
+            stream.write_state(output_dir, self._stream_rows)
+        else:
+            write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -404,25 +460,45 @@ class CheckedRun:
     tokenizer: object
     image_size: int
     max_length: int
+    hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
     """Every check of the arguments, before any work: a UsageError (or AccumulationError) saying what to change.
 
-    Reads the shard lists, the tokenizer and the model's config (not its weights), so that a tokenizer or image
-    size that does not fit the model is refused before the model is built. Identical on every rank."""
+    Reads the shard lists (or loads and checks the `datasets` dataset), the tokenizer and the model's config (not
+    its weights), so that a tokenizer or image size that does not fit the model is refused before the model is
+    built. Identical on every rank."""
     check_contrastive_accumulation(args, model_args.loss_impl)
     check_deepspeed_batch(args)
     _check_numbers(args)
     _check_model_source(model_args)
     hub_model_id = _check_hub_and_zeroshot(data_args, args)
     stop_signals = parse_signals(args.stop_signals)
+    hf, urls = _check_source(data_args, args), []
     with _usage_error():  # unreadable shard lists and counts: the messages name the fix
-        urls = expand_shards(data_args.train_shards)
-        max_steps, num_samples = _steps_and_samples(data_args, args, urls)
-        _check_readers(data_args, args, urls)
+        if hf is None:
+            urls = expand_shards(data_args.train_shards)
+        max_steps, num_samples = _steps_and_samples(data_args, args, urls, hf)
+        if hf is None:
+            _check_readers(data_args, args, urls)
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
-    return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length)
+    return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
+
+
+def _check_source(data_args: DataArguments, args: DiscoTrainingArguments) -> HFData | None:
+    """Exactly one training source: shards (None returned), or a `datasets` dataset, loaded and checked."""
+    hf_flags = [f for f, v in (("--dataset_name", data_args.dataset_name), ("--train_file", data_args.train_file)) if v]
+    if bool(data_args.train_shards) == bool(hf_flags) or len(hf_flags) > 1:
+        given = (["--train_shards"] if data_args.train_shards else []) + hf_flags
+        raise UsageError(
+            f"give exactly one training source: --train_shards, --dataset_name or --train_file (got "
+            f"{' and '.join(given) or 'none'})"
+        )
+    if not hf_flags:
+        return None
+    ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+    return load_training_dataset(data_args, ranks * max(1, args.dataloader_num_workers))
 
 
 def _check_readers(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> None:
@@ -444,10 +520,15 @@ def _check_readers(data_args: DataArguments, args: DiscoTrainingArguments, urls:
         )
 
 
-def _steps_and_samples(data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str]) -> tuple[int, int]:
-    num_samples = data_args.train_num_samples or count_samples(urls)
+def _steps_and_samples(
+    data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str], hf: HFData | None = None
+) -> tuple[int, int]:
+    if hf is not None and not (data_args.train_num_samples or hf.num_rows):
+        raise UsageError(f"{hf.description}: its number of rows is not known: pass --train_num_samples")
+    num_samples = data_args.train_num_samples or (hf.num_rows if hf is not None else count_samples(urls))
     if num_samples <= 0:
-        raise UsageError(f"no training samples in {data_args.train_shards} (count {num_samples})")
+        source = data_args.train_shards if hf is None else hf.description
+        raise UsageError(f"no training samples in {source} (count {num_samples})")
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.max_steps > 0:
         return args.max_steps, num_samples
@@ -659,12 +740,14 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
     to output_dir. Validates every argument first; holds output_dir's run lock throughout; raises Preempted after
     a stop signal's checkpoint."""
+    nodes.check_nodes(model_args, data_args, args)  # every rank started alike, one --output_dir seen by all
     checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
     check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
     acquire_run_lock(args.output_dir)
     try:
-        return _train(model_args, data_args, args, checked)
+        with peers.watching(args.ddp_timeout):
+            return _train(model_args, data_args, args, checked)
     finally:
         release_run_lock()
 
@@ -691,8 +774,9 @@ def _train(
 
     reads_own_shards = not args.accelerator_config.dispatch_batches
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
-    stream = ShardStream(
-        checked.urls,
+    source = ShardStream if checked.hf is None else HFStream
+    stream = source(
+        checked.urls if checked.hf is None else checked.hf,
         checked.image_size,
         rank=rank,
         world_size=world,
@@ -744,7 +828,7 @@ def _train(
     return metrics
 
 
-def _stream_totals(trainer: DiscoTrainer, stream: ShardStream) -> tuple[int, int]:
+def _stream_totals(trainer: DiscoTrainer, stream: ShardStream | HFStream) -> tuple[int, int]:
     """(skipped, decoded) samples over all ranks: decoded ~ steps x global batch, plus what was prefetched."""
     local = torch.tensor([[float(stream.skipped.value), float(stream.decoded.value)]], device=trainer.args.device)
     skipped, decoded = trainer.accelerator.gather(local).sum(dim=0).tolist()

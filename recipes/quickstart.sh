@@ -2,35 +2,47 @@
 # The main job on the embedded default, on a fresh machine: set up .venv, build the offline digits demo
 # dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
 # minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss.
+# DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
+#   DATA_FORMAT=hf bash recipes/quickstart.sh   # DATA=data/demo_hf OUT=outputs/quickstart_hf (VENV=.venv too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank: the ranks share the cores
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 NPROC=${NPROC:-2} STEPS=${STEPS:-300} PER_RANK=${PER_RANK:-128}
-LOSS=${LOSS:-softmax}
+LOSS=${LOSS:-softmax} DATA_FORMAT=${DATA_FORMAT:-shards}
+case "$DATA_FORMAT" in
+  shards) DATA=${DATA:-data/demo}; BUILT="$DATA/train/sizes.json"; FMT="" ;;
+  hf) DATA=${DATA:-data/demo_hf}; BUILT="$DATA/eval/zeroshot_classification_templates.txt"; FMT=_hf ;;
+  *) echo "DATA_FORMAT=$DATA_FORMAT: shards (webdataset tar shards) or hf (a datasets parquet dataset)" >&2; exit 2 ;;
+esac
 case "$LOSS" in
-  softmax) MODEL=recipes/models/tiny.json; OUT=${OUT:-outputs/quickstart} ;;
-  sigmoid) MODEL=recipes/models/siglip_tiny.json; OUT=${OUT:-outputs/quickstart_sigmoid} ;;
+  softmax) MODEL=recipes/models/tiny.json; OUT=${OUT:-outputs/quickstart$FMT} ;;
+  sigmoid) MODEL=recipes/models/siglip_tiny.json; OUT=${OUT:-outputs/quickstart_sigmoid$FMT} ;;
   *) echo "LOSS=$LOSS: softmax (CLIP) or sigmoid (SigLIP)" >&2; exit 2 ;;
 esac
-DATA=${DATA:-data/demo}
+# the training source: run_clip's flags for a datasets dataset (its train split, image and caption columns)
+if [ "$DATA_FORMAT" = hf ]; then
+  TRAIN_DATA=(--dataset_name "$DATA/train" --train_split train --image_column image --caption_column caption)
+else
+  TRAIN_DATA=(--train_shards "$DATA/train")
+fi
 
-VENV=.venv
+VENV=${VENV:-.venv}
 [ -x $VENV/bin/python ] || python3 -m venv $VENV
 # torch first: a bare `torch` requirement pulls a multi-GB CUDA build on a machine without one.
 $VENV/bin/python -c "import torch" 2>/dev/null || $VENV/bin/python -m pip install -q "torch==2.13.0"
 $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/python -m pip install -q -e .
 
-[ -f "$DATA/train/sizes.json" ] || $VENV/bin/disco-clip data demo --output "$DATA"
+[ -f "$BUILT" ] || $VENV/bin/disco-clip data demo --format "$DATA_FORMAT" --output "$DATA"
 
 # AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F).
 # deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.
 $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
   --deepspeed ds_configs/cpu_zero2.json \
-  --train_shards "$DATA/train" \
+  "${TRAIN_DATA[@]}" \
   --model_config "$MODEL" --tokenizer_name recipes/tokenizer --loss_impl tiled \
   --output_dir "$OUT" --max_steps "$STEPS" --per_device_train_batch_size "$PER_RANK" \
   --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
@@ -40,6 +52,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a
 # plain CLIPModel (or SiglipModel) folder with a model card; `disco-clip push "$OUT/export" --repo_id USER/NAME` uploads it.
+# --data reads either format: shards, or the parquet dataset (its one split, Image, ClassLabel and caption columns).
 $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_classification --output "$OUT/eval/zeroshot_classification.json"
 $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_retrieval --output "$OUT/eval/zeroshot_retrieval.json"
 rm -rf "$OUT/export"  # this script's own previous export: export refuses to write into a non-empty folder

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DS_CONFIG=${DS_CONFIG:-ds_configs/cpu_zero2.json}
 if [ -n "${HOSTFILE:-}" ]; then
+  .venv/bin/disco-clip node-check --hostfile "$HOSTFILE"  # one line for a bad line, not deepspeed's traceback
   where=(--hostfile "$HOSTFILE" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the first host}")
 else
   where=(--num_gpus "${NPROC:-2}")

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DS_CONFIG=${DS_CONFIG-ds_configs/cpu_zero2.json}
+.venv/bin/disco-clip node-check --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}"  # torchrun would wait forever
+# restarts (--max_restarts) across nodes hang through torch's shared rendezvous store (pytorch/pytorch#135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 exec .venv/bin/torchrun --nproc_per_node "${NPROC:-2}" --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" \
   --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "${MASTER_PORT:-29500}" -m disco_clip_ds.train \
   ${DS_CONFIG:+--deepspeed "$DS_CONFIG"} "$@"

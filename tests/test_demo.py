@@ -139,3 +139,189 @@ def test_output_that_is_a_file_or_a_foreign_folder_is_refused_before_any_work(tm
         assert cli.main(["data", "demo", "--output", str(output)]) == 2
         assert message in capsys.readouterr().err
     assert a_file.read_text() == "mine" and [p.name for p in foreign.iterdir()] == ["holiday"]
+
+
+# ----------------------------------------------------------------------------------------- --format hf
+
+
+@pytest.fixture(scope="module")
+def hf_demo(tmp_path_factory):
+    """`disco-clip data demo --format hf`, built once for this module (no download: a few seconds)."""
+    from disco_clip_ds import cli
+
+    folder = tmp_path_factory.mktemp("demo_hf")
+    assert cli.main(["data", "demo", "--format", "hf", "--output", str(folder)]) == 0
+    return folder
+
+
+def _rows(data_file: Path) -> list[dict]:
+    """The rows of one parquet file as datasets reads them, images left as their stored bytes."""
+    from datasets import Image as ImageFeature
+    from datasets import load_dataset
+
+    dataset = load_dataset("parquet", data_files=str(data_file), split="train")
+    return list(dataset.cast_column("image", ImageFeature(decode=False)))
+
+
+@pytest.mark.slow  # the build encodes 1,797 JPEGs: seconds
+def test_hf_demo_loads_with_datasets_and_holds_the_digits(hf_demo, digits):
+    """Both ways of loading work, with an Image and a ClassLabel column; every digit is in one split, with its
+    label, a caption naming it and its image; the eval split is the stratified 20 %."""
+    from datasets import ClassLabel, load_dataset
+    from datasets import Image as ImageFeature
+
+    train = load_dataset(str(hf_demo / "train"), split="train")
+    evl = load_dataset("parquet", data_dir=str(hf_demo / "eval"), split="test")
+    for dataset in (train, evl):
+        assert dataset.column_names == ["image", "caption", "label", "source_index"]
+        assert isinstance(dataset.features["image"], ImageFeature)
+        assert dataset.features["label"] == ClassLabel(names=WORDS)
+    assert len(list((hf_demo / "train").glob("train-*-of-00008.parquet"))) == 8 and train.num_rows == 1437
+    assert len(list((hf_demo / "eval").glob("test-*-of-00002.parquet"))) == 2 and evl.num_rows == 360
+    for dataset in (train, evl):
+        rows = list(dataset.cast_column("image", ImageFeature(decode=False)))
+        for row in rows:
+            sample = {
+                "json": json.dumps({"source_index": row["source_index"], "label": row["label"]}),
+                "txt": row["caption"].encode(),
+                "jpg": row["image"]["bytes"],
+            }
+            _check_against_sklearn(sample, digits)
+    held = set(evl["source_index"])
+    assert not held & set(train["source_index"]) and len(held | set(train["source_index"])) == 1797
+    counts = np.bincount(evl["label"], minlength=10)
+    assert all(abs(c - 0.2 * n) <= 1 for c, n in zip(counts, np.bincount(digits.target)))
+    assert (hf_demo / "eval" / "zeroshot_classification_templates.txt").is_file()
+
+
+@pytest.mark.slow
+def test_hf_demo_holds_the_shards_demo_samples(demo_data, hf_demo):
+    """Row for row the shards demo's samples: the same JPEG bytes, caption and label, file K holding the samples of
+    shard K; the eval templates file is the same file."""
+    for folder, split, count in (("train", "train", 8), ("eval", "test", 2)):
+        for shard in range(count):
+            tar = demo_data / folder / f"{shard:05d}.tar"
+            shards = {}
+            with tarfile.open(tar) as archive:
+                for member in archive:
+                    key, _, ext = member.name.rpartition(".")
+                    shards.setdefault(key, {})[ext] = archive.extractfile(member).read()
+            by_index = {json.loads(s["json"])["source_index"]: s for s in shards.values()}
+            data_file = hf_demo / folder / f"{split}-{shard:05d}-of-{count:05d}.parquet"
+            rows = _rows(data_file)
+            assert sorted(by_index) == [row["source_index"] for row in rows], (folder, shard)
+            for row in rows:
+                sample = by_index[row["source_index"]]
+                assert row["image"]["bytes"] == sample["jpg"]
+                assert row["caption"] == sample["txt"].decode()
+                assert row["label"] == json.loads(sample["json"])["label"]
+    templates = "zeroshot_classification_templates.txt"
+    assert (hf_demo / "eval" / templates).read_bytes() == (demo_data / "eval" / templates).read_bytes()
+
+
+@pytest.mark.slow
+def test_eval_of_the_hf_demo_equals_the_shards_demo(demo_data, hf_demo, tmp_path):
+    """`disco-clip eval`'s run of the quickstart's tiny CLIP on the two eval folders, columns and split detected: the
+    same zero-shot and retrieval metrics."""
+    from transformers import AutoTokenizer, CLIPImageProcessor
+
+    from disco_clip_ds.evaluate import EvalArguments, run_eval
+    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
+
+    model = tmp_path / "model"
+    build_model(model_config=str(TINY_CONFIG)).save_pretrained(model)
+    AutoTokenizer.from_pretrained(REPO / "recipes" / "tokenizer").save_pretrained(model)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(model)
+    for task in ("zeroshot_classification", "zeroshot_retrieval"):
+        metrics = [
+            run_eval(EvalArguments(model=str(model), data=str(data), task=task))["metrics"]
+            for data in (demo_data / "eval", hf_demo / "eval")
+        ]
+        assert metrics[0] == metrics[1] and any(0 < value < 1 for value in metrics[0].values()), task
+
+
+def test_format_hf_and_shards_refuse_each_others_build(tmp_path, capsys):
+    """A demo folder of one format is not rebuilt in the other (the two would mix in train/ and eval/); a shards
+    build, whose train/ holds img2dataset's NNNNN.parquet beside the tars, stays one to resume."""
+    from disco_clip_ds import cli
+    from disco_clip_ds.data.demo import check_output_folder
+
+    shards, hf = tmp_path / "shards", tmp_path / "hf"
+    (shards / "train").mkdir(parents=True)
+    (shards / "train" / "00000.tar").write_bytes(b"")
+    (shards / "train" / "00000.parquet").write_bytes(b"")
+    (hf / "eval").mkdir(parents=True)
+    (hf / "eval" / "test-00000-of-00002.parquet").write_bytes(b"")
+    assert cli.main(["data", "demo", "--format", "hf", "--output", str(shards)]) == 2
+    assert "holds a --format shards demo: give another folder for hf" in capsys.readouterr().err
+    assert cli.main(["data", "demo", "--output", str(hf)]) == 2
+    assert "holds a --format hf demo: give another folder for shards" in capsys.readouterr().err
+    check_output_folder(shards, "shards")  # no error: its own earlier output
+    check_output_folder(hf, "hf")
+
+
+# -------------------------------------------------------------------------- the quickstart's DATA_FORMAT knob
+
+# Stands in for deepspeed's launcher: records the training command and saves the untrained tiny model (with its
+# tokenizer and image processor) where training would leave it, so the script's eval and export run for real.
+LAUNCHER_STANDIN = """
+import json, sys
+from pathlib import Path
+from transformers import AutoTokenizer, CLIPImageProcessor
+from disco_clip_ds.modeling import build_model
+
+argv = sys.argv[1:]
+flag = {name: value for name, value in zip(argv, argv[1:]) if name.startswith("--")}
+out = Path(flag["--output_dir"])
+out.mkdir(parents=True, exist_ok=True)
+Path(sys.argv[0]).with_name("train_argv.json").write_text(json.dumps(argv))
+model = build_model(model_config=flag["--model_config"])
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(flag["--tokenizer_name"]).save_pretrained(out)
+size = model.config.vision_config.image_size
+CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(out)
+"""
+
+
+@pytest.mark.slow
+def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tmp_path):
+    """recipes/quickstart.sh with DATA_FORMAT=hf, its launcher a stand-in: it builds the parquet demo, hands
+    training run_clip's flags for it (and no --train_shards), evaluates the parquet eval set and exports. Training
+    itself from a datasets source is tested where that source is built; the shards default runs unchanged."""
+    from disco_clip_ds.testing.launch import REPO
+
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "standin.py").write_text(LAUNCHER_STANDIN)
+    for name, run in (
+        ("python", ""),
+        ("disco-clip", "-m disco_clip_ds.cli"),
+        ("deepspeed", f"{venv / 'standin.py'}"),
+    ):
+        (venv / name).write_text(f'#!/bin/sh\nexec {sys.executable} {run} "$@"\n')
+        (venv / name).chmod(0o755)
+    data, out = tmp_path / "demo_hf", tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VENV": str(venv.parent),
+        "DATA_FORMAT": "hf",
+        "DATA": str(data),
+        "OUT": str(out),
+        "STEPS": "3",
+    }
+    result = subprocess.run(
+        ["bash", str(REPO / "recipes" / "quickstart.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    argv = json.loads((venv / "train_argv.json").read_text())
+    i = argv.index("--dataset_name")
+    source = ["--dataset_name", f"{data}/train", "--train_split", "train"]
+    assert argv[i : i + 8] == [*source, "--image_column", "image", "--caption_column", "caption"]
+    assert "--train_shards" not in argv and (data / "train" / "train-00000-of-00008.parquet").is_file()
+    assert argv[argv.index("--zeroshot_data") + 1] == f"{data}/eval"
+    for task in ("zeroshot_classification", "zeroshot_retrieval"):
+        record = json.loads((out / "eval" / f"{task}.json").read_text())
+        assert record["dataset"] == f"{data}/eval" and record["metrics"], task
+    assert (out / "export" / "README.md").is_file()

@@ -26,3 +26,35 @@ def test_taking_the_lock_removes_what_an_interrupted_save_left(tmp_path, caplog)
     runlock.release_run_lock()
     assert not (out / checkpoints.STAGING).exists()
     assert "partial checkpoints of an interrupted save" in caplog.text
+
+
+def test_a_child_forked_by_the_holder_does_not_keep_its_lock(tmp_path, caplog):
+    """A DataLoader worker is forked while rank 0 holds the lock and may outlive a killed rank 0 by seconds: the
+    rank that torchrun restarts at once takes the lock over all the same."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    holder = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal, sys, time; from disco_clip_ds.runlock import acquire_run_lock; "
+            "acquire_run_lock(sys.argv[1]); child = os.fork()\n"
+            "if child == 0: os.closerange(0, 3); time.sleep(60); os._exit(0)\n"
+            "print(child, flush=True); os.kill(os.getpid(), signal.SIGKILL)",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    child = int(holder.stdout)
+    try:
+        assert holder.returncode == -signal.SIGKILL and os.path.exists(f"/proc/{child}")  # the worker lives on
+        runlock.acquire_run_lock(out)
+        runlock.release_run_lock()
+        assert "taking over the lock of a run that is no longer running" in caplog.text
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -10,6 +10,15 @@ TarWriter in the CLIP_benchmark layout.
     DIR/train/sizes.json, summary.json
     DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label), key.json
     DIR/eval/sizes.json, classnames.txt, zeroshot_classification_templates.txt
+
+`--format hf` writes the same samples (same JPEG bytes, captions, labels, split and shard membership) as a
+🤗 datasets parquet dataset, each file the rows of the shard of the same number, in source order:
+
+    DIR/train/train-0000K-of-0000N.parquet   image (Image), caption, label (ClassLabel), source_index
+    DIR/eval/test-0000K-of-0000M.parquet     the same columns; split "test" (datasets' name for eval files)
+    DIR/eval/zeroshot_classification_templates.txt
+
+`datasets.load_dataset("DIR/train")` or `load_dataset("parquet", data_dir="DIR/eval")` read them.
 """
 
 from __future__ import annotations
@@ -146,12 +155,28 @@ def write_train_metadata(path: Path, indices, labels, captions) -> None:
     pq.write_table(table, path)
 
 
-def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size: int, per_shard: int) -> dict:
-    """CLIP_benchmark-style eval shards, images encoded as the download path does; returns sizes."""
-    import webdataset as wds
+def jpeg_encoder(image_size: int):
+    """PNG bytes -> JPEG bytes with img2dataset's own Resizer, set as the demo's download sets it."""
     from img2dataset.resizer import Resizer
 
     resizer = Resizer(image_size=image_size, resize_mode="border", resize_only_if_bigger=False)
+
+    def encode(png: bytes) -> bytes:
+        with warnings.catch_warnings():  # albumentations deprecations inside img2dataset, per image
+            warnings.simplefilter("ignore", DeprecationWarning)
+            jpg, *_, err = resizer(io.BytesIO(png))
+        if err is not None:
+            raise RuntimeError(f"img2dataset's resizer failed: {err}")
+        return jpg
+
+    return encode
+
+
+def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size: int, per_shard: int) -> dict:
+    """CLIP_benchmark-style eval shards, images encoded as the download path does; returns sizes."""
+    import webdataset as wds
+
+    encode = jpeg_encoder(image_size)
     folder.mkdir(parents=True, exist_ok=True)
     sizes = {}
     key_digits = max(1, math.ceil(math.log10(per_shard)))  # img2dataset's key layout: shard id, then position
@@ -161,16 +186,11 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
         chunk = indices[start : start + per_shard]
         with wds.TarWriter(str(tmp), mtime=0) as sink:
             for pos, i in enumerate(chunk):
-                with warnings.catch_warnings():  # albumentations deprecations inside img2dataset, per image
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    jpg, *_, err = resizer(io.BytesIO(pngs[i]))
-                if err is not None:
-                    raise RuntimeError(f"digit {i}: img2dataset's resizer failed: {err}")
                 label = int(labels[i])
                 sink.write(
                     {
                         "__key__": f"{shard_name(shard)}{pos:0{key_digits}d}",
-                        "jpg": jpg,
+                        "jpg": encode(pngs[i]),
                         "txt": captions[i],
                         "cls": label,
                         "json": {"label": label, "source_index": int(i)},
@@ -179,9 +199,64 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
         os.replace(tmp, folder / name)
         sizes[name] = len(chunk)
     (folder / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
-    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
+    write_templates(folder)
     write_json(folder / "sizes.json", sizes)
     return sizes
+
+
+def write_templates(folder: Path) -> None:
+    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
+
+
+def write_parquet_split(folder: Path, split: str, indices, jpgs: dict, labels, captions, per_shard: int) -> list[int]:
+    """`indices`' samples as `split-0000K-of-0000N.parquet` files of `per_shard` rows (the shards' membership), an
+    Image column holding the JPEG bytes; each file written whole or not at all. Returns the rows per file."""
+    from datasets import ClassLabel, Dataset, Features, Image, Value
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    features = Features(
+        {
+            "image": Image(),
+            "caption": Value("string"),
+            "label": ClassLabel(names=DIGITS),
+            "source_index": Value("int32"),
+        }
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = is_progress_bar_enabled()
+    disable_progress_bar()  # a bar per file, each of one batch: noise
+    starts = range(0, len(indices), per_shard)
+    for shard, start in enumerate(starts):
+        chunk = [int(i) for i in indices[start : start + per_shard]]
+        rows = {
+            "image": [{"bytes": jpgs[i], "path": None} for i in chunk],
+            "caption": [captions[i] for i in chunk],
+            "label": [int(labels[i]) for i in chunk],
+            "source_index": chunk,
+        }
+        path = folder / f"{split}-{shard:05d}-of-{len(starts):05d}.parquet"
+        Dataset.from_dict(rows, features=features).to_parquet(str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+    if shown:
+        enable_progress_bar()
+    return [len(indices[start : start + per_shard]) for start in starts]
+
+
+def build_hf_demo(
+    output: Path, image_size: int = 64, samples_per_shard: int = 180, eval_fraction: float = 0.2, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """The demo as a datasets parquet dataset under `output` (see the module docstring); returns the rows per
+    file of train and eval. No download: the images are encoded as the download encodes them, and the split and
+    files hold the samples of the shards demo built with the same arguments."""
+    pngs, labels = digit_images(image_size)
+    captions = captions_for(labels, seed)
+    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    encode = jpeg_encoder(image_size)
+    jpgs = {int(i): encode(pngs[i]) for i in range(len(pngs))}
+    train = write_parquet_split(output / "train", "train", train_idx, jpgs, labels, captions, samples_per_shard)
+    evl = write_parquet_split(output / "eval", "test", eval_idx, jpgs, labels, captions, samples_per_shard)
+    write_templates(output / "eval")  # last: the quickstart takes it as the sign of a finished build
+    return train, evl
 
 
 def build_demo(
@@ -223,9 +298,12 @@ def build_demo(
 DEMO_ENTRIES = {"metadata", "train", "eval"}
 
 
-def check_output_folder(output: Path) -> None:
-    """Refuse an --output that is a file or a non-empty folder of something else: the build writes and repairs
-    shards in place, so it may only resume its own earlier output."""
+FORMAT_FILES = {"shards": "*.tar", "hf": "*-of-*.parquet"}  # img2dataset writes NNNNN.parquet beside its tars
+
+
+def check_output_folder(output: Path, fmt: str = "shards") -> None:
+    """Refuse an --output that is a file, a non-empty folder of something else, or a demo build in the other
+    format: the build writes and repairs files in place, so it may only resume its own earlier output."""
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output {output} is a file: give a folder (new, empty, or an earlier demo build)")
     if output.is_dir():
@@ -235,6 +313,9 @@ def check_output_folder(output: Path) -> None:
                 f"--output {output} holds {', '.join(foreign[:3])}, which is not a demo build: "
                 "give a new or empty folder"
             )
+        for other, pattern in FORMAT_FILES.items():
+            if other != fmt and any(next((output / split).glob(pattern), None) for split in ("train", "eval")):
+                raise UsageError(f"--output {output} holds a --format {other} demo: give another folder for {fmt}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,11 +328,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMAT_FILES),
+        default="shards",
+        help="shards: webdataset tar shards (downloaded through img2dataset); hf: the same samples as a datasets "
+        "parquet dataset with an Image column (--processes and --threads unused)",
+    )
     args = p.parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         raise UsageError("--eval_fraction must be between 0 and 1")
-    check_output_folder(args.output)
+    check_output_folder(args.output, args.format)
     started = time.monotonic()
+    if args.format == "hf":
+        train, evl = build_hf_demo(args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed)
+        print(
+            f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
+            f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
+            f"datasets.load_dataset('{args.output / 'train'}') reads it"
+        )
+        return 0
     summary, eval_sizes = build_demo(
         args.output,
         args.image_size,

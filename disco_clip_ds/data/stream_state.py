@@ -28,13 +28,14 @@ def note_positions(newest: dict[int, list[int]], rows: torch.Tensor | None) -> N
         return
     for row in rows.tolist():
         reader = row[0]
-        if row[_COUNT] > newest.get(reader, [0] * len(POSITION_FIELDS))[_COUNT]:
+        if row[_COUNT] > newest.get(reader, [0] * (_COUNT + 1))[_COUNT]:
             newest[reader] = row
 
 
-def as_rows(newest: dict[int, list[int]], num_rows: int) -> torch.Tensor:
-    """`newest` as a (num_rows, fields) tensor padded with -1 rows: the same shape on every rank, to gather."""
-    rows = torch.full((num_rows, len(POSITION_FIELDS)), -1, dtype=torch.int64)
+def as_rows(newest: dict[int, list[int]], num_rows: int, width: int = len(POSITION_FIELDS)) -> torch.Tensor:
+    """`newest` as a (num_rows, width) tensor padded with -1 rows: the same shape on every rank, to gather
+    (`width`: the stream's fields per row; a `datasets` stream has its own, data/hf.py)."""
+    rows = torch.full((num_rows, width), -1, dtype=torch.int64)
     for i, row in enumerate(sorted(newest.values())[:num_rows]):
         rows[i] = torch.tensor(row)
     return rows

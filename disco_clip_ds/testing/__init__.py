@@ -8,6 +8,7 @@
     imageserver  `ImageServer`: a loopback HTTP server with good, failing, hanging and trickling routes
     download     the URL list and the arguments of `disco-clip data download`
     launch       `disco_clip_ds.train` on CPU ranks: paths, the launcher command, its environment and arguments
+    nodes        several nodes on this host: each node's launcher command (torchrun, accelerate, deepspeed), started
 
 Import from the module that does the job (`from disco_clip_ds.testing.ranks import run_ranks`); each imports
 torch and friends only inside its functions.
