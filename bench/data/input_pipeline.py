@@ -18,9 +18,9 @@ the table takes each side's median, and the ratio's median over rounds.
 - open_clip: open_clip_train.data.get_wds_dataset with open_clip.image_transform(224, is_train=True) (ViT-B-32's
   train preprocess) and open_clip.get_tokenizer("ViT-B-32"), in bench/vs_open_clip's virtualenv (made by
   vs_open_clip.ensure_openclip_venv; open_clip is never a dependency of the package).
-- our `datasets` path (data/hf.py): not measured yet. Hook: add a function `hf_rate(args) -> dict` (as `_timed`
-  returns) and a `"hf": hf_rate` entry in RATES; `--parquet` writes the same samples as a parquet dataset (an
-  `image` column of JPEG bytes and a `caption` column) for it to read.
+- hf (with --parquet DIR): our `datasets` path, disco_clip_ds.data.hf.HFStream (map-style, as train.py builds it
+  for --dataset_name DIR) + ClipCollator, over the same samples written once as a parquet dataset (an `image`
+  column of JPEG bytes, a `caption` column).
 Breakdown (--breakdown): each step timed alone in one process over the first --breakdown samples, in CPU
 microseconds per sample; batch-wide steps (tokenize, collate, normalise) are timed per batch and divided by its size.
 Draft decoding (only when the crop spans >= 2 x 224 px, so never on 256 px images): --draft_side S makes a second
@@ -221,7 +221,26 @@ def open_clip_rate(args) -> dict:
     return _timed(loader, args.warmup, args.batches, args.batch)
 
 
-RATES = {"ours": ours_rate, "ours_before": ours_rate, "open_clip": open_clip_rate}
+def hf_rate(args) -> dict:
+    """Our `datasets` path: HFStream (as train.py builds it for --dataset_name) over the parquet copy of the same
+    samples (--parquet), map-style, with ClipCollator."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from disco_clip_ds.data.hf import HFStream, load_training_dataset
+    from disco_clip_ds.data.pipeline import ClipCollator
+
+    names = {"dataset_config_name": None, "train_split": "train", "train_file": None, "streaming": False}
+    data_args = SimpleNamespace(dataset_name=args.parquet, image_column="image", caption_column="caption", **names)
+    stream = HFStream(load_training_dataset(data_args, 1), CROP, seed=0, shuffle_buffer=1000, num_workers=1)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(args.tokenizer), CONTEXT)
+    loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=1, collate_fn=collate)
+    return _timed(loader, args.warmup, args.batches, args.batch)
+
+
+RATES = {"ours": ours_rate, "ours_before": ours_rate, "open_clip": open_clip_rate, "hf": hf_rate}
 
 
 # ---------------------------------------------------------------- per-step costs
@@ -383,6 +402,7 @@ def _side(python: str, pythonpath: str, task: str, side: str, urls: list[str], a
     cmd = [python, __file__, "--task", task, "--side", side, "--urls", *urls]
     cmd += ["--batch", str(args.batch), "--batches", str(args.batches), "--warmup", str(args.warmup)]
     cmd += ["--breakdown", str(args.breakdown), "--tokenizer", args.tokenizer, *extra]
+    cmd += ["--parquet", args.parquet] if args.parquet else []
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(pythonpath), cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"{side} {task} failed:\n{result.stderr[-3000:]}")
@@ -401,7 +421,8 @@ def _before_tree(commit: str, root: Path) -> str:
 def orchestrate(args) -> None:
     root = Path(args.data)
     urls = make_shards(root / f"shards_{args.short_side}", args.shards, args.per_shard, args.short_side)
-    if args.parquet:
+    if args.parquet and not (Path(args.parquet) / "train.parquet").exists():
+        Path(args.parquet).mkdir(parents=True, exist_ok=True)
         write_parquet(urls, Path(args.parquet))
     ours_python = sys.executable
     oc_python = str(vs_open_clip.ensure_openclip_venv(vs_open_clip.OPENCLIP_VENV))
@@ -409,6 +430,9 @@ def orchestrate(args) -> None:
     sides = {"ours": (ours_python, str(REPO)), "open_clip": (oc_python, str(REPO / "bench" / "vs_open_clip"))}
     if args.before_commit:
         sides = {"ours_before": (ours_python, _before_tree(args.before_commit, root)), **sides}
+    if args.parquet:
+        sides["hf"] = (ours_python, str(REPO))
+    sides = {side: where for side, where in sides.items() if not args.sides or side in args.sides}
     rows = []
     for r in range(args.rounds):
         for side, (python, path) in sides.items():
@@ -424,6 +448,8 @@ def orchestrate(args) -> None:
         _write(RESULTS / f"{args.name}_draft.csv", [{"shards": f"{args.draft_side}px", **d} for d in draft])
     _write(RESULTS / f"{args.name}.csv", rows)
     summarize(rows)
+    if args.skip_breakdown:
+        return
     steps = _side(ours_python, str(REPO), "breakdown", "ours", urls, args)
     steps += _side(oc_python, sides["open_clip"][1], "breakdown", "open_clip", urls, args)
     _write(RESULTS / f"{args.name}_steps.csv", steps)
@@ -445,7 +471,7 @@ def summarize(rows: list[dict]) -> None:
         by.setdefault((r["shards"], r["side"]), {})[int(r["round"])] = float(r["samples_per_cpu_s"])
     for (shards, side), rates in by.items():
         print(f"{shards} {side}: {statistics.median(rates.values()):.1f} samples per worker CPU-second")
-    for side in ("ours", "ours_before"):
+    for side in ("ours", "ours_before", "hf"):
         for shards in {s for s, _ in by}:
             ours, theirs = by.get((shards, side)), by.get((shards, "open_clip"))
             if ours and theirs:
@@ -514,7 +540,11 @@ def main(argv=None) -> None:
     p.add_argument("--before_commit", help="also measure ours at this commit (e.g. main before the change)")
     p.add_argument("--draft_side", type=int, help="also measure draft decoding on shards this many px short side")
     p.add_argument("--no_draft", action="store_true")
-    p.add_argument("--parquet", help="write the same samples as a parquet dataset here, for the datasets side")
+    p.add_argument(
+        "--parquet", help="a parquet copy of the same samples here (written once): measure our datasets path"
+    )
+    p.add_argument("--sides", nargs="*", help="only these sides (default: all)")
+    p.add_argument("--skip_breakdown", action="store_true")
     p.add_argument("--name", default="input_pipeline")
     p.add_argument("--tokenizer", help="(made by the orchestrating run: CLIP's BPE as a fast tokenizer)")
     args = p.parse_args(argv)
