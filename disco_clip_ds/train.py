@@ -784,14 +784,17 @@ def _train(
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
         max_image_pixels=data_args.max_image_pixels,
-        mean=processor.image_processor.image_mean,
-        std=processor.image_processor.image_std,
     )
     trainer = DiscoTrainer(
         model=model,
         args=args,
         train_dataset=stream,
-        data_collator=ClipCollator(processor.tokenizer, checked.max_length),
+        data_collator=ClipCollator(
+            processor.tokenizer,
+            checked.max_length,
+            mean=processor.image_processor.image_mean,
+            std=processor.image_processor.image_std,
+        ),
         processing_class=processor,
         reads_own_shards=reads_own_shards,
         stop_signals=checked.stop_signals,

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from disco_clip_ds.data.hf import STATE_INTS, HFStream, load_training_dataset, pack_state, unpack_state
 from disco_clip_ds.errors import DataError, UsageError
@@ -73,9 +72,8 @@ def _args(**kw) -> SimpleNamespace:
 
 def _sample(item) -> tuple[str, tuple[int, ...]]:
     """(caption, colour) of a yielded item: a flat image stays flat under any crop and resize."""
-    pixels, caption, _ = item
-    mean, std = torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1), torch.tensor(OPENAI_CLIP_STD).view(3, 1, 1)
-    colour = ((pixels * std + mean) * 255).mean(dim=(1, 2)).round().int()
+    pixels, caption, _ = item  # a uint8 crop (ClipCollator normalises)
+    colour = pixels.float().mean(dim=(1, 2)).round().int()
     return caption, tuple(colour.tolist())
 
 

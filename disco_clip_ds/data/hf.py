@@ -19,7 +19,6 @@ Readers (rank * DataLoader workers + worker) read disjoint rows:
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import logging
@@ -30,13 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from ..errors import DataError, UsageError
-from .pipeline import MAX_IMAGE_PIXELS, ImageTransform
 from .shards import write_json
 from .stream_state import STATE_FILE, note_positions
+from .transforms import MAX_IMAGE_PIXELS, ImageTransform
 
 logger = logging.getLogger(__name__)
 
@@ -243,14 +240,12 @@ class HFStream(torch.utils.data.IterableDataset):
         train: bool = True,
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
-        mean=OPENAI_CLIP_MEAN,
-        std=OPENAI_CLIP_STD,
     ):
         super().__init__()
         self.data, self.rank, self.world_size, self.seed = data, rank, world_size, seed
         self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
         self.max_image_pixels = max_image_pixels
-        self.transform = ImageTransform(image_size, train=train, mean=mean, std=std)
+        self.transform = ImageTransform(image_size, train=train)
         context = multiprocessing.get_context()  # as ShardStream's counters: see there
         self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
         self.workers = max(1, num_workers)
@@ -372,12 +367,10 @@ class HFStream(torch.utils.data.IterableDataset):
     def _decode(self, row: dict, epoch: int, key: str):
         try:
             caption = self._caption(row[self.data.caption_column], epoch, key)
-            with Image.open(io.BytesIO(self._image_bytes(row[self.data.image_column]))) as image:  # the header only
-                if image.width * image.height > self.max_image_pixels:
-                    raise ValueError(f"{image.width} x {image.height} pixels, above {self.max_image_pixels}")
-                image.load()
-                rng = random.Random(f"{self.seed}/{epoch}/{key}")  # as ShardStream: per sample, not per reader
-                pixels = self.transform(image, rng)
+            rng = random.Random(f"{self.seed}/{epoch}/{key}")  # as ShardStream: per sample, not per reader
+            pixels = self.transform.from_bytes(
+                self._image_bytes(row[self.data.image_column]), rng, self.max_image_pixels
+            )
         except Exception as error:  # PIL raises many types for corrupt data; any of them means skip this one
             self._count_skip(f"row {key} of {self.data.description}", error)
             return None

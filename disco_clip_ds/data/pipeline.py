@@ -9,86 +9,23 @@ Unreadable shards and corrupt or incomplete samples are skipped and counted in a
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
+import math
 import multiprocessing
 import random
 
-import numpy as np
 import torch
-from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from ..errors import DataError
 from .shards import IMAGE_EXTS, epoch_order, shards_for_reader
 from .tar_samples import raw_samples
+from .transforms import MAX_IMAGE_PIXELS, ImageTransform, Normalize
 
 logger = logging.getLogger(__name__)
 
 TEXT_KEYS = ("txt", "text", "caption")
-# Images above this many pixels are skipped unread: a small file can hold a huge flat image (a decompression bomb)
-# whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
-MAX_IMAGE_PIXELS = 50_000_000
-CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
-CROP_RATIO = (3 / 4, 4 / 3)
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode to RGB; transparent pixels become white rather than whatever colour they hide."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop.get_params with our own RNG (torchvision is not a dependency here).
-
-    A per-sample RNG seeded from the sample key makes the augmentation independent of how samples are spread
-    over ranks and workers. Returns the crop box (left, top, right, bottom).
-    """
-    area = width * height
-    log_ratio = (np.log(CROP_RATIO[0]), np.log(CROP_RATIO[1]))
-    for _ in range(10):
-        target_area = area * rng.uniform(*CROP_SCALE)
-        aspect = float(np.exp(rng.uniform(*log_ratio)))
-        w, h = int(round((target_area * aspect) ** 0.5)), int(round((target_area / aspect) ** 0.5))
-        if 0 < w <= width and 0 < h <= height:
-            left, top = rng.randint(0, width - w), rng.randint(0, height - h)
-            return left, top, left + w, top + h
-    side = min(width, height)  # fallback: central crop, as torchvision does
-    left, top = (width - side) // 2, (height - side) // 2
-    return left, top, left + side, top + side
-
-
-class ImageTransform:
-    """PIL image -> normalised float tensor (3, size, size): random resized crop when training, else resize +
-    centre crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default;
-    the model's image processor's when it has its own, e.g. SigLIP's 0.5)."""
-
-    def __init__(self, image_size: int, train: bool = True, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
-        self.image_size, self.train = image_size, train
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-
-    def __call__(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
-        image = to_rgb(image)
-        size = self.image_size
-        if self.train:
-            box = random_resized_crop_box(*image.size, rng or random.Random())
-            image = image.resize((size, size), Image.BICUBIC, box=box)
-        else:
-            scale = size / min(image.size)
-            new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
-            image = image.resize(new_size, Image.BICUBIC)
-            left, top = (image.width - size) // 2, (image.height - size) // 2
-            image = image.crop((left, top, left + size, top + size))
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        return (pixels - self.mean) / self.std
 
 
 # A sample's place in its reader's stream, carried through the batch (`POSITION_KEY`) so that the trainer knows
@@ -100,7 +37,7 @@ POSITION_KEY = "stream_position"
 
 
 class ShardStream(torch.utils.data.IterableDataset):
-    """Endless stream of (pixel_values, caption, position) from webdataset shards.
+    """Endless stream of (uint8 pixels, caption, position) from webdataset shards (ClipCollator normalises).
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
     e.g. accelerate's dispatch_batches); `num_workers`, the DataLoader workers per rank, is used to check up front
@@ -126,14 +63,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         train: bool = True,
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
-        mean=OPENAI_CLIP_MEAN,
-        std=OPENAI_CLIP_STD,
     ):
         super().__init__()
         self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
         self.max_image_pixels = max_image_pixels
         self.block = max(1, shuffle_buffer)
-        self.transform = ImageTransform(image_size, train=train, mean=mean, std=std)
+        self.transform = ImageTransform(image_size, train=train)
         # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
         # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
         # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).
@@ -226,12 +161,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             caption = sample[text_key].decode("utf-8").strip()
             if not caption:
                 raise ValueError("empty caption")
-            with Image.open(io.BytesIO(sample[image_key])) as image:  # reads the header only
-                if image.width * image.height > self.max_image_pixels:
-                    raise ValueError(f"{image.width} x {image.height} pixels, above {self.max_image_pixels}")
-                image.load()
-                rng = random.Random(f"{self.seed}/{epoch}/{key}")
-                pixels = self.transform(image, rng)
+            rng = random.Random(f"{self.seed}/{epoch}/{key}")
+            pixels = self.transform.from_bytes(sample[image_key], rng, self.max_image_pixels)
         except Exception as error:  # PIL raises many types for corrupt data; any of them means skip this one
             self._count_skip(f"sample {key} of {sample.get('__url__')}", error)
             return None
@@ -241,25 +172,43 @@ class ShardStream(torch.utils.data.IterableDataset):
 class ClipCollator:
     """List of (pixel_values, caption[, position]) -> {"pixel_values", "input_ids", "attention_mask"[,
     POSITION_KEY]}: tensors only, so that accelerate can dispatch (and slice) them, and no `labels` (the model
-    computes its own loss). Captions are padded to `max_length` so every batch has one shape. The positions (one
-    row per sample) are for the trainer, which takes them out before the model sees the batch."""
+    computes its own loss). uint8 crops (as ShardStream yields them) are normalised here, straight into the
+    batch tensor, with `mean`/`std` (ImageTransform's rule; pass the model's image processor's); float pixels are
+    taken as already normalised. Captions are tokenized in one call per batch (a fast tokenizer does the batch
+    in Rust) and padded to `max_length` so every batch has one shape. The positions (one row per sample) are for
+    the trainer, which takes them out before the model sees the batch."""
 
-    def __init__(self, tokenizer, max_length: int):
+    def __init__(self, tokenizer, max_length: int, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
         self.tokenizer, self.max_length = tokenizer, max_length
+        self.normalize = Normalize(mean, std)
 
     def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
         pixels, captions, *positions = zip(*batch)
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
+        if pixels[0].dtype == torch.uint8:
+            pixels = self.normalize(pixels, out=batch_tensor((len(pixels), *pixels[0].shape), torch.float32))
+        else:
+            pixels = torch.stack(pixels)
         collated = {
-            "pixel_values": torch.stack(pixels),
+            "pixel_values": pixels,
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
         }
         if positions:
             collated[POSITION_KEY] = torch.stack(positions[0])
         return collated
+
+
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool | None = None) -> torch.Tensor:
+    """An empty batch tensor, in shared memory when `shared` (by default: in a DataLoader worker), as
+    default_collate allocates its stacks (with the same torch calls): a batch in ordinary memory is copied into
+    shared memory whole (150 MB for 256 crops of 224 px) on its way to the main process."""
+    if not (torch.utils.data.get_worker_info() is not None if shared is None else shared):
+        return torch.empty(shape, dtype=dtype)
+    like = torch.empty(0, dtype=dtype)
+    return like.new(like._typed_storage()._new_shared(math.prod(shape), device=like.device)).resize_(shape)
 
 
 def error_message(error: BaseException) -> str:

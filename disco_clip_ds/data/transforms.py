@@ -1,0 +1,139 @@
+"""Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
+
+The per-sample work stays on uint8, as PIL decodes and resamples; the collator turns the batch's crops into the
+float batch in one place (`Normalize`), with the same float32 operations as normalising each crop alone, so the
+batch is bit-identical to the per-sample float path.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+# Images above this many pixels are skipped unread: a small file can hold a huge flat image (a decompression bomb)
+# whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
+MAX_IMAGE_PIXELS = 50_000_000
+CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
+CROP_RATIO = (3 / 4, 4 / 3)
+DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode to RGB; transparent pixels become white rather than whatever colour they hide."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params with our own RNG (torchvision is not a dependency here).
+
+    A per-sample RNG seeded from the sample key makes the augmentation independent of how samples are spread
+    over ranks and workers. Returns the crop box (left, top, right, bottom).
+    """
+    area = width * height
+    log_ratio = (np.log(CROP_RATIO[0]), np.log(CROP_RATIO[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*CROP_SCALE)
+        aspect = float(np.exp(rng.uniform(*log_ratio)))
+        w, h = int(round((target_area * aspect) ** 0.5)), int(round((target_area / aspect) ** 0.5))
+        if 0 < w <= width and 0 < h <= height:
+            left, top = rng.randint(0, width - w), rng.randint(0, height - h)
+            return left, top, left + w, top + h
+    side = min(width, height)  # fallback: central crop, as torchvision does
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
+
+
+def draft_scale(box: tuple[int, int, int, int], size: int) -> int:
+    """The largest JPEG reduction (8, 4, 2, else 1) after which `box` still spans at least `size` pixels a side."""
+    width, height = box[2] - box[0], box[3] - box[1]
+    return next((s for s in DRAFT_SCALES if min(width, height) // s >= size), 1)
+
+
+class Normalize:
+    """uint8 crops -> float32 (x / 255 - mean) / std, in that order: the same float32 operations, element by
+    element, as normalising each crop alone in float32 (so bit-identical to it)."""
+
+    def __init__(self, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+
+    def __call__(self, pixels: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A crop (3, size, size) -> its float tensor; a batch (n, 3, size, size) or a list of n crops -> the
+        float batch (n, 3, size, size), written straight into `out` (float32, that shape) when given."""
+        single = torch.is_tensor(pixels) and pixels.dim() == 3
+        crops = [pixels] if single else pixels
+        if out is None:
+            out = torch.empty((len(crops), *crops[0].shape), dtype=torch.float32)
+        for crop, row in zip(crops, out):
+            # Crop by crop: each pass runs over one crop's ~600 KB, which stays in cache for the next pass; three
+            # passes over a whole batch (150 MB at 256 x 224 px) would each go out to memory and back.
+            row.copy_(crop).div_(255.0).sub_(self.mean).div_(self.std)
+        return out[0] if single else out
+
+
+class ImageTransform:
+    """PIL image -> normalised float tensor (3, size, size): random resized crop when training, else resize +
+    centre crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default;
+    the model's image processor's when it has its own, e.g. SigLIP's 0.5).
+
+    `pixels` stops before normalisation (uint8), `normalize` (a `Normalize`) does it, also for a whole batch,
+    bit-identically; `from_bytes` decodes too. With `draft` (training crops only), a JPEG whose crop is at least
+    twice the output size is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (the largest that still leaves the crop
+    >= size a side), which changes pixels slightly; smaller images decode exactly as without it.
+    """
+
+    def __init__(self, image_size: int, train: bool = True, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, draft=True):
+        self.image_size, self.train, self.draft = image_size, train, draft
+        self.normalize = Normalize(mean, std)
+
+    def __call__(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+        return self.normalize(self.pixels(image, rng))
+
+    def pixels(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
+        """The crop as a uint8 tensor (3, size, size), before normalisation."""
+        return self._crop(to_rgb(image), self._box(*image.size, rng), image.size)
+
+    def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+        """Encoded image -> uint8 crop (3, size, size), as `pixels` of the decoded image, but decoded at reduced
+        size when `draft` allows it. Raises ValueError for images of more than `max_pixels` pixels, before
+        decoding them, and PIL's errors for corrupt data."""
+        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+            full = image.size
+            if full[0] * full[1] > max_pixels:
+                raise ValueError(f"{full[0]} x {full[1]} pixels, above {max_pixels}")
+            box = self._box(*full, rng)
+            scale = draft_scale(box, self.image_size) if box and self.draft else 1
+            if scale > 1:
+                image.draft(None, (full[0] // scale, full[1] // scale))  # a no-op for formats other than JPEG
+            image.load()
+            return self._crop(to_rgb(image), box, full)
+
+    def _box(self, width: int, height: int, rng: random.Random | None):
+        return random_resized_crop_box(width, height, rng or random.Random()) if self.train else None
+
+    def _crop(self, image: Image.Image, box, full: tuple[int, int]) -> torch.Tensor:
+        size = self.image_size
+        if self.train:
+            if image.size != full:  # drafted: the box in the reduced image's coordinates
+                sx, sy = image.width / full[0], image.height / full[1]
+                box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+            image = image.resize((size, size), Image.BICUBIC, box=box)
+        else:
+            scale = size / min(image.size)
+            new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
+            image = image.resize(new_size, Image.BICUBIC)
+            left, top = (image.width - size) // 2, (image.height - size) // 2
+            image = image.crop((left, top, left + size, top + size))
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants

@@ -1,0 +1,137 @@
+"""The fast input path (uint8 crops, draft decoding, bulk normalisation in the collator) against the per-sample
+float path it replaced, written out below as that code computed it: bit for bit where nothing is meant to change,
+within a stated bound where draft decoding changes pixels."""
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sklearn.datasets
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+from disco_clip_ds.data.pipeline import ClipCollator, ShardStream
+from disco_clip_ds.data.transforms import ImageTransform, draft_scale, random_resized_crop_box, to_rgb
+from disco_clip_ds.testing.launch import TOKENIZER_DIR
+
+SIGLIP = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+PHOTO = Path(sklearn.datasets.__file__).parent / "images" / "china.jpg"  # a 640 x 427 photograph, JPEG
+
+
+def reference(data: bytes, size: int, train: bool, rng: random.Random, mean, std) -> torch.Tensor:
+    """The decode -> crop -> normalise path as it was: a full-size decode, then one float32 tensor per sample."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        image = to_rgb(image)
+        if train:
+            box = random_resized_crop_box(*image.size, rng)
+            image = image.resize((size, size), Image.BICUBIC, box=box)
+        else:
+            scale = size / min(image.size)
+            new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
+            image = image.resize(new_size, Image.BICUBIC)
+            left, top = (image.width - size) // 2, (image.height - size) // 2
+            image = image.crop((left, top, left + size, top + size))
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        return (pixels - mean) / std
+
+
+def textured(rng: np.random.Generator, size: tuple[int, int], mode: str = "RGB", fmt: str = "JPEG") -> bytes:
+    """A crop of the photograph, resized to `size` and saved as img2dataset does (JPEG quality 95)."""
+    photo = Image.open(PHOTO)
+    w, h = int(rng.integers(200, 400)), int(rng.integers(200, 400))
+    left, top = int(rng.integers(0, photo.width - w)), int(rng.integers(0, photo.height - h))
+    image = photo.crop((left, top, left + w, top + h)).resize(size, Image.BICUBIC).convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    """img2dataset-like images (256 px on the short side) and odd ones: gray, RGBA PNG, CMYK, smaller than 224."""
+    rng = np.random.default_rng(0)
+    sizes = [(256, 341), (384, 256), (256, 256), (256, 455), (300, 256)]
+    out = [textured(rng, s) for s in sizes]
+    out += [textured(rng, (256, 320), "L"), textured(rng, (280, 256), "RGBA", "PNG"), textured(rng, (256, 300), "CMYK")]
+    return out + [textured(rng, (150, 120))]
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("mean_std", [(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), SIGLIP], ids=["clip", "siglip"])
+def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(images, train, mean_std):
+    """Where the crop needs the full-size decode (every img2dataset-sized image at 224), the new path changes
+    nothing: the batch the collator normalises equals the old per-sample float32 tensors exactly."""
+    transform = ImageTransform(224, train=train, mean=mean_std[0], std=mean_std[1])
+    expected = [reference(data, 224, train, random.Random(f"k{i}"), *mean_std) for i, data in enumerate(images)]
+    crops = [transform.from_bytes(data, random.Random(f"k{i}")) for i, data in enumerate(images)]
+    assert all(c.dtype == torch.uint8 for c in crops)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8, mean=mean_std[0], std=mean_std[1])
+    batch = collate([(c, "a photo") for c in crops])["pixel_values"]
+    assert batch.dtype == torch.float32 and torch.equal(batch, torch.stack(expected))
+    # ImageTransform's own call (a PIL image in, a normalised tensor out) is unchanged too
+    with Image.open(io.BytesIO(images[0])) as image:
+        assert torch.equal(transform(image, random.Random("k0")), expected[0])
+
+
+def test_normalisation_is_the_correctly_rounded_float32_of_the_exact_value():
+    """Independent of both paths: every uint8 value and channel, against float64 arithmetic."""
+    values = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(1, 3, 16, 16)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 4)
+    got = collate([(values[0], "x")])["pixel_values"][0].double()
+    mean, std = (torch.tensor(v, dtype=torch.float64).view(3, 1, 1) for v in (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+    exact = (values[0].double() / 255 - mean) / std
+    assert (got - exact).abs().max() < 1e-6  # three float32 roundings on values of magnitude < 2.2
+
+
+def test_stream_and_collator_give_the_old_tensors_for_every_sample(tmp_path, images):
+    """Through ShardStream (key-seeded crops, draft decoding on) and ClipCollator, as training gets them."""
+    import webdataset as wds
+
+    keys = [f"{i:09d}" for i in range(len(images))]
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
+        for key, data in zip(keys, images):
+            ext = "png" if data.startswith(b"\x89PNG") else "jpg"
+            sink.write({"__key__": key, ext: data, "txt": f"caption {key}".encode()})
+    stream = ShardStream([str(tmp_path / "00000.tar")], 224, seed=3, shuffle_buffer=4)
+    items = [item for item, _ in zip(stream, range(len(images)))]
+    collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8)
+    batch = collate(items)
+    # in a DataLoader worker the batch is written straight into shared memory: the same values
+    in_worker = next(iter(torch.utils.data.DataLoader(items, batch_size=len(items), num_workers=1, collate_fn=collate)))
+    assert torch.equal(in_worker["pixel_values"], batch["pixel_values"])
+    for row, (_, caption, _) in zip(batch["pixel_values"], items):
+        key = caption.split()[1]
+        data = images[keys.index(key)]
+        assert torch.equal(
+            row, reference(data, 224, True, random.Random(f"3/0/{key}"), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+        )
+
+
+def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_close():
+    """A 640 x 427 photograph cropped to 128 px: every crop spans >= 2 x 128 pixels, so it decodes at half size.
+    Bound: the normalised tensors differ by at most 0.25 on average and 2.0 at worst (the normalised range is
+    about 4 wide); an image too small for a halved decode is untouched."""
+    data = PHOTO.read_bytes()
+    drafted, full = ImageTransform(128), ImageTransform(128, draft=False)
+    diffs = []
+    for i in range(8):
+        box = random_resized_crop_box(640, 427, random.Random(f"d{i}"))
+        assert draft_scale(box, 128) == 2 and draft_scale(box, 224) == 1
+        a = drafted.normalize(drafted.from_bytes(data, random.Random(f"d{i}")))
+        b = full.normalize(full.from_bytes(data, random.Random(f"d{i}")))
+        assert torch.equal(b, reference(data, 128, True, random.Random(f"d{i}"), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
+        diffs.append((a - b).abs())
+    diff = torch.stack(diffs)
+    assert 0 < diff.mean() < 0.25 and diff.max() < 2.0
+    # at 224 the same photograph needs its full size: the draft path gives the old bytes exactly
+    assert torch.equal(
+        ImageTransform(224).from_bytes(data, random.Random("x")),
+        ImageTransform(224, draft=False).from_bytes(data, random.Random("x")),
+    )
