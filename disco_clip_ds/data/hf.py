@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import multiprocessing
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +30,10 @@ import numpy as np
 import torch
 
 from ..errors import DataError, UsageError
+from .pipeline import ReaderStream
 from .shards import write_json
 from .stream_state import STATE_FILE, note_positions
-from .transforms import MAX_IMAGE_PIXELS, ImageTransform
+from .transforms import MAX_IMAGE_PIXELS
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def _resolve(path: str, base: str) -> Path:
     return Path(path) if Path(path).is_absolute() else Path(base) / path
 
 
-class HFStream(torch.utils.data.IterableDataset):
+class HFStream(ReaderStream):
     """Endless stream of (pixel_values, caption, position) from a `datasets` dataset (`HFData`), as ShardStream
     yields from shards (see the module docstring for how readers split it and how it shuffles).
 
@@ -241,20 +241,8 @@ class HFStream(torch.utils.data.IterableDataset):
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
     ):
-        super().__init__()
-        self.data, self.rank, self.world_size, self.seed = data, rank, world_size, seed
-        self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
-        self.max_image_pixels = max_image_pixels
-        self.transform = ImageTransform(image_size, train=train)
-        context = multiprocessing.get_context()  # as ShardStream's counters: see there
-        self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
-        self.workers = max(1, num_workers)
-        self.start: dict[int, tuple[int, ...]] = {}
-        self.worker_shift = 0
-
-    @property
-    def num_readers(self) -> int:
-        return self.world_size * self.workers
+        super().__init__(image_size, rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)
+        self.data = data
 
     @property
     def position_fields(self) -> tuple[str, ...]:
@@ -263,21 +251,6 @@ class HFStream(torch.utils.data.IterableDataset):
             return STREAM_FIELDS + tuple(f"state{i}" for i in range(STATE_INTS))
         return MAP_FIELDS
 
-    def restore(self, positions: dict[int, tuple[int, ...]], consumed_batches: int) -> None:
-        """As ShardStream.restore: `positions` maps a global reader to its position row past the reader field."""
-        self.start = {int(reader): tuple(int(v) for v in pos) for reader, pos in positions.items()}
-        self.worker_shift = consumed_batches
-
-    def _count_skip(self, what: str, error: BaseException | str) -> None:
-        with self.skipped.get_lock():
-            self.skipped.value += 1
-        logger.warning("skipping %s: %s", what, error)
-
-    def _reader(self) -> tuple[int, int, int]:
-        info = torch.utils.data.get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        return self.rank * workers + (worker + self.worker_shift) % workers, self.world_size * workers, workers
-
     def __iter__(self):
         reader, num_readers, workers = self._reader()
         start = self.start.get(reader)
@@ -285,11 +258,8 @@ class HFStream(torch.utils.data.IterableDataset):
         samples = self._streamed if self.data.streaming else self._indexed
         # a pass resumed part way may hold no good row in what is left of it: only whole passes are checked
         fresh = start is None or not any(start[2 : 4 if self.data.streaming else 3])
-        for place, item in self._checked(samples(reader, num_readers, start[1:] if start else None), fresh):
-            count += 1
-            with self.decoded.get_lock():
-                self.decoded.value += 1
-            yield (*item, torch.tensor([reader, count, *place], dtype=torch.int64))
+        produced = self._checked(samples(reader, num_readers, start[1:] if start else None), fresh)
+        yield from self._counted(reader, count, produced)
 
     def _checked(self, produced, fresh: bool):
         """The (place, item) of `produced` = (pass, place, item or None) that hold an item; a DataError once a

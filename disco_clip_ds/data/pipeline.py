@@ -36,7 +36,74 @@ POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
 POSITION_KEY = "stream_position"
 
 
-class ShardStream(torch.utils.data.IterableDataset):
+class ReaderStream(torch.utils.data.IterableDataset):
+    """What every training stream shares: its place among the readers (reader = rank * DataLoader workers +
+    worker), the skip and decode counters shared by all workers, and the positions a resume restores.
+
+    `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
+    e.g. accelerate's dispatch_batches); `num_workers` is the DataLoader workers per rank. Subclasses yield
+    (uint8 pixels, caption, position row) with `_counted`."""
+
+    def __init__(
+        self,
+        image_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle_buffer: int,
+        train: bool,
+        num_workers: int,
+        max_image_pixels: int,
+    ):
+        super().__init__()
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
+        self.max_image_pixels = max_image_pixels
+        self.transform = ImageTransform(image_size, train=train)
+        # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
+        # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
+        # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).
+        context = multiprocessing.get_context()
+        self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
+        self.workers = max(1, num_workers)
+        self.start: dict[int, tuple[int, ...]] = {}  # reader -> its position past the reader field, to resume at
+        self.worker_shift = 0
+
+    @property
+    def num_readers(self) -> int:
+        """Readers over all ranks and workers, as constructed (ranks x `num_workers`)."""
+        return self.world_size * self.workers
+
+    def restore(self, positions: dict[int, tuple[int, ...]], consumed_batches: int) -> None:
+        """Resume where the readers stood: `positions` maps a (global) reader to its newest position past the
+        reader field; readers without one start afresh. `consumed_batches`: the batches this rank's DataLoader had
+        handed out; it serves batches from its workers in turn, so the next batch is from worker
+        consumed_batches mod workers: a fresh worker w takes that old worker's place."""
+        self.start = {int(reader): tuple(int(v) for v in pos) for reader, pos in positions.items()}
+        self.worker_shift = consumed_batches
+
+    def _count_skip(self, what: str, error: BaseException | str) -> None:
+        with self.skipped.get_lock():
+            self.skipped.value += 1
+        logger.warning("skipping %s: %s", what, error)
+
+    def _reader(self) -> tuple[int, int, int]:
+        """(reader, readers in all, workers per rank) of this DataLoader worker (or of the main process)."""
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        return self.rank * workers + (worker + self.worker_shift) % workers, self.world_size * workers, workers
+
+    def _counted(self, reader: int, count: int, produced):
+        """The (place, item) pairs of `produced` as yielded items: the item, then its position row (reader, count
+        of samples this reader has produced, place)."""
+        for place, item in produced:
+            count += 1
+            with self.decoded.get_lock():
+                self.decoded.value += 1
+            yield (*item, torch.tensor([reader, count, *place], dtype=torch.int64))
+
+
+class ShardStream(ReaderStream):
     """Endless stream of (uint8 pixels, caption, position) from webdataset shards (ClipCollator normalises).
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
@@ -64,54 +131,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
     ):
-        super().__init__()
-        self.urls, self.rank, self.world_size, self.seed = list(urls), rank, world_size, seed
-        self.max_image_pixels = max_image_pixels
-        self.block = max(1, shuffle_buffer)
-        self.transform = ImageTransform(image_size, train=train)
-        # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
-        # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
-        # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).
-        context = multiprocessing.get_context()
-        self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
-        self.workers = max(1, num_workers)
+        super().__init__(image_size, rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)
+        self.urls = list(urls)
         shards_for_reader(self.urls, rank * self.workers, self.num_readers)  # fail early, in the main process
-        self.start: dict[int, tuple[int, ...]] = {}  # reader -> (count, epoch, shard, member, offset) to resume at
-        self.worker_shift = 0
-
-    @property
-    def num_readers(self) -> int:
-        """Readers over all ranks and workers, as constructed (ranks x `num_workers`)."""
-        return self.world_size * self.workers
-
-    def restore(self, positions: dict[int, tuple[int, ...]], consumed_batches: int) -> None:
-        """Resume where the readers stood: `positions` maps a (global) reader to its newest position past the
-        reader field (count, epoch, shard, member, offset); readers without one start afresh. `consumed_batches`:
-        the batches this rank's DataLoader had handed out; it serves batches from its workers in turn, so the
-        next batch is from worker consumed_batches mod workers: a fresh worker w takes that old worker's place."""
-        self.start = {int(reader): tuple(int(v) for v in pos) for reader, pos in positions.items()}
-        self.worker_shift = consumed_batches
-
-    def _count_skip(self, what: str, error: BaseException | str) -> None:
-        with self.skipped.get_lock():
-            self.skipped.value += 1
-        logger.warning("skipping %s: %s", what, error)
-
-    def _reader(self) -> tuple[int, int, int]:
-        """(reader, readers in all, workers per rank) of this DataLoader worker (or of the main process)."""
-        info = torch.utils.data.get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        return self.rank * workers + (worker + self.worker_shift) % workers, self.world_size * workers, workers
 
     def __iter__(self):
         reader, num_readers, workers = self._reader()
         shards = shards_for_reader(self.urls, reader, num_readers)
-        count, *start = self.start.get(reader, (0, 0, 0, 0, 0))
-        for place, item in self._samples(shards, (reader, num_readers, workers), start):
-            count += 1
-            with self.decoded.get_lock():
-                self.decoded.value += 1
-            yield (*item, torch.tensor([reader, count, *place], dtype=torch.int64))
+        count, *start = self.start.get(reader, (0, 0, 0, 0, 0))  # (count, epoch, shard, member, offset)
+        yield from self._counted(reader, count, self._samples(shards, (reader, num_readers, workers), start))
 
     def _samples(self, shards: list[str], where: tuple[int, int, int], start: list[int]):
         """(position past the reader and count fields, decoded item) from `start` = (epoch, shard, member, offset)
