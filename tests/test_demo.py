@@ -310,6 +310,7 @@ def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tm
         "DATA": str(data),
         "OUT": str(out),
         "STEPS": "3",
+        "SEED": "5",
     }
     result = subprocess.run(
         ["bash", str(REPO / "recipes" / "quickstart.sh")], env=env, capture_output=True, text=True, timeout=600
@@ -321,6 +322,7 @@ def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tm
     assert argv[i : i + 8] == [*source, "--image_column", "image", "--caption_column", "caption"]
     assert "--train_shards" not in argv and (data / "train" / "train-00000-of-00008.parquet").is_file()
     assert argv[argv.index("--zeroshot_data") + 1] == f"{data}/eval"
+    assert argv[argv.index("--seed") + 1] == "5"  # SEED: the run's seed (data order, augmentation, init)
     for task in ("zeroshot_classification", "zeroshot_retrieval"):
         record = json.loads((out / "eval" / f"{task}.json").read_text())
         assert record["dataset"] == f"{data}/eval" and record["metrics"], task
