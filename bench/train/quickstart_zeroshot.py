@@ -48,12 +48,15 @@ def merge(rows: list[dict]) -> None:
     if CSV.is_file():
         with CSV.open() as f:
             kept = [r for r in csv.DictReader(f) if (r["loss"], r["data_format"], r["seed"]) not in runs]
-    order = lambda r: (r["loss"] != "softmax", r["data_format"], int(r["seed"]), int(r["step"]))  # noqa: E731
-    merged = sorted(kept + rows, key=order)
+    merged = sorted(kept + rows, key=_order)
     with CSV.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(merged)
+
+
+def _order(row: dict) -> tuple:
+    return row["loss"] != "softmax", row["data_format"], int(row["seed"]), int(row["step"])
 
 
 def main(argv=None) -> None:
