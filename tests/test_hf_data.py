@@ -438,7 +438,7 @@ def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, caps
     )
 
 
-# --- launched: 2 ranks from a save_to_disk dataset (torchrun) and a streamed parquet folder (deepspeed) ---
+# --- launched: 2 ranks from a save_to_disk dataset (torchrun) and a streamed parquet folder (accelerate) ---
 
 STEPS, PER_RANK = 6, 3  # 20 rows, 2 bad: 9 good per reader and pass, 18 trained per reader: passes wrap
 BAD_ROWS = {3: "corrupt", 12: "empty"}
@@ -447,8 +447,9 @@ BAD_ROWS = {3: "corrupt", 12: "empty"}
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """The data, the initial weights, and the runs: uninterrupted and resumed from a copy of its checkpoint-3, for a
-    map-style and a streaming source; and 1 rank x 2 workers accumulating K=2 over the map-style source."""
-    from disco_clip_ds.testing.launch import REPO, SGD, launch_in_one_process
+    map-style source under torchrun and a streaming one under accelerate; and 1 rank x 2 workers accumulating K=2
+    over the map-style source under the deepspeed launcher."""
+    from disco_clip_ds.testing.launch import REPO, SGD
 
     from helpers import run_to_end, save_initial_model
 
@@ -463,12 +464,13 @@ def launched(tmp_path_factory):
         "map": ["--dataset_name", str(root / "saved")],
         "stream": ["--dataset_name", str(root / "parquet"), "--streaming", "true", "--train_num_samples", "20"],
     }
-    launchers = {"map": "torchrun", "stream": "deepspeed"}
+    launchers = {"map": "torchrun", "stream": "accelerate"}
     common = [*LAUNCH_COMMON, *SGD, "--model_name_or_path", str(model), "--max_steps", str(STEPS)]
     common += ["--per_device_train_batch_size", str(PER_RANK), "--save_steps", "3", "--shuffle_buffer", "4"]
-    common += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]
+    zero2 = ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # under accelerate its ZeRO-2 yaml names it
     for kind, source in sources.items():
         full, resumed = root / f"{kind}_full", root / f"{kind}_resumed"
+        source = [*source, *(zero2 if launchers[kind] != "accelerate" else [])]
         rc, log = run_to_end(full, ["--output_dir", str(full), *common, *source], launcher=launchers[kind])
         assert rc == 0, log[-3000:]
         resumed.mkdir()
@@ -478,8 +480,9 @@ def launched(tmp_path_factory):
         rc, log = run_to_end(resumed, args, launcher=launchers[kind])
         assert rc == 0, log[-3000:]
         assert "resume: the data stream seeks to where 2 readers stood" in log
-    k2 = [*common[:-2], *sources["map"], "--dataloader_num_workers", "2", "--gradient_accumulation_steps", "2"]
-    launch_in_one_process([(root / "n1_k2", k2)])
+    k2 = [*common, *zero2, *sources["map"], "--dataloader_num_workers", "2", "--gradient_accumulation_steps", "2"]
+    rc, log = run_to_end(root / "n1_k2", ["--output_dir", str(root / "n1_k2"), *k2], launcher="deepspeed", nproc=1)
+    assert rc == 0, log[-3000:]
     return root
 
 
