@@ -12,7 +12,7 @@ import pytest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
 
-from helpers import assert_same_training, weights
+from helpers import assert_same_training, assert_trained_under_fsdp, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS, PER_RANK = 4, 8
@@ -56,6 +56,8 @@ def runs(tmp_path_factory, initial_model):
 
 @pytest.mark.parametrize("run", ["n2_zero3", "n2_fsdp", "n1_k2", "resumed"])
 def test_trains_like_two_ranks_under_zero2(runs, initial_model, run):
+    if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
+        assert_trained_under_fsdp(runs / run)
     assert_same_training(runs / run, runs / "n2_zero2", weights(initial_model), steps=STEPS)
 
 
