@@ -43,7 +43,8 @@ def runs(tmp_path_factory, initial_model):
     per_rank = ["--per_device_train_batch_size", str(PER_RANK)]
     launch("torchrun", 2, root / "n2_zero2", *common, *per_rank)
     launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
-    launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None)
+    wrap = ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"]  # fsdp.yaml names CLIP's layer
+    launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None, launcher_args=wrap)
     launch("deepspeed", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
     stopped = ["--save_steps", "2", *common, *per_rank]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
