@@ -209,6 +209,7 @@ def test_accelerate_trains_an_fsdp_launch_on_cpu_as_ddp_unless_the_state_is_comp
     threads = str(torch.get_num_threads())  # accelerate sets torch's thread count when OMP_NUM_THREADS is unset
     for name, value in {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": threads}.items():
         monkeypatch.setenv(name, value)
+    AcceleratorState._reset_state(reset_partial_state=True)  # one an earlier test left (accelerate keeps one)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         accelerator = Accelerator(cpu=True)
