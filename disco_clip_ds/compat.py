@@ -99,9 +99,17 @@ def scalar_logit_scale_in(state_dict: dict | None) -> dict | None:
 
 def logit_scale_to_scalar_hook(module, state_dict, prefix, local_metadata):
     """State-dict hook: the vector `logit_scale` is saved in CLIP's 0-dim layout."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
+
     key = prefix + "logit_scale"
-    if key in state_dict and state_dict[key].numel() == 1:  # a ZeRO-3 partitioned parameter is an empty tensor
-        state_dict[key] = state_dict[key].reshape(())
+    value = state_dict.get(key)
+    # A ZeRO-3 partitioned parameter is an empty tensor. An FSDP2 one is a DTensor, sharded along the dimension the
+    # reshape would drop; the full state dict is gathered after the hooks, and `save_pretrained` reshapes it.
+    if value is not None and value.numel() == 1 and not isinstance(value, DTensor):
+        state_dict[key] = value.reshape(())
     return state_dict
 
 
@@ -294,3 +302,44 @@ def unlink_deepspeed_shm_buffer() -> None:
         return
     dist.barrier()
     deepspeed_shm_buffer(dist.get_rank()).unlink(missing_ok=True)
+
+
+# --- accelerate: the FSDP config ignored on CPU ---------------------------------------------------------------------
+# accelerate's AcceleratorState (1.x, 1.16 included) turns ACCELERATE_USE_FSDP (what `accelerate launch` sets from an
+# FSDP config, and the Accelerator from the Trainer's --fsdp) into DistributedType.FSDP only for the GPU-like
+# distributed types (MULTI_GPU, MULTI_XPU, ...): on CPU ranks it silently stays MULTI_CPU, the Trainer sees no
+# fsdp_plugin, and an FSDP recipe trains plain DDP. torch's FSDP2 (`fully_shard`) itself runs on CPU over gloo, so
+# the state is completed here as accelerate completes it for a GPU.
+# Gate: a state that came up MULTI_CPU under ACCELERATE_USE_FSDP (tests/test_compat.py checks that the installed
+# release still leaves it so; a release that honours FSDP on CPU makes this a no-op).
+def fsdp_on_cpu(state, plugin_args: dict | None = None) -> bool:
+    """Under FSDP on CPU ranks, make a just-built AcceleratorState FSDP's, as accelerate's own GPU branch does
+    (nothing in the Accelerator's setup after that branch differs on CPU), with the plugin the Trainer built from
+    `plugin_args` (TrainingArguments.fsdp_plugin_args) or else the one `accelerate launch`'s environment describes.
+    True when it did."""
+    import os
+
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true"
+        or state.distributed_type != DistributedType.MULTI_CPU
+    ):
+        return False
+    plugin = FullyShardedDataParallelPlugin(**(plugin_args or {}))
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return True
+
+
+class FsdpOnCpuMixin:
+    """Trainer mixin: the FSDP config of `accelerate launch` honoured on CPU ranks (`fsdp_on_cpu`), set before
+    anything reads `is_fsdp_enabled`."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if fsdp_on_cpu(self.accelerator.state, self.args.fsdp_plugin_args):
+            self.is_fsdp_enabled = True

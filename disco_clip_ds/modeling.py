@@ -197,6 +197,11 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
         super()._init_weights(module)
         clip_init_(module)
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The text tower's token embedding, as CLIPTextModel's. CLIPModel (transformers 5) raises instead, and
+        accelerate's FSDP2 setup asks every model for it (to shard it as a unit of its own)."""
+        return self.text_model.embeddings.token_embedding
+
     def _plain_state_dict(self, state_dict: dict | None) -> dict | None:
         return compat.scalar_logit_scale_in(state_dict)  # CLIP's 0-dim logit_scale (see compat)
 

@@ -225,7 +225,14 @@ class DiscoTrainingArguments(TrainingArguments):
             self.accelerator_config.dispatch_batches = False
 
 
-class DiscoTrainer(FiniteStepsMixin, CompleteCheckpointsMixin, StopSignalsMixin, ContrastiveAccumulationMixin, Trainer):
+class DiscoTrainer(
+    compat.FsdpOnCpuMixin,
+    FiniteStepsMixin,
+    CompleteCheckpointsMixin,
+    StopSignalsMixin,
+    ContrastiveAccumulationMixin,
+    Trainer,
+):
     """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
     memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
     gradient_accumulation_steps (`disco_clip_ds.accumulate`). The loss comes from the model.

@@ -145,6 +145,14 @@ def complete_checkpoints(output: Path) -> list[str]:
     return [p.name for p in found if checkpoint_problem(p) is None]
 
 
+def assert_trained_under_fsdp(output: Path) -> None:
+    """Every checkpoint of OUTPUT holds the model state accelerate saves for an FSDP model (pytorch_model_fsdp*),
+    which a run that fell back to DDP (accelerate ignoring the FSDP config on CPU) or DeepSpeed never writes."""
+    saved = complete_checkpoints(output)
+    assert saved, f"{output}: no checkpoint"
+    assert [name for name in saved if any((output / name).glob("pytorch_model_fsdp*"))] == saved, saved
+
+
 def same_weights(a: Path, b: Path) -> float:
     """The largest absolute difference between the saved weights of runs A and B (same keys asserted)."""
     wa, wb = weights(a), weights(b)

@@ -12,7 +12,15 @@ from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch
 from disco_clip_ds.testing.nodes import start_nodes
 
-from helpers import complete_checkpoints, kill_group, run_and_data, same_weights, save_initial_model, wait_group
+from helpers import (
+    assert_trained_under_fsdp,
+    complete_checkpoints,
+    kill_group,
+    run_and_data,
+    same_weights,
+    save_initial_model,
+    wait_group,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,5 +76,7 @@ def test_two_machines_train_like_one_node_with_two_ranks(data, reference, yaml):
     assert rng_states == ["rng_state_0.pth", "rng_state_1.pth"]
     if yaml.startswith("deepspeed"):  # each machine's rank wrote its own ZeRO-2 optimizer shard
         assert len(list((out / "checkpoint-2").glob("global_step2/*optim_states.pt"))) == 2
+    else:  # one FSDP2 world across the machines, not DDP
+        assert_trained_under_fsdp(out)
     assert complete_checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
     assert same_weights(out, reference) <= 1e-4

@@ -25,7 +25,7 @@ from disco_clip_ds.testing.launch import (
     train_env,
 )
 
-from helpers import assert_same_training, save_initial_model, step_losses, weights
+from helpers import assert_same_training, assert_trained_under_fsdp, save_initial_model, step_losses, weights
 
 STEPS, MICRO, SEED = 3, 4, 11
 # The model and the cached-gradient path run in float64; the loss module computes its logits in fp32 by design,
@@ -355,6 +355,8 @@ def runs(tmp_path_factory, initial_model):
 @pytest.mark.parametrize("run", ["n1_k4", "n2_k2_zero1", "n2_k2_zero2", "n2_k2_zero3_gc", "n2_k2_fsdp", "n2_k2_ddp_gc"])
 @pytest.mark.slow
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
+    if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
+        assert_trained_under_fsdp(runs / run)
     assert_same_training(runs / run, runs / "n1_k1", weights(initial_model), steps=STEPS)
 
 

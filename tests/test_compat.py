@@ -19,7 +19,7 @@ from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
 from disco_clip_ds.modeling import DiscoCLIPModel, build_model
-from disco_clip_ds.testing.launch import TINY_CONFIG
+from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 from disco_clip_ds.testing.ranks import run_ranks
 
 TINY = TINY_CONFIG
@@ -168,6 +168,65 @@ def test_accelerate_keeps_one_nth_of_a_ranks_own_stream():
     assert [batch.tolist() for batch in loader] == [[0, 1], [4, 5]]
     compat.unshard_iterable_dataset(loader)
     assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+# --- accelerate: the FSDP config ignored on CPU ---
+
+
+def _fsdp_launch_env(*launcher_args: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file recipes/accelerate/fsdp.yaml LAUNCHER_ARGS` gives its ranks,
+    derived by accelerate's own launcher code."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "recipes/accelerate/fsdp.yaml"), *launcher_args, "x.py"]
+    )
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+@pytest.mark.parametrize(
+    "config, launcher_args",
+    [("tiny.json", []), ("siglip_tiny.json", ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"])],
+    ids=["clip", "siglip"],
+)
+def test_accelerate_trains_an_fsdp_launch_on_cpu_as_ddp_unless_the_state_is_completed(
+    monkeypatch, config, launcher_args
+):
+    """A launched CPU rank (one here) under the FSDP recipe's environment: accelerate's state stays MULTI_CPU with
+    no FSDP plugin (so the Trainer would wrap the model in DDP); completed by compat, it is FSDP with the recipe's
+    plugin (FSDP2) and `prepare` shards the model (CLIP's and SigLIP's encoder layers as units) with torch's
+    fully_shard; the full state dict the Trainer saves has the plain model's keys."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
+
+    env = _fsdp_launch_env(*launcher_args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2", env
+    threads = str(torch.get_num_threads())  # accelerate sets torch's thread count when OMP_NUM_THREADS is unset
+    for name, value in {**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": threads}.items():
+        monkeypatch.setenv(name, value)
+    AcceleratorState._reset_state(reset_partial_state=True)  # one an earlier test left (accelerate keeps one)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.distributed_type == DistributedType.MULTI_CPU, "accelerate honours FSDP on CPU: drop it"
+        assert getattr(accelerator.state, "fsdp_plugin", None) is None
+        assert compat.fsdp_on_cpu(accelerator.state)
+        assert accelerator.distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+        model = build_model(model_config=str(REPO / "recipes/models" / config))
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        layers = list(model.text_model.encoder.layers) + list(model.vision_model.encoder.layers)
+        assert isinstance(model, FSDPModule) and all(isinstance(layer, FSDPModule) for layer in layers)
+        assert not compat.fsdp_on_cpu(accelerator.state)  # done once; nothing else is touched
+        full = accelerator.get_state_dict(model)  # what the Trainer saves; the logit_scale hook meets a DTensor
+        assert full.keys() == model.PLAIN(model.config).state_dict().keys()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        dist.destroy_process_group()
 
 
 # --- img2dataset: no hook for the fetch function ---

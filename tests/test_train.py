@@ -15,7 +15,7 @@ import pytest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_SEED, REPO, SGD, launch
 
-from helpers import assert_same_training, save_initial_model, weights
+from helpers import assert_same_training, assert_trained_under_fsdp, save_initial_model, weights
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
@@ -101,6 +101,8 @@ EQUIVALENT_RUNS = {  # run: the run it must train exactly like, from the same in
 @pytest.mark.slow
 @pytest.mark.parametrize("run", list(EQUIVALENT_RUNS))
 def test_trains_like_its_equivalent_run(runs, initial_weights, run):
+    if "fsdp" in run:  # FSDP proper (torch's fully_shard), not DDP: what accelerate alone would train on CPU
+        assert_trained_under_fsdp(runs / run)
     assert_same_training(runs / run, runs / EQUIVALENT_RUNS[run], initial_weights, steps=STEPS)
 
 

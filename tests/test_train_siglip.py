@@ -12,7 +12,7 @@ import pytest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
 
-from helpers import assert_same_training, weights
+from helpers import assert_same_training, assert_trained_under_fsdp, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS, PER_RANK = 4, 8
@@ -43,7 +43,8 @@ def runs(tmp_path_factory, initial_model):
     per_rank = ["--per_device_train_batch_size", str(PER_RANK)]
     launch("torchrun", 2, root / "n2_zero2", *common, *per_rank)
     launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
-    launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None)
+    wrap = ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"]  # fsdp.yaml names CLIP's layer
+    launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None, launcher_args=wrap)
     launch("deepspeed", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
     stopped = ["--save_steps", "2", *common, *per_rank]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
@@ -56,6 +57,8 @@ def runs(tmp_path_factory, initial_model):
 
 @pytest.mark.parametrize("run", ["n2_zero3", "n2_fsdp", "n1_k2", "resumed"])
 def test_trains_like_two_ranks_under_zero2(runs, initial_model, run):
+    if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
+        assert_trained_under_fsdp(runs / run)
     assert_same_training(runs / run, runs / "n2_zero2", weights(initial_model), steps=STEPS)
 
 

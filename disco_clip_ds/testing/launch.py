@@ -29,9 +29,10 @@ def train_env(**extra: str) -> dict:
     }
 
 
-def train_command(launcher: str, nproc: int, config: str | None = None) -> list[str]:
+def train_command(launcher: str, nproc: int, config: str | None = None, launcher_args=()) -> list[str]:
     """The command that starts `disco_clip_ds.train` on `nproc` CPU ranks: deepspeed | torchrun | accelerate
-    (`config`: its --config_file), on a free master port. One process without a launcher: launch_in_one_process."""
+    (`config`: its --config_file), on a free master port, `launcher_args` given to the launcher. One process without
+    a launcher: launch_in_one_process."""
     port, module = str(free_port()), "disco_clip_ds.train"
     if launcher == "deepspeed":
         cmd = [VENV_BIN / "deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", module]
@@ -47,6 +48,7 @@ def train_command(launcher: str, nproc: int, config: str | None = None) -> list[
             str(nproc),
             "--main_process_port",
             port,
+            *launcher_args,
             "-m",
             module,
         ]
@@ -107,8 +109,17 @@ SGD = [
 ]
 
 
-def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str | None = "cpu_zero2.json", timeout=300):
-    """Run `disco_clip_ds.train` with LAUNCH_COMMON on `nproc` CPU ranks with `launcher`; log in OUTPUT.log.
+def launch(
+    launcher: str,
+    nproc: int,
+    output: Path,
+    *args: str,
+    ds_config: str | None = "cpu_zero2.json",
+    timeout=300,
+    launcher_args=(),
+):
+    """Run `disco_clip_ds.train` with LAUNCH_COMMON on `nproc` CPU ranks with `launcher` (given `launcher_args`); log
+    in OUTPUT.log.
 
     launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
     fsdp.yaml)."""
@@ -120,7 +131,9 @@ def launch(launcher: str, nproc: int, output: Path, *args: str, ds_config: str |
         name = ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml"
         yaml = REPO / "recipes/accelerate" / name
     return run_training(
-        train_command(launcher, nproc, yaml) + train_args, log=output.parent / f"{output.name}.log", timeout=timeout
+        train_command(launcher, nproc, yaml, launcher_args) + train_args,
+        log=output.parent / f"{output.name}.log",
+        timeout=timeout,
     )
 
 
