@@ -170,6 +170,14 @@ class DataArguments:
         default=MAX_IMAGE_PIXELS,
         metadata={"help": "skip (and count) training images of more pixels, read from the header before decoding"},
     )
+    normalize_on_device: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "true", "false"],
+            "help": "hand the batch over as uint8 and normalise it on the device (bit-identical; auto: on a GPU), "
+            "else in the DataLoader workers",
+        },
+    )
 
 
 @dataclass
@@ -323,6 +331,17 @@ class DiscoTrainer(
         if self.reads_own_shards:
             compat.unshard_iterable_dataset(loader)
         return loader
+
+    def _prepare_inputs(self, inputs):
+        # Every training forward passes here (training_step; the contrastive accumulation's embedding pass), and so
+        # does evaluation. A uint8 batch (ClipCollator(normalize=False)) is normalised on the device by the
+        # collator's own Normalize, then cast as the Trainer casts float inputs (DeepSpeed's dtype): what the model
+        # sees is bit for bit what the workers would have made. A new dict: the raw batch stays uint8 for the next call.
+        inputs = super()._prepare_inputs(inputs)
+        pixels = inputs.get("pixel_values")
+        if pixels is not None and pixels.dtype == torch.uint8:
+            inputs = {**inputs, "pixel_values": self._prepare_input(self.data_collator.normalize.batch(pixels))}
+        return inputs
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         # return_loss rides here, not in the batch: accelerate's dispatch_batches broadcasts tensors only.
@@ -792,6 +811,11 @@ def _train(
         num_workers=args.dataloader_num_workers,
         max_image_pixels=data_args.max_image_pixels,
     )
+    # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow the
+    # training loop, so by default the workers keep it there
+    on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
+    if on_device:
+        logger.info("the DataLoader hands over uint8 batches, normalised on %s", args.device)
     trainer = DiscoTrainer(
         model=model,
         args=args,
@@ -801,6 +825,7 @@ def _train(
             checked.max_length,
             mean=processor.image_processor.image_mean,
             std=processor.image_processor.image_std,
+            normalize=not on_device,
         ),
         processing_class=processor,
         reads_own_shards=reads_own_shards,

@@ -247,11 +247,30 @@ def test_a_checkpoint_without_stream_state_resumes_by_skipping(full, data, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_normalising_on_the_device_trains_bit_identically(full, data, tmp_path):
+    """--normalize_on_device true on CPU ranks: the workers hand over uint8 batches and the trainer normalises
+    them (here on the CPU, as it would on a GPU) for both passes of contrastive accumulation: the same losses and
+    exactly the weights of the default run, whose workers normalise."""
+    from helpers import run_to_end, step_losses, weights
+
+    out = tmp_path / "on_device"
+    rc, log = run_to_end(out, _launch_args(out, data, "--normalize_on_device", "true"), launcher="torchrun")
+    assert rc == 0, log[-3000:]
+    assert "the DataLoader hands over uint8 batches, normalised on cpu" in log
+    assert "hands over uint8" not in (full.parent / "run.log").read_text()
+    assert step_losses(out) == step_losses(full)
+    on_device, default = weights(out), weights(full)
+    assert on_device.keys() == default.keys() and all(torch.equal(on_device[k], default[k]) for k in default)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
     """accelerate's dispatch_batches: rank 0 reads for both ranks with 3 workers, handing out 2 batches per step;
     after 2 steps its next batch comes from worker 4 mod 3 = 1. The resumed run's checkpoint-3 follows one step
     (2 batches) in which reader 0 handed out nothing: its restored position must be saved again, which a second
-    resume from it shows."""
+    resume from it shows; that one hands over uint8 batches (--normalize_on_device true), which accelerate
+    broadcasts as they are."""
     from helpers import run_to_end, same_weights
 
     dispatch = ["--accelerator_config", '{"dispatch_batches": true}', "--dataloader_num_workers", "3"]
@@ -259,12 +278,16 @@ def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
     full = tmp_path / "full"
     rc, log = run_to_end(full, _launch_args(full, data, *dispatch), launcher="torchrun")
     assert rc == 0, log[-3000:]
-    for source, step, out in ((full, 2, tmp_path / "resumed"), (tmp_path / "resumed", 3, tmp_path / "again")):
+    on_device = ["--normalize_on_device", "true"]
+    for source, step, out, extra in (
+        (full, 2, tmp_path / "resumed", []),
+        (tmp_path / "resumed", 3, tmp_path / "again", on_device),
+    ):
         out.mkdir()
         shutil.copy(full / "run.json", out / "run.json")
         shutil.copytree(source / f"checkpoint-{step}", out / f"checkpoint-{step}")
         rc, log = run_to_end(
-            out, _launch_args(out, data, *dispatch, "--resume_from_checkpoint", "latest"), launcher="torchrun"
+            out, _launch_args(out, data, *dispatch, *extra, "--resume_from_checkpoint", "latest"), launcher="torchrun"
         )
         assert rc == 0, log[-3000:]
         assert "resume: the data stream seeks to where 3 readers stood" in log

@@ -80,6 +80,32 @@ def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(image
         assert torch.equal(transform(image, random.Random("k0")), expected[0])
 
 
+ON_DEVICE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", ON_DEVICE)
+@pytest.mark.parametrize("mean_std", [(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), SIGLIP], ids=["clip", "siglip"])
+def test_a_uint8_batch_normalised_on_the_device_equals_the_worker_normalised_one_bit_for_bit(images, mean_std, device):
+    """ClipCollator(normalize=False) in a DataLoader worker hands over the uint8 batch (in shared memory); the
+    trainer's `collator.normalize.batch` on the device (the CPU as CPU ranks would; a GPU where there is one) makes
+    the float32 batch the workers make by default, and the old per-sample float path, exactly."""
+    transform = ImageTransform(224, train=True, mean=mean_std[0], std=mean_std[1])
+    items = [(transform.from_bytes(data, random.Random(f"k{i}")), "a photo") for i, data in enumerate(images)]
+    expected = [reference(data, 224, True, random.Random(f"k{i}"), *mean_std) for i, data in enumerate(images)]
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    batches = {}
+    for normalize in (True, False):
+        collate = ClipCollator(tokenizer, 8, mean=mean_std[0], std=mean_std[1], normalize=normalize)
+        loader = torch.utils.data.DataLoader(items, batch_size=len(items), num_workers=1, collate_fn=collate)
+        batches[normalize] = next(iter(loader))
+    uint8 = batches[False]["pixel_values"]
+    assert uint8.dtype == torch.uint8 and torch.equal(uint8, torch.stack([pixels for pixels, _ in items]))
+    assert torch.equal(batches[False]["input_ids"], batches[True]["input_ids"])
+    on_device = collate.normalize.batch(uint8.to(device)).cpu()
+    assert on_device.dtype == torch.float32 and torch.equal(on_device, batches[True]["pixel_values"])
+    assert torch.equal(on_device, torch.stack(expected))
+
+
 def test_normalisation_is_the_correctly_rounded_float32_of_the_exact_value():
     """Independent of both paths: every uint8 value and channel, against float64 arithmetic."""
     values = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(1, 3, 16, 16)

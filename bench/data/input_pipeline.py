@@ -12,9 +12,12 @@ buffer first) it times --batches batches. The rate is samples per CPU-second of 
 from /proc): on a shared machine that is what a worker with a core of its own delivers, where wall-clock rates
 (also written) swing with the load. The main process only waits on the worker. Sides interleave over --rounds;
 the table takes each side's median, and the ratio's median over rounds.
-- ours: disco_clip_ds.data.pipeline.ShardStream + ClipCollator as train.py builds them, with CLIP's own BPE as a
-  fast transformers tokenizer (made offline from open_clip's vocabulary file; the same tokens as open_clip's);
-  `ours_before` runs the same code of --before_commit (checked out with `git archive`).
+- ours: disco_clip_ds.data.pipeline.ShardStream + ClipCollator as train.py builds them on CPU ranks (the worker
+  normalises the batch), with CLIP's own BPE as a fast transformers tokenizer (made offline from open_clip's
+  vocabulary file; the same tokens as open_clip's); `ours_before` runs the same code of --before_commit (checked
+  out with `git archive`).
+- ours_uint8: the same with ClipCollator(normalize=False), as train.py builds it on a GPU: the worker hands over
+  the uint8 batch and the trainer normalises it on the device (not measured here).
 - open_clip: open_clip_train.data.get_wds_dataset with open_clip.image_transform(224, is_train=True) (ViT-B-32's
   train preprocess) and open_clip.get_tokenizer("ViT-B-32"), in bench/vs_open_clip's virtualenv (made by
   vs_open_clip.ensure_openclip_venv; open_clip is never a dependency of the package).
@@ -191,7 +194,8 @@ def ours_rate(args) -> dict:
     stream = ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000, num_workers=1)
     if args.no_draft:
         stream.transform.draft = False
-    collate = ClipCollator(AutoTokenizer.from_pretrained(args.tokenizer), CONTEXT)
+    uint8 = {"normalize": False} if args.side == "ours_uint8" else {}  # (ours_before's collator has no such argument)
+    collate = ClipCollator(AutoTokenizer.from_pretrained(args.tokenizer), CONTEXT, **uint8)
     loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=1, collate_fn=collate)
     return _timed(loader, args.warmup, args.batches, args.batch)
 
@@ -240,7 +244,13 @@ def hf_rate(args) -> dict:
     return _timed(loader, args.warmup, args.batches, args.batch)
 
 
-RATES = {"ours": ours_rate, "ours_before": ours_rate, "open_clip": open_clip_rate, "hf": hf_rate}
+RATES = {
+    "ours": ours_rate,
+    "ours_uint8": ours_rate,
+    "ours_before": ours_rate,
+    "open_clip": open_clip_rate,
+    "hf": hf_rate,
+}
 
 
 # ---------------------------------------------------------------- per-step costs
@@ -278,8 +288,9 @@ AUGMENT, SHARE = "augment (crop box + bicubic resize)", "copy into shared memory
 
 
 def ours_breakdown(args) -> list[dict]:
-    """Ours now (uint8 crops, normalised straight into a shared-memory batch) and before (a float32 tensor per
-    sample, stacked, then copied into shared memory when the DataLoader hands the batch over), step by step."""
+    """Ours now (uint8 crops, normalised straight into a shared-memory batch), ours_uint8 (the uint8 crops stacked
+    into a shared-memory uint8 batch, normalised later on the device) and before (a float32 tensor per sample,
+    stacked, then copied into shared memory when the DataLoader hands the batch over), step by step."""
     import numpy as np
     import torch
     from PIL import Image
@@ -291,7 +302,7 @@ def ours_breakdown(args) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     normalize = ImageTransform(CROP).normalize
     mean, std = normalize.mean, normalize.std
-    now, before = Steps(), Steps()
+    now, stack, before = Steps(), Steps(), Steps()
     start = time.process_time()
     raw = _raw(args.urls, args.breakdown)
     now.total["read"] = time.process_time() - start
@@ -319,10 +330,16 @@ def ours_breakdown(args) -> list[dict]:
         now.time(
             "normalise into the shared-memory batch", lambda: normalize(crops, batch_tensor(shape, torch.float32, True))
         )
+        stack.time(
+            "stack into the shared-memory uint8 batch",
+            lambda: torch.stack(crops, out=batch_tensor(shape, torch.uint8, True)),
+        )
         stacked = before.time("collate (stack)", torch.stack, floats)
         before.time(SHARE, stacked.share_memory_)
     for step in ("read", "caption", "decode", AUGMENT, "tokenize (batched, fast)"):
         before.total[step] = now.total[step]
+    uint8 = Steps()  # the same steps as ours, with the uint8 stack in place of the normalisation
+    uint8.total = {**{k: v for k, v in now.total.items() if not k.startswith("normalise")}, **stack.total}
     # the whole stream and collator in this process, no DataLoader: what the steps add up to
     from disco_clip_ds.data.pipeline import ClipCollator, ShardStream
 
@@ -333,7 +350,8 @@ def ours_breakdown(args) -> list[dict]:
         collate([next(stream) for _ in range(min(args.batch, len(raw) - b))])
     whole = Steps()
     whole.total["whole stream + collate, in process"] = time.process_time() - start
-    return now.rows("ours", len(raw)) + before.rows("ours_before", len(raw)) + whole.rows("ours", len(raw))
+    rows = now.rows("ours", len(raw)) + uint8.rows("ours_uint8", len(raw)) + before.rows("ours_before", len(raw))
+    return rows + whole.rows("ours", len(raw))
 
 
 def open_clip_breakdown(args) -> list[dict]:
@@ -427,7 +445,11 @@ def orchestrate(args) -> None:
     ours_python = sys.executable
     oc_python = str(vs_open_clip.ensure_openclip_venv(vs_open_clip.OPENCLIP_VENV))
     args.tokenizer = clip_tokenizer(root / "clip_tokenizer", vs_open_clip.OPENCLIP_VENV)
-    sides = {"ours": (ours_python, str(REPO)), "open_clip": (oc_python, str(REPO / "bench" / "vs_open_clip"))}
+    sides = {
+        "ours": (ours_python, str(REPO)),
+        "ours_uint8": (ours_python, str(REPO)),
+        "open_clip": (oc_python, str(REPO / "bench" / "vs_open_clip")),
+    }
     if args.before_commit:
         sides = {"ours_before": (ours_python, _before_tree(args.before_commit, root)), **sides}
     if args.parquet:
@@ -465,18 +487,20 @@ def _rate_row(round_: int, side: str, shards: str, measured: dict) -> dict:
 
 
 def summarize(rows: list[dict]) -> None:
-    """Each side's median samples per worker CPU-second, and the medians over rounds of ours / open_clip."""
-    by: dict[tuple[str, str], dict[int, float]] = {}
-    for r in rows:
-        by.setdefault((r["shards"], r["side"]), {})[int(r["round"])] = float(r["samples_per_cpu_s"])
-    for (shards, side), rates in by.items():
-        print(f"{shards} {side}: {statistics.median(rates.values()):.1f} samples per worker CPU-second")
-    for side in ("ours", "ours_before", "hf"):
-        for shards in {s for s, _ in by}:
-            ours, theirs = by.get((shards, side)), by.get((shards, "open_clip"))
-            if ours and theirs:
-                ratio = statistics.median(ours[r] / theirs[r] for r in ours if r in theirs)
-                print(f"{shards} {side} / open_clip: {ratio:.2f}x (median over rounds)")
+    """Each side's median samples per worker CPU-second and per wall second, and the medians over rounds of
+    ours / open_clip."""
+    for unit, column in (("worker CPU-second", "samples_per_cpu_s"), ("wall second", "samples_per_wall_s")):
+        by: dict[tuple[str, str], dict[int, float]] = {}
+        for r in rows:
+            by.setdefault((r["shards"], r["side"]), {})[int(r["round"])] = float(r[column])
+        for (shards, side), rates in by.items():
+            print(f"{shards} {side}: {statistics.median(rates.values()):.1f} samples per {unit}")
+        for side in ("ours", "ours_uint8", "ours_before", "hf"):
+            for shards in {s for s, _ in by}:
+                ours, theirs = by.get((shards, side)), by.get((shards, "open_clip"))
+                if ours and theirs:
+                    ratio = statistics.median(ours[r] / theirs[r] for r in ours if r in theirs)
+                    print(f"{shards} {side} / open_clip per {unit}: {ratio:.2f}x (median over rounds)")
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -495,19 +519,19 @@ def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
-    order = [s for s in ("ours_before", "ours", "open_clip") if any(r["side"] == s for r in rows)]
+    order = [s for s in ("ours_before", "ours", "ours_uint8", "open_clip") if any(r["side"] == s for r in rows)]
     shards = f"{args.short_side}px"
     medians = [
         statistics.median(r["samples_per_cpu_s"] for r in rows if (r["side"], r["shards"]) == (s, shards))
         for s in order
     ]
-    colours = {"ours_before": "#bbbbbb", "ours": "#1f77b4", "open_clip": "#ff7f0e"}
+    colours = {"ours_before": "#bbbbbb", "ours": "#1f77b4", "ours_uint8": "#2ca02c", "open_clip": "#ff7f0e"}
     left.bar(order, medians, color=[colours[s] for s in order])
     for i, m in enumerate(medians):
         left.text(i, m, f"{m:.0f}", ha="center", va="bottom")
     left.set_ylabel("samples per CPU-second of the one DataLoader worker")
     left.set_title(f"{args.short_side} px JPEGs -> {CROP} px crops, batch {args.batch}")
-    sides = [s for s in ("ours_before", "ours", "open_clip") if any(r["side"] == s for r in steps)]
+    sides = [s for s in ("ours_before", "ours", "ours_uint8", "open_clip") if any(r["side"] == s for r in steps)]
     step_names = list(dict.fromkeys(r["step"] for r in steps if not r["step"].startswith("whole")))
     bottom = [0.0] * len(sides)
     cmap = plt.get_cmap("tab20")

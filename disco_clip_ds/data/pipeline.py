@@ -201,13 +201,15 @@ class ClipCollator:
     """List of (pixel_values, caption[, position]) -> {"pixel_values", "input_ids", "attention_mask"[,
     POSITION_KEY]}: tensors only, so that accelerate can dispatch (and slice) them, and no `labels` (the model
     computes its own loss). uint8 crops (as ShardStream yields them) are normalised here, straight into the
-    batch tensor, with `mean`/`std` (ImageTransform's rule; pass the model's image processor's); float pixels are
-    taken as already normalised. Captions are tokenized in one call per batch (a fast tokenizer does the batch
-    in Rust) and padded to `max_length` so every batch has one shape. The positions (one row per sample) are for
-    the trainer, which takes them out before the model sees the batch."""
+    batch tensor, with `mean`/`std` (ImageTransform's rule; pass the model's image processor's); with
+    `normalize=False` they stay a uint8 batch (a quarter of the bytes to hand over), for the trainer to normalise
+    on the device with `self.normalize.batch`, bit-identically. Float pixels are taken as already normalised.
+    Captions are tokenized in one call per batch (a fast tokenizer does the batch in Rust) and padded to
+    `max_length` so every batch has one shape. The positions (one row per sample) are for the trainer, which takes
+    them out before the model sees the batch."""
 
-    def __init__(self, tokenizer, max_length: int, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
-        self.tokenizer, self.max_length = tokenizer, max_length
+    def __init__(self, tokenizer, max_length: int, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, normalize=True):
+        self.tokenizer, self.max_length, self.normalizes = tokenizer, max_length, normalize
         self.normalize = Normalize(mean, std)
 
     def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
@@ -215,8 +217,11 @@ class ClipCollator:
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
-        if pixels[0].dtype == torch.uint8:
-            pixels = self.normalize(pixels, out=batch_tensor((len(pixels), *pixels[0].shape), torch.float32))
+        shape = (len(pixels), *pixels[0].shape)
+        if pixels[0].dtype == torch.uint8 and self.normalizes:
+            pixels = self.normalize(pixels, out=batch_tensor(shape, torch.float32))
+        elif pixels[0].dtype == torch.uint8:
+            pixels = torch.stack(pixels, out=batch_tensor(shape, torch.uint8))
         else:
             pixels = torch.stack(pixels)
         collated = {

@@ -1,8 +1,9 @@
 """Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
 
-The per-sample work stays on uint8, as PIL decodes and resamples; the collator turns the batch's crops into the
-float batch in one place (`Normalize`), with the same float32 operations as normalising each crop alone, so the
-batch is bit-identical to the per-sample float path.
+The per-sample work stays on uint8, as PIL decodes and resamples; the float batch is made in one place
+(`Normalize`), with the same float32 operations as normalising each crop alone, so the batch is bit-identical to
+the per-sample float path: by the collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the
+device, from the uint8 batch the collator then hands over.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Normalize:
     def __init__(self, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD):
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, pixels: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """A crop (3, size, size) -> its float tensor; a batch (n, 3, size, size) or a list of n crops -> the
@@ -81,6 +83,22 @@ class Normalize:
             # passes over a whole batch (150 MB at 256 x 224 px) would each go out to memory and back.
             row.copy_(crop).div_(255.0).sub_(self.mean).div_(self.std)
         return out[0] if single else out
+
+    def batch(self, pixels: torch.Tensor) -> torch.Tensor:
+        """A uint8 batch (n, 3, size, size) on any device -> float32 (x / 255 - mean) / std, computed where it lies
+        (on the GPU when training there): bit-identical to `__call__`, whose operations it repeats."""
+        scale, mean, std = self._constants(pixels.device)
+        return pixels.to(torch.float32).div_(scale).sub_(mean).div_(std)
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        # Kept per device: copying them there each step would wait on the device's queue. 255 is a tensor there, not
+        # a Python number: CUDA divides by a CPU scalar as a multiplication by its reciprocal, which can differ in
+        # the last bit from the division done on the CPU.
+        if device not in self._on_device:
+            self._on_device[device] = tuple(
+                t.to(device) for t in (torch.tensor(255.0, dtype=torch.float32), self.mean, self.std)
+            )
+        return self._on_device[device]
 
 
 class ImageTransform:
