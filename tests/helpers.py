@@ -122,13 +122,19 @@ def ranks_of(launcher_pid: int) -> list[int]:
     """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
     import psutil
 
-    train = [
-        p
-        for p in psutil.Process(launcher_pid).children(recursive=True)
-        if "disco_clip_ds.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()[:4])
-    ]
-    pids = {p.pid for p in train}
-    return [p.pid for p in train if p.ppid() not in pids]  # not their DataLoader workers (forked: same command line)
+    def facts(p) -> tuple[list[str], int]:  # a child may exit (or be a zombie) between listing and reading it
+        try:
+            return p.cmdline(), p.ppid()
+        except psutil.Error:
+            return [], -1
+
+    children = {p.pid: facts(p) for p in psutil.Process(launcher_pid).children(recursive=True)}
+    train = {
+        pid: parent
+        for pid, (command, parent) in children.items()
+        if "disco_clip_ds.train" in " ".join(command) and "launch" not in " ".join(command[:4])
+    }
+    return [pid for pid, parent in train.items() if parent not in train]  # not their (forked) DataLoader workers
 
 
 def alive(pids: list[int]) -> list[int]:

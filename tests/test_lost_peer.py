@@ -146,6 +146,13 @@ def _config(launcher: str, root):
     return REPO / "recipes/accelerate/deepspeed_zero2.yaml" if launcher == "accelerate" else hostfile(root, 2)
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:  # exited between listing and reading
+        return False
+
+
 def _one_line(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("disco-clip train: ")]
 
@@ -163,7 +170,7 @@ def test_a_peer_that_stops_answering_ends_the_survivor_within_the_timeout(data, 
     stopped_ranks = []
     try:
         deadline = time.monotonic() + 400
-        while not any(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in stopped_ranks):
+        while not any(_stopped(p) for p in stopped_ranks):
             assert nodes[0].poll() is None and time.monotonic() < deadline, "rank 1 never reached step 2"
             time.sleep(0.2)
             stopped_ranks = ranks_of(nodes[1].pid)
