@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, train_command, train_env
 
 
@@ -53,6 +54,17 @@ def assert_same_training(a: Path, b: Path, w0: dict, steps: int, loss_rtol=1e-5,
     gap = torch.cat([(wa[k] - wb[k]).reshape(-1) for k in w0])
     assert update.norm() > 1e-2 * torch.cat([w.reshape(-1) for w in w0.values()]).norm()  # training moved the weights
     assert gap.norm() <= update_rtol * update.norm(), f"updates differ by {gap.norm() / update.norm():.2e} (relative)"
+
+
+def two_shards_and_init(root: Path) -> dict:
+    """The launched tests' usual data: 2 shards of 32 samples and a saved tiny model, as a fixture's dict
+    ("root", "shards", "model") for `run_and_data`."""
+    write_shards(root / "shards", num_shards=2, per_shard=32, seed=3)
+    return {
+        "root": root,
+        "shards": f"{root}/shards/{{00000..00001}}.tar",
+        "model": save_initial_model(root / "init", 5),
+    }
 
 
 def run_and_data(output: Path, data: dict) -> list[str]:

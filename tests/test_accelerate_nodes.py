@@ -8,7 +8,6 @@ is a GPU path), which the reference's weights show all the same."""
 
 import pytest
 
-from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch
 from disco_clip_ds.testing.nodes import start_nodes
 
@@ -18,7 +17,7 @@ from helpers import (
     kill_group,
     run_and_data,
     same_weights,
-    save_initial_model,
+    two_shards_and_init,
     wait_group,
 )
 
@@ -33,13 +32,7 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("accelerate_nodes")
-    write_shards(root / "shards", num_shards=2, per_shard=32, seed=3)
-    return {
-        "root": root,
-        "shards": f"{root}/shards/{{00000..00001}}.tar",
-        "model": save_initial_model(root / "init", 5),
-    }
+    return two_shards_and_init(tmp_path_factory.mktemp("accelerate_nodes"))
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,10 @@ import pytest
 
 from disco_clip_ds.cluster import launch_command, main, slurm_nodes
 from disco_clip_ds.errors import UsageError, run_main
-from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_env
 from disco_clip_ds.testing.ranks import free_port
 
-from helpers import complete_checkpoints, kill_group, same_weights, save_initial_model, wait_group
+from helpers import complete_checkpoints, kill_group, same_weights, two_shards_and_init, wait_group
 
 SLURM = {"SLURM_JOB_NODELIST": "gpu[07-08],cpu3", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "1"}
 
@@ -77,9 +76,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nodes")
-    write_shards(root / "shards", num_shards=2, per_shard=32, seed=3)
-    return {"shards": f"{root}/shards/{{00000..00001}}.tar", "model": save_initial_model(root / "init", 5)}
+    return two_shards_and_init(tmp_path_factory.mktemp("nodes"))
 
 
 def _train_args(data) -> list[str]:

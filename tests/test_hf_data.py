@@ -87,15 +87,6 @@ def _one_pass(stream: HFStream) -> list:
     return out
 
 
-def _take(stream, n: int) -> list:
-    out = []
-    for item in stream:
-        out.append(item)
-        if len(out) == n:
-            return out
-    return out
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The same 23 rows as a save_to_disk folder, a parquet folder of 3 files, and a DatasetDict folder."""
@@ -228,8 +219,8 @@ def test_a_list_of_captions_gives_one_per_pass_drawn_from_seed_pass_and_row(tmp_
     options = lambda i: {f"sample {i}", f"photo {i}", f"picture of {i}"}  # noqa: E731 (the empty one never)
     data = load_training_dataset(_args(dataset_name=str(tmp_path / "lists")), 1)
     _check_rows(data, 8, options)
-    passes = [item[1] for item in _take(HFStream(data, SIZE, seed=1, shuffle_buffer=0), 24)]
-    again = [item[1] for item in _take(HFStream(data, SIZE, seed=1, shuffle_buffer=0), 24)]
+    passes = [item[1] for item in itertools.islice(HFStream(data, SIZE, seed=1, shuffle_buffer=0), 24)]
+    again = [item[1] for item in itertools.islice(HFStream(data, SIZE, seed=1, shuffle_buffer=0), 24)]
     assert passes == again  # deterministic
     drawn = {c for c in passes if c.endswith(" 0")}
     assert len(drawn) >= 2 and drawn <= options(0)  # drawn anew each pass
@@ -273,8 +264,8 @@ def test_a_reader_with_nothing_readable_raises_one_data_error(tmp_path, streamin
         shutil.rmtree(tmp_path / "ds")
         data = load_training_dataset(_args(dataset_name=str(_saved(tmp_path, rows)), streaming=True), 2)
     with pytest.raises(DataError, match=r"^reader 1 of 2 \(rank 1, DataLoader worker 0\) found no readable sample"):
-        _take(HFStream(data, SIZE, rank=1, world_size=2), 5)
-    assert len(_take(HFStream(data, SIZE, rank=0, world_size=2), 5)) == 5  # the other reader is fine
+        list(itertools.islice(HFStream(data, SIZE, rank=1, world_size=2), 5))
+    assert len(list(itertools.islice(HFStream(data, SIZE, rank=0, world_size=2), 5))) == 5  # the other reader is fine
 
 
 # --- resume: the stream's own seek ---
@@ -290,7 +281,7 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(folders, 
     def make():
         return HFStream(data, SIZE, rank=0, world_size=2, seed=5, shuffle_buffer=block)
 
-    reference = _take(make(), 45)
+    reference = list(itertools.islice(make(), 45))
     keys = [_sample(item) for item in reference]
     per_pass = sum(1 for item in reference if item[2][2] == 0)
     assert len(set(keys[:per_pass])) == per_pass and set(keys[per_pass : 2 * per_pass]) == set(keys[:per_pass])
@@ -306,12 +297,13 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(folders, 
 
     for n in (1, 3, 5, 11, 12, 13, 17, 30):
         stream = restored([item[2] for item in reference[:n]], n, "a")
-        resumed = _take(stream, 10)
+        resumed = list(itertools.islice(stream, 10))
         assert [_sample(item) for item in resumed] == keys[n : n + 10], n
         positions = [item[2][:fields].tolist() for item in resumed]
         assert positions == [item[2][:fields].tolist() for item in reference[n : n + 10]]
         assert stream.decoded.value == 10  # nothing before the position is decoded again
-        again = _take(restored([resumed[-1][2]], n, "b"), 5)  # a resumed run's own positions resume it again
+        # a resumed run's own positions resume it again
+        again = list(itertools.islice(restored([resumed[-1][2]], n, "b"), 5))
         assert [_sample(item) for item in again] == keys[n + 10 : n + 15], n
 
 
@@ -352,7 +344,7 @@ def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(
 
 def test_a_saved_state_is_readable_and_refused_under_other_readers(folders, tmp_path):
     data = load_training_dataset(_args(dataset_name=str(folders / "parquet"), streaming=True), 2)
-    reference = _take(HFStream(data, SIZE, rank=0, world_size=2, seed=5, shuffle_buffer=4), 6)
+    reference = list(itertools.islice(HFStream(data, SIZE, rank=0, world_size=2, seed=5, shuffle_buffer=4), 6))
     HFStream(data, SIZE, rank=0, world_size=2, seed=5, shuffle_buffer=4).write_state(tmp_path, reference[5][2][None])
     state = json.loads((tmp_path / "stream_state.json").read_text())
     entry = state["readers"]["0"]

@@ -16,12 +16,11 @@ import psutil
 import pytest
 import torch
 
-from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
 from disco_clip_ds.testing.nodes import hostfile, start_nodes
 from disco_clip_ds.testing.ranks import free_port
 
-from helpers import kill_group, ranks_of, run_and_data, save_initial_model, wait_group
+from helpers import kill_group, ranks_of, run_and_data, two_shards_and_init, wait_group
 
 TIMEOUT = 20  # --ddp_timeout in the launched tests, seconds
 MARGIN = 120  # a busy machine's slack on top of it: still far from torch's 30 minutes
@@ -126,13 +125,7 @@ def test_ddp_timeout_reaches_the_cpu_process_group(tmp_path):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lost_peer")
-    write_shards(root / "shards", num_shards=2, per_shard=32, seed=3)
-    return {
-        "root": root,
-        "shards": f"{root}/shards/{{00000..00001}}.tar",
-        "model": save_initial_model(root / "init", 5),
-    }
+    return two_shards_and_init(tmp_path_factory.mktemp("lost_peer"))
 
 
 def _args(data, out) -> list[str]:

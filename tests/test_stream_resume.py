@@ -10,6 +10,7 @@ uninterrupted run's weights.
 
 import json
 import shutil
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -45,15 +46,6 @@ def _identity(item) -> tuple:
     return caption, tuple(round(float(c), 3) for c in pixels.double().mean(dim=(1, 2)))
 
 
-def _take(stream: ShardStream, n: int) -> list:
-    out = []
-    for item in stream:
-        out.append(item)
-        if len(out) == n:
-            return out
-    return out
-
-
 def test_raw_samples_from_any_start_match_webdataset(shards):
     from webdataset.tariterators import tarfile_samples
 
@@ -67,7 +59,7 @@ def test_raw_samples_from_any_start_match_webdataset(shards):
 @pytest.mark.parametrize("block", [1, 4, 9])
 def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(shards, block):
     # reader 0 of 2 (rank 0): 3 shards (3 bad samples) + the missing one, 12 good samples per pass; 40 = 3+ passes
-    reference = _take(ShardStream(shards, 16, rank=0, world_size=2, seed=5, shuffle_buffer=block), 40)
+    reference = list(islice(ShardStream(shards, 16, rank=0, world_size=2, seed=5, shuffle_buffer=block), 40))
     keys = [_identity(item) for item in reference]
     assert len(set(keys[:12])) == 12 and set(keys[12:24]) == set(keys[:12])  # each pass: every good sample once
     assert keys[:12] != keys[12:24] or block == 1  # a new order each pass (shards reordered, blocks reshuffled)
@@ -76,7 +68,7 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(shards, b
         assert position[0] == 0 and position[1] == n  # the reader, the samples it has yielded
         stream = ShardStream(shards, 16, rank=0, world_size=2, seed=5, shuffle_buffer=block)
         stream.restore({0: position[1:]}, consumed_batches=0)
-        resumed = _take(stream, 10)
+        resumed = list(islice(stream, 10))
         assert [_identity(item) for item in resumed] == keys[n : n + 10], n
         assert [item[2].tolist() for item in resumed] == [item[2].tolist() for item in reference[n : n + 10]]
         assert stream.decoded.value == 10  # only what it yielded: nothing before the position is decoded
