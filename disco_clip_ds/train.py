@@ -45,15 +45,21 @@ from .checkpoints import (
     resolve_latest,
 )
 from .data.hf import HFData, HFStream, load_training_dataset
-from .data.pipeline import MAX_IMAGE_PIXELS, POSITION_FIELDS, POSITION_KEY, ClipCollator, ShardStream, error_message
+from .data.pipeline import (
+    MAX_IMAGE_PIXELS,
+    POSITION_FIELDS,
+    POSITION_KEY,
+    ClipCollator,
+    ReaderStream,
+    ShardStream,
+    error_message,
+)
 from .data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
 from .data.stream_state import (
     STATE_FILE,
     as_rows,
     note_positions,
-    positions_to_restore,
     read_stream_state,
-    write_stream_state,
 )
 from .errors import (
     EXIT_PREEMPTED,
@@ -271,7 +277,7 @@ class DiscoTrainer(
             from transformers.trainer_utils import get_last_checkpoint
 
             checkpoint = get_last_checkpoint(self.args.output_dir)
-        state = read_stream_state(checkpoint) if isinstance(stream, (ShardStream, HFStream)) else None
+        state = read_stream_state(checkpoint) if isinstance(stream, ReaderStream) else None
         if state is None:
             logger.info(
                 "resume: %s has no %s (saved by an older version): fast-forwarding the data stream by reading and "
@@ -282,10 +288,7 @@ class DiscoTrainer(
             )
             self._skipped_on_resume = True  # the skipped batches' positions are never seen
             return super().get_resumed_dataloader(dataloader, num_batches)
-        if isinstance(stream, HFStream):
-            positions = stream.positions_from(state, checkpoint)
-        else:
-            positions = positions_to_restore(state, stream.num_readers, stream.seed, stream.block, checkpoint)
+        positions = stream.positions_from(state, checkpoint)
         config = self.args.accelerator_config
         # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
         per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
@@ -307,8 +310,7 @@ class DiscoTrainer(
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         stream = self.train_dataset
-        readers_known = isinstance(stream, (ShardStream, HFStream))
-        if not (self.is_world_process_zero() and self._stream_rows is not None and readers_known):
+        if not (self.is_world_process_zero() and self._stream_rows is not None and isinstance(stream, ReaderStream)):
             return
         seen = len(set(self._stream_rows[:, 0].tolist()) - {-1})
         if self._skipped_on_resume and seen < stream.num_readers:
@@ -321,10 +323,7 @@ class DiscoTrainer(
                 stream.num_readers,
             )
             return
-        if isinstance(stream, HFStream):
-            stream.write_state(output_dir, self._stream_rows)
-        else:
-            write_stream_state(output_dir, self._stream_rows, stream.num_readers, stream.seed, stream.block)
+        stream.write_state(output_dir, self._stream_rows)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -860,7 +859,7 @@ def _train(
     return metrics
 
 
-def _stream_totals(trainer: DiscoTrainer, stream: ShardStream | HFStream) -> tuple[int, int]:
+def _stream_totals(trainer: DiscoTrainer, stream: ReaderStream) -> tuple[int, int]:
     """(skipped, decoded) samples over all ranks: decoded ~ steps x global batch, plus what was prefetched."""
     local = torch.tensor([[float(stream.skipped.value), float(stream.decoded.value)]], device=trainer.args.device)
     skipped, decoded = trainer.accelerator.gather(local).sum(dim=0).tolist()

@@ -20,6 +20,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from ..errors import DataError
 from .shards import IMAGE_EXTS, epoch_order, shards_for_reader
+from .stream_state import POSITION_FIELDS, positions_to_restore, write_stream_state
 from .tar_samples import raw_samples
 from .transforms import MAX_IMAGE_PIXELS, ImageTransform, Normalize
 
@@ -28,11 +29,7 @@ logger = logging.getLogger(__name__)
 TEXT_KEYS = ("txt", "text", "caption")
 
 
-# A sample's place in its reader's stream, carried through the batch (`POSITION_KEY`) so that the trainer knows
-# where each reader stands after the batches it has trained on: the reader (rank * workers + worker), the samples it
-# has produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's
-# order and the sample's index in the shard), and how many entries of the block's permutation are done.
-POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
+# The batch key under which each sample's position row (`stream_state.POSITION_FIELDS`) rides to the trainer.
 POSITION_KEY = "stream_position"
 
 
@@ -81,6 +78,17 @@ class ReaderStream(torch.utils.data.IterableDataset):
         consumed_batches mod workers: a fresh worker w takes that old worker's place."""
         self.start = {int(reader): tuple(int(v) for v in pos) for reader, pos in positions.items()}
         self.worker_shift = consumed_batches
+
+    position_fields = POSITION_FIELDS  # the names of a position row's fields
+
+    def write_state(self, folder, rows: torch.Tensor) -> None:
+        """Write each reader's newest position among the gathered position `rows` to FOLDER/stream_state.json."""
+        raise NotImplementedError
+
+    def positions_from(self, state: dict, checkpoint) -> dict[int, tuple[int, ...]]:
+        """{reader: position row past the reader field} from a read stream_state.json, once it fits this stream;
+        else a UsageError saying what differs."""
+        raise NotImplementedError
 
     def _count_skip(self, what: str, error: BaseException | str) -> None:
         with self.skipped.get_lock():
@@ -134,6 +142,12 @@ class ShardStream(ReaderStream):
         super().__init__(image_size, rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)
         self.urls = list(urls)
         shards_for_reader(self.urls, rank * self.workers, self.num_readers)  # fail early, in the main process
+
+    def write_state(self, folder, rows: torch.Tensor) -> None:
+        write_stream_state(folder, rows, self.num_readers, self.seed, self.block)
+
+    def positions_from(self, state: dict, checkpoint) -> dict[int, tuple[int, ...]]:
+        return positions_to_restore(state, self.num_readers, self.seed, self.block, checkpoint)
 
     def __iter__(self):
         reader, num_readers, workers = self._reader()

@@ -1,7 +1,7 @@
 """Where each reader of the training stream stands, saved with every checkpoint (`stream_state.json`) so that a
 resumed run seeks there instead of reading and decoding the stream from its start.
 
-Each training sample carries its reader's position (`pipeline.POSITION_FIELDS`) through its batch; the trainer
+Each training sample carries its reader's position (`POSITION_FIELDS`) through its batch; the trainer
 keeps the newest position per reader of the batches it trained on (`note_positions`), gathers them from every rank
 at a save, and rank 0 writes them. Positions are keyed by global reader (rank * workers + worker), so a resume that
 splits the same readers differently over ranks and workers (2 ranks x 1 worker -> 1 rank x 2 workers) finds them.
@@ -15,9 +15,13 @@ from pathlib import Path
 import torch
 
 from ..errors import UsageError
-from .pipeline import POSITION_FIELDS
 from .shards import write_json
 
+# A sample's place in its reader's stream, carried through the batch (`pipeline.POSITION_KEY`) so that the trainer knows
+# where each reader stands after the batches it has trained on: the reader (rank * workers + worker), the samples it
+# has produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's
+# order and the sample's index in the shard), and how many entries of the block's permutation are done.
+POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
 STATE_FILE = "stream_state.json"
 _COUNT = POSITION_FIELDS.index("count")
 
