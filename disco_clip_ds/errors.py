@@ -71,10 +71,17 @@ class Preempted(DiscoClipError):
     exit_code = EXIT_PREEMPTED
 
 
+def say(line: str) -> None:
+    """Write `line` to stderr in one write: print() writes the text and its newline apart, and the ranks of a run
+    share one pipe, so two ranks' lines would run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None, prog: str) -> int:
     """Run a command's `main(argv)`; a `DiscoClipError` becomes one line on stderr and its exit code."""
     try:
         return main(argv) or 0
     except DiscoClipError as error:
-        print(f"{prog}: {error}", file=sys.stderr, flush=True)
+        say(f"{prog}: {error}")
         return error.exit_code

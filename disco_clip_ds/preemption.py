@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from . import faults
 from .checkpoints import checkpoint_step
-from .errors import EXIT_LAUNCHER_GONE, Preempted, UsageError
+from .errors import EXIT_LAUNCHER_GONE, Preempted, UsageError, say
 from .ranks import any_true, rank
 
 
@@ -63,11 +63,7 @@ class StopOnSignal(TrainerCallback):
     def _on_signal(self, signum, frame):
         if self.received is None:
             self.received = signum
-            print(
-                f"[rank {rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"[rank {rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint")
 
     def _signal_seen(self) -> bool:
         if self.received is not None:
@@ -90,11 +86,9 @@ class StopOnSignal(TrainerCallback):
             if self._signal_seen():
                 return  # a stop is under way: it saves and exits on its own, whatever the launcher does
             if os.getppid() != parent or (len(chain) > 1 and _ppid(parent) != chain[1]):
-                print(
+                say(
                     f"[rank {rank()}] launcher (pid {chain[-1]}) is gone: exiting, the last complete checkpoint "
-                    "stays usable",
-                    file=sys.stderr,
-                    flush=True,
+                    "stays usable"
                 )
                 os._exit(EXIT_LAUNCHER_GONE)
 

@@ -52,3 +52,25 @@ def test_library_errors_become_exit_codes_with_the_message(tmp_path, capsys):
     assert "disco-clip data verify: no NNNNN.tar shard in" in capsys.readouterr().err
     assert main(["data", "verify", str(tmp_path / "nowhere")]) == 2  # bad usage: UsageError
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_an_error_is_one_write_of_one_line(monkeypatch):
+    """The ranks of a run share one stderr pipe: a line written in two pieces (text, then newline, as print() does)
+    runs into another rank's line."""
+    from disco_clip_ds.errors import UsageError, run_main
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    def fails(argv):
+        raise UsageError("what to fix")
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert run_main(fails, [], "disco-clip train") == 2
+    assert writes == ["disco-clip train: what to fix\n"]
