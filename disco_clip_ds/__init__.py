@@ -12,11 +12,11 @@ __all__ = ["DiscoClipLoss", "disco_clip_loss", "DiscoCLIPModel"]
 def __getattr__(name):
     # Lazy so that `import disco_clip_ds` (and `disco-clip --help`) stays fast and transformers-free.
     if name in ("DiscoClipLoss", "disco_clip_loss"):
-        from . import losses
+        from disco_clip_ds import losses
 
         return getattr(losses, name)
     if name == "DiscoCLIPModel":
-        from .modeling import DiscoCLIPModel
+        from disco_clip_ds.models.base import DiscoCLIPModel
 
         return DiscoCLIPModel
     raise AttributeError(f"module 'disco_clip_ds' has no attribute {name!r}")

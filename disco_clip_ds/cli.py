@@ -13,25 +13,45 @@ import runpy
 import sys
 from pathlib import Path
 
-from .errors import UsageError, run_main
+from disco_clip_ds.errors import UsageError, run_main
 
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
-    (None, "train"): ("disco_clip_ds.train", "main", "train a CLIP model under DeepSpeed with the distributed loss"),
+    (None, "train"): (
+        "disco_clip_ds.train.run",
+        "main",
+        "train a CLIP model under DeepSpeed with the distributed loss",
+    ),
     ("data", "download"): (
-        "disco_clip_ds.data.prep",
+        "disco_clip_ds.data.prep.download",
         "download_main",
         "download a dataset to webdataset shards with img2dataset",
     ),
-    ("data", "metadata"): ("disco_clip_ds.data.metadata", "metadata_main", "fetch parquet metadata from the HF hub"),
-    ("data", "verify"): ("disco_clip_ds.data.verify", "verify_main", "check shards, write sizes.json"),
-    ("data", "demo"): ("disco_clip_ds.data.demo", "main", "build the offline digits demo dataset"),
-    (None, "eval"): ("disco_clip_ds.evaluate", "main", "zero-shot classification / retrieval eval"),
-    (None, "export"): ("disco_clip_ds.export", "export_main", "checkpoint -> plain CLIPModel folder with model card"),
-    (None, "push"): ("disco_clip_ds.hub", "push_main", "upload an exported folder to the HF hub"),
+    ("data", "metadata"): (
+        "disco_clip_ds.data.prep.metadata",
+        "metadata_main",
+        "fetch parquet metadata from the HF hub",
+    ),
+    ("data", "verify"): ("disco_clip_ds.data.prep.verify", "verify_main", "check shards, write sizes.json"),
+    ("data", "demo"): ("disco_clip_ds.data.prep.demo", "main", "build the offline digits demo dataset"),
+    (None, "eval"): ("disco_clip_ds.eval.zeroshot", "main", "zero-shot classification / retrieval eval"),
+    (None, "export"): (
+        "disco_clip_ds.export.weights",
+        "export_main",
+        "checkpoint -> plain CLIPModel folder with model card",
+    ),
+    (None, "push"): ("disco_clip_ds.export.hub", "push_main", "upload an exported folder to the HF hub"),
     (None, "plan"): ("disco_clip_ds.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic plan"),
-    (None, "slurm-launch"): ("disco_clip_ds.cluster", "main", "start this node's launcher from SLURM's variables"),
-    (None, "node-check"): ("disco_clip_ds.cluster", "node_check_main", "check a node's hostfile and node rank"),
+    (None, "slurm-launch"): (
+        "disco_clip_ds.distributed.slurm",
+        "main",
+        "start this node's launcher from SLURM's variables",
+    ),
+    (None, "node-check"): (
+        "disco_clip_ds.distributed.slurm",
+        "node_check_main",
+        "check a node's hostfile and node rank",
+    ),
     ("bench", "loss"): ("bench/loss/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),
     ("bench", "train"): ("bench/train/train_bench.py", None, "benchmark training throughput per loss"),
 }

@@ -74,7 +74,9 @@ def fault(action: str, **at: int) -> Fault | None:
 
 def _holds(key: str, n: int, at: dict[str, int]) -> bool:
     if key == "rank":
-        from .ranks import rank  # here: the download workers, which never ask for a rank, do not import torch
+        from disco_clip_ds.distributed.ranks import (
+            rank,  # here: the download workers, which never ask for a rank, do not import torch
+        )
 
         return rank() == n
     if key == "attempt":
@@ -104,7 +106,7 @@ def in_final_save(step: int) -> None:
 
 
 def _kill(where: str) -> None:
-    from .ranks import rank
+    from disco_clip_ds.distributed.ranks import rank
 
     logger.warning("%s: killing rank %d %s", ENV, rank(), where)
     os.kill(os.getpid(), signal.SIGKILL)

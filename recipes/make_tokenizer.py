@@ -13,7 +13,7 @@ import itertools
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPTokenizer
 
-from disco_clip_ds.data.demo import DIGITS
+from disco_clip_ds.data.prep.demo import DIGITS
 
 # CLIP's zero-shot templates and caption words: the demo data's captions and prompts stay in a few tokens.
 TEMPLATES = [

@@ -35,7 +35,7 @@ def image_server():
 def demo_data(tmp_path_factory):
     """The digits demo dataset (`disco-clip data demo`), built once per test session; returns its folder. A test
     that uses it is slow (the build is an img2dataset download)."""
-    from disco_clip_ds.data.demo import build_demo
+    from disco_clip_ds.data.prep.demo import build_demo
 
     folder = tmp_path_factory.mktemp("demo")
     build_demo(folder)

@@ -19,7 +19,7 @@ def save_initial_model(folder: Path, seed: int) -> Path:
     (under ZeRO-3, deepspeed.zero.Init draws initial weights in its own order, so no run may draw its own)."""
     import torch
 
-    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.models.base import build_model
 
     torch.manual_seed(seed)
     build_model(model_config=str(TINY_CONFIG)).save_pretrained(folder)
@@ -157,7 +157,7 @@ def alive(pids: list[int]) -> list[int]:
 
 def complete_checkpoints(output: Path) -> list[str]:
     """The checkpoint-N folders of OUTPUT that checkpoint_problem finds complete, oldest first."""
-    from disco_clip_ds.checkpoints import checkpoint_problem
+    from disco_clip_ds.checkpoint.layout import checkpoint_problem
 
     found = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return [p.name for p in found if checkpoint_problem(p) is None]

@@ -1,4 +1,4 @@
-"""Contrastive accumulation (`disco_clip_ds.accumulate`): the cached-gradient math against plain autograd in
+"""Contrastive accumulation (`disco_clip_ds.train.accumulation`): the cached-gradient math against plain autograd in
 float64 (with dropout replayed), then end to end: K micro-batches of b train exactly like one batch of K x b on
 one rank, and N ranks x K micro-batches like one rank with N x K x b, under plain PyTorch, DDP, DeepSpeed
 ZeRO-1/2/3 and FSDP, with gradient checkpointing; a resumed run continues exactly; bad settings are refused.
@@ -40,7 +40,7 @@ SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_ba
 def _tiny_model(dropout: float = 0.0):
     from transformers import CLIPConfig
 
-    from disco_clip_ds.modeling import DiscoCLIPModel
+    from disco_clip_ds.models.base import DiscoCLIPModel
 
     config = CLIPConfig.from_json_file(str(REPO / "recipes/models/tiny.json"))
     for tower in (config.text_config, config.vision_config):
@@ -87,7 +87,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def _cached_gradient_step(model, batches, replay: bool = True):
     """Steps 1-3 of the accumulation as the Trainer mixin runs them, on a bare model; returns (loss, grads)."""
-    from disco_clip_ds.accumulate import (
+    from disco_clip_ds.train.accumulation import (
         _rng_state,
         _set_rng_state,
         cached_embedding_gradients,
@@ -129,7 +129,7 @@ def test_cached_gradients_equal_autograd_over_the_whole_batch_float64():
 
 def test_siglip_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     """The same for the sigmoid loss, whose bias is a second logit parameter with its own cached gradient."""
-    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.models.base import build_model
 
     torch.manual_seed(SEED)
     model = build_model(model_config=str(REPO / "recipes/models/siglip_tiny.json"), chunk_size=5).double().train()
@@ -208,7 +208,7 @@ def _settings(**kw):
 
 
 def test_settings_that_cannot_accumulate_contrastively_are_refused():
-    from disco_clip_ds.accumulate import AccumulationError, check_contrastive_accumulation
+    from disco_clip_ds.train.accumulation import AccumulationError, check_contrastive_accumulation
 
     check_contrastive_accumulation(_settings(), "tiled")
     check_contrastive_accumulation(_settings(), "disco")
@@ -227,7 +227,7 @@ def test_settings_that_cannot_accumulate_contrastively_are_refused():
 
 
 def test_a_deepspeed_json_contradicting_the_accumulation_is_refused(tmp_path):
-    from disco_clip_ds.train import UsageError, check_deepspeed_batch
+    from disco_clip_ds.train.run import UsageError, check_deepspeed_batch
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 8}))

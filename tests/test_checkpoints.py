@@ -107,7 +107,7 @@ def test_kill_inside_a_save_resumes_from_the_previous_complete_checkpoint(full, 
     shutil.rmtree(out / "checkpoint-5" / "global_step4")
     (out / "checkpoint-5" / "model.safetensors").unlink()
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.export import export_main
+    from disco_clip_ds.export.weights import export_main
 
     argv = [str(out / "checkpoint-5"), str(tmp_path / "export")]
     assert run_main(export_main, argv, "disco-clip export") != 0  # export refuses partials too
@@ -245,7 +245,7 @@ def test_a_finished_run_stays_finished(full, tmp_path, data):
 def _train_main(out: Path, data: dict, *args: str) -> int:
     """`disco-clip train` in this process: its exit code, its messages on stderr."""
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     return run_main(
         main,
@@ -268,14 +268,14 @@ def _train_main(out: Path, data: dict, *args: str) -> int:
 
 
 def test_a_second_run_in_the_same_folder_is_refused_and_touches_nothing(data, tmp_path, capsys):
-    from disco_clip_ds import runlock
+    from disco_clip_ds.distributed import runlock
 
     out = tmp_path / "run"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from disco_clip_ds.runlock import acquire_run_lock; "
+            "import sys, time; from disco_clip_ds.distributed.runlock import acquire_run_lock; "
             "acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)",
             str(out),
         ],
@@ -330,7 +330,7 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
         assert _train_main(tmp_path / "run", data, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     assert (
         run_main(

@@ -109,7 +109,7 @@ def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
 @pytest.mark.slow
 def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "disco_clip_ds.data.demo", "--output", str(tmp_path / "again")],
+        [sys.executable, "-m", "disco_clip_ds.data.prep.demo", "--output", str(tmp_path / "again")],
         env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"},
         capture_output=True,
         text=True,
@@ -225,8 +225,8 @@ def test_eval_of_the_hf_demo_equals_the_shards_demo(demo_data, hf_demo, tmp_path
     same zero-shot and retrieval metrics."""
     from transformers import AutoTokenizer, CLIPImageProcessor
 
-    from disco_clip_ds.evaluate import EvalArguments, run_eval
-    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.eval.zeroshot import EvalArguments, run_eval
+    from disco_clip_ds.models.base import build_model
     from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 
     model = tmp_path / "model"
@@ -245,7 +245,7 @@ def test_format_hf_and_shards_refuse_each_others_build(tmp_path, capsys):
     """A demo folder of one format is not rebuilt in the other (the two would mix in train/ and eval/); a shards
     build, whose train/ holds img2dataset's NNNNN.parquet beside the tars, stays one to resume."""
     from disco_clip_ds import cli
-    from disco_clip_ds.data.demo import check_output_folder
+    from disco_clip_ds.data.prep.demo import check_output_folder
 
     shards, hf = tmp_path / "shards", tmp_path / "hf"
     (shards / "train").mkdir(parents=True)
@@ -269,7 +269,7 @@ LAUNCHER_STANDIN = """
 import json, sys
 from pathlib import Path
 from transformers import AutoTokenizer, CLIPImageProcessor
-from disco_clip_ds.modeling import build_model
+from disco_clip_ds.models.base import build_model
 
 argv = sys.argv[1:]
 flag = {name: value for name, value in zip(argv, argv[1:]) if name.startswith("--")}

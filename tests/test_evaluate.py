@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from disco_clip_ds import evaluate as ev
 from disco_clip_ds.errors import run_main
+from disco_clip_ds.eval import zeroshot as ev
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 
 IMAGE_SIZE = 32

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from disco_clip_ds import export as ex
-from disco_clip_ds.data.demo import DIGITS
+from disco_clip_ds.data.prep.demo import DIGITS
 from disco_clip_ds.errors import run_main
+from disco_clip_ds.export import weights as ex
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR, run_training, train_command
 from disco_clip_ds.testing.ranks import run_ranks
@@ -38,7 +38,7 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
     import deepspeed
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor
 
-    from disco_clip_ds.modeling import DiscoCLIPModel
+    from disco_clip_ds.models.base import DiscoCLIPModel
 
     torch.manual_seed(0)
     model = DiscoCLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
@@ -213,7 +213,7 @@ def test_export_trained_weights_differ_from_init(checkpoint):
     # itself, but not a fresh DiscoCLIPModel with the same seed
     from transformers import CLIPConfig
 
-    from disco_clip_ds.modeling import DiscoCLIPModel
+    from disco_clip_ds.models.base import DiscoCLIPModel
 
     folder, _, trained = checkpoint
     torch.manual_seed(0)
@@ -376,7 +376,7 @@ def zero3_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run, tmp_path):
-    from disco_clip_ds import evaluate as ev
+    from disco_clip_ds.eval import zeroshot as ev
 
     out = zero3_run / "out"
     state = json.loads((out / "trainer_state.json").read_text())

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disco_clip_ds.data.hf import STATE_INTS, HFStream, load_training_dataset, pack_state, unpack_state
+from disco_clip_ds.data.streams.hf import STATE_INTS, HFStream, load_training_dataset, pack_state, unpack_state
 from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
@@ -313,8 +313,8 @@ def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(
     worker c mod 2, so the fresh loader's worker 0 takes that worker's place."""
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.pipeline import POSITION_KEY, ClipCollator
-    from disco_clip_ds.data.stream_state import as_rows, note_positions
+    from disco_clip_ds.data.streams.shards import POSITION_KEY, ClipCollator
+    from disco_clip_ds.data.streams.state import as_rows, note_positions
     from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
     data = load_training_dataset(_args(dataset_name=str(folders / "parquet"), streaming=streaming), 4)
@@ -363,7 +363,7 @@ def test_a_saved_state_is_readable_and_refused_under_other_readers(folders, tmp_
 
 def _refused(tmp_path, capsys, *source: str) -> str:
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     out = tmp_path / "run"
     argv = ["--output_dir", str(out), "--model_config", str(TINY_CONFIG), *LAUNCH_COMMON, "--max_steps", "1"]
@@ -520,7 +520,7 @@ def test_one_rank_accumulating_two_micro_batches_trains_like_two_ranks(launched)
 def test_a_resume_with_another_dataset_is_refused_in_one_line(launched, tmp_path, capsys):
     from disco_clip_ds.errors import run_main
     from disco_clip_ds.testing.launch import REPO, SGD
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     out = tmp_path / "run"
     out.mkdir()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds import hub
 from disco_clip_ds.errors import run_main
+from disco_clip_ds.export import hub
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR
 
 
@@ -27,7 +27,7 @@ def exported(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
 
-    from disco_clip_ds.export import export_checkpoint
+    from disco_clip_ds.export.weights import export_checkpoint
 
     checkpoint = tmp_path_factory.mktemp("hub") / "checkpoint-3"
     torch.manual_seed(0)

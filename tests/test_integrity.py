@@ -113,8 +113,8 @@ def copy_unfinished(full: Path, out: Path, last: int) -> Path:
 
 
 def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(full, data, tmp_path, caplog):
-    from disco_clip_ds import export as ex
-    from disco_clip_ds.checkpoints import checkpoint_problem
+    from disco_clip_ds.checkpoint.layout import checkpoint_problem
+    from disco_clip_ds.export import weights as ex
 
     out = copy_unfinished(full, tmp_path / "run", STEPS)
     c = {n: out / f"checkpoint-{n}" for n in range(1, STEPS + 1)}
@@ -161,7 +161,7 @@ def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(
 
 
 def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_path):
-    from disco_clip_ds.checkpoints import MANIFEST, check_resume, checkpoint_problem, newest_complete
+    from disco_clip_ds.checkpoint.layout import MANIFEST, check_resume, checkpoint_problem, newest_complete
     from disco_clip_ds.errors import CheckpointError, UsageError
 
     out = copy_unfinished(full, tmp_path / "run", 3)
@@ -180,9 +180,9 @@ def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_pa
 
 
 def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full, data, tmp_path, caplog):
-    from disco_clip_ds import export as ex
-    from disco_clip_ds.checkpoints import MANIFEST, final_model_problem
-    from disco_clip_ds.evaluate import load_for_eval
+    from disco_clip_ds.checkpoint.layout import MANIFEST, final_model_problem
+    from disco_clip_ds.eval.zeroshot import load_for_eval
+    from disco_clip_ds.export import weights as ex
 
     out = tmp_path / "run"
     rc, log = run(out, data, fault="kill_in_final_save:rank=0")
@@ -217,7 +217,7 @@ def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full,
 def test_a_checkpoint_without_full_weights_repairs_the_final_model_from_its_partitions(full, tmp_path):
     """As ZeRO-3 writes them without stage3_gather_16bit_weights_on_model_save: the fp32 weights consolidated from
     the optimizer partitions, as export does (in process: no launch needed for the repair itself)."""
-    from disco_clip_ds.checkpoints import final_model_problem, keep_final_model, write_manifest
+    from disco_clip_ds.checkpoint.layout import final_model_problem, keep_final_model, write_manifest
 
     out = copy_unfinished(full, tmp_path / "run", 0)
     checkpoint = out / f"checkpoint-{STEPS}"
@@ -264,7 +264,7 @@ def full_disk_lines(log: str, out: Path, what: str, intact: str | None) -> list[
 
 
 def test_a_real_full_disk_at_the_first_a_later_and_the_final_save_is_one_line(data, disk):
-    from disco_clip_ds.checkpoints import checkpoint_problem
+    from disco_clip_ds.checkpoint.layout import checkpoint_problem
 
     out = disk(3 * 1024)  # the first checkpoint does not fit: the check before the save refuses it
     rc, log = run(out, data, launcher="deepspeed", steps=2, save=2)

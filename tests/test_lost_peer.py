@@ -27,14 +27,14 @@ MARGIN = 120  # a busy machine's slack on top of it: still far from torch's 30 m
 
 
 def test_the_default_ends_a_lost_peer_within_minutes(tmp_path):
-    from disco_clip_ds.train import DiscoTrainingArguments
+    from disco_clip_ds.train.run import DiscoTrainingArguments
 
     assert DiscoTrainingArguments(output_dir=str(tmp_path)).ddp_timeout == 600
 
 
 def test_a_closed_master_port_is_one_line_naming_it(monkeypatch):
+    from disco_clip_ds.distributed.peers import joining
     from disco_clip_ds.errors import PeerError
-    from disco_clip_ds.peers import joining
 
     port = free_port()  # bound by nobody
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
@@ -63,8 +63,8 @@ def test_a_closed_master_port_is_one_line_naming_it(monkeypatch):
     ],
 )  # fmt: skip
 def test_a_lost_peer_in_training_is_one_line(raised, expected):
+    from disco_clip_ds.distributed.peers import watching
     from disco_clip_ds.errors import PeerError
-    from disco_clip_ds.peers import watching
 
     with pytest.raises(PeerError, match="lost contact with another rank") as error:
         with watching(20):
@@ -74,7 +74,7 @@ def test_a_lost_peer_in_training_is_one_line(raised, expected):
 
 @pytest.mark.parametrize("raised", [RuntimeError("CUDA out of memory"), ValueError("timeout")])
 def test_other_errors_in_training_pass_through(raised):
-    from disco_clip_ds.peers import watching
+    from disco_clip_ds.distributed.peers import watching
 
     with pytest.raises(type(raised)) as error:
         with watching(20):
@@ -88,7 +88,7 @@ _RANK = r"""
 import json, sys, torch
 import torch.distributed as dist
 from transformers import TrainingArguments
-from disco_clip_ds.train import DiscoTrainingArguments
+from disco_clip_ds.train.run import DiscoTrainingArguments
 
 cls = DiscoTrainingArguments if sys.argv[2] == "disco" else TrainingArguments
 args = cls(output_dir=sys.argv[1], ddp_timeout=42, use_cpu=True, report_to="none")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import CLIPConfig, CLIPModel
 
-from disco_clip_ds.modeling import DiscoCLIPModel, build_model
+from disco_clip_ds.models.base import DiscoCLIPModel, build_model
 from disco_clip_ds.testing.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds import nodes
-from disco_clip_ds.cluster import check_node_launch, node_check_main, read_hostfile
+from disco_clip_ds.distributed import nodes
+from disco_clip_ds.distributed.slurm import check_node_launch, node_check_main, read_hostfile
 from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TINY_CONFIG, VENV_BIN, launch, train_env
@@ -128,7 +128,7 @@ def test_the_recipes_check_a_nodes_arguments_before_the_launcher_starts(script, 
 
 
 def _parsed(tmp_path: Path, *extra: str):
-    from disco_clip_ds.train import parse_args
+    from disco_clip_ds.train.run import parse_args
 
     return parse_args(
         [
@@ -179,7 +179,7 @@ def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
 
 def test_other_weights_under_the_same_config_are_named(tmp_path):
     """A pretrained model folder at the same path with the same config.json but other weights: another run."""
-    from disco_clip_ds.train import parse_args
+    from disco_clip_ds.train.run import parse_args
 
     init = tmp_path / "init"
     init.mkdir()

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from disco_clip_ds import numerics
-from disco_clip_ds.checkpoints import write_manifest
+from disco_clip_ds.checkpoint.layout import write_manifest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO
 from disco_clip_ds.testing.ranks import run_ranks
+from disco_clip_ds.train import finite as numerics
 
 from helpers import complete_checkpoints, run_to_end, save_initial_model
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from disco_clip_ds.optim import warmup_from_first_step
 from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.train.optim import warmup_from_first_step
 
 LR, WARMUP, STEPS = 1e-3, 10, 100
 
@@ -51,8 +51,8 @@ def test_only_the_warmup_moves_and_the_state_resumes():
 def test_weight_decay_goes_where_open_clip_puts_it():
     from transformers import Trainer
 
-    from disco_clip_ds.modeling import build_model
-    from disco_clip_ds.optim import without_clip_no_decay
+    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.train.optim import without_clip_no_decay
 
     model = build_model(model_config=str(REPO / "recipes/models/tiny.json"))
     stock = Trainer.get_decay_parameter_names(None, model)  # the Trainer's list (it does not use `self`)

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
+from disco_clip_ds.distributed.preemption import StopOnSignal, finished_message, parse_signals, resume_hint
 from disco_clip_ds.errors import UsageError
-from disco_clip_ds.preemption import StopOnSignal, finished_message, parse_signals, resume_hint
 from disco_clip_ds.testing.launch import REPO
 
 
@@ -65,7 +65,7 @@ _THREAD_IN_A_TORCH_OP_AT_EXIT = textwrap.dedent(
     time.sleep(0.2)
     if sys.argv[1] == "without_finalization":
         import atexit
-        from disco_clip_ds.preemption import exit_without_finalization
+        from disco_clip_ds.distributed.preemption import exit_without_finalization
 
         atexit.register(print, "an atexit handler ran", flush=True)
         exit_without_finalization(75)

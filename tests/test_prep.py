@@ -22,12 +22,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from disco_clip_ds.data import prep
-from disco_clip_ds.data.fetch import fetch_with_deadline
-from disco_clip_ds.data.inputs import expected_shards, input_columns
-from disco_clip_ds.data.metadata import _metadata_parser, metadata_main
-from disco_clip_ds.data.outputs import prepare_output_for_resume, summarize
-from disco_clip_ds.data.verify import _verify_parser, verify_main
+from disco_clip_ds.data.prep import download as prep
+from disco_clip_ds.data.prep.fetch import fetch_with_deadline
+from disco_clip_ds.data.prep.inputs import expected_shards, input_columns
+from disco_clip_ds.data.prep.metadata import _metadata_parser, metadata_main
+from disco_clip_ds.data.prep.outputs import prepare_output_for_resume, summarize
+from disco_clip_ds.data.prep.verify import _verify_parser, verify_main
 from disco_clip_ds.errors import DataError, UsageError, run_main
 from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes

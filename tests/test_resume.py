@@ -1,4 +1,4 @@
-"""Resume under changed settings (disco_clip_ds.resume): the comparison of a run's recorded facts with the resuming
+"""Resume under changed settings (checkpoint.resume): the comparison of a run's recorded facts with the resuming
 command's (fast, on dicts), the one-line refusals before the model is built (in process, against a real
 checkpoint), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a DeepSpeed universal checkpoint
 (launched), with AdamW so that the re-partitioned moments matter.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.resume import (
+from disco_clip_ds.checkpoint.resume import (
     describe_resumes,
     facts_at,
     resume_problems,
@@ -189,7 +189,7 @@ class _Keys:
 
     @staticmethod
     def stream(urls, rank, world, workers):
-        from disco_clip_ds.data.pipeline import ShardStream
+        from disco_clip_ds.data.streams.shards import ShardStream
 
         class KeyStream(ShardStream):
             def _decode(self, sample, epoch):
@@ -310,15 +310,15 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     [segment] = run["resumes"]
     assert segment["from_step"] == SAVE and segment["world_size"] == 1 and segment["gradient_accumulation_steps"] == 2
     assert segment["global_contrastive_batch"] == run_before["global_contrastive_batch"] == 2 * PER_RANK
-    from disco_clip_ds.export import describe_run
+    from disco_clip_ds.export.weights import describe_run
 
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"
 
 
 def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:
     """`disco-clip train ... --resume_from_checkpoint latest EXTRA` in this process (1 rank): its one line."""
-    from disco_clip_ds import train
     from disco_clip_ds.errors import run_main
+    from disco_clip_ds.train import run as train
 
     def tripwire(*args, **kwargs):
         raise AssertionError("the model was built")

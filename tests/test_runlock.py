@@ -3,7 +3,8 @@
 
 import os
 
-from disco_clip_ds import checkpoints, runlock
+from disco_clip_ds.checkpoint import layout as checkpoints
+from disco_clip_ds.distributed import runlock
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
@@ -40,7 +41,7 @@ def test_a_child_forked_by_the_holder_does_not_keep_its_lock(tmp_path, caplog):
         [
             sys.executable,
             "-c",
-            "import os, signal, sys, time; from disco_clip_ds.runlock import acquire_run_lock; "
+            "import os, signal, sys, time; from disco_clip_ds.distributed.runlock import acquire_run_lock; "
             "acquire_run_lock(sys.argv[1]); child = os.fork()\n"
             "if child == 0: os.closerange(0, 3); time.sleep(60); os._exit(0)\n"
             "print(child, flush=True); os.kill(os.getpid(), signal.SIGKILL)",

@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from disco_clip_ds.data import prep
-from disco_clip_ds.data.metadata import _metadata_parser
-from disco_clip_ds.data.spark import java_problem, jobs_drained_on_failure, spark_session
-from disco_clip_ds.data.verify import verify_main
+from disco_clip_ds.data.prep import download as prep
+from disco_clip_ds.data.prep.metadata import _metadata_parser
+from disco_clip_ds.data.prep.spark import java_problem, jobs_drained_on_failure, spark_session
+from disco_clip_ds.data.prep.verify import verify_main
 from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes

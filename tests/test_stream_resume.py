@@ -17,15 +17,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from disco_clip_ds.data.pipeline import POSITION_FIELDS, POSITION_KEY, ClipCollator, ShardStream
-from disco_clip_ds.data.stream_state import (
+from disco_clip_ds.data.streams.shards import POSITION_FIELDS, POSITION_KEY, ClipCollator, ShardStream
+from disco_clip_ds.data.streams.state import (
     as_rows,
     note_positions,
     positions_to_restore,
     read_stream_state,
     write_stream_state,
 )
-from disco_clip_ds.data.tar_samples import raw_samples
+from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
@@ -315,7 +315,7 @@ def _empty_second_shard(folder: Path, sizes: bool) -> str:
 def test_a_reader_with_only_empty_shards_is_refused_before_the_model_is_built(tmp_path, capsys):
     from disco_clip_ds.errors import run_main
     from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     shards = _empty_second_shard(tmp_path / "shards", sizes=True)
     argv = ["--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--train_shards", shards]

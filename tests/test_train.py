@@ -165,7 +165,7 @@ def test_saved_models_load_as_plain_clipmodel_in_a_fresh_process(runs):
 def _train_main(tmp_path, *args):
     """`disco-clip train` in this process: its exit code, its messages on stderr."""
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train import main
+    from disco_clip_ds.train.run import main
 
     return run_main(main, ["--output_dir", str(tmp_path / "out"), "--report_to", "none", *args], "disco-clip train")
 
@@ -245,7 +245,7 @@ def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     from types import SimpleNamespace
 
     from disco_clip_ds.errors import UsageError
-    from disco_clip_ds.train import check_deepspeed_batch
+    from disco_clip_ds.train.run import check_deepspeed_batch
 
     config = tmp_path / "ds.json"
     config.write_text(
@@ -283,7 +283,7 @@ def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
     from types import SimpleNamespace
 
     from disco_clip_ds.data.shards import expand_shards
-    from disco_clip_ds.train import DataArguments, _steps_and_samples
+    from disco_clip_ds.train.run import DataArguments, _steps_and_samples
 
     folder = tmp_path / "data"
     write_shards(folder, num_shards=2, per_shard=50)  # sizes.json: 100 samples
@@ -298,8 +298,8 @@ def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
 
 
 def test_locked_towers_are_frozen_and_the_rest_trains():
-    from disco_clip_ds.modeling import build_model
-    from disco_clip_ds.train import ModelArguments, _lock_towers
+    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.train.run import ModelArguments, _lock_towers
 
     model = build_model(model_config=str(REPO / "recipes/models/tiny.json"))
     _lock_towers(model, ModelArguments(lock_image_tower=True))

@@ -23,7 +23,7 @@ SIGLIP_TINY = REPO / "recipes/models/siglip_tiny.json"
 def initial_model(tmp_path_factory) -> Path:
     import torch
 
-    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.models.base import build_model
 
     torch.manual_seed(3)
     folder = tmp_path_factory.mktemp("init") / "siglip"
@@ -84,7 +84,7 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     from transformers import pipeline
 
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.export import export_main
+    from disco_clip_ds.export.weights import export_main
 
     assert run_main(export_main, [str(runs / "n2_zero2"), str(tmp_path / "export")], "disco-clip export") == 0
     card = (tmp_path / "export" / "README.md").read_text()
@@ -103,7 +103,7 @@ def test_zero_shot_evaluation_pads_siglip_text_to_its_length(runs):
     import torch
     from transformers import AutoTokenizer, SiglipModel
 
-    from disco_clip_ds.evaluate import encode_texts, zeroshot_classification
+    from disco_clip_ds.eval.zeroshot import encode_texts, zeroshot_classification
 
     model = SiglipModel.from_pretrained(runs / "n2_zero2").eval()
     tokenizer = AutoTokenizer.from_pretrained(runs / "n2_zero2")

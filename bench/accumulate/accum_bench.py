@@ -1,6 +1,6 @@
 """Contrastive accumulation: peak memory per rank and time per sample against K, at a fixed micro-batch.
 
-Runs the real training path, `disco_clip_ds.train.DiscoTrainer` (HF Trainer + DeepSpeed ZeRO-2, fp32, AdamW) on N
+Runs the real training path, `disco_clip_ds.train.run.DiscoTrainer` (HF Trainer + DeepSpeed ZeRO-2, fp32, AdamW) on N
 CPU ranks (gloo), on in-memory random batches, once per (model, K) in fresh processes (peak RSS only grows, so each
 K needs its own). Each run: --steps optimizer steps of K micro-batches of --micro pairs per rank, so a contrastive
 batch of micro x ranks x K. `ref` rows: the same contrastive batch without accumulation (micro x K per rank, K=1),
@@ -80,8 +80,8 @@ class RandomPairs(torch.utils.data.Dataset):
 def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastive: bool, steps: int, out: str):
     import deepspeed
 
-    from disco_clip_ds.modeling import build_model
-    from disco_clip_ds.train import DiscoTrainer, DiscoTrainingArguments
+    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.train.run import DiscoTrainer, DiscoTrainingArguments
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
     torch.manual_seed(0)
@@ -119,8 +119,8 @@ def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastiv
 
 def _interleaved_rank(rank: int, world: int, model_name: str, micro: int, ks: list, rounds: int) -> dict | None:
     """Rank 0 returns {K: median over rounds of the per-sample time ratio to the first K}."""
-    from disco_clip_ds.accumulate import cached_embedding_gradients, surrogate_loss
-    from disco_clip_ds.modeling import build_model
+    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.train.accumulation import cached_embedding_gradients, surrogate_loss
 
     torch.manual_seed(0)
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
@@ -139,7 +139,7 @@ def _interleaved_rank(rank: int, world: int, model_name: str, micro: int, ks: li
             start = time.perf_counter()
             if k == 1:
                 ddp(**batches[0], return_loss=True).loss.backward()
-            else:  # steps 1-3 of disco_clip_ds.accumulate, as the mixin runs them
+            else:  # steps 1-3 of disco_clip_ds.train.accumulation, as the mixin runs them
                 with torch.no_grad():
                     outs = [ddp(**b) for b in batches[:k]]
                 loss, grads, param_grads = cached_embedding_gradients(

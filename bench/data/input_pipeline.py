@@ -12,7 +12,7 @@ buffer first) it times --batches batches. The rate is samples per CPU-second of 
 from /proc): on a shared machine that is what a worker with a core of its own delivers, where wall-clock rates
 (also written) swing with the load. The main process only waits on the worker. Sides interleave over --rounds;
 the table takes each side's median, and the ratio's median over rounds.
-- ours: disco_clip_ds.data.pipeline.ShardStream + ClipCollator as train.py builds them on CPU ranks (the worker
+- ours: disco_clip_ds.data.streams.shards.ShardStream + ClipCollator as train.py builds them on CPU ranks (the worker
   normalises the batch), with CLIP's own BPE as a fast transformers tokenizer (made offline from open_clip's
   vocabulary file; the same tokens as open_clip's); `ours_before` runs the same code of --before_commit (checked
   out with `git archive`).
@@ -21,7 +21,7 @@ the table takes each side's median, and the ratio's median over rounds.
 - open_clip: open_clip_train.data.get_wds_dataset with open_clip.image_transform(224, is_train=True) (ViT-B-32's
   train preprocess) and open_clip.get_tokenizer("ViT-B-32"), in bench/vs_open_clip's virtualenv (made by
   vs_open_clip.ensure_openclip_venv; open_clip is never a dependency of the package).
-- hf (with --parquet DIR): our `datasets` path, disco_clip_ds.data.hf.HFStream (map-style, as train.py builds it
+- hf (with --parquet DIR): our `datasets` path, disco_clip_ds.data.streams.hf.HFStream (map-style, as train.py builds it
   for --dataset_name DIR) + ClipCollator, over the same samples written once as a parquet dataset (an `image`
   column of JPEG bytes, a `caption` column).
 Breakdown (--breakdown): each step timed alone in one process over the first --breakdown samples, in CPU
@@ -151,7 +151,7 @@ def write_parquet(urls: list[str], out: Path) -> None:
     """The same samples as a parquet dataset (image bytes, caption), for the `datasets` side."""
     import datasets
 
-    from disco_clip_ds.data.tar_samples import raw_samples
+    from disco_clip_ds.data.streams.tar_samples import raw_samples
 
     rows = [s for u in urls for s in raw_samples(u, 0)]
     features = datasets.Features({"image": datasets.Image(), "caption": datasets.Value("string")})
@@ -189,7 +189,7 @@ def ours_rate(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.pipeline import ClipCollator, ShardStream
+    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
 
     stream = ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000, num_workers=1)
     if args.no_draft:
@@ -233,8 +233,8 @@ def hf_rate(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.hf import HFStream, load_training_dataset
-    from disco_clip_ds.data.pipeline import ClipCollator
+    from disco_clip_ds.data.streams.hf import HFStream, load_training_dataset
+    from disco_clip_ds.data.streams.shards import ClipCollator
 
     names = {"dataset_config_name": None, "train_split": "train", "train_file": None, "streaming": False}
     data_args = SimpleNamespace(dataset_name=args.parquet, image_column="image", caption_column="caption", **names)
@@ -274,7 +274,7 @@ class Steps:
 
 
 def _raw(urls: list[str], n: int) -> list[dict]:
-    from disco_clip_ds.data.tar_samples import raw_samples
+    from disco_clip_ds.data.streams.tar_samples import raw_samples
 
     out = []
     for url in urls:
@@ -296,7 +296,7 @@ def ours_breakdown(args) -> list[dict]:
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.pipeline import batch_tensor
+    from disco_clip_ds.data.streams.shards import batch_tensor
     from disco_clip_ds.data.transforms import ImageTransform, random_resized_crop_box, to_rgb
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -341,7 +341,7 @@ def ours_breakdown(args) -> list[dict]:
     uint8 = Steps()  # the same steps as ours, with the uint8 stack in place of the normalisation
     uint8.total = {**{k: v for k, v in now.total.items() if not k.startswith("normalise")}, **stack.total}
     # the whole stream and collator in this process, no DataLoader: what the steps add up to
-    from disco_clip_ds.data.pipeline import ClipCollator, ShardStream
+    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
 
     stream = iter(ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000))
     collate = ClipCollator(tokenizer, CONTEXT)

@@ -43,7 +43,7 @@ def _wait_for(path: Path, text: str, seconds: float) -> None:
 def main() -> int:
     import pyspark
 
-    from disco_clip_ds.data import prep
+    from disco_clip_ds.data.prep import download as prep
 
     tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
     port = free_port()

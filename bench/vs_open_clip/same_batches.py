@@ -6,8 +6,8 @@ tiny CLIP (converted to CLIPModel's layout for our side) and fixed batches of 25
 100 steps in one process, fp32, lr 1e-3, wd 0.1, 10 warmup steps then cosine, clipping at 1.0:
 
   open_clip        open_clip's model, ClipLoss, parameter groups (open_clip_train/main.py) and cosine_lr
-  ours             CLIPModel, the Trainer's decay set minus disco_clip_ds.optim.NO_DECAY, transformers' cosine
-                   schedule with disco_clip_ds.optim.warmup_from_first_step (what disco_clip_ds.train runs)
+  ours             CLIPModel, the Trainer's decay set minus disco_clip_ds.train.optim.NO_DECAY, transformers' cosine
+                   schedule with disco_clip_ds.train.optim.warmup_from_first_step (what disco_clip_ds.train runs)
   ours_hf_warmup   as ours, with transformers' stock warmup (step 0 at lr 0)
   ours_2_readers   as ours, on the batches that 2 ranks reading their own shards (the default) would form
 
@@ -42,7 +42,7 @@ def draw_batches(data: Path, seed: int, readers: int, steps: int, out: Path) -> 
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.pipeline import ClipCollator, ShardStream
+    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
 
     urls = sorted(str(p) for p in (data / "train").glob("*.tar"))
     streams = [iter(ShardStream(urls, 64, rank=r, world_size=readers, seed=seed)) for r in range(readers)]
@@ -58,7 +58,7 @@ def train(config: str, seed: int, batches_file: str, eval_file: str, model_confi
     """One configuration in open_clip's virtualenv; returns the training losses and the held-out loss."""
     import torch
 
-    from disco_clip_ds.optim import warmup_from_first_step, without_clip_no_decay
+    from disco_clip_ds.train.optim import warmup_from_first_step, without_clip_no_decay
 
     open_clip = vs_open_clip._import_open_clip()  # first: transformers imports torchvision too
     from open_clip.loss import ClipLoss

@@ -227,7 +227,7 @@ def ensure_openclip_venv(venv: Path) -> Path:
 
 def _env() -> dict:
     """Our launches' environment (one thread per rank, offline), with this checkout importable in open_clip's
-    virtualenv too (same_batches.py trains there with disco_clip_ds.optim)."""
+    virtualenv too (same_batches.py trains there with disco_clip_ds.train.optim)."""
     from disco_clip_ds.testing.launch import train_env
 
     env = train_env(NO_ALBUMENTATIONS_UPDATE="1")

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import compat
+from disco_clip_ds import compat
 
 
 def rank_and_world(group=None) -> tuple[int, int]:

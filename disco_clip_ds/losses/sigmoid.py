@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import check_inputs, rank_and_world, ring_exchange
+from disco_clip_ds.losses.comm import check_inputs, rank_and_world, ring_exchange
 
 # Logits per tile (rows x one rank's texts, fp32) when chunk_size is None: 2M -> 8 MiB, as the softmax loss.
 DEFAULT_TILE_ELEMENTS = 1 << 21

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import LOSS_IMPLS, compat
-from .comm import check_inputs, gather_features, rank_and_world
+from disco_clip_ds import LOSS_IMPLS, compat
+from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world
 
 IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
 # Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. On CPU, tiles of a few hundred rows beat

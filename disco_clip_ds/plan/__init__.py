@@ -10,10 +10,10 @@ prints the table and is the command (`main`). The losses planned are the ones th
 family (FAMILY_IMPLS: CLIP's softmax loss, SigLIP's sigmoid loss).
 """
 
-from .. import LOSS_IMPLS
-from ..errors import PlanConfigError
-from .checks import KNOWN_TOP_LEVEL_KEYS, load_config, validate_config
-from .memory import (
+from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.errors import PlanConfigError
+from disco_clip_ds.plan.checks import KNOWN_TOP_LEVEL_KEYS, load_config, validate_config
+from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
     FAMILY_IMPLS,
     FIT_FILE,
@@ -30,8 +30,8 @@ from .memory import (
     model_state_bytes,
     zero_buffer_bytes,
 )
-from .report import format_report, main, parse_memory, plan
-from .traffic import traffic_bytes
+from disco_clip_ds.plan.report import format_report, main, parse_memory, plan
+from disco_clip_ds.plan.traffic import traffic_bytes
 
 __all__ = [
     "DEFAULT_OVERHEAD_GB",

@@ -2,7 +2,7 @@
 
 import sys
 
-from ..errors import run_main
-from .report import main
+from disco_clip_ds.errors import run_main
+from disco_clip_ds.plan.report import main
 
 sys.exit(run_main(main, None, "disco-clip plan"))

@@ -7,8 +7,8 @@ import difflib
 import json
 from pathlib import Path
 
-from ..errors import PlanConfigError
-from .memory import PRECISION_BYTES, Settings
+from disco_clip_ds.errors import PlanConfigError
+from disco_clip_ds.plan.memory import PRECISION_BYTES, Settings
 
 # Top-level keys DeepSpeed 0.16-0.19 reads (its config docs and deepspeed/runtime/config.py). DeepSpeed itself
 # silently ignores any other key, so a typo such as "train_micro_batch_size" would go unnoticed until OOM.

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .. import LOSS_IMPLS
-from ..errors import PlanConfigError
+from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.errors import PlanConfigError
 
 FIT_FILE = Path(__file__).with_name("activation_fit.json")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -264,8 +264,8 @@ def loss_bytes(
       buffers of rows x b (dot products, sigmoid gradient, a matmul temporary) and both local gradients. local:
       as CLIP's (b x b logits, log-sigmoid and their gradients).
     """
-    from ..losses import default_chunk_size
-    from ..losses.sigmoid import default_chunk_size as sigmoid_chunk_size
+    from disco_clip_ds.losses import default_chunk_size
+    from disco_clip_ds.losses.sigmoid import default_chunk_size as sigmoid_chunk_size
 
     b = batch / world
     if loss == "sigmoid":

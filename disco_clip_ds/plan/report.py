@@ -12,10 +12,10 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import LOSS_IMPLS
-from ..errors import PlanConfigError
-from .checks import load_config, validate_config
-from .memory import (
+from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.errors import PlanConfigError
+from disco_clip_ds.plan.checks import load_config, validate_config
+from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
     FAMILY_IMPLS,
     PRECISION_BYTES,
@@ -26,7 +26,7 @@ from .memory import (
     max_micro_batch,
     memory_plan,
 )
-from .traffic import traffic_bytes
+from disco_clip_ds.plan.traffic import traffic_bytes
 
 
 def parse_memory(text: str) -> float:

@@ -13,7 +13,7 @@ whole gradient, twice a reduce-scatter's bytes. bench/multinode measures the byt
 
 from __future__ import annotations
 
-from .memory import PRECISION_BYTES, ModelShape, Settings
+from disco_clip_ds.plan.memory import PRECISION_BYTES, ModelShape, Settings
 
 
 def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "tiled")) -> dict:

@@ -36,7 +36,7 @@ def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, b
     Returns the shard paths."""
     import webdataset as wds
 
-    from disco_clip_ds.data.demo import DIGITS
+    from disco_clip_ds.data.prep.demo import DIGITS
 
     folder.mkdir(parents=True, exist_ok=True)
     rng, bad, sizes, index = random.Random(seed), bad or {}, {}, 0

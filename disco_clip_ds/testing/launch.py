@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .ranks import free_port
+from disco_clip_ds.testing.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package is installed from (pip install -e .)
 TINY_CONFIG = REPO / "recipes" / "models" / "tiny.json"
@@ -164,7 +164,7 @@ def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 6
 # Each run's stdout and stderr (the logging handler writes to fd 2 too) go to its own OUTPUT.log, as a launch's do.
 _ONE_PROCESS = """
 import json, os, sys
-from disco_clip_ds.train import main
+from disco_clip_ds.train.run import main
 for output, argv in json.loads(sys.argv[1]):
     print(output, flush=True)
     saved = os.dup(1), os.dup(2)

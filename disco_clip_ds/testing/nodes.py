@@ -8,8 +8,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from .launch import REPO, VENV_BIN, train_env
-from .ranks import free_port
+from disco_clip_ds.testing.launch import REPO, VENV_BIN, train_env
+from disco_clip_ds.testing.ranks import free_port
 
 MODULE = "disco_clip_ds.train"
 

@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..data.fetch import environ
+from disco_clip_ds.data.prep.fetch import environ
 
 _PORTS: set[int] = set()  # handed out since the last release_shm_buffers()
 
@@ -32,7 +32,7 @@ def release_shm_buffers() -> None:
 
     Their names carry the master port (deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK): another session on the
     same machine keeps its own, which its live runs need (a rank waits, forever, for its peers' buffers to appear)."""
-    from ..compat import SHM_BUFFER_PREFIX
+    from disco_clip_ds.compat import SHM_BUFFER_PREFIX
 
     for port in list(_PORTS):
         for buffer in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}_*_{port}_*"):

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from .memory import mmap_threshold_env, reset_peak_rss, rss_mib
+from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
 
 MMAP_ENV = mmap_threshold_env(65536)
 

@@ -1,0 +1,428 @@
+"""Resuming a run under changed settings: what a run is fixed to, compared with the resuming command's settings
+before any model is built, and DeepSpeed's universal checkpoints for a resume on another number of ranks.
+
+A run's facts are recorded once, at its first launch, in OUTPUT_DIR/run.json (`launch_facts`); each resume adds a
+segment (`with_resume`) instead of rewriting them, so that the model card stays true for every step. The facts a
+checkpoint was trained under are the first launch's, updated by the last segment that started before its step
+(`facts_at`), with the model's architecture from the checkpoint's own config.json.
+
+What may change, and why:
+- world size, when the contrastive batch (micro x world x K) and the data readers (ranks x DataLoader workers) stay
+  the same: contrastive accumulation is exact, so 2 ranks x K=1 and 1 rank x K=2 train the same steps. DeepSpeed's
+  ZeRO-1/2 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
+  automatically: the resume is exact, so there is nothing to opt into, and a flag would only turn a working resume
+  into an error. Without DeepSpeed (DDP, FSDP) and under ZeRO-3 the world size is fixed: deepspeed 0.19.8 resumes a
+  ZeRO-3 universal checkpoint on fewer ranks without error but not at the uninterrupted run's weights, and the
+  optimizer state of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
+- the data readers, with --ignore_data_skip: the stream restarts from the beginning (each reader's position is kept
+  only when ranks x workers is unchanged);
+- the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
+- max_steps, learning rate and the like: they are the user's to change.
+Refused, each in one line naming old -> new and what to pass: the model's architecture, the ZeRO stage, the
+contrastive batch and the samples per optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from disco_clip_ds.distributed.ranks import from_rank0, rank
+from disco_clip_ds.errors import CheckpointError, UsageError
+
+logger = logging.getLogger("disco_clip_ds.checkpoint.resume")
+
+UNIVERSAL_DIR = "universal"  # OUTPUT_DIR/universal/checkpoint-N: a converted checkpoint, beside the original
+# The architecture fields of a CLIPConfig: a change in any of them changes the weights' shapes or meaning.
+ARCHITECTURE = {
+    "": ("model_type", "projection_dim"),
+    "text_config": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+        "hidden_act",
+        "projection_dim",
+        "projection_size",
+    ),
+    "vision_config": (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "image_size",
+        "patch_size",
+        "num_channels",
+        "hidden_act",
+        "projection_dim",
+    ),
+}
+SEGMENT_KEYS = (  # what a resume may change and records
+    "world_size",
+    "micro_batch_per_rank",
+    "gradient_accumulation_steps",
+    "contrastive_accumulation",
+    "global_contrastive_batch",
+    "global_batch",
+    "zero_stage",
+    "data_readers",
+    "dataloader_num_workers",
+    "data",
+    "num_shards",
+    "shards_sha256",
+    "train_num_samples",
+    "max_steps",
+)
+
+
+# --- the facts ---
+
+
+def architecture(config: dict) -> dict:
+    """The architecture fields (ARCHITECTURE) of a CLIPConfig or SiglipConfig dict, as 'text_config.hidden_size' ->
+    value (a field the family lacks is None)."""
+    found = {}
+    for part, keys in ARCHITECTURE.items():
+        section = config.get(part, {}) if part else config
+        for key in keys:
+            found[f"{part}.{key}" if part else key] = section.get(key)
+    return found
+
+
+def model_architecture(model_name_or_path: str | None, model_config: str | None) -> dict:
+    """The architecture of the model a command would build (its config only, no weights)."""
+    from disco_clip_ds.models.base import load_config
+
+    return architecture(load_config(model_name_or_path, model_config).to_dict())
+
+
+def shards_digest(urls: list[str]) -> str:
+    """A short fingerprint of the shard list: a long list is not stored, and respelling it (a folder for its
+    tars, a brace range for a list) keeps it."""
+    return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
+
+
+def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int) -> dict:
+    """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
+    ContrastiveAccumulationMixin.contrastive_batch_size counts it)."""
+    plugin = args.deepspeed_plugin
+    ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+    accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
+    if data_args.train_shards:
+        data, num_shards, digest = data_args.train_shards, len(urls), shards_digest(urls)
+    else:  # a `datasets` dataset: what the arguments name (source, split, columns, streaming) is its fingerprint
+        from disco_clip_ds.data.streams.hf import describe_source
+
+        data, num_shards = describe_source(data_args), None
+        digest = hashlib.sha256(data.encode()).hexdigest()[:16]
+    return {
+        "data": data,
+        "num_shards": num_shards,
+        "shards_sha256": digest,
+        "train_num_samples": num_samples,
+        "world_size": args.world_size,
+        "micro_batch_per_rank": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "contrastive_accumulation": accumulate,
+        "global_contrastive_batch": args.per_device_train_batch_size
+        * args.world_size
+        * (args.gradient_accumulation_steps if accumulate else 1),
+        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "dataloader_num_workers": args.dataloader_num_workers,
+        "data_readers": ranks * max(1, args.dataloader_num_workers),
+        "max_steps": max_steps,
+    }
+
+
+def read_run_file(folder: str | os.PathLike) -> dict | None:
+    """FOLDER/run.json (None when absent or unreadable)."""
+    try:
+        return json.loads((Path(folder) / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def facts_at(run: dict, step: int) -> dict:
+    """The facts the steps up to `step` were trained under: the first launch's, updated by the last resume that
+    started before `step` (a resume from step s saves its first checkpoint after s)."""
+    facts = {k: v for k, v in run.items() if k != "resumes"}
+    for segment in run.get("resumes", []):
+        if segment["from_step"] < step:
+            facts.update({k: segment[k] for k in SEGMENT_KEYS if k in segment})
+    return facts
+
+
+def checkpoint_facts(checkpoint: Path) -> dict:
+    """What the checkpoint itself says, from its small files: world size (one RNG file per rank), ZeRO-3 (per-rank
+    model states), the architecture (config.json)."""
+    facts: dict = {}
+    ranks = len(list(checkpoint.glob("rng_state_*.pth"))) or int((checkpoint / "rng_state.pth").is_file())
+    if ranks:
+        facts["world_size"] = ranks
+    tag = _deepspeed_tag(checkpoint)
+    if tag is not None and any(tag.glob("zero_pp_rank_*_model_states.pt")):
+        facts["zero_stage"] = 3
+    try:
+        facts["model"] = architecture(json.loads((checkpoint / "config.json").read_text()))
+    except (OSError, ValueError):
+        pass
+    return facts
+
+
+def _deepspeed_tag(checkpoint: Path) -> Path | None:
+    latest = checkpoint / "latest"
+    return checkpoint / latest.read_text().strip() if latest.is_file() else None
+
+
+def recorded_facts(checkpoint: Path, step: int) -> dict:
+    """The facts `checkpoint` (at `step`) was trained under: run.json beside it, then the checkpoint's own files."""
+    run = read_run_file(checkpoint.parent) or read_run_file(checkpoint) or {}
+    facts = facts_at(run, step)
+    if run:
+        facts.setdefault("zero_stage", None)  # run.json leaves it out for a run without DeepSpeed
+    own = checkpoint_facts(checkpoint)
+    if "zero_stage" in own and facts.get("zero_stage") not in (None, 3):
+        own.pop("zero_stage")  # run.json's stage 3 or not agrees; its exact stage (1 or 2) is the finer fact
+    return {**facts, **own}
+
+
+# --- the comparison ---
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def _stage(stage: int | None) -> str:
+    return "none (no DeepSpeed)" if stage is None else str(stage)
+
+
+def _batch(facts: dict) -> str:
+    k = facts["gradient_accumulation_steps"]
+    mode = " contrastive" if facts.get("contrastive_accumulation") and k > 1 else ""
+    return f"{facts['micro_batch_per_rank']} per rank x {_ranks(facts['world_size'])} x K {k}{mode}"
+
+
+def _batch_advice(old: dict, new: dict) -> str:
+    """The flags that give the old contrastive batch on the new number of ranks."""
+    target, world, micro = old["global_contrastive_batch"], new["world_size"], new["micro_batch_per_rank"]
+    if old["global_batch"] != target:  # the old run did not accumulate contrastively: keep its K and micro
+        per_rank = old["global_batch"] // world
+        if (
+            old["global_batch"] % world == 0
+            and per_rank == old["micro_batch_per_rank"] * (old["gradient_accumulation_steps"])
+        ):
+            return (
+                f"pass --per_device_train_batch_size {old['micro_batch_per_rank']} --gradient_accumulation_steps "
+                + (f"{old['gradient_accumulation_steps']} --contrastive_accumulation false")
+            )
+        return f"resume on {_ranks(old['world_size'])} with the run's batch flags"
+    if target % (micro * world) == 0:
+        k = target // (micro * world)
+        return f"pass --gradient_accumulation_steps {k}" + (" --contrastive_accumulation true" if k > 1 else "")
+    if target % world == 0:
+        return f"pass --per_device_train_batch_size {target // world} --gradient_accumulation_steps 1"
+    return f"resume on a number of ranks that divides {target}"
+
+
+def _reader_advice(old: dict, new: dict) -> str:
+    readers, ranks = old["data_readers"], new["data_readers"] // max(1, new["dataloader_num_workers"])
+    restart = "--ignore_data_skip to restart the data stream (samples seen before are seen again)"
+    if readers % ranks:
+        return "pass " + restart
+    return f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
+
+
+def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> list[str]:
+    """What keeps a run trained under `old` facts from resuming under `new` ones: one clause per difference, each
+    naming old -> new and what to pass. Facts absent on either side (older run.json files) are not compared."""
+
+    def known(*keys):
+        return all(old.get(k) is not None and new.get(k) is not None for k in keys)
+
+    problems = []
+    if known("model") and old["model"] != new["model"]:
+        changed = ", ".join(
+            f"{k} {old['model'][k]} -> {new['model'][k]}"
+            for k in old["model"]
+            if old["model"][k] != new["model"].get(k)
+        )
+        problems.append(
+            f"model {changed}: resume with the run's own model (its config.json is in the checkpoint), or choose a new "
+            "--output_dir"
+        )
+    stage_changed = "zero_stage" in old and old.get("zero_stage") != new.get("zero_stage")
+    if stage_changed:
+        stage = old.get("zero_stage")
+        problems.append(
+            f"ZeRO stage {_stage(stage)} -> {_stage(new.get('zero_stage'))}: "
+            + (f"pass a --deepspeed config with stage {stage}" if stage is not None else "drop --deepspeed")
+            + " (optimizer state does not move between stages), or export the checkpoint and start a new --output_dir"
+        )
+    batch_changed = known("global_contrastive_batch", "global_batch") and (
+        (old["global_contrastive_batch"], old["global_batch"]) != (new["global_contrastive_batch"], new["global_batch"])
+    )
+    if batch_changed:
+        problems.append(
+            f"contrastive batch {old['global_contrastive_batch']} ({_batch(old)}) -> "
+            f"{new['global_contrastive_batch']} ({_batch(new)}): {_batch_advice(old, new)}"
+        )
+    if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
+        if not converts_world_size(old, new):
+            problems.append(
+                f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO-1/2 checkpoints move to "
+                f"another number of ranks; resume on {_ranks(old['world_size'])}"
+            )
+    if ignore_data_skip:
+        return problems
+    if known("data_readers") and old["data_readers"] != new["data_readers"]:
+        problems.append(
+            f"data readers (ranks x DataLoader workers) {old['data_readers']} -> {new['data_readers']}: "
+            + _reader_advice(old, new)
+        )
+    if known("shards_sha256") and old["shards_sha256"] != new["shards_sha256"]:
+        problems.append(
+            f"training data {_data(old)} -> {_data(new)}: pass the run's "
+            + (
+                "--train_shards"
+                if old.get("num_shards") is not None
+                else "--dataset_name/--train_file, split and columns"
+            )
+            + ", or --ignore_data_skip to train on the new data from its start"
+        )
+    if known("train_num_samples") and old["train_num_samples"] != new["train_num_samples"]:
+        problems.append(
+            f"--train_num_samples {old['train_num_samples']} -> {new['train_num_samples']}: pass "
+            f"--train_num_samples {old['train_num_samples']}, or --ignore_data_skip to restart the data stream"
+        )
+    return problems
+
+
+def _data(facts: dict) -> str:
+    shards = facts.get("num_shards")
+    return f"{facts.get('data')}" + (f" ({shards} shards)" if shards is not None else "")
+
+
+def converts_world_size(old: dict, new: dict) -> bool:
+    """Whether a checkpoint trained under `old` resumes on `new`'s world size through a universal checkpoint:
+    DeepSpeed ZeRO-1/2 on both sides, same stage (see the module docstring for ZeRO-3)."""
+    return old.get("zero_stage") in (1, 2) and new.get("zero_stage") == old.get("zero_stage")
+
+
+def check_resume(checkpoint: str | os.PathLike, step: int, new: dict, ignore_data_skip: bool = False) -> dict:
+    """Raise a one-line UsageError when the run of `checkpoint` cannot resume under `new` facts (`launch_facts`
+    plus "model": `model_architecture`); return the recorded facts otherwise. Reads small files only."""
+    checkpoint = Path(checkpoint)
+    old = recorded_facts(checkpoint, step)
+    problems = resume_problems(old, new, ignore_data_skip)
+    if problems:
+        raise UsageError(f"cannot resume {checkpoint.name} under changed settings: " + "; ".join(problems))
+    return old
+
+
+def with_resume(run: dict | None, step: int, new: dict, universal: bool, ignore_data_skip: bool) -> dict:
+    """run.json's content after a resume from `step` under `new` facts: the first launch's facts stay, and a
+    segment is added (replacing any from a later step, whose checkpoints no longer exist or are being redone)."""
+    run = dict(run or {k: v for k, v in new.items() if k != "model"})
+    segment = {"from_step": step, **{k: new[k] for k in SEGMENT_KEYS if new.get(k) is not None}}
+    if universal:
+        segment["universal_checkpoint"] = True
+    if ignore_data_skip:
+        segment["data_restarted"] = True
+    run["resumes"] = [s for s in run.get("resumes", []) if s["from_step"] < step] + [segment]
+    return run
+
+
+def describe_resumes(run: dict) -> str | None:
+    """The resumes in run.json, for the model card: where each started and what it trained with."""
+    parts = []
+    for s in run.get("resumes", []):
+        moved = [f"{_ranks(s['world_size'])} x K {s['gradient_accumulation_steps']}"] if "world_size" in s else []
+        if s.get("data_restarted"):
+            moved.append("data stream restarted")
+        parts.append(f"step {s['from_step']}" + (f" ({', '.join(moved)})" if moved else ""))
+    return "; ".join(parts) or None
+
+
+# --- universal checkpoints ---
+
+
+def universal_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.PathLike) -> Path:
+    """OUTPUT_DIR/universal/checkpoint-N: `checkpoint` with its DeepSpeed ZeRO state converted to a universal
+    checkpoint (`deepspeed.checkpoint.ds_to_universal`), which DeepSpeed loads on any number of ranks under
+    `"checkpoint": {"load_universal": true}`. The Trainer's files are links to the original, which is never
+    written to; the conversion runs on rank 0 while the others wait, into a staging folder renamed when complete,
+    so that a kill mid-conversion leaves the original as it was and the next resume converts again."""
+    checkpoint, root = Path(checkpoint).resolve(), Path(output_dir) / UNIVERSAL_DIR
+    final = root / checkpoint.name
+    error = None
+    if rank() == 0:
+        try:
+            if not (final / "latest_universal").is_file():
+                _convert(checkpoint, root)
+            for old in root.iterdir():  # conversions of earlier checkpoints are of no further use
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        except Exception as exc:  # any failure of the conversion: every rank reports it (below)
+            error = f"converting {checkpoint} to a universal checkpoint failed: {type(exc).__name__}: {exc}"
+    error = from_rank0(error)
+    if error:
+        raise CheckpointError(
+            error
+            + f"; the checkpoint is unchanged: resume on {_ranks(checkpoint_facts(checkpoint).get('world_size', 0))}"
+        )
+    return final
+
+
+def _convert(checkpoint: Path, root: Path) -> None:
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    tag = _deepspeed_tag(checkpoint)
+    if tag is None or not tag.is_dir():
+        raise CheckpointError(f"{checkpoint} has no DeepSpeed state ('latest' and its tag folder) to convert")
+    staging = root / f"tmp-{checkpoint.name}"
+    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted conversion left
+    staging.mkdir(parents=True)
+    for entry in checkpoint.iterdir():
+        if entry.name not in ("latest", "latest_universal", tag.name):
+            (staging / entry.name).symlink_to(entry)
+    options = argparse.Namespace(
+        input_folder=str(tag),
+        output_folder=str(staging / f"{tag.name}_universal"),
+        num_extract_workers=1,  # in this process: a rank's process group should not be forked
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # The Trainer's engine saves no universal_checkpoint_info (Megatron-DeepSpeed's models carry it); DeepSpeed's
+        # own flag adds the default one, in memory only.
+        inject_missing_state=True,
+    )
+    logger.info("converting %s to a universal checkpoint for another world size", checkpoint)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:  # ds_to_universal prints its progress
+        ds_to_universal.main(options)  # writes staging/latest_universal last
+    logger.debug("ds_to_universal: %s", printed.getvalue())
+    os.replace(staging, root / checkpoint.name)
+
+
+def load_universal(args) -> None:
+    """Have DeepSpeed load universal checkpoints: `"checkpoint": {"load_universal": true}` in the run's DeepSpeed
+    config, before the Trainer builds its engine (`args`: TrainingArguments with a DeepSpeed plugin)."""
+    config = args.deepspeed_plugin.hf_ds_config.config
+    config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+
+
+def drop_universal(output_dir: str | os.PathLike) -> None:
+    """Remove OUTPUT_DIR/universal on rank 0 (a conversion used by an earlier resume)."""
+    if rank() == 0:
+        shutil.rmtree(Path(output_dir) / UNIVERSAL_DIR, ignore_errors=True)

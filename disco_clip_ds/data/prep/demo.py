@@ -1,0 +1,368 @@
+"""The embedded demo dataset: scikit-learn's 1,797 handwritten digits, captioned, served on loopback.
+
+Offline and deterministic. Train shards go through exactly the LAION download path of `prep.download`
+(parquet metadata with URL/TEXT columns -> img2dataset -> webdataset shards); the held-out eval split is
+encoded with img2dataset's own Resizer (same size, same JPEG encoder) and written with webdataset's
+TarWriter in the CLIP_benchmark layout.
+
+    DIR/metadata/train.parquet      the URL list the download reads
+    DIR/train/NNNNN.tar             key.jpg, key.txt (caption), key.json (img2dataset meta + label)
+    DIR/train/sizes.json, summary.json
+    DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label), key.json
+    DIR/eval/sizes.json, classnames.txt, zeroshot_classification_templates.txt
+
+`--format hf` writes the same samples (same JPEG bytes, captions, labels, split and shard membership) as a
+🤗 datasets parquet dataset, each file the rows of the shard of the same number, in source order:
+
+    DIR/train/train-0000K-of-0000N.parquet   image (Image), caption, label (ClassLabel), source_index
+    DIR/eval/test-0000K-of-0000M.parquet     the same columns; split "test" (datasets' name for eval files)
+    DIR/eval/zeroshot_classification_templates.txt
+
+`datasets.load_dataset("DIR/train")` or `load_dataset("parquet", data_dir="DIR/eval")` read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import math
+import os
+import sys
+import threading
+import time
+import urllib.parse
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+
+from disco_clip_ds.data.prep import download as prep
+from disco_clip_ds.data.prep.fetch import environ
+from disco_clip_ds.data.prep.outputs import shard_name
+from disco_clip_ds.data.shards import write_json
+from disco_clip_ds.errors import DataError, UsageError, run_main
+
+DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]  # class names in label order
+CAPTION_TEMPLATES = [
+    "a photo of the number {word}.",
+    "handwritten digit {digit}",
+    "the digit {word}, written by hand",
+    "a scan of a handwritten {word}",
+    "a small grey picture of the digit {digit}",
+    "the number {digit}, drawn by hand",
+    "a blurry handwritten {word}",
+    "a low resolution image of a handwritten {digit}",
+]
+ZEROSHOT_TEMPLATES = [
+    "a photo of the number {c}.",
+    "handwritten digit {c}",
+    "the digit {c}, written by hand",
+    "a scan of a handwritten {c}",
+    "a blurry handwritten {c}",
+]
+# URLs name a fixed host, reached through the loopback server acting as an HTTP proxy: every sample's
+# json records its URL, and a URL with the server's ephemeral port in it would make each run differ.
+# The .invalid TLD never resolves (RFC 2606), so nothing can leave the machine by mistake.
+DEMO_HOST = "digits.invalid"
+
+
+def digit_images(size: int) -> tuple[list[bytes], np.ndarray]:
+    """sklearn's digits (8x8, 17 grey levels) as `size` px RGB PNGs; returns (png bytes, labels)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    pngs = []
+    for img in pixels:
+        buf = io.BytesIO()
+        Image.fromarray(img).resize((size, size), Image.Resampling.BILINEAR).convert("RGB").save(buf, "PNG")
+        pngs.append(buf.getvalue())
+    return pngs, digits.target.astype(int)
+
+
+def captions_for(labels: np.ndarray, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(len(CAPTION_TEMPLATES), size=len(labels))
+    return [CAPTION_TEMPLATES[t].format(word=DIGITS[y], digit=y) for t, y in zip(picks, labels)]
+
+
+def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stratified, seeded train/eval split of sample indices (each part in ascending order)."""
+    from sklearn.model_selection import train_test_split
+
+    train, held = train_test_split(np.arange(len(labels)), test_size=eval_fraction, random_state=seed, stratify=labels)
+    return np.sort(train), np.sort(held)
+
+
+class _ImageProxyHandler(BaseHTTPRequestHandler):
+    """Serves the in-memory images by URL path; proxy requests carry the absolute URL, both work."""
+
+    def do_GET(self):
+        body = self.server.files.get(urllib.parse.urlsplit(self.path).path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):  # one line per image would drown the download's own progress
+        pass
+
+
+class _ImageServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # http.server's default backlog of 5 drops connections under 16+ threads
+
+
+@contextlib.contextmanager
+def serve_through_proxy(files: dict[str, bytes]):
+    """Serve `files` ({url path: bytes}) on 127.0.0.1 as the HTTP proxy for http://DEMO_HOST/.
+
+    Sets http_proxy for this process and the download workers it spawns, restores it on exit.
+    """
+    server = _ImageServer(("127.0.0.1", 0), _ImageProxyHandler)
+    server.files = files
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    proxy, loopback = f"http://127.0.0.1:{server.server_address[1]}", "127.0.0.1,localhost"
+    try:
+        with environ(http_proxy=proxy, HTTP_PROXY=proxy, no_proxy=loopback, NO_PROXY=loopback):
+            yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def write_train_metadata(path: Path, indices, labels, captions) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table(
+        {
+            "URL": [f"http://{DEMO_HOST}/digits/{i:04d}.png" for i in indices],
+            "TEXT": [captions[i] for i in indices],
+            "label": [int(labels[i]) for i in indices],
+            "source_index": [int(i) for i in indices],
+        }
+    )
+    pq.write_table(table, path)
+
+
+def jpeg_encoder(image_size: int):
+    """PNG bytes -> JPEG bytes with img2dataset's own Resizer, set as the demo's download sets it."""
+    from img2dataset.resizer import Resizer
+
+    resizer = Resizer(image_size=image_size, resize_mode="border", resize_only_if_bigger=False)
+
+    def encode(png: bytes) -> bytes:
+        with warnings.catch_warnings():  # albumentations deprecations inside img2dataset, per image
+            warnings.simplefilter("ignore", DeprecationWarning)
+            jpg, *_, err = resizer(io.BytesIO(png))
+        if err is not None:
+            raise RuntimeError(f"img2dataset's resizer failed: {err}")
+        return jpg
+
+    return encode
+
+
+def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size: int, per_shard: int) -> dict:
+    """CLIP_benchmark-style eval shards, images encoded as the download path does; returns sizes."""
+    import webdataset as wds
+
+    encode = jpeg_encoder(image_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = {}
+    key_digits = max(1, math.ceil(math.log10(per_shard)))  # img2dataset's key layout: shard id, then position
+    for shard, start in enumerate(range(0, len(indices), per_shard)):
+        name = f"{shard_name(shard)}.tar"
+        tmp = folder / (name + ".tmp")
+        chunk = indices[start : start + per_shard]
+        with wds.TarWriter(str(tmp), mtime=0) as sink:
+            for pos, i in enumerate(chunk):
+                label = int(labels[i])
+                sink.write(
+                    {
+                        "__key__": f"{shard_name(shard)}{pos:0{key_digits}d}",
+                        "jpg": encode(pngs[i]),
+                        "txt": captions[i],
+                        "cls": label,
+                        "json": {"label": label, "source_index": int(i)},
+                    }
+                )
+        os.replace(tmp, folder / name)
+        sizes[name] = len(chunk)
+    (folder / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
+    write_templates(folder)
+    write_json(folder / "sizes.json", sizes)
+    return sizes
+
+
+def write_templates(folder: Path) -> None:
+    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZEROSHOT_TEMPLATES) + "\n")
+
+
+def write_parquet_split(folder: Path, split: str, indices, jpgs: dict, labels, captions, per_shard: int) -> list[int]:
+    """`indices`' samples as `split-0000K-of-0000N.parquet` files of `per_shard` rows (the shards' membership), an
+    Image column holding the JPEG bytes; each file written whole or not at all. Returns the rows per file."""
+    from datasets import ClassLabel, Dataset, Features, Image, Value
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    features = Features(
+        {
+            "image": Image(),
+            "caption": Value("string"),
+            "label": ClassLabel(names=DIGITS),
+            "source_index": Value("int32"),
+        }
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = is_progress_bar_enabled()
+    disable_progress_bar()  # a bar per file, each of one batch: noise
+    starts = range(0, len(indices), per_shard)
+    for shard, start in enumerate(starts):
+        chunk = [int(i) for i in indices[start : start + per_shard]]
+        rows = {
+            "image": [{"bytes": jpgs[i], "path": None} for i in chunk],
+            "caption": [captions[i] for i in chunk],
+            "label": [int(labels[i]) for i in chunk],
+            "source_index": chunk,
+        }
+        path = folder / f"{split}-{shard:05d}-of-{len(starts):05d}.parquet"
+        Dataset.from_dict(rows, features=features).to_parquet(str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)
+    if shown:
+        enable_progress_bar()
+    return [len(indices[start : start + per_shard]) for start in starts]
+
+
+def build_hf_demo(
+    output: Path, image_size: int = 64, samples_per_shard: int = 180, eval_fraction: float = 0.2, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """The demo as a datasets parquet dataset under `output` (see the module docstring); returns the rows per
+    file of train and eval. No download: the images are encoded as the download encodes them, and the split and
+    files hold the samples of the shards demo built with the same arguments."""
+    pngs, labels = digit_images(image_size)
+    captions = captions_for(labels, seed)
+    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    encode = jpeg_encoder(image_size)
+    jpgs = {int(i): encode(pngs[i]) for i in range(len(pngs))}
+    train = write_parquet_split(output / "train", "train", train_idx, jpgs, labels, captions, samples_per_shard)
+    evl = write_parquet_split(output / "eval", "test", eval_idx, jpgs, labels, captions, samples_per_shard)
+    write_templates(output / "eval")  # last: the quickstart takes it as the sign of a finished build
+    return train, evl
+
+
+def build_demo(
+    output: Path,
+    image_size: int = 64,
+    samples_per_shard: int = 180,
+    eval_fraction: float = 0.2,
+    processes: int = 2,
+    threads: int = 16,
+    seed: int = 0,
+) -> tuple[dict, dict]:
+    """Build the demo dataset under `output`; return (train download summary, eval sizes)."""
+    pngs, labels = digit_images(image_size)
+    captions = captions_for(labels, seed)
+    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    write_train_metadata(output / "metadata" / "train.parquet", train_idx, labels, captions)
+    files = {f"/digits/{i:04d}.png": png for i, png in enumerate(pngs)}
+    cfg = prep.DownloadConfig(
+        url_list=str(output / "metadata" / "train.parquet"),
+        output=str(output / "train"),
+        preset="laion400m",
+        save_additional_columns=["label", "source_index"],
+        image_size=image_size,
+        resize_mode="border",
+        processes=processes,
+        threads=threads,
+        samples_per_shard=samples_per_shard,
+        timeout=10,
+        max_download_seconds=30,
+    )
+    with serve_through_proxy(files):
+        summary = prep.download(cfg)
+    if summary["successes"] != len(train_idx) or summary["shards_failed"]:
+        raise DataError(f"demo download incomplete ({summary}); see {output / 'train' / 'summary.json'}")
+    eval_sizes = write_eval_shards(output / "eval", eval_idx, pngs, labels, captions, image_size, samples_per_shard)
+    return summary, eval_sizes
+
+
+DEMO_ENTRIES = {"metadata", "train", "eval"}
+
+
+FORMAT_FILES = {"shards": "*.tar", "hf": "*-of-*.parquet"}  # img2dataset writes NNNNN.parquet beside its tars
+
+
+def check_output_folder(output: Path, fmt: str = "shards") -> None:
+    """Refuse an --output that is a file, a non-empty folder of something else, or a demo build in the other
+    format: the build writes and repairs files in place, so it may only resume its own earlier output."""
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file: give a folder (new, empty, or an earlier demo build)")
+    if output.is_dir():
+        foreign = sorted(entry.name for entry in output.iterdir() if entry.name not in DEMO_ENTRIES)
+        if foreign:
+            raise UsageError(
+                f"--output {output} holds {', '.join(foreign[:3])}, which is not a demo build: "
+                "give a new or empty folder"
+            )
+        for other, pattern in FORMAT_FILES.items():
+            if other != fmt and any(next((output / split).glob(pattern), None) for split in ("train", "eval")):
+                raise UsageError(f"--output {output} holds a --format {other} demo: give another folder for {fmt}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip data demo --output DIR` (also `python -m disco_clip_ds.data.prep.demo`)."""
+    p = argparse.ArgumentParser(prog="disco-clip data demo", description="build the offline digits demo dataset")
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--image_size", type=int, default=64)
+    p.add_argument("--samples_per_shard", type=int, default=180, help="180 gives 8 train shards")
+    p.add_argument("--eval_fraction", type=float, default=0.2)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMAT_FILES),
+        default="shards",
+        help="shards: webdataset tar shards (downloaded through img2dataset); hf: the same samples as a datasets "
+        "parquet dataset with an Image column (--processes and --threads unused)",
+    )
+    args = p.parse_args(argv)
+    if not 0 < args.eval_fraction < 1:
+        raise UsageError("--eval_fraction must be between 0 and 1")
+    check_output_folder(args.output, args.format)
+    started = time.monotonic()
+    if args.format == "hf":
+        train, evl = build_hf_demo(args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed)
+        print(
+            f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
+            f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
+            f"datasets.load_dataset('{args.output / 'train'}') reads it"
+        )
+        return 0
+    summary, eval_sizes = build_demo(
+        args.output,
+        args.image_size,
+        args.samples_per_shard,
+        args.eval_fraction,
+        args.processes,
+        args.threads,
+        args.seed,
+    )
+    print(
+        f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "
+        f"in {summary['shards_done']} shards, eval {sum(eval_sizes.values())} samples in {len(eval_sizes)} shards"
+    )
+    return 0
+
+
+if __name__ == "__main__":  # img2dataset spawns workers that re-import the main module
+    sys.exit(run_main(main, None, "disco-clip data demo"))

@@ -1,0 +1,154 @@
+"""`disco-clip slurm-launch`: start this node's launcher of a multi-node job from SLURM's variables; `disco-clip
+node-check`: a node's launch arguments (hostfile, node rank), checked before its launcher starts.
+
+`srun` runs one task per node (`--ntasks-per-node=1`); each task becomes (exec) the launcher with this node's rank
+and the job's master address: the first host of SLURM_JOB_NODELIST (expanded with python-hostlist, the compressed
+`gpu[01-04,07]` form included), SLURM_NODEID as the node rank, SLURM_JOB_NUM_NODES nodes. Exec rather than a
+child process, so that the signals SLURM sends the task (preemption, `--signal`) reach the launcher itself.
+recipes/slurm_multinode.sbatch uses it.
+
+The launchers' own checks of a node's arguments are a traceback (deepspeed: a bad hostfile line, a --node_rank out of
+range) or a wait without end (torchrun: a --node_rank out of range waits for a node that never comes):
+`check_node_launch` says the same in one line, and the recipes run it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from disco_clip_ds.errors import UsageError
+
+LAUNCHERS = ("torchrun", "deepspeed")
+# torchrun with restarts across nodes: the shared rendezvous store hangs the restarted workers (nodes.check_elastic)
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed 0.19's rule (launcher/runner.py _parse_hostfile)
+
+
+def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """The (host, slots) lines of a DeepSpeed hostfile, by DeepSpeed's own rule (`HOSTFILE_LINE`, '#' comments and
+    blank lines skipped, a host once); UsageError naming the line that breaks it. Not deepspeed's parser itself:
+    importing deepspeed to read two columns costs seconds and prints its accelerator banner."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise UsageError(f"--hostfile {path}: {error.strerror or error}") from None
+    hosts: dict[str, int] = {}
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.search(line)
+        if not match:
+            raise UsageError(f"--hostfile {path} line {number} {line!r}: write one node per line, 'HOST slots=GPUS'")
+        if match.group(1) in hosts:
+            raise UsageError(f"--hostfile {path} line {number}: {match.group(1)} is listed twice; one line per node")
+        hosts[match.group(1)] = int(match.group(2))
+    if not hosts:
+        raise UsageError(f"--hostfile {path} names no node: write one node per line, 'HOST slots=GPUS'")
+    return list(hosts.items())
+
+
+def check_node_launch(nnodes: str | None = None, node_rank: int | None = None, hostfile: str | None = None) -> None:
+    """This node's launch arguments: a hostfile DeepSpeed reads (`read_hostfile`), and a --node_rank within the
+    nodes (--nnodes, or the hostfile's lines). UsageError in one line; an elastic range (--nnodes 1:4) assigns ranks
+    itself and is not checked."""
+    count = len(read_hostfile(hostfile)) if hostfile else None
+    where = f"the {count} nodes of --hostfile {hostfile}" if hostfile else f"--nnodes {nnodes}"
+    if count is None and nnodes is not None and ":" not in nnodes:
+        if not nnodes.isdigit() or int(nnodes) < 1:
+            raise UsageError(f"--nnodes {nnodes}: give the number of nodes (or MIN:MAX for an elastic launch)")
+        count = int(nnodes)
+    if node_rank is not None and count is not None and not 0 <= node_rank < count:
+        raise UsageError(f"--node_rank {node_rank} is out of range for {where}: give 0 to {count - 1}, one per node")
+
+
+def node_check_main(argv: list[str] | None = None) -> int:
+    """`disco-clip node-check [--hostfile H] [--nnodes N] [--node_rank R]`: exit 0 when they can work, else one
+    line and exit 2."""
+    parser = argparse.ArgumentParser(prog="disco-clip node-check", description=check_node_launch.__doc__)
+    parser.add_argument("--hostfile")
+    parser.add_argument("--nnodes")
+    parser.add_argument("--node_rank", type=int)
+    args = parser.parse_args(argv)
+    check_node_launch(args.nnodes, args.node_rank, args.hostfile)
+    return 0
+
+
+def slurm_nodes(env=os.environ) -> tuple[list[str], int]:
+    """(the job's hosts in order, this node's rank) from SLURM's variables; UsageError naming what is wrong."""
+    import hostlist
+
+    missing = [name for name in ("SLURM_JOB_NODELIST", "SLURM_NODEID") if not env.get(name)]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} not set: run this under srun inside a SLURM job (one task per node)")
+    try:
+        hosts = hostlist.expand_hostlist(env["SLURM_JOB_NODELIST"])
+    except hostlist.BadHostlist as e:
+        raise UsageError(f"SLURM_JOB_NODELIST {env['SLURM_JOB_NODELIST']!r} is not a host list: {e}") from None
+    count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    if count is not None and int(count) != len(hosts):
+        raise UsageError(f"SLURM_JOB_NUM_NODES {count} but SLURM_JOB_NODELIST names {len(hosts)} hosts: {hosts}")
+    node = int(env["SLURM_NODEID"])
+    if not 0 <= node < len(hosts):
+        raise UsageError(f"SLURM_NODEID {node} is out of range for {len(hosts)} nodes ({', '.join(hosts)})")
+    return hosts, node
+
+
+def launch_command(
+    train_args: list[str],
+    env=os.environ,
+    launcher: str = "torchrun",
+    nproc_per_node: int = 1,
+    master_port: int = 29500,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command that starts this node's ranks of `disco-clip train TRAIN_ARGS` across the job's nodes."""
+    hosts, node = slurm_nodes(env)
+    if nproc_per_node < 1:
+        raise UsageError(f"--nproc_per_node {nproc_per_node}: give the ranks (GPUs) per node, at least 1")
+    bin_dir = Path(python).parent
+    common = ["--node_rank", str(node), "--master_addr", hosts[0], "--master_port", str(master_port)]
+    if launcher == "torchrun":
+        head = [str(bin_dir / "torchrun"), "--nnodes", str(len(hosts)), "--nproc_per_node", str(nproc_per_node)]
+        return [*head, *common, "-m", "disco_clip_ds.train", *train_args]
+    if launcher == "deepspeed":
+        # deepspeed's multi-node launch reads a hostfile; --no_ssh starts only this node's ranks, as srun wants
+        hostfile = Path(tempfile.mkdtemp(prefix="disco-clip-hosts-")) / "hostfile"
+        hostfile.write_text("".join(f"{host} slots={nproc_per_node}\n" for host in hosts))
+        head = [str(bin_dir / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
+        return [*head, *common, "--module", "disco_clip_ds.train", *train_args]
+    raise UsageError(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `[options] [--] TRAIN_ARGS` and exec this node's launcher (does not return when it starts). Every
+    argument that is not one of ours is a training argument (`disco-clip` passes the words after `--` on without it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
+    parser = argparse.ArgumentParser(
+        prog="disco-clip slurm-launch", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
+    parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
+    parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node (GPUs per node)")
+    parser.add_argument(
+        "--master_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="default: $MASTER_PORT"
+    )
+    args, rest = parser.parse_known_args(ours)
+    train_args = rest if train_args is None else [*rest, *train_args]
+    if not train_args:
+        raise UsageError("give the training arguments after `--`, e.g. -- --output_dir runs/x --train_shards ...")
+    command = launch_command(train_args, os.environ, args.launcher, args.nproc_per_node, args.master_port)
+    print("slurm-launch:", " ".join(command), flush=True)
+    os.execve(command[0], command, {**os.environ, **ELASTIC_ENV})
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    from disco_clip_ds.errors import run_main
+
+    sys.exit(run_main(main, None, "disco-clip slurm-launch"))

@@ -1,0 +1,105 @@
+"""`disco-clip push`: upload a folder written by `disco-clip export` to a Hugging Face hub model repo, in one commit.
+
+Only exported folders are pushed (never raw Trainer/DeepSpeed state); the token comes from huggingface_hub's usual
+places (HF_TOKEN, `hf auth login`'s cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from disco_clip_ds.checkpoint.layout import has_weights
+from disco_clip_ds.errors import ExportError, UsageError
+
+
+def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
+    """(path in repo, bytes) of every file that `push_folder` uploads, after checking it is an export."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ExportError(f"'{folder}' is not a folder")
+    if (folder / "latest").exists() or any(folder.glob("global_step*")) or any(folder.glob("checkpoint-*")):
+        raise ExportError(
+            f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and "
+            "push OUTPUT_DIR"
+        )
+    if not (folder / "config.json").is_file() or not has_weights(folder):
+        raise ExportError(f"'{folder}' is not an exported model folder (needs config.json and model.safetensors)")
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+    return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
+
+
+def require_hub_token() -> str:
+    """The Hugging Face token from huggingface_hub's usual places; ExportError saying how to set one if none.
+
+    Training with --push_to_hub can call this before it starts, so a missing token is not found hours later."""
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if token is None:
+        raise ExportError("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
+    return token
+
+
+def push_folder(folder, repo_id: str, private: bool = False, revision: str | None = None, dry_run: bool = False) -> str:
+    """Upload an exported folder to the hub model repo `repo_id` (created when missing) in one commit.
+
+    The token comes from huggingface_hub's usual places (HF_TOKEN, `hf auth login`'s cache). With
+    `dry_run` nothing is contacted and the plan is printed. Returns the commit URL (or the target URL).
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # the hub's own rule, checked before anything is read or contacted, dry run included
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise UsageError(f"--repo_id {repo_id!r} is not a valid hub id ({e}); expected USER/NAME or ORG/NAME") from e
+    plan = upload_plan(folder)
+    branch = revision or "main"
+    target = f"https://huggingface.co/{repo_id}/tree/{branch}"
+    if dry_run:
+        print(f"dry run: would upload {len(plan)} files to {target} ({'private' if private else 'public'} model repo)")
+        for path, size in plan:
+            print(f"  {path}  ({size:,} bytes)")
+        if get_token() is None:
+            print("note: no Hugging Face token found; set HF_TOKEN or run `hf auth login` before pushing")
+        return target
+    api = HfApi(token=require_hub_token())
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        # exactly the planned files (no hidden ones): upload_folder takes them as patterns, in one commit
+        commit = api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            revision=revision,
+            allow_patterns=[path for path, _ in plan],
+            commit_message="Upload a model exported by disco-clip-ds",
+        )
+    except Exception as e:  # the hub's errors (auth, network, permissions) carry their own explanation
+        raise ExportError(f"upload to {repo_id} failed: {type(e).__name__}: {e}") from e
+    return commit.commit_url
+
+
+def push_main(argv: list[str] | None = None) -> int:
+    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry_run]`."""
+    parser = argparse.ArgumentParser(
+        prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub"
+    )
+    parser.add_argument("folder", help="a folder written by `disco-clip export`")
+    parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
+    parser.add_argument("--private", action="store_true", help="create the repo private")
+    parser.add_argument("--revision", help="branch to push to (created when missing; default main)")
+    parser.add_argument("--dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
+    args = parser.parse_args(argv)
+    url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
+    if not args.dry_run:
+        print(f"pushed {args.folder} -> {url}")
+    return 0

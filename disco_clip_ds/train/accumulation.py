@@ -1,0 +1,226 @@
+"""Contrastive gradient accumulation: a global contrastive batch of micro x world x K pairs at the activation
+memory of one micro-batch (gradient caching, Gao et al. 2021, arXiv 2101.06983), under the stock HF Trainer with
+DeepSpeed ZeRO-1/2/3, FSDP (accelerate) or DDP.
+
+Plain gradient accumulation adds no negatives to a contrastive loss: each micro-step's loss sees only its own
+batch. Here every optimizer step of K micro-batches
+  1. embeds all K micro-batches without grad, saving the RNG state before each so that dropout is replayed;
+  2. computes the global-batch loss (`disco_clip_ds.losses`: CLIP's or SigLIP's) over the K x micro rows of every
+     rank, i.e. over all micro x world x K pairs, and its gradient w.r.t. each cached embedding and the logit
+     parameters (CLIP's multiplier; SigLIP's multiplier and bias);
+  3. re-runs each micro-batch with grad, RNG restored, and back-propagates (embedding . cached gradient) plus
+     the logit parameters' terms, through the Trainer's ordinary `training_step`: one engine/accelerator backward per
+     micro-batch, so ZeRO's, FSDP's and DDP's own accumulation and reduction paths run unchanged.
+
+By the chain rule the summed micro-step gradients are exactly the gradient of the global-batch loss; the loss
+module's per-rank contract (mean over ranks = global loss) makes data-parallel averaging exact as without
+accumulation. No library does this under DeepSpeed: sentence-transformers' cached losses call backward inside
+the loss (nested in the engine's), which ZeRO rejects, hence the hand-written mixin below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from disco_clip_ds.errors import AccumulationError
+
+
+def check_contrastive_accumulation(args, loss_impl: str) -> None:
+    """Refuse, before training and identically on every rank, settings under which accumulation cannot work.
+
+    `args`: TrainingArguments with `contrastive_accumulation`; `loss_impl`: the model's loss ("tiled", "disco",
+    "local")."""
+    steps = args.gradient_accumulation_steps
+    if not isinstance(steps, int) or steps < 1:
+        raise AccumulationError(
+            f"--gradient_accumulation_steps must be an integer >= 1 (micro-batches per optimizer step), got {steps!r}"
+        )
+    if not getattr(args, "contrastive_accumulation", False) or steps == 1:
+        return
+    if loss_impl == "local":
+        raise AccumulationError(
+            "--loss_impl local computes each micro-batch's loss on its own, so it cannot be accumulated contrastively: "
+            "use --loss_impl tiled (or disco) for a contrastive batch of micro x world x K, or pass "
+            "--contrastive_accumulation false to keep independent micro-batch losses"
+        )
+    if getattr(args, "n_gpu", 1) > 1:
+        raise AccumulationError(
+            f"one process drives {args.n_gpu} GPUs (torch.nn.DataParallel); the distributed loss needs one process per "
+            "GPU: launch with torchrun, deepspeed or accelerate launch"
+        )
+    parallel = getattr(args, "parallelism_config", None)
+    if parallel is not None and any(getattr(parallel, f"{kind}_size", 1) > 1 for kind in ("tp", "cp", "sp")):
+        raise AccumulationError(
+            "contrastive accumulation supports data parallelism only (DeepSpeed ZeRO, FSDP, DDP); "
+            "drop the tensor/context/sequence parallel sizes from parallelism_config"
+        )
+
+
+def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+@dataclass
+class _Update:
+    """The K micro-batches of one optimizer step and what step 2 cached for them."""
+
+    batches: list
+    index: int = 0
+    rng: list = field(default_factory=list)  # RNG state before each micro-batch's first forward
+    rng_after: tuple | None = None  # after all first forwards: the stream continues from here
+    grads: list = field(default_factory=list)  # (d l/d image_embeds, d l/d text_embeds) per micro-batch
+    param_grads: tuple = ()  # d l/d each logit parameter (multiplier, bias)
+    loss: torch.Tensor | None = None  # this rank's share of the global-batch loss (mean over ranks = the loss)
+
+
+def cached_embedding_gradients(image_embeds: list[torch.Tensor], text_embeds: list[torch.Tensor], params, loss_fn):
+    """Step 2: this rank's loss over all its micro-batches' rows, and its gradient w.r.t. each of them.
+
+    image_embeds, text_embeds: per micro-batch (b_k, d) L2-normalised embeddings (no grad); params: the 0-dim logit
+    parameters the loss takes after the features (CLIP: the multiplier; SigLIP: the multiplier and the bias);
+    loss_fn(images, texts, *params): the global-batch loss (the model's `global_loss`). Returns (loss,
+    [(grad_image_k, grad_text_k)], (grad of each param)), gradients in fp32 (fp64 for fp64 embeddings).
+    Collective under torch.distributed (all ranks call it at once)."""
+    sizes = [e.shape[0] for e in image_embeds]
+    dtype = _at_least_fp32(image_embeds[0])
+    images = torch.cat(image_embeds).detach().to(dtype).requires_grad_()
+    texts = torch.cat(text_embeds).detach().to(dtype).requires_grad_()
+    leaves = tuple(p.detach().to(dtype).reshape(()).requires_grad_() for p in params)
+    with torch.enable_grad():
+        loss = loss_fn(images, texts, *leaves)
+        grad_images, grad_texts, *param_grads = torch.autograd.grad(loss, (images, texts, *leaves))
+    return loss.detach(), list(zip(grad_images.split(sizes), grad_texts.split(sizes))), tuple(param_grads)
+
+
+def surrogate_loss(image_embeds, text_embeds, params, grads, param_grads, num_micro: int) -> torch.Tensor:
+    """Step 3: a scalar whose gradient w.r.t. the model is this micro-batch's share of the global-batch gradient.
+
+    The logit parameters' terms are split evenly over the K micro-batches (summing to their whole gradient) rather
+    than given to one: every parameter then gets a gradient in every micro-step, as in ordinary accumulation,
+    which ZeRO's per-micro-step gradient bookkeeping expects."""
+    grad_images, grad_texts = grads
+    dtype = grad_images.dtype  # 16-bit embeddings meet their fp32 gradients in fp32
+    value = (image_embeds.to(dtype) * grad_images).sum() + (text_embeds.to(dtype) * grad_texts).sum()
+    for param, grad in zip(params, param_grads):
+        value = value + param.to(dtype).reshape(()) * (grad / num_micro)
+    return value
+
+
+def logit_params(model, outputs) -> tuple[torch.Tensor, ...]:
+    """The logit parameters as the model's forward used them (its output carries each of `model.PARAM_NAMES`)."""
+    names = getattr(model, "PARAM_NAMES", None)
+    found = tuple(getattr(outputs, name, None) for name in names or ())
+    if not names or any(p is None for p in found):
+        raise RuntimeError(
+            f"{type(model).__name__}'s output lacks its logit parameters: contrastive accumulation needs "
+            "disco_clip_ds's DiscoCLIPModel or DiscoSiglipModel (or --contrastive_accumulation false)"
+        )
+    return found
+
+
+class ContrastiveAccumulationMixin:
+    """Trainer mixin: with `gradient_accumulation_steps` K > 1 and `args.contrastive_accumulation`, each optimizer
+    step trains on the contrastive loss over all K micro-batches of all ranks (see the module docstring).
+
+    Hooks: `get_batch_samples` (the Trainer 5 fetches an update's K batches up front, then loops `training_step`
+    over them) records the batches; the first `training_step` of the update runs steps 1-2; `compute_loss`
+    returns the surrogate for the micro-batch at hand, valued at the global-batch loss / K so the Trainer's
+    logged loss is the true one. The model must be a DiscoCLIPModel or DiscoSiglipModel (`modeling.py`): its output
+    carries `image_embeds`, `text_embeds` and its logit parameters, and `global_loss` computes the loss from them.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._update: _Update | None = None
+        self._in_accumulated_step = False
+        if self.accumulates_contrastively:
+            # compute_loss returns loss / K itself: the Trainer must not divide again (its documented switch).
+            self.loss_is_scaled_for_ga = True
+
+    @property
+    def accumulates_contrastively(self) -> bool:
+        """True when optimizer steps accumulate K > 1 micro-batches into one contrastive batch."""
+        return bool(getattr(self.args, "contrastive_accumulation", False)) and self.args.gradient_accumulation_steps > 1
+
+    def contrastive_batch_size(self) -> int:
+        """The pairs each optimizer step contrasts: micro x world (x K when accumulating contrastively)."""
+        size = self.args.per_device_train_batch_size * self.args.world_size
+        return size * self.args.gradient_accumulation_steps if self.accumulates_contrastively else size
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.accumulates_contrastively:
+            self._update = _Update(batches=batches)
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.accumulates_contrastively:
+            return super().training_step(model, inputs, num_items_in_batch)
+        update = self._update
+        if update is None or update.index >= len(update.batches) or update.batches[update.index] is not inputs:
+            raise RuntimeError(
+                "contrastive accumulation expects the Trainer to fetch an update's batches with "
+                "get_batch_samples and then call training_step on each in order (transformers 5.x)"
+            )
+        if update.index == 0:
+            self._embed_and_cache(model, update)
+        _set_rng_state(update.rng[update.index])
+        self._in_accumulated_step = True
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._in_accumulated_step = False
+            update.index += 1
+            if update.index == len(update.batches):
+                _set_rng_state(update.rng_after)
+                self._update = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not self._in_accumulated_step:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        update = self._update
+        outputs = model(**{**inputs, "return_loss": False, "return_logits": False})  # embeddings only
+        num_micro = len(update.batches)
+        surrogate = surrogate_loss(
+            outputs.image_embeds,
+            outputs.text_embeds,
+            logit_params(self.model, outputs),
+            update.grads[update.index],
+            update.param_grads,
+            num_micro,
+        )
+        # Valued at loss / K (the Trainer sums the K micro-step values for its log), with the surrogate's gradient.
+        loss = surrogate + (update.loss / num_micro - surrogate).detach()
+        return (loss, outputs) if return_outputs else loss
+
+    def _embed_and_cache(self, model, update: _Update) -> None:
+        """Steps 1 and 2 for the whole update; collective under torch.distributed."""
+        model.train()
+        image_embeds, text_embeds, outputs = [], [], None
+        with torch.no_grad(), self.compute_loss_context_manager():
+            for batch in update.batches:
+                update.rng.append(_rng_state())
+                outputs = model(**{**self._prepare_inputs(batch), "return_loss": False, "return_logits": False})
+                image_embeds.append(outputs.image_embeds)
+                text_embeds.append(outputs.text_embeds)
+        params = logit_params(self.model, outputs)
+        update.rng_after = _rng_state()
+        update.loss, update.grads, update.param_grads = cached_embedding_gradients(
+            image_embeds, text_embeds, params, self.model.global_loss
+        )
