@@ -16,7 +16,7 @@ def __getattr__(name):
 
         return getattr(losses, name)
     if name == "DiscoCLIPModel":
-        from disco_clip_ds.models.base import DiscoCLIPModel
+        from disco_clip_ds.models.clip import DiscoCLIPModel
 
         return DiscoCLIPModel
     raise AttributeError(f"module 'disco_clip_ds' has no attribute {name!r}")

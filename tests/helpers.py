@@ -19,7 +19,7 @@ def save_initial_model(folder: Path, seed: int) -> Path:
     (under ZeRO-3, deepspeed.zero.Init draws initial weights in its own order, so no run may draw its own)."""
     import torch
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
 
     torch.manual_seed(seed)
     build_model(model_config=str(TINY_CONFIG)).save_pretrained(folder)

@@ -40,7 +40,7 @@ SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_ba
 def _tiny_model(dropout: float = 0.0):
     from transformers import CLIPConfig
 
-    from disco_clip_ds.models.base import DiscoCLIPModel
+    from disco_clip_ds.models.clip import DiscoCLIPModel
 
     config = CLIPConfig.from_json_file(str(REPO / "recipes/models/tiny.json"))
     for tower in (config.text_config, config.vision_config):
@@ -129,7 +129,7 @@ def test_cached_gradients_equal_autograd_over_the_whole_batch_float64():
 
 def test_siglip_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     """The same for the sigmoid loss, whose bias is a second logit parameter with its own cached gradient."""
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
 
     torch.manual_seed(SEED)
     model = build_model(model_config=str(REPO / "recipes/models/siglip_tiny.json"), chunk_size=5).double().train()

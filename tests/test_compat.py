@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import CLIPConfig, CLIPModel
 
 from disco_clip_ds import compat
-from disco_clip_ds.models.base import DiscoCLIPModel, build_model
+from disco_clip_ds.models.build import build_model
+from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 from disco_clip_ds.testing.ranks import run_ranks
 

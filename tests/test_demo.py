@@ -226,7 +226,7 @@ def test_eval_of_the_hf_demo_equals_the_shards_demo(demo_data, hf_demo, tmp_path
     from transformers import AutoTokenizer, CLIPImageProcessor
 
     from disco_clip_ds.eval.zeroshot import EvalArguments, run_eval
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
     from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 
     model = tmp_path / "model"
@@ -269,7 +269,7 @@ LAUNCHER_STANDIN = """
 import json, sys
 from pathlib import Path
 from transformers import AutoTokenizer, CLIPImageProcessor
-from disco_clip_ds.models.base import build_model
+from disco_clip_ds.models.build import build_model
 
 argv = sys.argv[1:]
 flag = {name: value for name, value in zip(argv, argv[1:]) if name.startswith("--")}

@@ -38,7 +38,7 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
     import deepspeed
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor
 
-    from disco_clip_ds.models.base import DiscoCLIPModel
+    from disco_clip_ds.models.clip import DiscoCLIPModel
 
     torch.manual_seed(0)
     model = DiscoCLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
@@ -213,7 +213,7 @@ def test_export_trained_weights_differ_from_init(checkpoint):
     # itself, but not a fresh DiscoCLIPModel with the same seed
     from transformers import CLIPConfig
 
-    from disco_clip_ds.models.base import DiscoCLIPModel
+    from disco_clip_ds.models.clip import DiscoCLIPModel
 
     folder, _, trained = checkpoint
     torch.manual_seed(0)

@@ -161,7 +161,8 @@ def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(
 
 
 def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_path):
-    from disco_clip_ds.checkpoint.layout import MANIFEST, check_resume, checkpoint_problem, newest_complete
+    from disco_clip_ds.checkpoint.layout import checkpoint_problem, newest_complete, verify_resumable
+    from disco_clip_ds.checkpoint.manifest import MANIFEST
     from disco_clip_ds.errors import CheckpointError, UsageError
 
     out = copy_unfinished(full, tmp_path / "run", 3)
@@ -172,15 +173,16 @@ def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_pa
     assert checkpoint_problem(out / "checkpoint-3") is None
     assert checkpoint_problem(out / "checkpoint-2") == "1 DeepSpeed optimizer shards for 2 ranks"
     assert newest_complete(out) == out / "checkpoint-3"
-    check_resume(out / "checkpoint-3")
+    verify_resumable(out / "checkpoint-3")
     with pytest.raises(CheckpointError, match="checkpoint-2: 1 DeepSpeed optimizer shards for 2 ranks; the newest"):
-        check_resume(out / "checkpoint-2")
+        verify_resumable(out / "checkpoint-2")
     with pytest.raises(UsageError, match="checkpoint-9: no such folder"):  # a typo is bad usage (exit 2)
-        check_resume(out / "checkpoint-9")
+        verify_resumable(out / "checkpoint-9")
 
 
 def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full, data, tmp_path, caplog):
-    from disco_clip_ds.checkpoint.layout import MANIFEST, final_model_problem
+    from disco_clip_ds.checkpoint.final_model import final_model_problem
+    from disco_clip_ds.checkpoint.manifest import MANIFEST
     from disco_clip_ds.eval.zeroshot import load_for_eval
     from disco_clip_ds.export import weights as ex
 
@@ -217,7 +219,8 @@ def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full,
 def test_a_checkpoint_without_full_weights_repairs_the_final_model_from_its_partitions(full, tmp_path):
     """As ZeRO-3 writes them without stage3_gather_16bit_weights_on_model_save: the fp32 weights consolidated from
     the optimizer partitions, as export does (in process: no launch needed for the repair itself)."""
-    from disco_clip_ds.checkpoint.layout import final_model_problem, keep_final_model, write_manifest
+    from disco_clip_ds.checkpoint.final_model import final_model_problem, keep_final_model
+    from disco_clip_ds.checkpoint.manifest import write_manifest
 
     out = copy_unfinished(full, tmp_path / "run", 0)
     checkpoint = out / f"checkpoint-{STEPS}"

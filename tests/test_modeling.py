@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import CLIPConfig, CLIPModel
 
-from disco_clip_ds.models.base import DiscoCLIPModel, build_model
+from disco_clip_ds.models.build import build_model
+from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.testing.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]

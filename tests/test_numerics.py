@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disco_clip_ds.checkpoint.layout import write_manifest
+from disco_clip_ds.checkpoint.manifest import write_manifest
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO
 from disco_clip_ds.testing.ranks import run_ranks

@@ -51,7 +51,7 @@ def test_only_the_warmup_moves_and_the_state_resumes():
 def test_weight_decay_goes_where_open_clip_puts_it():
     from transformers import Trainer
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.optim import without_clip_no_decay
 
     model = build_model(model_config=str(REPO / "recipes/models/tiny.json"))

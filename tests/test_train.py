@@ -298,7 +298,7 @@ def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
 
 
 def test_locked_towers_are_frozen_and_the_rest_trains():
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.run import ModelArguments, _lock_towers
 
     model = build_model(model_config=str(REPO / "recipes/models/tiny.json"))

@@ -23,7 +23,7 @@ SIGLIP_TINY = REPO / "recipes/models/siglip_tiny.json"
 def initial_model(tmp_path_factory) -> Path:
     import torch
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
 
     torch.manual_seed(3)
     folder = tmp_path_factory.mktemp("init") / "siglip"

@@ -80,7 +80,7 @@ class RandomPairs(torch.utils.data.Dataset):
 def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastive: bool, steps: int, out: str):
     import deepspeed
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.run import DiscoTrainer, DiscoTrainingArguments
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastiv
 
 def _interleaved_rank(rank: int, world: int, model_name: str, micro: int, ks: list, rounds: int) -> dict | None:
     """Rank 0 returns {K: median over rounds of the per-sample time ratio to the first K}."""
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.accumulation import cached_embedding_gradients, surrogate_loss
 
     torch.manual_seed(0)

@@ -68,7 +68,7 @@ def point(args, per_device: int, ds_path: Path) -> dict:
         os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
 
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     base = reset_peak_rss() if not cuda else rss_mib("VmRSS")  # on CPU the peak counts from here, after the imports

@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, model_name: str, per_rank: int, steps: int) -> 
     """Rank 0 returns {impl: (median step s, loss fwd+bwd s, step time vs local's - 1)}."""
     import deepspeed
 
-    from disco_clip_ds.models.base import build_model
+    from disco_clip_ds.models.build import build_model
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
     torch.manual_seed(0)

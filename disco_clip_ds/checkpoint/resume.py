@@ -99,7 +99,7 @@ def architecture(config: dict) -> dict:
 
 def model_architecture(model_name_or_path: str | None, model_config: str | None) -> dict:
     """The architecture of the model a command would build (its config only, no weights)."""
-    from disco_clip_ds.models.base import load_config
+    from disco_clip_ds.models.build import load_config
 
     return architecture(load_config(model_name_or_path, model_config).to_dict())
 

@@ -126,7 +126,7 @@ def _read(compute):
 
 
 def _model(model_args) -> dict:
-    from disco_clip_ds.models.base import load_config
+    from disco_clip_ds.models.build import load_config
 
     config = load_config(model_args.model_name_or_path, model_args.model_config).to_dict()
     config.pop("transformers_version", None)
@@ -136,10 +136,10 @@ def _model(model_args) -> dict:
 def _files(folder: Path) -> dict:
     """The checksum of each file directly in `folder` (weights included: the same config with other weights
     trains another run; xxh3 reads at about disk speed)."""
-    from disco_clip_ds.checkpoint.layout import _checksums  # the checkpoint manifests' hash
+    from disco_clip_ds.checkpoint.manifest import file_checksums  # the checkpoint manifests' hash
 
     names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    return dict(zip(names, _checksums(folder, names), strict=True))
+    return dict(zip(names, file_checksums(folder, names), strict=True))
 
 
 def _shards(spec: str) -> dict:

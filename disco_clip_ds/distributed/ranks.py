@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from disco_clip_ds.errors import DiscoClipError
+
 
 def is_distributed() -> bool:
     """True inside a process group of more than one rank."""
@@ -44,3 +46,18 @@ def barrier() -> None:
     """Wait for every rank."""
     if is_distributed():
         dist.barrier()
+
+
+def decided_on_rank0(compute):
+    """compute() on rank 0, its result on every rank. A DiscoClipError raised there is raised on every rank (the
+    other ranks would otherwise wait for the result until the process group times out)."""
+    result = None
+    if rank() == 0:
+        try:
+            result = ("ok", compute())
+        except DiscoClipError as error:
+            result = ("error", error)
+    kind, value = from_rank0(result)
+    if kind == "error":
+        raise value
+    return value

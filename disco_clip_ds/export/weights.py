@@ -15,16 +15,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from disco_clip_ds.checkpoint.final_model import final_model_problem
 from disco_clip_ds.checkpoint.layout import (
-    MANIFEST,
     WEIGHT_FILES,
     checkpoint_folders,
     checkpoint_problem,
-    final_model_problem,
     has_weights,
-    manifest_problem,
     newest_complete,
 )
+from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
 from disco_clip_ds.errors import ExportError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.export.weights")

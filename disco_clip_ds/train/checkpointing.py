@@ -12,18 +12,10 @@ from pathlib import Path
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from disco_clip_ds import faults
-from disco_clip_ds.checkpoint.layout import (
-    MANIFEST,
-    STAGING,
-    _folder_bytes,
-    _free_bytes,
-    _is_disk_full,
-    checkpoint_problem,
-    disk_full_message,
-    final_files,
-    newest_complete,
-    write_manifest,
-)
+from disco_clip_ds.checkpoint.final_model import final_files
+from disco_clip_ds.checkpoint.layout import STAGING, checkpoint_problem, newest_complete
+from disco_clip_ds.checkpoint.manifest import MANIFEST, write_manifest
+from disco_clip_ds.checkpoint.space import disk_full_message, folder_bytes, free_bytes, is_disk_full
 from disco_clip_ds.distributed.ranks import all_true, any_true, barrier, from_rank0, rank
 from disco_clip_ds.errors import CheckpointError
 
@@ -166,7 +158,7 @@ class CompleteCheckpointsMixin:
         device = self.args.device
         if all_true(error is None, device):
             return
-        disk_full = any_true(_is_disk_full(error), device)
+        disk_full = any_true(is_disk_full(error), device)
         if rank() == 0 and staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
             with contextlib.suppress(OSError):
@@ -180,7 +172,7 @@ class CompleteCheckpointsMixin:
 
     def _check_space(self, run_dir: Path, needed: int, step: int, what: str, every_rank_writes: bool) -> None:
         """Every rank (that writes) compares its free space with `needed`; all stop together, before writing."""
-        free = _free_bytes(run_dir, step) if every_rank_writes or self.args.should_save else None
+        free = free_bytes(run_dir, step) if every_rank_writes or self.args.should_save else None
         if not all_true(free is None or free >= needed, self.args.device):
             raise CheckpointError(disk_full_message(run_dir, needed, what, free))
 
@@ -188,7 +180,7 @@ class CompleteCheckpointsMixin:
         """The space checkpoint-N will take (same on every rank): the last complete checkpoint's size, or before the
         first one an estimate from the weights and every rank's optimizer state, each +10 %."""
         previous = newest_complete(run_dir, checksums=False, warn=False) if rank() == 0 else None
-        measured = from_rank0(_folder_bytes(previous) if previous else None)
+        measured = from_rank0(folder_bytes(previous) if previous else None)
         if measured:
             return int(1.1 * measured)
         optimizer = torch_sum(_optimizer_bytes(self.optimizer), self.args.device)

@@ -31,18 +31,18 @@ from transformers import (
     set_seed,
 )
 
-from disco_clip_ds import compat
+from disco_clip_ds import LOSS_IMPLS, compat
 from disco_clip_ds.checkpoint import resume
+from disco_clip_ds.checkpoint.final_model import keep_final_model
 from disco_clip_ds.checkpoint.layout import (
-    check_resume,
-    check_space_at_start,
     checkpoint_folders,
     checkpoint_step,
     has_weights,
-    keep_final_model,
     newest_complete,
     resolve_latest,
+    verify_resumable,
 )
+from disco_clip_ds.checkpoint.space import check_space_at_start
 from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
 from disco_clip_ds.data.streams.hf import HFData, HFStream, load_training_dataset
 from disco_clip_ds.data.streams.shards import (
@@ -73,7 +73,7 @@ from disco_clip_ds.errors import (
     Preempted,
     UsageError,
 )
-from disco_clip_ds.models.base import LOSS_IMPLS, MODEL_CLASSES, build_model, load_config
+from disco_clip_ds.models.build import MODEL_CLASSES, build_model, load_config
 from disco_clip_ds.train.accumulation import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from disco_clip_ds.train.checkpointing import CompleteCheckpointsMixin
 from disco_clip_ds.train.finite import FiniteStepsMixin
@@ -735,7 +735,7 @@ def _resume_point(
         last = args.resume_from_checkpoint
         # verified on rank 0 against its manifest: a missing folder is bad usage (exit 2), one that does not verify a
         # failed run (exit 1) naming the newest checkpoint beside it that does
-        check_resume(last)
+        verify_resumable(last)
     else:
         last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
         logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")

@@ -1,0 +1,52 @@
+"""A model by its config's model_type: build_model (fresh or pretrained), load_config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig, CLIPConfig, SiglipConfig
+
+from disco_clip_ds.models.clip import DiscoCLIPModel
+from disco_clip_ds.models.siglip import DiscoSiglipModel
+
+
+def build_model(
+    model_name_or_path: str | None = None,
+    model_config: str | None = None,
+    loss_impl: str = "tiled",
+    chunk_size: int | None = None,
+) -> DiscoCLIPModel | DiscoSiglipModel:
+    """A DiscoCLIPModel or DiscoSiglipModel (by the config's model_type) from pretrained weights (hub id or folder)
+    or fresh from a config JSON file."""
+    if bool(model_name_or_path) == bool(model_config):
+        raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
+    config = load_config(model_name_or_path, model_config)
+    model_class = MODEL_CLASSES.get(config.model_type)
+    if model_class is None:
+        raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(MODEL_CLASSES)}")
+    config.loss_impl, config.chunk_size = loss_impl, chunk_size
+    if model_name_or_path:
+        return model_class.from_pretrained(model_name_or_path, config=config)
+    return model_class(config)
+
+
+MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel}
+
+
+def load_config(model_name_or_path: str | None = None, model_config: str | None = None):
+    """The CLIPConfig or SiglipConfig of pretrained weights (hub id or folder) or of a config JSON file."""
+    if model_name_or_path:
+        return AutoConfig.from_pretrained(model_name_or_path)
+    path = Path(model_config)
+    if not path.is_file():
+        raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
+    return _config_from_json(path)
+
+
+def _config_from_json(path: Path):
+    model_type = json.loads(path.read_text()).get("model_type", "clip")  # a CLIPConfig JSON may omit it
+    config_class = {"clip": CLIPConfig, "siglip": SiglipConfig}.get(model_type)
+    if config_class is None:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one of clip, siglip")
+    return config_class.from_json_file(str(path))
