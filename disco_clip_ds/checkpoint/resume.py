@@ -33,6 +33,7 @@ import os
 import shutil
 from pathlib import Path
 
+from disco_clip_ds.checkpoint.runfile import read_run_file
 from disco_clip_ds.distributed.ranks import from_rank0, rank
 from disco_clip_ds.errors import CheckpointError, UsageError
 
@@ -141,14 +142,6 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "data_readers": ranks * max(1, args.dataloader_num_workers),
         "max_steps": max_steps,
     }
-
-
-def read_run_file(folder: str | os.PathLike) -> dict | None:
-    """FOLDER/run.json (None when absent or unreadable)."""
-    try:
-        return json.loads((Path(folder) / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def facts_at(run: dict, step: int) -> dict:

@@ -42,6 +42,7 @@ from disco_clip_ds.checkpoint.layout import (
     resolve_latest,
     verify_resumable,
 )
+from disco_clip_ds.checkpoint.runfile import read_run_file
 from disco_clip_ds.checkpoint.space import check_space_at_start
 from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
 from disco_clip_ds.data.streams.hf import HFData, HFStream, load_training_dataset
@@ -911,7 +912,7 @@ def _write_run_file(
             },
         }
     else:
-        recorded = resume.read_run_file(args.output_dir) or resume.read_run_file(Path(resume_from).parent)
+        recorded = read_run_file(args.output_dir) or read_run_file(Path(resume_from).parent)
         universal = Path(resume_from).parent.name == resume.UNIVERSAL_DIR
         run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, universal, args.ignore_data_skip)
     write_json(path, {k: v for k, v in run.items() if v is not None})
