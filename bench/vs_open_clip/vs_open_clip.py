@@ -564,7 +564,12 @@ def summary(rows: list[dict]) -> str:
     ratios = [a / b for a, b in zip(col("ours", "train_samples_per_s"), col("open_clip", "train_samples_per_s"))]
     lines = ["| | ours | open_clip 3.3.0 |", "| --- | --- | --- |"]
     for label, key, centre, digits in (
-        ("final training loss (mean of the last 10 steps), mean (min-max)", "final_loss", statistics.mean, 3),
+        (
+            f"final training loss (mean of the last {FINAL_WINDOW} steps), mean (min-max)",
+            "final_loss",
+            statistics.mean,
+            3,
+        ),
         ("zero-shot acc1, demo eval split, mean (min-max)", "zeroshot_acc1", statistics.mean, 3),
         (
             f"training samples/s, steps {rows[0]['timed_steps']}, median (min-max)",
