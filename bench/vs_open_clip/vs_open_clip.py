@@ -16,6 +16,17 @@ On CPU open_clip needs two things that this script supplies at run time:
   open_clip only uses torchvision's PIL transforms;
 - open_clip_train wraps the model in DDP with `device_ids=[device]`, which DDP refuses for a CPU module: we drop it.
 
+Training speed, the one figure compared: samples/s over steps SKIP+1..N (SKIP = 10), timed the same way for both
+stacks. Each stack logs every step on rank 0 once the step's optimizer update is done (ours: the Trainer's log dict,
+`--logging_steps 1`; open_clip: its `Train Epoch: ... [n*256/...]` line, `--log-every-n-steps 1`), and this script
+reads both processes' merged stdout/stderr unbuffered (PYTHONUNBUFFERED=1) and stamps each line with its own clock as
+it arrives. The figure is (N - SKIP) x 256 / (t_N - t_SKIP), t_n the arrival of step n's line: every cost inside the
+training loop counts (data loading, forward, backward, collectives, optimizer, per-step logging), while start-up
+(imports, DeepSpeed's extension build, the first SKIP steps) and the final save do not. Neither stack's own speed
+figure is compared (the Trainer's train_samples_per_second times its whole train() call, start-up included;
+open_clip's is rank 0's batch time): the CSV keeps them as stack_reported_samples_per_s, with the process's wall time.
+Rounds are interleaved, ours then open_clip for each seed, so load from other work on the machine reaches both.
+
   .venv/bin/python bench/vs_open_clip/vs_open_clip.py      # writes results/vs_open_clip{,_curves}.csv and .png
   .venv/bin/python bench/vs_open_clip/vs_open_clip.py --seeds 0 --steps 5 --out /tmp/vs --results /tmp/vs  # smoke run
 """
@@ -29,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +53,9 @@ TORCH_VERSION = "2.13.0"
 TORCHVISION_VERSION = "0.28.0"  # the release paired with torch 2.13; a CUDA build on the registry (see above)
 PER_RANK, NPROC, LR, WD, WARMUP, CLIP_NORM = 128, 2, 1e-3, 0.1, 10, 1.0
 FINAL_WINDOW = 10  # the final loss is the mean of the last 10 steps
+SKIP = 10  # steps left out of the timed span (start-up costs end in them): the figure covers steps SKIP+1..N
+# the per-step log line of each stack on rank 0, one per step: the Trainer's log dict; open_clip's progress line
+STEP_LINE = {"ours": re.compile(r"\{'loss': "), "open_clip": re.compile(r"Train Epoch: .*Contrastive_loss")}
 
 
 # ---------------------------------------------------------------- open_clip side (runs in its own venv)
@@ -238,19 +253,33 @@ def _env() -> dict:
     return env
 
 
-def _timed(cmd: list[str], log: Path) -> float:
-    start = time.perf_counter()
+def _streamed(cmd: list[str], log: Path) -> tuple[list[tuple[float, str]], float]:
+    """Run cmd with stdout and stderr merged into one pipe, each line stamped (seconds since launch) as it arrives,
+    so that both stacks' step times come from one clock read one way; the log file keeps the stamps. Also returns
+    the process's wall time."""
+    start, lines = time.perf_counter(), []
+    env = {**_env(), "PYTHONUNBUFFERED": "1"}  # every line leaves the child when it is written
     with open(log, "w") as f:
-        result = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-    if result.returncode:
-        sys.exit(f"{cmd[0]} failed ({result.returncode}); see {log}")
-    return time.perf_counter() - start
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO) as p:
+            for line in p.stdout:  # text mode splits at \r too: a progress bar's redraws are lines of their own
+                lines.append((time.perf_counter() - start, line.rstrip("\n")))
+                f.write(f"{lines[-1][0]:10.3f} {lines[-1][1]}\n")
+    if p.returncode:
+        sys.exit(f"{cmd[0]} failed ({p.returncode}); see {log}")
+    return lines, time.perf_counter() - start
+
+
+def step_times(stack: str, lines: list[tuple[float, str]], steps: int) -> list[float]:
+    """Arrival time of each step's log line, step 1 first."""
+    times = [t for t, line in lines if STEP_LINE[stack].search(line)]
+    assert len(times) == steps, f"{stack}: {len(times)} per-step log lines for {steps} steps"
+    return times
 
 
 def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
     from disco_clip_ds.testing.launch import train_command
 
-    wall = _timed(
+    lines, wall = _streamed(
         [
             *train_command("deepspeed", NPROC),
             "--deepspeed",
@@ -301,7 +330,8 @@ def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
     reported = json.loads((out / "train_results.json").read_text())["train_samples_per_second"]
-    return {"losses": losses, "wall_s": wall, "reported_samples_per_s": reported, "model": out}
+    times = step_times("ours", lines, steps)
+    return {"losses": losses, "times": times, "wall_s": wall, "reported_samples_per_s": reported, "model": out}
 
 
 def run_open_clip(
@@ -372,7 +402,7 @@ def run_open_clip(
             ]
         )
     )
-    wall = _timed(
+    lines, wall = _streamed(
         [
             str(python.parent / "torchrun"),
             "--nproc_per_node",
@@ -386,7 +416,7 @@ def run_open_clip(
         out.with_suffix(".log"),
     )
     losses, speeds = [], []
-    for line in (out / "run" / "out.log").read_text().splitlines():
+    for _, line in lines:
         if m := re.search(r"\[\s*(\d+)/\d+ .*?, ([\d.]+)/s, .*Contrastive_loss: ([\d.]+)", line):
             losses.append((int(m[1]) // (PER_RANK * NPROC), float(m[3])))
             speeds.append(float(m[2]))
@@ -410,9 +440,16 @@ def run_open_clip(
     for f in ours_model.iterdir():  # the same tokenizer and image processor files as ours
         if "token" in f.name or "processor" in f.name or f.name == "special_tokens_map.json":
             shutil.copy(f, model / f.name)
-    # open_clip's per-step figure (rank 0's batch time), past the warmup steps
-    steady = sorted(speeds[WARMUP:] or speeds)
-    return {"losses": losses, "wall_s": wall, "reported_samples_per_s": steady[len(steady) // 2], "model": model}
+    times = step_times("open_clip", lines, steps)
+    # open_clip's own per-step figure (rank 0's batch time): its median past the first SKIP steps, not compared
+    steady = sorted(speeds[SKIP:] or speeds)
+    return {
+        "losses": losses,
+        "times": times,
+        "wall_s": wall,
+        "reported_samples_per_s": steady[len(steady) // 2],
+        "model": model,
+    }
 
 
 def zeroshot(model: Path, data: Path) -> dict:
@@ -473,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             indent=2,
         )
     )
+    skip = min(SKIP, args.steps // 2)  # a smoke run's few steps still leave some timed
     rows, curves = [], []
-    for seed in args.seeds:  # alternate the stacks, so machine load hits both alike
+    for seed in args.seeds:  # one round per seed, ours then open_clip: load from other work reaches both
         ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}")
         theirs = run_open_clip(
             python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", model_config, ours["model"]
@@ -482,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         for stack, run in (("ours", ours), ("open_clip", theirs)):
             metrics = zeroshot(run["model"], args.data)
             final = [loss for step, loss in run["losses"] if step > args.steps - FINAL_WINDOW]
+            timed_s = run["times"][-1] - run["times"][skip - 1]
             rows.append(
                 {
                     "stack": stack,
@@ -490,18 +529,67 @@ def main(argv: list[str] | None = None) -> int:
                     "final_loss": round(sum(final) / len(final), 4),
                     "zeroshot_acc1": round(metrics["acc1"], 4),
                     "zeroshot_acc5": round(metrics["acc5"], 4),
-                    "samples_per_s": round(run["reported_samples_per_s"], 1),
-                    "end_to_end_samples_per_s": round(args.steps * PER_RANK * NPROC / run["wall_s"], 1),
-                    "wall_s": round(run["wall_s"], 1),
+                    # the compared figure: steps skip+1..N between their log lines' arrivals (module docstring)
+                    "timed_steps": f"{skip + 1}-{args.steps}",
+                    "timed_s": round(timed_s, 2),
+                    "train_samples_per_s": round((args.steps - skip) * PER_RANK * NPROC / timed_s, 1),
+                    # not compared: each stack's own figure (different definitions) and launch-to-exit wall time
+                    "stack_reported_samples_per_s": round(run["reported_samples_per_s"], 1),
+                    "process_wall_s": round(run["wall_s"], 1),
                 }
             )
-            curves += [{"stack": stack, "seed": seed, "step": step, "loss": loss} for step, loss in run["losses"]]
+            curves += [
+                {"stack": stack, "seed": seed, "step": step, "loss": loss, "t_s": round(t, 3)}
+                for (step, loss), t in zip(run["losses"], run["times"])
+            ]
             print(rows[-1], flush=True)
-        write(args.results, rows, curves)  # after every seed: a long run interrupted keeps what it measured
+        write(args.results, rows, curves, skip)  # after every round: a long run interrupted keeps what it measured
+    print(summary(rows))
     return 0
 
 
-def write(results: Path, rows: list[dict], curves: list[dict]) -> None:
+def summary(rows: list[dict]) -> str:
+    """The README's table: quality as mean (min-max) over seeds; training samples/s as median (min-max) over rounds,
+    and ours/open_clip per round (the two runs of one round met the same machine load), median (min-max)."""
+
+    def spread(values, centre, digits):
+        return f"{centre(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+    by = {stack: {r["seed"]: r for r in rows if r["stack"] == stack} for stack in ("ours", "open_clip")}
+    seeds = sorted(set(by["ours"]) & set(by["open_clip"]))
+
+    def col(stack, key):
+        return [by[stack][s][key] for s in seeds]
+
+    ratios = [a / b for a, b in zip(col("ours", "train_samples_per_s"), col("open_clip", "train_samples_per_s"))]
+    lines = ["| | ours | open_clip 3.3.0 |", "| --- | --- | --- |"]
+    for label, key, centre, digits in (
+        (
+            f"final training loss (mean of the last {FINAL_WINDOW} steps), mean (min-max)",
+            "final_loss",
+            statistics.mean,
+            3,
+        ),
+        ("zero-shot acc1, demo eval split, mean (min-max)", "zeroshot_acc1", statistics.mean, 3),
+        (
+            f"training samples/s, steps {rows[0]['timed_steps']}, median (min-max)",
+            "train_samples_per_s",
+            statistics.median,
+            0,
+        ),
+    ):
+        lines.append(
+            f"| {label} | {spread(col('ours', key), centre, digits)} "
+            f"| {spread(col('open_clip', key), centre, digits)} |"
+        )
+    lines.append(
+        f"\nours / open_clip, training samples/s, per round: median {spread(ratios, statistics.median, 2)}"
+        f" over {len(seeds)} rounds"
+    )
+    return "\n".join(lines)
+
+
+def write(results: Path, rows: list[dict], curves: list[dict], skip: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -513,24 +601,37 @@ def write(results: Path, rows: list[dict], curves: list[dict]) -> None:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
             writer.writeheader()
             writer.writerows(table)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    seeds = sorted({c["seed"] for c in curves})
+    fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for stack, colour in (("ours", "tab:blue"), ("open_clip", "tab:orange")):
-        for seed in sorted({c["seed"] for c in curves}):
-            points = [(c["step"], c["loss"]) for c in curves if c["stack"] == stack and c["seed"] == seed]
-            ax.plot(
-                *zip(*points),
+        for seed in seeds:
+            steps, losses, times = zip(
+                *[(c["step"], c["loss"], c["t_s"]) for c in curves if c["stack"] == stack and c["seed"] == seed]
+            )
+            label = stack if seed == seeds[0] else None
+            loss_ax.plot(steps, losses, color=colour, alpha=0.7, lw=1, label=label)
+            # the timed span: seconds after step skip's line; the slope is the time per step
+            time_ax.plot(
+                steps[skip - 1 :],
+                [t - times[skip - 1] for t in times[skip - 1 :]],
                 color=colour,
                 alpha=0.7,
                 lw=1,
-                label=stack if seed == min(c["seed"] for c in curves) else None,
+                label=label,
             )
-    ax.axhline(math.log(PER_RANK * NPROC), color="grey", ls=":", lw=1, label="chance, ln 256")
-    ax.set(
+    loss_ax.axhline(math.log(PER_RANK * NPROC), color="grey", ls=":", lw=1, label="chance, ln 256")
+    loss_ax.set(
         xlabel="step",
         ylabel="training loss (ours: global batch; open_clip: rank 0's local loss)",
-        title="tiny CLIP, demo data, 2 CPU ranks x 128, fp32, 3 seeds each",
+        title=f"tiny CLIP, demo data, 2 CPU ranks x 128, fp32, {len(seeds)} seeds each",
     )
-    ax.legend()
+    time_ax.set(
+        xlabel="step",
+        ylabel=f"seconds since step {skip}'s log line arrived",
+        title="the timed span: arrival of each step's log line",
+    )
+    loss_ax.legend()
+    time_ax.legend()
     fig.tight_layout()
     fig.savefig(results / "vs_open_clip.png", dpi=120)
 
