@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.distributed.slurm import launch_command, main, slurm_nodes
+from disco_clip_ds.commands.slurm_launch import main
+from disco_clip_ds.distributed.slurm import launch_command, slurm_nodes
 from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_env
 from disco_clip_ds.testing.ranks import free_port

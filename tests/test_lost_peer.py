@@ -16,8 +16,7 @@ import psutil
 import pytest
 import torch
 
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
-from disco_clip_ds.testing.nodes import hostfile, start_nodes
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, hostfile, start_nodes
 from disco_clip_ds.testing.ranks import free_port
 
 from helpers import kill_group, ranks_of, run_and_data, two_shards_and_init, wait_group

@@ -13,14 +13,26 @@ from pathlib import Path
 
 import pytest
 
+from disco_clip_ds.commands.node_check import main as node_check_main
 from disco_clip_ds.distributed import nodes
-from disco_clip_ds.distributed.slurm import check_node_launch, node_check_main, read_hostfile
+from disco_clip_ds.distributed.slurm import check_node_launch, read_hostfile
 from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TINY_CONFIG, VENV_BIN, launch, train_env
+from disco_clip_ds.testing.launch import (
+    LAUNCH_COMMON,
+    REPO,
+    SGD,
+    TINY_CONFIG,
+    finish,
+    launch,
+    node_command,
+    start,
+    train_env,
+)
 from disco_clip_ds.testing.ranks import free_port
+from disco_clip_ds.train.node_facts import node_facts
 
-from helpers import complete_checkpoints, kill_group, same_weights, save_initial_model, wait_group
+from helpers import complete_checkpoints, kill_group, same_weights, save_initial_model
 
 # --- a node's launch arguments ---
 
@@ -141,7 +153,8 @@ def _parsed(tmp_path: Path, *extra: str):
 
 def test_save_on_each_node_is_refused_before_any_work(tmp_path):
     with pytest.raises(UsageError, match="--save_on_each_node: checkpoints are written once, into one --output_dir"):
-        nodes.check_nodes(*_parsed(tmp_path, "--save_on_each_node"))
+        model_args, data_args, args = _parsed(tmp_path, "--save_on_each_node")
+        nodes.check_nodes(args, lambda: node_facts(model_args, data_args, args))
     assert not (tmp_path / "run").exists()
 
 
@@ -155,13 +168,13 @@ def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
     for name in ("00000.tar", "00001.tar"):
         (tmp_path / "shards" / name).write_bytes(b"")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    node0 = nodes.launch_facts(*_parsed(tmp_path))
+    node0 = node_facts(*_parsed(tmp_path))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     layers = config["text_config"]["num_hidden_layers"]
     config["text_config"]["num_hidden_layers"] += 1
     (tmp_path / "model.json").write_text(json.dumps(config))
     (tmp_path / "shards" / "00002.tar").write_bytes(b"")
-    node1 = nodes.launch_facts(*_parsed(tmp_path, "--learning_rate", "0.1"))
+    node1 = node_facts(*_parsed(tmp_path, "--learning_rate", "0.1"))
     ranks = [{"rank": 0, "node": 0, "host": "a", "facts": node0}, {"rank": 1, "node": 1, "host": "b", "facts": node1}]
     problem = nodes.launch_problem(ranks)
     assert problem.startswith(
@@ -191,7 +204,7 @@ def test_other_weights_under_the_same_config_are_named(tmp_path):
     facts = []
     for weights in (b"\0" * 64, b"\1" * 64):
         (init / "model.safetensors").write_bytes(weights)
-        facts.append(nodes.launch_facts(*parse_args(argv)))
+        facts.append(node_facts(*parse_args(argv)))
     problem = nodes.launch_problem([{"rank": r, "node": r, "host": "h", "facts": f} for r, f in enumerate(facts)])
     assert " in the model files (model.safetensors " in problem and "config.json" not in problem
 
@@ -218,29 +231,21 @@ def _train_args(data, output: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _start_node(node: int, log: Path, train_args: list[str], rendezvous: list[str], bind=None, nproc=1, **env):
-    """Node NODE's torchrun (NPROC ranks) in its own session; with `bind` (SOURCE, TARGET), in a mount namespace of
-    its own where SOURCE is mounted on TARGET."""
-    torchrun = [str(VENV_BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", str(nproc), *rendezvous]
-    command = [*torchrun, "-m", "disco_clip_ds.train", *train_args]
+def _start_node(node: int, log: Path, train_args: list[str], port: int, bind=None, nproc=1, rendezvous=None, **env):
+    """Node NODE's torchrun (NPROC ranks; `rendezvous`: its rendezvous arguments, else a static master on PORT),
+    `start`ed in its own session; with `bind` (SOURCE, TARGET), in a mount namespace of its own where SOURCE is
+    mounted on TARGET."""
+    command = node_command("torchrun", 2, node, port, nproc, rendezvous=rendezvous) + train_args
     if bind:
         mount = f'mount --bind {bind[0]} {bind[1]} && exec "$@"'
         command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh", *command]
-    return subprocess.Popen(
-        command, cwd=REPO, env=train_env(**env), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def _static(node: int, port: int) -> list[str]:
-    return ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    return start(command, log, **env)
 
 
 def _finish(procs, timeout=500) -> list[int]:
+    """Every node's launcher to its end (`finish`: its ranks waited for, then killed): their exit codes."""
     try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-        for p in procs:
-            wait_group(p.pid, timeout=60)
-        return codes
+        return [finish(p, timeout, linger=60) for p in procs]
     finally:
         for p in procs:
             kill_group(p.pid)
@@ -265,7 +270,7 @@ def test_a_node_local_output_folder_is_refused_on_every_node(data, tmp_path):
     for node, disk in enumerate(disks):
         disk.mkdir()
         log = tmp_path / f"node{node}.log"
-        procs.append(_start_node(node, log, _train_args(data, out), _static(node, port), bind=(disk, out)))
+        procs.append(_start_node(node, log, _train_args(data, out), port, bind=(disk, out)))
     codes = _finish(procs)
     logs = [(tmp_path / f"node{n}.log").read_text() for n in range(2)]
     line = f"--output_dir {out} is not shared: rank 1 (node 1 on "
@@ -293,9 +298,9 @@ def test_a_node_started_differently_is_refused_on_every_node(data, tmp_path):
     out = tmp_path / "run"
     port = free_port()
     procs = [
-        _start_node(0, tmp_path / "node0.log", _train_args(data, out), _static(0, port)),
+        _start_node(0, tmp_path / "node0.log", _train_args(data, out), port),
         _start_node(
-            1, tmp_path / "node1.log", [*_train_args(data, out), "--learning_rate", "0.1"], _static(1, port),
+            1, tmp_path / "node1.log", [*_train_args(data, out), "--learning_rate", "0.1"], port,
             bind=(other, data["root"] / "data"), nproc=2,
         ),
     ]  # fmt: skip
@@ -332,7 +337,7 @@ def test_an_elastic_run_heals_itself_after_a_rank_is_killed(data, tmp_path):
     train_args = [*_train_args(data, out), "--resume_from_checkpoint", "latest"]
     procs = [
         _start_node(
-            node, tmp_path / f"node{node}.log", train_args, rendezvous,
+            node, tmp_path / f"node{node}.log", train_args, port, rendezvous=rendezvous,
             DISCO_FAULT="kill_in_save:step=4,attempt=0" if node == 1 else "", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         )
         for node in range(2)
