@@ -1,6 +1,6 @@
-"""The names the tests import from here, now in the shared harness (disco_clip_ds.testing): launching runs
-(testing.launch), their processes (testing.processes) and what they leave behind (testing.runs). A thin re-export
-until the tests import them from there."""
+"""What several test modules share. Launching runs (testing.launch), their processes (testing.processes) and what
+they leave behind (testing.runs) live in the shared harness, disco_clip_ds.testing: re-exported here until the tests
+import them from there. The model tests' batch and tolerances (tests/unit/models/) are their own."""
 
 from disco_clip_ds.testing.launch import run_to_end, start_run
 from disco_clip_ds.testing.processes import alive, kill_group, ranks_of, wait_group
@@ -17,7 +17,11 @@ from disco_clip_ds.testing.runs import (
 )
 
 __all__ = [
+    "GLOBAL_BATCH",
+    "LOSS_RTOL",
     "alive",
+    "assert_grad_close",
+    "batch",
     "assert_same_training",
     "assert_trained_under_fsdp",
     "complete_checkpoints",
@@ -33,3 +37,35 @@ __all__ = [
     "wait_group",
     "weights",
 ]
+
+
+# --- the model tests' batch and tolerances ---
+
+GLOBAL_BATCH = 6
+# The models run in float64; the loss accumulates in float32 by design (losses/), so agreement is at fp32 level.
+LOSS_RTOL = 1e-6
+
+
+def assert_grad_close(actual, expected, name):
+    """ACTUAL within fp32 accumulation error of EXPECTED (1e-5 of its largest magnitude)."""
+    err = (actual - expected).abs().max().item()
+    assert err <= 1e-5 * expected.abs().max().item() + 1e-12, f"{name}: max error {err}"
+
+
+def batch(dtype=None, n=GLOBAL_BATCH):
+    """A fixed batch of N tokenised texts (recipes/tokenizer's ids, random lengths) and 64 x 64 images (DTYPE,
+    float64 by default) for the tiny model configs."""
+    import torch
+
+    dtype = dtype or torch.float64
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 10, (n,), generator=g)
+    ids = torch.ones(n, 12, dtype=torch.long)  # eos = pad = 1, as in recipes/tokenizer
+    for i, length in enumerate(lengths):
+        ids[i, 0], ids[i, 1:length] = 0, torch.randint(2, 539, (length - 1,), generator=g)
+    mask = (torch.arange(12) <= lengths[:, None]).long()
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype),
+    }
