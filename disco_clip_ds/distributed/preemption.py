@@ -114,6 +114,7 @@ class StopOnSignal(TrainerCallback):
         return self.received is not None
 
     def describe(self) -> str:
+        """The name of the signal that stopped the run (or that it came from another rank)."""
         return self.stopped if isinstance(self.stopped, str) else signal.Signals(self.stopped).name
 
 
