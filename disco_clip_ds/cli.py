@@ -41,15 +41,19 @@ COMMANDS = {
         "checkpoint -> plain CLIPModel folder with model card",
     ),
     (None, "push"): ("disco_clip_ds.export.hub", "push_main", "upload an exported folder to the HF hub"),
-    (None, "plan"): ("disco_clip_ds.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic plan"),
+    (None, "plan"): (
+        "disco_clip_ds.commands.plan",
+        "main",
+        "validate a DeepSpeed config; per-GPU memory and traffic plan",
+    ),
     (None, "slurm-launch"): (
-        "disco_clip_ds.distributed.slurm",
+        "disco_clip_ds.commands.slurm_launch",
         "main",
         "start this node's launcher from SLURM's variables",
     ),
     (None, "node-check"): (
-        "disco_clip_ds.distributed.slurm",
-        "node_check_main",
+        "disco_clip_ds.commands.node_check",
+        "main",
         "check a node's hostfile and node rank",
     ),
     ("bench", "loss"): ("bench/loss/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),

@@ -74,11 +74,7 @@ def fault(action: str, **at: int) -> Fault | None:
 
 def _holds(key: str, n: int, at: dict[str, int]) -> bool:
     if key == "rank":
-        from disco_clip_ds.distributed.ranks import (
-            rank,  # here: the download workers, which never ask for a rank, do not import torch
-        )
-
-        return rank() == n
+        return _rank() == n
     if key == "attempt":
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == n
     return at.get(key) == n
@@ -105,10 +101,17 @@ def in_final_save(step: int) -> None:
         _kill(f"inside the final save (step {step})")
 
 
-def _kill(where: str) -> None:
-    from disco_clip_ds.distributed.ranks import rank
+def _rank() -> int:
+    """This process's training rank (0 outside a process group), asked of torch itself: faults sit below
+    distributed/ (whose StopOnSignal calls them), and torch is imported here only when asked, so the download
+    workers, which never ask for a rank, do not import it."""
+    import torch.distributed as dist
 
-    logger.warning("%s: killing rank %d %s", ENV, rank(), where)
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _kill(where: str) -> None:
+    logger.warning("%s: killing rank %d %s", ENV, _rank(), where)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

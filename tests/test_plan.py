@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds import plan as P
+from disco_clip_ds.commands import plan as plan_command
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib
@@ -36,7 +37,7 @@ def paper_plan(tmp_path, config: Path, gpus: int, *flags: str) -> tuple[int, dic
     its exit code and its --json record."""
     out = tmp_path / "plan.json"
     argv = ["--deepspeed", str(config), "--model", str(VIT), "--gpus", str(gpus), "--gpu_memory", "40GB"]
-    code = P.main([*argv, "--activation_checkpointing", *flags, "--json", str(out)])
+    code = plan_command.main([*argv, "--activation_checkpointing", *flags, "--json", str(out)])
     return code, json.loads(out.read_text())
 
 
@@ -95,7 +96,7 @@ def test_flags_and_deepspeed_engine_checks():
 
 
 def test_cpu_config_plans_with_the_trainer_values_given(capsys):
-    code = P.main(
+    code = plan_command.main(
         [
             "--deepspeed",
             str(REPO / "ds_configs/cpu_zero2.json"),
@@ -134,7 +135,10 @@ def test_bad_files_are_reported(tmp_path):
         P.load_config(broken)
     with pytest.raises(P.PlanConfigError, match="no such file"):
         P.load_config(tmp_path / "missing.json")
-    assert run_main(P.main, ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"], "disco-clip plan") == 2
+    assert (
+        run_main(plan_command.main, ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"], "disco-clip plan")
+        == 2
+    )
 
 
 @pytest.mark.parametrize(
@@ -149,7 +153,7 @@ def test_bad_planner_inputs_are_one_line_with_exit_2(flag, value, message, tmp_p
         (tmp_path / "list.json").write_text(value)
         value = str(tmp_path / "list.json")
     argv = ["--deepspeed", str(CFG_32K), "--model", str(VIT), "--gpus", "8", "--gpu_memory", "40GB", flag, value]
-    assert run_main(P.main, argv, "disco-clip plan") == 2
+    assert run_main(plan_command.main, argv, "disco-clip plan") == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -158,7 +162,7 @@ def test_cli_prints_one_clear_error_for_a_bad_config(tmp_path, capsys):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 8}))
     argv = ["--deepspeed", str(config), "--model", str(VIT), "--gpus", "4"]
-    assert run_main(P.main, argv, "disco-clip plan") == 2
+    assert run_main(plan_command.main, argv, "disco-clip plan") == 2
     err = capsys.readouterr().err
     assert "train_batch_size 100 != " in err and "Traceback" not in err
     # `python -m disco_clip_ds.plan` is the same command: one line, exit 2
@@ -407,12 +411,12 @@ def test_sigmoid_traffic_by_hand():
 
 def test_siglip_b16_32k_plan_verdict(capsys):
     argv = ["--deepspeed", str(SIGLIP_32K), "--model", str(SIGLIP_B16), "--gpus", "8", "--activation_checkpointing"]
-    assert P.main([*argv, "--gpu_memory", "80GB"]) == 0
+    assert plan_command.main([*argv, "--gpu_memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "sigmoid loss" in out and "tiled" in out and "disco" not in out.split("per-GPU memory")[1].splitlines()[0]
-    assert P.main([*argv, "--gpu_memory", "40GB"]) == 1  # ds_configs/README.md: fits on 80 GB, not on 40 GB
+    assert plan_command.main([*argv, "--gpu_memory", "40GB"]) == 1  # ds_configs/README.md: fits on 80 GB, not on 40 GB
     with pytest.raises(P.PlanConfigError, match="--loss_impl disco: the sigmoid loss has tiled, local"):
-        P.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
+        plan_command.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
 
 
 def _sigmoid_peak_rank(rank, world, batch, dim) -> float:

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from disco_clip_ds.checkpoint.layout import checkpoint_step
 from disco_clip_ds.distributed.preemption import StopOnSignal, finished_message, parse_signals, resume_hint
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.testing.launch import REPO
@@ -26,9 +27,10 @@ def test_a_checkpoint_at_max_steps_is_a_finished_run(tmp_path):
     checkpoint = tmp_path / "checkpoint-10"
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    step = checkpoint_step(checkpoint)
     assert finished_message(None, 10) is None
-    assert finished_message(str(checkpoint), 11) is None
-    assert "run finished: checkpoint-10 reached step 10 of --max_steps 10" in finished_message(str(checkpoint), 10)
+    assert finished_message(step, 11, checkpoint) is None
+    assert "run finished: checkpoint-10 reached step 10 of --max_steps 10" in finished_message(step, 10, checkpoint)
 
 
 def test_the_resume_hint_names_the_checkpoint_and_the_exit_code(monkeypatch):

@@ -25,8 +25,7 @@ import tempfile
 from pathlib import Path
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TINY_CONFIG
-from disco_clip_ds.testing.nodes import start_nodes
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TINY_CONFIG, start_nodes
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {"1 node x 2 ranks": (1, 2), "2 nodes x 1 rank": (2, 1)}  # (nodes, ranks per node)

@@ -19,30 +19,28 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from disco_clip_ds.distributed.ranks import from_rank0, is_distributed, rank
+from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0, from_rank0, is_distributed, rank
 from disco_clip_ds.errors import UsageError
 
 logger = logging.getLogger("disco_clip_ds.distributed.nodes")
 
 SEE_TIMEOUT_S = 5.0  # how long a rank looks for rank 0's token: a network filesystem may show a new file late
-PACKAGES = ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
-PER_PROCESS = ("local_rank",)  # training arguments that differ between the ranks of one run by design
 
 
-def check_nodes(model_args, data_args, args) -> None:
+def check_nodes(args, facts: Callable[[], dict]) -> None:
     """Refuse, on every rank and before the model is built, an elastic launch whose restarts would hang
-    (`check_elastic`), a launch whose ranks were not started alike (`launch_problem`), `--save_on_each_node`, and an
-    --output_dir that some rank does not see (`check_shared_output_dir`). `args`: DiscoTrainingArguments (its
-    world_size sets up the process group)."""
+    (`check_elastic`), a launch whose ranks were not started alike (`launch_problem` of each rank's `facts()`, read
+    only across ranks: train.node_facts), `--save_on_each_node`, and an --output_dir that some rank does not see
+    (`check_shared_output_dir`). `args`: DiscoTrainingArguments (its world_size sets up the process group)."""
     check_elastic()
     _ = args.world_size  # the process group, under every launcher
     log_restart()
     if is_distributed():
-        problem = launch_problem(_gather(_node() | {"facts": launch_facts(model_args, data_args, args)}))
-        if problem:
-            raise UsageError(problem)
+        ranks = all_gathered(_node() | {"facts": facts()})
+        decided_on_rank0(lambda: _refuse(launch_problem(ranks)))
     if args.save_on_each_node:
         raise UsageError(
             "--save_on_each_node: checkpoints are written once, into one --output_dir that every node sees (each "
@@ -91,89 +89,15 @@ def _node() -> dict:
     return {"rank": rank(), "node": int(node), "host": socket.gethostname()}
 
 
-def launch_facts(model_args, data_args, args) -> dict:
-    """What every rank of a run must agree on, as comparable values: every argument, the contents of the files they
-    name (DeepSpeed config, model config, the files of a model or tokenizer folder, the shard list), ranks per node
-    and package versions. A fact that cannot be
-    read here is its error's text (the same error on every node passes on to the argument checks)."""
-    from dataclasses import asdict
-
-    arguments = {f"--{k}": v for k, v in {**asdict(model_args), **asdict(data_args), **args.to_dict()}.items()}
-    facts = {name: _plain(value) for name, value in arguments.items() if name[2:] not in PER_PROCESS}
-    facts["ranks per node"] = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    facts["world size"] = args.world_size
-    if isinstance(args.deepspeed, str) and not args.deepspeed.lstrip().startswith("{"):
-        facts["the DeepSpeed config file"] = _read(lambda: json.loads(Path(args.deepspeed).read_text()))
-    facts["the model"] = _read(lambda: _model(model_args))
-    for name, folder in (("model", model_args.model_name_or_path), ("tokenizer", model_args.tokenizer_name)):
-        if folder and Path(folder).is_dir():  # a hub id is compared as an argument
-            facts[f"the {name} files"] = _read(lambda folder=folder: _files(Path(folder)))
-    facts["the training shards"] = _read(lambda: _shards(data_args.train_shards))
-    facts["package versions"] = _read(_versions)
-    return facts
-
-
-def _plain(value):
-    """`value` as JSON would hold it (enums, dataclasses and sets as their text): comparable after a gather."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def _read(compute):
-    try:
-        return _plain(compute())
-    except Exception as error:  # any reader's failure is a fact to compare; the argument checks report it
-        return f"unreadable ({type(error).__name__}: {error})"
-
-
-def _model(model_args) -> dict:
-    from disco_clip_ds.models.build import load_config
-
-    config = load_config(model_args.model_name_or_path, model_args.model_config).to_dict()
-    config.pop("transformers_version", None)
-    return config
-
-
-def _files(folder: Path) -> dict:
-    """The checksum of each file directly in `folder` (weights included: the same config with other weights
-    trains another run; xxh3 reads at about disk speed)."""
-    from disco_clip_ds.checkpoint.manifest import file_checksums  # the checkpoint manifests' hash
-
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
-    return dict(zip(names, file_checksums(folder, names), strict=True))
-
-
-def _shards(spec: str) -> dict:
-    from disco_clip_ds.checkpoint.resume import shards_digest
-    from disco_clip_ds.data.shards import expand_shards
-
-    urls = expand_shards(spec)
-    return {"count": len(urls), "sha256": shards_digest(urls)}
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    found = {}
-    for name in PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _gather(mine):
-    import torch.distributed as dist
-
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise UsageError(problem)
 
 
 def launch_problem(ranks: list[dict]) -> str | None:
     """One line naming the first rank whose launch facts differ from rank 0's, what differs (rank 0's value ->
     its value), and the other ranks that differ; None when every rank's facts are rank 0's. `ranks`: each rank's
-    `_node()` with its "facts" (`launch_facts`)."""
+    place (rank, node, host) with its "facts" (train.node_facts)."""
     first, *rest = ranks
     odd = [r for r in rest if r["facts"] != first["facts"]]
     if not odd:
@@ -241,7 +165,7 @@ def check_shared_output_dir(output_dir: str | os.PathLike) -> None:
     deadline = time.monotonic() + SEE_TIMEOUT_S
     while not (seen := _sees(path, token)) and time.monotonic() < deadline and folder.is_dir():
         time.sleep(0.2)
-    blind = [r for r in _gather(_node() | {"sees": seen}) if not r["sees"]]
+    blind = [r for r in all_gathered(_node() | {"sees": seen}) if not r["sees"]]
     if rank() == 0:
         path.unlink(missing_ok=True)
         if made and not any(folder.iterdir()):

@@ -15,7 +15,6 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from disco_clip_ds import faults
-from disco_clip_ds.checkpoint.layout import checkpoint_step
 from disco_clip_ds.distributed.ranks import any_true, rank
 from disco_clip_ds.errors import EXIT_LAUNCHER_GONE, Preempted, UsageError, say
 
@@ -115,6 +114,7 @@ class StopOnSignal(TrainerCallback):
         return self.received is not None
 
     def describe(self) -> str:
+        """The name of the signal that stopped the run (or that it came from another rank)."""
         return self.stopped if isinstance(self.stopped, str) else signal.Signals(self.stopped).name
 
 
@@ -133,11 +133,12 @@ def _ppid(pid: int) -> int:
 # --- a finished run stays finished ---
 
 
-def finished_message(checkpoint: str | None, max_steps: int) -> str | None:
-    """A message when `checkpoint` has already reached max_steps (re-running would train past the end)."""
-    if checkpoint is None:
+def finished_message(step: int | None, max_steps: int, checkpoint: str | os.PathLike = "") -> str | None:
+    """A message when the checkpoint resumed from (`checkpoint`, saved at optimizer step `step`; None: there is
+    none) has already reached max_steps (re-running would train past the end). The caller reads the step
+    (checkpoint.layout.checkpoint_step): that room is above this one."""
+    if step is None:
         return None
-    step = checkpoint_step(checkpoint)
     if step < max_steps:
         return None
     return (

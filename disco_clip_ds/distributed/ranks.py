@@ -28,6 +28,15 @@ def from_rank0(value):
     return box[0]
 
 
+def all_gathered(value) -> list:
+    """Every rank's `value`, in rank order, on every rank ([value] in one process)."""
+    if not is_distributed():
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def all_true(flag: bool, device) -> bool:
     """True on every rank when `flag` is true on every rank."""
     if not is_distributed():

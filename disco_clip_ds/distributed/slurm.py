@@ -1,5 +1,7 @@
-"""`disco-clip slurm-launch`: start this node's launcher of a multi-node job from SLURM's variables; `disco-clip
-node-check`: a node's launch arguments (hostfile, node rank), checked before its launcher starts.
+"""A node's launch of a multi-node job: its launcher's command from SLURM's variables (`launch_command`, what
+`disco-clip slurm-launch` execs), and its launch arguments (hostfile, node rank) checked before its launcher starts
+(`check_node_launch`, `disco-clip node-check`). The commands themselves are commands/slurm_launch.py and
+commands/node_check.py.
 
 `srun` runs one task per node (`--ntasks-per-node=1`); each task becomes (exec) the launcher with this node's rank
 and the job's master address: the first host of SLURM_JOB_NODELIST (expanded with python-hostlist, the compressed
@@ -14,7 +16,6 @@ range) or a wait without end (torchrun: a --node_rank out of range waits for a n
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -67,18 +68,6 @@ def check_node_launch(nnodes: str | None = None, node_rank: int | None = None, h
         raise UsageError(f"--node_rank {node_rank} is out of range for {where}: give 0 to {count - 1}, one per node")
 
 
-def node_check_main(argv: list[str] | None = None) -> int:
-    """`disco-clip node-check [--hostfile H] [--nnodes N] [--node_rank R]`: exit 0 when they can work, else one
-    line and exit 2."""
-    parser = argparse.ArgumentParser(prog="disco-clip node-check", description=check_node_launch.__doc__)
-    parser.add_argument("--hostfile")
-    parser.add_argument("--nnodes")
-    parser.add_argument("--node_rank", type=int)
-    args = parser.parse_args(argv)
-    check_node_launch(args.nnodes, args.node_rank, args.hostfile)
-    return 0
-
-
 def slurm_nodes(env=os.environ) -> tuple[list[str], int]:
     """(the job's hosts in order, this node's rank) from SLURM's variables; UsageError naming what is wrong."""
     import hostlist
@@ -123,32 +112,3 @@ def launch_command(
         head = [str(bin_dir / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh"]
         return [*head, *common, "--module", "disco_clip_ds.train", *train_args]
     raise UsageError(f"--launcher {launcher}: one of {', '.join(LAUNCHERS)}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Parse `[options] [--] TRAIN_ARGS` and exec this node's launcher (does not return when it starts). Every
-    argument that is not one of ours is a training argument (`disco-clip` passes the words after `--` on without it)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
-    parser = argparse.ArgumentParser(
-        prog="disco-clip slurm-launch", description=__doc__.split("\n\n")[0], allow_abbrev=False
-    )
-    parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
-    parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node (GPUs per node)")
-    parser.add_argument(
-        "--master_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="default: $MASTER_PORT"
-    )
-    args, rest = parser.parse_known_args(ours)
-    train_args = rest if train_args is None else [*rest, *train_args]
-    if not train_args:
-        raise UsageError("give the training arguments after `--`, e.g. -- --output_dir runs/x --train_shards ...")
-    command = launch_command(train_args, os.environ, args.launcher, args.nproc_per_node, args.master_port)
-    print("slurm-launch:", " ".join(command), flush=True)
-    os.execve(command[0], command, {**os.environ, **ELASTIC_ENV})
-    return 0  # not reached
-
-
-if __name__ == "__main__":
-    from disco_clip_ds.errors import run_main
-
-    sys.exit(run_main(main, None, "disco-clip slurm-launch"))

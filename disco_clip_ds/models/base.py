@@ -1,34 +1,20 @@
-"""DiscoCLIPModel and DiscoSiglipModel: transformers' CLIPModel and SiglipModel whose forward returns the
-global-batch loss of `disco_clip_ds.losses` (CLIP's softmax loss, SigLIP's sigmoid loss).
+"""The global-batch loss mixin: what DiscoCLIPModel (models/clip.py) and DiscoSiglipModel (models/siglip.py) share.
 
-One mixin, `GlobalBatchLossMixin`, gives both models their forward (towers -> normalised embeddings -> the loss
-of `config.loss_impl`), their save as the plain transformers model and their ZeRO-3 initialisation; each model
-adds only its logit parameters, its own per-device loss and its initialisation. The loss is computed inside
-`forward`, so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's partitioned parameters need no
-special casing.
-
-A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLIP and open_clip initialise theirs
-(`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
-and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip/).
-
-Under deepspeed releases that cannot broadcast a 0-dim parameter the model holds CLIP's `logit_scale` as a
-1-element vector (compat.py); its state dict, its `save_pretrained` output and its `from_pretrained` input keep
-CLIP's 0-dim layout, so checkpoints stay CLIPModel-compatible in both directions.
+`GlobalBatchLossMixin` gives both models their forward (towers -> normalised embeddings -> the loss of
+`config.loss_impl`), their save as the plain transformers model and their ZeRO-3 initialisation; each model adds
+only its logit parameters, its own per-device loss and its initialisation. The loss is computed inside `forward`,
+so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's partitioned parameters need no special casing.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from disco_clip_ds import compat
-
-LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
-SIGLIP_LOGIT_SCALE_INIT, SIGLIP_LOGIT_BIAS_INIT = math.log(10.0), -10.0  # the SigLIP paper's initialisation
 
 
 class GlobalBatchLossMixin:

@@ -1,4 +1,5 @@
-"""A model by its config's model_type: build_model (fresh or pretrained), load_config."""
+"""A model by its config's model_type (MODEL_CLASSES): build_model (fresh or pretrained weights), load_config (the
+CLIPConfig or SiglipConfig of pretrained weights or of a config JSON file)."""
 
 from __future__ import annotations
 

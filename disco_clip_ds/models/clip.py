@@ -1,9 +1,19 @@
-"""DiscoCLIPModel: transformers' CLIPModel whose forward returns CLIP's softmax loss over the global batch, initialised
-as OpenAI's CLIP and open_clip initialise theirs."""
+"""DiscoCLIPModel: transformers' CLIPModel whose forward returns CLIP's softmax loss over the global batch
+(`disco_clip_ds.losses`, through models/base.py's GlobalBatchLossMixin).
+
+A fresh model (and any weight a checkpoint lacks) is initialised as OpenAI's CLIP and open_clip initialise theirs
+(`clip_init_`), not as transformers' CLIPModel does: that one swaps the attention scales and uses other positional
+and vision-tower stds, and trains to a markedly higher loss at equal steps (bench/vs_open_clip/).
+
+Under deepspeed releases that cannot broadcast a 0-dim parameter the model holds CLIP's `logit_scale` as a
+1-element vector (compat.py); its state dict, its `save_pretrained` output and its `from_pretrained` input keep
+CLIP's 0-dim layout, so checkpoints stay CLIPModel-compatible in both directions.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +31,9 @@ from transformers.models.clip.modeling_clip import (
 
 from disco_clip_ds import LOSS_IMPLS, compat
 from disco_clip_ds.losses import disco_clip_loss
-from disco_clip_ds.models.base import LOGIT_SCALE_MAX, GlobalBatchLossMixin
+from disco_clip_ds.models.base import GlobalBatchLossMixin
+
+LOGIT_SCALE_MAX = math.log(100.0)  # CLIP clamps the temperature at 100
 
 
 @dataclass

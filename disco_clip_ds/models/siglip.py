@@ -1,7 +1,10 @@
-"""DiscoSiglipModel: transformers' SiglipModel whose forward returns SigLIP's sigmoid loss over the global batch."""
+"""DiscoSiglipModel: transformers' SiglipModel whose forward returns SigLIP's sigmoid loss over the global batch
+(`disco_clip_ds.losses.sigmoid`, through models/base.py's GlobalBatchLossMixin), its logit parameters initialised
+as the SigLIP paper's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +14,9 @@ from transformers import initialization as init
 from transformers.models.siglip.modeling_siglip import SiglipOutput
 
 from disco_clip_ds.losses.sigmoid import sigmoid_loss
-from disco_clip_ds.models.base import SIGLIP_LOGIT_BIAS_INIT, SIGLIP_LOGIT_SCALE_INIT, GlobalBatchLossMixin
+from disco_clip_ds.models.base import GlobalBatchLossMixin
+
+SIGLIP_LOGIT_SCALE_INIT, SIGLIP_LOGIT_BIAS_INIT = math.log(10.0), -10.0  # the SigLIP paper's initialisation
 
 
 @dataclass

@@ -30,7 +30,7 @@ from disco_clip_ds.plan.memory import (
     model_state_bytes,
     zero_buffer_bytes,
 )
-from disco_clip_ds.plan.report import format_report, main, parse_memory, plan
+from disco_clip_ds.plan.report import format_report, parse_memory, plan
 from disco_clip_ds.plan.traffic import traffic_bytes
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "load_config",
     "load_fit",
     "loss_bytes",
-    "main",
     "max_contrastive_steps",
     "max_micro_batch",
     "memory_plan",

@@ -1,8 +1,8 @@
-"""`python -m disco_clip_ds.plan`: the same command as `disco-clip plan`."""
+"""`python -m disco_clip_ds.plan`: the same command as `disco-clip plan`, through the same dispatch (cli.py), so
+that this room imports nothing of commands/."""
 
 import sys
 
-from disco_clip_ds.errors import run_main
-from disco_clip_ds.plan.report import main
+from disco_clip_ds.cli import main
 
-sys.exit(run_main(main, None, "disco-clip plan"))
+sys.exit(main(["plan", *sys.argv[1:]]))

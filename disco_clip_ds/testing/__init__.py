@@ -7,8 +7,10 @@
     images       image bytes, training shards and eval shards made on the spot
     imageserver  `ImageServer`: a loopback HTTP server with good, failing, hanging and trickling routes
     download     the URL list and the arguments of `disco-clip data download`
-    launch       `disco_clip_ds.train` on CPU ranks: paths, the launcher command, its environment and arguments
-    nodes        several nodes on this host: each node's launcher command (torchrun, accelerate, deepspeed), started
+    launch       the one way to launch `disco_clip_ds.train` on CPU ranks: commands (one node, or one launcher per
+                 node on this host), environment, shared arguments; started in a session of its own, run to the end
+    processes    a launched run's process group, waited for and killed; the training ranks under a launcher
+    runs         what runs leave behind (losses, weights, complete checkpoints) and the data they start from
 
 Import from the module that does the job (`from disco_clip_ds.testing.ranks import run_ranks`); each imports
 torch and friends only inside its functions.

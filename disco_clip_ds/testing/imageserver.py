@@ -23,6 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 @dataclass
 class Route:
+    """What the server answers on one path: BODY with STATUS and CONTENT_TYPE, or it hangs, trickles the body (or
+    the headers) a byte at a time every so many seconds, or answers after DELAY seconds."""
+
     body: bytes = b""
     status: int = 200
     content_type: str = "image/jpeg"
@@ -98,10 +101,12 @@ class ImageServer:
         self.base_url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def add(self, path: str, **route) -> str:
+        """Serve a `Route(**route)` on PATH; its URL."""
         self.routes[path] = Route(**route)
         return self.base_url + path
 
     def url(self, path: str) -> str:
+        """The URL of PATH on this server."""
         return self.base_url + path
 
     def __enter__(self) -> ImageServer:

@@ -44,6 +44,8 @@ def _step(model, config, batch: int) -> None:
 
 
 def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bool, dtype: str = "fp32") -> dict:
+    """The peak memory of one training step of the CLIPModel at MODEL_PATH on BATCH samples (this module's
+    docstring says what MODE and the result hold)."""
     import torch
     from transformers import CLIPConfig, CLIPModel
 

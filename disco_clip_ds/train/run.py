@@ -35,6 +35,7 @@ from disco_clip_ds import LOSS_IMPLS, compat
 from disco_clip_ds.checkpoint import resume
 from disco_clip_ds.checkpoint.final_model import keep_final_model
 from disco_clip_ds.checkpoint.layout import (
+    STAGING,
     checkpoint_folders,
     checkpoint_step,
     has_weights,
@@ -78,6 +79,7 @@ from disco_clip_ds.models.build import MODEL_CLASSES, build_model, load_config
 from disco_clip_ds.train.accumulation import ContrastiveAccumulationMixin, check_contrastive_accumulation
 from disco_clip_ds.train.checkpointing import CompleteCheckpointsMixin
 from disco_clip_ds.train.finite import FiniteStepsMixin
+from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.optim import warmup_from_first_step, without_clip_no_decay
 from disco_clip_ds.train.stopping import StopSignalsMixin
 
@@ -762,11 +764,12 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     """Run training; returns the train metrics (with `skipped_samples`, `decoded_samples`). Saves the final model
     to output_dir. Validates every argument first; holds output_dir's run lock throughout; raises Preempted after
     a stop signal's checkpoint."""
-    nodes.check_nodes(model_args, data_args, args)  # every rank started alike, one --output_dir seen by all
+    # every rank started alike, one --output_dir seen by all
+    nodes.check_nodes(args, lambda: node_facts(model_args, data_args, args))
     checked = validate(model_args, data_args, args)
     _ = args.world_size  # sets up the process group: the lock and 'latest' are decided on rank 0, then broadcast
     check_space_at_start(args.output_dir)  # a full disk: one line, before the lock and run.json are written
-    acquire_run_lock(args.output_dir)
+    acquire_run_lock(args.output_dir, staging=STAGING)
     try:
         with peers.watching(args.ddp_timeout):
             return _train(model_args, data_args, args, checked)
@@ -780,7 +783,7 @@ def _train(
     resume_from = _resume_point(args, model_args, data_args, checked)
     set_seed(args.seed)
     args.max_steps = checked.max_steps
-    finished = finished_message(resume_from, args.max_steps)
+    finished = finished_message(resume_from and checkpoint_step(resume_from), args.max_steps, resume_from)
     if finished:  # resuming would train one step past the end and change the final model
         repaired = keep_final_model(args.output_dir, resume_from)  # a final save cut short is written again
         if args.process_index == 0:

@@ -24,7 +24,7 @@ from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 from disco_clip_ds.testing.ranks import run_ranks
 
 TINY = TINY_CONFIG
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = REPO / "pyproject.toml"
 
 
 # --- torch: the single-tensor collectives renamed ---

@@ -3,8 +3,11 @@
 
 import os
 
+import pytest
+
 from disco_clip_ds.checkpoint import layout as checkpoints
 from disco_clip_ds.distributed import runlock
+from disco_clip_ds.errors import UsageError
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
@@ -23,10 +26,25 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog
 def test_taking_the_lock_removes_what_an_interrupted_save_left(tmp_path, caplog):
     out = tmp_path / "run"
     (out / checkpoints.STAGING / "checkpoint-4").mkdir(parents=True)
-    runlock.acquire_run_lock(out)
+    runlock.acquire_run_lock(out, staging=checkpoints.STAGING)
     runlock.release_run_lock()
     assert not (out / checkpoints.STAGING).exists()
     assert "partial checkpoints of an interrupted save" in caplog.text
+
+
+def test_without_a_staging_folder_named_nothing_is_removed(tmp_path, caplog):
+    out = tmp_path / "run"
+    (out / checkpoints.STAGING / "checkpoint-4").mkdir(parents=True)
+    runlock.acquire_run_lock(out)
+    runlock.release_run_lock()
+    assert (out / checkpoints.STAGING / "checkpoint-4").is_dir() and "interrupted save" not in caplog.text
+
+
+def test_an_output_dir_that_is_a_file_is_refused_before_the_lock(tmp_path):
+    out = tmp_path / "run"
+    out.write_text("")
+    with pytest.raises(UsageError, match=f"--output_dir {out} is a file: give a folder"):
+        runlock.acquire_run_lock(out)
 
 
 def test_a_child_forked_by_the_holder_does_not_keep_its_lock(tmp_path, caplog):

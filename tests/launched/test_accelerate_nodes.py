@@ -8,8 +8,7 @@ is a GPU path), which the reference's weights show all the same."""
 
 import pytest
 
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch
-from disco_clip_ds.testing.nodes import start_nodes
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, start_nodes
 
 from helpers import (
     assert_trained_under_fsdp,

@@ -1,5 +1,5 @@
-"""SLURM across nodes: `disco-clip slurm-launch` turns SLURM's variables into this node's launch command (tested with
-the variables set), and recipes/slurm_multinode.sbatch runs two nodes on this host through it.
+"""SLURM across nodes, launched: recipes/slurm_multinode.sbatch runs two nodes on this host through `disco-clip
+slurm-launch` (its command from SLURM's variables: tests/unit/distributed/test_slurm.py).
 
 Two nodes are two launchers on 127.0.0.1, each its own process group. SLURM itself is not installed here: the
 sbatch test puts stand-ins for `srun` (one task per node, in its own session, SLURM_NODEID set, exit code the
@@ -12,64 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.distributed.slurm import launch_command, main, slurm_nodes
-from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_env
 from disco_clip_ds.testing.ranks import free_port
 
 from helpers import complete_checkpoints, kill_group, same_weights, two_shards_and_init, wait_group
-
-SLURM = {"SLURM_JOB_NODELIST": "gpu[07-08],cpu3", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "1"}
-
-
-def test_node_rank_and_master_address_come_from_slurm():
-    assert slurm_nodes(SLURM) == (["gpu07", "gpu08", "cpu3"], 1)
-    cmd = launch_command(
-        ["--output_dir", "x"], SLURM, "torchrun", nproc_per_node=8, master_port=1234, python="/v/python"
-    )
-    assert cmd == [
-        "/v/torchrun", "--nnodes", "3", "--nproc_per_node", "8",
-        "--node_rank", "1", "--master_addr", "gpu07", "--master_port", "1234",
-        "-m", "disco_clip_ds.train", "--output_dir", "x",
-    ]  # fmt: skip
-
-
-def test_deepspeed_gets_a_hostfile_of_the_job_nodes():
-    cmd = launch_command([], {**SLURM, "SLURM_NODEID": "2"}, "deepspeed", nproc_per_node=4, python="/v/python")
-    hostfile = Path(cmd[cmd.index("--hostfile") + 1])
-    assert hostfile.read_text() == "gpu07 slots=4\ngpu08 slots=4\ncpu3 slots=4\n"
-    assert cmd[0] == "/v/deepspeed" and "--no_ssh" in cmd
-    assert cmd[cmd.index("--node_rank") + 1] == "2" and cmd[cmd.index("--master_addr") + 1] == "gpu07"
-    assert cmd[-2:] == ["--module", "disco_clip_ds.train"]
-
-
-@pytest.mark.parametrize(
-    "env, message",
-    [
-        ({}, "SLURM_JOB_NODELIST, SLURM_NODEID not set: run this under srun"),
-        ({**SLURM, "SLURM_NODEID": "3"}, "SLURM_NODEID 3 is out of range for 3 nodes (gpu07, gpu08, cpu3)"),
-        ({**SLURM, "SLURM_JOB_NUM_NODES": "4"}, "SLURM_JOB_NUM_NODES 4 but SLURM_JOB_NODELIST names 3 hosts"),
-        ({**SLURM, "SLURM_JOB_NODELIST": "gpu[07-"}, "SLURM_JOB_NODELIST 'gpu[07-' is not a host list"),
-    ],
-)
-def test_bad_slurm_variables_are_one_line(env, message, monkeypatch, capsys):
-    for name in ("SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NODEID"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert run_main(main, ["--", "--output_dir", "x"], "disco-clip slurm-launch") == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
-
-
-def test_train_arguments_are_required(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "a")
-    monkeypatch.setenv("SLURM_NODEID", "0")
-    with pytest.raises(UsageError, match="give the training arguments after `--`"):
-        main(["--nproc_per_node", "2"])
-
-
-# --- two nodes on this host, through the sbatch script ---
 
 STEPS = 4
 

@@ -1,0 +1,68 @@
+"""Plan a run before launch: validate a DeepSpeed config, estimate per-GPU memory and per-rank traffic.
+
+`disco-clip plan` (and `python -m disco_clip_ds.plan`): the arguments of plan.report.plan, its table printed, and
+the plan as JSON on request; exit 0 when every requested loss fits, 1 when one does not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
+from disco_clip_ds.plan.report import format_report, plan
+
+
+def _parse(argv):
+    import argparse
+
+    # argparse rather than HfArgumentParser: nothing here is a TrainingArguments field, and `plan` must
+    # answer bad arguments before importing transformers.
+    p = argparse.ArgumentParser(prog="disco-clip plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--model", required=True, help="CLIPConfig or SiglipConfig JSON, e.g. recipes/models/vit_b32.json")
+    p.add_argument("--gpus", type=int, required=True, help="data-parallel world size")
+    p.add_argument("--gpu_memory", default="40GB", help="memory per GPU, e.g. 40GB, 80GB")
+    p.add_argument("--per_device_batch", type=int, help='per-GPU micro batch (when the config says "auto")')
+    p.add_argument("--precision", choices=sorted(PRECISION_BYTES), help='must match the config (fills "auto")')
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument(
+        "--loss_impl",
+        choices=LOSS_IMPLS,
+        action="append",
+        help="repeatable; default: every one the model's loss has (CLIP: tiled, disco, local; SigLIP: tiled, local)",
+    )
+    p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
+    p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
+    p.add_argument(
+        "--no_contrastive_accumulation",
+        dest="contrastive_accumulation",
+        action="store_false",
+        help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world",
+    )
+    p.add_argument("--json", help="also write the plan as JSON to this path")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip plan`: 0 when every requested loss fits, 1 when one does not; a bad config raises
+    PlanConfigError."""
+    args = _parse(argv)
+    result = plan(
+        args.deepspeed,
+        args.model,
+        args.gpus,
+        args.gpu_memory,
+        args.per_device_batch,
+        args.precision,
+        args.activation_checkpointing,
+        args.loss_impl,
+        args.chunk_size,
+        args.overhead_gb,
+        args.contrastive_accumulation,
+    )
+    print(format_report(result, args.deepspeed, args.model))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if all(m["fits"] for m in result["memory"].values()) else 1
