@@ -36,11 +36,11 @@ COMMANDS = {
     ("data", "demo"): ("disco_clip_ds.data.prep.demo", "main", "build the offline digits demo dataset"),
     (None, "eval"): ("disco_clip_ds.eval.zeroshot", "main", "zero-shot classification / retrieval eval"),
     (None, "export"): (
-        "disco_clip_ds.export.weights",
-        "export_main",
+        "disco_clip_ds.commands.export",
+        "main",
         "checkpoint -> plain CLIPModel folder with model card",
     ),
-    (None, "push"): ("disco_clip_ds.export.hub", "push_main", "upload an exported folder to the HF hub"),
+    (None, "push"): ("disco_clip_ds.commands.push", "main", "upload an exported folder to the HF hub"),
     (None, "plan"): ("disco_clip_ds.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic plan"),
     (None, "slurm-launch"): (
         "disco_clip_ds.distributed.slurm",
