@@ -272,6 +272,7 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     no_processor = tmp_path / "run" / "checkpoint-3"
     shutil.copytree(folder, no_processor, ignore=shutil.ignore_patterns("tokenizer*", "preprocessor_config.json"))
+    write_manifest(no_processor)  # a checkpoint published without them (the Trainer saves them only when given)
     assert export_main([str(no_processor), str(tmp_path / "out")]) == 1
     assert "--processor_from" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
