@@ -17,45 +17,17 @@ from disco_clip_ds.errors import UsageError, run_main
 
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
-    (None, "train"): (
-        "disco_clip_ds.train.run",
-        "main",
-        "train a CLIP model under DeepSpeed with the distributed loss",
-    ),
-    ("data", "download"): (
-        "disco_clip_ds.data.prep.download",
-        "download_main",
-        "download a dataset to webdataset shards with img2dataset",
-    ),
-    ("data", "metadata"): (
-        "disco_clip_ds.data.prep.metadata",
-        "metadata_main",
-        "fetch parquet metadata from the HF hub",
-    ),
-    ("data", "verify"): ("disco_clip_ds.data.prep.verify", "verify_main", "check shards, write sizes.json"),
-    ("data", "demo"): ("disco_clip_ds.data.prep.demo", "main", "build the offline digits demo dataset"),
-    (None, "eval"): ("disco_clip_ds.eval.zeroshot", "main", "zero-shot classification / retrieval eval"),
-    (None, "export"): (
-        "disco_clip_ds.export.weights",
-        "export_main",
-        "checkpoint -> plain CLIPModel folder with model card",
-    ),
-    (None, "push"): ("disco_clip_ds.export.hub", "push_main", "upload an exported folder to the HF hub"),
-    (None, "plan"): (
-        "disco_clip_ds.commands.plan",
-        "main",
-        "validate a DeepSpeed config; per-GPU memory and traffic plan",
-    ),
-    (None, "slurm-launch"): (
-        "disco_clip_ds.commands.slurm_launch",
-        "main",
-        "start this node's launcher from SLURM's variables",
-    ),
-    (None, "node-check"): (
-        "disco_clip_ds.commands.node_check",
-        "main",
-        "check a node's hostfile and node rank",
-    ),
+    (None, "train"): ("disco_clip_ds.commands.train", "main", "train a CLIP model under DeepSpeed with the distributed loss"),
+    ("data", "download"): ("disco_clip_ds.commands.data", "download_main", "download a dataset to shards (img2dataset)"),
+    ("data", "metadata"): ("disco_clip_ds.commands.data", "metadata_main", "fetch parquet metadata from the HF hub"),
+    ("data", "verify"): ("disco_clip_ds.commands.data", "verify_main", "check shards, write sizes.json"),
+    ("data", "demo"): ("disco_clip_ds.commands.data", "demo_main", "build the offline digits demo dataset"),
+    (None, "eval"): ("disco_clip_ds.commands.eval", "main", "zero-shot classification / retrieval eval"),
+    (None, "export"): ("disco_clip_ds.commands.export", "main", "checkpoint -> plain CLIPModel folder with model card"),
+    (None, "push"): ("disco_clip_ds.commands.push", "main", "upload an exported folder to the HF hub"),
+    (None, "plan"): ("disco_clip_ds.commands.plan", "main", "validate a DeepSpeed config; per-GPU memory and traffic"),
+    (None, "slurm-launch"): ("disco_clip_ds.commands.slurm_launch", "main", "start this node's launcher from SLURM"),
+    (None, "node-check"): ("disco_clip_ds.commands.node_check", "main", "check a node's hostfile and node rank"),
     ("bench", "loss"): ("bench/loss/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),
     ("bench", "train"): ("bench/train/train_bench.py", None, "benchmark training throughput per loss"),
 }

@@ -83,8 +83,8 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     from PIL import Image
     from transformers import pipeline
 
+    from disco_clip_ds.commands.export import main as export_main
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.export.weights import export_main
 
     assert run_main(export_main, [str(runs / "n2_zero2"), str(tmp_path / "export")], "disco-clip export") == 0
     card = (tmp_path / "export" / "README.md").read_text()

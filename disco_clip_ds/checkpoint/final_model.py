@@ -7,7 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from disco_clip_ds.checkpoint.layout import WEIGHT_FILES, checkpoint_folders, has_weights
+from disco_clip_ds.checkpoint.consolidate import build_plain_model, load_state_dict
+from disco_clip_ds.checkpoint.layout import WEIGHT_FILES, deepspeed_tag, has_weights
 from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem, write_manifest
 from disco_clip_ds.checkpoint.space import disk_full_message, is_disk_full
 from disco_clip_ds.distributed.ranks import decided_on_rank0
@@ -27,18 +28,14 @@ RESUME_ONLY = (
 
 
 def final_model_problem(run_dir: str | os.PathLike, checksums: bool = True) -> str | None:
-    """Why the final model in `run_dir` cannot be used (None when it can). The final save writes its manifest
-    last, so a final save cut short has none; a run folder of an older version (checkpoints without manifests)
-    keeps the old rule: weights present."""
+    """Why the final model in `run_dir` cannot be used (None when it can): missing, or, as the final save writes its
+    manifest last, no manifest (the final save did not complete), or a file that does not match it."""
     run_dir = Path(run_dir)
     if (run_dir / MANIFEST).exists():
         return manifest_problem(run_dir, checksums)
-    if not (has_weights(run_dir) or (run_dir / "latest").is_file()):
+    if not (has_weights(run_dir) or deepspeed_tag(run_dir) is not None):
         return "missing"
-    newest = next(iter(checkpoint_folders(run_dir)), None)
-    if newest is not None and (newest / MANIFEST).exists():
-        return f"no {MANIFEST}: the final save did not complete"
-    return None
+    return f"no {MANIFEST}: the final save did not complete"
 
 
 def keep_final_model(run_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> str | None:
@@ -80,8 +77,6 @@ def _write_final_from(checkpoint: Path, run_dir: Path) -> list[str]:
     for name in copied:
         shutil.copyfile(checkpoint / name, run_dir / name)
     if not has_weights(checkpoint):
-        from disco_clip_ds.export.weights import build_plain_model, load_state_dict
-
         state_dict, _ = load_state_dict(checkpoint)
         build_plain_model(checkpoint, state_dict).save_pretrained(run_dir)  # model.safetensors and config.json
         copied = sorted({*copied, "model.safetensors", "config.json"})

@@ -33,8 +33,9 @@ import os
 import shutil
 from pathlib import Path
 
-from disco_clip_ds.checkpoint.runfile import read_run_file
-from disco_clip_ds.distributed.ranks import from_rank0, rank
+from disco_clip_ds.checkpoint.layout import deepspeed_tag, is_zero3, saved_ranks
+from disco_clip_ds.checkpoint.runfile import run_file_of
+from disco_clip_ds.distributed.ranks import decided_on_rank0, rank
 from disco_clip_ds.errors import CheckpointError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.checkpoint.resume")
@@ -158,11 +159,10 @@ def checkpoint_facts(checkpoint: Path) -> dict:
     """What the checkpoint itself says, from its small files: world size (one RNG file per rank), ZeRO-3 (per-rank
     model states), the architecture (config.json)."""
     facts: dict = {}
-    ranks = len(list(checkpoint.glob("rng_state_*.pth"))) or int((checkpoint / "rng_state.pth").is_file())
+    ranks = saved_ranks(checkpoint)
     if ranks:
         facts["world_size"] = ranks
-    tag = _deepspeed_tag(checkpoint)
-    if tag is not None and any(tag.glob("zero_pp_rank_*_model_states.pt")):
+    if is_zero3(checkpoint):
         facts["zero_stage"] = 3
     try:
         facts["model"] = architecture(json.loads((checkpoint / "config.json").read_text()))
@@ -171,14 +171,9 @@ def checkpoint_facts(checkpoint: Path) -> dict:
     return facts
 
 
-def _deepspeed_tag(checkpoint: Path) -> Path | None:
-    latest = checkpoint / "latest"
-    return checkpoint / latest.read_text().strip() if latest.is_file() else None
-
-
 def recorded_facts(checkpoint: Path, step: int) -> dict:
-    """The facts `checkpoint` (at `step`) was trained under: run.json beside it, then the checkpoint's own files."""
-    run = read_run_file(checkpoint.parent) or read_run_file(checkpoint) or {}
+    """The facts `checkpoint` (at `step`) was trained under: its run.json, then the checkpoint's own files."""
+    run = run_file_of(checkpoint) or {}
     facts = facts_at(run, step)
     if run:
         facts.setdefault("zero_stage", None)  # run.json leaves it out for a run without DeepSpeed
@@ -356,24 +351,25 @@ def universal_checkpoint(checkpoint: str | os.PathLike, output_dir: str | os.Pat
     written to; the conversion runs on rank 0 while the others wait, into a staging folder renamed when complete,
     so that a kill mid-conversion leaves the original as it was and the next resume converts again."""
     checkpoint, root = Path(checkpoint).resolve(), Path(output_dir) / UNIVERSAL_DIR
+    decided_on_rank0(lambda: _convert_once(checkpoint, root))
+    return root / checkpoint.name
+
+
+def _convert_once(checkpoint: Path, root: Path) -> None:
+    """Convert `checkpoint` into root/checkpoint-N unless done, and drop the conversions of earlier checkpoints;
+    any failure is one CheckpointError (raised on every rank by `decided_on_rank0`)."""
     final = root / checkpoint.name
-    error = None
-    if rank() == 0:
-        try:
-            if not (final / "latest_universal").is_file():
-                _convert(checkpoint, root)
-            for old in root.iterdir():  # conversions of earlier checkpoints are of no further use
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        except Exception as exc:  # any failure of the conversion: every rank reports it (below)
-            error = f"converting {checkpoint} to a universal checkpoint failed: {type(exc).__name__}: {exc}"
-    error = from_rank0(error)
-    if error:
+    try:
+        if not (final / "latest_universal").is_file():
+            _convert(checkpoint, root)
+        for old in root.iterdir():  # conversions of earlier checkpoints are of no further use
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as exc:  # any failure of the conversion: every rank reports it
         raise CheckpointError(
-            error
-            + f"; the checkpoint is unchanged: resume on {_ranks(checkpoint_facts(checkpoint).get('world_size', 0))}"
-        )
-    return final
+            f"converting {checkpoint} to a universal checkpoint failed: {type(exc).__name__}: {exc}; the checkpoint "
+            f"is unchanged: resume on {_ranks(saved_ranks(checkpoint))}"
+        ) from exc
 
 
 def _convert(checkpoint: Path, root: Path) -> None:
@@ -381,7 +377,7 @@ def _convert(checkpoint: Path, root: Path) -> None:
 
     from deepspeed.checkpoint import ds_to_universal
 
-    tag = _deepspeed_tag(checkpoint)
+    tag = deepspeed_tag(checkpoint)
     if tag is None or not tag.is_dir():
         raise CheckpointError(f"{checkpoint} has no DeepSpeed state ('latest' and its tag folder) to convert")
     staging = root / f"tmp-{checkpoint.name}"

@@ -1,4 +1,5 @@
-"""`disco-clip push`: upload a folder written by `disco-clip export` to a Hugging Face hub model repo, in one commit.
+"""Upload a folder written by `disco-clip export` to a Hugging Face hub model repo, in one commit (`disco-clip push`:
+commands/push.py; training with --push_to_hub).
 
 Only exported folders are pushed (never raw Trainer/DeepSpeed state); the token comes from huggingface_hub's usual
 places (HF_TOKEN, `hf auth login`'s cache).
@@ -6,7 +7,6 @@ places (HF_TOKEN, `hf auth login`'s cache).
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -86,20 +86,3 @@ def push_folder(folder, repo_id: str, private: bool = False, revision: str | Non
     except Exception as e:  # the hub's errors (auth, network, permissions) carry their own explanation
         raise ExportError(f"upload to {repo_id} failed: {type(e).__name__}: {e}") from e
     return commit.commit_url
-
-
-def push_main(argv: list[str] | None = None) -> int:
-    """`disco-clip push OUTPUT_DIR --repo_id USER/NAME [--private] [--revision R] [--dry_run]`."""
-    parser = argparse.ArgumentParser(
-        prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub"
-    )
-    parser.add_argument("folder", help="a folder written by `disco-clip export`")
-    parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="create the repo private")
-    parser.add_argument("--revision", help="branch to push to (created when missing; default main)")
-    parser.add_argument("--dry_run", action="store_true", help="list what would be uploaded where, contact nothing")
-    args = parser.parse_args(argv)
-    url = push_folder(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
-    if not args.dry_run:
-        print(f"pushed {args.folder} -> {url}")
-    return 0

@@ -13,7 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from disco_clip_ds import faults
 from disco_clip_ds.checkpoint.final_model import final_files
-from disco_clip_ds.checkpoint.layout import STAGING, checkpoint_problem, newest_complete
+from disco_clip_ds.checkpoint.layout import STAGING, newest_complete, save_problem
 from disco_clip_ds.checkpoint.manifest import MANIFEST, write_manifest
 from disco_clip_ds.checkpoint.space import disk_full_message, folder_bytes, free_bytes, is_disk_full
 from disco_clip_ds.distributed.ranks import all_true, any_true, barrier, from_rank0, rank
@@ -192,7 +192,7 @@ class CompleteCheckpointsMixin:
         return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.model.parameters())
 
     def _publish(self, staged: Path, final: Path) -> None:
-        problem = checkpoint_problem(staged, checksums=False)
+        problem = save_problem(staged)
         if problem:
             raise CheckpointError(f"{staged} is incomplete after every rank saved ({problem})")
         write_manifest(staged)  # over every file present, from whichever part of the code it came

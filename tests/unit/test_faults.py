@@ -1,5 +1,6 @@
 """faults.py: DISCO_FAULT entries fire at their named point only, and the points do what the catalogue says.
-(Their use in training and downloads: test_checkpoints.py, test_prep.py, test_spark.py.)"""
+(Their use in training and downloads: launched/test_faults_and_preemption.py,
+launched/test_integrity_and_full_disk.py, test_prep.py, test_spark.py.)"""
 
 import os
 import signal

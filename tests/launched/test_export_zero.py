@@ -1,5 +1,7 @@
 """Export of ZeRO-2/ZeRO-3 DeepSpeed checkpoints to a plain CLIPModel folder (reloaded in a fresh process with
-transformers alone) and its refusals. (`push` of an exported folder: test_hub.py.)"""
+transformers alone) and its refusals, launched: checkpoints of DeepSpeed engines on 2 spawned ranks, and a real
+ZeRO-3 training run exported and evaluated. (Export of plain checkpoints and diverged weights:
+unit/export/test_weights.py; `push` of an exported folder: unit/export/test_hub.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from disco_clip_ds.checkpoint.consolidate import load_state_dict
+from disco_clip_ds.checkpoint.layout import save_problem
+from disco_clip_ds.checkpoint.manifest import write_manifest
+from disco_clip_ds.commands import export as export_command
 from disco_clip_ds.data.prep.demo import DIGITS
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.export import weights as ex
@@ -22,7 +28,7 @@ from disco_clip_ds.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIG = TINY_CONFIG
 PROMPTS = ["a photo of the number three.", "a dog", "seven"]
 
@@ -97,6 +103,9 @@ def _train_and_save(rank, world_size, stage, precision, checkpoint):
                 }
             )
         )
+    torch.distributed.barrier()
+    if rank == 0:  # every rank has written its part: the manifest, as `disco-clip train` publishes a checkpoint
+        write_manifest(checkpoint)
     engine.eval()
     with torch.no_grad():
         # the exported weights are the fp32 masters; compare against an fp32 forward with them
@@ -223,65 +232,31 @@ def test_export_trained_weights_differ_from_init(checkpoint):
     assert not torch.allclose(image, trained["image"], atol=1e-3)
 
 
-def test_weights_not_finite_or_absurd_are_refused_naming_the_tensor(tmp_path, capsys):
-    """A diverged run's weights (NaN, or 1e30: a dot product of two such rows overflows float32) are not exported."""
-    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
-
-    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
-    for value, says in ((float("nan"), "holds 1 NaN or inf values"), (1e30, "reaches |w| = 1e+30")):
-        checkpoint = tmp_path / "diverged"
-        with torch.no_grad():
-            model.text_projection.weight[1, 2] = value
-        model.save_pretrained(checkpoint)
-        AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
-        CLIPImageProcessor().save_pretrained(checkpoint)
-        capsys.readouterr()  # save_pretrained's progress bar
-        assert export_main([str(checkpoint), str(tmp_path / "out")]) == 1
-        err = capsys.readouterr().err
-        assert err.startswith(f"disco-clip export: weight 'text_projection.weight' in {checkpoint} {says}"), err
-        assert err.count("\n") == 1 and not (tmp_path / "out").exists()
-
-
-def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
-    """A checkpoint without DeepSpeed state (DDP, or ZeRO-3 with gathered weights) in sharded safetensors."""
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
-
-    torch.manual_seed(3)
-    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
-    checkpoint = tmp_path / "checkpoint-9"
-    model.save_pretrained(checkpoint, max_shard_size="300KB")
-    assert (checkpoint / "model.safetensors.index.json").is_file()
-    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
-    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
-    out = ex.export_checkpoint(checkpoint, tmp_path / "out")
-    exported = load_file(out / "model.safetensors")
-    original = model.state_dict()
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
-
-
 @pytest.mark.slow
 def test_partial_checkpoint_is_refused_and_nothing_is_written(checkpoint, tmp_path):
     folder, _, _ = checkpoint
     broken = tmp_path / "checkpoint-3"
     shutil.copytree(folder, broken)
     tag = (broken / "latest").read_text().strip()
-    next((broken / tag).glob("*optim_states.pt")).unlink()  # one rank's partition lost
-    with pytest.raises(ex.ExportError, match="does not verify: 1 DeepSpeed optimizer shards for 2 ranks"):
+    lost = next((broken / tag).glob("*optim_states.pt"))
+    lost.unlink()  # one rank's partition lost
+    missing = f"{tag}/{lost.name} is missing \\(the manifest lists it\\)"
+    with pytest.raises(ex.ExportError, match=f"does not verify: {missing}"):
         ex.export_checkpoint(broken, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]  # no output, no staging left
+    assert save_problem(broken) == "1 DeepSpeed optimizer shards for 2 ranks"  # seen without the manifest too
     with pytest.raises(ex.ExportError, match="partial or corrupt DeepSpeed checkpoint"):
-        ex.load_state_dict(broken)  # what export would meet past the check
+        load_state_dict(broken)  # what export would meet past the check
 
     shutil.rmtree(broken / tag)
-    with pytest.raises(ex.ExportError, match=f"does not verify: no DeepSpeed model states in {tag}"):
+    with pytest.raises(ex.ExportError, match="does not verify: .* is missing"):
         ex.export_checkpoint(broken, tmp_path / "out")
+    assert save_problem(broken) == f"no DeepSpeed model states in {tag}"
 
 
 def export_main(argv: list[str]) -> int:
     """`disco-clip export` in this process: its exit code, its messages on stderr."""
-    return run_main(ex.export_main, argv, "disco-clip export")
+    return run_main(export_command.main, argv, "disco-clip export")
 
 
 @pytest.mark.slow
@@ -297,6 +272,7 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     no_processor = tmp_path / "run" / "checkpoint-3"
     shutil.copytree(folder, no_processor, ignore=shutil.ignore_patterns("tokenizer*", "preprocessor_config.json"))
+    write_manifest(no_processor)  # a checkpoint published without them (the Trainer saves them only when given)
     assert export_main([str(no_processor), str(tmp_path / "out")]) == 1
     assert "--processor_from" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -307,7 +283,8 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
 
 def launch_training(output: Path, *args: str) -> None:
     """`torchrun --nproc_per_node 2 -m disco_clip_ds.train` with the tiny model on CPU; fails with its log. (torchrun
-    starts sooner than the deepspeed launcher, which test_train and test_checkpoints cover.)"""
+    starts sooner than the deepspeed launcher, which test_train and
+    launched/test_faults_and_preemption.py cover.)"""
     cmd = [
         *train_command("torchrun", 2),
         "--model_config",

@@ -1,11 +1,13 @@
 """Nothing lost, nothing silent, launched on 2 CPU ranks: checkpoints and the final model carry manifests (size and
 checksum of every file); `latest` and export skip what does not verify, naming it, and resume or export the newest
 that does; a finished run whose final model was cut short, truncated or deleted is repaired on re-run from its last
-checkpoint; a real full disk (a tmpfs mounted here, as root) during the first save, a later save or the final save,
-or full at start, ends every rank with one line and exit 1, the last complete checkpoint intact.
+checkpoint; a full disk, injected (ENOSPC in one rank's write) or real (a tmpfs mounted here, as root), during the
+first save, a later save or the final save, or full at start, ends every rank with one line and exit 1, the last
+complete checkpoint intact. (What a checkpoint must hold to verify, on folders made in place:
+unit/checkpoint/test_layout.py.)
 
-Corruption is real (files truncated, deleted, a byte flipped on disk); the full disk is real (a tmpfs of a measured
-size) and so is its ENOSPC, only the free-space check before a save is blinded (`disk_free_mib`) where the test needs
+Corruption is real (files truncated, deleted, a byte flipped on disk); the real full disk is a tmpfs of a measured
+size and so is its ENOSPC, only the free-space check before a save is blinded (`disk_free_mib`) where the test needs
 the write itself to fail. The uninterrupted reference run serves every comparison of weights.
 """
 
@@ -160,26 +162,6 @@ def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(
     assert same_weights(out, full) <= 1e-6  # the uninterrupted run's weights
 
 
-def test_checkpoints_without_a_manifest_keep_the_completeness_check(full, tmp_path):
-    from disco_clip_ds.checkpoint.layout import checkpoint_problem, newest_complete, verify_resumable
-    from disco_clip_ds.checkpoint.manifest import MANIFEST
-    from disco_clip_ds.errors import CheckpointError, UsageError
-
-    out = copy_unfinished(full, tmp_path / "run", 3)
-    for n in (1, 2, 3):
-        (out / f"checkpoint-{n}" / MANIFEST).unlink()  # as older versions wrote them
-    truncate(out / "checkpoint-3" / "scheduler.pt")  # without a manifest, not seen: today's rule
-    next((out / "checkpoint-2" / "global_step2").glob("*optim_states.pt")).unlink()
-    assert checkpoint_problem(out / "checkpoint-3") is None
-    assert checkpoint_problem(out / "checkpoint-2") == "1 DeepSpeed optimizer shards for 2 ranks"
-    assert newest_complete(out) == out / "checkpoint-3"
-    verify_resumable(out / "checkpoint-3")
-    with pytest.raises(CheckpointError, match="checkpoint-2: 1 DeepSpeed optimizer shards for 2 ranks; the newest"):
-        verify_resumable(out / "checkpoint-2")
-    with pytest.raises(UsageError, match="checkpoint-9: no such folder"):  # a typo is bad usage (exit 2)
-        verify_resumable(out / "checkpoint-9")
-
-
 def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full, data, tmp_path, caplog):
     from disco_clip_ds.checkpoint.final_model import final_model_problem
     from disco_clip_ds.checkpoint.manifest import MANIFEST
@@ -232,7 +214,37 @@ def test_a_checkpoint_without_full_weights_repairs_the_final_model_from_its_part
     assert final_model_problem(out) is None and same_weights(out, full) == 0  # fp32 master weights = the model's
 
 
-# --- a real full disk: a tmpfs of a measured size as the output folder ---
+# --- a full disk: injected, then real (a tmpfs of a measured size as the output folder) ---
+
+
+def test_a_full_disk_is_one_clear_line_and_the_last_checkpoint_stays_usable(data, tmp_path):
+    """ENOSPC injected in one rank's write (and a free-space check blinded): the same lines as a real full disk."""
+    out = tmp_path / "run"
+    # on rank 1 alone, in its DeepSpeed optimizer shard: rank 0 goes on through DeepSpeed's barriers, and so must rank 1
+    rc, log = run(out, data, launcher="deepspeed", steps=10, save=2, fault="enospc_in_save:step=4,rank=1")
+    assert rc == 1, log[-3000:]
+    said = lines(log, "disco-clip train: no space left in")
+    assert len(said) == 2, log[-3000:]  # one per rank
+    assert f"no space left in {out} (" in said[0] and "checkpoint-2 is intact" in said[0]
+    assert "Traceback" not in log
+    assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "checkpoint-4").exists()
+    assert not (out / "tmp-checkpoints" / "checkpoint-4").exists()
+    # the free-space check before a save: the last checkpoint's size does not fit, nothing is written
+    rc, log = run(
+        out,
+        data,
+        "--resume_from_checkpoint",
+        "latest",
+        launcher="deepspeed",
+        steps=10,
+        save=2,
+        fault="disk_free_mib=1:step=4",
+    )
+    assert rc == 1 and "free) while saving checkpoint-4" in log and "needs ~" in log, log[-3000:]
+    assert complete_checkpoints(out) == ["checkpoint-2"] and not (out / "tmp-checkpoints").exists()
+
+
+# a real full disk: a tmpfs mounted for the test
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from disco_clip_ds.commands import push
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.export import hub
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR
@@ -18,7 +19,7 @@ from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR
 
 def push_main(argv: list[str]) -> int:
     """`disco-clip push` in this process: its exit code, its messages on stderr."""
-    return run_main(hub.push_main, argv, "disco-clip push")
+    return run_main(push.main, argv, "disco-clip push")
 
 
 @pytest.fixture(scope="module")

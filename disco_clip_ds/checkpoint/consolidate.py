@@ -1,0 +1,103 @@
+"""A checkpoint's weights as one state dict, and the plain transformers model holding them: what export writes and
+what the final model is rewritten from when a ZeRO-3 checkpoint holds no full weights. Here, below both, so that
+checkpoint/final_model.py and export/ share it (checkpoint does not import export)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from disco_clip_ds.checkpoint.layout import WEIGHT_FILES, deepspeed_tag, has_zero_partitions
+from disco_clip_ds.errors import ExportError
+
+
+def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
+    """The checkpoint's weights and where they came from.
+
+    A ZeRO (stage 1-3) checkpoint is consolidated from the fp32 master weights in the optimizer partitions
+    with DeepSpeed's own zero_to_fp32 (exact even for bf16 runs; ZeRO-3 writes no full weights unless told
+    to gather them); otherwise the Trainer's full weight file is used.
+    """
+    tag = deepspeed_tag(checkpoint)
+    if tag is not None and not tag.is_dir():
+        raise ExportError(
+            f"partial checkpoint: '{checkpoint / 'latest'}' names '{tag.name}', which does not exist in {checkpoint}"
+        )
+    if has_zero_partitions(checkpoint):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag.name)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError, EOFError) as e:
+            raise ExportError(f"partial or corrupt DeepSpeed checkpoint in {tag}: {e}") from e
+        return state_dict, f"DeepSpeed ZeRO fp32 partitions ({tag.name})"
+    for name in WEIGHT_FILES:
+        if (checkpoint / name).is_file():
+            return _read_weight_file(checkpoint / name), name
+    raise ExportError(
+        f"no weights in '{checkpoint}': expected {' or '.join(WEIGHT_FILES)} or a DeepSpeed ZeRO checkpoint"
+    )
+
+
+def _read_weight_file(path: Path) -> dict:
+    try:
+        if path.name.endswith(".index.json"):  # sharded: the index maps each weight to its shard file
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+            return {name: tensor for shard in shards for name, tensor in _read_one_file(path.parent / shard).items()}
+        return _read_one_file(path)
+    except Exception as e:
+        raise ExportError(f"cannot read weights '{path}': {e}") from e
+
+
+def _read_one_file(path: Path) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def build_plain_model(checkpoint: Path, state_dict: dict):
+    """The plain transformers model (CLIPModel or SiglipModel, by the checkpoint's config) holding `state_dict`,
+    every parameter accounted for."""
+    from transformers import AutoConfig, CLIPModel, SiglipModel
+
+    if not (checkpoint / "config.json").is_file():
+        raise ExportError(f"partial checkpoint: no config.json in {checkpoint}")
+    config = AutoConfig.from_pretrained(checkpoint)
+    plain = {"clip": CLIPModel, "siglip": SiglipModel}.get(config.model_type)
+    if plain is None:
+        raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP checkpoints")
+    config.architectures = [plain.__name__]
+    model = plain(config)
+    model.load_state_dict(_fit(model, state_dict), strict=True)
+    return model
+
+
+def _fit(model, state_dict: dict) -> dict:
+    """`state_dict` with each weight shaped as `model` wants it; ExportError for a weight without a place, one of
+    another size, or one missing."""
+    expected = model.state_dict()
+    buffers = {name for name, _ in model.named_buffers()}
+    fixed = {}
+    for name, tensor in state_dict.items():
+        if name not in expected:
+            if name in buffers:  # a non-persistent buffer DeepSpeed recorded anyway
+                continue
+            raise ExportError(
+                f"checkpoint weight '{name}' has no place in {type(model).__name__}: is config.json this run's?"
+            )
+        target = expected[name]
+        if tensor.shape != target.shape:
+            if tensor.numel() != target.numel():
+                raise ExportError(
+                    f"weight '{name}' has shape {tuple(tensor.shape)}, config.json wants {tuple(target.shape)}"
+                )
+            # DeepSpeed 0.19.8 trains CLIP's 0-dim logit_scale as a 1-element vector (see compat.py)
+            tensor = tensor.reshape(target.shape)
+        fixed[name] = tensor
+    missing = sorted(set(expected) - set(fixed))
+    if missing:
+        raise ExportError(f"partial checkpoint: {len(missing)} weights missing, e.g. {missing[:3]}")
+    return fixed

@@ -1,0 +1,40 @@
+"""`disco-clip export CHECKPOINT_DIR OUTPUT_DIR [--eval_results FILE ...] [--processor_from DIR]`: a checkpoint (or
+a run folder: its final model or newest good checkpoint) -> a plain CLIPModel/SiglipModel folder with a model card
+(disco_clip_ds.export.weights)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from disco_clip_ds.errors import UsageError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, export, print one line naming what was written; return 0."""
+    from disco_clip_ds.export.weights import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0])
+    parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")
+    parser.add_argument("output_dir", help="new or empty folder to write")
+    parser.add_argument(
+        "--eval_results", nargs="*", default=[], help="JSON files written by `disco-clip eval --output`"
+    )
+    parser.add_argument(
+        "--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)"
+    )
+    args = parser.parse_args(argv)
+    records = [_read_eval_results(f) for f in args.eval_results]
+    out = export_checkpoint(
+        args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from
+    )
+    print(f"exported {args.checkpoint_dir} -> {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
+def _read_eval_results(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--eval_results {path} is not a readable JSON file: {error}") from error

@@ -1,0 +1,135 @@
+"""The model card of an exported model: the training set-up from run.json and the checkpoint's trainer state, and
+the evaluation records of `disco-clip eval`, as a huggingface_hub ModelCard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from disco_clip_ds.checkpoint.layout import TRAINER_STATE, trainer_state
+from disco_clip_ds.checkpoint.resume import describe_resumes
+from disco_clip_ds.checkpoint.runfile import run_file_of
+
+
+def describe_run(checkpoint: Path) -> dict:
+    """What the training run recorded about itself: run.json (written by `disco-clip train`: world size, batches,
+    loss, ZeRO stage, precision, data, versions) and the checkpoint's trainer_state.json (steps, last loss). Both are
+    JSON: nothing is unpickled. Absent keys are unknown."""
+    info: dict = {}
+    config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
+    if config.get("loss_impl"):
+        info["loss_impl"] = config["loss_impl"]
+    info.update(_from_trainer_state(checkpoint))
+    info.update(run_file_of(checkpoint) or {})
+    if info.get("resumes"):  # run.json's facts hold for every step; a resume may have changed ranks and K
+        info["resumes"] = describe_resumes(info)
+    versions = info.pop("versions", None) or {}
+    if versions.get("deepspeed") and "zero_stage" in info:
+        info["deepspeed"] = versions["deepspeed"]
+    return {k: v for k, v in info.items() if v is not None}
+
+
+def _from_trainer_state(checkpoint: Path) -> dict:
+    """The steps and the last logged loss of the checkpoint (facts of the checkpoint, not of the run)."""
+    if not (checkpoint / TRAINER_STATE).is_file():
+        return {}
+    state = trainer_state(checkpoint)
+    info = {"steps": state.get("global_step")}
+    losses = [e["loss"] for e in state.get("log_history", []) if "loss" in e]
+    if losses:
+        info["final_train_loss"] = round(float(losses[-1]), 4)
+    return info
+
+
+def eval_records(eval_metrics) -> list[dict]:
+    """`disco-clip eval` result records (one or a list; a bare {metric: value} dict becomes one record)."""
+    if not eval_metrics:
+        return []
+    records = eval_metrics if isinstance(eval_metrics, list) else [eval_metrics]
+    return [r if "metrics" in r else {"task": "evaluation", "metrics": r} for r in records]
+
+
+RUN_FIELDS = [
+    ("global_contrastive_batch", "global contrastive batch (pairs per loss)"),
+    ("world_size", "world size (data-parallel ranks)"),
+    ("micro_batch_per_rank", "micro-batch per rank"),
+    ("gradient_accumulation_steps", "gradient accumulation steps"),
+    ("resumes", "resumed at (ranks x K from there)"),
+    ("global_batch", "global batch per optimizer step"),
+    ("loss_impl", "loss implementation"),
+    ("zero_stage", "DeepSpeed ZeRO stage"),
+    ("precision", "precision"),
+    ("steps", "optimizer steps"),
+    ("final_train_loss", "last logged training loss"),
+    ("data", "training data"),
+    ("deepspeed", "deepspeed version"),
+]
+
+
+CARD_FAMILY = {  # model_type -> (title, model class, the loss it was trained with)
+    "clip": (
+        "CLIP",
+        "CLIPModel",
+        "the exact distributed DisCo-CLIP contrastive loss ([arXiv 2304.08480](https://arxiv.org/abs/2304.08480))",
+    ),
+    "siglip": (
+        "SigLIP",
+        "SiglipModel",
+        "SigLIP's sigmoid loss over the global batch ([arXiv 2303.15343](https://arxiv.org/abs/2303.15343)), "
+        "computed exactly across ranks",
+    ),
+}
+
+
+def model_card(run: dict, records: list[dict], weights_from: str, model_type: str = "clip"):
+    """A huggingface_hub ModelCard recording the set-up (`describe_run`) and the evaluation (`eval_records`)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    title, class_name, loss = CARD_FAMILY[model_type]
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="zero-shot-image-classification",
+        tags=[model_type, "disco-clip", "deepspeed"],
+    )
+    rows = [f"| {label} | {run[key]} |" for key, label in RUN_FIELDS if key in run]
+    lines = [
+        "---",
+        data.to_yaml(),
+        "---",
+        "",
+        f"# {title} trained with disco-clip-ds",
+        "",
+        f"A `transformers` {class_name} trained with disco-clip-ds, {loss}"
+        + (" under DeepSpeed ZeRO." if "zero_stage" in run else "."),
+        "",
+        "## Training set-up",
+        "",
+        "| | |",
+        "|---|---|",
+        *rows,
+        "",
+        f"Weights exported in fp32 from {weights_from}.",
+        "",
+    ]
+    if records:
+        lines += ["## Evaluation", ""]
+        for record in records:
+            source = f" on `{record['dataset']}`" if record.get("dataset") else ""
+            lines += [f"{record.get('task', 'evaluation')}{source}:", "", "| metric | value |", "|---|---|"]
+            lines += [
+                f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |"
+                for name, value in record["metrics"].items()
+            ]
+            lines.append("")
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        f"from transformers import {class_name}, CLIPProcessor",
+        "",
+        f'model = {class_name}.from_pretrained("THIS_FOLDER_OR_REPO")',
+        'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
+        "```",
+        "",
+    ]
+    return ModelCard("\n".join(lines))

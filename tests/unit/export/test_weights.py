@@ -1,0 +1,57 @@
+"""Export (export.weights, through `disco-clip export`: commands/export.py) of plain checkpoints: every weight of a
+sharded safetensors checkpoint kept; a diverged run's weights refused, naming the tensor. (ZeRO checkpoints and
+their refusals, launched: launched/test_export_zero.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from disco_clip_ds.commands import export as export_command
+from disco_clip_ds.errors import run_main
+from disco_clip_ds.export import weights as ex
+from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
+
+MODEL_CONFIG = TINY_CONFIG
+
+
+def export_main(argv: list[str]) -> int:
+    """`disco-clip export` in this process: its exit code, its messages on stderr."""
+    return run_main(export_command.main, argv, "disco-clip export")
+
+
+def test_weights_not_finite_or_absurd_are_refused_naming_the_tensor(tmp_path, capsys):
+    """A diverged run's weights (NaN, or 1e30: a dot product of two such rows overflows float32) are not exported."""
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
+    for value, says in ((float("nan"), "holds 1 NaN or inf values"), (1e30, "reaches |w| = 1e+30")):
+        checkpoint = tmp_path / "diverged"
+        with torch.no_grad():
+            model.text_projection.weight[1, 2] = value
+        model.save_pretrained(checkpoint)
+        AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
+        CLIPImageProcessor().save_pretrained(checkpoint)
+        capsys.readouterr()  # save_pretrained's progress bar
+        assert export_main([str(checkpoint), str(tmp_path / "out")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"disco-clip export: weight 'text_projection.weight' in {checkpoint} {says}"), err
+        assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
+    """A checkpoint without DeepSpeed state (DDP, or ZeRO-3 with gathered weights) in sharded safetensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    torch.manual_seed(3)
+    model = CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG)))
+    checkpoint = tmp_path / "checkpoint-9"
+    model.save_pretrained(checkpoint, max_shard_size="300KB")
+    assert (checkpoint / "model.safetensors.index.json").is_file()
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
+    out = ex.export_checkpoint(checkpoint, tmp_path / "out")
+    exported = load_file(out / "model.safetensors")
+    original = model.state_dict()
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
