@@ -23,18 +23,18 @@ COMMANDS = {
         "train a CLIP model under DeepSpeed with the distributed loss",
     ),
     ("data", "download"): (
-        "disco_clip_ds.data.prep.download",
+        "disco_clip_ds.commands.data",
         "download_main",
         "download a dataset to webdataset shards with img2dataset",
     ),
     ("data", "metadata"): (
-        "disco_clip_ds.data.prep.metadata",
+        "disco_clip_ds.commands.data",
         "metadata_main",
         "fetch parquet metadata from the HF hub",
     ),
-    ("data", "verify"): ("disco_clip_ds.data.prep.verify", "verify_main", "check shards, write sizes.json"),
-    ("data", "demo"): ("disco_clip_ds.data.prep.demo", "main", "build the offline digits demo dataset"),
-    (None, "eval"): ("disco_clip_ds.eval.zeroshot", "main", "zero-shot classification / retrieval eval"),
+    ("data", "verify"): ("disco_clip_ds.commands.data", "verify_main", "check shards, write sizes.json"),
+    ("data", "demo"): ("disco_clip_ds.commands.data", "demo_main", "build the offline digits demo dataset"),
+    (None, "eval"): ("disco_clip_ds.commands.eval", "main", "zero-shot classification / retrieval eval"),
     (None, "export"): (
         "disco_clip_ds.export.weights",
         "export_main",

@@ -155,7 +155,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
                 raise self._empty_pass()
             good, whole = 0, True
 
-    def _decode(self, what: str, epoch: int, key: str, caption: Callable[[], str], image: Callable[[], bytes]):
+    def _decode_sample(self, what: str, epoch: int, key: str, caption: Callable[[], str], image: Callable[[], bytes]):
         """(uint8 pixels, caption) of one sample, or None when it is skipped (and counted): its `caption()` is
         empty, or its `image()` bytes are missing, unreadable or above `max_image_pixels`. The augmentation draws
         from (seed, pass, sample key): per sample, not per reader."""

@@ -148,7 +148,7 @@ class HFStream(ReaderStream):
     # --- one row -> (pixels, caption), or None when skipped ---
 
     def _row(self, row: dict, epoch: int, key: str):
-        return self._decode(
+        return self._decode_sample(
             f"row {key} of {self.data.description}",
             epoch,
             key,

@@ -76,7 +76,7 @@ class ShardStream(ReaderStream):
                 first_shard, first_member, _ = block[0]
                 key = f"{self.seed}/block/{reader}/{epoch}/{first_shard}/{first_member}"
                 for done, (_, _, sample) in shuffled(block, key, offset):
-                    item = self._sample(sample, epoch)
+                    item = self._decode(sample, epoch)
                     if item is not None:
                         yield (epoch, first_shard, first_member, done), item
                 offset = 0
@@ -93,7 +93,7 @@ class ShardStream(ReaderStream):
             except Exception as error:  # missing, unreadable or truncated: the samples read so far stand
                 self._count_skip(f"unreadable shard or tar member in {order[index]}", error)
 
-    def _sample(self, sample: dict, epoch: int):
+    def _decode(self, sample: dict, epoch: int):
         key = sample.get("__key__", "?")
         what = f"sample {key} of {sample.get('__url__')}"
         image_key = next((k for k in IMAGE_EXTS if k in sample), None)
@@ -101,4 +101,6 @@ class ShardStream(ReaderStream):
         if image_key is None or text_key is None:
             self._count_skip(what, "no image or no caption")
             return None
-        return self._decode(what, epoch, key, lambda: sample[text_key].decode("utf-8"), lambda: sample[image_key])
+        return self._decode_sample(
+            what, epoch, key, lambda: sample[text_key].decode("utf-8"), lambda: sample[image_key]
+        )
