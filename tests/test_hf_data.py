@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disco_clip_ds.data.streams.hf import STATE_INTS, HFStream, load_training_dataset, pack_state, unpack_state
+from disco_clip_ds.data.hf_io import load_training_dataset
+from disco_clip_ds.data.streams.hf import STATE_INTS, HFStream, pack_state, unpack_state
 from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
@@ -313,7 +314,7 @@ def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(
     worker c mod 2, so the fresh loader's worker 0 takes that worker's place."""
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.streams.shards import POSITION_KEY, ClipCollator
+    from disco_clip_ds.data.collate import POSITION_KEY, ClipCollator
     from disco_clip_ds.data.streams.state import as_rows, note_positions
     from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
@@ -378,26 +379,25 @@ def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, caps
     saved = str(folders / "saved")
     say = lambda *a: _refused(tmp_path, capsys, *a)  # noqa: E731
     assert say("--dataset_name", saved, "--image_column", "img") == (
-        f"--image_column img: no such column in datasets {saved} split train, columns img/caption; its columns are "
-        "image, caption, id"
+        f"--image_column img: no such column in '{saved}' (its columns: image, caption, id)"
     )
     assert say("--dataset_name", saved, "--caption_column", "text", "--streaming", "true").startswith(
-        "--caption_column text: no such column in datasets"
+        f"--caption_column text: no such column in '{saved}'"
     )
     assert say("--dataset_name", saved, "--image_column", "id") == (
-        "--image_column id holds int64, neither images (an Image feature or image bytes) nor paths"
+        "--image_column id holds int64, neither images nor image bytes or paths"
     )
     assert say("--dataset_name", saved, "--image_column", "caption") == (
         "--image_column caption holds neither images nor paths: its first value 'sample 0' is no file (paths are "
         "read relative to the dataset's folder)"
     )
     assert say("--dataset_name", saved, "--caption_column", "id") == (
-        "--caption_column id holds int64, not text: name a column of captions (a string, or a list of strings)"
+        "--caption_column id holds int64: it must hold a string or a list of strings"
     )
     for name in (folders / "dict", folders / "parquet"):
         assert say("--dataset_name", str(name), "--train_split", "test") == (
-            f"--train_split test: {name} has no such split; its splits are "
-            + ("train, validation" if name.name == "dict" else "train")
+            f"--train_split test: '{name}' has no such split (its splits: "
+            + ("train, validation)" if name.name == "dict" else "train)")
         )
     assert say("--dataset_name", saved, "--train_shards", saved) == (
         "give exactly one training source: --train_shards, --dataset_name or --train_file (got --train_shards and "
@@ -408,7 +408,7 @@ def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, caps
     assert say("--dataset_name", str(tmp_path / "nowhere")).startswith(f"--dataset_name {tmp_path / 'nowhere'}: ")
     assert (
         say("--train_file", str(tmp_path / "x.txt"))
-        == f"--train_file {tmp_path / 'x.txt'}: give a .csv, .json, .jsonl or .parquet file"
+        == f"--train_file {tmp_path / 'x.txt'}: give a .parquet, .arrow, .csv, .json or .jsonl file"
     )
     # a parquet folder never loaded whole (that would record its split sizes in the datasets cache)
     fresh = tmp_path / "fresh"

@@ -9,7 +9,9 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from disco_clip_ds.data.shards import epoch_order
-from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream, error_message
+from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.streams.base import error_message
+from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.data.transforms import ImageTransform, to_rgb
 from disco_clip_ds.errors import DataError
 from disco_clip_ds.testing.images import write_shards

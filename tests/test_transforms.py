@@ -14,7 +14,8 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
+from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.data.transforms import ImageTransform, draft_scale, random_resized_crop_box, to_rgb
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 

@@ -108,7 +108,8 @@ def open_file(path: Path, split: str, streaming: bool, flags: Flags):
 
     builder = DATA_FILE_BUILDERS.get(path.suffix)
     if builder is None:
-        raise UsageError(f"{flags.data} {path}: give a {', '.join(DATA_FILE_BUILDERS)} file")
+        *others, last = DATA_FILE_BUILDERS
+        raise UsageError(f"{flags.data} {path}: give a {', '.join(others)} or {last} file")
     if not path.is_file():
         raise UsageError(f"{flags.data} {path}: no such file")
     found = _load(datasets.load_dataset, flags, str(path), builder, data_files={split: str(path)}, split=split,
