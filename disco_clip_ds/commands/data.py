@@ -58,7 +58,8 @@ def download_parser() -> argparse.ArgumentParser:
 
 def download_main(argv: list[str] | None = None) -> int:
     """`disco-clip data download`: see `download_parser`. A DataError when nothing arrived or a shard failed."""
-    from disco_clip_ds.data.prep.download import DownloadConfig, download, parse_passthrough, print_summary
+    from disco_clip_ds.data.prep.download import DownloadConfig, download, parse_passthrough
+    from disco_clip_ds.data.prep.outputs import print_summary
 
     args, rest = download_parser().parse_known_args(argv)
     cfg = DownloadConfig(**vars(args), extra=parse_passthrough(rest))
