@@ -162,42 +162,29 @@ def find_templates(data: str, templates: str | None) -> list[str]:
     return lines
 
 
+# the options that name a datasets dataset's split and columns, as `disco-clip eval` spells them
+DATASET_FLAGS = {
+    "split": "--split",
+    "config": "--dataset_config_name",
+    "image_column": "--image_column",
+    "label_column": "--label_column",
+    "caption_column": "--caption_column",
+}
+
+
 def open_eval_data(
-    data: str,
-    task: str,
-    *,
-    split: str | None = None,
-    config: str | None = None,
-    image_column: str | None = None,
-    label_column: str | None = None,
-    caption_column: str | None = None,
-    classnames: str | None = None,
+    data: str, task: str, classnames: str | None = None, **columns: str | None
 ) -> tuple[list[str] | DatasetSource, list[str] | None]:
     """(the data, its class names: None for retrieval) that `data` names: checked shards, or a 🤗 datasets source
-    with its columns picked (see `DatasetSource.open`). The split and column options name a datasets dataset's;
-    with shards they are refused. `classnames`: a file or a shipped name, else those beside the shards or the
-    dataset's ClassLabel names."""
+    with its columns picked (`columns`: `DatasetSource.open`'s split, config and columns). Those name a datasets
+    dataset's; with shards they are refused. `classnames`: a file or a shipped name, else those beside the shards or
+    the dataset's ClassLabel names."""
     classify = task == "zeroshot_classification"
     if is_datasets_source(data):
-        source = DatasetSource.open(
-            data,
-            task,
-            split=split,
-            config=config,
-            image_column=image_column,
-            label_column=label_column,
-            caption_column=caption_column,
-            classnames=find_classnames(data, classnames) if classify and classnames else None,
-        )
+        names = find_classnames(data, classnames) if classify and classnames else None
+        source = DatasetSource.open(data, task, classnames=names, **columns)
         return source, source.classnames
-    options = {
-        "--split": split,
-        "--dataset_config_name": config,
-        "--image_column": image_column,
-        "--label_column": label_column,
-        "--caption_column": caption_column,
-    }
-    refuse_dataset_options(data, options)
+    refuse_dataset_options(data, {DATASET_FLAGS[name]: value for name, value in columns.items()})
     shards = resolve_shards(data)
     check_eval_shards(shards, task)
     return shards, find_classnames(data, classnames) if classify else None

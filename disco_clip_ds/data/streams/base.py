@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from disco_clip_ds.data.streams.state import positions_to_restore, write_stream_state
-from disco_clip_ds.data.transforms import ImageTransform
+from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, ImageTransform
 from disco_clip_ds.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,10 @@ class ReaderStream(torch.utils.data.IterableDataset):
     worker), the skip and decode counters shared by all workers, and the positions a resume restores.
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
-    e.g. accelerate's dispatch_batches); `num_workers` is the DataLoader workers per rank. Subclasses implement
-    `_passes` (and `state_facts`, `position_fields`)."""
+    e.g. accelerate's dispatch_batches); `num_workers` is the DataLoader workers per rank; `shuffle_buffer` the
+    block of raw samples permuted at a time (0: no shuffle where the stream allows it); `train` draws random crops;
+    images above `max_image_pixels` are skipped. Subclasses implement `_passes` (and `state_facts`,
+    `position_fields`) and pass these options through."""
 
     position_fields: tuple[str, ...]  # the names of a position row's fields, "reader" and "count" first
 
@@ -62,13 +64,14 @@ class ReaderStream(torch.utils.data.IterableDataset):
     def __init__(
         self,
         image_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle_buffer: int,
-        train: bool,
-        num_workers: int,
-        max_image_pixels: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        train: bool = True,
+        num_workers: int = 0,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
     ):
         super().__init__()
         self.rank, self.world_size, self.seed = rank, world_size, seed

@@ -27,7 +27,6 @@ import numpy as np
 
 from disco_clip_ds.data.hf_io import HFData, resolve_path
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
-from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.errors import DataError
 
 # The streaming state_dict rides with each sample in the int64 position row (the batch carries tensors only, so that
@@ -47,19 +46,9 @@ class HFStream(ReaderStream):
     missing, unreadable or above `max_image_pixels`, or whose caption is empty, are skipped and counted in
     `skipped`; `decoded` counts the samples produced (both shared by all workers)."""
 
-    def __init__(
-        self,
-        data: HFData,
-        image_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        shuffle_buffer: int = 1000,
-        train: bool = True,
-        num_workers: int = 0,
-        max_image_pixels: int = MAX_IMAGE_PIXELS,
-    ):
-        super().__init__(image_size, rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)
+    def __init__(self, data: HFData, image_size: int, **options):
+        """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)."""
+        super().__init__(image_size, **options)
         self.data = data
 
     @property

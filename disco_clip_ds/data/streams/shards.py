@@ -13,7 +13,6 @@ from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, shards_for_reader
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
 from disco_clip_ds.data.streams.state import POSITION_FIELDS
 from disco_clip_ds.data.streams.tar_samples import raw_samples
-from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 
 TEXT_KEYS = ("txt", "text", "caption")
 
@@ -36,21 +35,11 @@ class ShardStream(ReaderStream):
 
     position_fields = POSITION_FIELDS
 
-    def __init__(
-        self,
-        urls: list[str],
-        image_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        shuffle_buffer: int = 1000,
-        train: bool = True,
-        num_workers: int = 0,
-        max_image_pixels: int = MAX_IMAGE_PIXELS,
-    ):
-        super().__init__(image_size, rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)
+    def __init__(self, urls: list[str], image_size: int, **options):
+        """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)."""
+        super().__init__(image_size, **options)
         self.urls = list(urls)
-        shards_for_reader(self.urls, rank * self.workers, self.num_readers)  # fail early, in the main process
+        shards_for_reader(self.urls, self.rank * self.workers, self.num_readers)  # fail early, in the main process
 
     def state_facts(self) -> dict:
         """Readers, seed and block size: a shard position means nothing under another of them."""
