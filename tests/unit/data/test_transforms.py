@@ -165,7 +165,7 @@ def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_clo
     )
 
 
-# --- the transform itself (from test_pipeline.py) ---
+# --- the transform itself ---
 
 
 def test_to_rgb_converts_gray_and_composites_alpha_on_white():
