@@ -118,12 +118,11 @@ def open_file(path: Path, split: str, streaming: bool, flags: Flags):
 
 
 def _load(call, flags: Flags, data: str, *args, **kwargs):
-    """`call(*args, **kwargs)`, its failure (not found, offline, a bad config, damaged files) a one-line UsageError."""
+    """`call(*args, **kwargs)`, its failure (not found, offline, a bad config, damaged or malformed files: datasets
+    raises many types for them) a one-line UsageError."""
     try:
         return call(*args, **kwargs)
-    except (
-        Exception
-    ) as error:  # not found, offline, a bad config, damaged or malformed files: datasets raises many types
+    except Exception as error:
         where = "" if Path(data).exists() else "no such local folder or file, and as a hub dataset: "
         hint = f"; pass {flags.config} NAME" if "Config name is missing" in str(error) else ""
         raise UsageError(f"{flags.data} {data}: {where}{one_line(error)}{hint}") from error
