@@ -17,8 +17,8 @@ from disco_clip_ds.errors import UsageError, run_main
 
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
-    (None, "train"): ("disco_clip_ds.commands.train", "main", "train a CLIP model under DeepSpeed with the distributed loss"),
-    ("data", "download"): ("disco_clip_ds.commands.data", "download_main", "download a dataset to shards (img2dataset)"),
+    (None, "train"): ("disco_clip_ds.commands.train", "main", "train CLIP or SigLIP with the distributed loss"),
+    ("data", "download"): ("disco_clip_ds.commands.data", "download_main", "download a dataset to shards"),
     ("data", "metadata"): ("disco_clip_ds.commands.data", "metadata_main", "fetch parquet metadata from the HF hub"),
     ("data", "verify"): ("disco_clip_ds.commands.data", "verify_main", "check shards, write sizes.json"),
     ("data", "demo"): ("disco_clip_ds.commands.data", "demo_main", "build the offline digits demo dataset"),

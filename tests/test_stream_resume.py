@@ -17,8 +17,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from disco_clip_ds.data.streams.shards import POSITION_FIELDS, POSITION_KEY, ClipCollator, ShardStream
+from disco_clip_ds.data.collate import POSITION_KEY, ClipCollator
+from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.data.streams.state import (
+    POSITION_FIELDS,
     as_rows,
     note_positions,
     positions_to_restore,
@@ -115,12 +117,14 @@ def test_positions_are_folded_per_reader_saved_and_checked(tmp_path):
     assert newest == {0: [0, 9, 1, 0, 4, 1], 2: [2, 6, 0, 1, 0, 4]}
     rows = torch.cat([as_rows(newest, 3), as_rows({2: [2, 7, 0, 1, 0, 5]}, 3)])  # as gathered from two ranks
     assert rows.shape == (6, len(POSITION_FIELDS)) and (rows[:, 0] == -1).sum() == 3
-    write_stream_state(tmp_path, rows, num_readers=4, seed=3, block=8)
+    facts = {"num_readers": 4, "seed": 3, "shuffle_buffer": 8}
+    write_stream_state(tmp_path, rows, facts, POSITION_FIELDS)
     state = read_stream_state(tmp_path)
-    assert state["readers"] == {"0": [0, 9, 1, 0, 4, 1], "2": [2, 7, 0, 1, 0, 5]}
-    assert positions_to_restore(state, 4, 3, 8, tmp_path) == {0: (9, 1, 0, 4, 1), 2: (7, 0, 1, 0, 5)}
-    with pytest.raises(UsageError, match="saved reading with 4 readers .* this run has 2.*--ignore_data_skip"):
-        positions_to_restore(state, 2, 3, 8, tmp_path)
+    named = lambda row: dict(zip(POSITION_FIELDS[1:], row))  # noqa: E731
+    assert state["readers"] == {"0": named([9, 1, 0, 4, 1]), "2": named([7, 0, 1, 0, 5])}
+    assert positions_to_restore(state, facts, POSITION_FIELDS, tmp_path) == {0: (9, 1, 0, 4, 1), 2: (7, 0, 1, 0, 5)}
+    with pytest.raises(UsageError, match="saved reading the data differently .num_readers 4 -> 2.*--ignore_data_skip"):
+        positions_to_restore(state, {**facts, "num_readers": 2}, POSITION_FIELDS, tmp_path)
     assert read_stream_state(tmp_path / "none") is None and read_stream_state(None) is None
 
 

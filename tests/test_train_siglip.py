@@ -103,7 +103,8 @@ def test_zero_shot_evaluation_pads_siglip_text_to_its_length(runs):
     import torch
     from transformers import AutoTokenizer, SiglipModel
 
-    from disco_clip_ds.eval.zeroshot import encode_texts, zeroshot_classification
+    from disco_clip_ds.eval.encode import encode_texts
+    from disco_clip_ds.eval.tasks import zeroshot_classification
 
     model = SiglipModel.from_pretrained(runs / "n2_zero2").eval()
     tokenizer = AutoTokenizer.from_pretrained(runs / "n2_zero2")

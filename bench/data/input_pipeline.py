@@ -189,7 +189,8 @@ def ours_rate(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
+    from disco_clip_ds.data.collate import ClipCollator
+    from disco_clip_ds.data.streams.shards import ShardStream
 
     stream = ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000, num_workers=1)
     if args.no_draft:
@@ -233,8 +234,9 @@ def hf_rate(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.streams.hf import HFStream, load_training_dataset
-    from disco_clip_ds.data.streams.shards import ClipCollator
+    from disco_clip_ds.data.collate import ClipCollator
+    from disco_clip_ds.data.hf_io import load_training_dataset
+    from disco_clip_ds.data.streams.hf import HFStream
 
     names = {"dataset_config_name": None, "train_split": "train", "train_file": None, "streaming": False}
     data_args = SimpleNamespace(dataset_name=args.parquet, image_column="image", caption_column="caption", **names)
@@ -296,7 +298,7 @@ def ours_breakdown(args) -> list[dict]:
     from PIL import Image
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.streams.shards import batch_tensor
+    from disco_clip_ds.data.collate import batch_tensor
     from disco_clip_ds.data.transforms import ImageTransform, random_resized_crop_box, to_rgb
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -341,7 +343,8 @@ def ours_breakdown(args) -> list[dict]:
     uint8 = Steps()  # the same steps as ours, with the uint8 stack in place of the normalisation
     uint8.total = {**{k: v for k, v in now.total.items() if not k.startswith("normalise")}, **stack.total}
     # the whole stream and collator in this process, no DataLoader: what the steps add up to
-    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
+    from disco_clip_ds.data.collate import ClipCollator
+    from disco_clip_ds.data.streams.shards import ShardStream
 
     stream = iter(ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000))
     collate = ClipCollator(tokenizer, CONTEXT)

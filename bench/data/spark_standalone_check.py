@@ -43,7 +43,7 @@ def _wait_for(path: Path, text: str, seconds: float) -> None:
 def main() -> int:
     import pyspark
 
-    from disco_clip_ds.data.prep import download as prep
+    from disco_clip_ds.commands.data import download_main
 
     tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
     port = free_port()
@@ -106,9 +106,9 @@ def main() -> int:
             rows.append((server.add("/gone.jpg", status=404), "gone"))
             url_list = write_url_list(tmp / "urls.parquet", rows)
             options = dict(image_size=32, threads=4, samples_per_shard=4, timeout=2, max_download_seconds=3)
-            assert prep.download_main(download_args(url_list, tmp / "mp", **options, processes=2)) == 0
+            assert download_main(download_args(url_list, tmp / "mp", **options, processes=2)) == 0
             started = time.monotonic()
-            rc = prep.download_main(
+            rc = download_main(
                 download_args(url_list, tmp / "cluster", **options, distributor="pyspark", spark_master=master_url)
             )
             seconds = time.monotonic() - started

@@ -42,7 +42,8 @@ def draw_batches(data: Path, seed: int, readers: int, steps: int, out: Path) -> 
     import torch
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
+    from disco_clip_ds.data.collate import ClipCollator
+    from disco_clip_ds.data.streams.shards import ShardStream
 
     urls = sorted(str(p) for p in (data / "train").glob("*.tar"))
     streams = [iter(ShardStream(urls, 64, rank=r, world_size=readers, seed=seed)) for r in range(readers)]

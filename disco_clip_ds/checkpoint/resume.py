@@ -121,7 +121,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
     if data_args.train_shards:
         data, num_shards, digest = data_args.train_shards, len(urls), shards_digest(urls)
     else:  # a `datasets` dataset: what the arguments name (source, split, columns, streaming) is its fingerprint
-        from disco_clip_ds.data.streams.hf import describe_source
+        from disco_clip_ds.data.hf_io import describe_source
 
         data, num_shards = describe_source(data_args), None
         digest = hashlib.sha256(data.encode()).hexdigest()[:16]

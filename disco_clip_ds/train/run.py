@@ -45,18 +45,14 @@ from disco_clip_ds.checkpoint.layout import (
 )
 from disco_clip_ds.checkpoint.runfile import read_run_file
 from disco_clip_ds.checkpoint.space import check_space_at_start
+from disco_clip_ds.data.collate import POSITION_KEY, ClipCollator
+from disco_clip_ds.data.hf_io import HFData, load_training_dataset
 from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, shards_for_reader, write_json
-from disco_clip_ds.data.streams.hf import HFData, HFStream, load_training_dataset
-from disco_clip_ds.data.streams.shards import (
-    MAX_IMAGE_PIXELS,
-    POSITION_FIELDS,
-    POSITION_KEY,
-    ClipCollator,
-    ReaderStream,
-    ShardStream,
-    error_message,
-)
-from disco_clip_ds.data.streams.state import STATE_FILE, as_rows, note_positions, read_stream_state
+from disco_clip_ds.data.streams.base import ReaderStream, error_message
+from disco_clip_ds.data.streams.hf import HFStream
+from disco_clip_ds.data.streams.shards import ShardStream
+from disco_clip_ds.data.streams.state import POSITION_FIELDS, STATE_FILE, as_rows, note_positions, read_stream_state
+from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.distributed import nodes, peers
 from disco_clip_ds.distributed.preemption import (
     exit_without_finalization,
@@ -867,12 +863,14 @@ def _stream_totals(trainer: DiscoTrainer, stream: ReaderStream) -> tuple[int, in
 
 
 def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:
-    from disco_clip_ds.eval.zeroshot import ZeroShotCallback  # imported only when asked for
+    from disco_clip_ds.eval.callback import ZeroShotCallback  # imported only when asked for
 
+    # the image processor the run trains with: its normalisation (SigLIP's 0.5, not CLIP's) is what the weights
+    # expect, and what `disco-clip eval` of the saved model uses
     ZeroShotCallback(
         data_args.zeroshot_data,
         processor.tokenizer,
-        image_size,
+        processor.image_processor,
         data_args.zeroshot_steps,
         batch_size=trainer.args.per_device_eval_batch_size,
     ).attach(trainer)

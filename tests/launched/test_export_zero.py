@@ -353,7 +353,8 @@ def zero3_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run, tmp_path):
-    from disco_clip_ds.eval import zeroshot as ev
+    from disco_clip_ds.commands.eval import load_for_eval
+    from disco_clip_ds.eval import tasks as ev
 
     out = zero3_run / "out"
     state = json.loads((out / "trainer_state.json").read_text())
@@ -368,7 +369,7 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
     torch.testing.assert_close(from_export["text"], from_trainer["text"], rtol=1e-5, atol=1e-5)
 
     data = str(zero3_run / "eval")
-    model, tokenizer, processor = ev.load_for_eval(str(exported))
+    model, tokenizer, processor = load_for_eval(str(exported))
     metrics = ev.zeroshot_classification(
         model,
         tokenizer,

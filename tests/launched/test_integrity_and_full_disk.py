@@ -165,7 +165,7 @@ def test_latest_skips_every_checkpoint_that_does_not_verify_and_resumes_exactly(
 def test_a_final_model_cut_short_truncated_or_deleted_is_repaired_on_rerun(full, data, tmp_path, caplog):
     from disco_clip_ds.checkpoint.final_model import final_model_problem
     from disco_clip_ds.checkpoint.manifest import MANIFEST
-    from disco_clip_ds.eval.zeroshot import load_for_eval
+    from disco_clip_ds.commands.eval import load_for_eval
     from disco_clip_ds.export import weights as ex
 
     out = tmp_path / "run"

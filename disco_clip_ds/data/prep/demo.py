@@ -23,14 +23,11 @@ TarWriter in the CLIP_benchmark layout.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import math
 import os
-import sys
 import threading
-import time
 import urllib.parse
 import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +39,7 @@ from disco_clip_ds.data.prep import download as prep
 from disco_clip_ds.data.prep.fetch import environ
 from disco_clip_ds.data.prep.outputs import shard_name
 from disco_clip_ds.data.shards import write_json
-from disco_clip_ds.errors import DataError, UsageError, run_main
+from disco_clip_ds.errors import DataError, UsageError
 
 DIGITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]  # class names in label order
 CAPTION_TEMPLATES = [
@@ -316,53 +313,3 @@ def check_output_folder(output: Path, fmt: str = "shards") -> None:
         for other, pattern in FORMAT_FILES.items():
             if other != fmt and any(next((output / split).glob(pattern), None) for split in ("train", "eval")):
                 raise UsageError(f"--output {output} holds a --format {other} demo: give another folder for {fmt}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`disco-clip data demo --output DIR` (also `python -m disco_clip_ds.data.prep.demo`)."""
-    p = argparse.ArgumentParser(prog="disco-clip data demo", description="build the offline digits demo dataset")
-    p.add_argument("--output", required=True, type=Path)
-    p.add_argument("--image_size", type=int, default=64)
-    p.add_argument("--samples_per_shard", type=int, default=180, help="180 gives 8 train shards")
-    p.add_argument("--eval_fraction", type=float, default=0.2)
-    p.add_argument("--processes", type=int, default=2)
-    p.add_argument("--threads", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--format",
-        choices=sorted(FORMAT_FILES),
-        default="shards",
-        help="shards: webdataset tar shards (downloaded through img2dataset); hf: the same samples as a datasets "
-        "parquet dataset with an Image column (--processes and --threads unused)",
-    )
-    args = p.parse_args(argv)
-    if not 0 < args.eval_fraction < 1:
-        raise UsageError("--eval_fraction must be between 0 and 1")
-    check_output_folder(args.output, args.format)
-    started = time.monotonic()
-    if args.format == "hf":
-        train, evl = build_hf_demo(args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed)
-        print(
-            f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
-            f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
-            f"datasets.load_dataset('{args.output / 'train'}') reads it"
-        )
-        return 0
-    summary, eval_sizes = build_demo(
-        args.output,
-        args.image_size,
-        args.samples_per_shard,
-        args.eval_fraction,
-        args.processes,
-        args.threads,
-        args.seed,
-    )
-    print(
-        f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "
-        f"in {summary['shards_done']} shards, eval {sum(eval_sizes.values())} samples in {len(eval_sizes)} shards"
-    )
-    return 0
-
-
-if __name__ == "__main__":  # img2dataset spawns workers that re-import the main module
-    sys.exit(run_main(main, None, "disco-clip data demo"))

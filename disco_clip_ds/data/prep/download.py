@@ -15,7 +15,6 @@ plus what img2dataset leaves out, each in a module of its own:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import difflib
@@ -35,13 +34,12 @@ from disco_clip_ds.data.prep.outputs import (
     canonicalize_tar,
     done_shards,
     prepare_output_for_resume,
-    print_summary,
     shard_name,
     summarize,
 )
 from disco_clip_ds.data.prep.spark import check_spark, is_spark_failure, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.shards import write_json
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.errors import UsageError
 
 # Importing img2dataset pulls in albumentations, which phones home for updates unless told not to.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -224,7 +222,7 @@ def download(cfg: DownloadConfig) -> dict:
     return summary
 
 
-def _parse_passthrough(tokens: list[str]) -> dict:
+def parse_passthrough(tokens: list[str]) -> dict:
     """`--name value` / `--name=value` / `--flag` pairs for img2dataset, values parsed as fire does."""
     params = _img2dataset_params() if tokens else {}  # importing img2dataset takes seconds: not before a Java check
     extra, i = {}, 0
@@ -250,54 +248,3 @@ def _parse_passthrough(tokens: list[str]) -> dict:
         except (ValueError, SyntaxError):
             extra[name] = value
     return extra
-
-
-def _download_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="disco-clip data download",
-        description="Download a dataset to webdataset shards with img2dataset. Any other img2dataset.download "
-        "argument passes through (e.g. --encode_quality 90 --retries 1). Re-run the same command to resume.",
-    )
-    p.add_argument("--preset", choices=sorted(PRESETS), required=True, help="column names and image defaults")
-    p.add_argument("--url_list", required=True, help="metadata file or folder (parquet/tsv/...)")
-    p.add_argument("--output", required=True, help="output folder for NNNNN.tar shards")
-    p.add_argument("--input_format", help="override the preset's input format")
-    p.add_argument("--url_col", help="override the preset's URL column")
-    p.add_argument("--caption_col", help="override the preset's caption column")
-    p.add_argument(
-        "--save_additional_columns", type=ast.literal_eval, help="python list of columns to keep; default: preset's"
-    )
-    p.add_argument("--image_size", type=int, help="default: the preset's (256; datacomp 512)")
-    p.add_argument("--resize_mode", choices=["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"])
-    p.add_argument("--processes", type=int, default=1, help="download processes")
-    p.add_argument("--threads", type=int, default=64, help="download threads per process")
-    p.add_argument("--samples_per_shard", type=int, default=10000)
-    p.add_argument(
-        "--distributor",
-        choices=["multiprocessing", "pyspark"],
-        default="multiprocessing",
-        help="pyspark: one Spark task per shard; without --spark_master a local[--processes] session (needs Java 17+)",
-    )
-    p.add_argument(
-        "--spark_master",
-        help="Spark master URL (spark://HOST:7077, local[N], ...); default: the active session, spark-submit's, "
-        "or local[--processes]",
-    )
-    p.add_argument("--timeout", type=float, default=10, help="seconds per socket operation")
-    p.add_argument(
-        "--max_download_seconds", type=float, default=60, help="wall-clock limit per image, trickling servers included"
-    )
-    return p
-
-
-def download_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data download`: see `_download_parser`. A DataError when nothing arrived or a shard failed."""
-    args, rest = _download_parser().parse_known_args(argv)
-    cfg = DownloadConfig(**vars(args), extra=_parse_passthrough(rest))
-    summary = download(cfg)
-    print_summary(summary, Path(cfg.output))
-    if summary["successes"] == 0:
-        raise DataError("no sample was downloaded; see failures_by_reason in summary.json")
-    if summary["shards_failed"]:
-        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed; re-run to retry")
-    return 0

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from disco_clip_ds.data.prep.inputs import input_columns, input_rows
 from disco_clip_ds.errors import DataError, UsageError
 
 
@@ -35,23 +32,3 @@ def fetch_metadata(dataset: str, output: Path, patterns: list[str], revision: st
     if not files:
         raise UsageError(f"no parquet file in {output} matches {patterns}; check --pattern")
     return files
-
-
-def _metadata_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disco-clip data metadata", description="fetch parquet metadata from the HF hub")
-    p.add_argument("--dataset", required=True, help="HF dataset id, e.g. laion/relaion2B-en-research-safe")
-    p.add_argument("--output", required=True, type=Path)
-    p.add_argument("--pattern", nargs="+", default=["*.parquet"], help="glob(s) of files to fetch")
-    p.add_argument("--revision", default=None)
-    return p
-
-
-def metadata_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data metadata --dataset ID --output DIR [--pattern GLOB ...]`."""
-    args = _metadata_parser().parse_args(argv)
-    started = time.monotonic()
-    files = fetch_metadata(args.dataset, args.output, args.pattern, args.revision)
-    rows = sum(input_rows(f, "parquet") for f in files)
-    print(f"{args.output}: {len(files)} parquet files, {rows} rows ({time.monotonic() - started:.1f}s)")
-    print(f"columns of {files[0].name}: {input_columns(files[0], 'parquet')}")
-    return 0

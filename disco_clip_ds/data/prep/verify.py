@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import re
 import statistics
-import sys
 import tarfile
 from pathlib import Path
 
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.errors import DataError
 
 _SHARD_RE = re.compile(r"^(\d+)\.tar$")
 
@@ -95,28 +93,3 @@ def _length_stats(lengths: list[int]) -> dict:
         "mean": round(statistics.fmean(lengths), 2),
         "max": max(lengths),
     }
-
-
-def _verify_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="disco-clip data verify", description="check webdataset shards, write sizes.json")
-    p.add_argument("folder", type=Path)
-    p.add_argument("--decode", type=int, default=16, help="images to decode per shard")
-    return p
-
-
-def verify_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data verify DIR`: a DataError when a shard is broken."""
-    args = _verify_parser().parse_args(argv)
-    if not args.folder.is_dir():
-        raise UsageError(f"{args.folder} is not a folder")
-    report = verify(args.folder, args.decode)
-    words = report["caption_words"]
-    print(
-        f"{args.folder}: {report['shards']} shards, {report['samples']} samples in good shards, "
-        f"{report['decoded']} images decoded; caption words {words}"
-    )
-    for name, errors in report["broken"].items():
-        print(f"  BROKEN {name}: " + "; ".join(errors[:3]), file=sys.stderr)
-    if report["broken"]:
-        raise DataError(f"{len(report['broken'])} broken shard(s) in {args.folder}: re-create or remove them")
-    return 0

@@ -1,15 +1,20 @@
 """Where each reader of the training stream stands, saved with every checkpoint (`stream_state.json`) so that a
 resumed run seeks there instead of reading and decoding the stream from its start.
 
-Each training sample carries its reader's position (`POSITION_FIELDS`) through its batch; the trainer
+Each training sample carries its reader's position (a stream's `position_fields`) through its batch; the trainer
 keeps the newest position per reader of the batches it trained on (`note_positions`), gathers them from every rank
 at a save, and rank 0 writes them. Positions are keyed by global reader (rank * workers + worker), so a resume that
 splits the same readers differently over ranks and workers (2 ranks x 1 worker -> 1 rank x 2 workers) finds them.
+
+One schema for every stream, read and written here only: the stream's facts (those a position means nothing
+without: readers, seed, block size, and what a `datasets` stream reads), the field names, and per reader its
+position as {field: value} (plus what the stream adds, e.g. a `datasets` streaming state_dict as the JSON it is).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,13 +22,12 @@ import torch
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
 
-# A sample's place in its reader's stream, carried through the batch (`pipeline.POSITION_KEY`) so that the trainer knows
-# where each reader stands after the batches it has trained on: the reader (rank * workers + worker), the samples it
-# has produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's
-# order and the sample's index in the shard), and how many entries of the block's permutation are done.
+# A webdataset sample's place in its reader's stream: the reader (rank * workers + worker), the samples it has
+# produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's order and
+# the sample's index in the shard), and how many entries of the block's permutation are done.
 POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
 STATE_FILE = "stream_state.json"
-_COUNT = POSITION_FIELDS.index("count")
+_COUNT = POSITION_FIELDS.index("count")  # every stream's second field
 
 
 def note_positions(newest: dict[int, list[int]], rows: torch.Tensor | None) -> None:
@@ -38,25 +42,29 @@ def note_positions(newest: dict[int, list[int]], rows: torch.Tensor | None) -> N
 
 def as_rows(newest: dict[int, list[int]], num_rows: int, width: int = len(POSITION_FIELDS)) -> torch.Tensor:
     """`newest` as a (num_rows, width) tensor padded with -1 rows: the same shape on every rank, to gather
-    (`width`: the stream's fields per row; a `datasets` stream has its own, data/hf.py)."""
+    (`width`: the stream's fields per row)."""
     rows = torch.full((num_rows, width), -1, dtype=torch.int64)
     for i, row in enumerate(sorted(newest.values())[:num_rows]):
         rows[i] = torch.tensor(row)
     return rows
 
 
-def write_stream_state(folder: str | Path, rows: torch.Tensor, num_readers: int, seed: int, block: int) -> None:
-    """Write the newest position of each reader found in the gathered `rows` to FOLDER/stream_state.json."""
+def write_stream_state(
+    folder: str | Path,
+    rows: torch.Tensor,
+    facts: dict,
+    fields: tuple[str, ...],
+    extra: Callable[[list[int]], dict] | None = None,
+) -> None:
+    """Write the newest position of each reader found in the gathered `rows` to FOLDER/stream_state.json: the
+    stream's `facts`, its `fields`, and per reader {field: value} (the ints past `fields` as `extra` names them)."""
     newest: dict[int, list[int]] = {}
     note_positions(newest, rows[rows[:, 0] >= 0])
-    state = {
-        "num_readers": num_readers,
-        "seed": seed,
-        "shuffle_buffer": block,
-        "fields": list(POSITION_FIELDS),
-        "readers": {str(reader): row for reader, row in sorted(newest.items())},
-    }
-    write_json(Path(folder) / STATE_FILE, state)
+    readers = {}
+    for reader, row in sorted(newest.items()):
+        entry = dict(zip(fields[1:], row[1 : len(fields)]))
+        readers[str(reader)] = {**entry, **(extra(row[len(fields) :]) if extra else {})}
+    write_json(Path(folder) / STATE_FILE, {**facts, "fields": list(fields), "readers": readers})
 
 
 def read_stream_state(checkpoint: str | Path | None) -> dict | None:
@@ -67,16 +75,28 @@ def read_stream_state(checkpoint: str | Path | None) -> dict | None:
     return json.loads(path.read_text())
 
 
-def positions_to_restore(state: dict, num_readers: int, seed: int, block: int, checkpoint) -> dict[int, tuple]:
-    """{reader: (count, epoch, shard, member, offset)} from a saved state, once it fits this run's stream; a
-    UsageError says what differs (positions mean nothing under another split of the shards, seed or block size)."""
-    saved = (state["num_readers"], state["seed"], state["shuffle_buffer"])
-    if saved != (num_readers, seed, block):
+def positions_to_restore(
+    state: dict,
+    facts: dict,
+    fields: tuple[str, ...],
+    checkpoint,
+    extra: Callable[[dict], list[int]] | None = None,
+) -> dict[int, tuple[int, ...]]:
+    """{reader: position past the reader field} from a saved state, once it was saved by a stream with these
+    `facts` and `fields` (positions mean nothing under another split of the data, seed or block size); else a
+    UsageError says what differs. `extra` turns an entry's added values back into ints."""
+    saved = {k: state.get(k) for k in facts}
+    if saved != facts:
+        differ = ", ".join(f"{k} {saved[k]} -> {facts[k]}" for k in facts if saved[k] != facts[k])
         raise UsageError(
-            f"{checkpoint} was saved reading with {saved[0]} readers (ranks x dataloader workers), seed {saved[1]} "
-            f"and shuffle buffer {saved[2]}; this run has {num_readers}, {seed} and {block}: resume with the same, "
-            "or pass --ignore_data_skip to start the data stream afresh"
+            f"{checkpoint} was saved reading the data differently ({differ}): resume with the same, or pass "
+            "--ignore_data_skip to start the data stream afresh"
         )
-    if state.get("fields", list(POSITION_FIELDS)) != list(POSITION_FIELDS):
-        raise UsageError(f"{checkpoint}/{STATE_FILE} has fields {state['fields']}, not {list(POSITION_FIELDS)}")
-    return {int(reader): tuple(row[1:]) for reader, row in state["readers"].items()}
+    if state.get("fields", list(fields)) != list(fields):
+        raise UsageError(f"{checkpoint}/{STATE_FILE} has fields {state['fields']}, not {list(fields)}")
+    positions = {}
+    for reader, entry in state["readers"].items():
+        if isinstance(entry, list):  # written before the one schema: the whole row, reader field first
+            entry = dict(zip(fields, entry))
+        positions[int(reader)] = tuple([entry[name] for name in fields[1:]] + (extra(entry) if extra else []))
+    return positions

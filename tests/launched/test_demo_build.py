@@ -1,4 +1,5 @@
-"""The digits demo dataset: layout contract, content checked against sklearn's digits, determinism."""
+"""Launched: the digits demo dataset built (img2dataset from a loopback server, and --format hf): layout contract,
+content checked against sklearn's digits, determinism, eval of both formats alike, the quickstart's DATA_FORMAT knob."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def test_demo_reads_back_with_hf_datasets_and_webdataset(demo_data):
 @pytest.mark.slow
 def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "disco_clip_ds.data.prep.demo", "--output", str(tmp_path / "again")],
+        [sys.executable, "-m", "disco_clip_ds.commands.data", "demo", "--output", str(tmp_path / "again")],
         env={**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1"},
         capture_output=True,
         text=True,
@@ -126,22 +127,6 @@ def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     assert len(contract) == 15  # 8 + 2 tars, 2 sizes.json, summary.json, classnames, templates
     for rel in contract:
         assert (tmp_path / "again" / rel).read_bytes() == (demo_data / rel).read_bytes(), rel
-
-
-def test_output_that_is_a_file_or_a_foreign_folder_is_refused_before_any_work(tmp_path, capsys):
-    from disco_clip_ds import cli
-
-    a_file = tmp_path / "notes.txt"
-    a_file.write_text("mine")
-    foreign = tmp_path / "photos"
-    (foreign / "holiday").mkdir(parents=True)
-    for output, message in ((a_file, "is a file"), (foreign, "holds holiday, which is not a demo build")):
-        assert cli.main(["data", "demo", "--output", str(output)]) == 2
-        assert message in capsys.readouterr().err
-    assert a_file.read_text() == "mine" and [p.name for p in foreign.iterdir()] == ["holiday"]
-
-
-# ----------------------------------------------------------------------------------------- --format hf
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +210,7 @@ def test_eval_of_the_hf_demo_equals_the_shards_demo(demo_data, hf_demo, tmp_path
     same zero-shot and retrieval metrics."""
     from transformers import AutoTokenizer, CLIPImageProcessor
 
-    from disco_clip_ds.eval.zeroshot import EvalArguments, run_eval
+    from disco_clip_ds.commands.eval import EvalArguments, run_eval
     from disco_clip_ds.models.build import build_model
     from disco_clip_ds.testing.launch import REPO, TINY_CONFIG
 
@@ -241,30 +226,6 @@ def test_eval_of_the_hf_demo_equals_the_shards_demo(demo_data, hf_demo, tmp_path
         assert metrics[0] == metrics[1] and any(0 < value < 1 for value in metrics[0].values()), task
 
 
-def test_format_hf_and_shards_refuse_each_others_build(tmp_path, capsys):
-    """A demo folder of one format is not rebuilt in the other (the two would mix in train/ and eval/); a shards
-    build, whose train/ holds img2dataset's NNNNN.parquet beside the tars, stays one to resume."""
-    from disco_clip_ds import cli
-    from disco_clip_ds.data.prep.demo import check_output_folder
-
-    shards, hf = tmp_path / "shards", tmp_path / "hf"
-    (shards / "train").mkdir(parents=True)
-    (shards / "train" / "00000.tar").write_bytes(b"")
-    (shards / "train" / "00000.parquet").write_bytes(b"")
-    (hf / "eval").mkdir(parents=True)
-    (hf / "eval" / "test-00000-of-00002.parquet").write_bytes(b"")
-    assert cli.main(["data", "demo", "--format", "hf", "--output", str(shards)]) == 2
-    assert "holds a --format shards demo: give another folder for hf" in capsys.readouterr().err
-    assert cli.main(["data", "demo", "--output", str(hf)]) == 2
-    assert "holds a --format hf demo: give another folder for shards" in capsys.readouterr().err
-    check_output_folder(shards, "shards")  # no error: its own earlier output
-    check_output_folder(hf, "hf")
-
-
-# -------------------------------------------------------------------------- the quickstart's DATA_FORMAT knob
-
-# Stands in for deepspeed's launcher: records the training command and saves the untrained tiny model (with its
-# tokenizer and image processor) where training would leave it, so the script's eval and export run for real.
 LAUNCHER_STANDIN = """
 import json, sys
 from pathlib import Path

@@ -21,14 +21,19 @@ from types import SimpleNamespace
 import pyarrow.parquet as pq
 import pytest
 
-from disco_clip_ds.data.prep import download as prep
-from disco_clip_ds.data.prep.metadata import _metadata_parser
+from disco_clip_ds.commands.data import (
+    download_main,
+    download_parser,
+    metadata_parser,
+    verify_main,
+)
+from disco_clip_ds.data.prep.download import parse_passthrough
 from disco_clip_ds.data.prep.spark import java_problem, jobs_drained_on_failure, spark_session
-from disco_clip_ds.data.prep.verify import verify_main
 from disco_clip_ds.errors import UsageError, run_main
 from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.imageserver import ImageServer
+from disco_clip_ds.testing.launch import REPO
 
 JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
@@ -101,10 +106,10 @@ def _argv(url_list: Path, output: Path, distributor: str, processes: int = 2) ->
 def references(spark, server, url_list, tmp_path_factory):
     """The same input downloaded by the multiprocessing path and by Spark; (mp dir, spark dir, seconds, hits)."""
     tmp = tmp_path_factory.mktemp("spark_runs")
-    assert prep.download_main(_argv(url_list, tmp / "mp", "multiprocessing")) == 0
+    assert download_main(_argv(url_list, tmp / "mp", "multiprocessing")) == 0
     hits_before = dict(server.hits)
     started = time.monotonic()
-    assert prep.download_main(_argv(url_list, tmp / "spark", "pyspark")) == 0
+    assert download_main(_argv(url_list, tmp / "spark", "pyspark")) == 0
     seconds = time.monotonic() - started
     hits = {p: n - hits_before.get(p, 0) for p, n in server.hits.items()}
     return tmp / "mp", tmp / "spark", seconds, hits
@@ -202,7 +207,7 @@ def test_killed_spark_run_resumes_to_the_same_bytes(references, url_list, tmp_pa
     assert _is_canonical(out / "00000.tar") and not _is_canonical(out / "00001.tar")
     before = {name: (out / name).read_text() for name in done}
 
-    assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
+    assert download_main(_argv(url_list, out, "pyspark")) == 0
     assert {name: (out / name).read_text() for name in done} == before  # not redone
     assert _outputs(out) == _outputs(references[1]) == _outputs(references[0])
 
@@ -215,7 +220,7 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
     # the session's Python workers take their environment from SparkContext.environment, not os.environ
     spark.sparkContext.environment["DISCO_FAULT"] = "exit_before:shard=2"
     try:
-        assert run_main(prep.download_main, _argv(url_list, out, "pyspark"), "disco-clip data download") == 1
+        assert run_main(download_main, _argv(url_list, out, "pyspark"), "disco-clip data download") == 1
     finally:
         del spark.sparkContext.environment["DISCO_FAULT"]
     # the run is over when it returns: no task of it still runs (shard 1's outlives the crash of shard 2 by
@@ -229,7 +234,7 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
     assert sorted(p.name for p in out.glob("*_stats.json")) == sorted(
         f"{i:05d}_stats.json" for i in range(N_SHARDS) if f"{i:05d}" not in summary["shards_failed"]
     )
-    assert prep.download_main(_argv(url_list, out, "pyspark")) == 0
+    assert download_main(_argv(url_list, out, "pyspark")) == 0
     assert _outputs(out) == _outputs(references[1])
 
 
@@ -237,7 +242,7 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(
 def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
     rows = [(server.add(f"/nothing{i}.jpg", status=404), "x") for i in range(3)]
     url_list = write_url_list(tmp_path / "urls.parquet", rows)
-    assert run_main(prep.download_main, _argv(url_list, tmp_path / "out", "pyspark"), "disco-clip data download") == 1
+    assert run_main(download_main, _argv(url_list, tmp_path / "out", "pyspark"), "disco-clip data download") == 1
     assert "no sample was downloaded" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["failures_by_reason"] == {"HTTP Error 404: Not Found": 3}
@@ -247,9 +252,9 @@ def test_exit_1_when_nothing_arrives(spark, server, tmp_path, capsys):
 def test_spark_master_is_checked_before_any_work(spark, url_list, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(UsageError, match="--spark_master needs --distributor pyspark"):
-        prep.download_main(_argv(url_list, out, "multiprocessing") + ["--spark_master", "local[2]"])
+        download_main(_argv(url_list, out, "multiprocessing") + ["--spark_master", "local[2]"])
     with pytest.raises(UsageError, match=r"master local\[2\] is already active; --spark_master spark://"):
-        prep.download_main(_argv(url_list, out, "pyspark") + ["--spark_master", "spark://nowhere:7077"])
+        download_main(_argv(url_list, out, "pyspark") + ["--spark_master", "spark://nowhere:7077"])
     assert not out.exists()
 
 
@@ -332,7 +337,7 @@ def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
         shim.chmod(0o755)
     (env_dir / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (env_dir / "bin" / "python").chmod(0o755)
-    script = Path(__file__).resolve().parents[1] / "data_prep" / "relaion2b_spark.sh"
+    script = REPO / "data_prep" / "relaion2b_spark.sh"
     env = {
         **os.environ,
         "ENV_DIR": str(env_dir),
@@ -344,13 +349,13 @@ def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
     subprocess.run(["bash", str(script), "download"], cwd=tmp_path, env=env, check=True, timeout=60)
     calls = [line.split("\0")[:-1] for line in (tmp_path / "calls").read_text().splitlines() if line]
     assert [c[0] for c in calls] == ["disco-clip", "spark-submit", "disco-clip"]
-    assert _metadata_parser().parse_args(calls[0][3:]).pattern == ["part-0000[0-1]-*"]
+    assert metadata_parser().parse_args(calls[0][3:]).pattern == ["part-0000[0-1]-*"]
     submit = calls[1]
     app = next(i for i, a in enumerate(submit) if a.endswith("cli.py"))
-    assert Path(submit[app]).resolve() == Path(prep.__file__).resolve().parents[1] / "cli.py"
+    assert Path(submit[app]).resolve() == REPO / "disco_clip_ds" / "cli.py"
     assert submit[app + 1 : app + 3] == ["data", "download"]
-    known, unknown = prep._download_parser().parse_known_args(submit[app + 3 :])
-    assert prep._parse_passthrough(unknown) == {"retries": 0}
+    known, unknown = download_parser().parse_known_args(submit[app + 3 :])
+    assert parse_passthrough(unknown) == {"retries": 0}
     assert (known.distributor, known.preset, known.output) == ("pyspark", "relaion", str(tmp_path / "shards"))
     assert (known.threads, known.samples_per_shard) == (64, 10000)
     options = submit[1:app]

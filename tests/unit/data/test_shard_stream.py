@@ -1,17 +1,13 @@
-"""Training stream: decode/augment/tokenize, disjoint reading per rank and worker, resampling, bad samples."""
+"""data/streams/shards.py (with streams/base.py): disjoint reading per rank and worker, resampling each pass, bad
+samples skipped and counted, a shard set without readable samples or with too few shards for the readers one line."""
 
-import random
-
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoTokenizer
 
 from disco_clip_ds.data.shards import epoch_order
-from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream, error_message
-from disco_clip_ds.data.transforms import ImageTransform, to_rgb
-from disco_clip_ds.errors import DataError
+from disco_clip_ds.data.streams.base import error_message
+from disco_clip_ds.data.streams.shards import ShardStream
+from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
@@ -26,45 +22,6 @@ def _keys_seen(stream: ShardStream, n: int, workers: int = 0) -> list[tuple]:
         if len(out) == n:
             return out
     return out
-
-
-def test_to_rgb_converts_gray_and_composites_alpha_on_white():
-    assert to_rgb(Image.new("L", (4, 4), 7)).getpixel((0, 0)) == (7, 7, 7)
-    assert to_rgb(Image.new("RGBA", (4, 4), (10, 20, 30, 0))).getpixel((0, 0)) == (255, 255, 255)
-    assert to_rgb(Image.new("RGBA", (4, 4), (10, 20, 30, 255))).getpixel((0, 0)) == (10, 20, 30)
-
-
-def test_transform_normalises_with_clip_mean_std():
-    image = Image.new("RGB", (50, 70), (255, 0, 128))
-    for train in (True, False):
-        x = ImageTransform(32, train=train)(image, random.Random(0))
-        assert x.shape == (3, 32, 32)
-        expected = (
-            torch.tensor([1.0, 0.0, 128 / 255]) - torch.tensor([0.48145466, 0.4578275, 0.40821073])
-        ) / torch.tensor([0.26862954, 0.26130258, 0.27577711])
-        torch.testing.assert_close(x[:, 16, 16], expected, atol=2e-3, rtol=0)
-
-
-def test_random_crop_depends_on_the_rng_only():
-    gradient = Image.fromarray(np.tile(np.arange(100, dtype=np.uint8), (80, 1)))
-    t = ImageTransform(16, train=True)
-    a, b = t(gradient, random.Random("k1")), t(gradient, random.Random("k1"))
-    assert torch.equal(a, b)
-    assert any(not torch.equal(a, t(gradient, random.Random(f"k{i}"))) for i in range(2, 6))
-
-
-def test_collator_pads_to_max_length_with_eos_and_no_labels():
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    batch = ClipCollator(tokenizer, max_length=12)(
-        [(torch.zeros(3, 8, 8), "a photo of the digit seven"), (torch.ones(3, 8, 8), "seven")]
-    )
-    assert set(batch) == {"pixel_values", "input_ids", "attention_mask"}
-    assert batch["input_ids"].shape == (2, 12) and batch["pixel_values"].shape == (2, 3, 8, 8)
-    ids = batch["input_ids"][1].tolist()
-    assert ids[0] == tokenizer.bos_token_id and ids[2] == tokenizer.eos_token_id
-    assert batch["attention_mask"][1].tolist() == [1, 1, 1] + [0] * 9
-    long = ClipCollator(tokenizer, max_length=5)([(torch.zeros(3, 8, 8), "a photo of the digit seven eight nine")])
-    assert long["input_ids"][0, -1] == tokenizer.eos_token_id  # truncation keeps the end token CLIP pools at
 
 
 def test_ranks_and_workers_read_disjoint_shards_and_resample(tmp_path):
@@ -124,3 +81,34 @@ def test_too_few_shards_for_the_readers_is_a_clear_error(tmp_path):
     ShardStream(urls, 16, rank=0, world_size=1, num_workers=3)
     with pytest.raises(ValueError, match="lower --dataloader_num_workers"):
         ShardStream(urls, 16, rank=0, world_size=1, num_workers=4)
+
+
+def test_a_stream_state_is_one_schema_and_an_old_one_still_resumes(tmp_path):
+    """stream_state.json of a shard stream: its facts, its field names and each reader's {field: value}, written and
+    read by streams/state.py (the schema a datasets stream writes too); a file written before the one schema (each
+    reader a whole row) gives the same positions."""
+    import json
+
+    from disco_clip_ds.data.streams.state import POSITION_FIELDS, read_stream_state
+
+    urls = write_shards(tmp_path / "shards", num_shards=2, per_shard=2, seed=0)
+    stream = ShardStream(urls, 16, world_size=2, seed=3, shuffle_buffer=8)
+    rows = torch.tensor([[0, 9, 1, 0, 4, 1], [1, 7, 0, 1, 0, 5], [-1] * 6])
+    stream.write_state(tmp_path, rows)
+    state = read_stream_state(tmp_path)
+    assert state == {
+        "num_readers": 2,
+        "seed": 3,
+        "shuffle_buffer": 8,
+        "fields": list(POSITION_FIELDS),
+        "readers": {
+            "0": dict(zip(POSITION_FIELDS[1:], [9, 1, 0, 4, 1])),
+            "1": dict(zip(POSITION_FIELDS[1:], [7, 0, 1, 0, 5])),
+        },
+    }
+    expected = {0: (9, 1, 0, 4, 1), 1: (7, 0, 1, 0, 5)}
+    assert stream.positions_from(state, tmp_path) == expected
+    old = {**state, "readers": {"0": [0, 9, 1, 0, 4, 1], "1": [1, 7, 0, 1, 0, 5]}}
+    assert stream.positions_from(json.loads(json.dumps(old)), tmp_path) == expected
+    with pytest.raises(UsageError, match="saved reading the data differently .seed 3 -> 4.*--ignore_data_skip"):
+        ShardStream(urls, 16, world_size=2, seed=4, shuffle_buffer=8).positions_from(state, tmp_path)

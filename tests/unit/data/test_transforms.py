@@ -1,6 +1,7 @@
-"""The fast input path (uint8 crops, draft decoding, bulk normalisation in the collator) against the per-sample
-float path it replaced, written out below as that code computed it: bit for bit where nothing is meant to change,
-within a stated bound where draft decoding changes pixels."""
+"""data/transforms.py: RGB conversion, CLIP normalisation, crops drawn from the RNG alone; and the fast input path
+(uint8 crops, draft decoding, bulk normalisation in the collator) against the per-sample float path it replaced,
+written out below as that code computed it: bit for bit where nothing is meant to change, within a stated bound where
+draft decoding changes pixels."""
 
 import io
 import random
@@ -14,7 +15,8 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from disco_clip_ds.data.streams.shards import ClipCollator, ShardStream
+from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.data.transforms import ImageTransform, draft_scale, random_resized_crop_box, to_rgb
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
@@ -161,3 +163,31 @@ def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_clo
         ImageTransform(224).from_bytes(data, random.Random("x")),
         ImageTransform(224, draft=False).from_bytes(data, random.Random("x")),
     )
+
+
+# --- the transform itself ---
+
+
+def test_to_rgb_converts_gray_and_composites_alpha_on_white():
+    assert to_rgb(Image.new("L", (4, 4), 7)).getpixel((0, 0)) == (7, 7, 7)
+    assert to_rgb(Image.new("RGBA", (4, 4), (10, 20, 30, 0))).getpixel((0, 0)) == (255, 255, 255)
+    assert to_rgb(Image.new("RGBA", (4, 4), (10, 20, 30, 255))).getpixel((0, 0)) == (10, 20, 30)
+
+
+def test_transform_normalises_with_clip_mean_std():
+    image = Image.new("RGB", (50, 70), (255, 0, 128))
+    for train in (True, False):
+        x = ImageTransform(32, train=train)(image, random.Random(0))
+        assert x.shape == (3, 32, 32)
+        expected = (
+            torch.tensor([1.0, 0.0, 128 / 255]) - torch.tensor([0.48145466, 0.4578275, 0.40821073])
+        ) / torch.tensor([0.26862954, 0.26130258, 0.27577711])
+        torch.testing.assert_close(x[:, 16, 16], expected, atol=2e-3, rtol=0)
+
+
+def test_random_crop_depends_on_the_rng_only():
+    gradient = Image.fromarray(np.tile(np.arange(100, dtype=np.uint8), (80, 1)))
+    t = ImageTransform(16, train=True)
+    a, b = t(gradient, random.Random("k1")), t(gradient, random.Random("k1"))
+    assert torch.equal(a, b)
+    assert any(not torch.equal(a, t(gradient, random.Random(f"k{i}"))) for i in range(2, 6))

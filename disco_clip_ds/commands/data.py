@@ -1,0 +1,187 @@
+"""`disco-clip data download|verify|metadata|demo`: parse the arguments, call data/prep/, say what it did.
+
+Also `python -m disco_clip_ds.commands.data demo --output DIR` (img2dataset's spawned workers re-import the main
+module: this one imports the demo's library only when a command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+import time
+from pathlib import Path
+
+from disco_clip_ds.errors import DataError, UsageError, run_main
+
+
+def download_parser() -> argparse.ArgumentParser:
+    """`disco-clip data download`'s arguments (the rest pass through to img2dataset.download)."""
+    from disco_clip_ds.data.prep.download import PRESETS
+
+    p = argparse.ArgumentParser(
+        prog="disco-clip data download",
+        description="Download a dataset to webdataset shards with img2dataset. Any other img2dataset.download "
+        "argument passes through (e.g. --encode_quality 90 --retries 1). Re-run the same command to resume.",
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), required=True, help="column names and image defaults")
+    p.add_argument("--url_list", required=True, help="metadata file or folder (parquet/tsv/...)")
+    p.add_argument("--output", required=True, help="output folder for NNNNN.tar shards")
+    p.add_argument("--input_format", help="override the preset's input format")
+    p.add_argument("--url_col", help="override the preset's URL column")
+    p.add_argument("--caption_col", help="override the preset's caption column")
+    p.add_argument(
+        "--save_additional_columns", type=ast.literal_eval, help="python list of columns to keep; default: preset's"
+    )
+    p.add_argument("--image_size", type=int, help="default: the preset's (256; datacomp 512)")
+    p.add_argument("--resize_mode", choices=["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"])
+    p.add_argument("--processes", type=int, default=1, help="download processes")
+    p.add_argument("--threads", type=int, default=64, help="download threads per process")
+    p.add_argument("--samples_per_shard", type=int, default=10000)
+    p.add_argument(
+        "--distributor",
+        choices=["multiprocessing", "pyspark"],
+        default="multiprocessing",
+        help="pyspark: one Spark task per shard; without --spark_master a local[--processes] session (needs Java 17+)",
+    )
+    p.add_argument(
+        "--spark_master",
+        help="Spark master URL (spark://HOST:7077, local[N], ...); default: the active session, spark-submit's, "
+        "or local[--processes]",
+    )
+    p.add_argument("--timeout", type=float, default=10, help="seconds per socket operation")
+    p.add_argument(
+        "--max_download_seconds", type=float, default=60, help="wall-clock limit per image, trickling servers included"
+    )
+    return p
+
+
+def download_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data download`: see `download_parser`. A DataError when nothing arrived or a shard failed."""
+    from disco_clip_ds.data.prep.download import DownloadConfig, download, parse_passthrough
+    from disco_clip_ds.data.prep.outputs import print_summary
+
+    args, rest = download_parser().parse_known_args(argv)
+    cfg = DownloadConfig(**vars(args), extra=parse_passthrough(rest))
+    summary = download(cfg)
+    print_summary(summary, Path(cfg.output))
+    if summary["successes"] == 0:
+        raise DataError("no sample was downloaded; see failures_by_reason in summary.json")
+    if summary["shards_failed"]:
+        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed; re-run to retry")
+    return 0
+
+
+def verify_parser() -> argparse.ArgumentParser:
+    """`disco-clip data verify`'s arguments."""
+    p = argparse.ArgumentParser(prog="disco-clip data verify", description="check webdataset shards, write sizes.json")
+    p.add_argument("folder", type=Path)
+    p.add_argument("--decode", type=int, default=16, help="images to decode per shard")
+    return p
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data verify DIR`: a DataError when a shard is broken."""
+    from disco_clip_ds.data.prep.verify import verify
+
+    args = verify_parser().parse_args(argv)
+    if not args.folder.is_dir():
+        raise UsageError(f"{args.folder} is not a folder")
+    report = verify(args.folder, args.decode)
+    words = report["caption_words"]
+    print(
+        f"{args.folder}: {report['shards']} shards, {report['samples']} samples in good shards, "
+        f"{report['decoded']} images decoded; caption words {words}"
+    )
+    for name, errors in report["broken"].items():
+        print(f"  BROKEN {name}: " + "; ".join(errors[:3]), file=sys.stderr)
+    if report["broken"]:
+        raise DataError(f"{len(report['broken'])} broken shard(s) in {args.folder}: re-create or remove them")
+    return 0
+
+
+def metadata_parser() -> argparse.ArgumentParser:
+    """`disco-clip data metadata`'s arguments."""
+    p = argparse.ArgumentParser(prog="disco-clip data metadata", description="fetch parquet metadata from the HF hub")
+    p.add_argument("--dataset", required=True, help="HF dataset id, e.g. laion/relaion2B-en-research-safe")
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--pattern", nargs="+", default=["*.parquet"], help="glob(s) of files to fetch")
+    p.add_argument("--revision", default=None)
+    return p
+
+
+def metadata_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data metadata --dataset ID --output DIR [--pattern GLOB ...]`."""
+    from disco_clip_ds.data.prep.inputs import input_columns, input_rows
+    from disco_clip_ds.data.prep.metadata import fetch_metadata
+
+    args = metadata_parser().parse_args(argv)
+    started = time.monotonic()
+    files = fetch_metadata(args.dataset, args.output, args.pattern, args.revision)
+    rows = sum(input_rows(f, "parquet") for f in files)
+    print(f"{args.output}: {len(files)} parquet files, {rows} rows ({time.monotonic() - started:.1f}s)")
+    print(f"columns of {files[0].name}: {input_columns(files[0], 'parquet')}")
+    return 0
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """`disco-clip data demo`'s arguments."""
+    from disco_clip_ds.data.prep.demo import FORMAT_FILES
+
+    p = argparse.ArgumentParser(prog="disco-clip data demo", description="build the offline digits demo dataset")
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--image_size", type=int, default=64)
+    p.add_argument("--samples_per_shard", type=int, default=180, help="180 gives 8 train shards")
+    p.add_argument("--eval_fraction", type=float, default=0.2)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMAT_FILES),
+        default="shards",
+        help="shards: webdataset tar shards (downloaded through img2dataset); hf: the same samples as a datasets "
+        "parquet dataset with an Image column (--processes and --threads unused)",
+    )
+    return p
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data demo --output DIR`."""
+    from disco_clip_ds.data.prep.demo import build_demo, build_hf_demo, check_output_folder
+
+    args = demo_parser().parse_args(argv)
+    if not 0 < args.eval_fraction < 1:
+        raise UsageError("--eval_fraction must be between 0 and 1")
+    check_output_folder(args.output, args.format)
+    started = time.monotonic()
+    if args.format == "hf":
+        train, evl = build_hf_demo(args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed)
+        print(
+            f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
+            f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
+            f"datasets.load_dataset('{args.output / 'train'}') reads it"
+        )
+        return 0
+    summary, eval_sizes = build_demo(
+        args.output,
+        args.image_size,
+        args.samples_per_shard,
+        args.eval_fraction,
+        args.processes,
+        args.threads,
+        args.seed,
+    )
+    print(
+        f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "
+        f"in {summary['shards_done']} shards, eval {sum(eval_sizes.values())} samples in {len(eval_sizes)} shards"
+    )
+    return 0
+
+
+MAINS = {"download": download_main, "verify": verify_main, "metadata": metadata_main, "demo": demo_main}
+
+if __name__ == "__main__":  # img2dataset spawns workers that re-import the main module
+    if len(sys.argv) < 2 or sys.argv[1] not in MAINS:
+        sys.exit(f"usage: python -m disco_clip_ds.commands.data {{{','.join(MAINS)}}} ARGS")
+    sys.exit(run_main(MAINS[sys.argv[1]], sys.argv[2:], f"disco-clip data {sys.argv[1]}"))

@@ -1,0 +1,124 @@
+"""`disco-clip eval`: zero-shot classification or retrieval of a model, printed (and written) as CLIP_benchmark's
+result record. The arguments are `EvalArguments` (HfArgumentParser); the work is eval/."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from disco_clip_ds.checkpoint.layout import has_weights
+from disco_clip_ds.data.shards import write_json
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
+
+
+@dataclass
+class EvalArguments:
+    model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
+    data: str = field(
+        metadata={
+            "help": "webdataset shards (a folder, 'dir/{00000..00009}.tar', or sources joined by '::'), or a datasets "
+            "dataset: a save_to_disk or parquet folder, a parquet/arrow/csv/json file, or a hub id"
+        }
+    )
+    task: str = field(
+        default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]}
+    )
+    split: str | None = field(default=None, metadata={"help": "split of a datasets dataset (default: its only one)"})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "config of a datasets dataset"})
+    image_column: str | None = field(
+        default=None, metadata={"help": "datasets: the image column (default: the only Image column)"}
+    )
+    label_column: str | None = field(
+        default=None,
+        metadata={"help": "datasets, zeroshot_classification: the class column (default: the only ClassLabel)"},
+    )
+    caption_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "datasets, zeroshot_retrieval: a string or list of strings per image (default: the only such "
+            "column)"
+        },
+    )
+    classnames: str | None = field(
+        default=None,
+        metadata={
+            "help": "class names file or 'imagenet1k' (default: classnames.txt beside the shards, or a datasets "
+            "ClassLabel's names)"
+        },
+    )
+    templates: str | None = field(
+        default=None, metadata={"help": "templates file or 'openai_imagenet' (default: beside the shards, or OpenAI's)"}
+    )
+    batch_size: int = field(default=64)
+    output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+
+
+def load_for_eval(model_id: str, device: str = "cpu"):
+    """(CLIPModel or SiglipModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A
+    folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    folder = Path(model_id)
+    if folder.is_dir() and not has_weights(folder):
+        hint = "a DeepSpeed checkpoint without full weights (ZeRO-3): " if (folder / "latest").is_file() else ""
+        raise UsageError(
+            f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)"
+        )
+    try:
+        model = AutoModel.from_pretrained(model_id).to(device)
+        return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
+    except OSError as e:  # no such folder or hub id, or one without the config / processor files
+        raise UsageError(f"--model {model_id}: {e}") from e
+
+
+def run_eval(args: EvalArguments) -> dict:
+    """Evaluate as the CLI does and return CLIP_benchmark's result record."""
+    if args.batch_size <= 0:
+        raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
+    classify = args.task == "zeroshot_classification"
+    data, classnames = open_eval_data(
+        args.data,
+        args.task,
+        split=args.split,
+        config=args.dataset_config_name,
+        image_column=args.image_column,
+        label_column=args.label_column,
+        caption_column=args.caption_column,
+        classnames=args.classnames,
+    )
+    templates = find_templates(args.data, args.templates) if classify else None
+    model, tokenizer, image_processor = load_for_eval(args.model, args.device)
+    if classify:
+        metrics = zeroshot_classification(
+            model, tokenizer, data, classnames, templates, image_processor=image_processor, batch_size=args.batch_size
+        )
+    else:
+        metrics = zeroshot_retrieval(
+            model, tokenizer, data, image_processor=image_processor, batch_size=args.batch_size
+        )
+    return {
+        "dataset": args.data,
+        "model": args.model,
+        "pretrained": args.model,
+        "task": args.task,
+        "metrics": metrics,
+        "language": "en",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip eval`: print (and optionally write) the result record."""
+    from transformers import HfArgumentParser
+
+    try:
+        (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # HfArgumentParser's word for argument names it does not know
+        raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
+    record = run_eval(args)
+    print(json.dumps(record, indent=2))
+    if args.output:
+        write_json(args.output, record)
+    return 0

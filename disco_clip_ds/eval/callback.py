@@ -1,0 +1,80 @@
+"""Zero-shot classification during training (`ZeroShotCallback`), logged like the loss."""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification
+
+
+class ZeroShotCallback(TrainerCallback):
+    """Zero-shot classification every `every_n_steps` optimizer steps (and at the last), logged like the loss.
+
+    `data_dir` is what `disco-clip eval --data` takes: shards, or a 🤗 datasets source (then `split`, `config`,
+    `image_column` and `label_column` as `DatasetSource.open` takes them; by default the only split and column
+    of each kind). `image_processor` is the one the run trains with: the model's own normalisation (SigLIP's 0.5,
+    not CLIP's), so that the numbers are those `disco-clip eval` gives for the same weights. Runs on every rank
+    (ZeRO-3 forwards are collectives) and logs through `trainer.log`, so the metrics reach the console,
+    TensorBoard and `trainer_state.json` as `zeroshot_acc1` etc. Register it with
+    `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through.
+    """
+
+    def __init__(
+        self,
+        data_dir,
+        tokenizer,
+        image_processor,
+        every_n_steps: int,
+        batch_size: int = 64,
+        classnames=None,
+        templates=None,
+        *,
+        split: str | None = None,
+        config: str | None = None,
+        image_column: str | None = None,
+        label_column: str | None = None,
+    ):
+        if every_n_steps <= 0:
+            raise UsageError(f"every_n_steps must be positive, got {every_n_steps}")
+        self.data = str(data_dir)
+        self.source, self.classnames = open_eval_data(
+            self.data,
+            "zeroshot_classification",
+            split=split,
+            config=config,
+            image_column=image_column,
+            label_column=label_column,
+            classnames=classnames,
+        )
+        self.templates = find_templates(self.data, templates)
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.every_n_steps, self.batch_size = every_n_steps, batch_size
+        self.trainer = None
+
+    def attach(self, trainer) -> "ZeroShotCallback":
+        """Add this callback to `trainer` and log through it."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise RuntimeError(
+                "ZeroShotCallback needs the trainer to log through: use ZeroShotCallback(...).attach(trainer)"
+            )
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every_n_steps and state.global_step != state.max_steps:
+            return
+        metrics = zeroshot_classification(
+            model,
+            self.tokenizer,
+            self.source,
+            self.classnames,
+            self.templates,
+            image_processor=self.image_processor,
+            batch_size=self.batch_size,
+            progress=False,
+        )
+        self.trainer.log({f"zeroshot_{name}": value for name, value in metrics.items()})

@@ -1,0 +1,78 @@
+"""The model side of evaluation: the CLIPModel / SiglipModel inside a wrapper, L2-normalised image and text
+embeddings, the zero-shot classifier of class names x templates, eval mode for the duration.
+
+Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so these must run on every rank
+over the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def unwrap(model):
+    """The CLIPModel or SiglipModel inside a DeepSpeed engine or DDP wrapper (both keep it as `.module`)."""
+    while hasattr(model, "module") and not hasattr(model, "get_image_features"):
+        model = model.module
+    return model
+
+
+def _first_param(model) -> torch.Tensor:
+    return next(model.parameters())
+
+
+@torch.no_grad()
+def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
+    """L2-normalised float32 image embeddings."""
+    model = unwrap(model)
+    param = _first_param(model)
+    out = model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)).pooler_output
+    return F.normalize(out.float(), dim=-1).cpu()
+
+
+@torch.no_grad()
+def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
+    """L2-normalised float32 text embeddings of `texts`, in batches. SigLIP's text is padded to its fixed length,
+    as it was trained (its text tower pools the last position); CLIP's to the longest in the batch."""
+    model = unwrap(model)
+    device = _first_param(model).device
+    max_length = model.config.text_config.max_position_embeddings
+    padding = "max_length" if model.config.model_type == "siglip" else True
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        tokens = tokenizer(
+            list(texts[start : start + batch_size]),
+            padding=padding,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        ).to(device)
+        out = model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        out = out.pooler_output  # transformers 5: a model output whose pooler_output is the projected embedding
+        chunks.append(F.normalize(out.float(), dim=-1).cpu())
+    return torch.cat(chunks)
+
+
+def zeroshot_classifier(
+    model, tokenizer, classnames: Sequence[str], templates: Sequence[str], batch_size: int = 256
+) -> torch.Tensor:
+    """(n_classes, d) classifier: per class, the renormalised mean of its normalised prompt embeddings."""
+    prompts = [template.format(c=name) for name in classnames for template in templates]
+    embeddings = encode_texts(model, tokenizer, prompts, batch_size).view(len(classnames), len(templates), -1)
+    return F.normalize(embeddings.mean(1), dim=-1)
+
+
+class EvalMode:
+    """Switch a model to eval() for the duration, restoring its training flag after."""
+
+    def __init__(self, model):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was_training)

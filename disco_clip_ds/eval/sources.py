@@ -1,0 +1,191 @@
+"""Where evaluation reads its images: webdataset shards in CLIP_benchmark's layout, or a 🤗 `datasets` dataset.
+
+Shards: `key.{webp,png,jpg,jpeg}` with `key.cls` (class index) for classification or `key.txt` (captions, one per
+line) for retrieval. A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as training's is): an
+image column and a `ClassLabel` column (class names from the feature) for classification, or an image column and a
+caption column (a string or a list of strings per image) for retrieval.
+
+Evaluation reads every shard on every rank, never split: under ZeRO-3 all ranks must run the same forwards.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from disco_clip_ds.data import hf_io
+from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url
+from disco_clip_ds.errors import DataError, UsageError
+
+TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt"}
+
+
+def resolve_shards(spec: str | Sequence[str]) -> list[str]:
+    """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
+    `data.shards.expand_shards`) or a list of such specs; local shards must exist (else UsageError)."""
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    try:
+        urls = [url for item in specs for url in expand_shards(str(item))]
+    except (ValueError, FileNotFoundError) as e:  # an empty spec, a folder without shards
+        raise UsageError(str(e)) from e
+    missing = [url for url in urls if not is_url(url) and not os.path.isfile(url)]
+    if missing:
+        raise UsageError(
+            f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards "
+            "or a brace pattern"
+        )
+    return urls
+
+
+def check_eval_shards(urls: Sequence[str], task: str) -> None:
+    """Read each local shard's member list before any model is loaded. webdataset would otherwise stop mid-way
+    with a traceback on a truncated tar (its reader cannot tell a cut file from the end of a shard), or find no
+    sample with the field the task needs only after encoding every image."""
+    need = TASK_FIELD[task]
+    for url in urls:
+        if is_url(url):
+            continue
+        try:
+            with tarfile.open(url, "r:") as tar:
+                members = tar.getmembers()
+        except (tarfile.TarError, OSError) as e:
+            raise DataError(f"shard '{url}' is truncated or not a tar ({e}): re-create or remove it") from e
+        size = os.path.getsize(url)
+        if any(m.offset_data + m.size > size for m in members):  # tarfile lists a cut-off member without error
+            raise DataError(f"shard '{url}' is truncated ({size} bytes): re-create or remove it")
+        fields = {name.rsplit(".", 1)[-1] for name in (m.name for m in members) if "." in name}
+        if fields and need not in fields:
+            other = "zeroshot_retrieval" if task == "zeroshot_classification" else "zeroshot_classification"
+            layout = (
+                "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
+            )
+            hint = f"; it has .{TASK_FIELD[other]}: use --task {other}" if TASK_FIELD[other] in fields else ""
+            raise UsageError(
+                f"shard '{url}' has no .{need} members, which --task {task} reads (expected {layout}){hint}"
+            )
+
+
+def _every_node(urls):
+    # Evaluation reads every shard on every rank: under ZeRO-3 all ranks must run the same forwards.
+    yield from urls
+
+
+def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
+    """(pixel_values, [class index or caption list]) batches read in order from the shards.
+
+    `fields` is "cls" or "txt"."""
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(
+            resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False
+        )
+        .decode("pil")
+        .to_tuple(";".join(IMAGE_EXTS), fields)
+        .batched(batch_size, collation_fn=None, partial=True)
+    )
+    for batch in dataset:
+        images, values = zip(*batch)
+        if fields == "txt":
+            values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
+        yield pixels(image_processor, images), list(values)
+
+
+def pixels(image_processor, images) -> torch.Tensor:
+    """The model's pixel_values of PIL `images` (converted to RGB), by its own image processor."""
+    return image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
+
+
+def as_batches(data, image_processor, fields: str, batch_size: int):
+    """Batches from a shard spec, a 🤗 datasets source (a DatasetSource, or a string naming one, opened with
+    its columns detected) or, as given, an iterable of batches."""
+    is_spec = isinstance(data, (str, os.PathLike)) or (
+        isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))
+    )
+    if (is_spec or isinstance(data, DatasetSource)) and image_processor is None:
+        raise ValueError(
+            "reading images needs the model's image_processor (e.g. AutoImageProcessor.from_pretrained(model_dir))"
+        )
+    if isinstance(data, (str, os.PathLike)) and hf_io.is_datasets_source(str(data)):
+        task = "zeroshot_classification" if fields == "cls" else "zeroshot_retrieval"
+        data = DatasetSource.open(str(data), task)
+    if isinstance(data, DatasetSource):
+        return data.batches(image_processor, batch_size)
+    if is_spec:
+        return shard_batches(data, image_processor, fields, batch_size)
+    return data
+
+
+@dataclass
+class DatasetSource:
+    """A 🤗 datasets eval set, its columns checked: `image_column` and `value_column` (the ClassLabel for
+    zero-shot classification, the captions for retrieval). `classnames` are the ClassLabel's names, or the
+    ones given. Open one with `DatasetSource.open`; read it in order, whole, on every rank."""
+
+    dataset: object
+    name: str
+    task: str
+    image_column: str
+    value_column: str
+    classnames: list[str] | None = None
+
+    @classmethod
+    def open(
+        cls,
+        data: str,
+        task: str,
+        *,
+        split: str | None = None,
+        config: str | None = None,
+        image_column: str | None = None,
+        label_column: str | None = None,
+        caption_column: str | None = None,
+        classnames: Sequence[str] | None = None,
+    ) -> "DatasetSource":
+        """Load `data` and pick its columns: each named one must exist and hold the right kind of values; one
+        not named is the only column of its kind (the only Image column, the only ClassLabel, the only string or
+        list-of-strings column besides the image). Every problem is a UsageError in one line."""
+        dataset, _, _ = hf_io.open_split(data, split, config, streaming=True)
+        dataset, features = hf_io.resolved_features(dataset)
+        image = hf_io.image_column(features, image_column, data)
+        if task == "zeroshot_classification":
+            value, names = hf_io.label_column(features, label_column, data, classnames)
+        else:
+            value, names = hf_io.caption_column(features, caption_column, data, image), None
+        return cls(dataset, data, task, image, value, names)
+
+    def batches(self, image_processor, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
+        """(pixel_values, [class index or caption list]) batches, in the dataset's order."""
+        from datasets import Image
+
+        dataset = self.dataset.select_columns([self.image_column, self.value_column])
+        if not isinstance(dataset.features[self.image_column], Image):
+            dataset = dataset.cast_column(self.image_column, Image())  # decode bytes or paths as an Image column
+        row = 0
+        for batch in dataset.iter(batch_size=batch_size):
+            images, values = batch[self.image_column], batch[self.value_column]
+            if any(image is None for image in images):
+                missing = row + next(i for i, image in enumerate(images) if image is None)
+                raise DataError(f"row {missing} of '{self.name}' has no image in column '{self.image_column}'")
+            if self.task == "zeroshot_retrieval":
+                values = [caption_list(caption) for caption in values]
+            row += len(images)
+            yield pixels(image_processor, images), list(values)
+
+
+def caption_list(value) -> list[str]:
+    """A row's captions: one string is one caption (CLIP_benchmark counts several per image as a list)."""
+    texts = [value] if isinstance(value, str) else list(value or [])
+    return [text.strip() for text in texts if text and text.strip()]
+
+
+def refuse_dataset_options(data: str, given: dict[str, str | None]) -> None:
+    """The split and column options ({flag: value}) read a datasets dataset; with shards they would be ignored,
+    so refuse them."""
+    used = [flag for flag, value in given.items() if value]
+    if used:
+        raise UsageError(f"{', '.join(used)}: for a datasets dataset, but '{data}' is webdataset shards")

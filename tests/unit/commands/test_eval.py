@@ -1,0 +1,63 @@
+"""`disco-clip eval` (commands/eval.py): CLIP_benchmark's record, and each usage error in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disco_clip_ds.eval.tasks import zeroshot_classification
+from unit.eval.sets import CLASSNAMES, TEMPLATES, eval_main, tiny_clip
+
+
+def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
+    folder, images, labels = cls_set
+    out = tmp_path / "res" / "zeroshot.json"
+    assert eval_main(["--model", str(model_dir), "--data", str(folder), "--batch_size", "3", "--output", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == record
+    assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
+    assert record["task"] == "zeroshot_classification"
+    model, tokenizer, processor = tiny_clip()
+    expected = zeroshot_classification(
+        model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False
+    )
+    assert record["metrics"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/nonexistent/shards"], "shards not found, e.g. '/nonexistent/shards'"),
+        (["--data", "DIR/{00000..00005}.tar"], "3 of 6 shards not found"),
+        (["--classnames", "/nonexistent/names.txt"], "not found"),
+        (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),
+        (["--batch_size", "0"], "--batch_size must be positive"),
+    ],
+)
+def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
+    folder, _, _ = cls_set
+    (tmp_path / "TPL").write_text("no placeholder here\n")
+    extra = [str(tmp_path / "TPL") if e == "TPL" else e.replace("DIR", str(folder)) for e in extra]
+    argv = ["--model", str(model_dir), "--data", str(folder), *extra]
+    assert eval_main(argv) == 2  # bad usage, as from every command
+    assert message in capsys.readouterr().err
+
+
+def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, capsys):
+    folder, _, _ = cls_set
+    checkpoint = tmp_path / "checkpoint-8"  # what ZeRO-3 leaves without gathered weights: config + DeepSpeed state
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text((model_dir / "config.json").read_text())
+    (checkpoint / "latest").write_text("global_step8")
+    assert eval_main(["--model", str(checkpoint), "--data", str(folder)]) == 2
+    assert "run `disco-clip export" in capsys.readouterr().err
+
+
+def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path, capsys):
+    folder, _, _ = cls_set
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    assert (
+        eval_main(["--model", str(model_dir), "--data", str(folder), "--classnames", str(tmp_path / "three.txt")]) == 2
+    )
+    assert "there are 3 class names" in capsys.readouterr().err

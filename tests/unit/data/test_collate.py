@@ -1,0 +1,21 @@
+"""data/collate.py: the collator tokenizes to max_length and hands over tensors only."""
+
+import torch
+from transformers import AutoTokenizer
+
+from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.testing.launch import TOKENIZER_DIR
+
+
+def test_collator_pads_to_max_length_with_eos_and_no_labels():
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    batch = ClipCollator(tokenizer, max_length=12)(
+        [(torch.zeros(3, 8, 8), "a photo of the digit seven"), (torch.ones(3, 8, 8), "seven")]
+    )
+    assert set(batch) == {"pixel_values", "input_ids", "attention_mask"}
+    assert batch["input_ids"].shape == (2, 12) and batch["pixel_values"].shape == (2, 3, 8, 8)
+    ids = batch["input_ids"][1].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids[2] == tokenizer.eos_token_id
+    assert batch["attention_mask"][1].tolist() == [1, 1, 1] + [0] * 9
+    long = ClipCollator(tokenizer, max_length=5)([(torch.zeros(3, 8, 8), "a photo of the digit seven eight nine")])
+    assert long["input_ids"][0, -1] == tokenizer.eos_token_id  # truncation keeps the end token CLIP pools at

@@ -1,0 +1,105 @@
+"""eval/callback.py: zero-shot classification during training, logged through the trainer, on the images the run
+trains on (the model's own image processor)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from disco_clip_ds.eval.callback import ZeroShotCallback
+from disco_clip_ds.eval.tasks import zeroshot_classification
+from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_tokenizer
+
+
+@pytest.mark.parametrize("source", ["shards", "datasets"])
+def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp_path, source):
+    """Logged every 2 steps and at the last, equal to an eval of the final model on the shards: from the shards
+    themselves, or from the same set as a parquet dataset (its split and columns named, class names from its
+    ClassLabel)."""
+    from transformers import Trainer, TrainingArguments
+
+    folder, images, labels = cls_set
+    model, tokenizer, processor = tiny_clip()
+    tokens = tokenizer(["a photo", "two cats playing"], padding="max_length", max_length=16, return_tensors="pt")
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")[
+        "pixel_values"
+    ]
+    train = [
+        {"input_ids": tokens["input_ids"][i], "attention_mask": tokens["attention_mask"][i], "pixel_values": pixels[i]}
+        for i in range(2)
+    ] * 4
+
+    def collate(rows):
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        return {**batch, "return_loss": True}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
+    if source == "shards":
+        callback = ZeroShotCallback(folder, tokenizer, processor, every_n_steps=2, batch_size=4)
+    else:
+        columns = dict(split="test", image_column="image", label_column="label")
+        callback = ZeroShotCallback(hf_cls["parquet"], tokenizer, processor, every_n_steps=2, batch_size=4, **columns)
+    callback.attach(trainer)
+    trainer.train()
+    logged = {e["step"]: e for e in trainer.state.log_history if "zeroshot_acc1" in e}
+    assert sorted(logged) == [2, 3]  # every 2 steps, and the last
+    final = zeroshot_classification(
+        model, tokenizer, str(folder), CLASSNAMES, TEMPLATES, image_processor=processor, progress=False
+    )
+    assert {k: logged[3][f"zeroshot_{k}"] for k in final} == pytest.approx(final)
+
+
+def test_in_training_zeroshot_of_a_siglip_uses_its_own_processor_and_equals_the_final_eval(cls_set, tmp_path):
+    """train/run.py's `_attach_zeroshot` driven as the Trainer drives the callback: a pretrained SigLIP (image
+    processor mean/std 0.5) is evaluated during training on the images it trains on, normalised as its own processor
+    does (not with CLIP's mean/std), and the last step logs what `disco-clip eval` of the same weights reports."""
+    from types import SimpleNamespace
+
+    from transformers import CLIPProcessor, SiglipImageProcessor, TrainerControl, TrainerState
+
+    from disco_clip_ds.commands.eval import EvalArguments, run_eval
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.testing.launch import REPO
+    from disco_clip_ds.train.run import _attach_zeroshot
+
+    folder = cls_set[0]
+    torch.manual_seed(5)
+    model = build_model(model_config=str(REPO / "recipes/models/siglip_tiny.json")).eval()
+    tokenizer = tiny_tokenizer()  # 258 tokens: within SigLIP tiny's 539
+    image_processor = SiglipImageProcessor(size={"height": 64, "width": 64})
+    assert list(image_processor.image_mean) == [0.5, 0.5, 0.5]
+    saved = tmp_path / "siglip"
+    model.save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    image_processor.save_pretrained(saved)
+    final = run_eval(EvalArguments(model=str(saved), data=str(folder), batch_size=4))["metrics"]
+
+    logged, callbacks = [], []
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(per_device_eval_batch_size=4), add_callback=callbacks.append, log=logged.append
+    )
+    data_args = SimpleNamespace(zeroshot_data=str(folder), zeroshot_steps=2)
+    processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)  # as train/run.py's _processor
+    _attach_zeroshot(trainer, data_args, processor, 64)
+    (callback,) = callbacks
+    assert list(callback.image_processor.image_mean) == list(callback.image_processor.image_std) == [0.5] * 3
+    state, control = TrainerState(global_step=3, max_steps=3), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    callback.on_step_end(None, state, control, model=model)
+    (metrics,) = logged
+    assert metrics["zeroshot_acc1"] == pytest.approx(final["acc1"])
+    assert {k: metrics[f"zeroshot_{k}"] for k in final} == pytest.approx(final, nan_ok=True)
