@@ -18,7 +18,7 @@ from disco_clip_ds.errors import UsageError, run_main
 # (group or None, name) -> (module or bench script, function, one-line help)
 COMMANDS = {
     (None, "train"): (
-        "disco_clip_ds.train.run",
+        "disco_clip_ds.commands.train",
         "main",
         "train a CLIP model under DeepSpeed with the distributed loss",
     ),
