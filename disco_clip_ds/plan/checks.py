@@ -154,12 +154,17 @@ def batch_contradictions(config: dict, micro: int, accum: int, world: int) -> di
 
     The one check of a config's batch arithmetic: the planner (`validate_config`) and training's argument checks
     (`disco_clip_ds.train.validate`) both ask it."""
-    expected = {
-        "train_batch_size": micro * accum * world,
+    expected = expected_batch(micro, accum, world)
+    return {k: v for k, v in config.items() if k in expected and not _is_auto(v) and v != expected[k]}
+
+
+def expected_batch(micro: int, accum: int, world: int) -> dict:
+    """The batch keys of a DeepSpeed config as `micro` per rank x `accum` micro-steps x `world` ranks make them."""
+    return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
     }
-    return {k: v for k, v in config.items() if k in expected and not _is_auto(v) and v != expected[k]}
 
 
 def _precision(config: dict, requested: str | None, problems: list, auto: list) -> str:

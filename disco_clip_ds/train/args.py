@@ -187,18 +187,23 @@ def parse_args(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
     values = _read_arguments_file(argv[0]) if from_file else vars(parser.parse_known_args(argv)[0])
-    deepspeed = values.get("deepspeed")
-    deepspeed_json = None
-    if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
-        # TrainingArguments reads it while parsing, and would not name the file
-        deepspeed_json = read_json("--deepspeed", deepspeed)
-    elif deepspeed is None and os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):  # under accelerate launch
-        deepspeed_json = read_json("accelerate's deepspeed_config_file", os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"])
+    deepspeed_json = read_deepspeed_json(values.get("deepspeed"))  # before TrainingArguments, which would not name it
     # unknown names, and what TrainingArguments.__post_init__ refuses as not working together, are ValueErrors
     with usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):
         parsed = parser.parse_dict(values) if from_file else parser.parse_args_into_dataclasses(args=argv)
     parsed[2].deepspeed_json = deepspeed_json
     return parsed
+
+
+def read_deepspeed_json(deepspeed) -> dict | None:
+    """The DeepSpeed JSON of a run: the file --deepspeed names (`deepspeed`), or else the one accelerate launch's
+    config names; None without one (or for a config given inline)."""
+    if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
+        return read_json("--deepspeed", deepspeed)
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if deepspeed is None and path:  # under accelerate launch
+        return read_json("accelerate's deepspeed_config_file", path)
+    return None
 
 
 def _read_arguments_file(path: str) -> dict:

@@ -15,8 +15,15 @@ from disco_clip_ds.data.streams.hf import HFData, load_training_dataset
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.errors import AccumulationError, ExportError, UsageError
 from disco_clip_ds.models.build import MODEL_CLASSES, load_config
-from disco_clip_ds.plan.checks import batch_contradictions
-from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments, read_json, usage_error
+from disco_clip_ds.plan.checks import batch_contradictions, expected_batch
+from disco_clip_ds.train.args import (
+    DataArguments,
+    DiscoTrainingArguments,
+    ModelArguments,
+    read_deepspeed_json,
+    read_json,
+    usage_error,
+)
 
 
 @dataclass
@@ -112,18 +119,17 @@ def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
     """Fail early, with what to change, when a DeepSpeed JSON's fixed batch sizes contradict the arguments.
 
     DeepSpeed would also refuse them, but only after the model is built, in an assertion on each rank. The JSON is
-    the one `parse_args` read (`args.deepspeed_json`); the arithmetic is the planner's (`batch_contradictions`)."""
+    the one `parse_args` read (`args.deepspeed_json`; read now for arguments made without it); the arithmetic is
+    the planner's (`batch_contradictions`)."""
+    if args.deepspeed_json is None:
+        args.deepspeed_json = read_deepspeed_json(args.deepspeed)
     config = args.deepspeed_json
     if not isinstance(config, dict):
         return
     micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
     wrong = batch_contradictions(config, micro, accum, world)
     if wrong:
-        expected = {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": accum,
-            "train_batch_size": micro * accum * world,
-        }
+        expected = expected_batch(micro, accum, world)
         raise UsageError(
             f"{deepspeed_path(args)}: {wrong} contradicts --per_device_train_batch_size {micro} x "
             f'--gradient_accumulation_steps {accum} x {world} ranks (= {expected}); set those values to "auto" or '

@@ -73,6 +73,12 @@ def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
     broken.write_text("{not json")  # refused by parse_args, which reads the JSON, before anything else does
     with pytest.raises(UsageError, match=f"--deepspeed {broken} is not a readable JSON file"):
         parse_args(["--output_dir", str(tmp_path / "out"), "--deepspeed", str(broken)])
+    made = _ds_args(None, 16, 1, 2)  # arguments made without parse_args: the check reads the JSON itself, once
+    made.deepspeed = str(tmp_path / "made.json")
+    Path(made.deepspeed).write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="made.json: .*'train_batch_size': 64"):
+        check_deepspeed_batch(made)
+    assert made.deepspeed_json == config
     for shipped in ("cpu_zero2.json", "cpu_zero3.json"):  # all "auto": any arguments fit
         check_deepspeed_batch(_ds_args(json.loads((REPO / "ds_configs" / shipped).read_text()), 3, 5, 7))
 
