@@ -207,3 +207,19 @@ def test_a_reader_with_only_empty_shards_is_refused_before_the_model_is_built(tm
     assert not (tmp_path / "run").exists()
     assert run_main(main, [*argv[:-2], "--dataloader_num_workers", "1", "--max_image_pixels", "0"], "t") == 2
     assert "--max_image_pixels 0: give a positive number" in capsys.readouterr().err
+
+
+def test_max_image_pixels_is_checked_for_a_datasets_source_too(tmp_path, train_main, capsys):
+    """--max_image_pixels 0 was refused only with --train_shards (inside the shard readers' check): a `datasets`
+    source trained on with it."""
+    from disco_clip_ds.testing.images import image_bytes
+
+    rows = []
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(image_bytes("PNG", color=40 * i))
+        rows.append(f"{tmp_path / f'{i}.png'},a picture {i}")
+    (tmp_path / "paths.csv").write_text("file,caption\n" + "\n".join(rows) + "\n")
+    argv = ["--train_file", str(tmp_path / "paths.csv"), "--image_column", "file", *MODEL, *TOK]
+    argv += ["--max_steps", "1", "--per_device_train_batch_size", "2", "--dataloader_num_workers", "0"]
+    assert train_main(*argv, "--max_image_pixels", "0") == 2
+    assert "--max_image_pixels 0: give a positive number of pixels" in capsys.readouterr().err
