@@ -333,13 +333,3 @@ def fsdp_on_cpu(state, plugin_args: dict | None = None) -> bool:
     state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     return True
-
-
-class FsdpOnCpuMixin:
-    """Trainer mixin: the FSDP config of `accelerate launch` honoured on CPU ranks (`fsdp_on_cpu`), set before
-    anything reads `is_fsdp_enabled`."""
-
-    def create_accelerator_and_postprocess(self):
-        super().create_accelerator_and_postprocess()
-        if fsdp_on_cpu(self.accelerator.state, self.args.fsdp_plugin_args):
-            self.is_fsdp_enabled = True

@@ -1,7 +1,7 @@
 """Contrastive accumulation: peak memory per rank and time per sample against K, at a fixed micro-batch.
 
-Runs the real training path, `disco_clip_ds.train.run.DiscoTrainer` (HF Trainer + DeepSpeed ZeRO-2, fp32, AdamW) on N
-CPU ranks (gloo), on in-memory random batches, once per (model, K) in fresh processes (peak RSS only grows, so each
+Runs the real training path, `disco_clip_ds.train.trainer.DiscoTrainer` (HF Trainer + DeepSpeed ZeRO-2, fp32, AdamW)
+on N CPU ranks (gloo), on in-memory random batches, once per (model, K) in fresh processes (peak RSS only grows, so each
 K needs its own). Each run: --steps optimizer steps of K micro-batches of --micro pairs per rank, so a contrastive
 batch of micro x ranks x K. `ref` rows: the same contrastive batch without accumulation (micro x K per rank, K=1),
 the memory that accumulation avoids.
@@ -81,7 +81,8 @@ def _rank(rank: int, world: int, model_name: str, micro: int, k: int, contrastiv
     import deepspeed
 
     from disco_clip_ds.models.build import build_model
-    from disco_clip_ds.train.run import DiscoTrainer, DiscoTrainingArguments
+    from disco_clip_ds.train.args import DiscoTrainingArguments
+    from disco_clip_ds.train.trainer import DiscoTrainer
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # takes the process group run_ranks started
     torch.manual_seed(0)

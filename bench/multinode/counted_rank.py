@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from disco_clip_ds import faults
+from disco_clip_ds.commands.train import main
 from disco_clip_ds.errors import run_main
-from disco_clip_ds.train.run import main
 
 _OWNER = re.compile(r"pid=(\d+)")
 _SENT = re.compile(r"bytes_sent:(\d+)")

@@ -77,7 +77,6 @@ KNOWN_TOP_LEVEL_KEYS = {
     "fp8",
 }
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _suggest(key: str, known) -> str:
@@ -120,21 +119,22 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
     if per_device_batch is not None and per_device_batch < 1:
         problems.append(f"--per_device_batch must be a positive integer, got {per_device_batch}")
         per_device_batch = None
-    if per_device_batch is not None:
-        if micro is not None and micro != per_device_batch:
-            problems.append(
-                f"--per_device_batch {per_device_batch} contradicts train_micro_batch_size_per_gpu "
-                f"{micro} in the config: drop the flag or change the config"
-            )
-        micro = per_device_batch
+    configured = {k: v for k, v in values.items() if v is not None}
+    micro = per_device_batch if per_device_batch is not None else micro
     if micro is None and train is not None:
         micro = train // (world * (accum or 1)) or None
     if micro is None:
         problems.append("no per-GPU batch: set train_micro_batch_size_per_gpu to an integer or pass --per_device_batch")
         return None
     accum = accum or (train // (micro * world) if train else 1) or 1
+    wrong = batch_contradictions(configured, micro, accum, world)
+    if "train_micro_batch_size_per_gpu" in wrong:
+        problems.append(
+            f"--per_device_batch {per_device_batch} contradicts train_micro_batch_size_per_gpu "
+            f"{wrong['train_micro_batch_size_per_gpu']} in the config: drop the flag or change the config"
+        )
     train = train if train is not None else micro * accum * world
-    if train != micro * accum * world:
+    if "train_batch_size" in wrong:
         fixes = [f"train_batch_size to {micro * accum * world}"]
         if train % (accum * world) == 0:
             fixes.append(f"train_micro_batch_size_per_gpu to {train // (accum * world)}")
@@ -146,6 +146,25 @@ def _batch_numbers(config: dict, world: int, per_device_batch: int | None, probl
             f"for this world size set " + " or ".join(fixes)
         )
     return {"train_batch": train, "micro_batch": micro, "grad_accum": accum}
+
+
+def batch_contradictions(config: dict, micro: int, accum: int, world: int) -> dict:
+    """The batch sizes a DeepSpeed config fixes that contradict `micro` per rank x `accum` micro-steps x `world`
+    ranks, as {key: the configured value}; "auto" (the HF Trainer fills it in) contradicts nothing.
+
+    The one check of a config's batch arithmetic: the planner (`validate_config`) and training's argument checks
+    (`disco_clip_ds.train.validate`) both ask it."""
+    expected = expected_batch(micro, accum, world)
+    return {k: v for k, v in config.items() if k in expected and not _is_auto(v) and v != expected[k]}
+
+
+def expected_batch(micro: int, accum: int, world: int) -> dict:
+    """The batch keys of a DeepSpeed config as `micro` per rank x `accum` micro-steps x `world` ranks make them."""
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+    }
 
 
 def _precision(config: dict, requested: str | None, problems: list, auto: list) -> str:

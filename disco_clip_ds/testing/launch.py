@@ -282,7 +282,7 @@ def launch_in_one_process(runs: list[tuple[Path, list[str]]], timeout: float = 6
 # Each run's stdout and stderr (the logging handler writes to fd 2 too) go to its own OUTPUT.log, as a launch's do.
 _ONE_PROCESS = """
 import json, os, sys
-from disco_clip_ds.train.run import main
+from disco_clip_ds.commands.train import main
 for output, argv in json.loads(sys.argv[1]):
     print(output, flush=True)
     saved = os.dup(1), os.dup(2)

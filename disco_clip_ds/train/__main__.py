@@ -1,8 +1,9 @@
-"""`python -m disco_clip_ds.train`: what every launcher runs (deepspeed --module, torchrun -m, accelerate launch -m)."""
+"""`python -m disco_clip_ds.train`: what every launcher runs (deepspeed --module, torchrun -m, accelerate launch -m).
+The same command as `disco-clip train`, through the same dispatch (cli.py), so that this room imports nothing of
+commands/."""
 
 import sys
 
-from disco_clip_ds.errors import run_main
-from disco_clip_ds.train.run import main
+from disco_clip_ds.cli import main
 
-sys.exit(run_main(main, None, "disco-clip train"))
+sys.exit(main(["train", *sys.argv[1:]]))

@@ -15,47 +15,16 @@ batch. Here every optimizer step of K micro-batches
 By the chain rule the summed micro-step gradients are exactly the gradient of the global-batch loss; the loss
 module's per-rank contract (mean over ranks = global loss) makes data-parallel averaging exact as without
 accumulation. No library does this under DeepSpeed: sentence-transformers' cached losses call backward inside
-the loss (nested in the engine's), which ZeRO rejects, hence the hand-written mixin below.
+the loss (nested in the engine's), which ZeRO rejects, hence the hand-written component below, which DiscoTrainer's
+hooks call (`disco_clip_ds.train.trainer`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
-
-from disco_clip_ds.errors import AccumulationError
-
-
-def check_contrastive_accumulation(args, loss_impl: str) -> None:
-    """Refuse, before training and identically on every rank, settings under which accumulation cannot work.
-
-    `args`: TrainingArguments with `contrastive_accumulation`; `loss_impl`: the model's loss ("tiled", "disco",
-    "local")."""
-    steps = args.gradient_accumulation_steps
-    if not isinstance(steps, int) or steps < 1:
-        raise AccumulationError(
-            f"--gradient_accumulation_steps must be an integer >= 1 (micro-batches per optimizer step), got {steps!r}"
-        )
-    if not getattr(args, "contrastive_accumulation", False) or steps == 1:
-        return
-    if loss_impl == "local":
-        raise AccumulationError(
-            "--loss_impl local computes each micro-batch's loss on its own, so it cannot be accumulated contrastively: "
-            "use --loss_impl tiled (or disco) for a contrastive batch of micro x world x K, or pass "
-            "--contrastive_accumulation false to keep independent micro-batch losses"
-        )
-    if getattr(args, "n_gpu", 1) > 1:
-        raise AccumulationError(
-            f"one process drives {args.n_gpu} GPUs (torch.nn.DataParallel); the distributed loss needs one process per "
-            "GPU: launch with torchrun, deepspeed or accelerate launch"
-        )
-    parallel = getattr(args, "parallelism_config", None)
-    if parallel is not None and any(getattr(parallel, f"{kind}_size", 1) > 1 for kind in ("tp", "cp", "sp")):
-        raise AccumulationError(
-            "contrastive accumulation supports data parallelism only (DeepSpeed ZeRO, FSDP, DDP); "
-            "drop the tensor/context/sequence parallel sizes from parallelism_config"
-        )
 
 
 def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
@@ -132,75 +101,72 @@ def logit_params(model, outputs) -> tuple[torch.Tensor, ...]:
     return found
 
 
-class ContrastiveAccumulationMixin:
-    """Trainer mixin: with `gradient_accumulation_steps` K > 1 and `args.contrastive_accumulation`, each optimizer
-    step trains on the contrastive loss over all K micro-batches of all ranks (see the module docstring).
+class ContrastiveAccumulation:
+    """With `gradient_accumulation_steps` K > 1 and `args.contrastive_accumulation`, each optimizer step trains on
+    the contrastive loss over all K micro-batches of all ranks (see the module docstring).
 
-    Hooks: `get_batch_samples` (the Trainer 5 fetches an update's K batches up front, then loops `training_step`
-    over them) records the batches; the first `training_step` of the update runs steps 1-2; `compute_loss`
-    returns the surrogate for the micro-batch at hand, valued at the global-batch loss / K so the Trainer's
-    logged loss is the true one. The model must be a DiscoCLIPModel or DiscoSiglipModel (`modeling.py`): its output
-    carries `image_embeds`, `text_embeds` and its logit parameters, and `global_loss` computes the loss from them.
-    """
+    DiscoTrainer's hooks call it: `get_batch_samples` (the Trainer 5 fetches an update's K batches up front, then
+    loops `training_step` over them) hands the batches to `record`; each `training_step` runs inside `micro_step`,
+    whose first one runs steps 1-2; `compute_loss` returns `loss` (the surrogate for the micro-batch at hand), valued
+    at the global-batch loss / K so the Trainer's logged loss is the true one. The model must be a DiscoCLIPModel or
+    DiscoSiglipModel (`disco_clip_ds.models`): its output carries `image_embeds`, `text_embeds` and its logit
+    parameters, and `global_loss` computes the loss from them."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._update: _Update | None = None
-        self._in_accumulated_step = False
-        if self.accumulates_contrastively:
-            # compute_loss returns loss / K itself: the Trainer must not divide again (its documented switch).
-            self.loss_is_scaled_for_ga = True
+    def __init__(self, args):
+        self.args = args
+        self.update: _Update | None = None
+        self.in_step = False  # inside an accumulated micro-step: compute_loss returns the surrogate
 
     @property
-    def accumulates_contrastively(self) -> bool:
+    def enabled(self) -> bool:
         """True when optimizer steps accumulate K > 1 micro-batches into one contrastive batch."""
         return bool(getattr(self.args, "contrastive_accumulation", False)) and self.args.gradient_accumulation_steps > 1
 
     def contrastive_batch_size(self) -> int:
         """The pairs each optimizer step contrasts: micro x world (x K when accumulating contrastively)."""
         size = self.args.per_device_train_batch_size * self.args.world_size
-        return size * self.args.gradient_accumulation_steps if self.accumulates_contrastively else size
+        return size * self.args.gradient_accumulation_steps if self.enabled else size
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.accumulates_contrastively:
-            self._update = _Update(batches=batches)
-        return batches, num_items
+    def record(self, batches: list) -> None:
+        """The K micro-batches the Trainer fetched for the next optimizer step."""
+        if self.enabled:
+            self.update = _Update(batches=batches)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.accumulates_contrastively:
-            return super().training_step(model, inputs, num_items_in_batch)
-        update = self._update
+    @contextlib.contextmanager
+    def micro_step(self, inputs, embed_and_cache):
+        """Around the Trainer's training_step on `inputs`: before the update's first micro-batch,
+        `embed_and_cache(update)` (steps 1-2); each micro-batch's forward replays its RNG state."""
+        if not self.enabled:
+            yield
+            return
+        update = self.update
         if update is None or update.index >= len(update.batches) or update.batches[update.index] is not inputs:
             raise RuntimeError(
                 "contrastive accumulation expects the Trainer to fetch an update's batches with "
                 "get_batch_samples and then call training_step on each in order (transformers 5.x)"
             )
         if update.index == 0:
-            self._embed_and_cache(model, update)
+            embed_and_cache(update)
         _set_rng_state(update.rng[update.index])
-        self._in_accumulated_step = True
+        self.in_step = True
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            yield
         finally:
-            self._in_accumulated_step = False
+            self.in_step = False
             update.index += 1
             if update.index == len(update.batches):
                 _set_rng_state(update.rng_after)
-                self._update = None
+                self.update = None
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self._in_accumulated_step:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        update = self._update
+    def loss(self, model, unwrapped, inputs, return_outputs: bool):
+        """Step 3's loss for the micro-batch at hand (`model`: as wrapped for training; `unwrapped`: the model)."""
+        update = self.update
         outputs = model(**{**inputs, "return_loss": False, "return_logits": False})  # embeddings only
         num_micro = len(update.batches)
         surrogate = surrogate_loss(
             outputs.image_embeds,
             outputs.text_embeds,
-            logit_params(self.model, outputs),
+            logit_params(unwrapped, outputs),
             update.grads[update.index],
             update.param_grads,
             num_micro,
@@ -209,18 +175,20 @@ class ContrastiveAccumulationMixin:
         loss = surrogate + (update.loss / num_micro - surrogate).detach()
         return (loss, outputs) if return_outputs else loss
 
-    def _embed_and_cache(self, model, update: _Update) -> None:
-        """Steps 1 and 2 for the whole update; collective under torch.distributed."""
+    @staticmethod
+    def embed_and_cache(update: _Update, model, unwrapped, prepare_inputs, autocast) -> None:
+        """Steps 1 and 2 for the whole update (`prepare_inputs`, `autocast`: the Trainer's); collective under
+        torch.distributed."""
         model.train()
         image_embeds, text_embeds, outputs = [], [], None
-        with torch.no_grad(), self.compute_loss_context_manager():
+        with torch.no_grad(), autocast():
             for batch in update.batches:
                 update.rng.append(_rng_state())
-                outputs = model(**{**self._prepare_inputs(batch), "return_loss": False, "return_logits": False})
+                outputs = model(**{**prepare_inputs(batch), "return_loss": False, "return_logits": False})
                 image_embeds.append(outputs.image_embeds)
                 text_embeds.append(outputs.text_embeds)
-        params = logit_params(self.model, outputs)
+        params = logit_params(unwrapped, outputs)
         update.rng_after = _rng_state()
         update.loss, update.grads, update.param_grads = cached_embedding_gradients(
-            image_embeds, text_embeds, params, self.model.global_loss
+            image_embeds, text_embeds, params, unwrapped.global_loss
         )

@@ -20,52 +20,51 @@ from disco_clip_ds.distributed.ranks import all_true, any_true, barrier, from_ra
 from disco_clip_ds.errors import CheckpointError
 
 
-class CompleteCheckpointsMixin:
-    """Mix into a Trainer subclass (before Trainer): checkpoint-N appears complete, with its manifest, or not at
-    all; rotation (save_total_limit) only counts complete ones; the final model (`save_final`) gets a manifest once
-    written; a full disk is one clear CheckpointError on every rank, before or during any of these saves.
+class CompleteCheckpoints:
+    """Checkpoint-N appears complete, with its manifest, or not at all; rotation (save_total_limit) only counts
+    complete ones; the final model (`save_final`) gets a manifest once written; a full disk is one clear
+    CheckpointError on every rank, before or during any of these saves. DiscoTrainer's hooks call it
+    (`_get_output_dir` reads `staging_dir`, `_save_checkpoint` calls `save_checkpoint`, `save_model` calls
+    `save_model`); `trainer` is the DiscoTrainer.
 
     No failure may leave ranks waiting in different collectives (a hang with no message): every rank checks the
     free space before writing, and while a save is under way a write that fails on one rank is recorded instead of
-    raised (`_failures`), so that the rank goes on through the same DeepSpeed barriers as the others and every rank
+    raised (`failures`), so that the rank goes on through the same DeepSpeed barriers as the others and every rank
     learns of it in the agreement that follows."""
 
-    _staging_dir: Path | None = None
-    _failures: list[BaseException] | None = None  # a list while a save is under way: this rank's failed writes
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.staging_dir: Path | None = None  # where the Trainer's save writes checkpoint-N while one is under way
+        self.failures: list[BaseException] | None = None  # a list while a save is under way: this rank's failed writes
 
-    def _get_output_dir(self, trial) -> str:
-        # The stock _save_checkpoint writes into _get_output_dir(trial)/checkpoint-N: point it at the staging area.
-        return str(self._staging_dir) if self._staging_dir is not None else super()._get_output_dir(trial)
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        faults.in_save(self.state.global_step)  # the named point: model and DeepSpeed files written, state not
-        super()._save_rng_state(output_dir)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self._failures is None:
-            return super().save_model(output_dir, _internal_call)
+    def save_model(self, save, output_dir: str | None, internal_call: bool) -> None:
+        """The Trainer's `save(output_dir, internal_call)`; during a checkpoint or final save, a write that fails is
+        recorded."""
+        if self.failures is None:
+            return save(output_dir, internal_call)
         try:  # the writes come after any gather (ZeRO-3) that save_model does with the other ranks
-            super().save_model(output_dir, _internal_call)
+            save(output_dir, internal_call)
         except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
-            self._failures.append(error)
+            self.failures.append(error)
 
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = Path(super()._get_output_dir(trial))
-        step = self.state.global_step
+    def save_checkpoint(self, save, run_dir: Path) -> None:
+        """checkpoint-N of `run_dir`, complete or absent: `save()` (the Trainer's _save_checkpoint) writes it into
+        the staging area, then rank 0 adds the manifest and publishes it."""
+        step = self.trainer.state.global_step
         name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
         staging = run_dir / STAGING
         needed = self._checkpoint_bytes(run_dir)
         self._check_space(run_dir, needed, step, name, every_rank_writes=True)
         if rank() == 0 and (staging / name).exists():
             shutil.rmtree(staging / name)
-        self._staging_dir = staging
+        self.staging_dir = staging
         with self._recording_failures() as failures:
             try:
-                super()._save_checkpoint(model, trial)
+                save()
             except Exception as error:  # after DeepSpeed's last barrier: nothing collective is left
                 failures.append(error)
             finally:
-                self._staging_dir = None
+                self.staging_dir = None
         self._settle(failures[0] if failures else None, run_dir, needed, name, staging / name)
         error = None  # every rank has written its part: rank 0 adds the manifest and publishes
         if rank() == 0:
@@ -78,7 +77,8 @@ class CompleteCheckpointsMixin:
     def save_final(self, metrics: dict) -> None:
         """The final save into output_dir (train metrics, model, Trainer state), then its manifest, written last:
         a kill or a full disk on the way leaves none, and the next run repairs the final model (`keep_final_model`)."""
-        run_dir, step = Path(self.args.output_dir), self.state.global_step
+        trainer = self.trainer
+        run_dir, step = Path(trainer.args.output_dir), trainer.state.global_step
         needed = int(1.1 * self._model_bytes()) + 2**20
         self._check_space(run_dir, needed, step, "the final model", every_rank_writes=False)
         before = {}
@@ -87,10 +87,10 @@ class CompleteCheckpointsMixin:
             before = final_files(run_dir)
         with self._recording_failures() as failures:
             try:
-                self.save_metrics("train", metrics)
-                self.save_model(str(run_dir))
+                trainer.save_metrics("train", metrics)
+                trainer.save_model(str(run_dir))
                 faults.in_final_save(step)
-                self.save_state()
+                trainer.save_state()
             except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
                 failures.append(error)
         self._settle(failures[0] if failures else None, run_dir, needed, "the final model", None)
@@ -108,8 +108,9 @@ class CompleteCheckpointsMixin:
         recorded, and the rank skips its remaining DeepSpeed writes but not the collectives between them. DeepSpeed
         writes every checkpoint file through its checkpoint_engine, copies zero_to_fp32.py, and writes 'latest'
         (rank 0) just before its closing barrier: that last one is written here instead, after it."""
-        self._failures = failures = []
-        engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
+        self.failures = failures = []
+        trainer = self.trainer
+        engine = trainer.model_wrapped if getattr(trainer, "is_deepspeed_enabled", False) else None
         patched = []
 
         def guard(write):
@@ -118,7 +119,7 @@ class CompleteCheckpointsMixin:
                 if failures:
                     return None
                 try:
-                    faults.in_deepspeed_write(self.state.global_step)
+                    faults.in_deepspeed_write(trainer.state.global_step)
                     return write(*args, **kwargs)
                 except Exception as error:  # e.g. OSError, torch's RuntimeError, SafetensorError
                     failures.append(error)
@@ -145,7 +146,7 @@ class CompleteCheckpointsMixin:
         try:
             yield failures
         finally:
-            self._failures = None
+            self.failures = None
             for owner, attr, previous in reversed(patched):
                 if previous is None:
                     delattr(owner, attr)
@@ -155,7 +156,7 @@ class CompleteCheckpointsMixin:
     def _settle(self, error, run_dir: Path, needed: int, what: str, staged: Path | None) -> None:
         """Every rank learns whether the save failed anywhere; if it did, rank 0 removes the partial save and every
         rank raises: one line for a full disk (on any rank), else the error itself."""
-        device = self.args.device
+        device = self.trainer.args.device
         if all_true(error is None, device):
             return
         disk_full = any_true(is_disk_full(error), device)
@@ -172,8 +173,8 @@ class CompleteCheckpointsMixin:
 
     def _check_space(self, run_dir: Path, needed: int, step: int, what: str, every_rank_writes: bool) -> None:
         """Every rank (that writes) compares its free space with `needed`; all stop together, before writing."""
-        free = free_bytes(run_dir, step) if every_rank_writes or self.args.should_save else None
-        if not all_true(free is None or free >= needed, self.args.device):
+        free = free_bytes(run_dir, step) if every_rank_writes or self.trainer.args.should_save else None
+        if not all_true(free is None or free >= needed, self.trainer.args.device):
             raise CheckpointError(disk_full_message(run_dir, needed, what, free))
 
     def _checkpoint_bytes(self, run_dir: Path) -> int:
@@ -183,13 +184,13 @@ class CompleteCheckpointsMixin:
         measured = from_rank0(folder_bytes(previous) if previous else None)
         if measured:
             return int(1.1 * measured)
-        optimizer = torch_sum(_optimizer_bytes(self.optimizer), self.args.device)
+        optimizer = torch_sum(_optimizer_bytes(self.trainer.optimizer), self.trainer.args.device)
         # the weights twice: model.safetensors and DeepSpeed's model states; 1 MiB for the small files
         return int(1.1 * (2 * self._model_bytes() + optimizer)) + 2**20
 
     def _model_bytes(self) -> int:
         # under ZeRO-3 a parameter's full size is ds_numel (its local tensor is a partition)
-        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.model.parameters())
+        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in self.trainer.model.parameters())
 
     def _publish(self, staged: Path, final: Path) -> None:
         problem = save_problem(staged)
@@ -206,10 +207,10 @@ class CompleteCheckpointsMixin:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        best = self.state.best_model_checkpoint
+        best = self.trainer.state.best_model_checkpoint
         rotate_checkpoints(
             output_dir=str(final.parent),
-            save_total_limit=self.args.save_total_limit,
+            save_total_limit=self.trainer.args.save_total_limit,
             best_model_checkpoint=None if best is None or STAGING in best else best,
         )
 

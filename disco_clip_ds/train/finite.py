@@ -55,30 +55,31 @@ def non_finite_parameters(model) -> int:
         return sum(int(not torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in model.parameters() if p.numel())
 
 
-class FiniteStepsMixin:
-    """Mix into a Trainer subclass (before Trainer): after every optimizer step, before the Trainer logs, evaluates
-    or saves, the step's loss (this rank's micro-step losses, averaged over ranks) and its gradient norm (global
-    under DeepSpeed) must be finite, and at a step that saves, every weight too; otherwise every rank raises
-    `TrainingDiverged` at that same step. One all-reduce of three numbers per step."""
+class FiniteCheck:
+    """After every optimizer step, before the Trainer logs, evaluates or saves (DiscoTrainer's
+    `_maybe_log_save_evaluate` calls `check`), the step's loss (this rank's micro-step losses, added by `add`,
+    averaged over ranks) and its gradient norm (global under DeepSpeed) must be finite, and at a step that saves,
+    every weight too; otherwise every rank raises `TrainingDiverged` at that same step. One all-reduce of three
+    numbers per step."""
 
-    _step_loss = 0.0
-    _checked_step = None
+    def __init__(self):
+        self.step_loss = 0.0
+        self.checked_step = None
 
-    def training_step(self, model, inputs, *args, **kwargs):
-        loss = super().training_step(model, inputs, *args, **kwargs)
-        # kept here: the Trainer replaces a non-finite loss by the mean of the earlier ones before it logs
-        self._step_loss += loss.detach().double().item()
-        return loss
+    def add(self, loss: torch.Tensor) -> None:
+        """A micro-step's loss, kept here: the Trainer replaces a non-finite loss by the mean of the earlier ones
+        before it logs."""
+        self.step_loss += loss.detach().double().item()
 
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
-        step = self.state.global_step
-        if step != self._checked_step:  # the Trainer calls it again, for the same step, at an epoch's end
-            self._checked_step = step
-            norm = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
-            bad = non_finite_parameters(model) if self.control.should_save else 0  # what the save would write
-            loss, norm, weights_finite = global_step_numbers(self._step_loss, norm, bad, self.args.device)
-            self._step_loss = 0.0
-            message = divergence_message(step, loss, norm, weights_finite)
-            if message:
-                raise TrainingDiverged(message)
-        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+    def check(self, step: int, grad_norm, model, saves: bool, device) -> None:
+        """Raise TrainingDiverged on every rank when step `step` was not finite (`saves`: the step saves)."""
+        if step == self.checked_step:  # the Trainer logs again, for the same step, at an epoch's end
+            return
+        self.checked_step = step
+        norm = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+        bad = non_finite_parameters(model) if saves else 0  # what the save would write
+        loss, norm, weights_finite = global_step_numbers(self.step_loss, norm, bad, device)
+        self.step_loss = 0.0
+        message = divergence_message(step, loss, norm, weights_finite)
+        if message:
+            raise TrainingDiverged(message)

@@ -9,22 +9,20 @@ import signal
 from disco_clip_ds.distributed.preemption import StopOnSignal
 
 
-class StopSignalsMixin:
-    """Mix into a Trainer subclass (before Trainer), which then takes `stop_signals=(...)` at construction: a
-    `StopOnSignal` callback (`self.stopper`) stops training on them, and DataLoader workers ignore them (the rank
-    handles them; a worker killed by SIGTERM would abort the run)."""
+class StopSignals:
+    """Stop signals for the Trainer: `stopper`, a `StopOnSignal` callback made before the DataLoader forks its
+    workers, stops training on them; `leave_to_rank` makes the DataLoader's workers ignore them (the rank handles
+    them; a worker killed by SIGTERM would abort the run)."""
 
-    def __init__(self, *args, stop_signals: tuple[int, ...] = (), **kwargs):
-        self.stop_signals = tuple(stop_signals)
-        self.stopper = StopOnSignal(self.stop_signals)  # before the DataLoader forks its workers
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.stopper]
-        super().__init__(*args, **kwargs)
+    def __init__(self, signals: tuple[int, ...] = ()):
+        self.signals = tuple(signals)
+        self.stopper = StopOnSignal(self.signals)
 
-    def get_train_dataloader(self):
-        loader = super().get_train_dataloader()
+    def leave_to_rank(self, loader):
+        """The training DataLoader, its workers set to ignore the stop signals."""
         base = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates the DataLoader it holds
-        if self.stop_signals and getattr(base, "num_workers", 0) > 0:
-            base.worker_init_fn = _IgnoreSignals(self.stop_signals, base.worker_init_fn)
+        if self.signals and getattr(base, "num_workers", 0) > 0:
+            base.worker_init_fn = _IgnoreSignals(self.signals, base.worker_init_fn)
             atexit.register(_kill_workers)
         return loader
 

@@ -227,8 +227,8 @@ def test_a_finished_run_stays_finished(full, tmp_path, data):
 
 def _train_main(out: Path, data: dict, *args: str) -> int:
     """`disco-clip train` in this process: its exit code, its messages on stderr."""
+    from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train.run import main
 
     return run_main(
         main,
@@ -312,8 +312,8 @@ def test_bad_values_are_refused_before_the_model_is_built(data, tmp_path, capsys
     for argv, message in cases:
         assert _train_main(tmp_path / "run", data, *argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+    from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train.run import main
 
     assert (
         run_main(

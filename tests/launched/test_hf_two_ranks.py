@@ -99,9 +99,9 @@ def test_one_rank_accumulating_two_micro_batches_trains_like_two_ranks(launched)
 
 @pytest.mark.slow
 def test_a_resume_with_another_dataset_is_refused_in_one_line(launched, tmp_path, capsys):
+    from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
     from disco_clip_ds.testing.launch import REPO, SGD
-    from disco_clip_ds.train.run import main
 
     out = tmp_path / "run"
     out.mkdir()

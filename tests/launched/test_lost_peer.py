@@ -29,7 +29,7 @@ _RANK = r"""
 import json, sys, torch
 import torch.distributed as dist
 from transformers import TrainingArguments
-from disco_clip_ds.train.run import DiscoTrainingArguments
+from disco_clip_ds.train.args import DiscoTrainingArguments
 
 cls = DiscoTrainingArguments if sys.argv[2] == "disco" else TrainingArguments
 args = cls(output_dir=sys.argv[1], ddp_timeout=42, use_cpu=True, report_to="none")

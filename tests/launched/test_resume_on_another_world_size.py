@@ -131,6 +131,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
 
 def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:
     """`disco-clip train ... --resume_from_checkpoint latest EXTRA` in this process (1 rank): its one line."""
+    from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
     from disco_clip_ds.train import run as train
 
@@ -139,7 +140,7 @@ def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None
 
     monkeypatch.setattr(train, "build_model", tripwire)
     argv = _args(out, data, "--resume_from_checkpoint", "latest", *extra, model=model)
-    assert run_main(train.main, argv, "disco-clip train") == 2
+    assert run_main(main, argv, "disco-clip train") == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"disco-clip train: {prefix or f'cannot resume checkpoint-{SAVE} under changed settings: '}"

@@ -73,8 +73,8 @@ def test_a_config_and_a_split_of_a_folder_are_chosen_by_name(folders, tmp_path):
 
 
 def _refused(tmp_path, capsys, *source: str) -> str:
+    from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
-    from disco_clip_ds.train.run import main
 
     out = tmp_path / "run"
     argv = ["--output_dir", str(out), "--model_config", str(TINY_CONFIG), *LAUNCH_COMMON, "--max_steps", "1"]

@@ -34,7 +34,7 @@ def test_restarts_across_nodes_through_the_shared_rendezvous_store_are_refused(e
 
 
 def _parsed(tmp_path: Path, *extra: str):
-    from disco_clip_ds.train.run import parse_args
+    from disco_clip_ds.train.args import parse_args
 
     return parse_args(
         [

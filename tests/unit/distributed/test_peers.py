@@ -10,7 +10,7 @@ from disco_clip_ds.testing.ranks import free_port
 
 
 def test_the_default_ends_a_lost_peer_within_minutes(tmp_path):
-    from disco_clip_ds.train.run import DiscoTrainingArguments
+    from disco_clip_ds.train.args import DiscoTrainingArguments
 
     assert DiscoTrainingArguments(output_dir=str(tmp_path)).ddp_timeout == 600
 

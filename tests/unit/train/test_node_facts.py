@@ -14,7 +14,7 @@ from disco_clip_ds.train.node_facts import node_facts
 
 
 def _parsed(tmp_path: Path, *extra: str):
-    from disco_clip_ds.train.run import parse_args
+    from disco_clip_ds.train.args import parse_args
 
     return parse_args(
         [
@@ -59,7 +59,7 @@ def test_what_differs_between_two_nodes_is_named(tmp_path, monkeypatch):
 
 def test_other_weights_under_the_same_config_are_named(tmp_path):
     """A pretrained model folder at the same path with the same config.json but other weights: another run."""
-    from disco_clip_ds.train.run import parse_args
+    from disco_clip_ds.train.args import parse_args
 
     init = tmp_path / "init"
     init.mkdir()

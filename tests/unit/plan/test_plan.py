@@ -1,12 +1,11 @@
-"""The planner: config validation messages, hand-computed memory/traffic terms, the paper's two runs, contrastive
-accumulation's batch, and the estimates against measured CPU peak memory: of the loss on 2 gloo ranks, and of
-whole training steps of real CLIPModels (tiny and small, two batch sizes each)."""
+"""The planner: config validation messages (the batch arithmetic shared with training), hand-computed memory and
+traffic terms, the paper's two runs, contrastive accumulation's batch, SigLIP's terms. (Against measured peaks:
+tests/launched/test_plan_measured.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +16,13 @@ from disco_clip_ds import plan as P
 from disco_clip_ds.commands import plan as plan_command
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.testing.launch import REPO
-from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib
-from disco_clip_ds.testing.ranks import run_ranks
 
 VIT = REPO / "recipes/models/vit_b32.json"
+
 CFG_32K = REPO / "ds_configs/vit_b32_32k_8gpu.json"
+
 CFG_196K = REPO / "ds_configs/vit_b32_196k_64gpu.json"
+
 CFG_196K_8GPU = REPO / "ds_configs/vit_b32_196k_8gpu.json"
 
 
@@ -39,9 +39,6 @@ def paper_plan(tmp_path, config: Path, gpus: int, *flags: str) -> tuple[int, dic
     argv = ["--deepspeed", str(config), "--model", str(VIT), "--gpus", str(gpus), "--gpu_memory", "40GB"]
     code = plan_command.main([*argv, "--activation_checkpointing", *flags, "--json", str(out)])
     return code, json.loads(out.read_text())
-
-
-# ------------------------------------------------------------------------------------------- validation
 
 
 def test_broken_batch_arithmetic_names_the_fix():
@@ -135,10 +132,8 @@ def test_bad_files_are_reported(tmp_path):
         P.load_config(broken)
     with pytest.raises(P.PlanConfigError, match="no such file"):
         P.load_config(tmp_path / "missing.json")
-    assert (
-        run_main(plan_command.main, ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"], "disco-clip plan")
-        == 2
-    )
+    argv = ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"]
+    assert run_main(plan_command.main, argv, "disco-clip plan") == 2
 
 
 @pytest.mark.parametrize(
@@ -169,9 +164,6 @@ def test_cli_prints_one_clear_error_for_a_bad_config(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "disco_clip_ds.plan", *argv], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("disco-clip plan: DeepSpeed config problems")
     assert "train_batch_size 100 != " in proc.stderr and "Traceback" not in proc.stderr
-
-
-# ---------------------------------------------------------------------------------- hand-computed terms
 
 
 def test_model_states_match_deepspeed_and_hand_counts():
@@ -226,9 +218,6 @@ def test_loss_terms_scale_as_the_paper_says():
     assert P.loss_bytes("local", 8 * big, 64, d, e) == P.loss_bytes("local", big, 8, d, e)
 
 
-# ------------------------------------------------------------------------------------- the paper's runs
-
-
 @pytest.mark.parametrize("config, gpus", [(CFG_32K, 8), (CFG_196K, 64)], ids=["32k_8gpu", "196k_64gpu"])
 def test_paper_runs_fit_on_40gb_with_disco_and_tiled(config, gpus, tmp_path):
     code, result = paper_plan(tmp_path, config, gpus)
@@ -263,9 +252,6 @@ def test_without_checkpointing_the_paper_batch_does_not_fit():
     assert not result["memory"]["tiled"]["fits"] and result["max_micro_batch"]["tiled"] < 4096
 
 
-# ----------------------------------------------------- contrastive accumulation: batch micro x world x K
-
-
 def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     config, vit = CFG_196K_8GPU, VIT
     code, result = paper_plan(tmp_path, config, 8, "--loss_impl", "tiled")
@@ -298,90 +284,8 @@ def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     assert plain["global_batch"] == 3072 * 8 and "cached embeddings" not in plain["memory"]["tiled"]["terms"]
 
 
-# ----------------------------------------------------------------------- estimate vs measured CPU peak
-
-
-def _loss_peak_rank(rank, world, impl, batch, dim) -> float:
-    """Bytes above the steady state at the peak of one forward + backward of the shipped loss `impl` on this rank,
-    measured as bench/loss/loss_bench.py does: after a warm-up, gradients freed after the step."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    from disco_clip_ds.losses import DiscoClipLoss
-
-    gen = torch.Generator().manual_seed(rank)
-    image, text = (
-        F.normalize(torch.randn(batch // world, dim, generator=gen), dim=1).requires_grad_() for _ in range(2)
-    )
-    log_scale = torch.tensor(math.log(1 / 0.07), requires_grad=True)
-    loss_fn = DiscoClipLoss(impl)
-    warm = [t[:8].detach().requires_grad_() for t in (image, text)]
-    loss_fn(*warm, log_scale.exp()).backward()  # thread pools and gloo buffers are set up once per process
-
-    def step():
-        loss_fn(image, text, log_scale.exp()).backward()
-        image.grad = text.grad = log_scale.grad = None
-
-    return peak_extra_mib(step) * 2**20
-
-
-@pytest.mark.parametrize("impl", ["disco", "tiled"])
-@pytest.mark.slow
-def test_loss_term_within_25_percent_of_measured_peak(impl):
-    """The loss working-set formula against the shipped loss's measured per-rank peak: 2 gloo ranks, B = 4096
-    (below that the process's fixed costs, thread pools and gloo buffers, dominate), d = 512, fp32. Freed large
-    blocks go back to the system, so that resident memory tracks live tensors. bench/plan/plan_check.py --loss
-    compares more batches, worlds and dtypes from the loss benchmark's results."""
-    batch, world, dim = 4096, 2, 512
-    measured = max(run_ranks(_loss_peak_rank, world, impl, batch, dim, env=mmap_threshold_env(1 << 20)))
-    estimate = P.loss_bytes(impl, batch, world, dim, 4)
-    assert abs(estimate / measured - 1) < 0.25, (
-        f"{impl}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
-    )
-
-
-def _measured_train_peak(model: Path, batch: int) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "disco_clip_ds.testing.step_memory",
-        "--model",
-        str(model),
-        "--batch",
-        str(batch),
-        "--mode",
-        "train",
-    ]
-    # A fresh process with a minimal environment: nothing that earlier in-process tests left in os.environ. Peak
-    # resident memory can only overstate the step (pages faulted in from outside it), so the smaller of two runs.
-    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"), "OMP_NUM_THREADS": "1"}
-    peaks = []
-    for _ in range(2):
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=120).stdout
-        peaks.append(json.loads(out.strip().splitlines()[-1])["delta_mib"] * 2**20)
-    return min(peaks)
-
-
-@pytest.mark.parametrize("model, batch", [("tiny", 256), ("tiny", 1024), ("small", 32), ("small", 128)])
-@pytest.mark.slow
-def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
-    """Single process, fp32, AdamW, the model's own (local) loss: what the CPU can run. The activation
-    coefficients come from ViT-B/32 and probe models (activation_fit.json), never from these two models."""
-    path = REPO / f"recipes/models/{model}.json"
-    shape = P.ModelShape.from_json(path)
-    settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
-    estimate = P.memory_plan(shape, settings, P.load_fit(), "local", False, capacity=float("inf"), overhead=0.0).total
-    measured = _measured_train_peak(path, batch)
-    assert abs(estimate / measured - 1) < 0.25, (
-        f"{model} b={batch}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
-    )
-
-
-# ----------------------------------------------------------------------- SigLIP's sigmoid loss
-
 SIGLIP_B16 = REPO / "recipes/models/siglip_b16.json"
+
 SIGLIP_32K = REPO / "ds_configs/siglip_b16_32k_8gpu.json"
 
 
@@ -417,34 +321,3 @@ def test_siglip_b16_32k_plan_verdict(capsys):
     assert plan_command.main([*argv, "--gpu_memory", "40GB"]) == 1  # ds_configs/README.md: fits on 80 GB, not on 40 GB
     with pytest.raises(P.PlanConfigError, match="--loss_impl disco: the sigmoid loss has tiled, local"):
         plan_command.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
-
-
-def _sigmoid_peak_rank(rank, world, batch, dim) -> float:
-    """As _loss_peak_rank, for the sigmoid loss."""
-    import torch
-    import torch.nn.functional as F
-
-    from disco_clip_ds.losses.sigmoid import SigmoidLoss
-
-    gen = torch.Generator().manual_seed(rank)
-    image, text = (
-        F.normalize(torch.randn(batch // world, dim, generator=gen), dim=1).requires_grad_() for _ in range(2)
-    )
-    scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
-    loss_fn = SigmoidLoss()
-    loss_fn(image[:8].detach().requires_grad_(), text[:8].detach().requires_grad_(), scale, bias).backward()
-
-    def step():
-        loss_fn(image, text, scale, bias).backward()
-        image.grad = text.grad = scale.grad = bias.grad = None
-
-    return peak_extra_mib(step) * 2**20
-
-
-@pytest.mark.slow
-def test_sigmoid_loss_term_within_25_percent_of_measured_peak():
-    """As for CLIP's losses: 2 gloo ranks, B = 4096, d = 512, fp32."""
-    batch, world, dim = 4096, 2, 512
-    measured = max(run_ranks(_sigmoid_peak_rank, world, batch, dim, env=mmap_threshold_env(1 << 20)))
-    estimate = P.loss_bytes("tiled", batch, world, dim, 4, loss="sigmoid")
-    assert abs(estimate / measured - 1) < 0.25, f"estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f}"

@@ -4,16 +4,12 @@ test_checkpoints.py; 10 stops in a row: test_exits.py.)"""
 
 import json
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from disco_clip_ds.checkpoint.layout import checkpoint_step
 from disco_clip_ds.distributed.preemption import StopOnSignal, finished_message, parse_signals, resume_hint
 from disco_clip_ds.errors import UsageError
-from disco_clip_ds.testing.launch import REPO
 
 
 def test_stop_signals_are_named_with_or_without_sig():
@@ -48,50 +44,3 @@ def test_the_launcher_watch_ends_with_training(monkeypatch):
     assert stopper._watch.is_alive()
     stopper.on_train_end(None, None, None)
     assert not stopper._watch.is_alive()
-
-
-# A thread in a torch op (which releases the GIL in C++) when the interpreter finalizes: CPython ends it with
-# pthread_exit, which aborts the process through the op's noexcept GIL guard, as gloo's worker threads can at a
-# launched rank's exit. Deterministic enough: the thread spends nearly all its time inside the op.
-_THREAD_IN_A_TORCH_OP_AT_EXIT = textwrap.dedent(
-    """
-    import sys, threading, time
-    import torch
-
-    def spin():
-        a = torch.ones(64, 64)
-        while True:
-            a.mm(a)
-
-    threading.Thread(target=spin, daemon=True).start()
-    time.sleep(0.2)
-    if sys.argv[1] == "without_finalization":
-        import atexit
-        from disco_clip_ds.distributed.preemption import exit_without_finalization
-
-        atexit.register(print, "an atexit handler ran", flush=True)
-        exit_without_finalization(75)
-    sys.exit(75)
-    """
-)
-
-
-def _exit_with_a_thread_in_torch(how: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _THREAD_IN_A_TORCH_OP_AT_EXIT, how],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-@pytest.mark.slow  # six interpreters importing torch
-def test_a_rank_exits_with_its_code_however_its_threads_are_busy():
-    plain = [_exit_with_a_thread_in_torch("plain") for _ in range(3)]
-    # the failure this avoids: an abort after the exit code was decided
-    assert any(p.returncode == -signal.SIGABRT and "terminate called" in p.stderr for p in plain), plain
-    for _ in range(3):
-        done = _exit_with_a_thread_in_torch("without_finalization")
-        assert done.returncode == 75 and "terminate" not in done.stderr, done.stderr
-        assert "an atexit handler ran" in done.stdout

@@ -80,8 +80,9 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     """`disco-clip export` of the run: a plain SiglipModel folder with its card, which transformers' own
     zero-shot-image-classification pipeline loads and scores with sigmoid probabilities."""
     import numpy as np
+    import torch
     from PIL import Image
-    from transformers import pipeline
+    from transformers import AutoProcessor, SiglipModel, pipeline
 
     from disco_clip_ds.commands.export import main as export_main
     from disco_clip_ds.errors import run_main
@@ -92,9 +93,21 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     classify = pipeline("zero-shot-image-classification", model=str(tmp_path / "export"))
     assert type(classify.model).__name__ == "SiglipModel"
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
-    scores = [r["score"] for r in classify(image, candidate_labels=["zero", "one", "two"])]
-    assert len(scores) == 3 and all(0 < s < 1 for s in scores)
-    assert sum(scores) != pytest.approx(1.0, abs=1e-3)  # independent sigmoids, not a softmax over the labels
+    labels = ["zero", "one", "two"]
+    scores = {r["label"]: r["score"] for r in classify(image, candidate_labels=labels)}
+    # recomputed in float64 from the exported weights: sigmoid(scale x cosine + bias) per label, the text as the
+    # pipeline gives it (its default template, padded to SigLIP's 64 positions)
+    model = SiglipModel.from_pretrained(tmp_path / "export").double().eval()
+    processor = AutoProcessor.from_pretrained(tmp_path / "export")
+    texts = [f"This is a photo of {label}." for label in labels]
+    tokens = processor.tokenizer(texts, padding="max_length", max_length=64, truncation=True, return_tensors="pt")
+    pixels = processor.image_processor(images=image, return_tensors="pt")["pixel_values"].double()
+    with torch.no_grad():
+        text = torch.nn.functional.normalize(model.get_text_features(**tokens).pooler_output, dim=-1)
+        picture = torch.nn.functional.normalize(model.get_image_features(pixel_values=pixels).pooler_output, dim=-1)
+        expected = torch.sigmoid(picture @ text.T * model.logit_scale.exp() + model.logit_bias)[0]
+    assert [scores[label] for label in labels] == pytest.approx(expected.tolist(), abs=1e-5)
+    assert sum(scores.values()) != pytest.approx(1.0, abs=1e-3)  # independent sigmoids, not a softmax over the labels
 
 
 def test_zero_shot_evaluation_pads_siglip_text_to_its_length(runs):
@@ -114,5 +127,12 @@ def test_zero_shot_evaluation_pads_siglip_text_to_its_length(runs):
         expected = torch.nn.functional.normalize(model.get_text_features(**tokens).pooler_output, dim=-1)
     torch.testing.assert_close(encode_texts(model, tokenizer, names), expected)
     pixels = torch.randn(6, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    metrics = zeroshot_classification(model, tokenizer, [(pixels, [0, 1, 2, 0, 1, 2])], names, ["{c}"], progress=False)
-    assert 0 <= metrics["acc1"] <= 1
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    metrics = zeroshot_classification(model, tokenizer, [(pixels, labels.tolist())], names, ["{c}"], progress=False)
+    # top-1 recomputed in float64 from the saved weights: each image's nearest class text (one template: "{c}")
+    model = model.double()
+    with torch.no_grad():
+        text = torch.nn.functional.normalize(model.get_text_features(**tokens).pooler_output, dim=-1)
+        picture = model.get_image_features(pixel_values=pixels.double()).pooler_output
+        predicted = (torch.nn.functional.normalize(picture, dim=-1) @ text.T).argmax(dim=1)
+    assert metrics["acc1"] == pytest.approx((predicted == labels).double().mean().item())

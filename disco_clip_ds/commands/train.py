@@ -1,0 +1,35 @@
+"""`disco-clip train` / `python -m disco_clip_ds.train`: CLIP under the HF Trainer (+ DeepSpeed ZeRO) with the
+distributed contrastive loss computed inside the model's forward.
+
+Starts the same way under every launcher (`deepspeed`, `torchrun`, `accelerate launch`, or plain python); on a
+machine without a GPU it runs on CPU with no extra flag. Arguments: the Trainer's own (`--help` lists them) plus
+`disco_clip_ds.train.args`' ModelArguments and DataArguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from disco_clip_ds import compat
+from disco_clip_ds.distributed.preemption import exit_without_finalization
+from disco_clip_ds.train.args import parse_args
+from disco_clip_ds.train.run import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`disco-clip train`: parse the arguments, validate them, train. Errors are raised (`errors.run_main` turns
+    them into a message and an exit code)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        model_args, data_args, args = parse_args(argv)
+        # as HF's run_clip: the main process logs at INFO, the others at --log_level_replica (WARNING by default)
+        logging.getLogger().setLevel(logging.INFO if args.should_log else args.get_process_log_level())
+        train(model_args, data_args, args)
+        return 0
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launched rank: the process ends after this
+            compat.destroy_process_group()
+            error = sys.exc_info()[1]
+            exit_without_finalization(0 if error is None else getattr(error, "exit_code", 1))

@@ -1,0 +1,238 @@
+"""The arguments of `disco-clip train`: the Trainer's own (TrainingArguments, with CLIP-pretraining defaults) plus
+ModelArguments and DataArguments, and `parse_args`, which reads them with HfArgumentParser. Declarations and
+parsing only: every refusal is in `disco_clip_ds.train.validate`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import HfArgumentParser, TrainingArguments
+
+from disco_clip_ds import LOSS_IMPLS, compat
+from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
+from disco_clip_ds.distributed import peers
+from disco_clip_ds.errors import EXIT_PREEMPTED, DiscoClipError, UsageError
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(default=None, metadata={"help": "pretrained CLIP weights: hub id or folder"})
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "CLIPConfig or SiglipConfig JSON to train from scratch, e.g. recipes/models/tiny.json, "
+            "recipes/models/siglip_tiny.json"
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer hub id or folder (default: model_name_or_path), e.g. openai/clip-vit-base-patch32"
+        },
+    )
+    loss_impl: str = field(
+        default="tiled",
+        metadata={
+            "choices": list(LOSS_IMPLS),
+            "help": "tiled / disco: global-batch loss; local: each device's own batch (HF's example)",
+        },
+    )
+    chunk_size: int | None = field(
+        default=None, metadata={"help": "rows per tile of the tiled loss (default: automatic)"}
+    )
+    image_size: int | None = field(default=None, metadata={"help": "training resolution (default: the model config's)"})
+    max_text_length: int | None = field(
+        default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"}
+    )
+    lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
+    lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
+
+
+@dataclass
+class DataArguments:
+    train_shards: str | None = field(
+        default=None,
+        metadata={
+            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (or give "
+            "--dataset_name / --train_file)"
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "a 🤗 datasets dataset to train from: hub id, or a folder (save_to_disk, parquet files, "
+            "imagefolder with metadata.jsonl)"
+        },
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "the configuration of --dataset_name"})
+    train_split: str = field(default="train", metadata={"help": "the split of --dataset_name to train on"})
+    train_file: str | None = field(
+        default=None, metadata={"help": "a csv, json(l) or parquet file of image paths (or bytes) and captions"}
+    )
+    image_column: str = field(
+        default="image",
+        metadata={"help": "column of --dataset_name/--train_file with the images: an Image feature, bytes or paths"},
+    )
+    caption_column: str = field(
+        default="caption",
+        metadata={"help": "column with the captions: a string, or a list of strings (one drawn per pass)"},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "stream --dataset_name/--train_file (an IterableDataset) instead of loading it"},
+    )
+    train_num_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "samples per epoch (default: from sizes.json or img2dataset *_stats.json, or the dataset's "
+            "number of rows)"
+        },
+    )
+    shuffle_buffer: int = field(
+        default=1000,
+        metadata={
+            "help": "samples in each reader's shuffle buffer (0: stream order; a map-style dataset is permuted "
+            "whole each pass unless 0)"
+        },
+    )
+    zeroshot_data: str | None = field(
+        default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
+    )
+    zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
+    max_image_pixels: int = field(
+        default=MAX_IMAGE_PIXELS,
+        metadata={"help": "skip (and count) training images of more pixels, read from the header before decoding"},
+    )
+    normalize_on_device: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "true", "false"],
+            "help": "hand the batch over as uint8 and normalise it on the device (bit-identical; auto: on a GPU), "
+            "else in the DataLoader workers",
+        },
+    )
+
+
+@dataclass
+class DiscoTrainingArguments(TrainingArguments):
+    """TrainingArguments with CLIP-pretraining defaults; CPU is chosen automatically when there is no GPU, and each
+    rank reads its own shards unless --accelerator_config says dispatch_batches."""
+
+    remove_unused_columns: bool = field(default=False, metadata={"help": "kept False: batches hold only model inputs"})
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "tensorboard, wandb, none, ..."})
+    logging_steps: float = field(default=10)
+    save_steps: float = field(default=500)
+    save_total_limit: int | None = field(default=3)
+    weight_decay: float = field(default=0.1)
+    warmup_steps: float = field(default=0)
+    dataloader_num_workers: int = field(default=2)
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "a checkpoint folder, or 'latest' (the newest complete one in output_dir; fresh start if none)"
+        },
+    )
+    contrastive_accumulation: bool = field(
+        default=True,
+        metadata={
+            "help": "with --gradient_accumulation_steps K > 1, contrast all micro x world x K pairs of an optimizer "
+            "step (gradient caching); false: independent micro-batch losses"
+        },
+    )
+    # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
+    # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
+    # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and
+    # setup at scale, a zero-shot eval (every rank runs it, so none waits long); short enough to free the nodes for
+    # a restart well within a preemptible job's slot. Raise it for a very slow shared filesystem.
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "seconds a rank waits for the others (joining, and every collective) before it stops"},
+    )
+    stop_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "signals that stop every rank at the next step with a checkpoint, "
+            f"exit code {EXIT_PREEMPTED} ('none': off)"
+        },
+    )
+
+    # The DeepSpeed JSON as `parse_args` read it (the one read of it in this package), for the argument checks; not
+    # an argument (init=False: HfArgumentParser and to_dict leave it out).
+    deepspeed_json: dict | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        # Not a side effect of ours: TrainingArguments.__post_init__ itself sets up the device ("# 8. Device Init":
+        # `self.device`), which joins the process group in a launched rank. So the two settings that joining needs
+        # are made before it (CPU ranks without a GPU; gloo's group with --ddp_timeout), and a master or peer that
+        # never answers is a PeerError instead of torch's traceback. Nothing else happens here.
+        compat.use_cpu_without_gpu(self)
+        with peers.joining(self.ddp_timeout):
+            compat.init_cpu_process_group(self)
+            super().__post_init__()
+        if self.accelerator_config.dispatch_batches is None:
+            # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
+            self.accelerator_config.dispatch_batches = False
+
+
+def parse_args(argv: list[str] | None = None):
+    """(ModelArguments, DataArguments, DiscoTrainingArguments) from argv, or from one .json/.yaml file. Values that
+    TrainingArguments refuses while parsing are a UsageError. The DeepSpeed JSON (--deepspeed, or the one
+    accelerate launch's config names) is read here, once, and kept as `deepspeed_json` for the checks."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
+    values = _read_arguments_file(argv[0]) if from_file else vars(parser.parse_known_args(argv)[0])
+    deepspeed_json = read_deepspeed_json(values.get("deepspeed"))  # before TrainingArguments, which would not name it
+    # unknown names, and what TrainingArguments.__post_init__ refuses as not working together, are ValueErrors
+    with usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):
+        parsed = parser.parse_dict(values) if from_file else parser.parse_args_into_dataclasses(args=argv)
+    parsed[2].deepspeed_json = deepspeed_json
+    return parsed
+
+
+def read_deepspeed_json(deepspeed) -> dict | None:
+    """The DeepSpeed JSON of a run: the file --deepspeed names (`deepspeed`), or else the one accelerate launch's
+    config names; None without one (or for a config given inline)."""
+    if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
+        return read_json("--deepspeed", deepspeed)
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if deepspeed is None and path:  # under accelerate launch
+        return read_json("accelerate's deepspeed_config_file", path)
+    return None
+
+
+def _read_arguments_file(path: str) -> dict:
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as error:
+        raise UsageError(f"{path} is not a readable arguments file: {error}") from error
+    if not isinstance(values, dict):
+        raise UsageError(f"{path} holds no argument names and values")
+    return values
+
+
+def read_json(flag: str, path: str) -> dict:
+    """The JSON file a flag names, or a UsageError naming the flag and the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{flag} {path} is not a readable JSON file: {error}") from error
+
+
+@contextlib.contextmanager
+def usage_error(prefix: str = "", suffix: str = ""):
+    """A plain ValueError or OSError raised inside (by a reader of the user's input) becomes a UsageError."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        if isinstance(error, DiscoClipError):
+            raise
+        raise UsageError(f"{prefix}{error}{suffix}") from error

@@ -1,0 +1,239 @@
+"""DiscoTrainer: the stock Trainer with each hook it changes overridden once, here, delegating to small components
+(contrastive accumulation, the finite check, stop signals, complete checkpoints, stream state), so that what one
+step does reads top to bottom in this file."""
+
+from __future__ import annotations
+
+import functools
+import resource
+import time
+from pathlib import Path
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+from disco_clip_ds import compat, faults
+from disco_clip_ds.data.collate import POSITION_KEY
+from disco_clip_ds.data.streams.base import ReaderStream, error_message
+from disco_clip_ds.distributed.ranks import any_true
+from disco_clip_ds.errors import DataError
+from disco_clip_ds.train.accumulation import ContrastiveAccumulation
+from disco_clip_ds.train.checkpointing import CompleteCheckpoints
+from disco_clip_ds.train.finite import FiniteCheck
+from disco_clip_ds.train.optim import warmup_from_first_step, without_clip_no_decay
+from disco_clip_ds.train.stopping import StopSignals
+from disco_clip_ds.train.stream_state import StreamPositions
+
+
+class DiscoTrainer(Trainer):
+    """The stock Trainer plus CLIP logging (logit scale, global batch, throughput, data vs step time, peak
+    memory, skipped samples), OpenCLIP's weight-decay exclusions and contrastive accumulation over
+    gradient_accumulation_steps (`accumulation`). The loss comes from the model.
+
+    Checkpoints are complete or absent (`checkpoints`); `stop_signals=(...)` stop training at the next step with a
+    checkpoint (`stopper.stopped` says whether one did); a loss or gradient norm that is not finite stops every rank
+    before anything of that step is saved (`finite`). Each batch's stream positions are kept and saved in every
+    checkpoint, and a resume restores them (`stream_state`) instead of skipping batches.
+    """
+
+    def __init__(self, *args, reads_own_shards: bool = True, stop_signals: tuple[int, ...] = (), **kwargs):
+        self.signals = StopSignals(stop_signals)  # before the DataLoader forks its workers
+        self.stopper = self.signals.stopper
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.stopper]
+        self.checkpoints = CompleteCheckpoints(self)
+        self.finite = FiniteCheck()
+        self.stream_state = StreamPositions()
+        super().__init__(*args, **kwargs)
+        self.accumulation = ContrastiveAccumulation(self.args)
+        if self.accumulation.enabled:
+            # compute_loss returns loss / K itself: the Trainer must not divide again (its documented switch).
+            self.loss_is_scaled_for_ga = True
+        self.reads_own_shards = reads_own_shards
+        self._data_time, self._last_log = 0.0, None
+        self._resume_checkpoint = None
+
+    def contrastive_batch_size(self) -> int:
+        """The pairs each optimizer step contrasts: micro x world (x K when accumulating contrastively)."""
+        return self.accumulation.contrastive_batch_size()
+
+    # --- set-up ---
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if compat.fsdp_on_cpu(self.accelerator.state, self.args.fsdp_plugin_args):  # before is_fsdp_enabled is read
+            self.is_fsdp_enabled = True
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return without_clip_no_decay(super().get_decay_parameter_names(model))
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        warmup = self.args.get_warmup_steps(num_training_steps)
+        if warmup > 0 and isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and not hasattr(scheduler, "warmup"):
+            self.lr_scheduler = scheduler = warmup_from_first_step(scheduler, warmup)  # the Trainer may ask again
+        return scheduler
+
+    # --- data ---
+
+    def get_train_dataloader(self):
+        loader = self.signals.leave_to_rank(super().get_train_dataloader())
+        if self.reads_own_shards:
+            compat.unshard_iterable_dataset(loader)
+        return loader
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self._resume_checkpoint = resume_from_checkpoint  # for get_resumed_dataloader, which is not told it
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the
+        `num_batches` batches trained on."""
+        checkpoint = self._resume_checkpoint
+        if isinstance(checkpoint, bool):
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if not isinstance(self.train_dataset, ReaderStream):
+            return super().get_resumed_dataloader(dataloader, num_batches)
+        config = self.args.accelerator_config
+        # under dispatch_batches rank 0's loader hands out `world` batches per step (one, with split_batches)
+        per_step = self.args.world_size if config.dispatch_batches and not config.split_batches else 1
+        self.stream_state.restore(self.train_dataset, checkpoint, num_batches, per_step)
+        return dataloader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        start = time.perf_counter()
+        if self._last_log is None:  # the clock starts at the first batch: no start-up time, and after a resume
+            self._last_log = (start, self.state.global_step)  # global_step is the restored one
+        failure = None
+        try:
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        except Exception as error:  # every rank must learn of it: see _stream_failed
+            failure, batches = error, ([], None)
+        if any_true(failure is not None, self.args.device):  # a collective every step: no rank waits on a dead one
+            self._stream_failed(failure)
+        self.accumulation.record(batches[0])
+        for batch in batches[0]:  # the stream's positions ride in the batch; the model must not see them
+            self.stream_state.note(batch.pop(POSITION_KEY, None))
+        self._data_time += time.perf_counter() - start
+        return batches
+
+    def _stream_failed(self, failure: BaseException | None):
+        """Raise on every rank once any rank's data loading failed: its DataError as one line (the same on every
+        rank); any other error, a bug, with its traceback on the rank that hit it."""
+        mine = None
+        if failure is not None:  # a DataError names its reader and rank; anything else gets the rank put first
+            mine = error_message(failure).splitlines()[0] if isinstance(failure, DataError) else None
+            mine = mine or f"rank {self.args.process_index}'s data loading failed: {type(failure).__name__}: {failure}"
+            mine = mine.splitlines()[0]
+        messages = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, mine)
+        if failure is not None and not isinstance(failure, DataError):
+            raise failure
+        raise DataError(next(m for m in messages if m is not None)) from failure
+
+    def _prepare_inputs(self, inputs):
+        # Every training forward passes here (training_step; the contrastive accumulation's embedding pass), and so
+        # does evaluation. A uint8 batch (ClipCollator(normalize=False)) is normalised on the device by the
+        # collator's own Normalize, then cast as the Trainer casts float inputs (DeepSpeed's dtype): what the model
+        # sees is bit for bit what the workers would have made. A new dict: the raw batch stays uint8 for the next call.
+        inputs = super()._prepare_inputs(inputs)
+        pixels = inputs.get("pixel_values")
+        if pixels is not None and pixels.dtype == torch.uint8:
+            inputs = {**inputs, "pixel_values": self._prepare_input(self.data_collator.normalize.batch(pixels))}
+        return inputs
+
+    # --- the step ---
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        embed_and_cache = functools.partial(
+            self.accumulation.embed_and_cache,
+            model=model,
+            unwrapped=self.model,
+            prepare_inputs=self._prepare_inputs,
+            autocast=self.compute_loss_context_manager,
+        )
+        with self.accumulation.micro_step(inputs, embed_and_cache):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self.finite.add(loss)
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.accumulation.in_step:  # the micro-batch's share of the accumulated contrastive loss
+            return self.accumulation.loss(model, self.model, inputs, return_outputs)
+        # return_loss rides here, not in the batch: accelerate's dispatch_batches broadcasts tensors only.
+        inputs = {**inputs, "return_loss": True}
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        # before the Trainer logs, evaluates or saves anything of this step
+        self.finite.check(self.state.global_step, grad_norm, model, self.control.should_save, self.args.device)
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    # --- saving ---
+
+    def _get_output_dir(self, trial) -> str:
+        # The stock _save_checkpoint writes into _get_output_dir(trial)/checkpoint-N: point it at the staging area.
+        staging = self.checkpoints.staging_dir
+        return str(staging) if staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.stream_state.gather(
+            self.train_dataset, self.args.dataloader_num_workers, self.accelerator, self.args.device
+        )
+        run_dir = Path(super()._get_output_dir(trial))
+        self.checkpoints.save_checkpoint(functools.partial(super()._save_checkpoint, model, trial), run_dir)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        faults.in_save(self.state.global_step)  # the named point: model and DeepSpeed files written, state not
+        super()._save_rng_state(output_dir)
+        self.stream_state.write(self.train_dataset, output_dir, self.is_world_process_zero())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self.checkpoints.save_model(super().save_model, output_dir, _internal_call)
+
+    def save_final(self, metrics: dict) -> None:
+        """The final save into output_dir (train metrics, model, Trainer state), then its manifest, written last:
+        a kill or a full disk on the way leaves none, and the next run repairs the final model (`keep_final_model`)."""
+        self.checkpoints.save_final(metrics)
+
+    # --- logging ---
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # the training log, reached by every rank at the same step
+            logs.update(self._training_metrics())
+        super().log(logs, start_time)
+
+    def _training_metrics(self) -> dict[str, float]:
+        now, step, world = time.perf_counter(), self.state.global_step, self.args.world_size
+        last_time, last_step = self._last_log
+        steps = max(1, step - last_step)
+        elapsed = now - last_time
+        local = torch.tensor(
+            [self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
+            dtype=torch.float64,
+            device=self.args.device,
+        )
+        per_rank = self.accelerator.gather(local[None]).reshape(world, 3).cpu()
+        self._data_time, self._last_log = 0.0, (now, step)
+        samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
+        metrics = {
+            "logit_scale": float(getattr(self.model, "last_logit_scale", float("nan"))),
+            "global_contrastive_batch": self.contrastive_batch_size(),
+            "samples_per_s": samples / elapsed,
+            "samples_per_s_per_rank": samples / elapsed / world,
+            "step_time_s": elapsed / steps,
+            "data_time_s": per_rank[:, 0].max().item() / steps,
+            "peak_mem_gib_max": per_rank[:, 1].max().item(),
+            "skipped_samples": int(per_rank[:, 2].sum().item()),
+        }
+        if world <= 16:
+            metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
+        return metrics
+
+
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: this rank's peak RSS

@@ -1,0 +1,318 @@
+"""Every refusal of `disco-clip train`, before any work: a UsageError (AccumulationError for accumulation) saying
+what to change, identical on every rank. Grouped by the argument each check is about; `validate` runs them all."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from disco_clip_ds.data.hf_io import HFData, load_training_dataset
+from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, shards_for_reader
+from disco_clip_ds.distributed.preemption import parse_signals
+from disco_clip_ds.errors import AccumulationError, ExportError, UsageError
+from disco_clip_ds.models.build import MODEL_CLASSES, load_config
+from disco_clip_ds.plan.checks import batch_contradictions, expected_batch
+from disco_clip_ds.train.args import (
+    DataArguments,
+    DiscoTrainingArguments,
+    ModelArguments,
+    read_deepspeed_json,
+    read_json,
+    usage_error,
+)
+
+
+@dataclass
+class CheckedRun:
+    """What `validate` established on the way, for training to use as is."""
+
+    urls: list[str]
+    num_samples: int
+    max_steps: int
+    stop_signals: tuple[int, ...]
+    hub_model_id: str | None
+    tokenizer: object
+    image_size: int
+    max_length: int
+    hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
+
+
+def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
+    """Every check of the arguments, before any work.
+
+    Reads the shard lists (or loads and checks the `datasets` dataset), the tokenizer and the model's config (not
+    its weights), so that a tokenizer or image size that does not fit the model is refused before the model is
+    built. Identical on every rank."""
+    check_contrastive_accumulation(args, model_args.loss_impl)
+    check_deepspeed_batch(args)
+    _check_max_steps(args)
+    _check_batch_size(args)
+    _check_save_steps(args)
+    _check_learning_rate_and_weight_decay(args)
+    _check_model_source(model_args)
+    _check_zeroshot(data_args)
+    hub_model_id = _check_push_to_hub(args)
+    stop_signals = parse_signals(args.stop_signals)
+    _check_max_image_pixels(data_args)
+    hf, urls = _check_source(data_args, args), []
+    with usage_error():  # unreadable shard lists and counts: the messages name the fix
+        if hf is None:
+            urls = expand_shards(data_args.train_shards)
+        max_steps, num_samples = steps_and_samples(data_args, args, urls, hf)
+        if hf is None:
+            _check_readers(args, urls)
+    _check_positive_sizes(model_args)
+    tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
+    return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
+
+
+def readers(args: DiscoTrainingArguments) -> int:
+    """The data readers of a run: ranks x DataLoader workers (one rank reads for all under dispatch_batches)."""
+    ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
+    return ranks * max(1, args.dataloader_num_workers)
+
+
+# --- --gradient_accumulation_steps, --contrastive_accumulation -------------------------------------------------------
+def check_contrastive_accumulation(args, loss_impl: str) -> None:
+    """Refuse, before training and identically on every rank, settings under which accumulation cannot work.
+
+    `args`: TrainingArguments with `contrastive_accumulation`; `loss_impl`: the model's loss ("tiled", "disco",
+    "local")."""
+    steps = args.gradient_accumulation_steps
+    if not isinstance(steps, int) or steps < 1:
+        raise AccumulationError(
+            f"--gradient_accumulation_steps must be an integer >= 1 (micro-batches per optimizer step), got {steps!r}"
+        )
+    if not getattr(args, "contrastive_accumulation", False) or steps == 1:
+        return
+    if loss_impl == "local":
+        raise AccumulationError(
+            "--loss_impl local computes each micro-batch's loss on its own, so it cannot be accumulated contrastively: "
+            "use --loss_impl tiled (or disco) for a contrastive batch of micro x world x K, or pass "
+            "--contrastive_accumulation false to keep independent micro-batch losses"
+        )
+    if getattr(args, "n_gpu", 1) > 1:
+        raise AccumulationError(
+            f"one process drives {args.n_gpu} GPUs (torch.nn.DataParallel); the distributed loss needs one process per "
+            "GPU: launch with torchrun, deepspeed or accelerate launch"
+        )
+    parallel = getattr(args, "parallelism_config", None)
+    if parallel is not None and any(getattr(parallel, f"{kind}_size", 1) > 1 for kind in ("tp", "cp", "sp")):
+        raise AccumulationError(
+            "contrastive accumulation supports data parallelism only (DeepSpeed ZeRO, FSDP, DDP); "
+            "drop the tensor/context/sequence parallel sizes from parallelism_config"
+        )
+
+
+# --- --deepspeed ------------------------------------------------------------------------------------------------------
+def deepspeed_path(args) -> str | None:
+    """The DeepSpeed JSON file of the run: --deepspeed, or the one accelerate launch's config names."""
+    path = args.deepspeed or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    return path if isinstance(path, str) and not path.lstrip().startswith("{") else None
+
+
+def check_deepspeed_batch(args: DiscoTrainingArguments) -> None:
+    """Fail early, with what to change, when a DeepSpeed JSON's fixed batch sizes contradict the arguments.
+
+    DeepSpeed would also refuse them, but only after the model is built, in an assertion on each rank. The JSON is
+    the one `parse_args` read (`args.deepspeed_json`; read now for arguments made without it); the arithmetic is
+    the planner's (`batch_contradictions`)."""
+    if args.deepspeed_json is None:
+        args.deepspeed_json = read_deepspeed_json(args.deepspeed)
+    config = args.deepspeed_json
+    if not isinstance(config, dict):
+        return
+    micro, accum, world = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.world_size
+    wrong = batch_contradictions(config, micro, accum, world)
+    if wrong:
+        expected = expected_batch(micro, accum, world)
+        raise UsageError(
+            f"{deepspeed_path(args)}: {wrong} contradicts --per_device_train_batch_size {micro} x "
+            f'--gradient_accumulation_steps {accum} x {world} ranks (= {expected}); set those values to "auto" or '
+            "change the arguments to match"
+        )
+
+
+# --- --max_steps, --num_train_epochs, --train_num_samples ---------------------------------------------------------
+def _check_max_steps(args: DiscoTrainingArguments) -> None:
+    if args.max_steps == 0:  # the Trainer would read 0 as "not set" and train --num_train_epochs
+        raise UsageError(
+            "--max_steps 0 trains nothing: give a positive number, or leave it out to train --num_train_epochs"
+        )
+
+
+def steps_and_samples(
+    data_args: DataArguments, args: DiscoTrainingArguments, urls: list[str], hf: HFData | None = None
+) -> tuple[int, int]:
+    """(optimizer steps to train, samples per epoch): --max_steps, else the epochs over the counted samples."""
+    if hf is not None and not (data_args.train_num_samples or hf.num_rows):
+        raise UsageError(f"{hf.description}: its number of rows is not known: pass --train_num_samples")
+    num_samples = data_args.train_num_samples or (hf.num_rows if hf is not None else count_samples(urls))
+    if num_samples <= 0:
+        source = data_args.train_shards if hf is None else hf.description
+        raise UsageError(f"no training samples in {source} (count {num_samples})")
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if args.max_steps > 0:
+        return args.max_steps, num_samples
+    # The stream has no length, so the Trainer needs max_steps: epochs over the counted samples.
+    return max(1, math.ceil(args.num_train_epochs * num_samples / global_batch)), num_samples
+
+
+# --- --per_device_train_batch_size, --save_steps, --learning_rate, --weight_decay ------------------------------------
+def _check_batch_size(args: DiscoTrainingArguments) -> None:
+    if args.per_device_train_batch_size < 1:
+        raise UsageError(f"--per_device_train_batch_size {args.per_device_train_batch_size}: must be at least 1")
+
+
+def _check_save_steps(args: DiscoTrainingArguments) -> None:
+    if args.save_strategy == "steps" and args.save_steps <= 0:
+        raise UsageError(f"--save_steps {args.save_steps:g}: give a positive number, or --save_strategy no")
+
+
+def _check_learning_rate_and_weight_decay(args: DiscoTrainingArguments) -> None:
+    # A non-finite or absurd rate trains on to exit 0 with NaN weights; refuse it before any work.
+    if not (math.isfinite(args.learning_rate) and 0 < args.learning_rate <= 1):
+        raise UsageError(
+            f"--learning_rate {args.learning_rate:g}: give a finite number in (0, 1]; CLIP trains at 1e-4 to 1e-3"
+        )
+    if not (math.isfinite(args.weight_decay) and 0 <= args.weight_decay * args.learning_rate < 1):
+        raise UsageError(
+            f"--weight_decay {args.weight_decay:g}: give a finite number of at least 0 and below 1 / --learning_rate "
+            "(AdamW scales the weights by 1 - lr x wd every step); CLIP uses 0.1 to 0.2"
+        )
+
+
+# --- --model_name_or_path, --model_config, --tokenizer_name ----------------------------------------------------------
+def _check_model_source(model_args: ModelArguments) -> None:
+    if not (model_args.tokenizer_name or model_args.model_name_or_path):
+        raise UsageError(
+            "training from --model_config needs --tokenizer_name (e.g. recipes/tokenizer or "
+            "openai/clip-vit-base-patch32)"
+        )
+    if bool(model_args.model_name_or_path) == bool(model_args.model_config):
+        raise UsageError(
+            "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a config JSON)"
+        )
+    if model_args.model_config:
+        read_json("--model_config", model_args.model_config)
+    for flag, value in (
+        ("--tokenizer_name", model_args.tokenizer_name),
+        ("--model_name_or_path", model_args.model_name_or_path),
+    ):
+        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+            raise UsageError(f"{flag} {value}: no such folder")
+
+
+# --- --zeroshot_data, --zeroshot_steps --------------------------------------------------------------------------------
+def _check_zeroshot(data_args: DataArguments) -> None:
+    if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
+        raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+
+
+# --- --push_to_hub, --hub_model_id ----------------------------------------------------------------------------------
+def _check_push_to_hub(args: DiscoTrainingArguments) -> str | None:
+    """The hub repo to push to at the end (None: no push), once a token is known to be there."""
+    if not args.push_to_hub:
+        return None
+    if not args.hub_model_id:
+        raise UsageError("--push_to_hub needs --hub_model_id USER/NAME")
+    from disco_clip_ds.export.hub import require_hub_token
+
+    try:
+        require_hub_token()  # now, not after hours of training
+    except ExportError as error:
+        raise UsageError(str(error)) from error
+    return args.hub_model_id
+
+
+# --- --max_image_pixels ---------------------------------------------------------------------------------------------
+def _check_max_image_pixels(data_args: DataArguments) -> None:
+    if data_args.max_image_pixels < 1:
+        raise UsageError(f"--max_image_pixels {data_args.max_image_pixels}: give a positive number of pixels")
+
+
+# --- --train_shards, --dataset_name, --train_file; ranks x --dataloader_num_workers ---------------------------------
+def _check_source(data_args: DataArguments, args: DiscoTrainingArguments) -> HFData | None:
+    """Exactly one training source: shards (None returned), or a `datasets` dataset, loaded and checked."""
+    hf_flags = [f for f, v in (("--dataset_name", data_args.dataset_name), ("--train_file", data_args.train_file)) if v]
+    if bool(data_args.train_shards) == bool(hf_flags) or len(hf_flags) > 1:
+        given = (["--train_shards"] if data_args.train_shards else []) + hf_flags
+        raise UsageError(
+            f"give exactly one training source: --train_shards, --dataset_name or --train_file (got "
+            f"{' and '.join(given) or 'none'})"
+        )
+    if not hf_flags:
+        return None
+    return load_training_dataset(data_args, readers(args))
+
+
+def _check_readers(args: DiscoTrainingArguments, urls: list[str]) -> None:
+    """Every reader (rank x DataLoader worker) gets a shard, and, where the shards' counts are recorded, a sample:
+    a reader with none would fail only once training has started."""
+    num_readers, workers = readers(args), max(1, args.dataloader_num_workers)
+    shards_for_reader(urls, 0, num_readers)  # a shard for every reader
+    empty = empty_reader(urls, num_readers)
+    if empty:
+        reader, shards = empty
+        raise UsageError(
+            f"reader {reader} of {num_readers} (rank {reader // workers}, DataLoader worker {reader % workers}) "
+            f"would read only shards without samples ({', '.join(shards[:3])}{' ...' if len(shards) > 3 else ''}: "
+            "0 samples in their sizes.json / *_stats.json): leave empty shards out of --train_shards, or use fewer "
+            "ranks x --dataloader_num_workers"
+        )
+
+
+# --- --max_text_length, --image_size, --chunk_size; the tokenizer against the model's config -----------------------
+def _check_positive_sizes(model_args: ModelArguments) -> None:
+    for flag, value in (
+        ("--max_text_length", model_args.max_text_length),
+        ("--image_size", model_args.image_size),
+        ("--chunk_size", model_args.chunk_size),
+    ):
+        if value is not None and value < 1:  # 0 would silently mean "the default"
+            raise UsageError(f"{flag} {value}: give a positive number, or leave it out for the default")
+
+
+def _check_tokenizer_and_sizes(model_args: ModelArguments):
+    """(tokenizer, image size, max text length), once they fit the model's config."""
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
+    flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
+    with usage_error(f"{flag} {tokenizer_name}: "):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+    flag, source = (
+        ("--model_config", model_args.model_config)
+        if model_args.model_config
+        else ("--model_name_or_path", model_args.model_name_or_path)
+    )
+    with usage_error(f"{flag} {source}: "):
+        config = load_config(model_args.model_name_or_path, model_args.model_config)
+    if config.model_type not in MODEL_CLASSES:
+        raise UsageError(
+            f"{flag} {source}: a {config.model_type} model; train CLIP or SigLIP ({sorted(MODEL_CLASSES)})"
+        )
+    text, vision = config.text_config, config.vision_config
+    image_size = model_args.image_size or vision.image_size
+    if image_size != vision.image_size:
+        raise UsageError(
+            f"--image_size {image_size} differs from the model's {vision.image_size}: set image_size in the "
+            "model config instead"
+        )
+    max_length = model_args.max_text_length or text.max_position_embeddings
+    if max_length > text.max_position_embeddings:
+        raise UsageError(
+            f"--max_text_length {max_length} exceeds the model's max_position_embeddings {text.max_position_embeddings}"
+        )
+    # CLIP pools the text at the eos position: a mismatch trains on the wrong token without any error. (SigLIP pools
+    # the last position of text padded to max_length, whatever its tokens.)
+    clip_tokens = (text.eos_token_id, text.bos_token_id) == (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    if (config.model_type == "clip" and not clip_tokens) or len(tokenizer) > text.vocab_size:
+        raise UsageError(
+            f"tokenizer {tokenizer_name} (bos {tokenizer.bos_token_id}, eos {tokenizer.eos_token_id}, "
+            f"{len(tokenizer)} tokens) does not "
+            f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
+        )
+    return tokenizer, image_size, max_length

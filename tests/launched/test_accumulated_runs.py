@@ -1,0 +1,185 @@
+"""Contrastive accumulation end to end: K micro-batches of b train exactly like one batch of K x b on one rank, and
+N ranks x K micro-batches like one rank with N x K x b, under plain PyTorch, DDP, DeepSpeed ZeRO-1/2/3 and FSDP,
+with gradient checkpointing; a resumed run continues exactly; bad settings stop every rank with the reason.
+(The math: tests/unit/train/test_accumulation.py.)"""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import (
+    REPO,
+    SGD,
+    TINY_CONFIG,
+    TOKENIZER_DIR,
+    launch,
+    launch_in_one_process,
+    train_command,
+    train_env,
+)
+
+from helpers import assert_same_training, assert_trained_under_fsdp, save_initial_model, step_losses, weights
+
+STEPS, MICRO, SEED = 3, 4, 11
+
+SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
+
+
+@pytest.mark.slow
+def test_bad_settings_stop_every_rank_with_the_reason(tmp_path):
+    """2 ranks under torchrun: each rank prints the reason and the launch ends (no rank waits in a collective)."""
+    write_shards(tmp_path / "data", num_shards=2, per_shard=4)
+    cmd = [
+        *train_command("torchrun", 2),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+        "--train_shards",
+        str(tmp_path / "data"),
+        "--model_config",
+        str(TINY_CONFIG),
+        "--tokenizer_name",
+        str(TOKENIZER_DIR),
+        "--loss_impl",
+        "local",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("cannot be accumulated contrastively") == 2, (proc.stdout + proc.stderr)[
+        -3000:
+    ]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def initial_model(tmp_path_factory):
+    return save_initial_model(tmp_path_factory.mktemp("init") / "tiny", SEED)
+
+
+# The fixture's 10 runs (~15-25 s of imports per launch on a quiet 2-core machine, several times that on a loaded
+# one) are charged to the first test that uses it.
+E2E_TIMEOUT = pytest.mark.timeout(1800)
+
+# AdamW with weight decay, clipping that bites, and a warmup + cosine schedule: all act on the accumulated gradient
+# at the optimizer step, so K micro-batches must still train like one batch of all pairs. Adam divides by each
+# gradient's own scale, which lifts fp32 summation-order noise in near-zero gradients: a looser update bound.
+ADAMW = [
+    "--optim",
+    "adamw_torch",
+    "--learning_rate",
+    "1e-3",
+    "--weight_decay",
+    "0.1",
+    "--max_grad_norm",
+    "0.05",
+    "--lr_scheduler_type",
+    "cosine",
+    "--warmup_steps",
+    "1",
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, initial_model):
+    """The references (1 rank, K=1, micro 4b; SGD and AdamW) and the accumulating runs; ~3 min on 2 cores."""
+    root = tmp_path_factory.mktemp("accum")
+    write_shards(root / "data", num_shards=4, per_shard=24, seed=3)
+    data = [
+        "--model_name_or_path",
+        str(initial_model),
+        "--train_shards",
+        f"{root}/data/{{00000..00003}}.tar",
+        "--train_num_samples",
+        "96",
+    ]
+    common, same = [*data, *SGD], [*data, *SGD, *SAME_STREAM]
+    micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
+    gc = ["--gradient_checkpointing", "true"]
+    zero1 = root / "zero1.json"
+    zero1.write_text(
+        json.dumps(
+            {
+                **json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()),
+                "zero_optimization": {"stage": 1, "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000},
+            }
+        )
+    )
+    # the one-rank runs share one interpreter (the reference first); each is what `python -m disco_clip_ds.train` runs
+    launch_in_one_process(
+        [
+            (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
+            (root / "n1_k4", [*same, *micro(MICRO, 4)]),
+            (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
+            (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
+            (root / "adamw_k4", [*data, *ADAMW, *SAME_STREAM, *micro(MICRO, 4)]),
+        ]
+    )
+    # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
+    launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), ds_config=str(zero1))
+    launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2))
+    launch("accelerate", 2, root / "n2_k2_zero3_gc", *same, *micro(MICRO, 2), *gc, ds_config="cpu_zero3.json")
+    launch("accelerate", 2, root / "n2_k2_fsdp", *same, *micro(MICRO, 2), ds_config=None)
+    launch("torchrun", 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
+    # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
+    own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2"]
+    launch("torchrun", 2, root / "full", *own)
+    shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
+    launch("torchrun", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
+    return root
+
+
+@E2E_TIMEOUT
+@pytest.mark.parametrize("run", ["n1_k4", "n2_k2_zero1", "n2_k2_zero2", "n2_k2_zero3_gc", "n2_k2_fsdp", "n2_k2_ddp_gc"])
+@pytest.mark.slow
+def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
+    if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
+        assert_trained_under_fsdp(runs / run)
+    assert_same_training(runs / run, runs / "n1_k1", weights(initial_model), steps=STEPS)
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_contrastive_accumulation_false_keeps_independent_micro_batch_losses(runs):
+    """The flag off: the same K=4 run trains on 4 separate losses of b pairs, so the reference check above can fail."""
+    plain, reference = step_losses(runs / "n1_k4_plain"), step_losses(runs / "n1_k1")
+    # at the shared initial weights CLIP's loss is about ln(pairs): ln(4) per micro-batch against ln(16)
+    assert reference[0] - plain[0] > 0.5
+    logged = json.loads((runs / "n1_k4_plain" / "trainer_state.json").read_text())["log_history"][0]
+    assert logged["global_contrastive_batch"] == MICRO
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_logged_contrastive_batch_is_micro_x_world_x_k(runs):
+    for run, expected in (("n1_k4", 4 * MICRO), ("n2_k2_zero2", 4 * MICRO), ("n1_k1", 4 * MICRO)):
+        logged = json.loads((runs / run / "trainer_state.json").read_text())["log_history"][0]
+        assert logged["global_contrastive_batch"] == expected, run
+        assert json.loads((runs / run / "run.json").read_text())["global_contrastive_batch"] == expected
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_resumed_run_continues_exactly(runs):
+    full, resumed = step_losses(runs / "full"), step_losses(runs / "resumed")
+    assert (runs / "resumed.log").read_text().count("{'loss': ") == 2  # steps 3 and 4 were trained after the resume
+    assert len(full) == len(resumed) == 4
+    assert resumed == pytest.approx(full, rel=1e-6)
+    wa, wb = weights(runs / "full"), weights(runs / "resumed")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(runs, initial_model):
+    for run in ("adamw_k1", "adamw_k4"):
+        history = json.loads((runs / run / "trainer_state.json").read_text())["log_history"]
+        assert all(h["grad_norm"] > 0.05 for h in history if "grad_norm" in h), run  # clipping was active
+        # one warmup step (at the full lr: warmup starts at lr / warmup), then cosine over the remaining two
+        assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([1e-3, 1e-3, 5e-4])
+    assert_same_training(runs / "adamw_k4", runs / "adamw_k1", weights(initial_model), update_rtol=1e-3, steps=STEPS)

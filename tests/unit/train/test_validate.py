@@ -1,0 +1,225 @@
+"""Every refusal of `disco-clip train` (`disco_clip_ds.train.validate`), before any work: in-process runs of the
+command with one bad argument each, the DeepSpeed batch arithmetic against the arguments, accumulation settings,
+epochs into steps, readers without samples."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import REPO
+
+MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
+TOK = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
+
+# (arguments after --train_shards; "{data}", "{tmp}" and "{wrong_eos}" are filled in per test; the message to expect)
+# (arguments after --train_shards; "{data}", "{tmp}" and "{wrong_eos}" are filled in per test; the message to expect)
+BAD_ARGUMENTS = {
+    "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere"),
+    "no tokenizer": (["{data}", *MODEL], "needs --tokenizer_name"),
+    "tokenizer mismatch": (["{data}", "--model_config", "{wrong_eos}", *TOK], "does not match the model's text config"),
+    "image size": (["{data}", *MODEL, *TOK, "--image_size", "224"], "differs from the model's 64"),
+    "zeroshot half set": (["{data}", *MODEL, *TOK, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
+    "remote shards uncounted": (["https://host/{{0..3}}.tar", *MODEL, *TOK], "--train_num_samples"),
+    "too few shards": (["{data}", *MODEL, *TOK, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
+    "no hub token": (["{data}", *MODEL, *TOK, "--push_to_hub", "--hub_model_id", "u/n"], "no Hugging Face token"),
+    "deepspeed not json": (["{data}", *MODEL, *TOK, "--deepspeed", "{not_json}"], "is not a readable JSON file"),
+    "learning rate inf": (["{data}", *MODEL, *TOK, "--learning_rate", "inf"], "--learning_rate inf: give a finite"),
+    "learning rate 1e30": (["{data}", *MODEL, *TOK, "--learning_rate", "1e30"], "--learning_rate 1e+30: give a"),
+    "weight decay nan": (["{data}", *MODEL, *TOK, "--weight_decay", "nan"], "--weight_decay nan: give a finite"),
+    "weight decay negative": (["{data}", *MODEL, *TOK, "--weight_decay", "-0.1"], "--weight_decay -0.1: give a"),
+    "save steps 0": (["{data}", *MODEL, *TOK, "--save_steps", "0"], "--save_steps 0: give a positive number"),
+    "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
+    "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
+    "chunk size 0": (["{data}", *MODEL, *TOK, "--chunk_size", "0"], "--chunk_size 0: give a positive"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_arguments_setup, train_main, tmp_path, capsys):
+    argv, message = BAD_ARGUMENTS[case]
+    argv = [arg.format(**bad_arguments_setup) for arg in argv]
+    assert train_main("--train_shards", *argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _ds_args(config, micro, accum, world):
+    """What check_deepspeed_batch reads of DiscoTrainingArguments: the JSON as parse_args read it, and the batch."""
+    return SimpleNamespace(
+        deepspeed="ds.json",
+        deepspeed_json=config,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,
+        world_size=world,
+    )
+
+
+def test_deepspeed_batch_arithmetic_is_checked_against_the_arguments(tmp_path):
+    from disco_clip_ds.train.args import parse_args
+    from disco_clip_ds.train.validate import check_deepspeed_batch
+
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": "auto"}
+    check_deepspeed_batch(_ds_args(config, 16, 2, 2))  # 16 x 2 x 2 = 64
+    check_deepspeed_batch(_ds_args(config, 16, 1, 4))
+    with pytest.raises(UsageError, match="train_batch_size.*= .*'train_batch_size': 32"):
+        check_deepspeed_batch(_ds_args(config, 16, 1, 2))
+    with pytest.raises(UsageError, match="train_micro_batch_size_per_gpu"):
+        check_deepspeed_batch(_ds_args(config, 8, 2, 4))
+    broken = tmp_path / "ds.json"
+    broken.write_text("{not json")  # refused by parse_args, which reads the JSON, before anything else does
+    with pytest.raises(UsageError, match=f"--deepspeed {broken} is not a readable JSON file"):
+        parse_args(["--output_dir", str(tmp_path / "out"), "--deepspeed", str(broken)])
+    made = _ds_args(None, 16, 1, 2)  # arguments made without parse_args: the check reads the JSON itself, once
+    made.deepspeed = str(tmp_path / "made.json")
+    Path(made.deepspeed).write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="made.json: .*'train_batch_size': 64"):
+        check_deepspeed_batch(made)
+    assert made.deepspeed_json == config
+    for shipped in ("cpu_zero2.json", "cpu_zero3.json"):  # all "auto": any arguments fit
+        check_deepspeed_batch(_ds_args(json.loads((REPO / "ds_configs" / shipped).read_text()), 3, 5, 7))
+
+
+def test_parse_args_keeps_the_deepspeed_json_it_read(tmp_path):
+    from disco_clip_ds.train.args import parse_args
+
+    config = tmp_path / "ds.json"
+    values = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto", "zero_optimization": {}}
+    config.write_text(json.dumps(values))
+    argv = ["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "4", "--deepspeed", str(config)]
+    *_, args = parse_args(argv)
+    assert args.deepspeed_json == values
+    assert "deepspeed_json" not in args.to_dict()  # not an argument: run.json and the Trainer's records leave it out
+    *_, args = parse_args(argv[:2])
+    assert args.deepspeed_json is None
+
+
+def test_the_batch_check_is_the_planners(tmp_path):
+    """Training and `disco-clip plan` refuse the same configs: one comparison (`plan.checks.batch_contradictions`)."""
+    from disco_clip_ds.plan.checks import batch_contradictions
+
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2}
+    assert batch_contradictions(config, 16, 2, 2) == {}
+    assert batch_contradictions(config, 8, 2, 2) == {"train_batch_size": 64}
+    assert batch_contradictions(config, 16, 1, 4) == {"gradient_accumulation_steps": 2}
+    assert batch_contradictions({"train_batch_size": "auto"}, 1, 1, 1) == {}
+
+
+def test_readers_are_ranks_times_workers():
+    from disco_clip_ds.train.validate import readers
+
+    def args(world, workers, dispatch):
+        return SimpleNamespace(
+            world_size=world,
+            dataloader_num_workers=workers,
+            accelerator_config=SimpleNamespace(dispatch_batches=dispatch),
+        )
+
+    assert readers(args(4, 3, False)) == 12
+    assert readers(args(4, 0, False)) == 4  # no workers: the rank itself reads
+    assert readers(args(4, 3, True)) == 3  # dispatch_batches: rank 0 reads for every rank
+
+
+def _settings(**kw):
+    base = dict(gradient_accumulation_steps=2, contrastive_accumulation=True, n_gpu=1, parallelism_config=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_settings_that_cannot_accumulate_contrastively_are_refused():
+    from disco_clip_ds.errors import AccumulationError
+    from disco_clip_ds.train.validate import check_contrastive_accumulation
+
+    check_contrastive_accumulation(_settings(), "tiled")
+    check_contrastive_accumulation(_settings(), "disco")
+    check_contrastive_accumulation(_settings(contrastive_accumulation=False), "local")  # independent losses: allowed
+    check_contrastive_accumulation(_settings(gradient_accumulation_steps=1), "local")  # nothing to accumulate
+    cases = [
+        (_settings(), "local", "--contrastive_accumulation false"),
+        (_settings(gradient_accumulation_steps=0), "tiled", ">= 1"),
+        (_settings(gradient_accumulation_steps=-2, contrastive_accumulation=False), "tiled", ">= 1"),
+        (_settings(n_gpu=2), "tiled", "one process per GPU"),
+        (_settings(parallelism_config=SimpleNamespace(tp_size=2, cp_size=1)), "tiled", "data parallelism only"),
+    ]
+    for settings, impl, message in cases:
+        with pytest.raises(AccumulationError, match=message):
+            check_contrastive_accumulation(settings, impl)
+
+
+def test_a_deepspeed_json_contradicting_the_accumulation_is_refused():
+    from disco_clip_ds.train.validate import check_deepspeed_batch
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 8}
+    check_deepspeed_batch(_ds_args(config, 4, 8, 2))
+    with pytest.raises(UsageError, match="gradient_accumulation_steps.*--gradient_accumulation_steps 2"):
+        check_deepspeed_batch(_ds_args(config, 4, 2, 2))
+
+
+def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
+    from types import SimpleNamespace
+
+    from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.train.args import DataArguments
+    from disco_clip_ds.train.validate import steps_and_samples
+
+    folder = tmp_path / "data"
+    write_shards(folder, num_shards=2, per_shard=50)  # sizes.json: 100 samples
+    urls = expand_shards(str(folder))
+    args = SimpleNamespace(
+        per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=2, max_steps=-1, num_train_epochs=3
+    )
+    assert steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (10, 100)  # ceil(300 / 32)
+    assert steps_and_samples(DataArguments(train_shards=str(folder), train_num_samples=64), args, urls) == (6, 64)
+    args.max_steps = 7
+    assert steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (7, 100)
+
+
+def _empty_second_shard(folder: Path, sizes: bool) -> str:
+    """Two shards, the second a valid tar without members; sizes.json (when asked for) records 5 and 0 samples."""
+    import tarfile
+
+    urls = write_shards(folder, num_shards=1, per_shard=5)
+    tarfile.open(folder / "00001.tar", "w").close()
+    if sizes:
+        (folder / "sizes.json").write_text(json.dumps({"00000.tar": 5, "00001.tar": 0}))
+    else:
+        (folder / "sizes.json").unlink()
+    return urls[0].replace("00000.tar", "{00000..00001}.tar")
+
+
+def test_a_reader_with_only_empty_shards_is_refused_before_the_model_is_built(tmp_path, capsys):
+    from disco_clip_ds.commands.train import main
+    from disco_clip_ds.errors import run_main
+    from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
+
+    shards = _empty_second_shard(tmp_path / "shards", sizes=True)
+    argv = ["--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--train_shards", shards]
+    argv += [*LAUNCH_COMMON, "--max_steps", "1", "--dataloader_num_workers", "2"]  # 1 rank x 2 workers: 2 readers
+    assert run_main(main, argv, "disco-clip train") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "disco-clip train: reader 1 of 2 (rank 0, DataLoader worker 1) would read only shards without samples ("
+        f"{tmp_path / 'shards' / '00001.tar'}: 0 samples in their sizes.json"
+    ), err
+    assert "leave empty shards out of --train_shards, or use fewer ranks x --dataloader_num_workers" in err[0]
+    assert not (tmp_path / "run").exists()
+    assert run_main(main, [*argv[:-2], "--dataloader_num_workers", "1", "--max_image_pixels", "0"], "t") == 2
+    assert "--max_image_pixels 0: give a positive number" in capsys.readouterr().err
+
+
+def test_max_image_pixels_is_checked_for_a_datasets_source_too(tmp_path, train_main, capsys):
+    """--max_image_pixels 0 was refused only with --train_shards (inside the shard readers' check): a `datasets`
+    source trained on with it."""
+    from disco_clip_ds.testing.images import image_bytes
+
+    rows = []
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(image_bytes("PNG", color=40 * i))
+        rows.append(f"{tmp_path / f'{i}.png'},a picture {i}")
+    (tmp_path / "paths.csv").write_text("file,caption\n" + "\n".join(rows) + "\n")
+    argv = ["--train_file", str(tmp_path / "paths.csv"), "--image_column", "file", *MODEL, *TOK]
+    argv += ["--max_steps", "1", "--per_device_train_batch_size", "2", "--dataloader_num_workers", "0"]
+    assert train_main(*argv, "--max_image_pixels", "0") == 2
+    assert "--max_image_pixels 0: give a positive number of pixels" in capsys.readouterr().err
