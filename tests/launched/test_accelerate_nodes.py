@@ -9,15 +9,13 @@ is a GPU path), which the reference's weights show all the same."""
 import pytest
 
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, start_nodes
-
-from helpers import (
+from disco_clip_ds.testing.processes import kill_group, wait_group
+from disco_clip_ds.testing.runs import (
     assert_trained_under_fsdp,
     complete_checkpoints,
-    kill_group,
     run_and_data,
     same_weights,
     two_shards_and_init,
-    wait_group,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -20,8 +20,13 @@ from disco_clip_ds.testing.launch import (
     train_command,
     train_env,
 )
-
-from helpers import assert_same_training, assert_trained_under_fsdp, save_initial_model, step_losses, weights
+from disco_clip_ds.testing.runs import (
+    assert_same_training,
+    assert_trained_under_fsdp,
+    save_initial_model,
+    step_losses,
+    weights,
+)
 
 STEPS, MICRO, SEED = 3, 4, 11
 

@@ -14,11 +14,10 @@ import torch
 
 from disco_clip_ds.checkpoint.manifest import write_manifest
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, run_to_end
 from disco_clip_ds.testing.ranks import run_ranks
+from disco_clip_ds.testing.runs import complete_checkpoints, save_initial_model
 from disco_clip_ds.train import finite as numerics
-
-from helpers import complete_checkpoints, run_to_end, save_initial_model
 
 
 def _step_numbers(rank, world, losses, norm, bad):

@@ -20,8 +20,8 @@ import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_command, train_env
-
-from helpers import complete_checkpoints, kill_group, save_initial_model, wait_group
+from disco_clip_ds.testing.processes import kill_group, wait_group
+from disco_clip_ds.testing.runs import complete_checkpoints, save_initial_model
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,20 +19,9 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, train_env
-
-from helpers import (
-    alive,
-    complete_checkpoints,
-    kill_group,
-    ranks_of,
-    run_and_data,
-    run_to_end,
-    same_weights,
-    save_initial_model,
-    start_run,
-    step_losses,
-)
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, run_to_end, start_run, train_env
+from disco_clip_ds.testing.processes import alive, kill_group, ranks_of
+from disco_clip_ds.testing.runs import complete_checkpoints, run_and_data, same_weights, save_initial_model, step_losses
 
 pytestmark = [
     pytest.mark.slow,

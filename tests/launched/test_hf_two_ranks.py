@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from unit.data.hfsets import hf_dataset, hf_rows
 
 from disco_clip_ds.testing.launch import LAUNCH_COMMON
+
+from unit.data.hfsets import hf_dataset, hf_rows
 
 STEPS, PER_RANK = 6, 3  # 20 rows, 2 bad: 9 good per reader and pass, 18 trained per reader: passes wrap
 
@@ -22,9 +23,8 @@ def launched(tmp_path_factory):
     """The data, the initial weights, and the runs: uninterrupted and resumed from a copy of its checkpoint-3, for a
     map-style source under torchrun and a streaming one under accelerate; and 1 rank x 2 workers accumulating K=2
     over the map-style source under the deepspeed launcher."""
-    from disco_clip_ds.testing.launch import REPO, SGD
-
-    from helpers import run_to_end, save_initial_model
+    from disco_clip_ds.testing.launch import REPO, SGD, run_to_end
+    from disco_clip_ds.testing.runs import save_initial_model
 
     root = tmp_path_factory.mktemp("hflaunch")
     ds = hf_dataset(hf_rows(20, BAD_ROWS))
@@ -67,7 +67,7 @@ def _results(run: Path) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["map", "stream"])
 def test_two_ranks_train_and_a_resumed_run_ends_with_the_uninterrupted_losses_and_weights(launched, kind):
-    from helpers import same_weights, step_losses, weights
+    from disco_clip_ds.testing.runs import same_weights, step_losses, weights
 
     full, resumed = launched / f"{kind}_full", launched / f"{kind}_resumed"
     assert same_weights(full, resumed) == 0.0
@@ -92,7 +92,7 @@ def test_two_ranks_train_and_a_resumed_run_ends_with_the_uninterrupted_losses_an
 def test_one_rank_accumulating_two_micro_batches_trains_like_two_ranks(launched):
     """1 rank x 2 DataLoader workers, K=2: its micro-batches come from readers 0 and 1, the two ranks' readers of
     map_full, and the contrastive loss over both equals the 2-rank one."""
-    from helpers import assert_same_training, weights
+    from disco_clip_ds.testing.runs import assert_same_training, weights
 
     assert_same_training(launched / "n1_k2", launched / "map_full", weights(launched / "tiny"), steps=STEPS)
 

@@ -20,17 +20,9 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
-
-from helpers import (
-    complete_checkpoints,
-    kill_group,
-    run_to_end,
-    same_weights,
-    save_initial_model,
-    start_run,
-    wait_group,
-)
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, run_to_end, start_run
+from disco_clip_ds.testing.processes import kill_group, wait_group
+from disco_clip_ds.testing.runs import complete_checkpoints, same_weights, save_initial_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 8

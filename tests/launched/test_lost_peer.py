@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, hostfile, start_nodes
+from disco_clip_ds.testing.processes import kill_group, ranks_of, wait_group
 from disco_clip_ds.testing.ranks import free_port
-
-from helpers import kill_group, ranks_of, run_and_data, two_shards_and_init, wait_group
+from disco_clip_ds.testing.runs import run_and_data, two_shards_and_init
 
 TIMEOUT = 20  # --ddp_timeout in the launched tests, seconds
 MARGIN = 120  # a busy machine's slack on top of it: still far from torch's 30 minutes

@@ -22,9 +22,9 @@ from disco_clip_ds.testing.launch import (
     node_command,
     start,
 )
+from disco_clip_ds.testing.processes import kill_group
 from disco_clip_ds.testing.ranks import free_port
-
-from helpers import complete_checkpoints, kill_group, same_weights, save_initial_model
+from disco_clip_ds.testing.runs import complete_checkpoints, same_weights, save_initial_model
 
 STEPS, SAVE = 6, 2
 ROOT = os.geteuid() == 0 and shutil.which("unshare") is not None

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, TINY_CONFIG
-
-from helpers import assert_same_training, run_to_end, save_initial_model, weights
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, TINY_CONFIG, run_to_end
+from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
 
 STEPS, SAVE, PER_RANK = 6, 3, 4
 # AdamW: universal checkpoints re-partition its moments. eps 1e-6 rather than 1e-8: with 1e-8 Adam divides the

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_env
+from disco_clip_ds.testing.processes import kill_group, wait_group
 from disco_clip_ds.testing.ranks import free_port
-
-from helpers import complete_checkpoints, kill_group, same_weights, two_shards_and_init, wait_group
+from disco_clip_ds.testing.runs import complete_checkpoints, same_weights, two_shards_and_init
 
 STEPS = 4
 

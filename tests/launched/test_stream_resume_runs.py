@@ -24,8 +24,7 @@ PIXEL_CAP = 300 * 300  # the data holds one 400 x 400 image: skipped under this 
 
 def _launch_args(output: Path, data: dict, *args: str) -> list[str]:
     from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD
-
-    from helpers import run_and_data
+    from disco_clip_ds.testing.runs import run_and_data
 
     return [
         *run_and_data(output, data),
@@ -59,7 +58,7 @@ def _decoded(output: Path) -> int:
 def data(tmp_path_factory):
     """8 shards x 10 samples (10 per reader and pass: every reader wraps into new passes), a few bad samples and one
     image above PIXEL_CAP."""
-    from helpers import save_initial_model
+    from disco_clip_ds.testing.runs import save_initial_model
 
     root = tmp_path_factory.mktemp("seekdata")
     write_shards(root / "shards", 8, 10, seed=4, bad={3: "corrupt", 25: "no_text", 41: "large", 62: "empty_text"})
@@ -69,7 +68,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, data):
     """The uninterrupted run, a checkpoint at every step."""
-    from helpers import run_to_end
+    from disco_clip_ds.testing.launch import run_to_end
 
     out = tmp_path_factory.mktemp("full") / "run"
     rc, log = run_to_end(out, _launch_args(out, data), launcher="torchrun")
@@ -79,7 +78,7 @@ def full(tmp_path_factory, data):
 
 def _resume_from_copy(full: Path, step: int, out: Path, data: dict, drop_state: bool = False) -> tuple[int, str]:
     """Resume in OUT from a copy of the full run's checkpoint-STEP (and its run.json)."""
-    from helpers import run_to_end
+    from disco_clip_ds.testing.launch import run_to_end
 
     out.mkdir(parents=True)
     shutil.copy(full / "run.json", out / "run.json")
@@ -93,7 +92,7 @@ def _resume_from_copy(full: Path, step: int, out: Path, data: dict, drop_state: 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resume_seeks_decodes_what_it_trains_on_and_ends_with_the_uninterrupted_weights(full, data, tmp_path):
-    from helpers import same_weights
+    from disco_clip_ds.testing.runs import same_weights
 
     state = json.loads((full / "checkpoint-5" / "stream_state.json").read_text())
     assert state["num_readers"] == 2 * WORKERS and sorted(state["readers"]) == ["0", "1", "2", "3"]
@@ -117,7 +116,8 @@ def test_normalising_on_the_device_trains_bit_identically(full, data, tmp_path):
     """--normalize_on_device true on CPU ranks: the workers hand over uint8 batches and the trainer normalises
     them (here on the CPU, as it would on a GPU) for both passes of contrastive accumulation: the same losses and
     exactly the weights of the default run, whose workers normalise."""
-    from helpers import run_to_end, step_losses, weights
+    from disco_clip_ds.testing.launch import run_to_end
+    from disco_clip_ds.testing.runs import step_losses, weights
 
     out = tmp_path / "on_device"
     rc, log = run_to_end(out, _launch_args(out, data, "--normalize_on_device", "true"), launcher="torchrun")
@@ -137,7 +137,8 @@ def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
     (2 batches) in which reader 0 handed out nothing: its restored position must be saved again, which a second
     resume from it shows; that one hands over uint8 batches (--normalize_on_device true), which accelerate
     broadcasts as they are."""
-    from helpers import run_to_end, same_weights
+    from disco_clip_ds.testing.launch import run_to_end
+    from disco_clip_ds.testing.runs import same_weights
 
     dispatch = ["--accelerator_config", '{"dispatch_batches": true}', "--dataloader_num_workers", "3"]
     dispatch += ["--gradient_accumulation_steps", "1", "--max_steps", "4"]
@@ -188,9 +189,7 @@ def _empty_second_shard(folder: Path, sizes: bool) -> str:
 def test_a_rank_whose_shards_hold_no_sample_stops_every_rank_with_one_line(data, tmp_path):
     """Counts unknown (no sizes.json): rank 1's reader finds nothing once training runs; both ranks end, each with
     the same one line, exit 1, no traceback (deepspeed launcher: it passes the ranks' exit code on)."""
-    from disco_clip_ds.testing.launch import LAUNCH_COMMON
-
-    from helpers import run_to_end
+    from disco_clip_ds.testing.launch import LAUNCH_COMMON, run_to_end
 
     shards = _empty_second_shard(tmp_path / "shards", sizes=False)
     out = tmp_path / "run"

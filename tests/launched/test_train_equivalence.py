@@ -14,8 +14,7 @@ import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_SEED, REPO, SGD, launch
-
-from helpers import assert_same_training, assert_trained_under_fsdp, save_initial_model, weights
+from disco_clip_ds.testing.runs import assert_same_training, assert_trained_under_fsdp, save_initial_model, weights
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 

@@ -11,8 +11,7 @@ import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
-
-from helpers import assert_same_training, assert_trained_under_fsdp, weights
+from disco_clip_ds.testing.runs import assert_same_training, assert_trained_under_fsdp, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS, PER_RANK = 4, 8

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from disco_clip_ds.eval.tasks import zeroshot_classification
+
 from unit.eval.sets import CLASSNAMES, TEMPLATES, eval_main, tiny_clip
 
 

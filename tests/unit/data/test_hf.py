@@ -13,6 +13,7 @@ import torch
 from disco_clip_ds.data.hf_io import load_training_dataset
 from disco_clip_ds.data.streams.hf import STATE_INTS, HFStream, pack_state, unpack_state
 from disco_clip_ds.errors import DataError, UsageError
+
 from unit.data.hfsets import (
     SIZE,
     check_rows,

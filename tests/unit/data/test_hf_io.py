@@ -10,6 +10,7 @@ import pytest
 from disco_clip_ds.data.hf_io import load_training_dataset
 from disco_clip_ds.data.streams.hf import HFStream
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
+
 from unit.data.hfsets import SIZE, check_rows, hf_args, hf_dataset, hf_png, hf_rows, one_pass, saved_dataset
 
 

@@ -11,6 +11,7 @@ from PIL import Image
 
 from disco_clip_ds.eval.callback import ZeroShotCallback
 from disco_clip_ds.eval.tasks import zeroshot_classification
+
 from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_tokenizer
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
+
 from unit.eval.sets import CLASSNAMES, cls_dataset, eval_main, record, rows_dataset, string_feature
 
 

@@ -14,6 +14,7 @@ from PIL import Image
 from disco_clip_ds.eval.encode import zeroshot_classifier
 from disco_clip_ds.eval.tasks import find_classnames, find_templates, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
+
 from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip
 
 

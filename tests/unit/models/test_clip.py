@@ -17,7 +17,7 @@ from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import run_ranks
 
-from helpers import LOSS_RTOL, assert_grad_close, batch
+from unit.models.batches import LOSS_RTOL, assert_grad_close, batch
 
 TINY = REPO / "recipes" / "models" / "tiny.json"
 

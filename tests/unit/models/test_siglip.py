@@ -12,7 +12,7 @@ from disco_clip_ds.models.build import build_model
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import run_ranks
 
-from helpers import LOSS_RTOL, assert_grad_close, batch
+from unit.models.batches import LOSS_RTOL, assert_grad_close, batch
 
 SIGLIP_TINY = REPO / "recipes" / "models" / "siglip_tiny.json"
 

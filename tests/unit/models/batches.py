@@ -1,45 +1,4 @@
-"""What several test modules share. Launching runs (testing.launch), their processes (testing.processes) and what
-they leave behind (testing.runs) live in the shared harness, disco_clip_ds.testing: re-exported here until the tests
-import them from there. The model tests' batch and tolerances (tests/unit/models/) are their own."""
-
-from disco_clip_ds.testing.launch import run_to_end, start_run
-from disco_clip_ds.testing.processes import alive, kill_group, ranks_of, wait_group
-from disco_clip_ds.testing.runs import (
-    assert_same_training,
-    assert_trained_under_fsdp,
-    complete_checkpoints,
-    run_and_data,
-    same_weights,
-    save_initial_model,
-    step_losses,
-    two_shards_and_init,
-    weights,
-)
-
-__all__ = [
-    "GLOBAL_BATCH",
-    "LOSS_RTOL",
-    "alive",
-    "assert_grad_close",
-    "batch",
-    "assert_same_training",
-    "assert_trained_under_fsdp",
-    "complete_checkpoints",
-    "kill_group",
-    "ranks_of",
-    "run_and_data",
-    "run_to_end",
-    "same_weights",
-    "save_initial_model",
-    "start_run",
-    "step_losses",
-    "two_shards_and_init",
-    "wait_group",
-    "weights",
-]
-
-
-# --- the model tests' batch and tolerances ---
+"""The model tests' batch and tolerances (test_clip.py, test_siglip.py)."""
 
 GLOBAL_BATCH = 6
 # The models run in float64; the loss accumulates in float32 by design (losses/), so agreement is at fp32 level.
