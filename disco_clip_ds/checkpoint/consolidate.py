@@ -125,6 +125,11 @@ def _read_one_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# What DiscoCLIPModel/DiscoSiglipModel add to a transformers config (models/base.py): training settings, which a
+# plain model's config.json does not carry
+TRAINING_KEYS = ("loss_impl", "chunk_size")
+
+
 def build_plain_model(checkpoint: Path, state_dict: dict):
     """The plain transformers model (CLIPModel or SiglipModel, by the checkpoint's config) holding `state_dict`,
     every parameter accounted for."""
@@ -137,6 +142,9 @@ def build_plain_model(checkpoint: Path, state_dict: dict):
     if plain is None:
         raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP checkpoints")
     config.architectures = [plain.__name__]
+    for key in TRAINING_KEYS:  # how it was trained, not what the model is: run.json and the model card say it
+        if key in config.__dict__:
+            delattr(config, key)
     model = plain(config)
     model.load_state_dict(_fit(model, state_dict), strict=True)
     return model
