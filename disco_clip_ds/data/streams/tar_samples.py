@@ -14,6 +14,7 @@ reader says of one (a sample's `__url__`, an error, the command's exit status) n
 from __future__ import annotations
 
 import logging
+import re
 import tarfile
 from collections.abc import Iterator
 
@@ -33,18 +34,22 @@ def raw_samples(url: str, start: int = 0) -> Iterator[dict]:
     if not is_url(url):
         yield from _samples(tarfile.open(url, mode="r:*"), url, start)
         return
-    public = describe_source(url)
+    public, stream = describe_source(url), None
     try:
         stream = gopen(url)
         tar = tarfile.open(fileobj=stream, mode="r|*")
     except Exception as error:  # webdataset's messages quote the command
-        raise OSError(f"cannot read {public}: {_public(error, url, public)}") from None
+        said = _public(error, url, public)
+        ended = _close_pipe(stream, url, public) if stream is not None else None
+        raise OSError(f"cannot read {public}: {said}" + (f"; {ended}" if ended and ended != said else "")) from None
     try:
         yield from _samples(tar, public, start)
     except Exception as error:  # a failed command or a truncated stream: the message, without the command
         raise OSError(f"reading {public}: {_public(error, url, public)}") from None
     finally:
-        _close_pipe(stream, url, public)
+        ended = _close_pipe(stream, url, public)
+        if ended:
+            logger.warning("%s: the reading command ended after the reader stopped: %s", public, ended)
 
 
 def _samples(tar: tarfile.TarFile, name: str, start: int) -> Iterator[dict]:
@@ -69,20 +74,27 @@ def _samples(tar: tarfile.TarFile, name: str, start: int) -> Iterator[dict]:
         tar.close()
 
 
-def _close_pipe(stream, url: str, public: str) -> None:
-    """Close a remote stream. A command that exits non-zero once the reader has stopped (curl 23: a write to a
-    closed pipe) is said in one line: webdataset would raise it from the close, or from its __del__ as an "Exception
-    ignored" message quoting the command, credential included."""
+def _close_pipe(stream, url: str, public: str) -> str | None:
+    """Close a remote stream; what its command's end says when non-zero (curl exits 23 when the reader stops before
+    the shard's end), without the command. webdataset raises that from the close, or from its __del__ as an
+    "Exception ignored" message quoting the command, credential included."""
     try:
         stream.close()
     except Exception as error:
-        said = _public(error, url, public)
-        logger.warning("%s: the reading command ended after the reader stopped: %s", public, said)
+        return _public(error, url, public)
+    return None
+
+
+_EXIT = re.compile(r": exit (-?\d+) \(read\)")  # webdataset's Pipe: "{args}: exit {status} (read) {info}"
 
 
 def _public(error: BaseException, url: str, public: str) -> str:
-    """An error's message with the command or URL it quotes replaced by the public description, secrets hidden."""
+    """An error's message without the command or URL it quotes: a command's exit status as 'the command exited N',
+    anything else with the source replaced by its public description and secrets hidden."""
     text = str(error)
+    status = _EXIT.search(text)
+    if status:
+        return f"the command exited {status.group(1)}"
     for quoted in (url, url[len("pipe:") :] if url.startswith("pipe:") else url):
         text = text.replace(quoted, public)
     return redact_text(" ".join(text.split()))
