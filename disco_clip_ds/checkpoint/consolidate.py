@@ -11,6 +11,7 @@ holds allow-listed (`DEEPSPEED_SAFE_GLOBALS`); a file naming anything else is re
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from pathlib import Path
@@ -67,7 +68,7 @@ _NOT_ALLOWED = re.compile(r"GLOBAL (\S+)")  # torch names the first global it re
 def _weights_only_loads(module):
     """While open, `module`'s `torch.load` reads weights only (`weights_only=True`, whatever the caller passes) with
     `deepspeed_safe_globals` allowed, and a file it refuses is an ExportError naming the file and what it holds.
-    Only `module`'s name `torch` is replaced, by a view of torch: no other caller's loads change."""
+    Only `module`'s names `torch` (by a view of torch) and `tqdm` are replaced: no other caller's loads change."""
     import pickle
 
     import torch
@@ -87,13 +88,13 @@ def _weights_only_loads(module):
                 "code when loaded; the checkpoint was altered or is not one `disco-clip train` wrote"
             ) from error
 
-    view = _TorchView(torch, load)
-    saved = module.torch
-    module.torch = view
+    saved = module.torch, module.tqdm
+    # its progress bars too: on stderr, a bar left at 0% would stand before a refusal's one line
+    module.torch, module.tqdm = _TorchView(torch, load), functools.partial(module.tqdm, disable=True)
     try:
         yield
     finally:
-        module.torch = saved
+        module.torch, module.tqdm = saved
 
 
 class _TorchView:

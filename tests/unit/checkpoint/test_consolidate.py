@@ -33,7 +33,7 @@ def zero_layout(folder, optim_states) -> None:
     torch.save(optim_states, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
-def test_a_planted_pickle_in_an_optimizer_partition_is_refused_unrun(tmp_path):
+def test_a_planted_pickle_in_an_optimizer_partition_is_refused_unrun(tmp_path, capsys):
     """DeepSpeed's zero_to_fp32 loads partitions with weights_only=False: the planted code would run."""
     marker = tmp_path / "planted-code-ran"
     zero_layout(tmp_path / "checkpoint-1", {"optimizer_state_dict": Planted(marker)})
@@ -44,6 +44,7 @@ def test_a_planted_pickle_in_an_optimizer_partition_is_refused_unrun(tmp_path):
     message = str(refused.value)
     assert message.startswith(f"refused to read '{partition}': it holds a pickled posix.mkdir"), message
     assert "\n" not in message
+    assert capsys.readouterr().err == ""  # no progress bar left standing before the refusal
 
 
 def test_the_loads_are_weights_only_only_while_consolidating(tmp_path):
@@ -53,4 +54,4 @@ def test_the_loads_are_weights_only_only_while_consolidating(tmp_path):
     zero_layout(tmp_path / "checkpoint-1", {"optimizer_state_dict": {}})
     with pytest.raises(ExportError, match="partial or corrupt"):  # parses the model states, then finds no stage
         load_state_dict(tmp_path / "checkpoint-1")
-    assert zero_to_fp32.torch is torch
+    assert zero_to_fp32.torch is torch and zero_to_fp32.tqdm.__name__ == "tqdm"
