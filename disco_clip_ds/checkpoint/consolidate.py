@@ -1,10 +1,19 @@
 """A checkpoint's weights as one state dict, and the plain transformers model holding them: what export writes and
 what the final model is rewritten from when a ZeRO-3 checkpoint holds no full weights. Here, below both, so that
-checkpoint/final_model.py and export/ share it (checkpoint does not import export)."""
+checkpoint/final_model.py and export/ share it (checkpoint does not import export).
+
+Nothing here unpickles an arbitrary object: a checkpoint is a file anyone may have handed over, and DeepSpeed's
+zero_to_fp32 reads its partitions with `torch.load(weights_only=False)`, which runs whatever code a pickle names.
+Its loads are made `weights_only=True` (`_weights_only_loads`), with the few DeepSpeed classes an optimizer partition
+holds allow-listed (`DEEPSPEED_SAFE_GLOBALS`); a file naming anything else is refused, in one line naming it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import re
 from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import WEIGHT_FILES, deepspeed_tag, has_zero_partitions
@@ -24,10 +33,11 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
             f"partial checkpoint: '{checkpoint / 'latest'}' names '{tag.name}', which does not exist in {checkpoint}"
         )
     if has_zero_partitions(checkpoint):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
         try:
-            state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag.name)
+            with _weights_only_loads(zero_to_fp32):
+                state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag.name)
         except (ValueError, FileNotFoundError, RuntimeError, KeyError, EOFError) as e:
             raise ExportError(f"partial or corrupt DeepSpeed checkpoint in {tag}: {e}") from e
         return state_dict, f"DeepSpeed ZeRO fp32 partitions ({tag.name})"
@@ -37,6 +47,64 @@ def load_state_dict(checkpoint: Path) -> tuple[dict, str]:
     raise ExportError(
         f"no weights in '{checkpoint}': expected {' or '.join(WEIGHT_FILES)} or a DeepSpeed ZeRO checkpoint"
     )
+
+
+def deepspeed_safe_globals() -> list:
+    """The classes besides tensors and plain containers that DeepSpeed 0.19's ZeRO-1/2/3 files pickle (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on fp32 and bf16 checkpoints): the stage enum, the loss
+    scaler (dynamic under fp16) and ZeRO-2's fragment addresses. Each is plain data: building one runs no code of
+    the file's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+_NOT_ALLOWED = re.compile(r"GLOBAL (\S+)")  # torch names the first global it refused
+
+
+@contextlib.contextmanager
+def _weights_only_loads(module):
+    """While open, `module`'s `torch.load` reads weights only (`weights_only=True`, whatever the caller passes) with
+    `deepspeed_safe_globals` allowed, and a file it refuses is an ExportError naming the file and what it holds.
+    Only `module`'s names `torch` (by a view of torch) and `tqdm` are replaced: no other caller's loads change."""
+    import pickle
+
+    import torch
+
+    allowed = deepspeed_safe_globals()
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(f, *args, **kwargs)
+        except pickle.UnpicklingError as error:
+            found = _NOT_ALLOWED.search(str(error))
+            what = f"a pickled {found.group(1)}" if found else "pickled objects other than tensors"
+            raise ExportError(
+                f"refused to read '{f}': it holds {what}, which a DeepSpeed checkpoint does not and which could run "
+                "code when loaded; the checkpoint was altered or is not one `disco-clip train` wrote"
+            ) from error
+
+    saved = module.torch, module.tqdm
+    # its progress bars too: on stderr, a bar left at 0% would stand before a refusal's one line
+    module.torch, module.tqdm = _TorchView(torch, load), functools.partial(module.tqdm, disable=True)
+    try:
+        yield
+    finally:
+        module.torch, module.tqdm = saved
+
+
+class _TorchView:
+    """torch with its `load` replaced."""
+
+    def __init__(self, torch, load):
+        self._torch, self.load = torch, load
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
 
 
 def _read_weight_file(path: Path) -> dict:
@@ -58,6 +126,11 @@ def _read_one_file(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# What DiscoCLIPModel/DiscoSiglipModel add to a transformers config (models/base.py): training settings, which a
+# plain model's config.json does not carry
+TRAINING_KEYS = ("loss_impl", "chunk_size")
+
+
 def build_plain_model(checkpoint: Path, state_dict: dict):
     """The plain transformers model (CLIPModel or SiglipModel, by the checkpoint's config) holding `state_dict`,
     every parameter accounted for."""
@@ -70,6 +143,9 @@ def build_plain_model(checkpoint: Path, state_dict: dict):
     if plain is None:
         raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP checkpoints")
     config.architectures = [plain.__name__]
+    for key in TRAINING_KEYS:  # how it was trained, not what the model is: run.json and the model card say it
+        if key in config.__dict__:
+            delattr(config, key)
     model = plain(config)
     model.load_state_dict(_fit(model, state_dict), strict=True)
     return model

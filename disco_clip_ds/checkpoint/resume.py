@@ -35,6 +35,7 @@ from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import deepspeed_tag, is_zero3, saved_ranks
 from disco_clip_ds.checkpoint.runfile import run_file_of
+from disco_clip_ds.data.redact import describe_data
 from disco_clip_ds.distributed.ranks import decided_on_rank0, rank
 from disco_clip_ds.errors import CheckpointError, UsageError
 
@@ -118,6 +119,8 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
     plugin = args.deepspeed_plugin
     ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
     accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
+    # "data" is public (the model card shows it): secrets and shell commands are left out (data/redact.py); the
+    # digest, of everything the arguments name, is what a resume compares
     if data_args.train_shards:
         data, num_shards, digest = data_args.train_shards, len(urls), shards_digest(urls)
     else:  # a `datasets` dataset: what the arguments name (source, split, columns, streaming) is its fingerprint
@@ -126,7 +129,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         data, num_shards = describe_source(data_args), None
         digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     return {
-        "data": data,
+        "data": describe_data(data),
         "num_shards": num_shards,
         "shards_sha256": digest,
         "train_num_samples": num_samples,

@@ -9,6 +9,7 @@ from pathlib import Path
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, trainer_state
 from disco_clip_ds.checkpoint.resume import describe_resumes
 from disco_clip_ds.checkpoint.runfile import run_file_of
+from disco_clip_ds.data.redact import describe_data, redact_text
 
 
 def describe_run(checkpoint: Path) -> dict:
@@ -17,8 +18,9 @@ def describe_run(checkpoint: Path) -> dict:
     JSON: nothing is unpickled. Absent keys are unknown."""
     info: dict = {}
     config = json.loads((checkpoint / "config.json").read_text()) if (checkpoint / "config.json").is_file() else {}
-    if config.get("loss_impl"):
-        info["loss_impl"] = config["loss_impl"]
+    for key in ("loss_impl", "chunk_size"):  # training settings: the exported config.json leaves them out
+        if config.get(key) is not None:
+            info[key] = config[key]
     info.update(_from_trainer_state(checkpoint))
     info.update(run_file_of(checkpoint) or {})
     if info.get("resumes"):  # run.json's facts hold for every step; a resume may have changed ranks and K
@@ -26,6 +28,8 @@ def describe_run(checkpoint: Path) -> dict:
     versions = info.pop("versions", None) or {}
     if versions.get("deepspeed") and "zero_stage" in info:
         info["deepspeed"] = versions["deepspeed"]
+    if isinstance(info.get("data"), str):  # run.json of an older version holds the source as given, secrets included
+        info["data"] = describe_data(info["data"])
     return {k: v for k, v in info.items() if v is not None}
 
 
@@ -57,6 +61,7 @@ RUN_FIELDS = [
     ("resumes", "resumed at (ranks x K from there)"),
     ("global_batch", "global batch per optimizer step"),
     ("loss_impl", "loss implementation"),
+    ("chunk_size", "loss tile size (chunk_size)"),
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("precision", "precision"),
     ("steps", "optimizer steps"),
@@ -91,7 +96,8 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
         pipeline_tag="zero-shot-image-classification",
         tags=[model_type, "disco-clip", "deepspeed"],
     )
-    rows = [f"| {label} | {run[key]} |" for key, label in RUN_FIELDS if key in run]
+    # every shown value passes the secret patterns too, whatever run.json held
+    rows = [f"| {label} | {redact_text(str(run[key]))} |" for key, label in RUN_FIELDS if key in run]
     lines = [
         "---",
         data.to_yaml(),

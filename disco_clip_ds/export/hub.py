@@ -11,14 +11,20 @@ import os
 from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import has_weights
+from disco_clip_ds.data.redact import find_secret
 from disco_clip_ds.errors import ExportError, UsageError
+
+SNIFF_BYTES = 8192  # a file with a NUL byte in its first 8 KiB is binary: weights, not text a secret is pasted into
 
 
 def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
-    """(path in repo, bytes) of every file that `push_folder` uploads, after checking it is an export."""
+    """(path in repo, bytes) of every file that `push_folder` uploads, after checking it is an export that holds no
+    known secret (`secret_problem`)."""
     folder = Path(folder)
+    if not folder.exists():
+        raise UsageError(f"'{folder}' does not exist: pass a folder written by `disco-clip export`")
     if not folder.is_dir():
-        raise ExportError(f"'{folder}' is not a folder")
+        raise UsageError(f"'{folder}' is a file, not a folder: pass a folder written by `disco-clip export`")
     if (folder / "latest").exists() or any(folder.glob("global_step*")) or any(folder.glob("checkpoint-*")):
         raise ExportError(
             f"'{folder}' holds raw Trainer/DeepSpeed state: run `disco-clip export {folder} OUTPUT_DIR` and "
@@ -31,7 +37,35 @@ def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
         for p in folder.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
+    for path in files:
+        problem = secret_problem(path)
+        if problem:
+            raise ExportError(
+                f"'{path}' {problem}: a public upload would publish it; remove it (an export by this version "
+                "writes none into the model card) and push again; nothing was uploaded"
+            )
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
+
+
+def secret_problem(path: Path) -> str | None:
+    """Where `path` holds a known secret (data/redact.py SECRETS: hf_ tokens, bearer tokens, AWS keys, passwords
+    and tokens in URLs), as 'line N holds KIND'; None if it holds none. Text files are read whole; a safetensors
+    file's JSON header (its metadata may hold text) is read; other binary files (weights) are not."""
+    with path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+        if path.suffix == ".safetensors" and len(head) >= 8:
+            f.seek(0)
+            size = int.from_bytes(f.read(8), "little")
+            text = f.read(min(size, 100_000_000)).decode("utf-8", "replace")
+        elif b"\0" in head:
+            return None
+        else:
+            text = (head + f.read()).decode("utf-8", "replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        kind = find_secret(line)
+        if kind:
+            return f"line {number} holds {kind}"
+    return None
 
 
 def require_hub_token() -> str:

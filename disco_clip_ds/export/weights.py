@@ -28,7 +28,7 @@ from disco_clip_ds.checkpoint.layout import (
     saved_ranks,
 )
 from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
-from disco_clip_ds.errors import ExportError
+from disco_clip_ds.errors import ExportError, UsageError
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 
 logger = logging.getLogger("disco_clip_ds.export.weights")
@@ -45,8 +45,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     why. A Trainer checkpoint given by name must verify (`checkpoint_problem`), a folder of weights with a manifest
     must match it; one that does not is refused, naming the newest checkpoint beside it that does."""
     path = Path(path)
+    if not path.exists():
+        raise UsageError(f"checkpoint folder '{path}' does not exist")
     if not path.is_dir():
-        raise ExportError(f"checkpoint folder '{path}' does not exist")
+        raise UsageError(
+            f"'{path}' is a file, not a checkpoint folder: pass the checkpoint-N folder (or the run folder) it is in"
+        )
     holds_model = has_weights(path) or deepspeed_tag(path) is not None or (path / MANIFEST).is_file()
     if checkpoint_folders(path):  # a run folder
         return _final_or_newest(path, holds_model)
@@ -121,10 +125,17 @@ def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None
 # --------------------------------------------------------------------------------------------- export
 
 
-def _prepare_output(output_dir: Path) -> None:
+def _staging_for(output_dir: Path) -> Path:
+    """A new hidden folder beside `output_dir` to build the export in, after checking `output_dir` is new or empty
+    and its parent writable (before any weights are read: a read-only or full disk is one line, not a traceback)."""
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise ExportError(f"output folder '{output_dir}' is not empty: choose a new folder or empty it")
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    except OSError as error:
+        reason = error.strerror or error
+        raise ExportError(f"cannot write '{output_dir}': {reason}: choose a writable folder") from error
 
 
 def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_from=None) -> Path:
@@ -139,25 +150,25 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
 
     checkpoint = resolve_checkpoint(checkpoint_dir)
     output_dir = Path(output_dir)
-    _prepare_output(output_dir)
-    processor_source = _processor_source(checkpoint, processor_from)
-    state_dict, weights_from = load_state_dict(checkpoint)
-    check_weights(state_dict, checkpoint)
-    model = build_plain_model(checkpoint, state_dict)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.partial-", dir=output_dir.parent))
+    staging = _staging_for(output_dir)
     try:
-        model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(processor_source).save_pretrained(staging)
-        AutoImageProcessor.from_pretrained(processor_source).save_pretrained(staging)
+        processor_source = _processor_source(checkpoint, processor_from)
+        state_dict, weights_from = load_state_dict(checkpoint)
+        check_weights(state_dict, checkpoint)
+        model = build_plain_model(checkpoint, state_dict)
         card = model_card(describe_run(checkpoint), eval_records(eval_metrics), weights_from, model.config.model_type)
-        card.save(staging / "README.md")
-        staging.chmod(0o755)
-        if output_dir.exists():
-            output_dir.rmdir()  # empty, checked above
-        os.rename(staging, output_dir)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(error, OSError):  # e.g. a full disk: nothing is left behind
+        try:
+            model.save_pretrained(staging)
+            AutoTokenizer.from_pretrained(processor_source).save_pretrained(staging)
+            AutoImageProcessor.from_pretrained(processor_source).save_pretrained(staging)
+            card.save(staging / "README.md")
+            staging.chmod(0o755)
+            if output_dir.exists():
+                output_dir.rmdir()  # empty, checked above
+            os.rename(staging, output_dir)
+        except OSError as error:  # e.g. a full disk: nothing is left behind
             raise ExportError(f"cannot write '{output_dir}': {error}") from error
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir

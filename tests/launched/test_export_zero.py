@@ -199,6 +199,7 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["CLIPModel"]
+    assert "loss_impl" not in config and "chunk_size" not in config  # training settings: the card states them
     torch.testing.assert_close(reloaded["text"], trained["text"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reloaded["image"], trained["image"], rtol=1e-5, atol=1e-5)
     assert reloaded["logit_scale"].dim() == 0
@@ -268,7 +269,7 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
     assert export_main([str(folder), str(taken)]) == 1
     assert "is not empty" in capsys.readouterr().err
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
-    assert export_main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
+    assert export_main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
     no_processor = tmp_path / "run" / "checkpoint-3"
     shutil.copytree(folder, no_processor, ignore=shutil.ignore_patterns("tokenizer*", "preprocessor_config.json"))
@@ -276,6 +277,35 @@ def test_export_refusals(checkpoint, tmp_path, capsys):
     assert export_main([str(no_processor), str(tmp_path / "out")]) == 1
     assert "--processor_from" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+class Planted:
+    """What a forger puts in a checkpoint: unpickling it calls os.mkdir(marker)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.mark.slow
+def test_a_planted_pickle_is_refused_and_never_run(checkpoint, tmp_path, capsys):
+    """An optimizer partition replaced by an object whose unpickling runs code, the manifest rebuilt to match (the
+    manifest detects damage, not a forger): export refuses it in one line, naming it, and the code never runs."""
+    folder, _, _ = checkpoint
+    forged = tmp_path / "checkpoint-3"
+    shutil.copytree(folder, forged)
+    tag = (forged / "latest").read_text().strip()
+    partition = sorted((forged / tag).glob("*optim_states.pt"))[-1]
+    marker = tmp_path / "planted-code-ran"
+    torch.save({"optimizer_state_dict": Planted(marker)}, partition)
+    write_manifest(forged)
+    assert export_main([str(forged), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"disco-clip export: refused to read '{partition}': it holds a pickled posix.mkdir"), err
+    assert err.count("\n") == 1
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- end to end: train.py -> export -> eval

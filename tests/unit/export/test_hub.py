@@ -122,3 +122,39 @@ def test_push_sends_the_planned_files_in_one_commit(exported, monkeypatch):
 def test_push_refuses_an_invalid_repo_id_even_in_a_dry_run(tmp_path, capsys, repo_id):
     assert push_main([str(tmp_path / "never-read"), "--repo_id", repo_id, "--dry_run"]) == 2
     assert f"--repo_id {repo_id!r} is not a valid hub id" in capsys.readouterr().err
+
+
+HF_TOKEN = "hf_" + "aBcD3fGh1jKlMn0pQrStUvWxYz0123456"  # split so that no scanner flags this file
+AWS_KEY = "AKIA" + "IOSFODNN7EXAMPLE"
+
+
+@pytest.mark.parametrize(
+    "name, planted, says",
+    [
+        ("README.md", f"| training data | pipe:curl -H 'Authorization: Bearer {HF_TOKEN}' https://x |", "line 3 holds"),
+        ("config.json", f'  "note": "AWS_ACCESS_KEY_ID={AWS_KEY}",', "line 3 holds an AWS access key id"),
+    ],
+)
+def test_push_refuses_a_folder_holding_a_secret_naming_file_and_line(exported, tmp_path, capsys, name, planted, says):
+    """A card written by an older export (or edited by hand) with a credential: not even the dry run passes."""
+    folder = tmp_path / "model"
+    shutil.copytree(exported, folder)
+    lines = (folder / name).read_text().splitlines()
+    (folder / name).write_text("\n".join([*lines[:2], planted, *lines[2:]]) + "\n")
+    assert push_main([str(folder), "--repo_id", "someone/x", "--dry_run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"disco-clip push: '{folder / name}' {says}"), err
+    assert err.count("\n") == 1 and HF_TOKEN not in err and AWS_KEY not in err
+
+
+def test_push_dry_run_passes_a_clean_export(exported, capsys):
+    """The secret scan finds nothing in a real export (tokenizer vocabulary, weights header, card)."""
+    assert push_main([str(exported), "--repo_id", "someone/x", "--dry_run"]) == 0
+    assert "dry run: would upload" in capsys.readouterr().out
+
+
+def test_push_of_a_missing_folder_or_a_file_is_bad_usage(exported, tmp_path, capsys):
+    assert push_main([str(tmp_path / "nope"), "--repo_id", "someone/x", "--dry_run"]) == 2
+    assert f"'{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
+    assert push_main([str(exported / "config.json"), "--repo_id", "someone/x", "--dry_run"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

@@ -4,6 +4,9 @@ their refusals, launched: launched/test_export_zero.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+
+import pytest
 import torch
 
 from disco_clip_ds.commands import export as export_command
@@ -55,3 +58,46 @@ def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
     original = model.state_dict()
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def plain_checkpoint(folder):
+    """A checkpoint without DeepSpeed state of the tiny CLIP, with its tokenizer and image processor."""
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    CLIPModel(CLIPConfig.from_json_file(str(MODEL_CONFIG))).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
+    CLIPImageProcessor().save_pretrained(folder)
+    return folder
+
+
+def test_a_missing_input_or_a_file_is_bad_usage(tmp_path, capsys):
+    assert export_main([str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"disco-clip export: checkpoint folder '{tmp_path / 'nope'}' does not exist\n"
+    weights = plain_checkpoint(tmp_path / "checkpoint-1") / "model.safetensors"
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert export_main([str(weights), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"disco-clip export: '{weights}' is a file, not a checkpoint folder") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A real read-only file system (root ignores file modes, not a read-only mount)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_an_unwritable_output_is_one_line(tmp_path, read_only_folder, capsys):
+    checkpoint = plain_checkpoint(tmp_path / "checkpoint-1")
+    capsys.readouterr()
+    for out in (read_only_folder / "model", read_only_folder / "deeper" / "model"):
+        assert export_main([str(checkpoint), str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"disco-clip export: cannot write '{out}': Read-only file system: choose a writable folder\n"
+    assert list(read_only_folder.iterdir()) == []
