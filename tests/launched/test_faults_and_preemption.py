@@ -138,7 +138,7 @@ def test_ranks_read_their_own_shards_once(full):
     assert consumed <= decoded < 1.75 * consumed
 
 
-def test_bad_samples_are_skipped_counted_and_reported(full):
+def test_bad_samples_of_the_fault_runs_are_skipped_counted_and_reported(full):
     skipped = json.loads((full / "train_results.json").read_text())["skipped_samples"]
     assert skipped >= BAD_PER_PASS  # every shard was opened at least once in STEPS x 16 samples
     assert f"skipped samples: {skipped}" in (full.parent / "run.log").read_text()

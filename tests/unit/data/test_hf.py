@@ -110,7 +110,7 @@ def test_a_reader_with_nothing_readable_raises_one_data_error(tmp_path, streamin
 
 @pytest.mark.parametrize("source", ["saved", "saved-streaming", "parquet-streaming"])
 @pytest.mark.parametrize("block", [1, 4, 9])
-def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(folders, source, block):
+def test_a_restored_datasets_stream_yields_what_the_uninterrupted_one_does_next(folders, source, block):
     """Reader 0 of 2 (11 or 12 rows per pass; 40 = 3+ passes); the restore goes through stream_state.json."""
     name, _, mode = source.partition("-")
     data = load_training_dataset(hf_args(dataset_name=str(folders / name), streaming=mode == "streaming"), 2)
@@ -145,7 +145,7 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(folders, 
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(folders, streaming, tmp_path):
+def test_a_restored_datasets_dataloader_with_workers_continues_the_uninterrupted_batches(folders, streaming, tmp_path):
     """Rank 0 of 2 with two workers, as the trainer folds and saves positions: after c batches the next comes from
     worker c mod 2, so the fresh loader's worker 0 takes that worker's place."""
     from transformers import AutoTokenizer

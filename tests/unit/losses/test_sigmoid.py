@@ -59,7 +59,7 @@ def _rank_losses(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.slow
-def test_matches_float64_reference(world):
+def test_sigmoid_loss_matches_float64_reference(world):
     per_rank = run_ranks(_rank_losses, world)
     for case, (sizes_of, log_scale, bias, dtype, chunk) in enumerate(CASES):
         sizes = sizes_of(world)

@@ -75,7 +75,7 @@ def _rank_losses(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.slow
-def test_matches_float64_reference(world):
+def test_softmax_loss_matches_float64_reference(world):
     per_rank = run_ranks(_rank_losses, world)
     for k, (case, impl, chunk, *_) in enumerate(per_rank[0]):
         sizes_of, log_scale, dtype, features = CASES[case]
