@@ -34,6 +34,8 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
         (["--classnames", "/nonexistent/names.txt"], "not found"),
         (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),
         (["--batch_size", "0"], "--batch_size must be positive"),
+        (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),  # not a hub id's error
+        (["--model", "./gone", "--data", "/nonexistent/shards"], "--model ./gone: no such folder"),  # before the data
     ],
 )
 def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
@@ -42,7 +44,8 @@ def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, messa
     extra = [str(tmp_path / "TPL") if e == "TPL" else e.replace("DIR", str(folder)) for e in extra]
     argv = ["--model", str(model_dir), "--data", str(folder), *extra]
     assert eval_main(argv) == 2  # bad usage, as from every command
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, capsys):
