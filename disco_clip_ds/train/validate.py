@@ -379,4 +379,3 @@ def _check_embedding_sizes(config, named: str, written: dict | None) -> None:
                 f"{named}: the embedding sizes differ ({listed}): CLIP compares the text and image embeddings, "
                 "make them equal"
             )
-

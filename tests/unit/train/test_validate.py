@@ -29,7 +29,7 @@ BAD_ARGUMENTS = {
     ),
     "clip sizes differ": (
         ["{data}", "--model_config", "{clip_32}", *TOK],
-        "the embedding sizes differ (projection_dim 64, text_config projection_dim 32, vision_config projection_dim 64)",
+        "embedding sizes differ (projection_dim 64, text_config projection_dim 32, vision_config projection_dim 64)",
     ),
     "resume missing": (["{data}", *MODEL, *TOK, "--resume_from_checkpoint", "{tmp}/gone"], "gone: no such folder"),
     "no tokenizer": (["{data}", *MODEL], "needs --tokenizer_name"),
