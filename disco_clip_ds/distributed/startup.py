@@ -52,10 +52,10 @@ def _watch(r: int, prog: str) -> None:
     os.close(r)
     if not data:
         return
-    rank = os.environ.get("RANK", "0")
+    where = f"{prog}: [rank {os.environ.get('RANK', '0')}] {signal.Signals(data[0]).name} during start-up"
     say(
-        f"{prog}: [rank {rank}] {signal.Signals(data[0]).name} during start-up, before training began: stopped; nothing "
-        f"was trained or saved by this run, re-run the same command (exit code {EXIT_PREEMPTED})"
+        f"{where}, before training began: stopped; nothing was trained or saved by this run, re-run the same "
+        f"command (exit code {EXIT_PREEMPTED})"
     )
     os._exit(EXIT_PREEMPTED)
 
