@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import has_weights
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
@@ -61,6 +62,7 @@ def load_for_eval(model_id: str, device: str = "cpu"):
     folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
+    compat.quiet_default_config_warnings()  # from_pretrained logs the config: SigLIP's would warn about default ids
     folder = Path(model_id).expanduser()
     check_model_path(model_id)
     if folder.is_dir() and not has_weights(folder):
