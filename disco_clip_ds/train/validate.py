@@ -215,7 +215,7 @@ def _check_model_source(model_args: ModelArguments) -> None:
         ("--tokenizer_name", model_args.tokenizer_name),
         ("--model_name_or_path", model_args.model_name_or_path),
     ):
-        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+        if value and _is_path(value) and not Path(value).expanduser().exists():
             raise UsageError(f"{flag} {value}: no such folder")
 
 
@@ -223,6 +223,15 @@ def _check_model_source(model_args: ModelArguments) -> None:
 def _check_zeroshot(data_args: DataArguments) -> None:
     if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
         raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+    data = data_args.zeroshot_data
+    # a path (a hub id or brace pattern aside) must be there: the eval set is otherwise opened after the model is built
+    if data and _is_path(data) and "{" not in data and "::" not in data and not Path(data).expanduser().exists():
+        raise UsageError(f"--zeroshot_data {data}: no such file or folder")
+
+
+def _is_path(value: str) -> bool:
+    """Spelled as a local path (/, ./, ../, ~), not as a hub id."""
+    return value.startswith(("/", "./", "../", "~"))
 
 
 # --- --push_to_hub, --hub_model_id ----------------------------------------------------------------------------------
