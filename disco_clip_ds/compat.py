@@ -333,3 +333,43 @@ def fsdp_on_cpu(state, plugin_args: dict | None = None) -> bool:
     state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
     return True
+
+
+# --- transformers: a SigLIP config's every save and repr warns about the class's own default token ids ------------
+# transformers 5 validates each config it constructs (validate_token_ids) and warns, once per process, when a
+# special-token id lies outside the vocabulary. SiglipTextConfig's own defaults do (vocab_size 32000, bos_token_id
+# 49406, eos_token_id 49407), and `to_diff_dict` (config.json on every save, the config's repr that from_pretrained
+# logs) builds each sub-config's bare default to diff against (`recursive_diff_dict`: `config_obj.__class__()`). So a
+# SigLIP run warned "bos_token_id must be None or an integer within the vocabulary ... got 49406" at its start, its
+# eval and its export, about ids no config of ours has. Gate: a shipped config class whose defaults are outside its
+# vocabulary; the workaround quiets that logger while the defaults are built for the diff, and only then (a config
+# the user gives is validated, and warned about, when it is loaded).
+def _default_ids_outside_vocab(config_class) -> bool:
+    vocab = getattr(config_class, "vocab_size", None)
+    ids = [getattr(config_class, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    return isinstance(vocab, int) and any(isinstance(i, int) and not 0 <= i < vocab for i in ids)
+
+
+def quiet_default_config_warnings() -> None:
+    """Install, once per process, the quiet diff against the default configs (see above) where it is needed."""
+    import logging
+
+    from transformers import configuration_utils
+    from transformers.models.siglip.configuration_siglip import SiglipTextConfig
+
+    original = configuration_utils.recursive_diff_dict
+    if getattr(original, "quiet_defaults", False) or not _default_ids_outside_vocab(SiglipTextConfig):
+        return
+
+    @functools.wraps(original)
+    def recursive_diff_dict(dict_a, dict_b, config_obj=None):
+        logger = configuration_utils.logger
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            return original(dict_a, dict_b, config_obj=config_obj)
+        finally:
+            logger.setLevel(level)
+
+    recursive_diff_dict.quiet_defaults = True
+    configuration_utils.recursive_diff_dict = recursive_diff_dict

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import has_weights
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
@@ -61,7 +62,9 @@ def load_for_eval(model_id: str, device: str = "cpu"):
     folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
-    folder = Path(model_id)
+    compat.quiet_default_config_warnings()  # from_pretrained logs the config: SigLIP's would warn about default ids
+    folder = Path(model_id).expanduser()
+    check_model_path(model_id)
     if folder.is_dir() and not has_weights(folder):
         hint = "a DeepSpeed checkpoint without full weights (ZeRO-3): " if (folder / "latest").is_file() else ""
         raise UsageError(
@@ -74,10 +77,18 @@ def load_for_eval(model_id: str, device: str = "cpu"):
         raise UsageError(f"--model {model_id}: {e}") from e
 
 
+def check_model_path(model_id: str) -> None:
+    """A --model spelled as a path (/, ./, ../, ~) must be there: otherwise transformers would try it as a hub id
+    and say that the id is malformed."""
+    if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().exists():
+        raise UsageError(f"--model {model_id}: no such folder")
+
+
 def run_eval(args: EvalArguments) -> dict:
     """Evaluate as the CLI does and return CLIP_benchmark's result record."""
     if args.batch_size <= 0:
         raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
+    check_model_path(args.model)  # before the data is opened: a missing input is refused before any work
     classify = args.task == "zeroshot_classification"
     data, classnames = open_eval_data(
         args.data,

@@ -99,7 +99,11 @@ def open_split(
     if not streaming:
         return found, len(found), base
     info = (found.info.splits or {}).get(split)
-    return found, getattr(info, "num_examples", None) or None, base
+    rows = getattr(info, "num_examples", None) or None
+    if rows is None and path.is_dir():  # a local folder's split: its parquet files' footers say how many rows
+        builder = _load(datasets.load_dataset_builder, flags, data, data, config)
+        rows = parquet_rows(builder.config.data_files.get(split) or [])
+    return found, rows, base
 
 
 def open_file(path: Path, split: str, streaming: bool, flags: Flags):
@@ -114,7 +118,18 @@ def open_file(path: Path, split: str, streaming: bool, flags: Flags):
         raise UsageError(f"{flags.data} {path}: no such file")
     found = _load(datasets.load_dataset, flags, str(path), builder, data_files={split: str(path)}, split=split,
                   streaming=streaming)  # fmt: skip
-    return found, None if streaming else len(found), str(path.parent.resolve())
+    return found, parquet_rows([path]) if streaming else len(found), str(path.parent.resolve())
+
+
+def parquet_rows(files) -> int | None:
+    """The rows of local parquet files, from their footers (no row is read), or None when any of `files` is
+    something else (a stream of csv or json has no count until it is read)."""
+    import pyarrow.parquet as pq
+
+    files = [Path(f) for f in files]
+    if not files or not all(f.suffix == ".parquet" and f.is_file() for f in files):
+        return None
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
 
 
 def _load(call, flags: Flags, data: str, *args, **kwargs):
@@ -177,14 +192,24 @@ def is_captions(feature) -> bool:
 
 
 def image_kind(feature) -> str | None:
-    """How a column holds images: "image" (an Image feature, or the {bytes, path} struct it casts from), "bytes",
-    "path" (a string), or None when it holds none of these."""
+    """How a column holds images: "image" (an Image feature, or the {bytes, path} struct it is stored as, which
+    files written without datasets' metadata, by pyarrow or pandas, hold as a plain struct), "bytes", "path" (a
+    string), or None when it holds none of these."""
     from datasets import Image
 
-    if isinstance(feature, Image) or (isinstance(feature, dict) and set(feature) == {"bytes", "path"}):
+    if isinstance(feature, Image) or is_image_struct(feature):
         return "image"
     dtype = getattr(feature, "dtype", None)
     return "bytes" if dtype in BYTES_DTYPES else "path" if dtype in TEXT_DTYPES else None
+
+
+def is_image_struct(feature) -> bool:
+    """A plain struct of `bytes` (binary) and `path` (a string, or nulls only: pyarrow types a column of None as
+    null): how an Image column is stored, here without the metadata that would make it one."""
+    if not (isinstance(feature, dict) and set(feature) == {"bytes", "path"}):
+        return False
+    data, path = (getattr(feature[key], "dtype", None) for key in ("bytes", "path"))
+    return data in BYTES_DTYPES and path in (*TEXT_DTYPES, "null")
 
 
 def named_column(features, name: str, flag: str, data: str):
@@ -203,11 +228,9 @@ def only_column(features, found: list[str], kind: str, flag: str, data: str) -> 
 
 
 def image_column(features, name: str | None, data: str) -> str:
-    """The image column: `name` once it holds images, else the only Image column."""
-    from datasets import Image
-
+    """The image column: `name` once it holds images, else the only Image column (or {bytes, path} struct)."""
     if name is None:
-        found = [column for column, feature in features.items() if isinstance(feature, Image)]
+        found = [column for column, feature in features.items() if image_kind(feature) == "image"]
         return only_column(features, found, "Image", "--image_column", data)
     feature = named_column(features, name, "--image_column", data)
     if image_kind(feature) is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from disco_clip_ds import faults
+from disco_clip_ds.distributed import startup
 from disco_clip_ds.distributed.ranks import any_true, rank
 from disco_clip_ds.errors import EXIT_LAUNCHER_GONE, Preempted, UsageError, say
 
@@ -47,10 +48,11 @@ class StopOnSignal(TrainerCallback):
             r, w = os.pipe()
             os.set_blocking(r, False)
             os.set_blocking(w, False)
-            if signal.set_wakeup_fd(w, warn_on_full_buffer=False) == -1:
-                self._wakeup_r = r  # the C-level handler writes here at once, even while Python is busy in C
-            for s in signals:
+            for s in signals:  # first, so that a signal now is start-up's stop or ours, never the default death
                 signal.signal(s, self._on_signal)
+            if signal.set_wakeup_fd(w, warn_on_full_buffer=False) in (-1, startup.startup_wakeup_fd()):
+                self._wakeup_r = r  # the C-level handler writes here at once, even while Python is busy in C
+        startup.end_startup(keep=signals)  # the start-up's stop hands over (the signals not kept: their default)
         self._watch_done, self._watch = threading.Event(), None
         if watch_launcher and os.environ.get("LOCAL_RANK") is not None and Path("/proc").is_dir():
             self._watch = threading.Thread(

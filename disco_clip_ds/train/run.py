@@ -55,7 +55,12 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     # 2. Validate every argument, before any work: shard lists, counts, tokenizer and model config.
     checked = validate(model_args, data_args, args)
 
-    # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written).
+    # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written) and
+    # an explicit --resume_from_checkpoint folder is found to be there and to verify: a refusal leaves no run.lock.
+    if args.resume_from_checkpoint not in (None, "latest"):
+        # on rank 0 against its manifest: a missing folder is bad usage (exit 2), one that does not verify a failed
+        # run (exit 1) naming the newest checkpoint beside it that does
+        verify_resumable(args.resume_from_checkpoint)
     check_space_at_start(args.output_dir)
     with _run_lock(args.output_dir), peers.watching(args.ddp_timeout):
         # 4. The resume point: a checkpoint whose run's settings match this command's, or None (a fresh start).
@@ -210,10 +215,7 @@ def _resume_point(
             )
         return None
     if args.resume_from_checkpoint != "latest":
-        last = args.resume_from_checkpoint
-        # verified on rank 0 against its manifest: a missing folder is bad usage (exit 2), one that does not verify a
-        # failed run (exit 1) naming the newest checkpoint beside it that does
-        verify_resumable(last)
+        last = args.resume_from_checkpoint  # verified before the lock was taken (step 3)
     else:
         last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
         logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")

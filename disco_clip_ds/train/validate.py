@@ -3,6 +3,7 @@ what to change, identical on every rank. Grouped by the argument each check is a
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
-from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, shards_for_reader
+from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, is_url, shards_for_reader
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.errors import AccumulationError, ExportError, UsageError
 from disco_clip_ds.models.build import MODEL_CLASSES, load_config
@@ -24,6 +25,11 @@ from disco_clip_ds.train.args import (
     read_json,
     usage_error,
 )
+
+logger = logging.getLogger("disco_clip_ds.train")
+
+# transformers' zero-shot-image-classification pipeline pads a SigLIP model's texts to this many tokens
+SIGLIP_PIPELINE_TOKENS = 64
 
 
 @dataclass
@@ -62,6 +68,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     with usage_error():  # unreadable shard lists and counts: the messages name the fix
         if hf is None:
             urls = expand_shards(data_args.train_shards)
+            _check_shards_exist(data_args.train_shards, urls)
         max_steps, num_samples = steps_and_samples(data_args, args, urls, hf)
         if hf is None:
             _check_readers(args, urls)
@@ -198,12 +205,17 @@ def _check_model_source(model_args: ModelArguments) -> None:
             "give exactly one of --model_name_or_path (pretrained weights) or --model_config (a config JSON)"
         )
     if model_args.model_config:
-        read_json("--model_config", model_args.model_config)
+        config = read_json("--model_config", model_args.model_config)
+        if not isinstance(config, dict):  # e.g. a list of configs: transformers would fail on it with a traceback
+            raise UsageError(
+                f"--model_config {model_args.model_config} holds a JSON {type(config).__name__}, not a config object "
+                '({"model_type": "clip", "text_config": {...}, "vision_config": {...}}, e.g. recipes/models/tiny.json)'
+            )
     for flag, value in (
         ("--tokenizer_name", model_args.tokenizer_name),
         ("--model_name_or_path", model_args.model_name_or_path),
     ):
-        if value and value.startswith(("/", "./", "../", "~")) and not Path(value).expanduser().exists():
+        if value and _is_path(value) and not Path(value).expanduser().exists():
             raise UsageError(f"{flag} {value}: no such folder")
 
 
@@ -211,6 +223,15 @@ def _check_model_source(model_args: ModelArguments) -> None:
 def _check_zeroshot(data_args: DataArguments) -> None:
     if (data_args.zeroshot_steps > 0) != bool(data_args.zeroshot_data):
         raise UsageError("zero-shot eval during training needs both --zeroshot_data DIR and --zeroshot_steps N")
+    data = data_args.zeroshot_data
+    # a path (a hub id or brace pattern aside) must be there: the eval set is otherwise opened after the model is built
+    if data and _is_path(data) and "{" not in data and "::" not in data and not Path(data).expanduser().exists():
+        raise UsageError(f"--zeroshot_data {data}: no such file or folder")
+
+
+def _is_path(value: str) -> bool:
+    """Spelled as a local path (/, ./, ../, ~), not as a hub id."""
+    return value.startswith(("/", "./", "../", "~"))
 
 
 # --- --push_to_hub, --hub_model_id ----------------------------------------------------------------------------------
@@ -248,6 +269,19 @@ def _check_source(data_args: DataArguments, args: DiscoTrainingArguments) -> HFD
     if not hf_flags:
         return None
     return load_training_dataset(data_args, readers(args))
+
+
+def _check_shards_exist(spec: str, urls: list[str]) -> None:
+    """Every local shard is a file (remote ones are read as they come): a missing one would otherwise be reported
+    as shards that cannot be counted, or too few for the readers."""
+    missing = [url for url in urls if not is_url(url) and not Path(url).is_file()]
+    if len(missing) == len(urls) == 1:
+        raise UsageError(f"--train_shards {spec}: no such file or folder")
+    if missing:
+        raise UsageError(
+            f"--train_shards {spec}: {len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a "
+            "folder of .tar shards or a brace pattern"
+        )
 
 
 def _check_readers(args: DiscoTrainingArguments, urls: list[str]) -> None:
@@ -295,6 +329,8 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
             f"{flag} {source}: a {config.model_type} model; train CLIP or SigLIP ({sorted(MODEL_CLASSES)})"
         )
     text, vision = config.text_config, config.vision_config
+    written = read_json(flag, source) if model_args.model_config else None
+    _check_embedding_sizes(config, f"{flag} {source}", written)
     image_size = model_args.image_size or vision.image_size
     if image_size != vision.image_size:
         raise UsageError(
@@ -315,4 +351,40 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
             f"{len(tokenizer)} tokens) does not "
             f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
         )
+    if config.model_type == "siglip" and text.max_position_embeddings < SIGLIP_PIPELINE_TOKENS:
+        logger.warning(
+            "%s %s: max_position_embeddings %d in text_config: the model trains, but transformers' "
+            "zero-shot-image-classification pipeline pads SigLIP texts to %d tokens, so the exported model will not "
+            "run in that pipeline (disco-clip eval is not affected); use at least %d positions to make it",
+            flag,
+            source,
+            text.max_position_embeddings,
+            SIGLIP_PIPELINE_TOKENS,
+            SIGLIP_PIPELINE_TOKENS,
+        )
     return tokenizer, image_size, max_length
+
+
+def _check_embedding_sizes(config, named: str, written: dict | None) -> None:
+    """The two towers' embeddings are compared with each other, so they must be the same size; otherwise the model
+    builds and DeepSpeed starts, and the first forward fails. SigLIP: the text head's projection_size against the
+    vision tower's hidden_size (its attention-pooling head keeps that size). CLIP: the top-level projection_dim sizes
+    both projections, and the towers' own (what CLIPTextModelWithProjection and CLIPVisionModelWithProjection read)
+    must agree with it where the config file the user wrote (`written`; None: pretrained weights) names them."""
+    text, vision = config.text_config, config.vision_config
+    if config.model_type == "siglip" and text.projection_size != vision.hidden_size:
+        raise UsageError(
+            f"{named}: text_config projection_size {text.projection_size} differs from vision_config hidden_size "
+            f"{vision.hidden_size} (the image embedding's size): SigLIP compares the two embeddings, make them equal"
+        )
+    if config.model_type == "clip" and written is not None:
+        sizes = {"projection_dim": config.projection_dim}
+        for tower in ("text_config", "vision_config"):
+            if "projection_dim" in (written.get(tower) or {}):  # an omitted one defaults to 512 and is never used
+                sizes[f"{tower} projection_dim"] = getattr(config, tower).projection_dim
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
+            raise UsageError(
+                f"{named}: the embedding sizes differ ({listed}): CLIP compares the text and image embeddings, "
+                "make them equal"
+            )

@@ -102,6 +102,21 @@ def test_a_clean_stop_exits_75_with_its_checkpoint_every_time(init, tmp_path):
         assert left == [], f"stop {i}: {left}"
 
 
+def test_a_stop_signal_during_startup_ends_every_rank_with_one_line_and_75(init, tmp_path):
+    """SIGTERM to every rank once the process group is joined, before the trainer's handlers exist (the DISCO_FAULT
+    point signal_at_startup): each rank says so in one line and the run exits 75, with nothing trained, saved or
+    left in /dev/shm. (Without the start-up watch the ranks died silently: exit -15 / 143.)"""
+    out = tmp_path / "run"
+    rc, log, left = _run(init, out, fault="signal_at_startup")
+    lines = [line for line in log.splitlines() if "during start-up, before training began" in line]
+    assert rc == 75 and sorted(line.split("]")[0] for line in lines) == [
+        "disco-clip train: [rank 0",
+        "disco-clip train: [rank 1",
+    ], log[-3000:]
+    assert "Traceback" not in log and complete_checkpoints(out) == [] and left == [], log[-3000:]
+    assert not (out / "run.lock").exists()  # stopped before the lock was taken
+
+
 def test_a_killed_run_leaves_nothing_in_dev_shm(init, tmp_path):
     """SIGKILL to the whole group once a checkpoint exists: nothing runs after it, so DeepSpeed's buffers must be
     gone by then (without compat's workaround, 132 MiB stay), and the data stream's shared counters must not hold

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from disco_clip_ds.commands.eval import load_for_eval
 from disco_clip_ds.eval.tasks import zeroshot_classification
 
 from unit.eval.sets import CLASSNAMES, TEMPLATES, eval_main, tiny_clip
@@ -34,6 +35,8 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
         (["--classnames", "/nonexistent/names.txt"], "not found"),
         (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),
         (["--batch_size", "0"], "--batch_size must be positive"),
+        (["--model", "/nonexistent"], "--model /nonexistent: no such folder"),  # not a hub id's error
+        (["--model", "./gone", "--data", "/nonexistent/shards"], "--model ./gone: no such folder"),  # before the data
     ],
 )
 def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
@@ -42,7 +45,8 @@ def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, messa
     extra = [str(tmp_path / "TPL") if e == "TPL" else e.replace("DIR", str(folder)) for e in extra]
     argv = ["--model", str(model_dir), "--data", str(folder), *extra]
     assert eval_main(argv) == 2  # bad usage, as from every command
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, capsys):
@@ -62,3 +66,50 @@ def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path,
         eval_main(["--model", str(model_dir), "--data", str(folder), "--classnames", str(tmp_path / "three.txt")]) == 2
     )
     assert "there are 3 class names" in capsys.readouterr().err
+
+
+def _token_id_warnings(call) -> list[str]:
+    """transformers' "*_token_id must be `None` or an integer within the vocabulary" warnings while `call` runs
+    (warned once per process: its memory of what it warned is cleared first)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf_logging.warning_once.cache_clear()
+    hf_logging.get_logger().addHandler(handler)
+    try:
+        call()
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+    return [m for m in seen if "must be `None` or an integer within the vocabulary" in m]
+
+
+def test_a_siglip_model_loads_for_eval_without_token_id_warnings(tmp_path, monkeypatch):
+    """A SigLIP run warned "bos_token_id must be None or an integer within the vocabulary ... got 49406" at its start,
+    its eval and its export: about SiglipTextConfig's own defaults, which transformers builds to diff each save and
+    repr against (compat.quiet_default_config_warnings, which `disco-clip eval` and `train` install). The recipe's
+    own ids are the tokenizer's, within its vocabulary."""
+    from transformers import AutoTokenizer, CLIPImageProcessor
+    from transformers import configuration_utils as cu
+
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.testing.launch import REPO
+
+    recipe = json.loads((REPO / "recipes/models/siglip_tiny.json").read_text())["text_config"]
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tokenizer")
+    assert (recipe["bos_token_id"], recipe["eos_token_id"]) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert len(tokenizer) <= recipe["vocab_size"]
+    folder = tmp_path / "siglip"
+    build_model(None, str(REPO / "recipes/models/siglip_tiny.json")).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}).save_pretrained(folder)
+    # as a fresh process has it: transformers' own diff, not one this test process may have quieted before
+    monkeypatch.setattr(
+        cu, "recursive_diff_dict", getattr(cu.recursive_diff_dict, "__wrapped__", cu.recursive_diff_dict)
+    )
+    loaded = []
+    assert _token_id_warnings(lambda: loaded.extend(load_for_eval(str(folder)))) == []  # what `disco-clip eval` loads
+    assert loaded[0].config.model_type == "siglip"

@@ -121,13 +121,12 @@ def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, caps
         say("--train_file", str(tmp_path / "x.txt"))
         == f"--train_file {tmp_path / 'x.txt'}: give a .parquet, .arrow, .csv, .json or .jsonl file"
     )
-    # a parquet folder never loaded whole (that would record its split sizes in the datasets cache)
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    shutil.copy(folders / "parquet" / "part-0.parquet", fresh / "part-0.parquet")
-    assert say("--dataset_name", str(fresh), "--streaming", "true") == (
-        f"datasets {fresh} split train, columns image/caption, streaming: its number of rows is not known: pass "
-        "--train_num_samples"
+    # a stream of json lines has no count until it is read (a parquet file's footer has one)
+    (tmp_path / "0.png").write_bytes(hf_png(0))
+    (tmp_path / "paths.jsonl").write_text(json.dumps({"file": "0.png", "caption": "sample 0"}) + "\n")
+    assert say("--train_file", str(tmp_path / "paths.jsonl"), "--image_column", "file", "--streaming", "true") == (
+        f"datasets file {tmp_path / 'paths.jsonl'}, columns file/caption, streaming: its number of rows is not "
+        "known: pass --train_num_samples"
     )
     damaged = tmp_path / "damaged"
     shutil.copytree(folders / "saved", damaged)
@@ -161,3 +160,57 @@ def test_a_large_list_caption_column_trains_and_evaluates_alike(tmp_path):
     source = DatasetSource.open(str(folder), "zeroshot_retrieval", image_column="image", caption_column="caption")
     processor = CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
     assert [captions for _, batch in source.batches(processor, 4) for captions in batch] == rows["caption"]
+
+
+def test_a_plain_bytes_path_struct_trains_and_evaluates_as_an_image_column_with_parquet_row_counts(tmp_path):
+    """Parquet written without datasets' metadata (pyarrow, pandas) holds an image column as a plain
+    {bytes, path} struct: training loads it as an Image column and eval finds it as the only one, each row decoding
+    as the same rows stored with datasets' Image feature do; a streamed parquet folder or file counts its rows from
+    the files' footers, so --streaming needs no --train_num_samples."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import CLIPImageProcessor
+
+    from disco_clip_ds.eval.sources import DatasetSource
+
+    rows = hf_rows(7)
+    struct = [{"bytes": image["bytes"], "path": None} for image in rows["image"]]  # path: nulls only
+    (tmp_path / "pq").mkdir()
+    for name, part in (("a", slice(0, 4)), ("b", slice(4, 7))):  # a folder of two files written by pyarrow
+        pq.write_table(
+            pa.table({"image": struct[part], "caption": rows["caption"][part]}), tmp_path / f"pq/{name}.parquet"
+        )
+    pd = pytest.importorskip("pandas")
+    paths = [{"bytes": image["bytes"], "path": f"{i}.png"} for i, image in enumerate(rows["image"])]
+    pd.DataFrame({"image": paths[4:], "caption": rows["caption"][4:]}).to_parquet(tmp_path / "pandas.parquet")
+    files = [*(tmp_path / "pq").iterdir(), tmp_path / "pandas.parquet"]
+    assert all(b"huggingface" not in (pq.read_schema(f).metadata or {}) for f in files)
+    for streaming in (True, False):  # streaming first: nothing cached by a full load tells it the count
+        for args, n in (
+            (hf_args(dataset_name=str(tmp_path / "pq"), streaming=streaming), 7),
+            (hf_args(train_file=str(tmp_path / "pandas.parquet"), streaming=streaming), 3),
+        ):
+            data = load_training_dataset(args, 1)
+            assert (data.image_kind, data.num_rows) == ("image", n), args
+            check_rows(data, n)
+
+    hf_dataset(rows).select_columns(["image", "caption"]).to_parquet(str(tmp_path / "featured.parquet"))
+    processor = CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
+    batches = {}
+    for name in ("pq", "featured.parquet"):
+        source = DatasetSource.open(str(tmp_path / name), "zeroshot_retrieval")  # no --image_column: found
+        assert source.image_column == "image"
+        batches[name] = [(pixels, captions) for pixels, captions in source.batches(processor, 4)]
+    assert isinstance(datasets.load_dataset("parquet", data_files=str(tmp_path / "featured.parquet"),
+                                            split="train").features["image"], datasets.Image)  # fmt: skip
+    assert (
+        [c for _, c in batches["pq"]]
+        == [c for _, c in batches["featured.parquet"]]
+        == [
+            [[f"sample {i}"] for i in range(4)],
+            [[f"sample {i}"] for i in range(4, 7)],
+        ]
+    )
+    for (ours, _), (reference, _) in zip(batches["pq"], batches["featured.parquet"]):
+        assert ours.equal(reference)

@@ -15,13 +15,30 @@ from disco_clip_ds.testing.launch import REPO
 MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
 TOK = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
 
-# (arguments after --train_shards; "{data}", "{tmp}" and "{wrong_eos}" are filled in per test; the message to expect)
-# (arguments after --train_shards; "{data}", "{tmp}" and "{wrong_eos}" are filled in per test; the message to expect)
+SIGLIP = REPO / "recipes/models/siglip_tiny.json"
+
+# (arguments after --train_shards; "{data}", "{tmp}" and the configs of `bad_inputs` are filled in per test; the
+# message to expect)
 BAD_ARGUMENTS = {
-    "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere"),
+    "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere: no such file or folder"),
+    "some shards missing": (["{data}/{{00000..00003}}.tar", *MODEL, *TOK], "2 of 4 shards not found, e.g."),
+    "config a list": (["{data}", "--model_config", "{list_json}", *TOK], "list.json holds a JSON list, not a config"),
+    "siglip sizes differ": (
+        ["{data}", "--model_config", "{siglip_32}", *TOK],
+        "text_config projection_size 32 differs from vision_config hidden_size 64",
+    ),
+    "clip sizes differ": (
+        ["{data}", "--model_config", "{clip_32}", *TOK],
+        "embedding sizes differ (projection_dim 64, text_config projection_dim 32, vision_config projection_dim 64)",
+    ),
+    "resume missing": (["{data}", *MODEL, *TOK, "--resume_from_checkpoint", "{tmp}/gone"], "gone: no such folder"),
     "no tokenizer": (["{data}", *MODEL], "needs --tokenizer_name"),
     "tokenizer mismatch": (["{data}", "--model_config", "{wrong_eos}", *TOK], "does not match the model's text config"),
     "image size": (["{data}", *MODEL, *TOK, "--image_size", "224"], "differs from the model's 64"),
+    "zeroshot data missing": (
+        ["{data}", *MODEL, *TOK, "--zeroshot_data", "{tmp}/noeval", "--zeroshot_steps", "5"],
+        "noeval: no such file or folder",
+    ),
     "zeroshot half set": (["{data}", *MODEL, *TOK, "--zeroshot_steps", "10"], "needs both --zeroshot_data"),
     "remote shards uncounted": (["https://host/{{0..3}}.tar", *MODEL, *TOK], "--train_num_samples"),
     "too few shards": (["{data}", *MODEL, *TOK, "--dataloader_num_workers", "3"], "lower --dataloader_num_workers"),
@@ -38,13 +55,56 @@ BAD_ARGUMENTS = {
 }
 
 
+def _config(tmp_path, name: str, recipe: Path, **change) -> str:
+    """A copy of a recipe's config with `change` ({"text_config": {...}}: merged into it) made, as TMP/NAME."""
+    config = json.loads(recipe.read_text())
+    for key, value in change.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (tmp_path / name).write_text(json.dumps(config))
+    return str(tmp_path / name)
+
+
+@pytest.fixture
+def bad_inputs(bad_arguments_setup, tmp_path):
+    """bad_arguments_setup, and model configs that cannot train: a list, towers of different embedding sizes."""
+    (tmp_path / "list.json").write_text(json.dumps([json.loads((REPO / "recipes/models/tiny.json").read_text())]))
+    return {
+        **bad_arguments_setup,
+        "list_json": str(tmp_path / "list.json"),
+        "siglip_32": _config(tmp_path, "siglip_32.json", SIGLIP, text_config={"projection_size": 32}),
+        "clip_32": _config(tmp_path, "clip_32.json", REPO / MODEL[1], text_config={"projection_dim": 32}),
+    }
+
+
 @pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
-def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_arguments_setup, train_main, tmp_path, capsys):
+def test_bad_arguments_get_a_message_saying_what_to_fix(case, bad_inputs, train_main, tmp_path, capsys):
     argv, message = BAD_ARGUMENTS[case]
-    argv = [arg.format(**bad_arguments_setup) for arg in argv]
+    argv = [arg.format(**bad_inputs) for arg in argv]
     assert train_main("--train_shards", *argv) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip train: ")]
+    assert len(said) == 1 and message in said[0], said  # one line (transformers' own warnings aside)
+    assert not (tmp_path / "out").exists()  # nothing written: no model, no run.lock
+
+
+def test_a_siglip_text_shorter_than_the_pipelines_64_tokens_is_a_warning(bad_arguments_setup, tmp_path, caplog):
+    """transformers' zero-shot pipeline pads SigLIP texts to 64 tokens: fewer positions train, but the exported
+    model fails in that pipeline. A warning (the run goes on), and none for the shipped recipe's 64."""
+    from disco_clip_ds.train.args import parse_args
+    from disco_clip_ds.train.validate import validate
+
+    def checked(config):
+        argv = ["--output_dir", str(tmp_path / "out"), "--train_shards", bad_arguments_setup["data"], *TOK]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="disco_clip_ds.train"):
+            return validate(*parse_args([*argv, "--model_config", config, "--dataloader_num_workers", "0"]))
+
+    short = _config(tmp_path, "short.json", SIGLIP, text_config={"max_position_embeddings": 16})
+    assert checked(short).max_length == 16
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"--model_config {short}: max_position_embeddings 16 in text_config" in warning
+    assert "pads SigLIP texts to 64 tokens" in warning
+    assert checked(str(SIGLIP)).max_length == 64
+    assert caplog.records == []
 
 
 def _ds_args(config, micro, accum, world):
