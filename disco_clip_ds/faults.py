@@ -9,7 +9,7 @@ An entry fires at its point when every KEY=N holds there: `step` (the optimizer 
 first start and counted per node, so that a fault does not fire again in the workers an elastic launch restarts on
 that node). A VALUE holds no ':' or ';'. The actions, by point:
 
-In a training rank's checkpoint save (`checkpoints.py`), after the model and DeepSpeed files are written and before
+In a training rank's checkpoint save (`train/checkpointing.py`), after the model and DeepSpeed files are written and before
 the RNG and Trainer state:
     kill_in_save:step=N[,rank=R]        SIGKILL to this rank
 At each DeepSpeed file write of a save (checkpoint or final; rank 0's model states, every rank's optimizer shard), in
@@ -17,13 +17,15 @@ the middle of DeepSpeed's collectives:
     enospc_in_save:step=N[,rank=R]      an OSError ENOSPC, as a full disk raises it (with rank=R: on that rank alone)
 Before a save (checkpoint or final), in the free-space check of every rank:
     disk_free_mib=M:step=N              the check sees M MiB free
-In the final save (`checkpoints.py`), after the final weights are written and before the Trainer state and the
+In the final save (`train/checkpointing.py`), after the final weights are written and before the Trainer state and the
 manifest:
     kill_in_final_save[:rank=R]         SIGKILL to this rank
-At the end of a training step (`preemption.py`):
+During start-up, once the arguments are parsed and before the Trainer exists (`commands/train.py`):
+    signal_at_startup[=SIG][:rank=R]    SIGTERM (or SIG) to this rank
+At the end of a training step (`distributed/preemption.py`):
     signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
     signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it
-In the download worker of shard K (`data/prep.py`):
+In the download worker of shard K (`data/prep/download.py`):
     exit_before:shard=K                 the worker process ends (exit code 3) before the shard starts, as a crashed
                                         executor would
     hold_after=FILE:shard=K             once the shard is written, the worker writes its pid to FILE and stops itself

@@ -13,7 +13,10 @@ from disco_clip_ds.errors import UsageError
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, export, print one line naming what was written; return 0."""
+    from disco_clip_ds import compat
     from disco_clip_ds.export.weights import export_checkpoint
+
+    compat.quiet_default_config_warnings()
 
     parser = argparse.ArgumentParser(prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")
