@@ -9,8 +9,8 @@ An entry fires at its point when every KEY=N holds there: `step` (the optimizer 
 first start and counted per node, so that a fault does not fire again in the workers an elastic launch restarts on
 that node). A VALUE holds no ':' or ';'. The actions, by point:
 
-In a training rank's checkpoint save (`train/checkpointing.py`), after the model and DeepSpeed files are written and before
-the RNG and Trainer state:
+In a training rank's checkpoint save (`train/checkpointing.py`), after the model and DeepSpeed files are written
+and before the RNG and Trainer state:
     kill_in_save:step=N[,rank=R]        SIGKILL to this rank
 At each DeepSpeed file write of a save (checkpoint or final; rank 0's model states, every rank's optimizer shard), in
 the middle of DeepSpeed's collectives:
