@@ -63,10 +63,7 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
             tower._init_weights = _with_clip_init(tower._init_weights)
             tower._initialize_weights = compat.init_as_library_code(tower._initialize_weights)
         # transformers' rules already ran while CLIPModel built the towers: run the init again, now with CLIP's.
-        # Under from_pretrained, transformers disables `init_weights` during construction, so this is a no-op there.
-        for module in self.modules():
-            module.__dict__.pop("_is_hf_initialized", None)
-        self.init_weights()
+        self._init_every_module()
         self._adopt_loss_config(config)
         compat.adopt_vector_logit_scale(self)
 
