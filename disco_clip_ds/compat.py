@@ -249,9 +249,15 @@ def init_deepspeed_comm(args) -> None:
     """ZeRO-3 builds the model inside deepspeed.zero.Init, which reads the world size from deepspeed.comm. With
     use_cpu, accelerate (1.x) sets up torch.distributed but not deepspeed.comm, which DeepSpeed itself sets up only
     when the engine starts, after the model is built: zero.Init would partition for a world of 1. Call before
-    building the model. Gate: a DeepSpeed run of several ranks; where deepspeed.comm is up already (accelerate does
-    it on GPU), init_distributed does nothing."""
-    if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
+    building the model. Up here, DeepSpeed's shm buffers exist and are unlinked at once (below), on one rank too: a
+    launched one-rank run creates its buffer at engine start all the same, and nothing would unlink it later.
+    Gate: a DeepSpeed run of several ranks, or of one launched rank (the launcher's rendezvous variables set: without
+    them DeepSpeed would look for MPI, and no launcher means no buffer); where deepspeed.comm is up already
+    (accelerate does it on GPU), init_distributed does nothing."""
+    import os
+
+    launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if (args.deepspeed or args.deepspeed_plugin is not None) and (args.world_size > 1 or launched):
         import deepspeed
 
         deepspeed.init_distributed(timeout=args.ddp_timeout_delta)  # its default is DeepSpeed's own 10 minutes
