@@ -117,9 +117,14 @@ class GlobalBatchLossMixin:
         """At construction: run the init again on every module, now at the top, drawn by name. Each tower's own
         `post_init` (transformers builds them with `_from_config`) already initialised it from the global generator
         and marked it done, so the top model's init would skip it. Under `from_pretrained` transformers disables
-        `init_weights` during construction, so this is a no-op there."""
+        `init_weights` during construction, so this is a no-op there. The towers are initialised as library code
+        (compat.init_as_library_code), as the top model is."""
+        from transformers import PreTrainedModel
+
         for module in self.modules():
             module.__dict__.pop("_is_hf_initialized", None)
+            if isinstance(module, PreTrainedModel) and module is not self:
+                module._initialize_weights = compat.init_as_library_code(module._initialize_weights)
         self.init_weights()
 
     def initialize_weights(self) -> None:
