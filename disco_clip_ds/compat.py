@@ -47,7 +47,7 @@ def reduce_scatter_single(output, input, op, group=None) -> None:
 # CLIP's `logit_scale` (engine init under ZeRO-1/2, zero.Init and weight gathering under ZeRO-3). Under those
 # releases, and only then, DiscoCLIPModel holds it as a 1-element vector; its state dict, its `save_pretrained`
 # output and its `from_pretrained` input keep CLIP's 0-dim layout (the functions below). Widen the tuple when a later
-# release turns out to share the bug (tests/unit/test_compat.py checks the gate against the installed release's behaviour).
+# release turns out to share the bug (tests/unit/test_compat.py checks the gate against the installed release).
 ZERO_DIM_BROKEN_DEEPSPEED = ("0.19.8",)
 LOGIT_SCALE_AS_VECTOR = _version("deepspeed") in ZERO_DIM_BROKEN_DEEPSPEED
 
