@@ -1,6 +1,6 @@
 """Workarounds for other packages' releases, each behind a gate and with the reason; nothing else lives here.
 
-Delete an entry when the oldest supported release of its package no longer needs it; tests/test_compat.py shows,
+Delete an entry when the oldest supported release of its package no longer needs it; tests/unit/test_compat.py shows,
 for each, that the installed release still does.
 """
 
@@ -47,7 +47,7 @@ def reduce_scatter_single(output, input, op, group=None) -> None:
 # CLIP's `logit_scale` (engine init under ZeRO-1/2, zero.Init and weight gathering under ZeRO-3). Under those
 # releases, and only then, DiscoCLIPModel holds it as a 1-element vector; its state dict, its `save_pretrained`
 # output and its `from_pretrained` input keep CLIP's 0-dim layout (the functions below). Widen the tuple when a later
-# release turns out to share the bug (tests/test_compat.py checks the gate against the installed release's behaviour).
+# release turns out to share the bug (tests/unit/test_compat.py checks the gate against the installed release).
 ZERO_DIM_BROKEN_DEEPSPEED = ("0.19.8",)
 LOGIT_SCALE_AS_VECTOR = _version("deepspeed") in ZERO_DIM_BROKEN_DEEPSPEED
 
@@ -249,9 +249,15 @@ def init_deepspeed_comm(args) -> None:
     """ZeRO-3 builds the model inside deepspeed.zero.Init, which reads the world size from deepspeed.comm. With
     use_cpu, accelerate (1.x) sets up torch.distributed but not deepspeed.comm, which DeepSpeed itself sets up only
     when the engine starts, after the model is built: zero.Init would partition for a world of 1. Call before
-    building the model. Gate: a DeepSpeed run of several ranks; where deepspeed.comm is up already (accelerate does
-    it on GPU), init_distributed does nothing."""
-    if (args.deepspeed or args.deepspeed_plugin is not None) and args.world_size > 1:
+    building the model. Up here, DeepSpeed's shm buffers exist and are unlinked at once (below), on one rank too: a
+    launched one-rank run creates its buffer at engine start all the same, and nothing would unlink it later.
+    Gate: a DeepSpeed run of several ranks, or of one launched rank (the launcher's rendezvous variables set: without
+    them DeepSpeed would look for MPI, and no launcher means no buffer); where deepspeed.comm is up already
+    (accelerate does it on GPU), init_distributed does nothing."""
+    import os
+
+    launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if (args.deepspeed or args.deepspeed_plugin is not None) and (args.world_size > 1 or launched):
         import deepspeed
 
         deepspeed.init_distributed(timeout=args.ddp_timeout_delta)  # its default is DeepSpeed's own 10 minutes
@@ -310,7 +316,7 @@ def unlink_deepspeed_shm_buffer() -> None:
 # distributed types (MULTI_GPU, MULTI_XPU, ...): on CPU ranks it silently stays MULTI_CPU, the Trainer sees no
 # fsdp_plugin, and an FSDP recipe trains plain DDP. torch's FSDP2 (`fully_shard`) itself runs on CPU over gloo, so
 # the state is completed here as accelerate completes it for a GPU.
-# Gate: a state that came up MULTI_CPU under ACCELERATE_USE_FSDP (tests/test_compat.py checks that the installed
+# Gate: a state that came up MULTI_CPU under ACCELERATE_USE_FSDP (tests/unit/test_compat.py checks that the installed
 # release still leaves it so; a release that honours FSDP on CPU makes this a no-op).
 def fsdp_on_cpu(state, plugin_args: dict | None = None) -> bool:
     """Under FSDP on CPU ranks, make a just-built AcceleratorState FSDP's, as accelerate's own GPU branch does

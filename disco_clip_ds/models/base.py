@@ -4,10 +4,17 @@
 `config.loss_impl`), their save as the plain transformers model and their ZeRO-3 initialisation; each model adds
 only its logit parameters, its own per-device loss and its initialisation. The loss is computed inside `forward`,
 so the stock Trainer, the DeepSpeed engine, accelerate and ZeRO-3's partitioned parameters need no special casing.
+
+Initial weights are drawn by name (`drawn_by_name`): each parameter's random values come from a generator seeded by
+the seed and the parameter's name, drawn on the CPU in float32, so that a fresh model is the same under any ZeRO stage,
+world size, device or global RNG state; the rules (which distribution, which scale) stay each model's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,6 +22,74 @@ import torch
 from torch import nn
 
 from disco_clip_ds import compat
+
+# The seed of a fresh model's draws (build_model's `seed`); None: torch.initial_seed(), the seed of the last
+# torch.manual_seed (transformers' set_seed), whatever the global generator drew since.
+_init_seed = contextvars.ContextVar("init_seed", default=None)
+
+# The random init primitives transformers' rules reach (transformers.initialization looks each up in this table
+# at every call, and guard_torch_init_functions routes torch.nn.init's through them); each takes `generator`.
+RANDOM_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+
+
+@contextlib.contextmanager
+def init_seed(seed: int | None):
+    """Models built inside draw their initial weights with `seed` (None: torch.initial_seed())."""
+    token = _init_seed.set(seed)
+    try:
+        yield
+    finally:
+        _init_seed.reset(token)
+
+
+def name_seed(seed: int, name: str) -> int:
+    """The generator seed of parameter `name`'s initial values: the first 8 bytes of sha256("SEED:NAME"), 63 bits."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def drawn_by_name(model: nn.Module, seed: int):
+    """While inside, every random init of one of `model`'s parameters or buffers through transformers' init
+    functions draws from a fresh CPU generator seeded by `name_seed(seed, name)`, in float32, then is copied in.
+
+    The values then depend on the seed, the name and the rule only: not on which rank draws them, on the order of the
+    draws, on the global RNG's state, on the device (ZeRO-3 gathers onto the accelerator) or on the dtype. A tensor
+    that is no parameter or buffer of `model` draws as before."""
+    from transformers import initialization
+
+    names = {id(t): n for n, t in (*model.named_parameters(), *model.named_buffers())}
+    table = initialization.TORCH_INIT_FUNCTIONS
+    originals = {name: table[name] for name in RANDOM_INITS}
+    try:
+        for name, draw in originals.items():
+            table[name] = _by_name(draw, names, seed)
+        yield
+    finally:
+        table.update(originals)
+
+
+def _by_name(draw, names: dict, seed: int):
+    def init_(tensor: torch.Tensor, *args, generator=None, **kwargs) -> torch.Tensor:
+        name = names.get(id(tensor))
+        if name is None or generator is not None:
+            return draw(tensor, *args, generator=generator, **kwargs)
+        values = torch.empty(tensor.shape, dtype=torch.float32)
+        draw(values, *args, generator=torch.Generator().manual_seed(name_seed(seed, name)), **kwargs)
+        with torch.no_grad():
+            return tensor.copy_(values)
+
+    return init_
 
 
 class GlobalBatchLossMixin:
@@ -38,17 +113,34 @@ class GlobalBatchLossMixin:
                 f"loss_impl must be one of {self.IMPLS} for {self.PLAIN.__name__}, got {config.loss_impl!r}"
             )
 
+    def _init_every_module(self) -> None:
+        """At construction: run the init again on every module, now at the top, drawn by name. Each tower's own
+        `post_init` (transformers builds them with `_from_config`) already initialised it from the global generator
+        and marked it done, so the top model's init would skip it. Under `from_pretrained` transformers disables
+        `init_weights` during construction, so this is a no-op there. The towers are initialised as library code
+        (compat.init_as_library_code), as the top model is."""
+        from transformers import PreTrainedModel
+
+        for module in self.modules():
+            module.__dict__.pop("_is_hf_initialized", None)
+            if isinstance(module, PreTrainedModel) and module is not self:
+                module._initialize_weights = compat.init_as_library_code(module._initialize_weights)
+        self.init_weights()
+
     def initialize_weights(self) -> None:
-        """As transformers', but under ZeRO-3 on gathered weights: the models build their towers with
-        `_from_config`, which partitions them inside zero.Init, and a plain init would write into their empty shards."""
+        """As transformers', with each parameter drawn by its name (`drawn_by_name`), and under ZeRO-3 on gathered
+        weights: the models build their towers with `_from_config`, which partitions them inside zero.Init, and a
+        plain init would write into their empty shards."""
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        if is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in self.parameters()):
-            from transformers.integrations.deepspeed import initialize_weights_zero3
+        seed = _init_seed.get()
+        with drawn_by_name(self, torch.initial_seed() if seed is None else seed):
+            if is_deepspeed_zero3_enabled() and any(hasattr(p, "ds_id") for p in self.parameters()):
+                from transformers.integrations.deepspeed import initialize_weights_zero3
 
-            initialize_weights_zero3(self)
-        else:
-            super().initialize_weights()
+                initialize_weights_zero3(self)
+            else:
+                super().initialize_weights()
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
         """Save as the plain transformers model (its class in `architectures`)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, CLIPConfig, SiglipConfig
 
+from disco_clip_ds.models.base import init_seed
 from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.models.siglip import DiscoSiglipModel
 
@@ -17,9 +18,14 @@ def build_model(
     model_config: str | None = None,
     loss_impl: str = "tiled",
     chunk_size: int | None = None,
+    seed: int | None = None,
 ) -> DiscoCLIPModel | DiscoSiglipModel:
     """A DiscoCLIPModel or DiscoSiglipModel (by the config's model_type) from pretrained weights (hub id or folder)
-    or fresh from a config JSON file."""
+    or fresh from a config JSON file.
+
+    A fresh weight (all of them, or those a checkpoint lacks) is drawn from `seed` and its name only (models/base.py
+    `drawn_by_name`): the same under any ZeRO stage, world size or device. None: torch.initial_seed(), the seed that
+    transformers' set_seed (a run's --seed) last set."""
     if bool(model_name_or_path) == bool(model_config):
         raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
     config = load_config(model_name_or_path, model_config)
@@ -27,9 +33,10 @@ def build_model(
     if model_class is None:
         raise ValueError(f"model_type {config.model_type!r} is not one of {sorted(MODEL_CLASSES)}")
     config.loss_impl, config.chunk_size = loss_impl, chunk_size
-    if model_name_or_path:
-        return model_class.from_pretrained(model_name_or_path, config=config)
-    return model_class(config)
+    with init_seed(seed):
+        if model_name_or_path:
+            return model_class.from_pretrained(model_name_or_path, config=config)
+        return model_class(config)
 
 
 MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel}

@@ -61,12 +61,8 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
         # own `_init_weights`, at construction and for a checkpoint's missing weights alike, so they get ours too.
         for tower in (self.text_model, self.vision_model):
             tower._init_weights = _with_clip_init(tower._init_weights)
-            tower._initialize_weights = compat.init_as_library_code(tower._initialize_weights)
         # transformers' rules already ran while CLIPModel built the towers: run the init again, now with CLIP's.
-        # Under from_pretrained, transformers disables `init_weights` during construction, so this is a no-op there.
-        for module in self.modules():
-            module.__dict__.pop("_is_hf_initialized", None)
-        self.init_weights()
+        self._init_every_module()
         self._adopt_loss_config(config)
         compat.adopt_vector_logit_scale(self)
 

@@ -46,6 +46,7 @@ class DiscoSiglipModel(GlobalBatchLossMixin, SiglipModel):
 
     def __init__(self, config: SiglipConfig):
         super().__init__(config)
+        self._init_every_module()  # the towers' own post_init drew from the global generator: draw them by name
         self._adopt_loss_config(config)
 
     def _init_weights(self, module: nn.Module) -> None:

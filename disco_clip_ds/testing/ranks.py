@@ -1,4 +1,5 @@
-"""torch.distributed ranks in spawned processes on one machine: free ports, `run_ranks`, DeepSpeed's shm buffers."""
+"""torch.distributed ranks in spawned processes on one machine: free ports, `run_ranks`, DeepSpeed's shm buffers (and
+a private /dev/shm to count them in)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def release_shm_buffers() -> None:
         for buffer in Path("/dev/shm").glob(f"{SHM_BUFFER_PREFIX}_*_{port}_*"):
             buffer.unlink(missing_ok=True)
         _PORTS.discard(port)
+
+
+def in_private_shm(folder: Path, command: list) -> list[str]:
+    """COMMAND run with FOLDER bind-mounted on /dev/shm in a private mount namespace (`unshare --mount`; needs root):
+    what the run leaves in /dev/shm is then exactly what is left in FOLDER, whatever other processes do there."""
+    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"']
+    return [*private, str(folder), *(str(c) for c in command)]
 
 
 class RanksFailed(RuntimeError):

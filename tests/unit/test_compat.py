@@ -347,11 +347,12 @@ def _deepspeed_comm_buffers(rank, world, unlink):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # deepspeed imports in two spawned ranks
 @pytest.mark.parametrize("unlink", [False, True], ids=["deepspeed_alone", "workaround"])
-def test_deepspeed_leaves_its_cpu_comm_buffers_unless_they_are_unlinked(unlink):
-    """The gate is on exactly when the installed deepspeed creates the buffers; without the workaround they outlive
-    the ranks, with it they are gone while the ranks still run."""
-    env = {"LOCAL_SIZE": "2", "DS_ACCELERATOR": "cpu"}
-    results = run_ranks(_deepspeed_comm_buffers, 2, unlink, timeout=500, env=env)
+@pytest.mark.parametrize("world", [2, 1])
+def test_deepspeed_leaves_its_cpu_comm_buffers_unless_they_are_unlinked(unlink, world):
+    """The gate is on exactly when the installed deepspeed creates the buffers, on one rank as on several; without
+    the workaround they outlive the ranks, with it they are gone while the ranks still run."""
+    env = {"LOCAL_SIZE": str(world), "DS_ACCELERATOR": "cpu"}
+    results = run_ranks(_deepspeed_comm_buffers, world, unlink, timeout=500, env=env)
     paths = [Path(path) for _, _, path in results]
     try:
         assert all(created for created, _, _ in results) == compat.SHM_BUFFERS_LEFT_DEEPSPEED, results

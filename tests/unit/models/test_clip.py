@@ -264,6 +264,27 @@ def test_fresh_model_gets_clip_init(widths):
     assert_clip_init(DiscoCLIPModel(config), config)
 
 
+def test_a_fresh_model_is_drawn_from_the_seed_and_each_parameters_name_only():
+    """Same seed: the same weights whatever the global generator's state or what it drew before; each random
+    parameter is its rule's draw from a CPU generator seeded by sha256("SEED:NAME") (computed here by hand)."""
+    import hashlib
+
+    torch.manual_seed(11)
+    first = build_model(model_config=str(TINY), seed=5).state_dict()
+    torch.manual_seed(12)
+    torch.randn(1000)  # other draws in between
+    again = build_model(model_config=str(TINY), seed=5).state_dict()
+    other = build_model(model_config=str(TINY), seed=6).state_dict()
+    for name, value in first.items():
+        assert torch.equal(again[name], value), name
+        random = value.numel() > 1 and value.unique().numel() > 1  # not a constant-initialised tensor
+        assert torch.equal(other[name], value) != random, name
+    name = "text_model.embeddings.token_embedding.weight"
+    seed = int.from_bytes(hashlib.sha256(f"5:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+    drawn = torch.empty(first[name].shape).normal_(0, 0.02, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(first[name], drawn)  # CLIP's N(0, 0.02) token embedding, drawn by name
+
+
 def _perturbed_saved_model(path):
     torch.manual_seed(1)
     model = build_model(model_config=str(TINY))
@@ -341,6 +362,16 @@ def test_fresh_model_under_zero3_gets_clip_init(two_rank_results):
             return iter(params.items())
 
     assert_clip_init(Gathered(), CLIPConfig.from_json_file(str(TINY)))
+
+
+@pytest.mark.slow  # 2 spawned DeepSpeed ranks
+def test_fresh_model_under_zero3_has_the_weights_drawn_without_it(two_rank_results):
+    # gathered per module on rank 0 inside zero.Init, partitioned over 2 ranks, and still each weight drawn by name
+    _, params = two_rank_results["zero3"]
+    plain = dict(build_model(model_config=str(TINY), seed=0).named_parameters())
+    assert params.keys() == plain.keys()
+    for name, value in plain.items():
+        assert torch.equal(params[name].reshape(value.shape), value.detach()), name
 
 
 # --- DiscoSiglipModel: the sigmoid loss in forward against transformers' SiglipModel, same mechanism as CLIP's ---

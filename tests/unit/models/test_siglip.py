@@ -72,9 +72,14 @@ def test_siglip_two_ranks_give_the_global_batch_loss_and_gradient():
 def test_fresh_siglip_gets_the_papers_logit_init_and_transformers_init_elsewhere():
     from transformers import SiglipModel
 
+    from disco_clip_ds.models.base import drawn_by_name
+
     model = tiny_siglip(dtype=torch.float32, seed=3)
-    torch.manual_seed(3)
     stock = SiglipModel(model.config)
+    with drawn_by_name(stock, 3):  # transformers' own rules on stock SiglipModel, each weight drawn by its name
+        for module in stock.modules():
+            module.__dict__.pop("_is_hf_initialized", None)
+        stock.initialize_weights()
     assert model.logit_scale.item() == pytest.approx(math.log(10)) and model.logit_bias.item() == -10.0
     assert stock.logit_scale.item() == 0.0 and stock.logit_bias.item() == 0.0  # transformers' own init
     ours, theirs = model.state_dict(), stock.state_dict()
@@ -82,6 +87,19 @@ def test_fresh_siglip_gets_the_papers_logit_init_and_transformers_init_elsewhere
     for key in ours:
         if key not in ("logit_scale", "logit_bias"):
             assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_a_fresh_siglip_is_drawn_from_the_seed_and_each_parameters_name_only():
+    torch.manual_seed(1)
+    first = build_model(model_config=str(SIGLIP_TINY), seed=4).state_dict()
+    torch.manual_seed(2)
+    torch.randn(1000)  # other draws in between
+    again = build_model(model_config=str(SIGLIP_TINY), seed=4).state_dict()
+    other = build_model(model_config=str(SIGLIP_TINY), seed=5).state_dict()
+    for name, value in first.items():
+        assert torch.equal(again[name], value), name
+        random = value.numel() > 1 and value.unique().numel() > 1
+        assert torch.equal(other[name], value) != random, name
 
 
 def test_siglip_saves_as_a_plain_siglipmodel(tmp_path):
