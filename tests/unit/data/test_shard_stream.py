@@ -65,7 +65,14 @@ def test_shard_set_without_readable_samples_raises_one_line(tmp_path):
     bad.write_bytes(b"not a tar file at all" * 10)
     with pytest.raises(DataError, match=r"^reader 0 of 1 \(rank 0, DataLoader worker 0\) found no readable sample"):
         _keys_seen(ShardStream([str(bad)], 16, shuffle_buffer=0), 1)
-    # in a DataLoader worker torch re-raises it with the worker's traceback as the message: the line is recovered
+
+
+@pytest.mark.slow  # the failed worker's DataLoader, once collected, waits torch's 5 s status interval to shut down
+def test_shard_set_without_readable_samples_raises_one_line_from_a_worker(tmp_path):
+    """In a DataLoader worker torch re-raises the error with the worker's traceback as the message: the one line is
+    recovered from it."""
+    bad = tmp_path / "00000.tar"
+    bad.write_bytes(b"not a tar file at all" * 10)
     with pytest.raises(DataError) as raised:
         _keys_seen(ShardStream([str(bad)], 16, shuffle_buffer=4, num_workers=1), 1, workers=1)
     assert "Traceback" in str(raised.value)

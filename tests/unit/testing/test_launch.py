@@ -12,6 +12,7 @@ from disco_clip_ds.testing.launch import run_training
 from disco_clip_ds.testing.processes import alive
 
 
+@pytest.mark.slow  # a real launch held past its time limit
 def test_a_launch_past_its_time_limit_leaves_no_process_of_its_session(tmp_path):
     """A "launcher" that starts a "rank" (sleep) in its group, writes its pid down, and waits for it."""
     pid_file = tmp_path / "rank.pid"
