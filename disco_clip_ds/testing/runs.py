@@ -12,7 +12,7 @@ from disco_clip_ds.testing.launch import TINY_CONFIG
 
 def save_initial_model(folder: Path, seed: int) -> Path:
     """Save the tiny CLIP drawn with `seed` to FOLDER: the weights that every run of an equivalence test starts from
-    (under ZeRO-3, deepspeed.zero.Init draws initial weights in its own order, so no run may draw its own)."""
+    (one file that every run loads, whatever its launcher, stage or data)."""
     import torch
 
     from disco_clip_ds.models.build import build_model
