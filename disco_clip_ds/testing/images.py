@@ -80,3 +80,17 @@ def write_samples(folder: Path, samples: list[dict], per_shard: int) -> None:
         with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
             for i, sample in enumerate(samples[start : start + per_shard], start):
                 sink.write({"__key__": f"s{i:05d}", **sample})
+
+
+def empty_second_shard(folder: Path, sizes: bool) -> str:
+    """Two shards in FOLDER, the second a valid tar without members, as a brace pattern; sizes.json (when `sizes`)
+    records 5 and 0 samples, else it is removed (the counts are then unknown)."""
+    import tarfile
+
+    urls = write_shards(folder, num_shards=1, per_shard=5)
+    tarfile.open(folder / "00001.tar", "w").close()
+    if sizes:
+        (folder / "sizes.json").write_text(json.dumps({"00000.tar": 5, "00001.tar": 0}))
+    else:
+        (folder / "sizes.json").unlink()
+    return urls[0].replace("00000.tar", "{00000..00001}.tar")

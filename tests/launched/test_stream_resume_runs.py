@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.images import empty_second_shard, write_shards
 
 STEPS, PER_RANK, ACCUM, WORKERS = 6, 4, 3, 2
 
@@ -171,19 +171,6 @@ def test_max_image_pixels_skips_and_counts_a_larger_image(full):
     assert skipped >= 4  # the large image, the corrupt one, the ones without or with an empty caption
 
 
-def _empty_second_shard(folder: Path, sizes: bool) -> str:
-    """Two shards, the second a valid tar without members; sizes.json (when asked for) records 5 and 0 samples."""
-    import tarfile
-
-    urls = write_shards(folder, num_shards=1, per_shard=5)
-    tarfile.open(folder / "00001.tar", "w").close()
-    if sizes:
-        (folder / "sizes.json").write_text(json.dumps({"00000.tar": 5, "00001.tar": 0}))
-    else:
-        (folder / "sizes.json").unlink()
-    return urls[0].replace("00000.tar", "{00000..00001}.tar")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_whose_shards_hold_no_sample_stops_every_rank_with_one_line(data, tmp_path):
@@ -191,7 +178,7 @@ def test_a_rank_whose_shards_hold_no_sample_stops_every_rank_with_one_line(data,
     the same one line, exit 1, no traceback (deepspeed launcher: it passes the ranks' exit code on)."""
     from disco_clip_ds.testing.launch import LAUNCH_COMMON, run_to_end
 
-    shards = _empty_second_shard(tmp_path / "shards", sizes=False)
+    shards = empty_second_shard(tmp_path / "shards", sizes=False)
     out = tmp_path / "run"
     args = ["--output_dir", str(out), "--model_name_or_path", str(data["model"]), "--train_shards", shards]
     args += [*LAUNCH_COMMON, "--max_steps", "2", "--train_num_samples", "5"]

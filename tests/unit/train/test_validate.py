@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from disco_clip_ds.errors import UsageError
-from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.images import empty_second_shard, write_shards
 from disco_clip_ds.testing.launch import REPO
 
 MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
@@ -236,25 +236,12 @@ def test_epochs_become_max_steps_from_the_counted_samples(tmp_path):
     assert steps_and_samples(DataArguments(train_shards=str(folder)), args, urls) == (7, 100)
 
 
-def _empty_second_shard(folder: Path, sizes: bool) -> str:
-    """Two shards, the second a valid tar without members; sizes.json (when asked for) records 5 and 0 samples."""
-    import tarfile
-
-    urls = write_shards(folder, num_shards=1, per_shard=5)
-    tarfile.open(folder / "00001.tar", "w").close()
-    if sizes:
-        (folder / "sizes.json").write_text(json.dumps({"00000.tar": 5, "00001.tar": 0}))
-    else:
-        (folder / "sizes.json").unlink()
-    return urls[0].replace("00000.tar", "{00000..00001}.tar")
-
-
 def test_a_reader_with_only_empty_shards_is_refused_before_the_model_is_built(tmp_path, capsys):
     from disco_clip_ds.commands.train import main
     from disco_clip_ds.errors import run_main
     from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
 
-    shards = _empty_second_shard(tmp_path / "shards", sizes=True)
+    shards = empty_second_shard(tmp_path / "shards", sizes=True)
     argv = ["--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--train_shards", shards]
     argv += [*LAUNCH_COMMON, "--max_steps", "1", "--dataloader_num_workers", "2"]  # 1 rank x 2 workers: 2 readers
     assert run_main(main, argv, "disco-clip train") == 2
