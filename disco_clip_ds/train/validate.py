@@ -272,15 +272,21 @@ def _check_source(data_args: DataArguments, args: DiscoTrainingArguments) -> HFD
 
 
 def _check_shards_exist(spec: str, urls: list[str]) -> None:
-    """Every local shard is a file (remote ones are read as they come): a missing one would otherwise be reported
-    as shards that cannot be counted, or too few for the readers."""
+    """Local shards that are missing: all of them is a mistake in the spec (one line); some of them is what an
+    img2dataset run leaves where a shard failed to download, so, as webdataset's and open_clip's readers do, those are
+    skipped and counted while training, and said once here."""
     missing = [url for url in urls if not is_url(url) and not Path(url).is_file()]
-    if len(missing) == len(urls) == 1:
-        raise UsageError(f"--train_shards {spec}: no such file or folder")
-    if missing:
+    if missing and len(missing) == len(urls):
         raise UsageError(
-            f"--train_shards {spec}: {len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a "
-            "folder of .tar shards or a brace pattern"
+            f"--train_shards {spec}: no such file or folder"
+            if len(urls) == 1
+            else f"--train_shards {spec}: none of the {len(urls)} shards exists, e.g. '{missing[0]}': give a folder of "
+            ".tar shards or a brace pattern"
+        )
+    if missing:
+        logger.warning(
+            "--train_shards: %d of %d shards not found, e.g. '%s': they are skipped and counted as bad samples",
+            len(missing), len(urls), missing[0],
         )
 
 

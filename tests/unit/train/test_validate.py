@@ -21,7 +21,7 @@ SIGLIP = REPO / "recipes/models/siglip_tiny.json"
 # message to expect)
 BAD_ARGUMENTS = {
     "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere: no such file or folder"),
-    "some shards missing": (["{data}/{{00000..00003}}.tar", *MODEL, *TOK], "2 of 4 shards not found, e.g."),
+    "no shard of a pattern": (["{tmp}/{{0..3}}.tar", *MODEL, *TOK], "none of the 4 shards exists, e.g."),
     "config a list": (["{data}", "--model_config", "{list_json}", *TOK], "list.json holds a JSON list, not a config"),
     "siglip sizes differ": (
         ["{data}", "--model_config", "{siglip_32}", *TOK],
@@ -105,6 +105,22 @@ def test_a_siglip_text_shorter_than_the_pipelines_64_tokens_is_a_warning(bad_arg
     assert "pads SigLIP texts to 64 tokens" in warning
     assert checked(str(SIGLIP)).max_length == 64
     assert caplog.records == []
+
+
+def test_some_shards_of_a_pattern_missing_is_a_warning_and_the_run_goes_on(bad_arguments_setup, tmp_path, caplog):
+    """img2dataset leaves gaps where a shard failed to download: the missing ones are said once and skipped while
+    training (counted as bad samples: test_faults_and_preemption.py's `data` trains on such a list)."""
+    from disco_clip_ds.train.args import parse_args
+    from disco_clip_ds.train.validate import validate
+
+    shards = f"{bad_arguments_setup['data']}/{{00000..00003}}.tar"  # 2 of the 4 exist
+    argv = ["--output_dir", str(tmp_path / "out"), "--train_shards", shards, *MODEL, *TOK]
+    with caplog.at_level("WARNING", logger="disco_clip_ds.train"):
+        checked = validate(*parse_args([*argv, "--dataloader_num_workers", "0", "--train_num_samples", "8"]))
+    assert len(checked.urls) == 4
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"2 of 4 shards not found, e.g. '{bad_arguments_setup['data']}/00002.tar'" in warning
+    assert "skipped and counted as bad samples" in warning
 
 
 def _ds_args(config, micro, accum, world):
