@@ -286,7 +286,9 @@ def _check_shards_exist(spec: str, urls: list[str]) -> None:
     if missing:
         logger.warning(
             "--train_shards: %d of %d shards not found, e.g. '%s': they are skipped and counted as bad samples",
-            len(missing), len(urls), missing[0],
+            len(missing),
+            len(urls),
+            missing[0],
         )
 
 
