@@ -30,10 +30,10 @@ pytestmark = [
     ),
 ]
 
-# (launcher, ranks, DeepSpeed config): every launcher on one rank; ZeRO-2 and ZeRO-3 on one and on two ranks
+# (launcher, ranks, DeepSpeed config): every launcher on one rank; ZeRO-2 and ZeRO-3 on one (accelerate's yaml holds
+# stage 3) and on two ranks
 RUNS = [
     ("deepspeed", 1, "cpu_zero2.json"),
-    ("deepspeed", 1, "cpu_zero3.json"),
     ("torchrun", 1, "cpu_zero2.json"),
     ("accelerate", 1, "cpu_zero3.json"),
     ("deepspeed", 2, "cpu_zero2.json"),

@@ -22,6 +22,8 @@ from disco_clip_ds.testing.ranks import free_port
 from disco_clip_ds.testing.runs import run_and_data, two_shards_and_init
 
 TIMEOUT = 20  # --ddp_timeout in the launched tests, seconds
+# where no rank ever meets another there is no start-up to wait through: a shorter one, waited in full
+ALONE_TIMEOUT = 8
 MARGIN = 120  # a busy machine's slack on top of it: still far from torch's 30 minutes
 
 
@@ -66,10 +68,10 @@ def data(tmp_path_factory):
     return two_shards_and_init(tmp_path_factory.mktemp("lost_peer"))
 
 
-def _args(data, out) -> list[str]:
+def _args(data, out, timeout: int = TIMEOUT) -> list[str]:
     return [
         *LAUNCH_COMMON, *run_and_data(out, data), "--train_num_samples", "64", "--per_device_train_batch_size", "8",
-        "--max_steps", "4", "--save_steps", "2", *SGD, "--ddp_timeout", str(TIMEOUT),
+        "--max_steps", "4", "--save_steps", "2", *SGD, "--ddp_timeout", str(timeout),
     ]  # fmt: skip
 
 
@@ -128,8 +130,8 @@ def test_a_peer_that_stops_answering_ends_the_survivor_within_the_timeout(data, 
 @pytest.mark.parametrize(
     "node, message",
     [
-        (1, "no master answered at 127.0.0.1:{port} within --ddp_timeout 20 s ([Errno 111] Connection refused)"),
-        (0, "not all 2 ranks joined the master at 127.0.0.1:{port} within --ddp_timeout 20 s: start every node"),
+        (1, "no master answered at 127.0.0.1:{port} within --ddp_timeout {timeout} s ([Errno 111] Connection refused)"),
+        (0, "not all 2 ranks joined the master at 127.0.0.1:{port} within --ddp_timeout {timeout} s: start every node"),
     ],
     ids=["nobody_at_the_master", "a_node_never_joins"],
 )
@@ -141,16 +143,23 @@ def test_a_master_nobody_answers_is_one_line_within_the_timeout(data, tmp_path, 
     extra = ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]
     started = time.monotonic()
     (proc,) = start_nodes(
-        "deepspeed", 2, _args(data, out) + extra, out, config=hostfile(tmp_path, 2), only=[node], port=port
+        "deepspeed",
+        2,
+        _args(data, out, ALONE_TIMEOUT) + extra,
+        out,
+        config=hostfile(tmp_path, 2),
+        only=[node],
+        port=port,
     )
     try:
-        code = proc.wait(timeout=TIMEOUT + MARGIN)
+        code = proc.wait(timeout=ALONE_TIMEOUT + MARGIN)
     finally:
         kill_group(proc.pid)
     log = (tmp_path / f"alone.node{node}.log").read_text()
-    assert code != 0 and time.monotonic() - started <= TIMEOUT + MARGIN, log[-3000:]
+    assert code != 0 and time.monotonic() - started <= ALONE_TIMEOUT + MARGIN, log[-3000:]
     lines = _one_line(log)
-    assert len(lines) == 1 and lines[0].startswith(f"disco-clip train: {message.format(port=port)}"), log[-3000:]
+    said = message.format(port=port, timeout=ALONE_TIMEOUT)
+    assert len(lines) == 1 and lines[0].startswith(f"disco-clip train: {said}"), log[-3000:]
     assert "--master_addr and --master_port" in lines[0] and "GLOO_SOCKET_IFNAME" in lines[0]
     assert "Traceback" not in log and "frame #" not in log, log[-3000:]  # no page of traceback
     assert not (out / "run.json").exists()  # nothing written before the ranks met

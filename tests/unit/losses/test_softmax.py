@@ -206,29 +206,36 @@ BAD_INPUTS = {  # what rank 1 passes; every rank must raise, naming the problem
 }
 
 
-def _bad_input_rank(rank, world, case):
-    x, y = global_features([4], seed=rank)
-    scale = torch.tensor(10.0)
-    if case == "scale not 0-dim":
-        scale = scale.reshape(1) if rank == 1 else scale
-    elif rank == 1:
-        x, y = BAD_INPUTS[case][0](x, y)
-    try:
-        DiscoClipLoss("tiled")(x, y, scale).backward()
-    except ValueError as e:
-        return str(e)
-    return None
+BAD_SCALE = ("scale not 0-dim", "logit_scale must be a 0-dim")
 
 
-@pytest.mark.parametrize("case", [*BAD_INPUTS, "scale not 0-dim"])
+def _bad_input_rank(rank, world):
+    """Every case of BAD_INPUTS and BAD_SCALE in turn, in one process group (a refused call leaves the ranks in
+    step, so the next case starts clean): {case: the message this rank raised, or None}."""
+    said = {}
+    for case in [*BAD_INPUTS, BAD_SCALE[0]]:
+        x, y = global_features([4], seed=rank)
+        scale = torch.tensor(10.0)
+        if case == BAD_SCALE[0]:
+            scale = scale.reshape(1) if rank == 1 else scale
+        elif rank == 1:
+            x, y = BAD_INPUTS[case][0](x, y)
+        try:
+            DiscoClipLoss("tiled")(x, y, scale).backward()
+            said[case] = None
+        except ValueError as e:
+            said[case] = str(e)
+    return said
+
+
 @pytest.mark.slow
-def test_bad_input_raises_on_every_rank(case):
-    expected = BAD_INPUTS[case][1] if case in BAD_INPUTS else "logit_scale must be a 0-dim"
-    messages = run_ranks(_bad_input_rank, 3, case, timeout=60)
-    for rank, message in enumerate(messages):
-        assert message is not None and expected in message, f"rank {rank}: {message}"
-        if case != "feature dim differs":
-            assert "rank 1" in message
+def test_bad_input_raises_on_every_rank():
+    expected = {**{case: message for case, (_, message) in BAD_INPUTS.items()}, BAD_SCALE[0]: BAD_SCALE[1]}
+    for rank, said in enumerate(run_ranks(_bad_input_rank, 3, timeout=60)):
+        for case, message in said.items():
+            assert message is not None and expected[case] in message, f"{case}, rank {rank}: {message}"
+            if case != "feature dim differs":
+                assert "rank 1" in message, f"{case}, rank {rank}: {message}"
 
 
 def _weighted_rank(rank, world, sizes, weights):
