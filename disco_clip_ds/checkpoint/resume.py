@@ -113,6 +113,28 @@ def shards_digest(urls: list[str]) -> str:
     return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
 
 
+# The per-tower optimizer flags (train/optim.py) and their defaults: the optimizer state holds one group per tower
+# layer they set, so a resume must keep them (the state also keeps each group's rate: a new value would be ignored).
+TOWER_FLAGS = {
+    "vision_lr": None,
+    "text_lr": None,
+    "vision_weight_decay": None,
+    "text_weight_decay": None,
+    "vision_layer_decay": 1.0,
+    "text_layer_decay": 1.0,
+}
+
+
+def tower_settings(args) -> str | None:
+    """The per-tower optimizer flags a run sets, as one would pass them; None when it sets none."""
+    given = [
+        f"--{flag} {getattr(args, flag):g}"
+        for flag, default in TOWER_FLAGS.items()
+        if getattr(args, flag, default) != default
+    ]
+    return " ".join(given) or None
+
+
 def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int) -> dict:
     """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
     ContrastiveAccumulationMixin.contrastive_batch_size counts it)."""
@@ -145,6 +167,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "dataloader_num_workers": args.dataloader_num_workers,
         "data_readers": ranks * max(1, args.dataloader_num_workers),
         "max_steps": max_steps,
+        "tower_settings": tower_settings(args),
     }
 
 
@@ -266,6 +289,12 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
         problems.append(
             f"contrastive batch {old['global_contrastive_batch']} ({_batch(old)}) -> "
             f"{new['global_contrastive_batch']} ({_batch(new)}): {_batch_advice(old, new)}"
+        )
+    if "tower_settings" in old and old["tower_settings"] != new.get("tower_settings"):
+        problems.append(
+            f"per-tower optimizer settings '{old['tower_settings'] or 'none'}' -> "
+            f"'{new.get('tower_settings') or 'none'}': pass the run's (its optimizer state holds their parameter "
+            "groups and rates), or export the checkpoint and start a new --output_dir"
         )
     if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
         if not converts_world_size(old, new):

@@ -63,6 +63,7 @@ RUN_FIELDS = [
     ("loss_impl", "loss implementation"),
     ("chunk_size", "loss tile size (chunk_size)"),
     ("zero_stage", "DeepSpeed ZeRO stage"),
+    ("tower_settings", "per-tower learning rates and layer decay"),
     ("precision", "precision"),
     ("steps", "optimizer steps"),
     ("final_train_loss", "last logged training loss"),

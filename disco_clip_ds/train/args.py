@@ -144,6 +144,31 @@ class DiscoTrainingArguments(TrainingArguments):
             "step (gradient caching); false: independent micro-batch losses"
         },
     )
+    # Per-tower optimizer settings (EVA-CLIP's recipe; open_clip's --image-layer-decay / --text-layer-decay): see
+    # train/optim.py for the rule. Unset, the Trainer's two groups stay as they are.
+    vision_lr: float | None = field(
+        default=None, metadata={"help": "the vision tower's learning rate (default: --learning_rate)"}
+    )
+    text_lr: float | None = field(
+        default=None, metadata={"help": "the text tower's learning rate (default: --learning_rate)"}
+    )
+    vision_weight_decay: float | None = field(
+        default=None, metadata={"help": "the vision tower's weight decay (default: --weight_decay)"}
+    )
+    text_weight_decay: float | None = field(
+        default=None, metadata={"help": "the text tower's weight decay (default: --weight_decay)"}
+    )
+    vision_layer_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "layer-wise lr decay of the vision tower: encoder layer l of L at lr x decay^(L - l), the "
+            "embeddings at decay^(L + 1), the head and projection at lr (EVA-CLIP: 0.85; 1: off)"
+        },
+    )
+    text_layer_decay: float = field(
+        default=1.0,
+        metadata={"help": "layer-wise lr decay of the text tower, as --vision_layer_decay (EVA-CLIP: 0.75)"},
+    )
     # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
     # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
     # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and

@@ -21,7 +21,7 @@ from disco_clip_ds.errors import DataError
 from disco_clip_ds.train.accumulation import ContrastiveAccumulation
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
 from disco_clip_ds.train.finite import FiniteCheck
-from disco_clip_ds.train.optim import warmup_from_first_step, without_clip_no_decay
+from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
 from disco_clip_ds.train.stopping import StopSignals
 from disco_clip_ds.train.stream_state import StreamPositions
 
@@ -66,6 +66,19 @@ class DiscoTrainer(Trainer):
 
     def get_decay_parameter_names(self, model) -> list[str]:
         return without_clip_no_decay(super().get_decay_parameter_names(model))
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, over per-tower, per-layer groups when a tower's rate is set (`optim`)."""
+        opt_model = self.model if model is None else model
+        towers = tower_rates(self.args, opt_model.config)
+        if self.optimizer is None and towers:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            groups = parameter_groups(
+                opt_model.named_parameters(), decay, self.args.learning_rate, self.args.weight_decay, towers
+            )
+            optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return super().create_optimizer(model)  # with self.optimizer set, it only wraps it where needed
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from disco_clip_ds.checkpoint.resume import TOWER_FLAGS
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
 from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, is_url, shards_for_reader
 from disco_clip_ds.distributed.preemption import parse_signals
@@ -190,6 +191,25 @@ def _check_learning_rate_and_weight_decay(args: DiscoTrainingArguments) -> None:
         raise UsageError(
             f"--weight_decay {args.weight_decay:g}: give a finite number of at least 0 and below 1 / --learning_rate "
             "(AdamW scales the weights by 1 - lr x wd every step); CLIP uses 0.1 to 0.2"
+        )
+    for tower in ("vision", "text"):
+        lr, wd, decay = (getattr(args, f"{tower}_{what}") for what in ("lr", "weight_decay", "layer_decay"))
+        if lr is not None and not (math.isfinite(lr) and 0 < lr <= 1):
+            raise UsageError(f"--{tower}_lr {lr:g}: give a finite number in (0, 1], or leave it to --learning_rate")
+        if wd is not None and not (math.isfinite(wd) and 0 <= wd * (lr or args.learning_rate) < 1):
+            raise UsageError(
+                f"--{tower}_weight_decay {wd:g}: give a finite number of at least 0 and below 1 / the tower's "
+                "learning rate, or leave it to --weight_decay"
+            )
+        if not (math.isfinite(decay) and 0 < decay <= 1):
+            raise UsageError(
+                f"--{tower}_layer_decay {decay:g}: give a number in (0, 1] (1: no decay; EVA-CLIP 0.75-0.85)"
+            )
+    towers = [f"--{flag}" for flag, default in TOWER_FLAGS.items() if getattr(args, flag) != default]
+    if towers and "optimizer" in (args.deepspeed_json or {}):
+        raise UsageError(
+            f'{" ".join(towers)}: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer '
+            "over one parameter group; remove that block so that the Trainer builds it with the per-tower groups"
         )
 
 

@@ -31,6 +31,25 @@ from disco_clip_ds.testing.runs import (
 STEPS, MICRO, SEED = 3, 4, 11
 
 SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
+# Per-tower rates and layer decay (train/optim.py), on the sharded runs: each stage must apply every parameter
+# group's rate as the Trainer's own optimizer does (their reference, n1_k1_towers). At SGD's lr 0.5 this is a
+# relative rate (tower rate x decay^k / 0.5) per parameter of: vision 0.5 x (embeddings 1/8, layer 0 1/4, layer 1
+# 1/2, after 1); text embeddings 1/64, layer 0 1/16, layer 1 1/4, after 1; logit_scale 1.
+TOWERS = ["--vision_lr", "0.25", "--vision_layer_decay", "0.5", "--text_layer_decay", "0.25"]
+RELATIVE_RATES = {
+    "vision_model.embeddings.patch_embedding.weight": 1 / 16,
+    "vision_model.pre_layrnorm.weight": 1 / 16,
+    "vision_model.encoder.layers.0.mlp.fc1.weight": 1 / 8,
+    "vision_model.encoder.layers.1.self_attn.v_proj.weight": 1 / 4,
+    "vision_model.post_layernorm.bias": 1 / 2,
+    "visual_projection.weight": 1 / 2,
+    "text_model.embeddings.token_embedding.weight": 1 / 64,
+    "text_model.encoder.layers.0.self_attn.out_proj.weight": 1 / 16,
+    "text_model.encoder.layers.1.mlp.fc2.weight": 1 / 4,
+    "text_model.final_layer_norm.weight": 1.0,
+    "text_projection.weight": 1.0,
+    "logit_scale": 1.0,
+}
 
 
 @pytest.mark.slow
@@ -119,6 +138,9 @@ def runs(tmp_path_factory, initial_model):
     launch_in_one_process(
         [
             (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
+            (root / "n1_k1_towers", [*same, *micro(4 * MICRO, 1), *TOWERS]),
+            (root / "step1", [*same, *micro(4 * MICRO, 1), "--max_steps", "1"]),
+            (root / "step1_towers", [*same, *micro(4 * MICRO, 1), "--max_steps", "1", *TOWERS]),
             (root / "n1_k4", [*same, *micro(MICRO, 4)]),
             (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
             (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
@@ -126,10 +148,11 @@ def runs(tmp_path_factory, initial_model):
         ]
     )
     # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
-    launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), ds_config=str(zero1))
-    launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2))
-    launch("accelerate", 2, root / "n2_k2_zero3_gc", *same, *micro(MICRO, 2), *gc, ds_config="cpu_zero3.json")
-    launch("accelerate", 2, root / "n2_k2_fsdp", *same, *micro(MICRO, 2), ds_config=None)
+    launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), *TOWERS, ds_config=str(zero1))
+    launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2), *TOWERS)
+    zero3 = [*same, *micro(MICRO, 2), *gc, *TOWERS]
+    launch("accelerate", 2, root / "n2_k2_zero3_gc", *zero3, ds_config="cpu_zero3.json")
+    launch("accelerate", 2, root / "n2_k2_fsdp", *same, *micro(MICRO, 2), *TOWERS, ds_config=None)
     launch("torchrun", 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
     # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
     own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2"]
@@ -145,7 +168,27 @@ def runs(tmp_path_factory, initial_model):
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
     if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
         assert_trained_under_fsdp(runs / run)
-    assert_same_training(runs / run, runs / "n1_k1", weights(initial_model), steps=STEPS)
+    reference = "n1_k1" if run in ("n1_k4", "n2_k2_ddp_gc") else "n1_k1_towers"  # the sharded runs: TOWERS
+    assert_same_training(runs / run, runs / reference, weights(initial_model), steps=STEPS)
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_per_tower_rates_and_layer_decay_scale_each_parameters_first_update(runs, initial_model):
+    """One SGD step from the same weights on the same batch, with and without TOWERS: each parameter's update is the
+    plain one times its relative rate (the gradient is the same, so the ratio is the rate's, up to fp32 rounding)."""
+    import torch
+
+    w0, plain, towers = weights(initial_model), weights(runs / "step1"), weights(runs / "step1_towers")
+    for name, rate in RELATIVE_RATES.items():
+        reference, update = plain[name] - w0[name], towers[name] - w0[name]
+        moved = reference.abs() > 1e-3 * reference.abs().max()
+        assert moved.sum() > 0, name
+        assert torch.median(update[moved] / reference[moved]).item() == pytest.approx(rate, rel=1e-3), name
+    # and the towers' runs train on from there: n1_k1_towers moved differently from n1_k1
+    assert (
+        weights(runs / "n1_k1_towers")["visual_projection.weight"] - weights(runs / "n1_k1")["visual_projection.weight"]
+    ).abs().max() > 1e-4
 
 
 @E2E_TIMEOUT

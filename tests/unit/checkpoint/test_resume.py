@@ -124,6 +124,24 @@ def test_the_world_size_moves_only_under_zero_1_and_2():
         ]
 
 
+def test_per_tower_optimizer_settings_stay_those_of_the_run():
+    from types import SimpleNamespace
+
+    from disco_clip_ds.checkpoint.resume import TOWER_FLAGS, tower_settings
+
+    args = SimpleNamespace(**TOWER_FLAGS)
+    assert tower_settings(args) is None
+    args.vision_layer_decay, args.text_lr = 0.85, 2e-4
+    assert tower_settings(args) == "--text_lr 0.0002 --vision_layer_decay 0.85"
+    old = _facts(tower_settings=None)
+    assert resume_problems(old, _facts(tower_settings=None)) == []
+    assert resume_problems(old, _facts(tower_settings="--vision_layer_decay 0.85")) == [
+        "per-tower optimizer settings 'none' -> '--vision_layer_decay 0.85': pass the run's (its optimizer state "
+        "holds their parameter groups and rates), or export the checkpoint and start a new --output_dir"
+    ]
+    assert resume_problems(_facts(), _facts(tower_settings="--text_lr 0.0002")) == []  # an older run.json
+
+
 def test_ignore_data_skip_allows_a_changed_reader_count_or_data():
     new = _facts(dataloader_num_workers=2, train_num_samples=50, shards_sha256="bbbb")
     assert len(resume_problems(_facts(), new)) == 3

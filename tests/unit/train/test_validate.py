@@ -48,6 +48,13 @@ BAD_ARGUMENTS = {
     "learning rate 1e30": (["{data}", *MODEL, *TOK, "--learning_rate", "1e30"], "--learning_rate 1e+30: give a"),
     "weight decay nan": (["{data}", *MODEL, *TOK, "--weight_decay", "nan"], "--weight_decay nan: give a finite"),
     "weight decay negative": (["{data}", *MODEL, *TOK, "--weight_decay", "-0.1"], "--weight_decay -0.1: give a"),
+    "vision lr 0": (["{data}", *MODEL, *TOK, "--vision_lr", "0"], "--vision_lr 0: give a finite number in (0, 1]"),
+    "text weight decay nan": (["{data}", *MODEL, *TOK, "--text_weight_decay", "nan"], "--text_weight_decay nan: give"),
+    "layer decay above 1": (["{data}", *MODEL, *TOK, "--text_layer_decay", "1.5"], "--text_layer_decay 1.5: give a"),
+    "layer decay under a deepspeed optimizer": (
+        ["{data}", *MODEL, *TOK, "--vision_layer_decay", "0.85", "--deepspeed", "{ds_optimizer}"],
+        '--vision_layer_decay: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer',
+    ),
     "save steps 0": (["{data}", *MODEL, *TOK, "--save_steps", "0"], "--save_steps 0: give a positive number"),
     "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
     "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
@@ -68,7 +75,10 @@ def _config(tmp_path, name: str, recipe: Path, **change) -> str:
 def bad_inputs(bad_arguments_setup, tmp_path):
     """bad_arguments_setup, and model configs that cannot train: a list, towers of different embedding sizes."""
     (tmp_path / "list.json").write_text(json.dumps([json.loads((REPO / "recipes/models/tiny.json").read_text())]))
+    ds_optimizer = {**json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()), "optimizer": {"type": "AdamW"}}
+    (tmp_path / "ds_optimizer.json").write_text(json.dumps(ds_optimizer))
     return {
+        "ds_optimizer": str(tmp_path / "ds_optimizer.json"),
         **bad_arguments_setup,
         "list_json": str(tmp_path / "list.json"),
         "siglip_32": _config(tmp_path, "siglip_32.json", SIGLIP, text_config={"projection_size": 32}),
