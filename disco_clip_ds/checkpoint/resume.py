@@ -305,8 +305,8 @@ def _data(facts: dict) -> str:
 
 def converts_world_size(old: dict, new: dict) -> bool:
     """Whether a checkpoint trained under `old` resumes on `new`'s world size through a universal checkpoint:
-    DeepSpeed ZeRO-1/2 on both sides, same stage (see the module docstring for ZeRO-3)."""
-    return old.get("zero_stage") in (1, 2) and new.get("zero_stage") == old.get("zero_stage")
+    DeepSpeed ZeRO-1/2/3 on both sides, same stage."""
+    return old.get("zero_stage") in (1, 2, 3) and new.get("zero_stage") == old.get("zero_stage")
 
 
 def check_resume(checkpoint: str | os.PathLike, step: int, new: dict, ignore_data_skip: bool = False) -> dict:
@@ -412,6 +412,39 @@ def load_universal(args) -> None:
     config, before the Trainer builds its engine (`args`: TrainingArguments with a DeepSpeed plugin)."""
     config = args.deepspeed_plugin.hf_ds_config.config
     config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+
+
+def repair_zero3_universal_load(optimizer, checkpoint: str | os.PathLike) -> None:
+    """Undo what deepspeed's ZeRO-3 universal loader (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`, 0.19.8)
+    gets wrong, once `engine.load_checkpoint(checkpoint)` has run (`optimizer`: the engine's ZeRO-3 optimizer; a
+    no-op for any other optimizer or a checkpoint that is not universal). It restores the fp32 master weights and
+    both Adam moments exactly, but
+    - gives every sub-group's state one and the same `step` tensor, which torch's Adam increments in place once per
+      sub-group: with two parameter groups (decay and no decay) the step count, and Adam's bias correction, runs two
+      ahead per optimizer step: each sub-group gets its own copy;
+    - sets every parameter group's hyperparameters to group 0's: the no-decay group gets weight decay: each group
+      gets its own saved ones back (converted from the original checkpoint, as ZeRO-1/2's loader restores them).
+    tests/launched/test_resume_on_another_world_size.py reproduces both on deepspeed's own conversion and load."""
+    checkpoint = Path(checkpoint)
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is None or not (checkpoint / "latest_universal").is_file():
+        return
+    import torch
+
+    tag = checkpoint / (checkpoint / "latest_universal").read_text().strip()
+    # mmap: the file also holds rank 0's whole fp32 partition, which is not read
+    saved = torch.load(tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    groups, inner = saved["param_groups"], optimizer.optimizer
+    if len(groups) != len(inner.param_groups):
+        raise CheckpointError(
+            f"{checkpoint}: {len(groups)} optimizer parameter groups saved, {len(inner.param_groups)} built"
+        )
+    for group, old in zip(inner.param_groups, groups):
+        group.update({k: v for k, v in old.items() if k != "params"})
+    for flat in flats:
+        state = inner.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def drop_universal(output_dir: str | os.PathLike) -> None:
