@@ -270,7 +270,7 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
     if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
         if not converts_world_size(old, new):
             problems.append(
-                f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO-1/2 checkpoints move to "
+                f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO checkpoints move to "
                 f"another number of ranks; resume on {_ranks(old['world_size'])}"
             )
     if ignore_data_skip:
