@@ -9,11 +9,12 @@ checkpoint was trained under are the first launch's, updated by the last segment
 What may change, and why:
 - world size, when the contrastive batch (micro x world x K) and the data readers (ranks x DataLoader workers) stay
   the same: contrastive accumulation is exact, so 2 ranks x K=1 and 1 rank x K=2 train the same steps. DeepSpeed's
-  ZeRO-1/2 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
+  ZeRO-1/2/3 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
   automatically: the resume is exact, so there is nothing to opt into, and a flag would only turn a working resume
-  into an error. Without DeepSpeed (DDP, FSDP) and under ZeRO-3 the world size is fixed: deepspeed 0.19.8 resumes a
-  ZeRO-3 universal checkpoint on fewer ranks without error but not at the uninterrupted run's weights, and the
-  optimizer state of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
+  into an error. deepspeed's conversion of a ZeRO-3 checkpoint keeps every fp32 master weight and Adam moment, but
+  its ZeRO-3 loader loses the step count and the per-group weight decay: `repair_zero3_universal_load` puts them
+  back once the engine has loaded. Without DeepSpeed (DDP, FSDP) the world size is fixed, and the optimizer state
+  of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
 - the data readers, with --ignore_data_skip: the stream restarts from the beginning (each reader's position is kept
   only when ranks x workers is unchanged);
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
