@@ -114,9 +114,10 @@ def shards_digest(urls: list[str]) -> str:
     return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
 
 
-def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int) -> dict:
+def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int, split: int = 1) -> dict:
     """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
-    ContrastiveAccumulationMixin.contrastive_batch_size counts it)."""
+    ContrastiveAccumulationMixin.contrastive_batch_size counts it; `split`: the ranks that share each of the run's
+    readers, `ranks_per_reader`: data_readers counts the run's readers, which fix the data order)."""
     plugin = args.deepspeed_plugin
     ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
     accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
@@ -144,7 +145,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "zero_stage": plugin.zero_stage if plugin is not None else None,
         "dataloader_num_workers": args.dataloader_num_workers,
-        "data_readers": ranks * max(1, args.dataloader_num_workers),
+        "data_readers": ranks // split * max(1, args.dataloader_num_workers),
         "max_steps": max_steps,
     }
 
@@ -276,7 +277,7 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             )
     if ignore_data_skip:
         return problems
-    if known("data_readers") and old["data_readers"] != new["data_readers"]:
+    if known("data_readers") and old["data_readers"] != new["data_readers"] and ranks_per_reader(old, new) == 1:
         problems.append(
             f"data readers (ranks x DataLoader workers) {old['data_readers']} -> {new['data_readers']}: "
             + _reader_advice(old, new)
@@ -302,6 +303,33 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
 def _data(facts: dict) -> str:
     shards = facts.get("num_shards")
     return f"{facts.get('data')}" + (f" ({shards} shards)" if shards is not None else "")
+
+
+def ranks_per_reader(old: dict, new: dict) -> int:
+    """How many of the new ranks share each rank's readers of the run (`old`: its facts; `new`: this launch's,
+    counted without a split): p > 1 when it resumes on p x the ranks that read for it, with 1/p of their
+    micro-batch, the same DataLoader workers and K, from shards (a `datasets` dataset is cut by the reader count)
+    that each rank reads itself; else 1. Each new rank then keeps its share of every batch of the old rank's readers
+    (`ReaderStream`): each step trains on the same pairs, the global batch kept."""
+    keys = ("world_size", "micro_batch_per_rank", "gradient_accumulation_steps", "dataloader_num_workers")
+    if not all(old.get(k) is not None and new.get(k) is not None for k in (*keys, "data_readers", "num_shards")):
+        return 1
+    workers = max(1, old["dataloader_num_workers"])
+    reading = old["data_readers"] // workers  # the ranks whose batches fix the data order (readers of their own)
+    if reading * workers != old["data_readers"] or old["world_size"] % reading:
+        return 1  # one rank read for all (dispatch_batches)
+    batch = old["micro_batch_per_rank"] * old["world_size"] // reading  # what each of them read per micro-step
+    split, rest = divmod(new["world_size"], reading)
+    if rest or split < 2 or new["micro_batch_per_rank"] * split != batch:
+        return 1
+    if (old["gradient_accumulation_steps"], workers) != (
+        new["gradient_accumulation_steps"],
+        max(1, new["dataloader_num_workers"]),
+    ):
+        return 1
+    if new["data_readers"] != new["world_size"] * workers:
+        return 1  # this launch does not read on every rank
+    return split
 
 
 def converts_world_size(old: dict, new: dict) -> bool:

@@ -126,6 +126,29 @@ def test_the_world_size_moves_only_under_deepspeed_zero():
         ), stage
 
 
+def test_four_ranks_with_half_the_micro_batch_share_the_two_ranks_readers():
+    from disco_clip_ds.checkpoint.resume import ranks_per_reader
+
+    old, four = _facts(), _facts(world_size=4, micro_batch_per_rank=2)
+    assert ranks_per_reader(old, four) == 2 and resume_problems(old, four) == []
+    # the 4-rank segment records the run's 2 readers: on 4 ranks again it splits again, on 2 it reads them itself
+    split_run = _facts(world_size=4, micro_batch_per_rank=2, data_readers=2)
+    assert ranks_per_reader(split_run, four) == 2 and resume_problems(split_run, four) == []
+    assert ranks_per_reader(split_run, old) == 1 and resume_problems(split_run, old) == []
+    eight = _facts(world_size=8, micro_batch_per_rank=1)
+    assert ranks_per_reader(old, eight) == 4 and resume_problems(old, eight) == []
+    refused = [
+        _facts(world_size=4, micro_batch_per_rank=2, dataloader_num_workers=2),  # 8 readers of their own
+        _facts(world_size=4, micro_batch_per_rank=1, gradient_accumulation_steps=2),  # K changed
+        _facts(world_size=4, micro_batch_per_rank=2, num_shards=None),  # a `datasets` dataset
+    ]
+    for new in refused:
+        assert ranks_per_reader(old, new) == 1
+        assert any(p.startswith("data readers") for p in resume_problems(old, new)), new
+    hf = _facts(num_shards=None)
+    assert ranks_per_reader(hf, _facts(world_size=4, micro_batch_per_rank=2, num_shards=None)) == 1
+
+
 def test_ignore_data_skip_allows_a_changed_reader_count_or_data():
     new = _facts(dataloader_num_workers=2, train_num_samples=50, shards_sha256="bbbb")
     assert len(resume_problems(_facts(), new)) == 3
@@ -161,27 +184,33 @@ class _Keys:
     """The training stream with decoding replaced by the sample's key: which samples it yields, in its order."""
 
     @staticmethod
-    def stream(urls, rank, world, workers):
+    def stream(urls, rank, world, workers, **options):
         from disco_clip_ds.data.streams.shards import ShardStream
 
         class KeyStream(ShardStream):
             def _decode(self, sample, epoch):
                 return f"{epoch}/{sample['__key__']}", None  # in place of (pixels, caption)
 
-        return KeyStream(urls, 64, rank=rank, world_size=world, seed=7, shuffle_buffer=8, num_workers=workers)
+        return KeyStream(
+            urls, 64, rank=rank, world_size=world, seed=7, shuffle_buffer=8, num_workers=workers, **options
+        )
 
     @staticmethod
-    def batches(stream, workers, count):
+    def batches(stream, workers, count, size=PER_RANK, collate=None):
         import itertools
 
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(stream, batch_size=PER_RANK, num_workers=workers, collate_fn=_keys_of)
+        loader = DataLoader(stream, batch_size=size, num_workers=workers, collate_fn=collate or _keys_of)
         return list(itertools.islice(loader, count))
 
 
 def _keys_of(batch: list) -> list[str]:
     return [key for key, *_ in batch]  # each item: (key, None, its stream position)
+
+
+def _keys_and_positions(batch: list) -> list[tuple[str, list[int]]]:
+    return [(key, position.tolist()) for key, _, position in batch]
 
 
 def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_path):
@@ -195,3 +224,28 @@ def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_
     assert resumed == reference[SAVE:]
     keys = [k for step in reference for k in step]
     assert len(keys) == len(set(keys)) == STEPS * 2 * PER_RANK  # no sample twice in the run
+
+
+def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(tmp_path):
+    """2 ranks x 1 worker x 4 pairs resumed on 4 ranks x 2 pairs (split=2): ranks 2k and 2k+1 read rank k's reader,
+    each keeping its half of every batch, from the saved positions on; each step contrasts the same 8 pairs."""
+    urls = write_shards(tmp_path / "shards", num_shards=4, per_shard=24, seed=1)
+    ranks = [_Keys.batches(_Keys.stream(urls, r, 2, 1), 1, STEPS, collate=_keys_and_positions) for r in range(2)]
+    reference = [sorted(key for r in range(2) for key, _ in ranks[r][s]) for s in range(STEPS)]
+    # where each reader stood after SAVE steps (stream_state.json: the newest position past the reader field)
+    saved = {r: tuple(ranks[r][SAVE - 1][-1][1][1:]) for r in range(2)}
+    for start, positions in ((0, {}), (SAVE, saved)):
+        split = []
+        for r in range(4):
+            stream = _Keys.stream(urls, r, 4, 1, split=2, micro_batch=PER_RANK // 2)
+            assert stream.num_readers == 2 and stream.state_facts()["num_readers"] == 2
+            stream.restore(positions, start)
+            split.append(_Keys.batches(stream, 1, STEPS - start, size=PER_RANK // 2, collate=_keys_and_positions))
+        steps = [sorted(key for r in range(4) for key, _ in split[r][s - start]) for s in range(start, STEPS)]
+        assert steps == reference[start:], start
+        # the positions they save are the 2-rank run's: the newest of each reader's two halves
+        last = {}
+        for r in range(4):
+            row = split[r][-1][-1][1]
+            last[row[0]] = max(last.get(row[0], row), row, key=lambda p: p[1])
+        assert last == {r: ranks[r][-1][-1][1] for r in range(2)}
