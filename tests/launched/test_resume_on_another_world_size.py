@@ -1,7 +1,8 @@
 """Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals
 before the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a
-DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3. One
-reference run per stage: 2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
+DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and
+on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers). One reference run per stage:
+2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
 and the per-group weight decay: a minimal reproduction on deepspeed alone shows what it loses and what
 `resume.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
 unit/checkpoint/test_resume.py.)
@@ -52,7 +53,7 @@ def data(tmp_path_factory):
     return {"shards": f"{root}/shards/{{00000..00003}}.tar", "model": save_initial_model(root / "tiny", 7)}
 
 
-def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None) -> list[str]:
+def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None, per_rank=PER_RANK) -> list[str]:
     return [
         "--output_dir",
         str(output),
@@ -63,7 +64,7 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None)
         "--train_num_samples",
         "96",
         "--per_device_train_batch_size",
-        str(PER_RANK),
+        str(per_rank),
         "--save_steps",
         str(SAVE),
         "--max_steps",
@@ -143,6 +144,27 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     from disco_clip_ds.export.card import describe_run
 
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterrupted_weights(
+    stage, data, tmp_path, request
+):
+    """4 ranks x 2 pairs: ranks 2k and 2k+1 share the 2-rank run's reader k (resume.ranks_per_reader), so each step
+    contrasts the same 8 pairs; the readers end where the uninterrupted run's did."""
+    full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
+    out = _stopped_at_save(full, tmp_path / "run")
+    resumed = ["--deepspeed", {2: ZERO2, 3: ZERO3}[stage], "--resume_from_checkpoint", "latest"]
+    rc, log = run_to_end(out, _args(out, data, *resumed, per_rank=PER_RANK // 2), launcher="torchrun", nproc=4)
+    assert rc == 0, log[-3000:]
+    assert f"checkpoint-{SAVE}, world size 2 -> 4: through a universal checkpoint" in log
+    assert_same_training(out, full, weights(data["model"]), STEPS)
+    state = f"checkpoint-{STEPS}/stream_state.json"
+    assert json.loads((out / state).read_text()) == json.loads((full / state).read_text())
+    [segment] = json.loads((out / "run.json").read_text())["resumes"]
+    assert (segment["world_size"], segment["micro_batch_per_rank"], segment["data_readers"]) == (4, PER_RANK // 2, 2)
 
 
 def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:
