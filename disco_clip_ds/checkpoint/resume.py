@@ -15,8 +15,11 @@ What may change, and why:
   its ZeRO-3 loader loses the step count and the per-group weight decay: `repair_zero3_universal_load` puts them
   back once the engine has loaded. Without DeepSpeed (DDP, FSDP) the world size is fixed, and the optimizer state
   of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
-- the data readers, with --ignore_data_skip: the stream restarts from the beginning (each reader's position is kept
-  only when ranks x workers is unchanged);
+- the data readers (ranks x DataLoader workers) on p x the ranks with 1/p of the micro-batch, the same workers and K
+  (`ranks_per_reader`): ranks pk .. pk + p - 1 share rank k's readers, each keeping its share of every batch rank k
+  read, so that every step contrasts the same pairs (the loss does not order them); run.json keeps counting the
+  run's readers. Any other reader count with --ignore_data_skip: the stream restarts from the beginning (each
+  reader's position is kept only when the readers are the run's);
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
 - max_steps, learning rate and the like: they are the user's to change.
 Refused, each in one line naming old -> new and what to pass: the model's architecture, the ZeRO stage, the
@@ -230,9 +233,20 @@ def _batch_advice(old: dict, new: dict) -> str:
 def _reader_advice(old: dict, new: dict) -> str:
     readers, ranks = old["data_readers"], new["data_readers"] // max(1, new["dataloader_num_workers"])
     restart = "--ignore_data_skip to restart the data stream (samples seen before are seen again)"
-    if readers % ranks:
-        return "pass " + restart
-    return f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
+    if not readers % ranks:
+        return (
+            f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
+        )
+    workers = max(1, old.get("dataloader_num_workers") or 0)
+    reading, batch = readers // workers, old.get("micro_batch_per_rank")
+    split = ranks // reading if reading and not ranks % reading else 0
+    if split > 1 and batch and old.get("num_shards") is not None and not (batch * old["world_size"] // reading) % split:
+        share = batch * old["world_size"] // reading // split
+        return (
+            f"pass --per_device_train_batch_size {share} --dataloader_num_workers {workers} to share each reader's "
+            f"batches between {split} ranks exactly, or {restart}"
+        )
+    return "pass " + restart
 
 
 def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> list[str]:

@@ -147,6 +147,9 @@ def test_four_ranks_with_half_the_micro_batch_share_the_two_ranks_readers():
         assert any(p.startswith("data readers") for p in resume_problems(old, new)), new
     hf = _facts(num_shards=None)
     assert ranks_per_reader(hf, _facts(world_size=4, micro_batch_per_rank=2, num_shards=None)) == 1
+    # 4 ranks of 4 pairs: the refusal names the flags that share the readers
+    [line] = [p for p in resume_problems(old, _facts(world_size=4)) if p.startswith("data readers")]
+    assert "2 -> 4: pass --per_device_train_batch_size 2 --dataloader_num_workers 1 to share each reader's" in line
 
 
 def test_ignore_data_skip_allows_a_changed_reader_count_or_data():
