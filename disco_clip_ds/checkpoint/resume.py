@@ -18,8 +18,8 @@ What may change, and why:
 - the data readers (ranks x DataLoader workers) on p x the ranks with 1/p of the micro-batch, the same workers and K
   (`ranks_per_reader`): ranks pk .. pk + p - 1 share rank k's readers, each keeping its share of every batch rank k
   read, so that every step contrasts the same pairs (the loss does not order them); run.json keeps counting the
-  run's readers. Any other reader count with --ignore_data_skip: the stream restarts from the beginning (each
-  reader's position is kept only when the readers are the run's);
+  run's readers (data_readers) and records p (ranks_per_reader). Any other reader count with --ignore_data_skip:
+  the stream restarts from the beginning (each reader's position is kept only when the readers are the run's);
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
 - max_steps, learning rate and the like: they are the user's to change.
 Refused, each in one line naming old -> new and what to pass: the model's architecture, the ZeRO stage, the
@@ -81,6 +81,7 @@ SEGMENT_KEYS = (  # what a resume may change and records
     "global_batch",
     "zero_stage",
     "data_readers",
+    "ranks_per_reader",
     "dataloader_num_workers",
     "data",
     "num_shards",
@@ -149,6 +150,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "zero_stage": plugin.zero_stage if plugin is not None else None,
         "dataloader_num_workers": args.dataloader_num_workers,
         "data_readers": ranks // split * max(1, args.dataloader_num_workers),
+        "ranks_per_reader": split,
         "max_steps": max_steps,
     }
 
@@ -237,14 +239,13 @@ def _reader_advice(old: dict, new: dict) -> str:
         return (
             f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
         )
-    workers = max(1, old.get("dataloader_num_workers") or 0)
-    reading, batch = readers // workers, old.get("micro_batch_per_rank")
-    split = ranks // reading if reading and not ranks % reading else 0
-    if split > 1 and batch and old.get("num_shards") is not None and not (batch * old["world_size"] // reading) % split:
-        share = batch * old["world_size"] // reading // split
+    run = _reading_ranks(old) if old.get("num_shards") is not None else None
+    split = ranks // run[0] if run and not ranks % run[0] else 0
+    if split > 1 and not run[1] % split:
+        workers = old["dataloader_num_workers"]
         return (
-            f"pass --per_device_train_batch_size {share} --dataloader_num_workers {workers} to share each reader's "
-            f"batches between {split} ranks exactly, or {restart}"
+            f"pass --per_device_train_batch_size {run[1] // split} --dataloader_num_workers {workers} to share each "
+            f"reader's batches between {split} ranks exactly, or {restart}"
         )
     return "pass " + restart
 
@@ -319,31 +320,32 @@ def _data(facts: dict) -> str:
     return f"{facts.get('data')}" + (f" ({shards} shards)" if shards is not None else "")
 
 
+def _reading_ranks(facts: dict) -> tuple[int, int] | None:
+    """(ranks whose readers fix the run's data order, the micro-batch each of them read) from a run's facts; None
+    when one rank read for all (dispatch_batches) or the facts are too old to tell."""
+    if any(facts.get(k) is None for k in ("world_size", "micro_batch_per_rank", "dataloader_num_workers")):
+        return None
+    split = facts.get("ranks_per_reader") or 1  # run.json files from before the split never split
+    reading, rest = divmod(facts["world_size"], split)
+    if rest or facts.get("data_readers") != reading * max(1, facts["dataloader_num_workers"]):
+        return None
+    return reading, facts["micro_batch_per_rank"] * split
+
+
 def ranks_per_reader(old: dict, new: dict) -> int:
     """How many of the new ranks share each rank's readers of the run (`old`: its facts; `new`: this launch's,
     counted without a split): p > 1 when it resumes on p x the ranks that read for it, with 1/p of their
     micro-batch, the same DataLoader workers and K, from shards (a `datasets` dataset is cut by the reader count)
     that each rank reads itself; else 1. Each new rank then keeps its share of every batch of the old rank's readers
     (`ReaderStream`): each step trains on the same pairs, the global batch kept."""
-    keys = ("world_size", "micro_batch_per_rank", "gradient_accumulation_steps", "dataloader_num_workers")
-    if not all(old.get(k) is not None and new.get(k) is not None for k in (*keys, "data_readers", "num_shards")):
+    run, launch = _reading_ranks(old), _reading_ranks(new)
+    if run is None or launch is None or old.get("num_shards") is None or new.get("num_shards") is None:
         return 1
-    workers = max(1, old["dataloader_num_workers"])
-    reading = old["data_readers"] // workers  # the ranks whose batches fix the data order (readers of their own)
-    if reading * workers != old["data_readers"] or old["world_size"] % reading:
-        return 1  # one rank read for all (dispatch_batches)
-    batch = old["micro_batch_per_rank"] * old["world_size"] // reading  # what each of them read per micro-step
+    (reading, batch), same = run, (old.get("gradient_accumulation_steps"), old["dataloader_num_workers"])
     split, rest = divmod(new["world_size"], reading)
     if rest or split < 2 or new["micro_batch_per_rank"] * split != batch:
         return 1
-    if (old["gradient_accumulation_steps"], workers) != (
-        new["gradient_accumulation_steps"],
-        max(1, new["dataloader_num_workers"]),
-    ):
-        return 1
-    if new["data_readers"] != new["world_size"] * workers:
-        return 1  # this launch does not read on every rank
-    return split
+    return split if same == (new.get("gradient_accumulation_steps"), new["dataloader_num_workers"]) else 1
 
 
 def converts_world_size(old: dict, new: dict) -> bool:
@@ -463,8 +465,8 @@ def repair_zero3_universal_load(optimizer, checkpoint: str | os.PathLike) -> Non
     no-op for any other optimizer or a checkpoint that is not universal). It restores the fp32 master weights and
     both Adam moments exactly, but
     - gives every sub-group's state one and the same `step` tensor, which torch's Adam increments in place once per
-      sub-group: with two parameter groups (decay and no decay) the step count, and Adam's bias correction, runs two
-      ahead per optimizer step: each sub-group gets its own copy;
+      sub-group: with two parameter groups (decay and no decay) it counts two per optimizer step, and Adam's bias
+      correction runs ahead: each sub-group gets its own copy;
     - sets every parameter group's hyperparameters to group 0's: the no-decay group gets weight decay: each group
       gets its own saved ones back (converted from the original checkpoint, as ZeRO-1/2's loader restores them).
     tests/launched/test_resume_on_another_world_size.py reproduces both on deepspeed's own conversion and load."""

@@ -164,7 +164,13 @@ def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterr
     state = f"checkpoint-{STEPS}/stream_state.json"
     assert json.loads((out / state).read_text()) == json.loads((full / state).read_text())
     [segment] = json.loads((out / "run.json").read_text())["resumes"]
-    assert (segment["world_size"], segment["micro_batch_per_rank"], segment["data_readers"]) == (4, PER_RANK // 2, 2)
+    shared = (
+        segment["world_size"],
+        segment["micro_batch_per_rank"],
+        segment["data_readers"],
+        segment["ranks_per_reader"],
+    )
+    assert shared == (4, PER_RANK // 2, 2, 2)
 
 
 def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:

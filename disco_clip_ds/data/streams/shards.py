@@ -40,9 +40,8 @@ class ShardStream(ReaderStream):
         split, micro_batch)."""
         super().__init__(image_size, **options)
         self.urls = list(urls)
-        shards_for_reader(
-            self.urls, self.reader_rank * self.workers, self.num_readers
-        )  # fail early, in the main process
+        # fail early, in the main process
+        shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
 
     def state_facts(self) -> dict:
         """Readers, seed and block size: a shard position means nothing under another of them."""

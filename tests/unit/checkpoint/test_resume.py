@@ -132,7 +132,7 @@ def test_four_ranks_with_half_the_micro_batch_share_the_two_ranks_readers():
     old, four = _facts(), _facts(world_size=4, micro_batch_per_rank=2)
     assert ranks_per_reader(old, four) == 2 and resume_problems(old, four) == []
     # the 4-rank segment records the run's 2 readers: on 4 ranks again it splits again, on 2 it reads them itself
-    split_run = _facts(world_size=4, micro_batch_per_rank=2, data_readers=2)
+    split_run = _facts(world_size=4, micro_batch_per_rank=2, data_readers=2, ranks_per_reader=2)
     assert ranks_per_reader(split_run, four) == 2 and resume_problems(split_run, four) == []
     assert ranks_per_reader(split_run, old) == 1 and resume_problems(split_run, old) == []
     eight = _facts(world_size=8, micro_batch_per_rank=1)
@@ -145,6 +145,8 @@ def test_four_ranks_with_half_the_micro_batch_share_the_two_ranks_readers():
     for new in refused:
         assert ranks_per_reader(old, new) == 1
         assert any(p.startswith("data readers") for p in resume_problems(old, new)), new
+    # one rank read for all (dispatch_batches: 1 reader on 2 ranks), not a split
+    assert ranks_per_reader(_facts(data_readers=1), _facts(world_size=4, micro_batch_per_rank=2)) == 1
     hf = _facts(num_shards=None)
     assert ranks_per_reader(hf, _facts(world_size=4, micro_batch_per_rank=2, num_shards=None)) == 1
     # 4 ranks of 4 pairs: the refusal names the flags that share the readers
