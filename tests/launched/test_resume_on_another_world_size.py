@@ -279,7 +279,7 @@ def _zero3_universal_round_trip(rank, world_size, folder):
     """One rank: a ZeRO-3 engine over two AdamW parameter groups (weight decay 0.1 and 0) steps once and saves;
     deepspeed's ds_to_universal converts the save; fresh engines load the conversion (`load_universal`) and step once
     more, without and with the repair. Each engine's (Adam step count per sub-group, weight decay per group) after
-    the load and after its step."""
+    the load and after its step, and ("kept") how far the loaded fp32 weights and moments are from the saved ones."""
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import deepspeed
     import torch
@@ -309,9 +309,14 @@ def _zero3_universal_round_trip(rank, world_size, folder):
         steps = [inner.state[flat]["step"].item() for flat in e.optimizer.fp32_partitioned_groups_flat]
         return steps, [group["weight_decay"] for group in inner.param_groups]
 
+    def tensors(e):  # the fp32 master weights and both moments of every sub-group
+        flats, state = e.optimizer.fp32_partitioned_groups_flat, e.optimizer.optimizer.state
+        return [t.clone() for f in flats for t in (f, state[f]["exp_avg"], state[f]["exp_avg_sq"])]
+
     saved = engine(False)
     step(saved)
     saved.save_checkpoint(str(folder), tag="global_step1")
+    before = tensors(saved)
     ds_to_universal.main(
         argparse.Namespace(
             input_folder=str(folder / "global_step1"),
@@ -330,6 +335,7 @@ def _zero3_universal_round_trip(rank, world_size, folder):
         if repaired:
             repair_zero3_universal_load(loaded.optimizer, folder)
         after_load = facts(loaded)
+        seen["kept"] = max((a - b).abs().max().item() for a, b in zip(tensors(loaded), before, strict=True))
         step(loaded)
         seen[repaired] = after_load, facts(loaded)
     return seen
@@ -343,6 +349,7 @@ def test_deepspeeds_zero3_universal_load_shares_one_step_count_and_gives_every_g
     hyperparameters into every group (the no-decay group decays); the repair gives each its own again. This test
     fails, and the repair can go, once deepspeed loads both right."""
     (seen,) = run_ranks(_zero3_universal_round_trip, 1, tmp_path, timeout=500)
+    assert seen["kept"] == 0  # what it keeps: the fp32 master weights and both Adam moments, exactly
     # (steps per sub-group, weight decay per group) after the load, then after one step
     assert seen[False] == (([1, 1], [0.1, 0.1]), ([3, 3], [0.1, 0.1]))  # deepspeed alone
     assert seen[True] == (([1, 1], [0.1, 0]), ([2, 2], [0.1, 0]))  # repaired: as the saving engine would go on
