@@ -8,6 +8,7 @@ a repeated or skipped sample would change.
 """
 
 import pytest
+import torch
 
 from disco_clip_ds.checkpoint.resume import (
     describe_resumes,
@@ -231,26 +232,34 @@ def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_
     assert len(keys) == len(set(keys)) == STEPS * 2 * PER_RANK  # no sample twice in the run
 
 
-def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(tmp_path):
-    """2 ranks x 1 worker x 4 pairs resumed on 4 ranks x 2 pairs (split=2): ranks 2k and 2k+1 read rank k's reader,
-    each keeping its half of every batch, from the saved positions on; each step contrasts the same 8 pairs."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(tmp_path, workers):
+    """2 ranks x W workers x 4 pairs resumed on 4 ranks x W workers x 2 pairs (split=2): ranks 2k and 2k+1 read rank
+    k's readers, each keeping its half of every batch, from the saved positions on; each step contrasts the same 8
+    pairs, and the positions saved are the 2-rank run's."""
+    from disco_clip_ds.data.streams.state import note_positions
+
+    def newest(batches_by_rank, steps) -> dict:  # what stream_state.json keeps: each reader's newest row
+        rows = {}
+        for batches in batches_by_rank:
+            note_positions(rows, torch.tensor([row for batch in batches[:steps] for _, row in batch]))
+        return rows
+
     urls = write_shards(tmp_path / "shards", num_shards=4, per_shard=24, seed=1)
-    ranks = [_Keys.batches(_Keys.stream(urls, r, 2, 1), 1, STEPS, collate=_keys_and_positions) for r in range(2)]
+    ranks = [
+        _Keys.batches(_Keys.stream(urls, r, 2, workers), workers, STEPS, collate=_keys_and_positions) for r in range(2)
+    ]
     reference = [sorted(key for r in range(2) for key, _ in ranks[r][s]) for s in range(STEPS)]
-    # where each reader stood after SAVE steps (stream_state.json: the newest position past the reader field)
-    saved = {r: tuple(ranks[r][SAVE - 1][-1][1][1:]) for r in range(2)}
+    saved = {r: tuple(row[1:]) for r, row in newest(ranks, SAVE).items()}
+    assert len(saved) == 2 * workers
     for start, positions in ((0, {}), (SAVE, saved)):
         split = []
         for r in range(4):
-            stream = _Keys.stream(urls, r, 4, 1, split=2, micro_batch=PER_RANK // 2)
-            assert stream.num_readers == 2 and stream.state_facts()["num_readers"] == 2
+            stream = _Keys.stream(urls, r, 4, workers, split=2, micro_batch=PER_RANK // 2)
+            assert stream.num_readers == 2 * workers == stream.state_facts()["num_readers"]
             stream.restore(positions, start)
-            split.append(_Keys.batches(stream, 1, STEPS - start, size=PER_RANK // 2, collate=_keys_and_positions))
+            size = PER_RANK // 2
+            split.append(_Keys.batches(stream, workers, STEPS - start, size=size, collate=_keys_and_positions))
         steps = [sorted(key for r in range(4) for key, _ in split[r][s - start]) for s in range(start, STEPS)]
         assert steps == reference[start:], start
-        # the positions they save are the 2-rank run's: the newest of each reader's two halves
-        last = {}
-        for r in range(4):
-            row = split[r][-1][-1][1]
-            last[row[0]] = max(last.get(row[0], row), row, key=lambda p: p[1])
-        assert last == {r: ranks[r][-1][-1][1] for r in range(2)}
+        assert newest(split, STEPS) == newest(ranks, STEPS)
