@@ -9,13 +9,17 @@ checkpoint was trained under are the first launch's, updated by the last segment
 What may change, and why:
 - world size, when the contrastive batch (micro x world x K) and the data readers (ranks x DataLoader workers) stay
   the same: contrastive accumulation is exact, so 2 ranks x K=1 and 1 rank x K=2 train the same steps. DeepSpeed's
-  ZeRO-1/2 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
+  ZeRO-1/2/3 optimizer shards are re-partitioned through a universal checkpoint (`universal_checkpoint`), converted
   automatically: the resume is exact, so there is nothing to opt into, and a flag would only turn a working resume
-  into an error. Without DeepSpeed (DDP, FSDP) and under ZeRO-3 the world size is fixed: deepspeed 0.19.8 resumes a
-  ZeRO-3 universal checkpoint on fewer ranks without error but not at the uninterrupted run's weights, and the
-  optimizer state of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
-- the data readers, with --ignore_data_skip: the stream restarts from the beginning (each reader's position is kept
-  only when ranks x workers is unchanged);
+  into an error. deepspeed's conversion of a ZeRO-3 checkpoint keeps every fp32 master weight and Adam moment, but
+  its ZeRO-3 loader loses the step count and the per-group weight decay: `repair_zero3_universal_load` puts them
+  back once the engine has loaded. Without DeepSpeed (DDP, FSDP) the world size is fixed, and the optimizer state
+  of one stage does not load under another (a stage-2 conversion loaded under stage 3 fails);
+- the data readers (ranks x DataLoader workers) on p x the ranks with 1/p of the micro-batch, the same workers and K
+  (`ranks_per_reader`): ranks pk .. pk + p - 1 share rank k's readers, each keeping its share of every batch rank k
+  read, so that every step contrasts the same pairs (the loss does not order them); run.json keeps counting the
+  run's readers (data_readers) and records p (ranks_per_reader). Any other reader count with --ignore_data_skip:
+  the stream restarts from the beginning (each reader's position is kept only when the readers are the run's);
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
 - max_steps, learning rate and the like: they are the user's to change.
 Refused, each in one line naming old -> new and what to pass: the model's architecture, the ZeRO stage, the
@@ -77,6 +81,7 @@ SEGMENT_KEYS = (  # what a resume may change and records
     "global_batch",
     "zero_stage",
     "data_readers",
+    "ranks_per_reader",
     "dataloader_num_workers",
     "data",
     "num_shards",
@@ -135,9 +140,10 @@ def tower_settings(args) -> str | None:
     return " ".join(given) or None
 
 
-def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int) -> dict:
+def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int, split: int = 1) -> dict:
     """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
-    ContrastiveAccumulationMixin.contrastive_batch_size counts it)."""
+    ContrastiveAccumulationMixin.contrastive_batch_size counts it; `split`: the ranks that share each of the run's
+    readers, `ranks_per_reader`: data_readers counts the run's readers, which fix the data order)."""
     plugin = args.deepspeed_plugin
     ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
     accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
@@ -165,7 +171,8 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "zero_stage": plugin.zero_stage if plugin is not None else None,
         "dataloader_num_workers": args.dataloader_num_workers,
-        "data_readers": ranks * max(1, args.dataloader_num_workers),
+        "data_readers": ranks // split * max(1, args.dataloader_num_workers),
+        "ranks_per_reader": split,
         "max_steps": max_steps,
         "tower_settings": tower_settings(args),
     }
@@ -251,9 +258,19 @@ def _batch_advice(old: dict, new: dict) -> str:
 def _reader_advice(old: dict, new: dict) -> str:
     readers, ranks = old["data_readers"], new["data_readers"] // max(1, new["dataloader_num_workers"])
     restart = "--ignore_data_skip to restart the data stream (samples seen before are seen again)"
-    if readers % ranks:
-        return "pass " + restart
-    return f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
+    if not readers % ranks:
+        return (
+            f"pass --dataloader_num_workers {readers // ranks} to continue each reader's stream exactly, or {restart}"
+        )
+    run = _reading_ranks(old) if old.get("num_shards") is not None else None
+    split = ranks // run[0] if run and not ranks % run[0] else 0
+    if split > 1 and not run[1] % split:
+        workers = old["dataloader_num_workers"]
+        return (
+            f"pass --per_device_train_batch_size {run[1] // split} --dataloader_num_workers {workers} to share each "
+            f"reader's batches between {split} ranks exactly, or {restart}"
+        )
+    return "pass " + restart
 
 
 def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> list[str]:
@@ -299,12 +316,12 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
     if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
         if not converts_world_size(old, new):
             problems.append(
-                f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO-1/2 checkpoints move to "
+                f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO checkpoints move to "
                 f"another number of ranks; resume on {_ranks(old['world_size'])}"
             )
     if ignore_data_skip:
         return problems
-    if known("data_readers") and old["data_readers"] != new["data_readers"]:
+    if known("data_readers") and old["data_readers"] != new["data_readers"] and ranks_per_reader(old, new) == 1:
         problems.append(
             f"data readers (ranks x DataLoader workers) {old['data_readers']} -> {new['data_readers']}: "
             + _reader_advice(old, new)
@@ -332,10 +349,38 @@ def _data(facts: dict) -> str:
     return f"{facts.get('data')}" + (f" ({shards} shards)" if shards is not None else "")
 
 
+def _reading_ranks(facts: dict) -> tuple[int, int] | None:
+    """(ranks whose readers fix the run's data order, the micro-batch each of them read) from a run's facts; None
+    when one rank read for all (dispatch_batches) or the facts are too old to tell."""
+    if any(facts.get(k) is None for k in ("world_size", "micro_batch_per_rank", "dataloader_num_workers")):
+        return None
+    split = facts.get("ranks_per_reader") or 1  # run.json files from before the split never split
+    reading, rest = divmod(facts["world_size"], split)
+    if rest or facts.get("data_readers") != reading * max(1, facts["dataloader_num_workers"]):
+        return None
+    return reading, facts["micro_batch_per_rank"] * split
+
+
+def ranks_per_reader(old: dict, new: dict) -> int:
+    """How many of the new ranks share each rank's readers of the run (`old`: its facts; `new`: this launch's,
+    counted without a split): p > 1 when it resumes on p x the ranks that read for it, with 1/p of their
+    micro-batch, the same DataLoader workers and K, from shards (a `datasets` dataset is cut by the reader count)
+    that each rank reads itself; else 1. Each new rank then keeps its share of every batch of the old rank's readers
+    (`ReaderStream`): each step trains on the same pairs, the global batch kept."""
+    run, launch = _reading_ranks(old), _reading_ranks(new)
+    if run is None or launch is None or old.get("num_shards") is None or new.get("num_shards") is None:
+        return 1
+    (reading, batch), same = run, (old.get("gradient_accumulation_steps"), old["dataloader_num_workers"])
+    split, rest = divmod(new["world_size"], reading)
+    if rest or split < 2 or new["micro_batch_per_rank"] * split != batch:
+        return 1
+    return split if same == (new.get("gradient_accumulation_steps"), new["dataloader_num_workers"]) else 1
+
+
 def converts_world_size(old: dict, new: dict) -> bool:
     """Whether a checkpoint trained under `old` resumes on `new`'s world size through a universal checkpoint:
-    DeepSpeed ZeRO-1/2 on both sides, same stage (see the module docstring for ZeRO-3)."""
-    return old.get("zero_stage") in (1, 2) and new.get("zero_stage") == old.get("zero_stage")
+    DeepSpeed ZeRO-1/2/3 on both sides, same stage."""
+    return old.get("zero_stage") in (1, 2, 3) and new.get("zero_stage") == old.get("zero_stage")
 
 
 def check_resume(checkpoint: str | os.PathLike, step: int, new: dict, ignore_data_skip: bool = False) -> dict:
@@ -441,6 +486,39 @@ def load_universal(args) -> None:
     config, before the Trainer builds its engine (`args`: TrainingArguments with a DeepSpeed plugin)."""
     config = args.deepspeed_plugin.hf_ds_config.config
     config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+
+
+def repair_zero3_universal_load(optimizer, checkpoint: str | os.PathLike) -> None:
+    """Undo what deepspeed's ZeRO-3 universal loader (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`, 0.19.8)
+    gets wrong, once `engine.load_checkpoint(checkpoint)` has run (`optimizer`: the engine's ZeRO-3 optimizer; a
+    no-op for any other optimizer or a checkpoint that is not universal). It restores the fp32 master weights and
+    both Adam moments exactly, but
+    - gives every sub-group's state one and the same `step` tensor, which torch's Adam increments in place once per
+      sub-group: with two parameter groups (decay and no decay) it counts two per optimizer step, and Adam's bias
+      correction runs ahead: each sub-group gets its own copy;
+    - sets every parameter group's hyperparameters to group 0's: the no-decay group gets weight decay: each group
+      gets its own saved ones back (converted from the original checkpoint, as ZeRO-1/2's loader restores them).
+    tests/launched/test_resume_on_another_world_size.py reproduces both on deepspeed's own conversion and load."""
+    checkpoint = Path(checkpoint)
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is None or not (checkpoint / "latest_universal").is_file():
+        return
+    import torch
+
+    tag = checkpoint / (checkpoint / "latest_universal").read_text().strip()
+    # mmap: the file also holds rank 0's whole fp32 partition, which is not read
+    saved = torch.load(tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    groups, inner = saved["param_groups"], optimizer.optimizer
+    if len(groups) != len(inner.param_groups):
+        raise CheckpointError(
+            f"{checkpoint}: {len(groups)} optimizer parameter groups saved, {len(inner.param_groups)} built"
+        )
+    for group, old in zip(inner.param_groups, groups):
+        group.update({k: v for k, v in old.items() if k != "params"})
+    for flat in flats:
+        state = inner.state.get(flat, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def drop_universal(output_dir: str | os.PathLike) -> None:

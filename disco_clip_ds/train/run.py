@@ -64,7 +64,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     check_space_at_start(args.output_dir)
     with _run_lock(args.output_dir), peers.watching(args.ddp_timeout):
         # 4. The resume point: a checkpoint whose run's settings match this command's, or None (a fresh start).
-        resume_from = _resume_point(args, model_args, data_args, checked)
+        resume_from, split = _resume_point(args, model_args, data_args, checked)
         set_seed(args.seed)
         args.max_steps = checked.max_steps
         finished = finished_message(resume_from and checkpoint_step(resume_from), args.max_steps, resume_from)
@@ -85,7 +85,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
-        stream = _stream(data_args, args, checked, reads_own_shards)
+        stream = _stream(data_args, args, checked, reads_own_shards, split)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -115,7 +115,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
         # 8. Train, with run.json written first (a resume adds a segment to it).
         if trainer.is_world_process_zero():
-            _write_run_file(args, model_args, data_args, checked, resume_from)
+            _write_run_file(args, model_args, data_args, checked, resume_from, split)
         result = trainer.train(resume_from_checkpoint=resume_from)
         if trainer.stopper.stopped:
             raise Preempted(resume_hint(args.output_dir, trainer.stopper.describe(), trainer.state.global_step))
@@ -144,8 +144,10 @@ def _run_lock(output_dir: str):
         release_run_lock()
 
 
-def _stream(data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun, reads_own_shards: bool):
-    """This rank's training stream (rank 0's for all, under dispatch_batches)."""
+def _stream(
+    data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun, reads_own_shards: bool, split: int
+):
+    """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     source = ShardStream if checked.hf is None else HFStream
     return source(
@@ -157,6 +159,8 @@ def _stream(data_args: DataArguments, args: DiscoTrainingArguments, checked: Che
         shuffle_buffer=data_args.shuffle_buffer,
         num_workers=args.dataloader_num_workers,
         max_image_pixels=data_args.max_image_pixels,
+        split=split,
+        micro_batch=args.per_device_train_batch_size,
     )
 
 
@@ -202,10 +206,11 @@ def _lock_towers(model, model_args: ModelArguments) -> None:
 
 def _resume_point(
     args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, checked: CheckedRun
-) -> str | None:
+) -> tuple[str | None, int]:
     """The checkpoint to resume (None: a fresh start), once its run's fixed settings are found to match this
     command's (`resume.check_resume`: one line naming what differs), before the model is built; on another world
-    size, its universal conversion (`resume.universal_checkpoint`)."""
+    size, its universal conversion (`resume.universal_checkpoint`). And how many ranks share each of the run's
+    data readers (`resume.ranks_per_reader`: 1, or p on p x the ranks with 1/p of the micro-batch)."""
     if args.resume_from_checkpoint is None:
         existing = checkpoint_folders(args.output_dir)
         if existing:  # a fresh run there would overwrite and rotate away the earlier run's checkpoints
@@ -213,28 +218,29 @@ def _resume_point(
                 f"{args.output_dir} holds checkpoints ({existing[0]}): pass --resume_from_checkpoint latest "
                 "to continue that run, or choose a new --output_dir"
             )
-        return None
+        return None, 1
     if args.resume_from_checkpoint != "latest":
         last = args.resume_from_checkpoint  # verified before the lock was taken (step 3)
     else:
         last = resolve_latest(args.output_dir)  # on rank 0, skipping incomplete checkpoints; every rank resumes it
         logger.info("resume: %s", last or f"no checkpoint in {args.output_dir}, starting fresh")
     if last is None:
-        return None
+        return None, 1
     step = checkpoint_step(last)
     new = {
         **resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps),
         "model": resume.model_architecture(model_args.model_name_or_path, model_args.model_config),
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
+    split = 1 if args.ignore_data_skip else resume.ranks_per_reader(old, new)
     if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
         resume.drop_universal(args.output_dir)
-        return last
+        return last, split
     logger.info(
         "resume: %s, world size %d -> %d: through a universal checkpoint", last, old["world_size"], args.world_size
     )
     resume.load_universal(args)
-    return str(resume.universal_checkpoint(last, args.output_dir))
+    return str(resume.universal_checkpoint(last, args.output_dir)), split
 
 
 def _stream_totals(trainer: DiscoTrainer, stream: ReaderStream) -> tuple[int, int]:
@@ -279,11 +285,12 @@ def _write_run_file(
     data_args: DataArguments,
     checked: CheckedRun,
     resume_from: str | None,
+    split: int,
 ) -> None:
     """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled).
     Written at a run's first launch; a resume adds a segment (`resume.with_resume`) and leaves the facts as they were,
     so that they stay true of every step."""
-    facts = resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps)
+    facts = resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps, split)
     path = Path(args.output_dir) / "run.json"
     if resume_from is None:
         run = {

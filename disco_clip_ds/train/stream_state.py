@@ -50,6 +50,6 @@ class StreamPositions:
         positions = stream.positions_from(state, checkpoint)
         stream.restore(positions, num_batches * per_step)
         # this rank's readers stand there until their next batch: a save before it must keep their positions
-        mine = range(stream.rank * stream.workers, (stream.rank + 1) * stream.workers)
+        mine = range(stream.reader_rank * stream.workers, (stream.reader_rank + 1) * stream.workers)
         self.positions.update({r: [r, *pos] for r, pos in positions.items() if r in mine})
         logger.info("resume: the data stream seeks to where %d readers stood in %s", len(positions), checkpoint)

@@ -14,6 +14,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from disco_clip_ds import compat, faults
+from disco_clip_ds.checkpoint.resume import repair_zero3_universal_load
 from disco_clip_ds.data.collate import POSITION_KEY
 from disco_clip_ds.data.streams.base import ReaderStream, error_message
 from disco_clip_ds.distributed.ranks import any_true
@@ -98,6 +99,11 @@ class DiscoTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         self._resume_checkpoint = resume_from_checkpoint  # for get_resumed_dataloader, which is not told it
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)  # after the engine loaded `checkpoint` (DeepSpeed)
+        if checkpoint is not None and self.is_deepspeed_enabled:
+            repair_zero3_universal_load(self.model_wrapped.optimizer, checkpoint)
 
     def get_resumed_dataloader(self, dataloader, num_batches: int):
         """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the

@@ -1,12 +1,17 @@
 """Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals
 before the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a
-DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter. All from one reference run:
-2 ranks x K=1, ZeRO-2, AdamW. (The comparison of facts, and which samples each step reads: unit/checkpoint/
-test_resume.py.)
+DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and
+on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers). One reference run per stage:
+2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
+and the per-group weight decay: a minimal reproduction on deepspeed alone shows what it loses and what
+`resume.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
+unit/checkpoint/test_resume.py.)
 """
 
+import argparse
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, TINY_CONFIG, run_to_end
+from disco_clip_ds.testing.ranks import run_ranks
 from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
 
 STEPS, SAVE, PER_RANK = 6, 3, 4
@@ -47,7 +53,7 @@ def data(tmp_path_factory):
     return {"shards": f"{root}/shards/{{00000..00003}}.tar", "model": save_initial_model(root / "tiny", 7)}
 
 
-def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None) -> list[str]:
+def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None, per_rank=PER_RANK) -> list[str]:
     return [
         "--output_dir",
         str(output),
@@ -58,7 +64,7 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None)
         "--train_num_samples",
         "96",
         "--per_device_train_batch_size",
-        str(PER_RANK),
+        str(per_rank),
         "--save_steps",
         str(SAVE),
         "--max_steps",
@@ -68,14 +74,24 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None)
     ]
 
 
+def _reference(tmp_path_factory, data, config: str) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config), launcher="torchrun", nproc=2)
+    assert rc == 0, log[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module")
 def full(tmp_path_factory, data):
     """The uninterrupted reference: 2 ranks x K=1, 1 DataLoader worker each, ZeRO-2, AdamW; checkpoint-3 is what a
     run stopped at step 3 leaves (checkpoints are complete or absent, and training is deterministic)."""
-    out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run_to_end(out, _args(out, data, "--deepspeed", ZERO2), launcher="torchrun", nproc=2)
-    assert rc == 0, log[-3000:]
-    return out
+    return _reference(tmp_path_factory, data, ZERO2)
+
+
+@pytest.fixture(scope="module")
+def full_zero3(tmp_path_factory, data):
+    """The same reference under ZeRO-3."""
+    return _reference(tmp_path_factory, data, ZERO3)
 
 
 def _stopped_at_save(full: Path, folder: Path) -> Path:
@@ -94,14 +110,16 @@ def _digest(folder: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(full, data, tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(stage, data, tmp_path, request):
+    full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
     out = _stopped_at_save(full, tmp_path / "run")
     checkpoint = out / f"checkpoint-{SAVE}"
     before, run_before = _digest(checkpoint), json.loads((out / "run.json").read_text())
     (out / "universal" / f"tmp-checkpoint-{SAVE}" / "zero").mkdir(parents=True)  # what a kill mid-conversion leaves
     resumed = [
         "--deepspeed",
-        ZERO2,
+        {2: ZERO2, 3: ZERO3}[stage],
         "--resume_from_checkpoint",
         "latest",
         "--gradient_accumulation_steps",
@@ -126,6 +144,33 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     from disco_clip_ds.export.card import describe_run
 
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterrupted_weights(
+    stage, data, tmp_path, request
+):
+    """4 ranks x 2 pairs: ranks 2k and 2k+1 share the 2-rank run's reader k (resume.ranks_per_reader), so each step
+    contrasts the same 8 pairs; the readers end where the uninterrupted run's did."""
+    full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
+    out = _stopped_at_save(full, tmp_path / "run")
+    resumed = ["--deepspeed", {2: ZERO2, 3: ZERO3}[stage], "--resume_from_checkpoint", "latest"]
+    rc, log = run_to_end(out, _args(out, data, *resumed, per_rank=PER_RANK // 2), launcher="torchrun", nproc=4)
+    assert rc == 0, log[-3000:]
+    assert f"checkpoint-{SAVE}, world size 2 -> 4: through a universal checkpoint" in log
+    assert_same_training(out, full, weights(data["model"]), STEPS)
+    state = f"checkpoint-{STEPS}/stream_state.json"
+    assert json.loads((out / state).read_text()) == json.loads((full / state).read_text())
+    [segment] = json.loads((out / "run.json").read_text())["resumes"]
+    shared = (
+        segment["world_size"],
+        segment["micro_batch_per_rank"],
+        segment["data_readers"],
+        segment["ranks_per_reader"],
+    )
+    assert shared == (4, PER_RANK // 2, 2, 2)
 
 
 def _refusal(out: Path, data: dict, capsys, monkeypatch, *extra: str, model=None, prefix="") -> str:
@@ -225,3 +270,86 @@ def test_the_trainers_checkpoints_need_deepspeeds_inject_missing_state_to_conver
     )
     with pytest.raises(AssertionError, match="universal_checkpoint_info state is missing"):
         ds_to_universal.main(options)
+
+
+# --- deepspeed alone: what its ZeRO-3 universal load loses, and what resume.repair_zero3_universal_load restores ---
+
+
+def _zero3_universal_round_trip(rank, world_size, folder):
+    """One rank: a ZeRO-3 engine over two AdamW parameter groups (weight decay 0.1 and 0) steps once and saves;
+    deepspeed's ds_to_universal converts the save; fresh engines load the conversion (`load_universal`) and step once
+    more, without and with the repair. Each engine's (Adam step count per sub-group, weight decay per group) after
+    the load and after its step, and ("kept") how far the loaded fp32 weights and moments are from the saved ones."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import deepspeed
+    import torch
+    from deepspeed.checkpoint import ds_to_universal
+
+    from disco_clip_ds.checkpoint.resume import repair_zero3_universal_load
+
+    def engine(universal: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        decay = [p for name, p in model.named_parameters() if name == "0.weight"]
+        rest = [p for name, p in model.named_parameters() if name != "0.weight"]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0}])
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3},
+            "checkpoint": {"load_universal": universal},
+        }
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    def step(e):
+        e.backward(e(torch.ones(1, 4)).square().sum())
+        e.step()
+
+    def facts(e):
+        inner = e.optimizer.optimizer
+        steps = [inner.state[flat]["step"].item() for flat in e.optimizer.fp32_partitioned_groups_flat]
+        return steps, [group["weight_decay"] for group in inner.param_groups]
+
+    def tensors(e):  # the fp32 master weights and both moments of every sub-group
+        flats, state = e.optimizer.fp32_partitioned_groups_flat, e.optimizer.optimizer.state
+        return [t.clone() for f in flats for t in (f, state[f]["exp_avg"], state[f]["exp_avg_sq"])]
+
+    saved = engine(False)
+    step(saved)
+    saved.save_checkpoint(str(folder), tag="global_step1")
+    before = tensors(saved)
+    ds_to_universal.main(
+        argparse.Namespace(
+            input_folder=str(folder / "global_step1"),
+            output_folder=str(folder / "global_step1_universal"),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+    )  # and folder/latest_universal
+    seen = {}
+    for repaired in (False, True):
+        loaded = engine(True)
+        loaded.load_checkpoint(str(folder))
+        if repaired:
+            repair_zero3_universal_load(loaded.optimizer, folder)
+        after_load = facts(loaded)
+        seen["kept"] = max((a - b).abs().max().item() for a, b in zip(tensors(loaded), before, strict=True))
+        step(loaded)
+        seen[repaired] = after_load, facts(loaded)
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a deepspeed import and three engines in a spawned rank
+def test_deepspeeds_zero3_universal_load_shares_one_step_count_and_gives_every_group_group_0s_weight_decay(tmp_path):
+    """deepspeed 0.19.8's `load_hp_checkpoint_state_from_checkpoint_dir_stage3` gives every sub-group one and the
+    same `step` tensor (torch's Adam then adds 1 per sub-group: 3 after one step from 1, not 2) and copies group 0's
+    hyperparameters into every group (the no-decay group decays); the repair gives each its own again. This test
+    fails, and the repair can go, once deepspeed loads both right."""
+    (seen,) = run_ranks(_zero3_universal_round_trip, 1, tmp_path, timeout=500)
+    assert seen["kept"] == 0  # what it keeps: the fp32 master weights and both Adam moments, exactly
+    # (steps per sub-group, weight decay per group) after the load, then after one step
+    assert seen[False] == (([1, 1], [0.1, 0.1]), ([3, 3], [0.1, 0.1]))  # deepspeed alone
+    assert seen[True] == (([1, 1], [0.1, 0]), ([2, 2], [0.1, 0]))  # repaired: as the saving engine would go on

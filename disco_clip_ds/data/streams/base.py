@@ -49,7 +49,10 @@ class ReaderStream(torch.utils.data.IterableDataset):
     worker), the skip and decode counters shared by all workers, and the positions a resume restores.
 
     `rank`/`world_size` are this process's place among the readers (pass 0/1 when one process reads for all,
-    e.g. accelerate's dispatch_batches); `num_workers` is the DataLoader workers per rank; `shuffle_buffer` the
+    e.g. accelerate's dispatch_batches); `num_workers` is the DataLoader workers per rank; `split` > 1 when a run
+    resumed on `split` x its ranks with 1/`split` of its micro-batch: ranks split*k .. split*k + split - 1 then
+    read the readers of the run's rank k, each keeping its share of every batch that rank read (`_my_share`), so that
+    each step trains on the same pairs, which the contrastive loss does not order; `shuffle_buffer` the
     block of raw samples permuted at a time (0: no shuffle where the stream allows it); `train` draws random crops;
     images above `max_image_pixels` are skipped. Subclasses implement `_passes` (and `state_facts`,
     `position_fields`) and pass these options through."""
@@ -72,9 +75,15 @@ class ReaderStream(torch.utils.data.IterableDataset):
         train: bool = True,
         num_workers: int = 0,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
+        split: int = 1,
+        micro_batch: int = 1,
     ):
         super().__init__()
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        # the rank whose readers this rank reads, and which share of each of its batches (`micro_batch` samples) it
+        # keeps
+        self.split, self.micro_batch = split, micro_batch
+        self.reader_rank, self.share = rank // split, rank % split
         self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
         self.max_image_pixels = max_image_pixels
         self.transform = ImageTransform(image_size, train=train)
@@ -89,8 +98,8 @@ class ReaderStream(torch.utils.data.IterableDataset):
 
     @property
     def num_readers(self) -> int:
-        """Readers over all ranks and workers, as constructed (ranks x `num_workers`)."""
-        return self.world_size * self.workers
+        """Readers over all ranks and workers, as constructed (ranks / split x `num_workers`)."""
+        return self.world_size // self.split * self.workers
 
     def restore(self, positions: dict[int, tuple[int, ...]], consumed_batches: int) -> None:
         """Resume where the readers stood: `positions` maps a (global) reader to its newest position past the
@@ -123,7 +132,18 @@ class ReaderStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         reader, num_readers, workers = self._reader()
         count, *start = self.start.get(reader) or (0,)
-        yield from self._counted(reader, count, self._checked(self._passes(reader, num_readers, start), start))
+        produced = self._counted(reader, count, self._checked(self._passes(reader, num_readers, start), start))
+        yield from produced if self.split == 1 else self._my_share(produced)
+
+    def _my_share(self, produced):
+        """This rank's share of a split reader's samples: of each batch the run's rank read from it (split x
+        micro_batch samples in a row, by the reader's count, which a resume continues), the share-th micro_batch.
+        Every rank of the split decodes the whole stream: a sample's place in it is known once the ones before it
+        are found readable."""
+        batch = self.split * self.micro_batch
+        for item in produced:
+            if (int(item[-1][1]) - 1) % batch // self.micro_batch == self.share:
+                yield item
 
     def _passes(self, reader: int, num_readers: int, start: list[int]):
         """(place fields, (pixels, caption)) of the reader's samples from `start` (its place fields, or [] for
@@ -173,6 +193,8 @@ class ReaderStream(torch.utils.data.IterableDataset):
             return None
 
     def _count_skip(self, what: str, error: BaseException | str) -> None:
+        if self.share:  # one rank of a split reader counts its skips
+            return
         with self.skipped.get_lock():
             self.skipped.value += 1
         logger.warning("skipping %s: %s", what, error)
@@ -181,7 +203,8 @@ class ReaderStream(torch.utils.data.IterableDataset):
         """(reader, readers in all, workers per rank) of this DataLoader worker (or of the main process)."""
         info = torch.utils.data.get_worker_info()
         workers, worker = (info.num_workers, info.id) if info else (1, 0)
-        return self.rank * workers + (worker + self.worker_shift) % workers, self.world_size * workers, workers
+        reader = self.reader_rank * workers + (worker + self.worker_shift) % workers
+        return reader, self.world_size // self.split * workers, workers
 
     def _counted(self, reader: int, count: int, produced):
         """The (place, item) pairs of `produced` as yielded items: the item, then its position row (reader, count

@@ -37,10 +37,12 @@ class ShardStream(ReaderStream):
     position_fields = POSITION_FIELDS
 
     def __init__(self, urls: list[str], image_size: int, **options):
-        """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels)."""
+        """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels,
+        split, micro_batch)."""
         super().__init__(image_size, **options)
         self.urls = list(urls)
-        shards_for_reader(self.urls, self.rank * self.workers, self.num_readers)  # fail early, in the main process
+        # fail early, in the main process
+        shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
 
     def state_facts(self) -> dict:
         """Readers, seed and block size: a shard position means nothing under another of them."""

@@ -8,6 +8,7 @@ a repeated or skipped sample would change.
 """
 
 import pytest
+import torch
 
 from disco_clip_ds.checkpoint.resume import (
     describe_resumes,
@@ -109,8 +110,8 @@ def test_a_contrastive_batch_that_no_flags_give_on_the_new_ranks_asks_for_anothe
     ]
 
 
-def test_the_world_size_moves_only_under_zero_1_and_2():
-    for stage in (None, 3):
+def test_the_world_size_moves_only_under_deepspeed_zero():
+    for stage in (None, 1, 2, 3):
         old = _facts(zero_stage=stage)
         new = _facts(
             zero_stage=stage,
@@ -119,9 +120,39 @@ def test_the_world_size_moves_only_under_zero_1_and_2():
             contrastive_accumulation=True,
             dataloader_num_workers=2,
         )
-        assert resume_problems(old, new) == [
-            "world size 2 -> 1: only DeepSpeed ZeRO-1/2 checkpoints move to another number of ranks; resume on 2 ranks"
-        ]
+        assert resume_problems(old, new) == (
+            ["world size 2 -> 1: only DeepSpeed ZeRO checkpoints move to another number of ranks; resume on 2 ranks"]
+            if stage is None
+            else []
+        ), stage
+
+
+def test_four_ranks_with_half_the_micro_batch_share_the_two_ranks_readers():
+    from disco_clip_ds.checkpoint.resume import ranks_per_reader
+
+    old, four = _facts(), _facts(world_size=4, micro_batch_per_rank=2)
+    assert ranks_per_reader(old, four) == 2 and resume_problems(old, four) == []
+    # the 4-rank segment records the run's 2 readers: on 4 ranks again it splits again, on 2 it reads them itself
+    split_run = _facts(world_size=4, micro_batch_per_rank=2, data_readers=2, ranks_per_reader=2)
+    assert ranks_per_reader(split_run, four) == 2 and resume_problems(split_run, four) == []
+    assert ranks_per_reader(split_run, old) == 1 and resume_problems(split_run, old) == []
+    eight = _facts(world_size=8, micro_batch_per_rank=1)
+    assert ranks_per_reader(old, eight) == 4 and resume_problems(old, eight) == []
+    refused = [
+        _facts(world_size=4, micro_batch_per_rank=2, dataloader_num_workers=2),  # 8 readers of their own
+        _facts(world_size=4, micro_batch_per_rank=1, gradient_accumulation_steps=2),  # K changed
+        _facts(world_size=4, micro_batch_per_rank=2, num_shards=None),  # a `datasets` dataset
+    ]
+    for new in refused:
+        assert ranks_per_reader(old, new) == 1
+        assert any(p.startswith("data readers") for p in resume_problems(old, new)), new
+    # one rank read for all (dispatch_batches: 1 reader on 2 ranks), not a split
+    assert ranks_per_reader(_facts(data_readers=1), _facts(world_size=4, micro_batch_per_rank=2)) == 1
+    hf = _facts(num_shards=None)
+    assert ranks_per_reader(hf, _facts(world_size=4, micro_batch_per_rank=2, num_shards=None)) == 1
+    # 4 ranks of 4 pairs: the refusal names the flags that share the readers
+    [line] = [p for p in resume_problems(old, _facts(world_size=4)) if p.startswith("data readers")]
+    assert "2 -> 4: pass --per_device_train_batch_size 2 --dataloader_num_workers 1 to share each reader's" in line
 
 
 def test_per_tower_optimizer_settings_stay_those_of_the_run():
@@ -177,27 +208,33 @@ class _Keys:
     """The training stream with decoding replaced by the sample's key: which samples it yields, in its order."""
 
     @staticmethod
-    def stream(urls, rank, world, workers):
+    def stream(urls, rank, world, workers, **options):
         from disco_clip_ds.data.streams.shards import ShardStream
 
         class KeyStream(ShardStream):
             def _decode(self, sample, epoch):
                 return f"{epoch}/{sample['__key__']}", None  # in place of (pixels, caption)
 
-        return KeyStream(urls, 64, rank=rank, world_size=world, seed=7, shuffle_buffer=8, num_workers=workers)
+        return KeyStream(
+            urls, 64, rank=rank, world_size=world, seed=7, shuffle_buffer=8, num_workers=workers, **options
+        )
 
     @staticmethod
-    def batches(stream, workers, count):
+    def batches(stream, workers, count, size=PER_RANK, collate=None):
         import itertools
 
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(stream, batch_size=PER_RANK, num_workers=workers, collate_fn=_keys_of)
+        loader = DataLoader(stream, batch_size=size, num_workers=workers, collate_fn=collate or _keys_of)
         return list(itertools.islice(loader, count))
 
 
 def _keys_of(batch: list) -> list[str]:
     return [key for key, *_ in batch]  # each item: (key, None, its stream position)
+
+
+def _keys_and_positions(batch: list) -> list[tuple[str, list[int]]]:
+    return [(key, position.tolist()) for key, _, position in batch]
 
 
 def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_path):
@@ -211,3 +248,36 @@ def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_
     assert resumed == reference[SAVE:]
     keys = [k for step in reference for k in step]
     assert len(keys) == len(set(keys)) == STEPS * 2 * PER_RANK  # no sample twice in the run
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(tmp_path, workers):
+    """2 ranks x W workers x 4 pairs resumed on 4 ranks x W workers x 2 pairs (split=2): ranks 2k and 2k+1 read rank
+    k's readers, each keeping its half of every batch, from the saved positions on; each step contrasts the same 8
+    pairs, and the positions saved are the 2-rank run's."""
+    from disco_clip_ds.data.streams.state import note_positions
+
+    def newest(batches_by_rank, steps) -> dict:  # what stream_state.json keeps: each reader's newest row
+        rows = {}
+        for batches in batches_by_rank:
+            note_positions(rows, torch.tensor([row for batch in batches[:steps] for _, row in batch]))
+        return rows
+
+    urls = write_shards(tmp_path / "shards", num_shards=4, per_shard=24, seed=1)
+    ranks = [
+        _Keys.batches(_Keys.stream(urls, r, 2, workers), workers, STEPS, collate=_keys_and_positions) for r in range(2)
+    ]
+    reference = [sorted(key for r in range(2) for key, _ in ranks[r][s]) for s in range(STEPS)]
+    saved = {r: tuple(row[1:]) for r, row in newest(ranks, SAVE).items()}
+    assert len(saved) == 2 * workers
+    for start, positions in ((0, {}), (SAVE, saved)):
+        split = []
+        for r in range(4):
+            stream = _Keys.stream(urls, r, 4, workers, split=2, micro_batch=PER_RANK // 2)
+            assert stream.num_readers == 2 * workers == stream.state_facts()["num_readers"]
+            stream.restore(positions, start)
+            size = PER_RANK // 2
+            split.append(_Keys.batches(stream, workers, STEPS - start, size=size, collate=_keys_and_positions))
+        steps = [sorted(key for r in range(4) for key, _ in split[r][s - start]) for s in range(start, STEPS)]
+        assert steps == reference[start:], start
+        assert newest(split, STEPS) == newest(ranks, STEPS)

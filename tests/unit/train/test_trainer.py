@@ -46,6 +46,7 @@ class _Stream:
     """The parts of a ReaderStream that the restore uses."""
 
     rank, workers = 1, 2
+    reader_rank = rank  # the rank whose readers it reads (another one's when ranks share readers)
 
     def __init__(self):
         self.restored = None
