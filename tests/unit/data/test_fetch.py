@@ -9,6 +9,7 @@ import pytest
 from disco_clip_ds.data.prep.fetch import fetch_with_deadline
 
 
+@pytest.mark.slow  # waits out its deadline (2 s)
 def test_fetch_with_deadline_cuts_a_trickle(image_server):
     url = image_server.add("/slow", body=b"x" * 1000, trickle=0.05)
     fast = image_server.add("/fast", body=b"y" * 1000)

@@ -15,6 +15,7 @@ def test_the_default_ends_a_lost_peer_within_minutes(tmp_path):
     assert DiscoTrainingArguments(output_dir=str(tmp_path)).ddp_timeout == 600
 
 
+@pytest.mark.slow  # waits out its connect timeout (2 s)
 def test_a_closed_master_port_is_one_line_naming_it(monkeypatch):
     from disco_clip_ds.distributed.peers import joining
     from disco_clip_ds.errors import PeerError

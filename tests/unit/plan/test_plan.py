@@ -153,6 +153,7 @@ def test_bad_planner_inputs_are_one_line_with_exit_2(flag, value, message, tmp_p
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # starts the CLI in fresh interpreters
 def test_cli_prints_one_clear_error_for_a_bad_config(tmp_path, capsys):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 8}))
