@@ -61,7 +61,7 @@ def trained(tmp_path_factory):
     model = save_initial_model(root / "tiny", 7)
     shards = f"{root}/shards/{{00000..00001}}.tar"
     out = root / "run"
-    rc, log = run_to_end(out, _args(out, model, shards, 2))
+    rc, log = run_to_end(out, _args(out, model, shards, 2), launcher="torchrun")  # the reference: starts sooner
     assert rc == 0 and complete_checkpoints(out) == ["checkpoint-2"], log[-3000:]
     return out, model, shards
 

@@ -21,9 +21,9 @@ from disco_clip_ds.testing.processes import kill_group, ranks_of, wait_group
 from disco_clip_ds.testing.ranks import free_port
 from disco_clip_ds.testing.runs import run_and_data, two_shards_and_init
 
-TIMEOUT = 20  # --ddp_timeout in the launched tests, seconds
+TIMEOUT = 12  # --ddp_timeout in the launched tests, seconds: several times the longest healthy wait of these runs
 # where no rank ever meets another there is no start-up to wait through: a shorter one, waited in full
-ALONE_TIMEOUT = 8
+ALONE_TIMEOUT = 5
 MARGIN = 120  # a busy machine's slack on top of it: still far from torch's 30 minutes
 
 

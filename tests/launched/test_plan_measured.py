@@ -1,5 +1,5 @@
 """The planner's estimates against measured CPU peak memory: of the loss on 2 gloo ranks (softmax and sigmoid), and of
-whole training steps of real CLIPModels (tiny and small, two batch sizes each)."""
+a whole training step of a real CLIPModel (the small one at its largest measured batch)."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _measured_train_peak(model: Path, batch: int) -> float:
     return min(peaks)
 
 
-@pytest.mark.parametrize("model, batch", [("tiny", 256), ("tiny", 1024), ("small", 32), ("small", 128)])
+@pytest.mark.parametrize("model, batch", [("small", 128)])  # the largest measured batch of the larger model
 @pytest.mark.slow
 def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch):
     """Single process, fp32, AdamW, the model's own (local) loss: what the CPU can run. The activation

@@ -148,7 +148,9 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-3 only: the readers' split is the same under every stage, and ZeRO-2's 4-rank resume is measured by
+# bench/train/resume_world_size.py; ZeRO-2's re-partitioning onto another world size is the one-rank test's [2]
+@pytest.mark.parametrize("stage", [3])
 def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterrupted_weights(
     stage, data, tmp_path, request
 ):

@@ -64,7 +64,7 @@ def runs(tmp_path_factory, shards, initial_model):
         *SGD,
         *SAME_STREAM,
     ]
-    launch("deepspeed", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
+    launch("torchrun", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
     launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
     launch(
         "accelerate",

@@ -44,7 +44,7 @@ def runs(tmp_path_factory, initial_model):
     launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
     wrap = ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"]  # fsdp.yaml names CLIP's layer
     launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None, launcher_args=wrap)
-    launch("deepspeed", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
+    launch("torchrun", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
     stopped = ["--save_steps", "2", *common, *per_rank]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
     command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it

@@ -18,6 +18,8 @@ def test_the_final_model_verifies_only_with_its_manifest(tmp_path):
     assert final_model_problem(run) is None
     (run / "model.safetensors").write_bytes(b"weight")
     assert final_model_problem(run) == "model.safetensors is 6 bytes, the manifest says 7"
+    (run / "model.safetensors").unlink()  # deleted after a complete save: the manifest still lists it
+    assert final_model_problem(run) == "model.safetensors is missing (the manifest lists it)"
 
 
 def test_a_final_model_that_does_not_verify_is_rewritten_from_the_checkpoint(tmp_path):

@@ -163,31 +163,32 @@ def test_argument_errors():
         assert torch.isfinite(sigmoid_loss(x, y, torch.tensor(10.0), -10.0))
 
 
-def _wire_rank(rank, world, sizes, dim, dtype):
-    """Bytes this rank sends during one forward + backward."""
+def _wire_rank(rank, world, sizes, dim, dtypes):
+    """Bytes this rank sends during one forward + backward, per dtype."""
     from disco_clip_ds.testing.wire import WireBytes
 
-    g = torch.Generator().manual_seed(rank)
-    x, y = (F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in "xy")
-    with WireBytes() as wire:
-        SigmoidLoss()(x, y, torch.tensor(10.0), torch.tensor(-10.0)).backward()
-    return wire.total
+    sent = {}
+    for dtype in dtypes:
+        g = torch.Generator().manual_seed(rank)
+        x, y = (F.normalize(torch.randn(sizes[rank], dim, generator=g), dim=1).to(dtype).requires_grad_() for _ in "xy")
+        with WireBytes() as wire:
+            SigmoidLoss()(x, y, torch.tensor(10.0), torch.tensor(-10.0)).backward()
+        sent[dtype] = wire.total
+    return sent
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.slow
-def test_only_texts_travel(dtype):
+def test_only_texts_travel():
     """Hand count per rank: the shape check (an all-gather of 8 int64), then the other ranks' text blocks pass
     through every rank but one in forward and again in backward, and each block's fp32 gradient makes the full
     round (N sends) to come home. Each rank forwards the blocks of all ranks but its left neighbour."""
-    sizes, dim = [6, 3, 5], 512
-    n, elem = len(sizes), dtype.itemsize
-    counted = run_ranks(_wire_rank, n, sizes, dim, dtype)
-    for rank, got in enumerate(counted):
-        forwarded = [sizes[(rank - k) % n] for k in range(n - 1)]  # the blocks this rank sends on, hop by hop
-        texts = 2 * sum(forwarded) * dim * elem
-        grads = sum(sizes[(rank - k) % n] for k in range(n)) * dim * 4
-        assert got == (n - 1) * 8 * 8 + texts + grads, f"rank {rank}"
+    sizes, dim, n = [6, 3, 5], 512, 3
+    for rank, per_dtype in enumerate(run_ranks(_wire_rank, n, sizes, dim, (torch.float32, torch.bfloat16))):
+        for dtype, got in per_dtype.items():
+            forwarded = [sizes[(rank - k) % n] for k in range(n - 1)]  # the blocks this rank sends on, hop by hop
+            texts = 2 * sum(forwarded) * dim * dtype.itemsize
+            grads = sum(sizes[(rank - k) % n] for k in range(n)) * dim * 4
+            assert got == (n - 1) * 8 * 8 + texts + grads, f"rank {rank}, {dtype}"
 
 
 def _peak_rank(rank, world, batch, dim) -> float:

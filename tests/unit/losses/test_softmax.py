@@ -270,8 +270,12 @@ def test_per_rank_upstream_gradients_reach_the_right_columns():
         assert sum(r[keep][2] for r in per_rank) == pytest.approx(t.grad.item(), rel=1e-4)
 
 
-def _wire_rank(rank, world, sizes, dim, dtype):
-    """Bytes this rank sends through each collective during one forward + backward, per impl."""
+def _wire_rank(rank, world, sizes, dim, dtypes):
+    """Bytes this rank sends through each collective during one forward + backward, per dtype and impl."""
+    return {dtype: _wire_bytes(rank, sizes, dim, dtype) for dtype in dtypes}
+
+
+def _wire_bytes(rank, sizes, dim, dtype):
     g = torch.Generator().manual_seed(rank)
     out = {}
     for impl in ("disco", "tiled"):
@@ -284,16 +288,20 @@ def _wire_rank(rank, world, sizes, dim, dtype):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.slow
-def test_wire_bytes_per_rank_halve(dtype):
+def test_wire_bytes_per_rank_halve():
     """Bytes on the wire per rank per step, counted at torch.distributed's collectives (ring algorithms), against
     the hand count: the one-block loss gathers and reduce-scatters the texts only, plus two all-reduces of B
     fp32 column values and one of the N upstream gradients; disco (and the earlier two-block tiled loss, kept as
     a baseline in bench/loss, whose collectives are disco's) move both modalities."""
-    sizes, dim = [6, 3, 5], 512
-    n, pad, total, elem = len(sizes), max(sizes), sum(sizes), dtype.itemsize
-    counted = run_ranks(_wire_rank, n, sizes, dim, dtype)
+    sizes, dim, dtypes = [6, 3, 5], 512, (torch.float32, torch.bfloat16)
+    for rank, per_dtype in enumerate(run_ranks(_wire_rank, len(sizes), sizes, dim, dtypes)):
+        for dtype, got in per_dtype.items():
+            _check_wire_bytes(got, sizes, dim, dtype.itemsize, f"rank {rank}, {dtype}")
+
+
+def _check_wire_bytes(got: dict, sizes: list[int], dim: int, elem: int, where: str) -> None:
+    n, pad, total = len(sizes), max(sizes), sum(sizes)
     shape_check = (n - 1) * 7 * 8  # every rank's 7 int64 shape values
     feature = (n - 1) * pad * dim * elem  # one modality's (padded) rows, all-gathered or reduce-scattered
     twoblock = shape_check + 4 * feature  # both modalities gathered, their gradients reduce-scattered
@@ -301,6 +309,5 @@ def test_wire_bytes_per_rank_halve(dtype):
         "disco": shape_check + 4 * feature,
         "tiled": shape_check + 2 * feature + 2 * (2 * (n - 1) / n * total * 4) + (n - 1) * 4,
     }
-    for rank, got in enumerate(counted):
-        assert got == pytest.approx(expected), f"rank {rank}"
-        assert got["tiled"] / twoblock < 0.51
+    assert got == pytest.approx(expected), where
+    assert got["tiled"] / twoblock < 0.51, where
