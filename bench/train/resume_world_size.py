@@ -1,7 +1,7 @@
 """How far a run resumed on another world size ends from the uninterrupted run, per ZeRO stage: the
 scenario of tests/launched/test_resume_on_another_world_size.py (tiny CLIP, AdamW eps 1e-6, 2 ranks x K=1 x 4
 pairs, stopped at step 3 of 6), resumed on 1 rank x K=2 with 2 DataLoader workers, with deepspeed's universal load
-as it is ("deepspeed alone": `resume.repair_zero3_universal_load` turned off in the ranks) and as training runs it,
+as it is ("deepspeed alone": `universal.repair_zero3_universal_load` turned off in the ranks) and as training runs it,
 and on 4 ranks x 2 pairs (each pair of ranks sharing one of the run's readers);
 and the noise floor: an uninterrupted 1 rank x K=2 run against the 2-rank one. `update_rel` is |w_a - w_b| /
 |w_b - w_0| over all weights, `loss_rel` the largest relative difference of a step's loss. Writes

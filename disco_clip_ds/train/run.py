@@ -14,7 +14,7 @@ import torch
 from transformers import AutoImageProcessor, CLIPImageProcessor, CLIPProcessor, set_seed
 
 from disco_clip_ds import compat
-from disco_clip_ds.checkpoint import resume
+from disco_clip_ds.checkpoint import resume, universal
 from disco_clip_ds.checkpoint.final_model import keep_final_model
 from disco_clip_ds.checkpoint.layout import (
     STAGING,
@@ -209,7 +209,7 @@ def _resume_point(
 ) -> tuple[str | None, int]:
     """The checkpoint to resume (None: a fresh start), once its run's fixed settings are found to match this
     command's (`resume.check_resume`: one line naming what differs), before the model is built; on another world
-    size, its universal conversion (`resume.universal_checkpoint`). And how many ranks share each of the run's
+    size, its universal conversion (`universal.universal_checkpoint`). And how many ranks share each of the run's
     data readers (`resume.ranks_per_reader`: 1, or p on p x the ranks with 1/p of the micro-batch)."""
     if args.resume_from_checkpoint is None:
         existing = checkpoint_folders(args.output_dir)
@@ -234,13 +234,13 @@ def _resume_point(
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
     split = 1 if args.ignore_data_skip else resume.ranks_per_reader(old, new)
     if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
-        resume.drop_universal(args.output_dir)
+        universal.drop_universal(args.output_dir)
         return last, split
     logger.info(
         "resume: %s, world size %d -> %d: through a universal checkpoint", last, old["world_size"], args.world_size
     )
-    resume.load_universal(args)
-    return str(resume.universal_checkpoint(last, args.output_dir)), split
+    universal.load_universal(args)
+    return str(universal.universal_checkpoint(last, args.output_dir)), split
 
 
 def _stream_totals(trainer: DiscoTrainer, stream: ReaderStream) -> tuple[int, int]:
@@ -303,8 +303,8 @@ def _write_run_file(
         }
     else:
         recorded = read_run_file(args.output_dir) or read_run_file(Path(resume_from).parent)
-        universal = Path(resume_from).parent.name == resume.UNIVERSAL_DIR
-        run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, universal, args.ignore_data_skip)
+        converted = Path(resume_from).parent.name == universal.UNIVERSAL_DIR
+        run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, converted, args.ignore_data_skip)
     write_json(path, {k: v for k, v in run.items() if v is not None})
 
 

@@ -14,7 +14,7 @@ from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from disco_clip_ds import compat, faults
-from disco_clip_ds.checkpoint.resume import repair_zero3_universal_load
+from disco_clip_ds.checkpoint.universal import repair_zero3_universal_load
 from disco_clip_ds.data.collate import POSITION_KEY
 from disco_clip_ds.data.streams.base import ReaderStream, error_message
 from disco_clip_ds.distributed.ranks import any_true

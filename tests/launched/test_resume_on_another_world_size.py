@@ -4,7 +4,7 @@ DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments ma
 on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers). One reference run per stage:
 2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
 and the per-group weight decay: a minimal reproduction on deepspeed alone shows what it loses and what
-`resume.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
+`universal.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
 unit/checkpoint/test_resume.py.)
 """
 
@@ -274,7 +274,7 @@ def test_the_trainers_checkpoints_need_deepspeeds_inject_missing_state_to_conver
         ds_to_universal.main(options)
 
 
-# --- deepspeed alone: what its ZeRO-3 universal load loses, and what resume.repair_zero3_universal_load restores ---
+# --- deepspeed alone: what its ZeRO-3 universal load loses, and what universal.repair_zero3_universal_load restores ---
 
 
 def _zero3_universal_round_trip(rank, world_size, folder):
@@ -287,7 +287,7 @@ def _zero3_universal_round_trip(rank, world_size, folder):
     import torch
     from deepspeed.checkpoint import ds_to_universal
 
-    from disco_clip_ds.checkpoint.resume import repair_zero3_universal_load
+    from disco_clip_ds.checkpoint.universal import repair_zero3_universal_load
 
     def engine(universal: bool):
         torch.manual_seed(0)
