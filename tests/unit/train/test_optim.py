@@ -142,3 +142,20 @@ def test_without_tower_settings_the_trainers_two_groups_stay(tmp_path):
     trainer = _trainer(tmp_path, "tiny.json", learning_rate=1e-3, weight_decay=0.1)
     trainer.create_optimizer()
     assert [(g["lr"], g["weight_decay"]) for g in trainer.optimizer.param_groups] == [(1e-3, 0.1), (1e-3, 0.0)]
+
+
+def test_text_lr_and_vision_weight_decay_set_their_towers_alone(tmp_path):
+    trainer = _trainer(
+        tmp_path, "tiny.json", learning_rate=1e-3, weight_decay=0.1, text_lr=5e-4, vision_weight_decay=0.05
+    )
+    trainer.create_optimizer()
+    rates = _rates(trainer.optimizer, trainer.model)
+    assert rates["text_projection.weight"] == (5e-4, 0.1) and rates["text_model.embeddings.token_embedding.weight"] == (
+        5e-4,
+        0.1,
+    )
+    assert rates["visual_projection.weight"] == (1e-3, 0.05) and rates["vision_model.post_layernorm.bias"] == (
+        1e-3,
+        0.0,
+    )
+    assert rates["logit_scale"] == (1e-3, 0.0)
