@@ -135,6 +135,15 @@ def tower_settings(args) -> str | None:
     return " ".join(given) or None
 
 
+def patch_dropout_setting(args) -> str | None:
+    """The run's patch dropout as the card and run.json show it (None: off). Not a resume fact: a resume may change
+    it (the mask draws are keyed by sample and pass, and the optimizer state does not depend on it)."""
+    rate, until = getattr(args, "patch_dropout", 0.0), getattr(args, "patch_dropout_until_step", None)
+    if not rate:
+        return None
+    return f"{rate:g} of the patches dropped" + (f", every patch from step {until}" if until is not None else "")
+
+
 def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int, split: int = 1) -> dict:
     """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
     ContrastiveAccumulationMixin.contrastive_batch_size counts it; `split`: the ranks that share each of the run's
@@ -170,6 +179,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "ranks_per_reader": split,
         "max_steps": max_steps,
         "tower_settings": tower_settings(args),
+        "patch_dropout": patch_dropout_setting(args),
     }
 
 

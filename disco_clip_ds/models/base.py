@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from disco_clip_ds import compat
+from disco_clip_ds.models.patch_dropout import PatchDropout
 
 # The seed of a fresh model's draws (build_model's `seed`); None: torch.initial_seed(), the seed of the last
 # torch.manual_seed (transformers' set_seed), whatever the global generator drew since.
@@ -104,6 +105,7 @@ class GlobalBatchLossMixin:
     PLAIN: type
     IMPLS: tuple[str, ...]
     OUTPUT: type
+    CLASS_TOKENS: int  # the image tower's tokens ahead of its patches (CLIP's class token; none in SigLIP)
 
     def _adopt_loss_config(self, config) -> None:
         config.loss_impl = getattr(config, "loss_impl", None) or "tiled"
@@ -112,6 +114,11 @@ class GlobalBatchLossMixin:
             raise ValueError(
                 f"loss_impl must be one of {self.IMPLS} for {self.PLAIN.__name__}, got {config.loss_impl!r}"
             )
+
+    def _add_patch_dropout(self) -> None:
+        """The image tower's patch dropout, applied to the batches that carry kept patches (`forward`'s
+        `patch_keep`); a hook, not a module: nothing of it is saved."""
+        self.patch_dropout = PatchDropout(self.vision_model.embeddings, self.CLASS_TOKENS)
 
     def _init_every_module(self) -> None:
         """At construction: run the init again on every module, now at the top, drawn by name. Each tower's own
@@ -174,18 +181,22 @@ class GlobalBatchLossMixin:
         return_loss: bool | None = None,
         interpolate_pos_encoding: bool = False,
         return_logits: bool | None = None,
+        patch_keep: torch.LongTensor | None = None,
         **kwargs,
     ):
         """The transformers model's forward; with `return_loss` the loss is the global-batch one of
         `config.loss_impl` (or the model's own per-device loss for "local").
 
+        `patch_keep` (batch, kept): the patches each image keeps (patch dropout, models/patch_dropout.py); None: all.
+
         `return_logits`: whether to build this rank's b x b logits (`logits_per_image` / `logits_per_text`).
         Default: when no loss is asked for (inference, as the transformers model) or the loss is `local`, which
         uses them; a training step with the global loss skips them (64 MiB of fp32 at b = 4096) and returns None.
         """
-        vision_outputs = self.get_image_features(
-            pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
-        )
+        with self.patch_dropout.kept(patch_keep):
+            vision_outputs = self.get_image_features(
+                pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
+            )
         text_outputs = self.get_text_features(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )

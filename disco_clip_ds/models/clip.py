@@ -53,6 +53,7 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
     ranks is the global-batch loss and data-parallel gradient averaging yields the global-batch gradient.
     """
 
+    CLASS_TOKENS = 1
     PLAIN, IMPLS, OUTPUT, PARAM_NAMES = CLIPModel, LOSS_IMPLS, DiscoCLIPOutput, ("logit_scale",)
 
     def __init__(self, config: CLIPConfig):
@@ -64,6 +65,7 @@ class DiscoCLIPModel(GlobalBatchLossMixin, CLIPModel):
         # transformers' rules already ran while CLIPModel built the towers: run the init again, now with CLIP's.
         self._init_every_module()
         self._adopt_loss_config(config)
+        self._add_patch_dropout()
         compat.adopt_vector_logit_scale(self)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -37,6 +37,7 @@ class DiscoSiglipModel(GlobalBatchLossMixin, SiglipModel):
     tower pools the last position: feed text padded to a fixed length, as SigLIP was trained.
     """
 
+    CLASS_TOKENS = 0
     PLAIN, IMPLS, OUTPUT, PARAM_NAMES = (
         SiglipModel,
         ("tiled", "local"),
@@ -48,6 +49,7 @@ class DiscoSiglipModel(GlobalBatchLossMixin, SiglipModel):
         super().__init__(config)
         self._init_every_module()  # the towers' own post_init drew from the global generator: draw them by name
         self._adopt_loss_config(config)
+        self._add_patch_dropout()
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)

@@ -169,6 +169,21 @@ class DiscoTrainingArguments(TrainingArguments):
         default=1.0,
         metadata={"help": "layer-wise lr decay of the text tower, as --vision_layer_decay (EVA-CLIP: 0.75)"},
     )
+    # FLIP's patch dropout (models/patch_dropout.py): a mask per sample, keyed by the sample, not by rank or pass.
+    patch_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "fraction of each image's patch tokens dropped in training (FLIP: 0.5-0.75; 0: off); the class "
+            "token is always kept; eval and the saved model see every patch"
+        },
+    )
+    patch_dropout_until_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "the optimizer step from which training sees every patch again (FLIP's unmasked tuning at the "
+            "end of the run, e.g. the last 5%% of --max_steps); default: masked to the end"
+        },
+    )
     # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
     # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
     # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and

@@ -37,6 +37,7 @@ from disco_clip_ds.distributed.preemption import finished_message, resume_hint
 from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
+from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
@@ -85,7 +86,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
-        stream = _stream(data_args, args, checked, reads_own_shards, split)
+        patches = patch_counts(model.config.vision_config, args.patch_dropout)
+        stream = _stream(data_args, args, checked, reads_own_shards, split, patches)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -97,6 +99,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             mean=processor.image_processor.image_mean,
             std=processor.image_processor.image_std,
             normalize=not on_device,
+            patch_dropout=patches is not None,
         )
 
         # 7. The trainer (and the zero-shot eval during training, when asked for).
@@ -145,9 +148,15 @@ def _run_lock(output_dir: str):
 
 
 def _stream(
-    data_args: DataArguments, args: DiscoTrainingArguments, checked: CheckedRun, reads_own_shards: bool, split: int
+    data_args: DataArguments,
+    args: DiscoTrainingArguments,
+    checked: CheckedRun,
+    reads_own_shards: bool,
+    split: int,
+    patches: tuple[int, int] | None,
 ):
-    """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader)."""
+    """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
+    each sample with its kept patches when `patches`)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     source = ShardStream if checked.hf is None else HFStream
     return source(
@@ -161,6 +170,7 @@ def _stream(
         max_image_pixels=data_args.max_image_pixels,
         split=split,
         micro_batch=args.per_device_train_batch_size,
+        patches=patches,
     )
 
 

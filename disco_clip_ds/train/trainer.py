@@ -19,6 +19,7 @@ from disco_clip_ds.data.collate import POSITION_KEY
 from disco_clip_ds.data.streams.base import ReaderStream, error_message
 from disco_clip_ds.distributed.ranks import any_true
 from disco_clip_ds.errors import DataError
+from disco_clip_ds.models.patch_dropout import PATCHES_KEY
 from disco_clip_ds.train.accumulation import ContrastiveAccumulation
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
 from disco_clip_ds.train.finite import FiniteCheck
@@ -131,8 +132,12 @@ class DiscoTrainer(Trainer):
         if any_true(failure is not None, self.args.device):  # a collective every step: no rank waits on a dead one
             self._stream_failed(failure)
         self.accumulation.record(batches[0])
+        until = self.args.patch_dropout_until_step  # the first step (1-based, as logged) that sees every patch
+        unmasked = until is not None and self.state.global_step + 1 >= until
         for batch in batches[0]:  # the stream's positions ride in the batch; the model must not see them
             self.stream_state.note(batch.pop(POSITION_KEY, None))
+            if unmasked:  # FLIP's unmasked tuning: the step decides, so a resumed run switches where the first did
+                batch.pop(PATCHES_KEY, None)
         self._data_time += time.perf_counter() - start
         return batches
 

@@ -60,6 +60,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     _check_batch_size(args)
     _check_save_steps(args)
     _check_learning_rate_and_weight_decay(args)
+    _check_patch_dropout(args)
     _check_model_source(model_args)
     _check_zeroshot(data_args)
     hub_model_id = _check_push_to_hub(args)
@@ -210,6 +211,22 @@ def _check_learning_rate_and_weight_decay(args: DiscoTrainingArguments) -> None:
         raise UsageError(
             f'{" ".join(towers)}: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer '
             "over one parameter group; remove that block so that the Trainer builds it with the per-tower groups"
+        )
+
+
+# --- --patch_dropout, --patch_dropout_until_step ----------------------------------------------------------------------
+def _check_patch_dropout(args: DiscoTrainingArguments) -> None:
+    if not (math.isfinite(args.patch_dropout) and 0 <= args.patch_dropout < 1):
+        raise UsageError(
+            f"--patch_dropout {args.patch_dropout:g}: give the fraction of patches to drop, at least 0 and below 1 "
+            "(FLIP: 0.5 or 0.75; 0: off)"
+        )
+    until = args.patch_dropout_until_step
+    if until is not None and args.patch_dropout == 0:
+        raise UsageError(f"--patch_dropout_until_step {until} without --patch_dropout: give a rate, e.g. 0.5")
+    if until is not None and until < 1:
+        raise UsageError(
+            f"--patch_dropout_until_step {until}: give the step from which every patch is seen, at least 1"
         )
 
 

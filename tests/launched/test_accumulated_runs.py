@@ -1,6 +1,7 @@
 """Contrastive accumulation end to end: K micro-batches of b train exactly like one batch of K x b on one rank, and
 N ranks x K micro-batches like one rank with N x K x b, under plain PyTorch, DDP, DeepSpeed ZeRO-1/2/3 and FSDP,
-with gradient checkpointing; a resumed run continues exactly; bad settings stop every rank with the reason.
+with gradient checkpointing, the sharded ones with FLIP's patch dropout; a resumed run continues exactly; bad settings
+stop every rank with the reason.
 (The math: tests/unit/train/test_accumulation.py.)"""
 
 import json
@@ -23,6 +24,7 @@ from disco_clip_ds.testing.launch import (
 from disco_clip_ds.testing.runs import (
     assert_same_training,
     assert_trained_under_fsdp,
+    same_weights,
     save_initial_model,
     step_losses,
     weights,
@@ -36,6 +38,10 @@ SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_ba
 # relative rate (tower rate x decay^k / 0.5) per parameter of: vision 0.5 x (embeddings 1/8, layer 0 1/4, layer 1
 # 1/2, after 1); text embeddings 1/64, layer 0 1/16, layer 1 1/4, after 1; logit_scale 1.
 TOWERS = ["--vision_lr", "0.25", "--vision_layer_decay", "0.5", "--text_layer_decay", "0.25"]
+# FLIP's patch dropout on the same sharded runs (and their reference): each sample's mask is its own, so K
+# micro-batches (both passes of each) and N ranks see the masks one batch of all pairs sees.
+PATCHES = ["--patch_dropout", "0.5"]
+UNTIL_1, UNTIL_3 = (["--patch_dropout_until_step", str(step)] for step in (1, 3))
 RELATIVE_RATES = {
     "vision_model.embeddings.patch_embedding.weight": 1 / 16,
     "vision_model.pre_layrnorm.weight": 1 / 16,
@@ -138,9 +144,10 @@ def runs(tmp_path_factory, initial_model):
     launch_in_one_process(
         [
             (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
-            (root / "n1_k1_towers", [*same, *micro(4 * MICRO, 1), *TOWERS]),
+            (root / "n1_k1_towers", [*same, *micro(4 * MICRO, 1), *TOWERS, *PATCHES]),
             (root / "step1", [*same, *micro(4 * MICRO, 1), "--max_steps", "1"]),
             (root / "step1_towers", [*same, *micro(4 * MICRO, 1), "--max_steps", "1", *TOWERS]),
+            (root / "step1_unmasked", [*same, *micro(4 * MICRO, 1), "--max_steps", "1", *TOWERS, *PATCHES, *UNTIL_1]),
             (root / "n1_k4", [*same, *micro(MICRO, 4)]),
             (root / "n1_k4_plain", [*same, *micro(MICRO, 4), "--contrastive_accumulation", "false"]),
             (root / "adamw_k1", [*data, *ADAMW, *SAME_STREAM, *micro(4 * MICRO, 1)]),
@@ -148,14 +155,15 @@ def runs(tmp_path_factory, initial_model):
         ]
     )
     # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
-    launch("torchrun", 2, root / "n2_k2_zero1", *same, *micro(MICRO, 2), *TOWERS, ds_config=str(zero1))
-    launch("torchrun", 2, root / "n2_k2_zero2", *same, *micro(MICRO, 2), *TOWERS)
-    zero3 = [*same, *micro(MICRO, 2), *gc, *TOWERS]
-    launch("accelerate", 2, root / "n2_k2_zero3_gc", *zero3, ds_config="cpu_zero3.json")
-    launch("accelerate", 2, root / "n2_k2_fsdp", *same, *micro(MICRO, 2), *TOWERS, ds_config=None)
+    sharded = [*same, *micro(MICRO, 2), *TOWERS, *PATCHES]
+    launch("torchrun", 2, root / "n2_k2_zero1", *sharded, ds_config=str(zero1))
+    launch("torchrun", 2, root / "n2_k2_zero2", *sharded)
+    launch("accelerate", 2, root / "n2_k2_zero3_gc", *sharded, *gc, ds_config="cpu_zero3.json")
+    launch("accelerate", 2, root / "n2_k2_fsdp", *sharded, ds_config=None)
     launch("torchrun", 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
     # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
-    own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2"]
+    # with patch dropout up to step 3, which the resumed part switches off as the uninterrupted run did
+    own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2", *PATCHES, *UNTIL_3]
     launch("torchrun", 2, root / "full", *own)
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
     launch("torchrun", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
@@ -168,7 +176,8 @@ def runs(tmp_path_factory, initial_model):
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
     if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
         assert_trained_under_fsdp(runs / run)
-    reference = "n1_k1" if run in ("n1_k4", "n2_k2_ddp_gc") else "n1_k1_towers"  # the sharded runs: TOWERS
+    # the sharded runs: TOWERS and PATCHES
+    reference = "n1_k1" if run in ("n1_k4", "n2_k2_ddp_gc") else "n1_k1_towers"
     assert_same_training(runs / run, runs / reference, weights(initial_model), steps=STEPS)
 
 
@@ -189,6 +198,18 @@ def test_per_tower_rates_and_layer_decay_scale_each_parameters_first_update(runs
     assert (
         weights(runs / "n1_k1_towers")["visual_projection.weight"] - weights(runs / "n1_k1")["visual_projection.weight"]
     ).abs().max() > 1e-4
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+def test_patch_dropout_masks_until_its_step_and_then_every_patch_is_seen(runs):
+    """Step 1 from the same weights on the same batch: with patch dropout the loss differs from the run without it
+    (the masks were applied); with --patch_dropout_until_step 1 the run is the one without it, bit for bit."""
+    masked, unmasked, plain = (step_losses(runs / r)[0] for r in ("n1_k1_towers", "step1_unmasked", "step1_towers"))
+    assert abs(masked - plain) > 1e-3 and unmasked == plain
+    assert same_weights(runs / "step1_unmasked", runs / "step1_towers") == 0
+    facts = json.loads((runs / "full" / "run.json").read_text())
+    assert facts["patch_dropout"] == "0.5 of the patches dropped, every patch from step 3"
 
 
 @E2E_TIMEOUT

@@ -1,7 +1,7 @@
 """`disco-clip train` on a SigLIP model (recipes/models/siglip_tiny.json) on 2 CPU ranks, the sigmoid loss in its
 forward: ZeRO-3 (accelerate), FSDP (accelerate), 1 rank with 2 contrastively accumulated micro-batches, and a run
 stopped by a signal and resumed each train exactly like 2 ranks under ZeRO-2 (torchrun), from one saved
-initialisation; the result is a plain SiglipModel folder that export, transformers' zero-shot pipeline and the
+initialisation, all with FLIP's patch dropout at 0.5 (each sample's mask is its own); the result is a plain SiglipModel folder that export, transformers' zero-shot pipeline and the
 zero-shot evaluation take. (The loss itself against float64 and open_clip: test_sigmoid_loss.py.)"""
 
 import subprocess
@@ -36,7 +36,7 @@ def runs(tmp_path_factory, initial_model):
     write_shards(root / "shards", num_shards=2, per_shard=48, seed=4)
     common = [
         "--model_name_or_path", str(initial_model), "--train_shards", f"{root}/shards/{{00000..00001}}.tar",
-        "--train_num_samples", "96", "--max_steps", str(STEPS), *SGD,
+        "--train_num_samples", "96", "--max_steps", str(STEPS), *SGD, "--patch_dropout", "0.5",
         "--accelerator_config", '{"dispatch_batches": true}',  # step t sees one global batch at any world size
     ]  # fmt: skip
     per_rank = ["--per_device_train_batch_size", str(PER_RANK)]
@@ -89,6 +89,8 @@ def test_the_export_is_a_siglipmodel_folder_for_the_zero_shot_pipeline(runs, tmp
     assert run_main(export_main, [str(runs / "n2_zero2"), str(tmp_path / "export")], "disco-clip export") == 0
     card = (tmp_path / "export" / "README.md").read_text()
     assert "# SigLIP trained with disco-clip-ds" in card and "SiglipModel.from_pretrained" in card
+    assert "| patch dropout (FLIP) | 0.5 of the patches dropped |" in card  # the card states it, the model has none
+    assert "patch" not in (tmp_path / "export" / "config.json").read_text().replace("patch_size", "")
     classify = pipeline("zero-shot-image-classification", model=str(tmp_path / "export"))
     assert type(classify.model).__name__ == "SiglipModel"
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))

@@ -18,6 +18,7 @@ import torch
 from disco_clip_ds.data.streams.state import positions_to_restore, write_stream_state
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, ImageTransform
 from disco_clip_ds.errors import DataError
+from disco_clip_ds.models.patch_dropout import draw_kept_patches
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
     read the readers of the run's rank k, each keeping its share of every batch that rank read (`_my_share`), so that
     each step trains on the same pairs, which the contrastive loss does not order; `shuffle_buffer` the
     block of raw samples permuted at a time (0: no shuffle where the stream allows it); `train` draws random crops;
-    images above `max_image_pixels` are skipped. Subclasses implement `_passes` (and `state_facts`,
-    `position_fields`) and pass these options through."""
+    images above `max_image_pixels` are skipped; `patches` (patches per image, patches kept): each sample also
+    carries the indices of its kept patches (patch dropout), drawn from (seed, pass, sample key). Subclasses
+    implement `_passes` (and `state_facts`, `position_fields`) and pass these options through."""
 
     position_fields: tuple[str, ...]  # the names of a position row's fields, "reader" and "count" first
 
@@ -77,6 +79,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         split: int = 1,
         micro_batch: int = 1,
+        patches: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -85,7 +88,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
         self.split, self.micro_batch = split, micro_batch
         self.reader_rank, self.share = rank // split, rank % split
         self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
-        self.max_image_pixels = max_image_pixels
+        self.max_image_pixels, self.patches = max_image_pixels, patches
         self.transform = ImageTransform(image_size, train=train)
         # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
         # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
@@ -179,15 +182,20 @@ class ReaderStream(torch.utils.data.IterableDataset):
             good, whole = 0, True
 
     def _decode_sample(self, what: str, epoch: int, key: str, caption: Callable[[], str], image: Callable[[], bytes]):
-        """(uint8 pixels, caption) of one sample, or None when it is skipped (and counted): its `caption()` is
-        empty, or its `image()` bytes are missing, unreadable or above `max_image_pixels`. The augmentation draws
-        from (seed, pass, sample key): per sample, not per reader."""
+        """(uint8 pixels, caption[, kept patches]) of one sample, or None when it is skipped (and counted): its
+        `caption()` is empty, or its `image()` bytes are missing, unreadable or above `max_image_pixels`. The
+        augmentation and the patch mask draw from (seed, pass, sample key): per sample, not per reader."""
         try:
             text = caption().strip()
             if not text:
                 raise ValueError("empty caption")
-            rng = random.Random(f"{self.seed}/{epoch}/{key}")
-            return self.transform.from_bytes(image(), rng, self.max_image_pixels), text
+            pixels = self.transform.from_bytes(
+                image(), random.Random(f"{self.seed}/{epoch}/{key}"), self.max_image_pixels
+            )
+            if self.patches is None:
+                return pixels, text
+            # an RNG of its own: the crops are those of a run without patch dropout
+            return pixels, text, draw_kept_patches(*self.patches, random.Random(f"{self.seed}/patches/{epoch}/{key}"))
         except Exception as error:  # PIL raises many types for corrupt data; any of them means skip this one
             self._count_skip(what, error)
             return None

@@ -173,6 +173,21 @@ def test_per_tower_optimizer_settings_stay_those_of_the_run():
     assert resume_problems(_facts(), _facts(tower_settings="--text_lr 0.0002")) == []  # an older run.json
 
 
+def test_patch_dropout_is_recorded_and_a_resume_may_change_it():
+    from types import SimpleNamespace
+
+    from disco_clip_ds.checkpoint.resume import patch_dropout_setting
+
+    assert patch_dropout_setting(SimpleNamespace(patch_dropout=0.0, patch_dropout_until_step=None)) is None
+    assert patch_dropout_setting(SimpleNamespace(patch_dropout=0.75, patch_dropout_until_step=None)) == (
+        "0.75 of the patches dropped"
+    )
+    masked = patch_dropout_setting(SimpleNamespace(patch_dropout=0.5, patch_dropout_until_step=900))
+    assert masked == "0.5 of the patches dropped, every patch from step 900"
+    # the masks are keyed by sample and pass and hold no optimizer state: not a resume fact
+    assert resume_problems(_facts(patch_dropout=masked), _facts(patch_dropout=None)) == []
+
+
 def test_ignore_data_skip_allows_a_changed_reader_count_or_data():
     new = _facts(dataloader_num_workers=2, train_num_samples=50, shards_sha256="bbbb")
     assert len(resume_problems(_facts(), new)) == 3

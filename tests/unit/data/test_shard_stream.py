@@ -134,3 +134,32 @@ def test_a_skipped_shard_read_through_a_command_is_logged_without_the_command(tm
         line.startswith("skipping unreadable shard or tar member in pipe: gone/00001.tar") for line in skipped
     ), skipped
     assert not any(token in r.getMessage() or "curl" in r.getMessage() for r in caplog.records)
+
+
+def _masks_seen(stream: ShardStream, n: int, workers: int = 0) -> dict:
+    """{(caption, pixel sum): kept patches} of the first N samples."""
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+    seen = {}
+    for pixels, caption, keep, _ in loader:
+        seen[(caption, int(pixels.sum()))] = keep.tolist()
+        if len(seen) == n:
+            break
+    return seen
+
+
+def test_a_samples_kept_patches_are_its_own_on_any_rank_or_worker_and_crops_stay_as_without(tmp_path):
+    """Patch dropout's mask is drawn from (seed, pass, sample key): one reader and 2 ranks x 2 workers give each
+    sample the same mask (and the same crop as a stream without patch dropout); another seed draws other masks."""
+    urls = write_shards(tmp_path, num_shards=4, per_shard=5)
+    alone = _masks_seen(ShardStream(urls, 16, seed=1, shuffle_buffer=0, patches=(16, 8)), 20)
+    spread = {}
+    for rank in range(2):
+        stream = ShardStream(urls, 16, seed=1, rank=rank, world_size=2, shuffle_buffer=0, patches=(16, 8))
+        spread.update(_masks_seen(stream, 10, workers=2))
+    assert len(alone) == 20 and spread == alone
+    assert all(len(keep) == 8 == len(set(keep)) for keep in alone.values())
+    assert len({tuple(keep) for keep in alone.values()}) > 10  # masks differ between samples
+    plain = _keys_seen(ShardStream(urls, 16, seed=1, shuffle_buffer=0), 20)
+    assert {(caption, int(total)) for caption, total in plain} == set(alone)
+    other = _masks_seen(ShardStream(urls, 16, seed=2, shuffle_buffer=0, patches=(16, 8)), 20)
+    assert list(other.values()) != list(alone.values())

@@ -55,6 +55,15 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--vision_layer_decay", "0.85", "--deepspeed", "{ds_optimizer}"],
         '--vision_layer_decay: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer',
     ),
+    "patch dropout 1": (["{data}", *MODEL, *TOK, "--patch_dropout", "1"], "--patch_dropout 1: give the fraction"),
+    "patch dropout until without a rate": (
+        ["{data}", *MODEL, *TOK, "--patch_dropout_until_step", "5"],
+        "--patch_dropout_until_step 5 without --patch_dropout",
+    ),
+    "patch dropout until step 0": (
+        ["{data}", *MODEL, *TOK, "--patch_dropout", "0.5", "--patch_dropout_until_step", "0"],
+        "--patch_dropout_until_step 0: give the step",
+    ),
     "save steps 0": (["{data}", *MODEL, *TOK, "--save_steps", "0"], "--save_steps 0: give a positive number"),
     "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
     "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
