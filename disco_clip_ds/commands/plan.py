@@ -41,6 +41,12 @@ def _parse(argv):
         action="store_false",
         help="plan for `train --contrastive_accumulation false`: the contrastive batch is micro x world",
     )
+    p.add_argument(
+        "--patch_dropout",
+        type=float,
+        default=0.0,
+        help="fraction of image patches dropped in training (as `disco-clip train --patch_dropout`)",
+    )
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
 
@@ -61,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         args.chunk_size,
         args.overhead_gb,
         args.contrastive_accumulation,
+        args.patch_dropout,
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

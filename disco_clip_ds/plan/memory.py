@@ -37,13 +37,14 @@ class ModelShape:
     """What the memory model needs from a CLIPConfig or SiglipConfig: tower shapes, inputs, parameter counts and the
     loss family (softmax for CLIP, sigmoid for SigLIP)."""
 
-    towers: dict  # name -> {"layers", "tokens", "hidden", "mlp"}
+    towers: dict  # name -> {"layers", "tokens", "hidden", "mlp"}; the vision tower's also "patches", "patch_pixels"
     image: tuple  # (channels, height, width)
     text_tokens: int
     projection_dim: int
     params: int
     largest_param: int
     loss: str = "softmax"
+    patch_dropout: float = 0.0  # the fraction of patch tokens dropped in training (FLIP)
 
     @classmethod
     def from_json(cls, path) -> "ModelShape":
@@ -76,14 +77,16 @@ class ModelShape:
         numels = [p.numel() for p in model.parameters()]
         v, t = config.vision_config, config.text_config
         # CLIP's vision tower adds a class token; SigLIP's pools the patches with an attention head instead.
-        vision_tokens = (v.image_size // v.patch_size) ** 2 + (model_type == "clip")
+        patches = (v.image_size // v.patch_size) ** 2
         embed_dim = config.projection_dim if model_type == "clip" else t.projection_size
         towers = {
             "vision": {
                 "layers": v.num_hidden_layers,
-                "tokens": vision_tokens,
+                "tokens": patches + (model_type == "clip"),
                 "hidden": v.hidden_size,
                 "mlp": v.intermediate_size,
+                "patches": patches,
+                "patch_pixels": v.num_channels * v.patch_size**2,
             },
             "text": {
                 "layers": t.num_hidden_layers,
@@ -107,15 +110,41 @@ class ModelShape:
         if impl not in FAMILY_IMPLS[self.loss]:
             raise PlanConfigError(f"--loss_impl {impl}: the {self.loss} loss has {', '.join(FAMILY_IMPLS[self.loss])}")
 
+    def with_patch_dropout(self, dropout: float) -> "ModelShape":
+        """This shape trained with patch dropout `dropout`: the image tower's layers see the kept patches (and the
+        class token) only; its embeddings still see every patch."""
+        return replace(self, patch_dropout=dropout)
+
+    def layer_tokens(self, tower: dict) -> int:
+        """The tokens a tower's encoder layers see per sample in training."""
+        if "patches" not in tower or not self.patch_dropout:
+            return tower["tokens"]
+        from disco_clip_ds.models.patch_dropout import kept_patches
+
+        class_tokens = tower["tokens"] - tower["patches"]
+        return class_tokens + kept_patches(tower["patches"], self.patch_dropout)
+
     def features(self) -> dict:
         """Shape sums the activation fit is linear in (see bench/plan/act_fit.py)."""
-        ts = self.towers.values()
+        ts, tokens = self.towers.values(), self.layer_tokens
         return {
-            "layer_sh": sum(t["layers"] * t["tokens"] * t["hidden"] for t in ts),
-            "layer_sm": sum(t["layers"] * t["tokens"] * t["mlp"] for t in ts),
+            "layer_sh": sum(t["layers"] * tokens(t) * t["hidden"] for t in ts),
+            "layer_sm": sum(t["layers"] * tokens(t) * t["mlp"] for t in ts),
             "embed_sh": sum(t["tokens"] * t["hidden"] for t in ts),
-            "tower_layer_sh_sm": [(t["tokens"] * t["hidden"], t["tokens"] * t["mlp"]) for t in ts],
+            "tower_layer_sh_sm": [(tokens(t) * t["hidden"], tokens(t) * t["mlp"]) for t in ts],
         }
+
+    def training_flops_per_sample(self) -> dict[str, float]:
+        """Each tower's training FLOPs per sample (forward and backward, 3 x the forward), counting the matrix
+        products: per layer and token 4 h^2 (q, k, v, out) + 2 h m (MLP) + 2 t h (scores and values) multiply-adds
+        over the tokens the layer sees, and the patch embedding over every patch."""
+        flops = {}
+        for name, t in self.towers.items():
+            tokens, h = self.layer_tokens(t), t["hidden"]
+            macs = t["layers"] * tokens * (4 * h * h + 2 * h * t["mlp"] + 2 * tokens * h)
+            macs += t.get("patches", 0) * t.get("patch_pixels", 0) * h
+            flops[name] = 3 * 2 * macs
+        return flops
 
     def input_bytes(self, pixel_bytes: int) -> int:
         """One sample's inputs: pixels in the compute dtype, int64 token ids."""

@@ -53,18 +53,29 @@ def plan(
     chunk_size=None,
     overhead_gb: float = DEFAULT_OVERHEAD_GB,
     contrastive_accumulation: bool = True,
+    patch_dropout: float = 0.0,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes)."""
     settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
-    shape = ModelShape.from_json(model_path)
+    if not 0 <= patch_dropout < 1:
+        raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
+    shape = ModelShape.from_json(model_path).with_patch_dropout(patch_dropout)
     loss_impls = tuple(loss_impls or FAMILY_IMPLS[shape.loss])  # default: every one the model's loss has
     for impl in loss_impls:
         shape.check_impl(impl)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
     out = {
         "settings": asdict(settings),
-        "model": {"params": shape.params, "largest_param": shape.largest_param, "loss": shape.loss},
+        "model": {
+            "params": shape.params,
+            "largest_param": shape.largest_param,
+            "loss": shape.loss,
+            "patch_dropout": patch_dropout,
+            "vision_layer_tokens": shape.layer_tokens(shape.towers["vision"]),
+            "vision_tokens": shape.towers["vision"]["tokens"],
+            "training_flops_per_sample": shape.training_flops_per_sample(),
+        },
         "global_batch": settings.contrastive_batch,
         "contrastive_steps": settings.contrastive_steps,
         "capacity_bytes": capacity,
@@ -105,6 +116,13 @@ def format_report(result: dict, config_path, model_path) -> str:
         f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
+    model, flops = result["model"], result["model"]["training_flops_per_sample"]
+    lines.append(
+        f"training compute per sample: {sum(flops.values()) / 1e9:.1f} GFLOP (vision {flops['vision'] / 1e9:.1f} at "
+        f"{model['vision_layer_tokens']} of {model['vision_tokens']} tokens"
+        + (f", patch dropout {model['patch_dropout']:g}" if model["patch_dropout"] else "")
+        + f"; text {flops['text'] / 1e9:.1f}); times the contrastive batch per optimizer step"
+    )
     lines += [f"note: {w}" for w in s["warnings"]] + [f"needs the HF Trainer: {a}" for a in s["trainer_auto"]]
     if result["contrastive_steps"] > 1 and "local" in impls:
         lines.append("note: local contrasts each micro-batch alone: planned as `--contrastive_accumulation false`")

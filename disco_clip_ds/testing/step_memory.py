@@ -1,7 +1,7 @@
 """Measure the CPU peak memory of one CLIPModel training step, in a fresh process.
 
     python -m disco_clip_ds.testing.step_memory --model recipes/models/vit_b32.json --batch 8
-        [--activation_checkpointing] [--mode fwdbwd|train]
+        [--activation_checkpointing] [--mode fwdbwd|train] [--patch_dropout P]
 
 Prints one JSON line. The number is peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs)
 minus the resident memory just before the measured region, in MiB. Run it with MALLOC_MMAP_THRESHOLD_=65536
@@ -29,42 +29,61 @@ from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss
 MMAP_ENV = mmap_threshold_env(65536)
 
 
-def _inputs(config, batch: int, dtype):
+def _inputs(config, batch: int, dtype, patch_dropout: float):
+    import random
+
     import torch
+
+    from disco_clip_ds.models.patch_dropout import draw_kept_patches, patch_counts
 
     vision, text = config.vision_config, config.text_config
     pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size, dtype=dtype)
     ids = torch.randint(0, text.vocab_size, (batch, text.max_position_embeddings))
-    return {"pixel_values": pixels, "input_ids": ids}
+    inputs = {"pixel_values": pixels, "input_ids": ids}
+    patches = patch_counts(vision, patch_dropout)
+    if patches:
+        rng = random.Random(0)
+        inputs["patch_keep"] = torch.stack([draw_kept_patches(*patches, rng) for _ in range(batch)])
+    return inputs
 
 
-def _step(model, config, batch: int) -> None:
-    out = model(**_inputs(config, batch, model.dtype), return_loss=True)
+def _step(model, config, batch: int, patch_dropout: float) -> None:
+    out = model(**_inputs(config, batch, model.dtype, patch_dropout), return_loss=True)
     out.loss.backward()
 
 
-def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bool, dtype: str = "fp32") -> dict:
-    """The peak memory of one training step of the CLIPModel at MODEL_PATH on BATCH samples (this module's
-    docstring says what MODE and the result hold)."""
+def measure(
+    model_path: str,
+    batch: int,
+    mode: str,
+    activation_checkpointing: bool,
+    dtype: str = "fp32",
+    patch_dropout: float = 0.0,
+) -> dict:
+    """The peak memory of one training step of the CLIPModel at MODEL_PATH (as the package's DiscoCLIPModel, with
+    CLIP's own per-device loss) on BATCH samples (this module's docstring says what MODE and the result hold)."""
     import torch
-    from transformers import CLIPConfig, CLIPModel
+    from transformers import CLIPConfig
+
+    from disco_clip_ds.models.clip import DiscoCLIPModel
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = CLIPConfig.from_json_file(model_path)
+    config.loss_impl = "local"
     base = reset_peak_rss()
-    model = CLIPModel(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
+    model = DiscoCLIPModel(config).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).train()
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if mode == "fwdbwd":
-        _step(model, config, 1)  # materialise gradients and lazy buffers outside the region
+        _step(model, config, 1, patch_dropout)  # materialise gradients and lazy buffers outside the region
         base = reset_peak_rss()
-        _step(model, config, batch)
+        _step(model, config, batch, patch_dropout)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=False)
-            _step(model, config, batch)
+            _step(model, config, batch, patch_dropout)
             optimizer.step()
     peak = rss_mib("VmHWM")
     return {
@@ -73,6 +92,7 @@ def measure(model_path: str, batch: int, mode: str, activation_checkpointing: bo
         "mode": mode,
         "activation_checkpointing": activation_checkpointing,
         "dtype": dtype,
+        "patch_dropout": patch_dropout,
         "params": sum(p.numel() for p in model.parameters()),
         "base_mib": round(base, 2),
         "peak_mib": round(peak, 2),
@@ -92,12 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         default="fp32",
         help="weights, inputs and activations (bf16: checks the planner's halving)",
     )
+    parser.add_argument("--patch_dropout", type=float, default=0.0, help="fraction of image patches dropped")
     args = parser.parse_args(argv)
     if MMAP_ENV.items() - os.environ.items():  # glibc reads it when the process starts: re-exec with it
         os.execve(
             sys.executable, [sys.executable, "-m", __spec__.name, *(argv or sys.argv[1:])], {**os.environ, **MMAP_ENV}
         )
-    print(json.dumps(measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype)))
+    result = measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype, args.patch_dropout)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ def test_bad_files_are_reported(tmp_path):
     [
         ("--gpu_memory", "0GB", "a GPU's memory is more than 0"),
         ("--model", "[1, 2]", "its top level is not a JSON object"),
+        ("--patch_dropout", "1", "--patch_dropout 1: give a fraction at least 0 and below 1"),
     ],
 )
 def test_bad_planner_inputs_are_one_line_with_exit_2(flag, value, message, tmp_path, capsys):
@@ -205,6 +206,33 @@ def test_traffic_hand_computed():
 
 def test_parameter_count_is_the_real_models():
     assert P.ModelShape.from_json(VIT).params == 151_277_313
+
+
+def _vit_b16(tmp_path) -> Path:
+    """A CLIPConfig JSON with ViT-B/16's image tower (224 px, 16 px patches, width 768, 12 layers, MLP 3072)."""
+    config = json.loads(VIT.read_text())
+    config["vision_config"] = {**config["vision_config"], "patch_size": 16, "image_size": 224}
+    (tmp_path / "vit_b16.json").write_text(json.dumps(config))
+    return tmp_path / "vit_b16.json"
+
+
+def test_patch_dropout_counts_the_kept_tokens_in_compute_and_activations(tmp_path):
+    """ViT-B/16's image tower: 17.6 G multiply-adds per image forward as timm reports it for vit_base_patch16_224
+    (the published figure), by hand 12 layers x 197 tokens x (4 h^2 + 2 h m + 2 t h) + 196 patches x 768 x 768;
+    at patch dropout 0.5 the layers see 1 + 98 tokens, the patch embedding still every patch."""
+    shape = P.ModelShape.from_json(_vit_b16(tmp_path))
+    h, m = 768, 3072
+    by_hand = lambda t: 12 * t * (4 * h * h + 2 * h * m + 2 * t * h) + 196 * 3 * 16 * 16 * h
+    assert shape.training_flops_per_sample()["vision"] == 3 * 2 * by_hand(197)
+    assert by_hand(197) / 1e9 == pytest.approx(17.6, rel=0.01)
+    masked = shape.with_patch_dropout(0.5)
+    assert masked.layer_tokens(masked.towers["vision"]) == 99
+    assert masked.training_flops_per_sample()["vision"] == 3 * 2 * by_hand(99)
+    assert masked.training_flops_per_sample()["text"] == shape.training_flops_per_sample()["text"]
+    full, kept = shape.features(), masked.features()
+    assert full["layer_sh"] - kept["layer_sh"] == 12 * (197 - 99) * h
+    assert full["layer_sm"] - kept["layer_sm"] == 12 * (197 - 99) * m
+    assert full["embed_sh"] == kept["embed_sh"]  # the embeddings see every patch
 
 
 def test_loss_terms_scale_as_the_paper_says():
