@@ -96,7 +96,7 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch, patch_dro
     estimate = P.memory_plan(shape, settings, P.load_fit(), "local", False, capacity=float("inf"), overhead=0.0).total
     measured = _measured_train_peak(path, batch, patch_dropout)
     assert abs(estimate / measured - 1) < 0.25, (
-        f"{model} b={batch} p={patch_dropout}: estimate {estimate / 2**20:.0f} MiB vs measured {measured / 2**20:.0f} MiB"
+        f"{model} b={batch} p={patch_dropout}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
     )
 
 

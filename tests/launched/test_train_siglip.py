@@ -1,8 +1,9 @@
 """`disco-clip train` on a SigLIP model (recipes/models/siglip_tiny.json) on 2 CPU ranks, the sigmoid loss in its
-forward: ZeRO-3 (accelerate), FSDP (accelerate), 1 rank with 2 contrastively accumulated micro-batches, and a run
-stopped by a signal and resumed each train exactly like 2 ranks under ZeRO-2 (torchrun), from one saved
-initialisation, all with FLIP's patch dropout at 0.5 (each sample's mask is its own); the result is a plain SiglipModel folder that export, transformers' zero-shot pipeline and the
-zero-shot evaluation take. (The loss itself against float64 and open_clip: test_sigmoid_loss.py.)"""
+forward, with FLIP's patch dropout at 0.5 (each sample's mask is its own): ZeRO-3 (accelerate), FSDP (accelerate),
+1 rank with 2 contrastively accumulated micro-batches, and a run stopped by a signal and resumed each train exactly
+like 2 ranks under ZeRO-2 (torchrun), from one saved initialisation; the result is a plain SiglipModel folder that
+export, transformers' zero-shot pipeline and the zero-shot evaluation take. (The loss itself against float64 and
+open_clip: test_sigmoid_loss.py.)"""
 
 import subprocess
 from pathlib import Path
