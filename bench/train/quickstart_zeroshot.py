@@ -1,12 +1,13 @@
-"""The quickstart's in-training zero-shot accuracy for chosen (loss, data format, seed) runs.
+"""The quickstart's in-training zero-shot accuracy for chosen (loss, data format, seed[, patch dropout]) runs.
 
-Each run is `recipes/quickstart.sh` with LOSS, DATA_FORMAT and SEED set (its default steps, batch and ranks), into
-outputs/bench_quickstart/LOSS_FORMAT_sSEED; the zero-shot metrics logged at its evals (steps 100, 200, 300) are read
-from its trainer_state.json and merged into results/quickstart_zeroshot.csv, replacing earlier rows of the same run.
+Each run is `recipes/quickstart.sh` with LOSS, DATA_FORMAT, SEED and PATCH_DROPOUT set (its default steps, batch and
+ranks), into outputs/bench_quickstart/LOSS_FORMAT_sSEED[_pdP]; the zero-shot metrics logged at its evals (steps 100,
+200, 300) are read from its trainer_state.json and merged into results/quickstart_zeroshot.csv, replacing earlier rows of the same run.
 Different seeds change the data order, the augmentation and the initial weights: their spread is the noise against
 which two data formats are compared.
 
     python bench/train/quickstart_zeroshot.py softmax:hf:0 softmax:shards:1 softmax:hf:1
+    python bench/train/quickstart_zeroshot.py softmax:shards:0:0.5   # patch dropout 0.5
 """
 
 from __future__ import annotations
@@ -22,32 +23,36 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CSV = HERE / "results" / "quickstart_zeroshot.csv"
-FIELDS = ["loss", "data_format", "seed", "step", "zeroshot_acc1", "zeroshot_acc5", "zeroshot_mean_per_class_recall"]
+FIELDS = ["loss", "data_format", "seed", "patch_dropout", "step"]
+FIELDS += ["zeroshot_acc1", "zeroshot_acc5", "zeroshot_mean_per_class_recall"]
 
 
-def run(loss: str, data_format: str, seed: int, port: int) -> list[dict]:
+def run(loss: str, data_format: str, seed: int, patch_dropout: float, port: int) -> list[dict]:
     """Run the quickstart once (afresh) and return its zero-shot rows."""
-    out = REPO / "outputs" / "bench_quickstart" / f"{loss}_{data_format}_s{seed}"
+    name = f"{loss}_{data_format}_s{seed}" + (f"_pd{patch_dropout:g}" if patch_dropout else "")
+    out = REPO / "outputs" / "bench_quickstart" / name
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "LOSS": loss, "DATA_FORMAT": data_format, "SEED": str(seed), "OUT": str(out)}
+    env["PATCH_DROPOUT"] = f"{patch_dropout:g}"
     env["MASTER_PORT"] = str(port)
     subprocess.run(["bash", str(REPO / "recipes" / "quickstart.sh")], env=env, check=True, cwd=REPO)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return [
-        {"loss": loss, "data_format": data_format, "seed": seed, "step": entry["step"]}
-        | {key: round(entry[key], 4) for key in FIELDS[4:]}
+        {"loss": loss, "data_format": data_format, "seed": seed, "patch_dropout": patch_dropout, "step": entry["step"]}
+        | {key: round(entry[key], 4) for key in FIELDS[5:]}
         for entry in history
         if "zeroshot_acc1" in entry
     ]
 
 
 def merge(rows: list[dict]) -> None:
-    """Write `rows` into the CSV, replacing the rows of the same (loss, data format, seed)."""
-    runs = {(r["loss"], r["data_format"], str(r["seed"])) for r in rows}
+    """Write `rows` into the CSV, replacing the rows of the same (loss, data format, seed, patch dropout)."""
+    key = lambda r: (r["loss"], r["data_format"], str(r["seed"]), float(r.get("patch_dropout") or 0))
+    runs = {key(r) for r in rows}
     kept = []
     if CSV.is_file():
         with CSV.open() as f:
-            kept = [r for r in csv.DictReader(f) if (r["loss"], r["data_format"], r["seed"]) not in runs]
+            kept = [{"patch_dropout": 0.0, **r} for r in csv.DictReader(f) if key(r) not in runs]
     merged = sorted(kept + rows, key=_order)
     with CSV.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -56,17 +61,25 @@ def merge(rows: list[dict]) -> None:
 
 
 def _order(row: dict) -> tuple:
-    return row["loss"] != "softmax", row["data_format"], int(row["seed"]), int(row["step"])
+    return (
+        row["loss"] != "softmax",
+        row["data_format"],
+        float(row["patch_dropout"]),
+        int(row["seed"]),
+        int(row["step"]),
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="LOSS:FORMAT:SEED, e.g. softmax:hf:0 (loss softmax|sigmoid)")
+    parser.add_argument(
+        "runs", nargs="+", help="LOSS:FORMAT:SEED[:PATCH_DROPOUT], e.g. softmax:hf:0 (loss softmax|sigmoid)"
+    )
     parser.add_argument("--master_port", type=int, default=29581)
     args = parser.parse_args(argv)
     for spec in args.runs:
-        loss, data_format, seed = spec.split(":")
-        merge(run(loss, data_format, int(seed), args.master_port))
+        loss, data_format, seed, *patch_dropout = spec.split(":")
+        merge(run(loss, data_format, int(seed), float(patch_dropout[0]) if patch_dropout else 0.0, args.master_port))
 
 
 if __name__ == "__main__":
