@@ -2,9 +2,9 @@
 
 Each run is `recipes/quickstart.sh` with LOSS, DATA_FORMAT, SEED and PATCH_DROPOUT set (its default steps, batch and
 ranks), into outputs/bench_quickstart/LOSS_FORMAT_sSEED[_pdP]; the zero-shot metrics logged at its evals (steps 100,
-200, 300) are read from its trainer_state.json and merged into results/quickstart_zeroshot.csv, replacing earlier rows of the same run.
-Different seeds change the data order, the augmentation and the initial weights: their spread is the noise against
-which two data formats are compared.
+200, 300) are read from its trainer_state.json and merged into results/quickstart_zeroshot.csv, replacing earlier rows
+of the same run. Different seeds change the data order, the augmentation and the initial weights: their spread is the
+noise against which two data formats (or patch dropout on and off) are compared.
 
     python bench/train/quickstart_zeroshot.py softmax:hf:0 softmax:shards:1 softmax:hf:1
     python bench/train/quickstart_zeroshot.py softmax:shards:0:0.5   # patch dropout 0.5
