@@ -276,7 +276,7 @@ def step_times(stack: str, lines: list[tuple[float, str]], steps: int) -> list[f
     return times
 
 
-def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
+def run_ours(seed: int, steps: int, data: Path, out: Path, patch_dropout: float = 0.0) -> dict:
     from disco_clip_ds.testing.launch import train_command
 
     lines, wall = _streamed(
@@ -324,6 +324,8 @@ def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
             str(seed),
             "--report_to",
             "none",
+            "--patch_dropout",
+            str(patch_dropout),
         ],
         out.with_suffix(".log"),
     )
@@ -335,7 +337,14 @@ def run_ours(seed: int, steps: int, data: Path, out: Path) -> dict:
 
 
 def run_open_clip(
-    python: Path, seed: int, steps: int, data: Path, out: Path, model_config: Path, ours_model: Path
+    python: Path,
+    seed: int,
+    steps: int,
+    data: Path,
+    out: Path,
+    model_config: Path,
+    ours_model: Path,
+    patch_dropout: float = 0.0,
 ) -> dict:
     from disco_clip_ds.testing.ranks import free_port
 
@@ -399,6 +408,7 @@ def run_open_clip(
                 "run",
                 "--report-to",
                 "",
+                *(["--force-patch-dropout", str(patch_dropout)] if patch_dropout else []),
             ]
         )
     )
@@ -490,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=REPO / "data" / "demo")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "vs_open_clip")
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument(
+        "--patch_dropout",
+        type=float,
+        default=0.0,
+        help="both stacks with FLIP's patch dropout (ours --patch_dropout, open_clip --force-patch-dropout); "
+        "results in vs_open_clip_pdP*",
+    )
     args = parser.parse_args(argv)
 
     python = ensure_openclip_venv(OPENCLIP_VENV)
@@ -513,9 +530,16 @@ def main(argv: list[str] | None = None) -> int:
     skip = min(SKIP, args.steps // 2)  # a smoke run's few steps still leave some timed
     rows, curves = [], []
     for seed in args.seeds:  # one round per seed, ours then open_clip: load from other work reaches both
-        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}")
+        ours = run_ours(seed, args.steps, args.data, args.out / f"ours-{seed}", args.patch_dropout)
         theirs = run_open_clip(
-            python, seed, args.steps, args.data, args.out / f"open_clip-{seed}", model_config, ours["model"]
+            python,
+            seed,
+            args.steps,
+            args.data,
+            args.out / f"open_clip-{seed}",
+            model_config,
+            ours["model"],
+            args.patch_dropout,
         )
         for stack, run in (("ours", ours), ("open_clip", theirs)):
             metrics = zeroshot(run["model"], args.data)
@@ -543,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
                 for (step, loss), t in zip(run["losses"], run["times"])
             ]
             print(rows[-1], flush=True)
-        write(args.results, rows, curves, skip)  # after every round: a long run interrupted keeps what it measured
+        name = f"vs_open_clip_pd{args.patch_dropout:g}" if args.patch_dropout else "vs_open_clip"
+        # after every round: a long run interrupted keeps what it measured
+        write(args.results, rows, curves, skip, name)
     print(summary(rows))
     return 0
 
@@ -589,15 +615,15 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(results: Path, rows: list[dict], curves: list[dict], skip: int) -> None:
+def write(results: Path, rows: list[dict], curves: list[dict], skip: int, name: str = "vs_open_clip") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results.mkdir(parents=True, exist_ok=True)
-    for name, table in (("vs_open_clip.csv", rows), ("vs_open_clip_curves.csv", curves)):
-        with open(results / name, "w", newline="") as f:
+    for file, table in ((f"{name}.csv", rows), (f"{name}_curves.csv", curves)):
+        with open(results / file, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
             writer.writeheader()
             writer.writerows(table)
@@ -633,7 +659,7 @@ def write(results: Path, rows: list[dict], curves: list[dict], skip: int) -> Non
     loss_ax.legend()
     time_ax.legend()
     fig.tight_layout()
-    fig.savefig(results / "vs_open_clip.png", dpi=120)
+    fig.savefig(results / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
