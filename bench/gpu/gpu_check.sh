@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on one H200 in at most 8 minutes (part limits: 15 + 40 + 2 x 120 + 150 s,
-# plus 5 s grace each = 470 s). Every part writes its CSV (and log) under
+# The GPU check: one prepared run on one H200 in at most 10 minutes (part limits: 15 + 40 + 2 x 120 + 150 + 120 s,
+# plus 5 s grace each = 595 s). Every part writes its CSV (and log) under
 # $OUT (default bench/gpu/results/gpu) and runs under its own time limit, so a part that fails or overruns leaves the
-# others' results and the total stays under 8 minutes; $OUT/parts.csv says how each part ended.
+# others' results and the total stays under 10 minutes; $OUT/parts.csv says how each part ended.
 #   env        nvidia-smi and library versions                                        (env.txt)
 #   infcl      pip install of Inf-CL's PyPI package `inf-cl` into a scratch folder; the machine may have no
 #              internet (or pass INF_CL_WHEELS=folder-with-the-wheel): then Inf-CL is left out of the loss parts
@@ -10,6 +10,8 @@
 #   loss_fp32  configuration fits the GPU and its time limit (an OOM or timeout at one B skips the larger ones)
 #   step       bench/gpu/gpu_step.py: ViT-B/32 bf16 DeepSpeed ZeRO-2 steps at 1024 and 4096 per GPU (activation
 #              checkpointing, tiled loss): samples/s and peak memory against `disco-clip plan`'s estimate
+#   compile    bench/train/compile_step.py: ViT-B/32 bf16 ZeRO-2 step time with the towers compiled (inductor,
+#              --torch_compile) against eager, interleaved rounds at 256 per GPU, and the first compiled step
 #
 #   bash bench/gpu/gpu_check.sh             # on the GPU machine (PYTHON=... to pick the interpreter)
 #   bash bench/gpu/gpu_check.sh --cpu-smoke # tiny sizes on CPU: every part and code path above, no GPU needed
@@ -26,6 +28,8 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   DEVICE=cpu LOSS_BATCH="256 512" LOSS_LIMIT=400 LOSS_CONFIG_LIMIT=200 LOSS_CHUNK=${LOSS_CHUNK-96}
   STEP_ARGS=(--model recipes/models/tiny.json --per_device 32 64 --precision fp32 --steps 2 --timeout 300)
   STEP_LIMIT=700
+  COMPILE_ARGS=(--models tiny --per_device 32 --precision fp32 --rounds 2)
+  COMPILE_LIMIT=400
 else
   DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=120 LOSS_CONFIG_LIMIT=50
   # The loss's default tile (2M logits) was sized on CPU; at B = 32K it is 64 rows, 512 tiles of a dozen small
@@ -36,6 +40,9 @@ else
   STEP_ARGS=(--model recipes/models/vit_b32.json --per_device 1024 4096 --precision bf16 --steps 3 --timeout 70
              --activation_checkpointing --gpu_memory 139GB)
   STEP_LIMIT=150
+  # inductor's compile of both towers (forward and backward) is most of this part's time
+  COMPILE_ARGS=(--models vit_b32 --per_device 256 --precision bf16 --rounds 5)
+  COMPILE_LIMIT=120
 fi
 
 echo "part,exit_code,seconds,result" > "$OUT/parts.csv"
@@ -82,7 +89,10 @@ done
 
 part step "$STEP_LIMIT" "$PY" bench/gpu/gpu_step.py --device "$DEVICE" "${STEP_ARGS[@]}" --out "$OUT/step.csv"
 
-for f in "$OUT"/parts.csv "$OUT"/loss_*.csv "$OUT"/step.csv; do
+part compile "$COMPILE_LIMIT" "$PY" bench/train/compile_step.py --device "$DEVICE" "${COMPILE_ARGS[@]}" \
+  --out "$OUT/compile.csv"
+
+for f in "$OUT"/parts.csv "$OUT"/loss_*.csv "$OUT"/step.csv "$OUT"/compile.csv; do
   [ -f "$f" ] && { echo "== $f"; cat "$f"; }
 done
 exit 0

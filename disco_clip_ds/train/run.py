@@ -39,6 +39,7 @@ from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
+from disco_clip_ds.train.compile import compile_towers, take_compile_settings
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
 from disco_clip_ds.train.validate import CheckedRun, validate
@@ -75,13 +76,15 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                 print(repaired or finished)
             return {}
 
-        # 5. The model, its locked towers and the processor saved with it.
+        # 5. The model, its locked towers (compiled with --torch_compile: the towers alone, taken out of the
+        # Trainer's hands, which would compile the loss's collectives too) and the processor saved with it.
         args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
         compat.init_deepspeed_comm(args)
         model = build_model(
             model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
         )
         _lock_towers(model, model_args)
+        compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
         processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.

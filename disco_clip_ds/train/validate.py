@@ -61,6 +61,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     _check_save_steps(args)
     _check_learning_rate_and_weight_decay(args)
     _check_patch_dropout(args)
+    _check_torch_compile(args)
     _check_model_source(model_args)
     _check_zeroshot(data_args)
     hub_model_id = _check_push_to_hub(args)
@@ -228,6 +229,30 @@ def _check_patch_dropout(args: DiscoTrainingArguments) -> None:
         raise UsageError(
             f"--patch_dropout_until_step {until}: give the step from which every patch is seen, at least 1"
         )
+
+
+# --- --torch_compile, --torch_compile_backend, --torch_compile_mode ---------------------------------------------------
+def _check_torch_compile(args: DiscoTrainingArguments) -> None:
+    """A backend or mode that torch.compile does not know would fail at the first step (train/compile.py)."""
+    if not args.torch_compile:
+        return
+    import torch._dynamo
+    import torch._inductor
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if args.torch_compile_backend not in backends:
+        raise UsageError(
+            f"--torch_compile_backend {args.torch_compile_backend}: not a torch.compile backend here; one of "
+            f"{', '.join(backends)} (default inductor)"
+        )
+    modes = list(torch._inductor.list_mode_options())
+    if args.torch_compile_mode is not None and args.torch_compile_backend != "inductor":
+        raise UsageError(
+            f"--torch_compile_mode is inductor's: leave it out with --torch_compile_backend "
+            f"{args.torch_compile_backend}"
+        )
+    if args.torch_compile_mode is not None and args.torch_compile_mode not in modes:
+        raise UsageError(f"--torch_compile_mode {args.torch_compile_mode}: one of {', '.join(modes)}")
 
 
 # --- --model_name_or_path, --model_config, --tokenizer_name ----------------------------------------------------------
