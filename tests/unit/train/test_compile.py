@@ -51,6 +51,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # dynamo traces both towers: seconds, beyond the fast tier's budget
 def test_compiled_towers_give_the_eager_loss_embeddings_and_gradients_and_keep_every_key(tmp_path):
     """aot_eager: dynamo and AOTAutograd trace both towers (forward and backward graphs), without inductor's minutes
     of C++ compiles; inductor's kernels are the launched test's."""
@@ -86,6 +87,7 @@ def _failing_backend(graph, example_inputs):
     raise RuntimeError("no kernels for this graph\n(a second line, left out)")
 
 
+@pytest.mark.slow
 def test_a_failed_compile_is_one_line_per_tower_and_the_step_runs_eager(caplog, capfd):
     """A backend that fails on every graph: the towers' forwards are traced, the backend raises, each tower says why
     in one line and runs eager, with the eager model's loss and gradients."""
