@@ -17,7 +17,9 @@ On one batch of 256 pairs of the demo data, the tiny CLIP, fp32, one process:
                (SGD at a constant rate, no weight decay or clipping: the update is the gradient times the rate)
 
 each with patch dropout 0.5 and 0 (the control: without patch dropout both accumulations are exact). The figure is
-the relative difference |g - g_ref| / |g_ref| over all parameters.
+the relative difference |g - g_ref| / |g_ref| over the towers' parameters (open_clip) or all of them (ours). open_clip's
+logit_scale is reported apart: each of its K backward passes carries the whole loss's logit_scale gradient, so its
+accumulated logit_scale gradient is K times the one-batch one, with or without patch dropout.
 
     .venv/bin/python bench/vs_open_clip/patch_dropout_accumulation.py    # writes results/patch_dropout_accumulation.csv
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,17 +60,17 @@ def open_clip_gradients(batch_file: str, model_config: str, rate: float) -> dict
     images, texts = batch["pixel_values"].float(), batch["input_ids"]
     loss_fn = ClipLoss()
 
-    def gradient(loss) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    def gradients() -> dict:
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    def one_batch(seed: int) -> torch.Tensor:
+    def one_batch(seed: int) -> dict:
         torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
         out = model(images, texts)
-        return gradient(loss_fn(out["image_features"], out["text_features"], out["logit_scale"]))
+        loss_fn(out["image_features"], out["text_features"], out["logit_scale"]).backward()
+        return gradients()
 
-    def accumulated(seed: int, replay: bool) -> torch.Tensor:
+    def accumulated(seed: int, replay: bool) -> dict:
         """open_clip_train/train.py's accum_freq loop; `replay`: each second forward redraws its first one's masks."""
         torch.manual_seed(seed)
         micro = [(images[i : i + MICRO], texts[i : i + MICRO]) for i in range(0, len(images), MICRO)]
@@ -82,21 +85,23 @@ def open_clip_gradients(batch_file: str, model_config: str, rate: float) -> dict
             if replay:
                 torch.set_rng_state(states[j])
             out = model(image, text)
-            features = [
-                out if i == j else {"image_features": c[0], "text_features": c[1]} for i, c in enumerate(cached)
-            ]
-            image_all = torch.cat([f["image_features"] for f in features])
-            text_all = torch.cat([f["text_features"] for f in features])
+            image_all = torch.cat([out["image_features"] if i == j else c[0] for i, c in enumerate(cached)])
+            text_all = torch.cat([out["text_features"] if i == j else c[1] for i, c in enumerate(cached)])
             loss_fn(image_all, text_all, out["logit_scale"]).backward()
-        return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        return gradients()
 
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    def towers(grads: dict) -> torch.Tensor:
+        return torch.cat([g.reshape(-1) for n, g in grads.items() if n != "logit_scale"])
+
+    rel = lambda a, b: ((towers(a) - towers(b)).norm() / towers(b).norm()).item()
     g1, g1_other = one_batch(SEED), one_batch(SEED + 1)
     g4, g4_replayed = accumulated(SEED, replay=False), accumulated(SEED, replay=True)
     return {
-        "accum_4_vs_accum_1": rel(g4, g1),
-        "accum_4_vs_exact_for_its_first_masks": rel(g4, g4_replayed),
-        "accum_1_vs_accum_1_other_seed": rel(g1_other, g1),
+        "towers: accum_4 vs accum_1": rel(g4, g1),
+        "towers: accum_4 vs exact for its first masks": rel(g4, g4_replayed),
+        "towers: accum_1 vs accum_1 under another seed": rel(g1_other, g1),
+        # each of the K backward passes carries the whole loss's logit_scale gradient
+        "logit_scale gradient: accum_4 / accum_1": (g4["logit_scale"] / g1["logit_scale"]).item(),
     }
 
 
@@ -112,13 +117,15 @@ def our_updates(work: Path, rate: float) -> dict:
     ]  # fmt: skip
     micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
     runs = {"k1": work / f"k1_p{rate:g}", "k4": work / f"k4_p{rate:g}"}
+    for folder in runs.values():  # each run afresh (an output_dir holding checkpoints is refused)
+        shutil.rmtree(folder, ignore_errors=True)
     launch_in_one_process([(runs["k1"], [*common, *micro(MICRO * K, 1)]), (runs["k4"], [*common, *micro(MICRO, K)])])
     w0, w1, w4 = weights(init), weights(runs["k1"]), weights(runs["k4"])
     import torch
 
     u1 = torch.cat([(w1[n] - w0[n]).reshape(-1) for n in w0])
     u4 = torch.cat([(w4[n] - w0[n]).reshape(-1) for n in w0])
-    return {"k4_vs_k1": ((u4 - u1).norm() / u1.norm()).item()}
+    return {"all parameters: K 4 x 64 vs 1 x 256": ((u4 - u1).norm() / u1.norm()).item()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         command = [str(python), __file__, "open_clip", str(batch_file), str(model_config), str(rate)]
         found = subprocess.run(command, check=True, capture_output=True, text=True, env=vs_open_clip._env())
         for name, value in json.loads(found.stdout.strip().splitlines()[-1]).items():
-            rows.append({"stack": "open_clip 3.3.0", "patch_dropout": rate, "comparison": name, "relative": value})
+            rows.append({"stack": "open_clip 3.3.0", "patch_dropout": rate, "comparison": name, "value": value})
         for name, value in our_updates(args.work, rate).items():
-            rows.append({"stack": "disco-clip-ds", "patch_dropout": rate, "comparison": name, "relative": value})
+            rows.append({"stack": "disco-clip-ds", "patch_dropout": rate, "comparison": name, "value": value})
     for row in rows:
-        print(f"{row['stack']:<16} p={row['patch_dropout']:<4} {row['comparison']:<40} {row['relative']:.2e}")
+        print(f"{row['stack']:<16} p={row['patch_dropout']:<4} {row['comparison']:<48} {row['value']:.3g}")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     with args.results.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
