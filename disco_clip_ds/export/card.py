@@ -64,6 +64,7 @@ RUN_FIELDS = [
     ("chunk_size", "loss tile size (chunk_size)"),
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("tower_settings", "per-tower learning rates and layer decay"),
+    ("locked_towers", "locked towers"),
     ("precision", "precision"),
     ("steps", "optimizer steps"),
     ("final_train_loss", "last logged training loss"),

@@ -18,6 +18,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "gradient_accumulation_steps": 1,
         "zero_stage": 2,
         "tower_settings": "--vision_layer_decay 0.85",
+        "locked_towers": "--lock_image_tower --lock_image_tower_unlocked_layers 2",
         "versions": {"deepspeed": "0.19.8", "torch": "2.13.0"},
         "resumes": [{"from_step": 3, "world_size": 1, "gradient_accumulation_steps": 2}],
     }
@@ -30,6 +31,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "gradient_accumulation_steps": 1,
         "zero_stage": 2,
         "tower_settings": "--vision_layer_decay 0.85",
+        "locked_towers": "--lock_image_tower --lock_image_tower_unlocked_layers 2",
         "resumes": "step 3 (1 rank x K 2)",
         "deepspeed": "0.19.8",
     }
@@ -41,6 +43,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "| resumed at (ranks x K from there) | step 3 (1 rank x K 2) |",
         "| DeepSpeed ZeRO stage | 2 |",
         "| per-tower learning rates and layer decay | --vision_layer_decay 0.85 |",
+        "| locked towers | --lock_image_tower --lock_image_tower_unlocked_layers 2 |",
         "| last logged training loss | 2.1235 |",
         "| acc1 | 0.5000 |",
         "under DeepSpeed ZeRO.",
