@@ -23,7 +23,8 @@ What may change, and why:
 - the data (shards, --train_num_samples), with --ignore_data_skip, as a deliberate change of data;
 - max_steps, learning rate and the like: they are the user's to change.
 Refused, each in one line naming old -> new and what to pass: the model's architecture, the ZeRO stage, the
-contrastive batch and the samples per optimizer step.
+contrastive batch and the samples per optimizer step, the per-tower optimizer settings and the locked towers (the
+optimizer state's parameter groups).
 """
 
 from __future__ import annotations
@@ -144,10 +145,38 @@ def patch_dropout_setting(args) -> str | None:
     return f"{rate:g} of the patches dropped" + (f", every patch from step {until}" if until is not None else "")
 
 
-def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: int, split: int = 1) -> dict:
+# The locking flags (train/locking.py), with their unlocked layers and norms: a frozen parameter has no optimizer
+# state, so a run's optimizer state holds its trainable parameters only and loads only where the same ones train.
+LOCK_FLAGS = {
+    "lock_image_tower": ("lock_image_tower_unlocked_layers", "lock_image_tower_freeze_norm"),
+    "lock_text_tower": ("lock_text_tower_unlocked_layers",),
+}
+
+
+def lock_settings(model_args) -> str:
+    """The towers a run locks, as the flags that lock them ('none': no tower is locked; an unlocked-layer count of 0,
+    the whole tower, is left out)."""
+    given = []
+    for flag, details in LOCK_FLAGS.items():
+        if not getattr(model_args, flag, False):
+            continue
+        given.append(f"--{flag}")
+        for detail in details:
+            value = getattr(model_args, detail, None)
+            if value is True:
+                given.append(f"--{detail}")
+            elif value:
+                given.append(f"--{detail} {value}")
+    return " ".join(given) or "none"
+
+
+def launch_facts(
+    args, data_args, urls: list[str], num_samples: int, max_steps: int, split: int = 1, model_args=None
+) -> dict:
     """This launch's facts, as run.json records them (`args`: DiscoTrainingArguments; the contrastive batch as
     ContrastiveAccumulationMixin.contrastive_batch_size counts it; `split`: the ranks that share each of the run's
-    readers, `ranks_per_reader`: data_readers counts the run's readers, which fix the data order)."""
+    readers, `ranks_per_reader`: data_readers counts the run's readers, which fix the data order; `model_args`:
+    ModelArguments, for the locked towers, left out when None)."""
     plugin = args.deepspeed_plugin
     ranks = 1 if args.accelerator_config.dispatch_batches else args.world_size
     accumulate = bool(args.contrastive_accumulation) and args.gradient_accumulation_steps > 1
@@ -180,6 +209,7 @@ def launch_facts(args, data_args, urls: list[str], num_samples: int, max_steps: 
         "max_steps": max_steps,
         "tower_settings": tower_settings(args),
         "patch_dropout": patch_dropout_setting(args),
+        "locked_towers": None if model_args is None else lock_settings(model_args),
     }
 
 
@@ -317,6 +347,11 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             f"per-tower optimizer settings '{old['tower_settings'] or 'none'}' -> "
             f"'{new.get('tower_settings') or 'none'}': pass the run's (its optimizer state holds their parameter "
             "groups and rates), or export the checkpoint and start a new --output_dir"
+        )
+    if known("locked_towers") and old["locked_towers"] != new["locked_towers"]:
+        problems.append(
+            f"locked towers '{old['locked_towers']}' -> '{new['locked_towers']}': pass the run's (its optimizer state "
+            "holds the parameters that train, and only those), or export the checkpoint and start a new --output_dir"
         )
     if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
         if not converts_world_size(old, new):

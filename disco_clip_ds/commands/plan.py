@@ -12,6 +12,7 @@ from pathlib import Path
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
 from disco_clip_ds.plan.report import format_report, plan
+from disco_clip_ds.plan.trainable import LOCK_ARGUMENTS
 
 
 def _parse(argv):
@@ -47,8 +48,26 @@ def _parse(argv):
         default=0.0,
         help="fraction of image patches dropped in training (as `disco-clip train --patch_dropout`)",
     )
+    _lock_arguments(p)
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
+
+
+def _lock_arguments(p) -> None:
+    """`disco-clip train`'s locking flags: frozen parameters have weights but no gradients and no optimizer state."""
+    for flag, tower in (("lock_image_tower", "vision"), ("lock_text_tower", "text")):
+        p.add_argument(f"--{flag}", action="store_true", help=f"plan with the {tower} tower locked (frozen)")
+        p.add_argument(
+            f"--{flag}_unlocked_layers",
+            type=int,
+            metavar="N",
+            help=f"with --{flag}: its last N encoder layers, post-norm, head and projection train, as in training",
+        )
+    p.add_argument(
+        "--lock_image_tower_freeze_norm",
+        action="store_true",
+        help="with --lock_image_tower_unlocked_layers: the vision tower's LayerNorms stay frozen, as in training",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overhead_gb,
         args.contrastive_accumulation,
         args.patch_dropout,
+        {name: getattr(args, name) for name in LOCK_ARGUMENTS},
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

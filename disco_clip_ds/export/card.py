@@ -65,6 +65,7 @@ RUN_FIELDS = [
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("tower_settings", "per-tower learning rates and layer decay"),
     ("patch_dropout", "patch dropout (FLIP)"),
+    ("locked_towers", "locked towers"),
     ("precision", "precision"),
     ("steps", "optimizer steps"),
     ("final_train_loss", "last logged training loss"),

@@ -15,9 +15,11 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.errors import PlanConfigError
+from disco_clip_ds.plan.trainable import lock_problem, tower_locks, trainable_numels
 
 FIT_FILE = Path(__file__).with_name("activation_fit.json")
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -35,7 +37,9 @@ FAMILY_IMPLS = {"softmax": LOSS_IMPLS, "sigmoid": ("tiled", "local")}
 @dataclass
 class ModelShape:
     """What the memory model needs from a CLIPConfig or SiglipConfig: tower shapes, inputs, parameter counts and the
-    loss family (softmax for CLIP, sigmoid for SigLIP)."""
+    loss family (softmax for CLIP, sigmoid for SigLIP). `trainable` and `largest_trainable` count the parameters
+    that train (all of them unless towers are locked): frozen ones have weights but no gradients and no optimizer
+    state."""
 
     towers: dict  # name -> {"layers", "tokens", "hidden", "mlp"}; the vision tower's also "patches", "patch_pixels"
     image: tuple  # (channels, height, width)
@@ -45,11 +49,18 @@ class ModelShape:
     largest_param: int
     loss: str = "softmax"
     patch_dropout: float = 0.0  # the fraction of patch tokens dropped in training (FLIP)
+    trainable: int | None = None  # None: params
+    largest_trainable: int | None = None  # None: largest_param
+
+    def __post_init__(self):
+        if self.trainable is None:
+            self.trainable, self.largest_trainable = self.params, self.largest_param
 
     @classmethod
-    def from_json(cls, path) -> "ModelShape":
+    def from_json(cls, path, lock_flags: dict | None = None) -> "ModelShape":
         """Read a CLIPConfig or SiglipConfig JSON; count parameters exactly on the meta device (no memory, no
-        weights)."""
+        weights), and those that train with the towers `lock_flags` locks ({name: value} of `disco-clip train`'s
+        flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to fit the config (else PlanConfigError)."""
         import torch
         from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
 
@@ -72,9 +83,15 @@ class ModelShape:
             config = config_class.from_json_file(str(path))
         except (OSError, ValueError) as e:
             raise PlanConfigError(f"--model {path}: not a readable CLIPConfig or SiglipConfig JSON ({e})") from None
+        flags = SimpleNamespace(**(lock_flags or {}))
+        problem = lock_problem(flags, config)
+        if problem:
+            raise PlanConfigError(problem)
+        locks = tower_locks(flags)
         with torch.device("meta"):
             model = model_class(config)
         numels = [p.numel() for p in model.parameters()]
+        trained = trainable_numels(model, locks)
         v, t = config.vision_config, config.text_config
         # CLIP's vision tower adds a class token; SigLIP's pools the patches with an attention head instead.
         patches = (v.image_size // v.patch_size) ** 2
@@ -103,6 +120,8 @@ class ModelShape:
             sum(numels),
             max(numels),
             LOSS_FAMILIES[model_type],
+            sum(trained),
+            max(trained, default=0),
         )
 
     def check_impl(self, impl: str) -> None:
@@ -216,6 +235,7 @@ def model_state_bytes(
     world: int,
     offload_optimizer: bool = False,
     offload_param: bool = False,
+    trainable: int | None = None,
 ) -> dict:
     """Parameters, gradients and optimizer (Adam) states per GPU.
 
@@ -224,21 +244,31 @@ def model_state_bytes(
     16-bit gradients, ZeRO-3 also the 16-bit weights (plus the largest layer gathered). For stages 2 and 3 the
     total is DeepSpeed's own estimate_zero{2,3}_model_states_mem_needs (2P + 18P/N; 4*largest + 18P/N, less
     what CPU offload moves off the GPU). fp32 training: 4 B weights, 4 B gradients, 8 B Adam states,
-    partitioned the same way.
+    partitioned the same way. Frozen parameters (locked towers) have their weights only: gradients, fp32 copies
+    and optimizer states are counted for the `trainable` ones (None: all `params`).
     """
-    n, p = world, params
+    n, t = world, params if trainable is None else trainable
+    weights = _weight_bytes(params, largest, stage, precision, n, offload_param)
     if precision == "fp32":
-        weights = 4 * p / n + 4 * largest if stage == 3 else 4 * p
-        grads = 4 * p / n if stage >= 2 else 4 * p
-        optim = 0.0 if offload_optimizer else (8 * p / n if stage >= 1 else 8 * p)
+        grads = 4 * t / n if stage >= 2 else 4 * t
+        optim = 0.0 if offload_optimizer else (8 * t / n if stage >= 1 else 8 * t)
         return {"params": weights, "grads": grads, "optimizer": optim}
-    weights = (2 * p / n + 4 * largest if stage == 3 else 2 * p) if not offload_param else 4 * largest
-    optim = 0.0 if offload_optimizer else (12 * p / n if stage >= 1 else 12 * p)
+    optim = 0.0 if offload_optimizer else (12 * t / n if stage >= 1 else 12 * t)
     if stage in (2, 3):  # DeepSpeed's estimator is the reference total; gradients are what remains of it
-        total = _deepspeed_estimate(p, largest, stage, n, offload_optimizer, offload_param)
-        return {"params": weights, "grads": max(0.0, total - weights - optim), "optimizer": optim}
-    grads = 2 * p + (0.0 if offload_optimizer else (4 * p / n if stage == 1 else 4 * p))
+        total = _deepspeed_estimate(t, largest, stage, n, offload_optimizer, offload_param)
+        trained_weights = _weight_bytes(t, largest, stage, precision, n, offload_param)
+        return {"params": weights, "grads": max(0.0, total - trained_weights - optim), "optimizer": optim}
+    grads = 2 * t + (0.0 if offload_optimizer else (4 * t / n if stage == 1 else 4 * t))
     return {"params": weights, "grads": grads, "optimizer": optim}
+
+
+def _weight_bytes(params: int, largest: int, stage: int, precision: str, world: int, offload_param: bool) -> float:
+    """The training-dtype weights per GPU: all of them, ZeRO-3's partition plus the largest gathered."""
+    if precision == "fp32":
+        return 4 * params / world + 4 * largest if stage == 3 else 4 * params
+    if offload_param:
+        return 4 * largest
+    return 2 * params / world + 4 * largest if stage == 3 else 2 * params
 
 
 def _deepspeed_estimate(
@@ -352,6 +382,7 @@ def memory_plan(
         settings.world,
         settings.offload_optimizer,
         settings.offload_param,
+        shape.trainable,
     )
     terms["zero buffers"] = zero_buffer_bytes(settings)
     terms["activations"] = shape.activation_bytes_per_sample(fit, checkpointing, elem) * micro
@@ -368,7 +399,7 @@ def memory_plan(
         )
         terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
-    terms["transient grad"] = shape.largest_param * elem
+    terms["transient grad"] = shape.largest_trainable * elem
     terms["framework"] = overhead
     return MemoryPlan(terms, sum(terms.values()), capacity)
 

@@ -54,13 +54,16 @@ def plan(
     overhead_gb: float = DEFAULT_OVERHEAD_GB,
     contrastive_accumulation: bool = True,
     patch_dropout: float = 0.0,
+    lock_flags: dict | None = None,
 ) -> dict:
-    """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes)."""
+    """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
+    flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
+    gradients and no optimizer state."""
     settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
-    shape = ModelShape.from_json(model_path).with_patch_dropout(patch_dropout)
+    shape = ModelShape.from_json(model_path, lock_flags).with_patch_dropout(patch_dropout)
     loss_impls = tuple(loss_impls or FAMILY_IMPLS[shape.loss])  # default: every one the model's loss has
     for impl in loss_impls:
         shape.check_impl(impl)
@@ -70,6 +73,7 @@ def plan(
         "model": {
             "params": shape.params,
             "largest_param": shape.largest_param,
+            "trainable": shape.trainable,
             "loss": shape.loss,
             "patch_dropout": patch_dropout,
             "vision_layer_tokens": shape.layer_tokens(shape.towers["vision"]),
@@ -99,6 +103,15 @@ def plan(
     return out
 
 
+def _parameters(model: dict) -> str:
+    """'151.3 M parameters', and how many of them train when towers are locked."""
+    counted = f"{model['params'] / 1e6:.1f} M parameters"
+    trainable = model.get("trainable", model["params"])
+    if trainable == model["params"]:
+        return counted
+    return f"{counted} ({trainable / 1e6:.1f} M trainable: gradients and Adam states for those only)"
+
+
 def format_report(result: dict, config_path, model_path) -> str:
     s, impls = result["settings"], list(result["memory"])
     lines = [
@@ -111,7 +124,7 @@ def format_report(result: dict, config_path, model_path) -> str:
             else "per micro-step"
         )
         + f"; ZeRO-{s['stage']}, {s['precision']}",
-        f"model {model_path}: {result['model']['params'] / 1e6:.1f} M parameters, {result['model']['loss']} loss; "
+        f"model {model_path}: {_parameters(result['model'])}, {result['model']['loss']} loss; "
         "activation checkpointing "
         f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",

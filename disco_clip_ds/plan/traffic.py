@@ -18,23 +18,24 @@ from disco_clip_ds.plan.memory import PRECISION_BYTES, ModelShape, Settings
 
 def traffic_bytes(shape: ModelShape, settings: Settings, loss_impls=("disco", "tiled")) -> dict:
     """Bytes one rank sends per optimizer step (ring collectives), by collective; the loss's per impl."""
-    n, p, accum = settings.world, shape.params, settings.grad_accum
+    # gradients, and ZeRO-1/2's updated partitions, are the trainable parameters'; ZeRO-3 gathers every weight
+    n, p, t, accum = settings.world, shape.params, shape.trainable, settings.grad_accum
     ring = (n - 1) / n
     e = PRECISION_BYTES[settings.precision]
     g = settings.comm_bytes
     if settings.stage == 0:
-        grads = {"gradient all-reduce": 2 * ring * p * g}
+        grads = {"gradient all-reduce": 2 * ring * t * g}
     elif settings.stage in (1, 2):  # gradients reduced (stage 1: at the accumulation boundary; 2: every micro-step)
         reductions = 1 if settings.stage == 1 else accum
         if settings.bucket_allreduce:
-            reduced = {"gradient all-reduce (multi-rank buckets)": reductions * 2 * ring * p * g}
+            reduced = {"gradient all-reduce (multi-rank buckets)": reductions * 2 * ring * t * g}
         else:
-            reduced = {"gradient reduce-scatter": reductions * ring * p * g}
-        grads = {**reduced, "parameter all-gather": ring * p * e}
+            reduced = {"gradient reduce-scatter": reductions * ring * t * g}
+        grads = {**reduced, "parameter all-gather": ring * t * e}
     else:  # weights gathered for forward and again for backward in every micro-step (and for the no-grad pass)
         gathers = 3 if settings.contrastive_steps > 1 else 2
         grads = {
-            "gradient reduce-scatter": accum * ring * p * g,
+            "gradient reduce-scatter": accum * ring * t * g,
             "parameter all-gather": accum * gathers * ring * p * e,
         }
     # contrastive accumulation gathers all K micro-batches' fp32 embeddings at once: the same rows, fp32 bytes

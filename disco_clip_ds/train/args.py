@@ -51,6 +51,29 @@ class ModelArguments:
     )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
+    # Partial locking (open_clip's --lock-image-unlocked-groups, --lock-text-unlocked-layers): train/locking.py
+    lock_image_tower_unlocked_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --lock_image_tower: the last N vision encoder layers, the post-LayerNorm, SigLIP's head and "
+            "CLIP's projection train; embeddings and pre-LayerNorm stay frozen (0, as unset: the whole tower frozen)"
+        },
+    )
+    lock_image_tower_freeze_norm: bool = field(
+        default=False,
+        metadata={
+            "help": "with --lock_image_tower_unlocked_layers N >= 1: the vision tower's LayerNorms stay frozen too, "
+            "in the unlocked layers and the post-LayerNorm (a ViT's stand-in for open_clip's "
+            "--lock-image-freeze-bn-stats)"
+        },
+    )
+    lock_text_tower_unlocked_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --lock_text_tower: the last N text encoder layers, the final LayerNorm, SigLIP's head and "
+            "CLIP's projection train; embeddings stay frozen (0, as unset: the whole tower frozen)"
+        },
+    )
 
 
 @dataclass

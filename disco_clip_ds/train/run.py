@@ -40,6 +40,7 @@ from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
+from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
 from disco_clip_ds.train.validate import CheckedRun, validate
@@ -83,7 +84,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         model = build_model(
             model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
         )
-        _lock_towers(model, model_args)
+        lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
         processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
 
@@ -206,17 +207,6 @@ def _processor(tokenizer, image_size: int, model_name_or_path: str | None) -> CL
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
-def _lock_towers(model, model_args: ModelArguments) -> None:
-    """Freeze a tower and its projection (CLIP has projection layers; SigLIP's towers end in their own heads)."""
-    towers = []
-    if model_args.lock_image_tower:
-        towers += [model.vision_model, getattr(model, "visual_projection", None)]
-    if model_args.lock_text_tower:
-        towers += [model.text_model, getattr(model, "text_projection", None)]
-    for module in filter(None, towers):
-        module.requires_grad_(False)
-
-
 def _resume_point(
     args: DiscoTrainingArguments, model_args: ModelArguments, data_args: DataArguments, checked: CheckedRun
 ) -> tuple[str | None, int]:
@@ -241,7 +231,9 @@ def _resume_point(
         return None, 1
     step = checkpoint_step(last)
     new = {
-        **resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps),
+        **resume.launch_facts(
+            args, data_args, checked.urls, checked.num_samples, checked.max_steps, model_args=model_args
+        ),
         "model": resume.model_architecture(model_args.model_name_or_path, model_args.model_config),
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
@@ -303,7 +295,9 @@ def _write_run_file(
     """Every fact of the set-up that the exported model card states (export.py reads run.json, and nothing pickled).
     Written at a run's first launch; a resume adds a segment (`resume.with_resume`) and leaves the facts as they were,
     so that they stay true of every step."""
-    facts = resume.launch_facts(args, data_args, checked.urls, checked.num_samples, checked.max_steps, split)
+    facts = resume.launch_facts(
+        args, data_args, checked.urls, checked.num_samples, checked.max_steps, split, model_args
+    )
     path = Path(args.output_dir) / "run.json"
     if resume_from is None:
         run = {

@@ -18,6 +18,7 @@ from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.errors import AccumulationError, ExportError, UsageError
 from disco_clip_ds.models.build import MODEL_CLASSES, load_config
 from disco_clip_ds.plan.checks import batch_contradictions, expected_batch
+from disco_clip_ds.plan.trainable import lock_problem
 from disco_clip_ds.train.args import (
     DataArguments,
     DiscoTrainingArguments,
@@ -77,6 +78,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
             _check_readers(args, urls)
     _check_positive_sizes(model_args)
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
+    _check_tower_locks(model_args)
     return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
 
 
@@ -458,3 +460,13 @@ def _check_embedding_sizes(config, named: str, written: dict | None) -> None:
                 f"{named}: the embedding sizes differ ({listed}): CLIP compares the text and image embeddings, "
                 "make them equal"
             )
+
+
+# --- --lock_image_tower, --lock_text_tower: their unlocked layers and norms against the model's config -------------
+def _check_tower_locks(model_args: ModelArguments) -> None:
+    """Refuse locking flags that mean nothing (plan/trainable.py `lock_problem`, the planner's refusal too): an
+    unlocked-layer count without its tower's lock, below 0 or above the tower's encoder layers, and
+    --lock_image_tower_freeze_norm without unlocked layers. The config read fine in _check_tokenizer_and_sizes."""
+    problem = lock_problem(model_args, load_config(model_args.model_name_or_path, model_args.model_config))
+    if problem:
+        raise UsageError(problem)

@@ -1,12 +1,14 @@
 """Contrastive accumulation end to end: K micro-batches of b train exactly like one batch of K x b on one rank, and
 N ranks x K micro-batches like one rank with N x K x b, under plain PyTorch, DDP, DeepSpeed ZeRO-1/2/3 and FSDP,
-with gradient checkpointing, the sharded ones with FLIP's patch dropout; a resumed run continues exactly; bad settings
-stop every rank with the reason.
+with gradient checkpointing; a resumed run continues exactly; bad settings stop every rank with the reason. The
+sharded runs also drop half of each image's patches (FLIP) and lock parts of both towers: frozen weights stay
+bit-identical and get no optimizer state.
 (The math: tests/unit/train/test_accumulation.py.)"""
 
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +58,26 @@ RELATIVE_RATES = {
     "text_projection.weight": 1.0,
     "logit_scale": 1.0,
 }
+# Partly locked towers (train/locking.py) on the same sharded runs and their reference: whatever the stage, only the
+# parameters LOCK leaves unlocked may move, and only they may have optimizer state. Written out for the tiny CLIP (2
+# layers a tower): vision layer 1's attention and MLP (its LayerNorms frozen too) and the projection train; the
+# text tower trains but for its embeddings.
+LOCK = [
+    "--lock_image_tower",
+    "--lock_image_tower_unlocked_layers",
+    "1",
+    "--lock_image_tower_freeze_norm",
+    "--lock_text_tower",
+    "--lock_text_tower_unlocked_layers",
+    "2",
+]
+
+
+def locked(name: str) -> bool:
+    """Whether LOCK freezes the parameter `name` of the tiny CLIP."""
+    if name.startswith("vision_model."):
+        return not name.startswith(("vision_model.encoder.layers.1.self_attn.", "vision_model.encoder.layers.1.mlp."))
+    return name.startswith("text_model.embeddings.")
 
 
 @pytest.mark.slow
@@ -144,7 +166,7 @@ def runs(tmp_path_factory, initial_model):
     launch_in_one_process(
         [
             (root / "n1_k1", [*same, *micro(4 * MICRO, 1)]),
-            (root / "n1_k1_towers", [*same, *micro(4 * MICRO, 1), *TOWERS, *PATCHES]),
+            (root / "n1_k1_towers", [*same, *micro(4 * MICRO, 1), *TOWERS, *PATCHES, *LOCK]),
             (root / "step1", [*same, *micro(4 * MICRO, 1), "--max_steps", "1"]),
             (root / "step1_towers", [*same, *micro(4 * MICRO, 1), "--max_steps", "1", *TOWERS]),
             (root / "step1_unmasked", [*same, *micro(4 * MICRO, 1), "--max_steps", "1", *TOWERS, *PATCHES, *UNTIL_1]),
@@ -155,7 +177,7 @@ def runs(tmp_path_factory, initial_model):
         ]
     )
     # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
-    sharded = [*same, *micro(MICRO, 2), *TOWERS, *PATCHES]
+    sharded = [*same, *micro(MICRO, 2), *TOWERS, *PATCHES, *LOCK]
     launch("torchrun", 2, root / "n2_k2_zero1", *sharded, ds_config=str(zero1))
     launch("torchrun", 2, root / "n2_k2_zero2", *sharded)
     launch("accelerate", 2, root / "n2_k2_zero3_gc", *sharded, *gc, ds_config="cpu_zero3.json")
@@ -176,9 +198,61 @@ def runs(tmp_path_factory, initial_model):
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
     if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
         assert_trained_under_fsdp(runs / run)
-    # the sharded runs: TOWERS and PATCHES
+    # the sharded runs: TOWERS, PATCHES and LOCK
     reference = "n1_k1" if run in ("n1_k4", "n2_k2_ddp_gc") else "n1_k1_towers"
     assert_same_training(runs / run, runs / reference, weights(initial_model), steps=STEPS)
+
+
+@E2E_TIMEOUT
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["n1_k1_towers", "n2_k2_zero1", "n2_k2_zero2", "n2_k2_zero3_gc", "n2_k2_fsdp"])
+def test_locked_parameters_stay_bit_identical_and_get_no_optimizer_state(runs, initial_model, run):
+    """Under the Trainer's optimizer, ZeRO-1/2/3 and FSDP: after 3 steps the parameters LOCK freezes are the initial
+    ones bit for bit and every other one moved; the checkpoint's optimizer holds the trained parameters alone."""
+    import torch
+
+    w0, trained = weights(initial_model), weights(runs / run)
+    unchanged = {name for name in w0 if torch.equal(trained[name], w0[name])}
+    frozen = {name for name in w0 if locked(name)}
+    assert frozen and unchanged == frozen
+    assert json.loads((runs / run / "run.json").read_text())["locked_towers"] == " ".join(LOCK)  # a resume keeps it
+    held = optimizer_parameters(runs / run / "checkpoint-3")
+    if isinstance(held, int):  # the Trainer's optimizer.pt numbers its parameters instead of naming them
+        assert held == len(w0) - len(frozen)
+    else:
+        assert held == set(w0) - frozen
+    partitions = zero_fp32_partitions(runs / run / "checkpoint-3")
+    if partitions:  # each group is padded to a multiple of the ranks at most
+        size = sum(w0[name].numel() for name in set(w0) - frozen)
+        assert size <= sum(map(sum, partitions)) < size + len(partitions) * len(partitions[0])
+
+
+def optimizer_parameters(checkpoint: Path) -> set[str] | int:
+    """The parameters a checkpoint's optimizer state holds: DeepSpeed's and FSDP's by name, the Trainer's by count."""
+    import torch
+
+    zero = sorted(checkpoint.glob("global_step*/*model_states.pt"))
+    if zero:  # every rank's file lists the optimizer's parameters, group by group
+        shapes = torch.load(zero[0], weights_only=False)["param_shapes"]
+        return {name for group in shapes for name in group}
+    if (checkpoint / "optimizer.bin").is_file():  # FSDP's full optimizer state dict
+        groups = torch.load(checkpoint / "optimizer.bin", weights_only=False)["param_groups"]
+        return {name for group in groups for name in group["params"]}
+    groups = torch.load(checkpoint / "optimizer.pt", weights_only=False)["param_groups"]
+    return sum(len(group["params"]) for group in groups)
+
+
+def zero_fp32_partitions(checkpoint: Path) -> list[list[int]]:
+    """The sizes of ZeRO's fp32 partitions (master weights; Adam's moments have the same), rank by rank, group by
+    group; [] without DeepSpeed."""
+    import torch
+
+    ranks = []
+    for path in sorted(checkpoint.glob("global_step*/*optim_states.pt")):
+        state = torch.load(path, weights_only=False)["optimizer_state_dict"]
+        flat = state["fp32_flat_groups"] if "fp32_flat_groups" in state else state["single_partition_of_fp32_groups"]
+        ranks.append([t.numel() for t in flat])
+    return ranks
 
 
 @E2E_TIMEOUT

@@ -188,6 +188,37 @@ def test_patch_dropout_is_recorded_and_a_resume_may_change_it():
     assert resume_problems(_facts(patch_dropout=masked), _facts(patch_dropout=None)) == []
 
 
+def test_locked_towers_stay_those_of_the_run():
+    """The optimizer state holds the trainable parameters only: a resume that trains others is refused in one line;
+    a run.json from before the record is not compared."""
+    from types import SimpleNamespace
+
+    from disco_clip_ds.checkpoint.resume import lock_settings
+
+    unset = dict(
+        lock_image_tower=False, lock_image_tower_unlocked_layers=None, lock_image_tower_freeze_norm=False,
+        lock_text_tower=False, lock_text_tower_unlocked_layers=None,
+    )  # fmt: skip
+    assert lock_settings(SimpleNamespace(**unset)) == "none"
+    partly = SimpleNamespace(
+        **{**unset, "lock_image_tower": True, "lock_image_tower_unlocked_layers": 2, "lock_text_tower": True}
+    )
+    assert lock_settings(partly) == "--lock_image_tower --lock_image_tower_unlocked_layers 2 --lock_text_tower"
+    partly.lock_image_tower_freeze_norm, partly.lock_text_tower_unlocked_layers = True, 0  # 0: the whole tower
+    assert lock_settings(partly) == (
+        "--lock_image_tower --lock_image_tower_unlocked_layers 2 --lock_image_tower_freeze_norm --lock_text_tower"
+    )
+    old = _facts(locked_towers="--lock_image_tower")
+    assert resume_problems(old, _facts(locked_towers="--lock_image_tower")) == []
+    assert resume_problems(old, _facts(locked_towers="--lock_image_tower --lock_image_tower_unlocked_layers 1")) == [
+        "locked towers '--lock_image_tower' -> '--lock_image_tower --lock_image_tower_unlocked_layers 1': pass the "
+        "run's (its optimizer state holds the parameters that train, and only those), or export the checkpoint and "
+        "start a new --output_dir"
+    ]
+    assert len(resume_problems(_facts(locked_towers="none"), _facts(locked_towers="--lock_text_tower"))) == 1
+    assert resume_problems(_facts(), _facts(locked_towers="--lock_text_tower")) == []  # an older run.json
+
+
 def test_ignore_data_skip_allows_a_changed_reader_count_or_data():
     new = _facts(dataloader_num_workers=2, train_num_samples=50, shards_sha256="bbbb")
     assert len(resume_problems(_facts(), new)) == 3

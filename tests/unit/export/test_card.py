@@ -19,6 +19,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "zero_stage": 2,
         "tower_settings": "--vision_layer_decay 0.85",
         "patch_dropout": "0.5 of the patches dropped, every patch from step 5",
+        "locked_towers": "--lock_image_tower --lock_image_tower_unlocked_layers 2",
         "versions": {"deepspeed": "0.19.8", "torch": "2.13.0"},
         "resumes": [{"from_step": 3, "world_size": 1, "gradient_accumulation_steps": 2}],
     }
@@ -32,6 +33,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "zero_stage": 2,
         "tower_settings": "--vision_layer_decay 0.85",
         "patch_dropout": "0.5 of the patches dropped, every patch from step 5",
+        "locked_towers": "--lock_image_tower --lock_image_tower_unlocked_layers 2",
         "resumes": "step 3 (1 rank x K 2)",
         "deepspeed": "0.19.8",
     }
@@ -44,6 +46,7 @@ def test_the_card_states_the_run_the_checkpoint_and_the_evaluation(tmp_path):
         "| DeepSpeed ZeRO stage | 2 |",
         "| per-tower learning rates and layer decay | --vision_layer_decay 0.85 |",
         "| patch dropout (FLIP) | 0.5 of the patches dropped, every patch from step 5 |",
+        "| locked towers | --lock_image_tower --lock_image_tower_unlocked_layers 2 |",
         "| last logged training loss | 2.1235 |",
         "| acc1 | 0.5000 |",
         "under DeepSpeed ZeRO.",
