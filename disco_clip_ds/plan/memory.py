@@ -120,8 +120,8 @@ class ModelShape:
             sum(numels),
             max(numels),
             LOSS_FAMILIES[model_type],
-            sum(trained),
-            max(trained, default=0),
+            trainable=sum(trained),
+            largest_trainable=max(trained, default=0),
         )
 
     def check_impl(self, impl: str) -> None:
