@@ -3,7 +3,8 @@
 # dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
 # minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss.
 # DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
-# PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all).
+# PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all);
+# PATCH_DROPOUT_UNTIL_STEP=250 then sees every patch from step 250 on (FLIP's unmasked tuning).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
 #   DATA_FORMAT=hf bash recipes/quickstart.sh   # DATA=data/demo_hf OUT=outputs/quickstart_hf (VENV=.venv too)
@@ -49,6 +50,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed "$SEED" \
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" \
+  ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
   --resume_from_checkpoint latest
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a

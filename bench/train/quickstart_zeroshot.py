@@ -8,6 +8,7 @@ noise against which two data formats (or patch dropout on and off) are compared.
 
     python bench/train/quickstart_zeroshot.py softmax:hf:0 softmax:shards:1 softmax:hf:1
     python bench/train/quickstart_zeroshot.py softmax:shards:0:0.5   # patch dropout 0.5
+    python bench/train/quickstart_zeroshot.py softmax:shards:0:0.5:250   # ... and every patch from step 250
 """
 
 from __future__ import annotations
@@ -23,23 +24,26 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CSV = HERE / "results" / "quickstart_zeroshot.csv"
-FIELDS = ["loss", "data_format", "seed", "patch_dropout", "step"]
+FIELDS = ["loss", "data_format", "seed", "patch_dropout", "unmasked_from", "step"]
 FIELDS += ["zeroshot_acc1", "zeroshot_acc5", "zeroshot_mean_per_class_recall"]
 
 
-def run(loss: str, data_format: str, seed: int, patch_dropout: float, port: int) -> list[dict]:
+def run(loss: str, data_format: str, seed: int, patch_dropout: float, until: int | None, port: int) -> list[dict]:
     """Run the quickstart once (afresh) and return its zero-shot rows."""
     name = f"{loss}_{data_format}_s{seed}" + (f"_pd{patch_dropout:g}" if patch_dropout else "")
+    name += f"_until{until}" if until else ""
     out = REPO / "outputs" / "bench_quickstart" / name
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "LOSS": loss, "DATA_FORMAT": data_format, "SEED": str(seed), "OUT": str(out)}
     env["PATCH_DROPOUT"] = f"{patch_dropout:g}"
+    env["PATCH_DROPOUT_UNTIL_STEP"] = str(until or "")
     env["MASTER_PORT"] = str(port)
     subprocess.run(["bash", str(REPO / "recipes" / "quickstart.sh")], env=env, check=True, cwd=REPO)
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return [
-        {"loss": loss, "data_format": data_format, "seed": seed, "patch_dropout": patch_dropout, "step": entry["step"]}
-        | {key: round(entry[key], 4) for key in FIELDS[5:]}
+        {"loss": loss, "data_format": data_format, "seed": seed, "patch_dropout": patch_dropout}
+        | {"unmasked_from": until or "", "step": entry["step"]}
+        | {key: round(entry[key], 4) for key in FIELDS[6:]}
         for entry in history
         if "zeroshot_acc1" in entry
     ]
@@ -47,12 +51,18 @@ def run(loss: str, data_format: str, seed: int, patch_dropout: float, port: int)
 
 def merge(rows: list[dict]) -> None:
     """Write `rows` into the CSV, replacing the rows of the same (loss, data format, seed, patch dropout)."""
-    key = lambda r: (r["loss"], r["data_format"], str(r["seed"]), float(r.get("patch_dropout") or 0))
+    key = lambda r: (
+        r["loss"],
+        r["data_format"],
+        str(r["seed"]),
+        float(r.get("patch_dropout") or 0),
+        str(r.get("unmasked_from") or ""),
+    )
     runs = {key(r) for r in rows}
     kept = []
     if CSV.is_file():
         with CSV.open() as f:
-            kept = [{"patch_dropout": 0.0, **r} for r in csv.DictReader(f) if key(r) not in runs]
+            kept = [{"patch_dropout": 0.0, "unmasked_from": "", **r} for r in csv.DictReader(f) if key(r) not in runs]
     merged = sorted(kept + rows, key=_order)
     with CSV.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -65,6 +75,7 @@ def _order(row: dict) -> tuple:
         row["loss"] != "softmax",
         row["data_format"],
         float(row["patch_dropout"]),
+        str(row["unmasked_from"]),
         int(row["seed"]),
         int(row["step"]),
     )
@@ -73,13 +84,17 @@ def _order(row: dict) -> tuple:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "runs", nargs="+", help="LOSS:FORMAT:SEED[:PATCH_DROPOUT], e.g. softmax:hf:0 (loss softmax|sigmoid)"
+        "runs",
+        nargs="+",
+        help="LOSS:FORMAT:SEED[:PATCH_DROPOUT[:UNMASKED_FROM_STEP]], e.g. softmax:hf:0 (loss softmax|sigmoid)",
     )
     parser.add_argument("--master_port", type=int, default=29581)
     args = parser.parse_args(argv)
     for spec in args.runs:
-        loss, data_format, seed, *patch_dropout = spec.split(":")
-        merge(run(loss, data_format, int(seed), float(patch_dropout[0]) if patch_dropout else 0.0, args.master_port))
+        loss, data_format, seed, *masking = spec.split(":")
+        patch_dropout = float(masking[0]) if masking else 0.0
+        until = int(masking[1]) if len(masking) > 1 else None
+        merge(run(loss, data_format, int(seed), patch_dropout, until, args.master_port))
 
 
 if __name__ == "__main__":
