@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     python = vs_open_clip.ensure_openclip_venv(vs_open_clip.OPENCLIP_VENV)
     args.work.mkdir(parents=True, exist_ok=True)
-    model_config = args.work / "disco-tiny.json"
-    tiny = json.loads((REPO / "recipes/models/tiny.json").read_text())
-    model_config.write_text(json.dumps(vs_open_clip.open_clip_model_config(tiny, str(REPO / "recipes/tokenizer"))))
+    model_config = vs_open_clip.write_tiny_open_clip_config(args.work)
     batch_file = args.work / "batch.pt"
     same_batches.draw_batches(REPO / "data" / "demo", SEED, 1, 1, batch_file)
     rows = []

@@ -149,14 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python = vs_open_clip.ensure_openclip_venv(vs_open_clip.OPENCLIP_VENV)
     args.work.mkdir(parents=True, exist_ok=True)
-    model_config = args.work / "disco-tiny.json"
-    model_config.write_text(
-        json.dumps(
-            vs_open_clip.open_clip_model_config(
-                json.loads((REPO / "recipes/models/tiny.json").read_text()), str(REPO / "recipes" / "tokenizer")
-            )
-        )
-    )
+    model_config = vs_open_clip.write_tiny_open_clip_config(args.work)
     held_out = args.work / "held_out.pt"
     draw_batches(args.data, 1000, 1, EVAL_BATCHES, held_out)
     rows = []

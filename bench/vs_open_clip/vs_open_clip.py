@@ -167,6 +167,14 @@ def oc_convert(
     hf.save_pretrained(out)
 
 
+def write_tiny_open_clip_config(folder: Path) -> Path:
+    """recipes/models/tiny.json rebuilt as an open_clip model config, written as FOLDER/disco-tiny.json."""
+    path = folder / "disco-tiny.json"
+    tiny = json.loads((REPO / "recipes/models/tiny.json").read_text())
+    path.write_text(json.dumps(open_clip_model_config(tiny, str(REPO / "recipes" / "tokenizer")), indent=2))
+    return path
+
+
 def open_clip_to_hf(sd: dict, config) -> dict:
     """open_clip's CLIP state dict in transformers' CLIPModel layout (split in_proj, transposed projections)."""
     out = {"logit_scale": sd["logit_scale"]}
@@ -518,15 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    model_config = args.out / "disco-tiny.json"
-    model_config.write_text(
-        json.dumps(
-            open_clip_model_config(
-                json.loads((REPO / "recipes/models/tiny.json").read_text()), str(REPO / "recipes" / "tokenizer")
-            ),
-            indent=2,
-        )
-    )
+    model_config = write_tiny_open_clip_config(args.out)
     skip = min(SKIP, args.steps // 2)  # a smoke run's few steps still leave some timed
     rows, curves = [], []
     for seed in args.seeds:  # one round per seed, ours then open_clip: load from other work reaches both
