@@ -61,6 +61,13 @@ def manifest_problem(folder: str | os.PathLike, checksums: bool = True) -> str |
         files = json.loads((folder / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{MANIFEST} is unreadable ({error})"
+    try:
+        return _files_problem(folder, files, checksums)
+    except FileNotFoundError as error:  # deleted while being checked: the Trainer's rotation removes old checkpoints
+        return f"{Path(error.filename).name} vanished while it was checked"
+
+
+def _files_problem(folder: Path, files: dict, checksums: bool) -> str | None:
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():

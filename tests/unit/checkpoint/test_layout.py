@@ -95,6 +95,22 @@ def test_a_checkpoint_verifies_only_with_its_manifest_and_matching_it(tmp_path):
     assert layout.checkpoint_problem(checkpoint) == "model.safetensors does not match its checksum in the manifest"
 
 
+def test_a_checkpoint_deleted_while_it_is_checked_is_a_problem_not_a_crash(tmp_path, monkeypatch):
+    """The Trainer's rotation may delete a checkpoint while another process (a watcher, a test) verifies it: the file
+    goes between the size check and the checksum. The injected hook deletes it at exactly that point."""
+    from disco_clip_ds.checkpoint import manifest
+
+    checkpoint = published(tmp_path / "checkpoint-4", 4)
+    checksum = manifest._checksum
+
+    def rotated_away(path: Path) -> str:
+        path.unlink(missing_ok=True)
+        return checksum(path)
+
+    monkeypatch.setattr(manifest, "_checksum", rotated_away)
+    assert layout.checkpoint_problem(checkpoint).endswith("vanished while it was checked")
+
+
 def test_the_newest_complete_checkpoint_skips_the_others_naming_why(tmp_path, caplog):
     run = tmp_path / "run"
     for step in (2, 4):
