@@ -6,7 +6,8 @@ sample, 00000.tar ...), JPEGs resized to --short_side px on the short side (aspe
 (img2dataset's default), cut from the three photographs bundled with scikit-learn and matplotlib (random crops and
 flips, so JPEG decode sees photographic texture, not flat colour), alt-text-like captions of about 40 CLIP tokens.
 
-Speed: each side runs in its own process with one DataLoader worker (OMP_NUM_THREADS=1, torch threads 1), batch
+Speed: each side runs in its own process with one DataLoader worker (--workers N: N of them, their CPU time summed;
+OMP_NUM_THREADS=1, torch threads 1), batch
 --batch, 224 px training crops, 77-token captions; after --warmup batches (open_clip fills its 1,000-sample shuffle
 buffer first) it times --batches batches. The rate is samples per CPU-second of that worker process (user + system,
 from /proc): on a shared machine that is what a worker with a core of its own delivers, where wall-clock rates
@@ -14,8 +15,8 @@ from /proc): on a shared machine that is what a worker with a core of its own de
 the table takes each side's median, and the ratio's median over rounds.
 - ours: disco_clip_ds.data.streams.shards.ShardStream + ClipCollator as train.py builds them on CPU ranks (the worker
   normalises the batch), with CLIP's own BPE as a fast transformers tokenizer (made offline from open_clip's
-  vocabulary file; the same tokens as open_clip's); `ours_before` runs the same code of --before_commit (checked
-  out with `git archive`).
+  vocabulary file; the same tokens as open_clip's); `ours_before` and `ours_uint8_before` run the same code of
+  --before_commit (checked out with `git archive`).
 - ours_uint8: the same with ClipCollator(normalize=False), as train.py builds it on a GPU: the worker hands over
   the uint8 batch and the trainer normalises it on the device (not measured here).
 - open_clip: open_clip_train.data.get_wds_dataset with open_clip.image_transform(224, is_train=True) (ViT-B-32's
@@ -29,8 +30,13 @@ microseconds per sample; batch-wide steps (tokenize, collate, normalise) are tim
 Draft decoding (only when the crop spans >= 2 x 224 px, so never on 256 px images): --draft_side S makes a second
 shard set S px on the short side and measures ours with draft decoding on and off, and the difference it makes on
 the normalised tensors (max and mean absolute).
+--kernels: the decoders (PIL, simplejpeg) and resizers (PIL, OpenCV, torch's uint8 kernel) alone, one thread, on
+the --breakdown samples of each shard set, CPU time and difference from PIL's pixels; and the fidelity of the new
+training crop against the old PIL crop of the same box. --threads K: decode + crop of those samples by one process,
+by one process with K threads, and by K processes, on the same cores.
 
-    .venv/bin/python bench/data/input_pipeline.py --rounds 5 --before_commit aef1fb6 --draft_side 512
+    .venv/bin/python bench/data/input_pipeline.py --rounds 5 --before_commit edb33e2 --draft_side 512 --kernels \
+        --threads 2
 """
 
 from __future__ import annotations
@@ -169,20 +175,22 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _timed(loader, warmup: int, batches: int, batch: int) -> dict:
-    """Samples, wall seconds and the DataLoader worker's CPU seconds over `batches` batches after `warmup`. On a
-    shared machine the worker's CPU seconds are what a core of its own would take; wall time also counts the
-    time it waited for a core."""
+    """Samples, wall seconds and the DataLoader workers' CPU seconds (summed) over `batches` batches after `warmup`.
+    On a shared machine the workers' CPU seconds are what cores of their own would take; wall time also counts the
+    time they waited for a core."""
     import multiprocessing
 
     it = iter(loader)
     for _ in range(warmup):
         next(it)
-    (worker,) = multiprocessing.active_children()  # the one DataLoader worker
-    cpu, start = _cpu_seconds(worker.pid), time.perf_counter()
+    workers = multiprocessing.active_children()  # the DataLoader workers
+    cpu_of = lambda: sum(_cpu_seconds(w.pid) for w in workers)
+    cpu, start = cpu_of(), time.perf_counter()
     for _ in range(batches):
         next(it)
-    wall, cpu = time.perf_counter() - start, _cpu_seconds(worker.pid) - cpu
-    return {"samples": batches * batch, "wall_s": round(wall, 3), "worker_cpu_s": round(cpu, 3)}
+    wall, cpu = time.perf_counter() - start, cpu_of() - cpu
+    measured = {"samples": batches * batch, "wall_s": round(wall, 3), "worker_cpu_s": round(cpu, 3)}
+    return {**measured, "workers": len(workers)}
 
 
 def ours_rate(args) -> dict:
@@ -192,12 +200,12 @@ def ours_rate(args) -> dict:
     from disco_clip_ds.data.collate import ClipCollator
     from disco_clip_ds.data.streams.shards import ShardStream
 
-    stream = ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000, num_workers=1)
+    stream = ShardStream(args.urls, CROP, seed=0, shuffle_buffer=1000, num_workers=args.workers)
     if args.no_draft:
         stream.transform.draft = False
-    uint8 = {"normalize": False} if args.side == "ours_uint8" else {}  # (ours_before's collator has no such argument)
+    uint8 = {"normalize": False} if args.side.startswith("ours_uint8") else {}
     collate = ClipCollator(AutoTokenizer.from_pretrained(args.tokenizer), CONTEXT, **uint8)
-    loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=1, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
     return _timed(loader, args.warmup, args.batches, args.batch)
 
 
@@ -240,9 +248,11 @@ def hf_rate(args) -> dict:
 
     names = {"dataset_config_name": None, "train_split": "train", "train_file": None, "streaming": False}
     data_args = SimpleNamespace(dataset_name=args.parquet, image_column="image", caption_column="caption", **names)
-    stream = HFStream(load_training_dataset(data_args, 1), CROP, seed=0, shuffle_buffer=1000, num_workers=1)
+    stream = HFStream(
+        load_training_dataset(data_args, args.workers), CROP, seed=0, shuffle_buffer=1000, num_workers=args.workers
+    )
     collate = ClipCollator(AutoTokenizer.from_pretrained(args.tokenizer), CONTEXT)
-    loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=1, collate_fn=collate)
+    loader = torch.utils.data.DataLoader(stream, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
     return _timed(loader, args.warmup, args.batches, args.batch)
 
 
@@ -250,6 +260,7 @@ RATES = {
     "ours": ours_rate,
     "ours_uint8": ours_rate,
     "ours_before": ours_rate,
+    "ours_uint8_before": ours_rate,
     "open_clip": open_clip_rate,
     "hf": hf_rate,
 }
@@ -287,61 +298,60 @@ def _raw(urls: list[str], n: int) -> list[dict]:
 
 
 AUGMENT, SHARE = "augment (crop box + bicubic resize)", "copy into shared memory (worker -> main)"
+NORMALISE, STACK = "normalise into the shared-memory batch", "stack into the shared-memory uint8 batch"
 
 
 def ours_breakdown(args) -> list[dict]:
-    """Ours now (uint8 crops, normalised straight into a shared-memory batch), ours_uint8 (the uint8 crops stacked
-    into a shared-memory uint8 batch, normalised later on the device) and before (a float32 tensor per sample,
-    stacked, then copied into shared memory when the DataLoader hands the batch over), step by step."""
+    """Ours now (libjpeg-turbo decode, torch's uint8 resize, straight to a tensor) and before (edb33e2: PIL's decode
+    and resize, then the crop to a tensor), each with the worker normalising into a shared-memory float32 batch
+    (ours, ours_before) or stacking the uint8 crops into a shared-memory batch (ours_uint8, ours_uint8_before),
+    step by step. Reading, captions, tokenizing and collating are the same code before and after: timed once."""
     import numpy as np
     import torch
     from PIL import Image
     from transformers import AutoTokenizer
 
     from disco_clip_ds.data.collate import batch_tensor
+    from disco_clip_ds.data.decode import EncodedImage
+    from disco_clip_ds.data.resize import resized_crop
     from disco_clip_ds.data.transforms import ImageTransform, random_resized_crop_box, to_rgb
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     normalize = ImageTransform(CROP).normalize
-    mean, std = normalize.mean, normalize.std
-    now, stack, before = Steps(), Steps(), Steps()
+    shared, now, before = Steps(), Steps(), Steps()
     start = time.process_time()
     raw = _raw(args.urls, args.breakdown)
-    now.total["read"] = time.process_time() - start
+    shared.total["read"] = time.process_time() - start
     for b in range(0, len(raw), args.batch):
-        crops, floats, captions = [], [], []
+        crops, captions = [], []
         for sample in raw[b : b + args.batch]:
-            rng = random.Random(f"0/0/{sample['__key__']}")
-            captions.append(now.time("caption", lambda s: s["txt"].decode("utf-8").strip(), sample))
-            image = now.time("decode", lambda d: Image.open(io.BytesIO(d)), sample["jpg"])
-            now.time("decode", image.load)
+            key = sample["__key__"]
+            captions.append(shared.time("caption", lambda s: s["txt"].decode("utf-8").strip(), sample))
+            # now (no reduced decode on these shards: a 256 px image never has twice 224 px to spare)
+            encoded = now.time("decode", EncodedImage, sample["jpg"])
+            pixels = now.time("decode", encoded.decode)
+            box = now.time(AUGMENT, random_resized_crop_box, *encoded.size, random.Random(f"0/0/{key}"))
+            crops.append(now.time(AUGMENT, resized_crop, pixels, box, encoded.size, CROP))
+            # before
+            image = before.time("decode", lambda d: Image.open(io.BytesIO(d)), sample["jpg"])
+            before.time("decode", image.load)
             image = to_rgb(image)
-            box = now.time(AUGMENT, random_resized_crop_box, *image.size, rng)
-            crop = now.time(AUGMENT, image.resize, (CROP, CROP), Image.BICUBIC, box)
-            crops.append(now.time("to uint8 tensor", lambda c: torch.from_numpy(np.array(c)).permute(2, 0, 1), crop))
-            floats.append(
-                before.time(
-                    "to float tensor + normalise (per sample)",
-                    lambda c: (torch.from_numpy(np.asarray(c, dtype=np.float32) / 255.0).permute(2, 0, 1) - mean) / std,
-                    crop,
-                )
-            )
+            box = before.time(AUGMENT, random_resized_crop_box, *image.size, random.Random(f"0/0/{key}"))
+            crop = before.time(AUGMENT, image.resize, (CROP, CROP), Image.BICUBIC, box)
+            before.time("to uint8 tensor", lambda c: torch.from_numpy(np.array(c)).permute(2, 0, 1), crop)
         kw = dict(padding="max_length", truncation=True, max_length=CONTEXT, return_tensors="pt")
-        now.time("tokenize (batched, fast)", lambda: tokenizer(captions, **kw))
+        shared.time("tokenize (batched, fast)", lambda: tokenizer(captions, **kw))
         shape = (len(crops), 3, CROP, CROP)
-        now.time(
-            "normalise into the shared-memory batch", lambda: normalize(crops, batch_tensor(shape, torch.float32, True))
-        )
-        stack.time(
-            "stack into the shared-memory uint8 batch",
-            lambda: torch.stack(crops, out=batch_tensor(shape, torch.uint8, True)),
-        )
-        stacked = before.time("collate (stack)", torch.stack, floats)
-        before.time(SHARE, stacked.share_memory_)
-    for step in ("read", "caption", "decode", AUGMENT, "tokenize (batched, fast)"):
-        before.total[step] = now.total[step]
-    uint8 = Steps()  # the same steps as ours, with the uint8 stack in place of the normalisation
-    uint8.total = {**{k: v for k, v in now.total.items() if not k.startswith("normalise")}, **stack.total}
+        shared.time(NORMALISE, lambda: normalize(crops, batch_tensor(shape, torch.float32, True)))
+        shared.time(STACK, lambda: torch.stack(crops, out=batch_tensor(shape, torch.uint8, True)))
+    rows = []
+    for side, steps in (("ours", now), ("ours_before", before)):
+        for variant, collate_step, dropped in (("", NORMALISE, STACK), ("_uint8", STACK, NORMALISE)):
+            name = side.replace("ours", "ours" + variant)
+            merged = Steps()
+            merged.total = {**{k: v for k, v in shared.total.items() if k != dropped}, **steps.total}
+            merged.total = {k: merged.total[k] for k in _STEP_ORDER if k in merged.total}
+            rows += merged.rows(name, len(raw))
     # the whole stream and collator in this process, no DataLoader: what the steps add up to
     from disco_clip_ds.data.collate import ClipCollator
     from disco_clip_ds.data.streams.shards import ShardStream
@@ -353,8 +363,10 @@ def ours_breakdown(args) -> list[dict]:
         collate([next(stream) for _ in range(min(args.batch, len(raw) - b))])
     whole = Steps()
     whole.total["whole stream + collate, in process"] = time.process_time() - start
-    rows = now.rows("ours", len(raw)) + uint8.rows("ours_uint8", len(raw)) + before.rows("ours_before", len(raw))
     return rows + whole.rows("ours", len(raw))
+
+
+_STEP_ORDER = ("read", "caption", "decode", AUGMENT, "to uint8 tensor", "tokenize (batched, fast)", NORMALISE, STACK)
 
 
 def open_clip_breakdown(args) -> list[dict]:
@@ -410,6 +422,177 @@ def draft_difference(args) -> list[dict]:
     ]
 
 
+def _old_crop(data: bytes, rng: random.Random):
+    """The training crop as edb33e2 made it: PIL's header, box, draft decode, PIL's bicubic resize of the box."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from disco_clip_ds.data.transforms import draft_scale, random_resized_crop_box, to_rgb
+
+    with Image.open(io.BytesIO(data)) as image:
+        full = image.size
+        box = random_resized_crop_box(*full, rng)
+        scale = draft_scale(box, CROP)
+        if scale > 1:
+            image.draft(None, (full[0] // scale, full[1] // scale))
+        image.load()
+        image = to_rgb(image)
+        sx, sy = image.width / full[0], image.height / full[1]
+        box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        return torch.from_numpy(np.array(image.resize((CROP, CROP), Image.BICUBIC, box=box))).permute(2, 0, 1)
+
+
+def fidelity(args) -> list[dict]:
+    """The new training crop (draft decoding on) against edb33e2's PIL crop of the same box (its draft decoding on
+    too), and against PIL's crop-then-resize of the full-size decode (torchvision's RandomResizedCrop of a PIL image,
+    open_clip's): mean and max absolute difference in uint8 levels, over --breakdown samples."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from disco_clip_ds.data.transforms import ImageTransform, random_resized_crop_box, to_rgb
+
+    new, old, first = ImageTransform(CROP), [], []
+    for sample in _raw(args.urls, args.breakdown):
+        key, data = sample["__key__"], sample["jpg"]
+        crop = new.from_bytes(data, random.Random(key)).to(torch.int16)
+        old.append((crop - _old_crop(data, random.Random(key))).abs())
+        image = to_rgb(Image.open(io.BytesIO(data)))
+        box = random_resized_crop_box(*image.size, random.Random(key))
+        pil = torch.from_numpy(np.array(image.crop(box).resize((CROP, CROP), Image.BICUBIC))).permute(2, 0, 1)
+        first.append((crop - pil).abs())
+    rows = []
+    for against, diffs in (("edb33e2 PIL crop (resize of the box)", old), ("PIL crop, then resize", first)):
+        diff = torch.stack(diffs).float()
+        row = {"against": against, "samples": len(diffs), "mean_abs": round(float(diff.mean()), 4)}
+        rows.append({**row, "max_abs": int(diff.max()), "share_over_2": round(float((diff > 2).float().mean()), 6)})
+    return rows
+
+
+def kernels(args) -> list[dict]:
+    """Decoders and resizers alone, one thread, on --breakdown samples: CPU microseconds per sample and mean / max
+    absolute difference (uint8 levels) from PIL's (decode; resize of the box, and crop then resize)."""
+    import cv2
+    import numpy as np
+    import simplejpeg
+    import torch
+    import torch.nn.functional as F
+    from PIL import Image
+
+    from disco_clip_ds.data.transforms import random_resized_crop_box
+
+    cv2.setNumThreads(1)
+    raw = [s["jpg"] for s in _raw(args.urls, args.breakdown)]
+    pil_decode = lambda d: np.asarray(Image.open(io.BytesIO(d)).convert("RGB"))
+    decoders = {
+        "PIL": pil_decode,
+        "simplejpeg": lambda d: simplejpeg.decode_jpeg(d, "RGB"),
+        "simplejpeg fastdct+fastupsample": lambda d: simplejpeg.decode_jpeg(d, "RGB", fastdct=True, fastupsample=True),
+    }
+    rows, images = [], [pil_decode(d) for d in raw]
+    for name, fn in decoders.items():
+        start = time.process_time()
+        out = [fn(d) for d in raw]
+        cpu = time.process_time() - start
+        diff = np.concatenate([np.abs(a.astype(np.int16) - b).ravel() for a, b in zip(out, images)])
+        rows.append(_kernel_row("decode", name, cpu, len(raw), diff, diff))
+    boxes = [random_resized_crop_box(a.shape[1], a.shape[0], random.Random(i)) for i, a in enumerate(images)]
+    pil_images = [Image.fromarray(a) for a in images]  # what PIL's decoder hands its resize
+    crop = lambda a, b: a[b[1] : b[3], b[0] : b[2]]
+
+    def torch_aa(im, a, b):
+        t = torch.from_numpy(crop(a, b)).permute(2, 0, 1).unsqueeze(0)
+        return F.interpolate(t, size=(CROP, CROP), mode="bicubic", antialias=True)[0].permute(1, 2, 0).numpy()
+
+    def cv2_auto(im, a, b):
+        c = crop(a, b)
+        area = max(c.shape[:2]) >= 2 * CROP  # a strong downscale: area averaging, else bicubic
+        return cv2.resize(c, (CROP, CROP), interpolation=cv2.INTER_AREA if area else cv2.INTER_CUBIC)
+
+    resizers = {
+        "PIL resize of the box (edb33e2)": lambda im, a, b: im.resize((CROP, CROP), Image.BICUBIC, box=b),
+        "PIL crop, then resize": lambda im, a, b: im.crop(b).resize((CROP, CROP), Image.BICUBIC),
+        "cv2 INTER_CUBIC": lambda im, a, b: cv2.resize(crop(a, b), (CROP, CROP), interpolation=cv2.INTER_CUBIC),
+        "cv2 INTER_AREA": lambda im, a, b: cv2.resize(crop(a, b), (CROP, CROP), interpolation=cv2.INTER_AREA),
+        "cv2 INTER_AREA if >= 2x down, else INTER_CUBIC": cv2_auto,
+        "torch uint8 bicubic antialias (torchvision v2's)": torch_aa,
+    }
+    outputs, cpu = {}, {}
+    for name, fn in resizers.items():
+        start = time.process_time()
+        out = [fn(im, a, b) for im, a, b in zip(pil_images, images, boxes)]
+        cpu[name] = time.process_time() - start
+        outputs[name] = np.stack([np.asarray(o) for o in out]).astype(np.int16)
+    old, first = outputs["PIL resize of the box (edb33e2)"], outputs["PIL crop, then resize"]
+    for name, out in outputs.items():
+        rows.append(_kernel_row("resize", name, cpu[name], len(raw), np.abs(out - old), np.abs(out - first)))
+    return rows
+
+
+def _kernel_row(step: str, name: str, cpu: float, n: int, old, first) -> dict:
+    return {
+        "step": step,
+        "kernel": name,
+        "us_per_sample": round(cpu / n * 1e6, 1),
+        "mean_abs_vs_pil": round(float(old.mean()), 4),
+        "max_abs_vs_pil": int(old.max()),
+        "mean_abs_vs_pil_crop_first": round(float(first.mean()), 4),
+        "max_abs_vs_pil_crop_first": int(first.max()),
+    }
+
+
+def _decode_chunk(chunk: list[tuple[str, bytes]]) -> int:
+    from disco_clip_ds.data.transforms import ImageTransform
+
+    transform = ImageTransform(CROP)
+    return len([transform.from_bytes(data, random.Random(key)) for key, data in chunk])
+
+
+def threads(args) -> list[dict]:
+    """Decode + crop of --breakdown samples, on the same cores, three ways: one process alone; one process with a
+    pool of --pool threads (decoding and resizing release the GIL); --pool processes (as DataLoader workers are).
+    Samples per CPU-second of all of them together, and per wall second."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    raw = [(s["__key__"], s["jpg"]) for s in _raw(args.urls, args.breakdown)]
+    chunks = [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    me = psutil.Process()
+    cpu_of = lambda procs: sum(sum(p.cpu_times()[:2]) for p in procs)
+    rows = []
+    for way in ("1 process", f"1 process, {args.pool} threads", f"{args.pool} processes"):
+        if way.endswith("processes"):
+            pool = multiprocessing.get_context("fork").Pool(args.pool)
+            pool.map(_decode_chunk, chunks[: args.pool])  # started and warm
+            procs = [psutil.Process(p.pid) for p in pool._pool]
+            run = lambda: sum(pool.map(_decode_chunk, chunks, chunksize=1))
+        elif "threads" in way:
+            executor = ThreadPoolExecutor(args.pool)
+            procs, run = [me], lambda: sum(executor.map(_decode_chunk, chunks))
+        else:
+            procs, run = [me], lambda: sum(map(_decode_chunk, chunks))
+        run()  # warm
+        cpu, start = cpu_of(procs), time.perf_counter()
+        done = run()
+        wall, cpu = time.perf_counter() - start, cpu_of(procs) - cpu
+        if way.endswith("processes"):
+            pool.close()
+        rows.append(
+            {
+                "way": way,
+                "samples": done,
+                "cpu_s": round(cpu, 3),
+                "wall_s": round(wall, 3),
+                "samples_per_cpu_s": round(done / cpu, 1),
+                "samples_per_wall_s": round(done / wall, 1),
+            }
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- orchestration (project venv)
 
 
@@ -422,7 +605,8 @@ def _env(pythonpath: str) -> dict:
 def _side(python: str, pythonpath: str, task: str, side: str, urls: list[str], args, *extra: str):
     cmd = [python, __file__, "--task", task, "--side", side, "--urls", *urls]
     cmd += ["--batch", str(args.batch), "--batches", str(args.batches), "--warmup", str(args.warmup)]
-    cmd += ["--breakdown", str(args.breakdown), "--tokenizer", args.tokenizer, *extra]
+    cmd += ["--breakdown", str(args.breakdown), "--tokenizer", args.tokenizer, "--workers", str(args.workers)]
+    cmd += ["--pool", str(args.pool), *extra]
     cmd += ["--parquet", args.parquet] if args.parquet else []
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(pythonpath), cwd=REPO)
     if result.returncode != 0:
@@ -454,7 +638,8 @@ def orchestrate(args) -> None:
         "open_clip": (oc_python, str(REPO / "bench" / "vs_open_clip")),
     }
     if args.before_commit:
-        sides = {"ours_before": (ours_python, _before_tree(args.before_commit, root)), **sides}
+        before = (ours_python, _before_tree(args.before_commit, root))
+        sides = {"ours_before": before, "ours_uint8_before": before, **sides}
     if args.parquet:
         sides["hf"] = (ours_python, str(REPO))
     sides = {side: where for side, where in sides.items() if not args.sides or side in args.sides}
@@ -471,6 +656,15 @@ def orchestrate(args) -> None:
         draft = _side(ours_python, str(REPO), "draft", "ours", big, args)
         print(draft, flush=True)
         _write(RESULTS / f"{args.name}_draft.csv", [{"shards": f"{args.draft_side}px", **d} for d in draft])
+    if args.kernels:
+        shard_sets = {f"{args.short_side}px": urls, f"{args.draft_side}px": big if args.draft_side else None}
+        _extras(args, ours_python, shard_sets)
+    if args.threads:
+        args.pool = args.threads
+        threaded = _side(ours_python, str(REPO), "threads", "ours", urls, args)
+        _write(RESULTS / f"{args.name}_threads.csv", [{"shards": f"{args.short_side}px", **t} for t in threaded])
+    if not rows:
+        return
     _write(RESULTS / f"{args.name}.csv", rows)
     summarize(rows)
     if args.skip_breakdown:
@@ -479,6 +673,17 @@ def orchestrate(args) -> None:
     steps += _side(oc_python, sides["open_clip"][1], "breakdown", "open_clip", urls, args)
     _write(RESULTS / f"{args.name}_steps.csv", steps)
     plot(rows, steps, RESULTS / f"{args.name}.png", args)
+
+
+def _extras(args, python: str, shard_sets: dict) -> None:
+    """The decoders and resizers alone, and the new crop's fidelity, on each shard set."""
+    kernel_rows, fidelity_rows = [], []
+    for shards, urls in shard_sets.items():
+        if urls:
+            kernel_rows += [{"shards": shards, **k} for k in _side(python, str(REPO), "kernels", "ours", urls, args)]
+            fidelity_rows += [{"shards": shards, **f} for f in _side(python, str(REPO), "fidelity", "ours", urls, args)]
+    _write(RESULTS / f"{args.name}_kernels.csv", kernel_rows)
+    _write(RESULTS / f"{args.name}_fidelity.csv", fidelity_rows)
 
 
 def _rate_row(round_: int, side: str, shards: str, measured: dict) -> dict:
@@ -498,7 +703,7 @@ def summarize(rows: list[dict]) -> None:
             by.setdefault((r["shards"], r["side"]), {})[int(r["round"])] = float(r[column])
         for (shards, side), rates in by.items():
             print(f"{shards} {side}: {statistics.median(rates.values()):.1f} samples per {unit}")
-        for side in ("ours", "ours_uint8", "ours_before", "hf"):
+        for side in ("ours", "ours_uint8", "ours_before", "ours_uint8_before", "hf"):
             for shards in {s for s, _ in by}:
                 ours, theirs = by.get((shards, side)), by.get((shards, "open_clip"))
                 if ours and theirs:
@@ -515,6 +720,9 @@ def _write(path: Path, rows: list[dict]) -> None:
     print("wrote", path)
 
 
+SIDE_ORDER = ("ours_before", "ours_uint8_before", "ours", "ours_uint8", "open_clip")
+
+
 def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
     import matplotlib
 
@@ -522,19 +730,20 @@ def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
-    order = [s for s in ("ours_before", "ours", "ours_uint8", "open_clip") if any(r["side"] == s for r in rows)]
+    order = [s for s in SIDE_ORDER if any(r["side"] == s for r in rows)]
     shards = f"{args.short_side}px"
     medians = [
         statistics.median(r["samples_per_cpu_s"] for r in rows if (r["side"], r["shards"]) == (s, shards))
         for s in order
     ]
-    colours = {"ours_before": "#bbbbbb", "ours": "#1f77b4", "ours_uint8": "#2ca02c", "open_clip": "#ff7f0e"}
+    colours = {"ours_before": "#bbbbbb", "ours_uint8_before": "#999999", "ours": "#1f77b4", "ours_uint8": "#2ca02c"}
+    colours["open_clip"] = "#ff7f0e"
     left.bar(order, medians, color=[colours[s] for s in order])
     for i, m in enumerate(medians):
         left.text(i, m, f"{m:.0f}", ha="center", va="bottom")
     left.set_ylabel("samples per CPU-second of the one DataLoader worker")
     left.set_title(f"{args.short_side} px JPEGs -> {CROP} px crops, batch {args.batch}")
-    sides = [s for s in ("ours_before", "ours", "ours_uint8", "open_clip") if any(r["side"] == s for r in steps)]
+    sides = [s for s in SIDE_ORDER if any(r["side"] == s for r in steps)]
     step_names = list(dict.fromkeys(r["step"] for r in steps if not r["step"].startswith("whole")))
     bottom = [0.0] * len(sides)
     cmap = plt.get_cmap("tab20")
@@ -552,7 +761,8 @@ def plot(rows: list[dict], steps: list[dict], out: Path, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["orchestrate", "rate", "breakdown", "draft"], default="orchestrate")
+    tasks = ["orchestrate", "rate", "breakdown", "draft", "fidelity", "kernels", "threads"]
+    p.add_argument("--task", choices=tasks, default="orchestrate")
     p.add_argument("--side", choices=list(RATES) + ["ours_no_draft"], default="ours")
     p.add_argument("--urls", nargs="*", default=[])
     p.add_argument("--data", default=str(REPO / "outputs" / "bench_input_pipeline"), help="shards are made here")
@@ -571,6 +781,10 @@ def main(argv=None) -> None:
         "--parquet", help="a parquet copy of the same samples here (written once): measure our datasets path"
     )
     p.add_argument("--sides", nargs="*", help="only these sides (default: all)")
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per side (rates per CPU-second of all)")
+    p.add_argument("--kernels", action="store_true", help="also time decoders and resizers alone, and the fidelity")
+    p.add_argument("--threads", type=int, default=0, help="also compare a pool of this many threads with processes")
+    p.add_argument("--pool", type=int, default=2, help="(the pool size of --task threads)")
     p.add_argument("--skip_breakdown", action="store_true")
     p.add_argument("--name", default="input_pipeline")
     p.add_argument("--tokenizer", help="(made by the orchestrating run: CLIP's BPE as a fast tokenizer)")
@@ -580,7 +794,8 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    task = {"rate": RATES[args.side], "breakdown": ours_breakdown, "draft": draft_difference}[args.task]
+    task = {"rate": RATES[args.side], "breakdown": ours_breakdown, "draft": draft_difference, "fidelity": fidelity}
+    task = {**task, "kernels": kernels, "threads": threads}[args.task]
     if args.task == "breakdown" and args.side == "open_clip":
         task = open_clip_breakdown
     print(json.dumps(task(args)))

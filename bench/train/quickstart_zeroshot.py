@@ -4,7 +4,9 @@ Each run is `recipes/quickstart.sh` with LOSS, DATA_FORMAT, SEED and PATCH_DROPO
 ranks), into outputs/bench_quickstart/LOSS_FORMAT_sSEED[_pdP]; the zero-shot metrics logged at its evals (steps 100,
 200, 300) are read from its trainer_state.json and merged into results/quickstart_zeroshot.csv, replacing earlier rows
 of the same run. Different seeds change the data order, the augmentation and the initial weights: their spread is the
-noise against which two data formats (or patch dropout on and off) are compared.
+noise against which two data formats (or patch dropout on and off) are compared. Each row names the training input
+pipeline that made it (`pipeline`: `pil` for PIL's decode and resize, before data/decode.py; `turbo` for libjpeg-turbo
+and torch's uint8 resize), so that a run of the current code keeps the earlier pipeline's rows beside its own.
 
     python bench/train/quickstart_zeroshot.py softmax:hf:0 softmax:shards:1 softmax:hf:1
     python bench/train/quickstart_zeroshot.py softmax:shards:0:0.5   # patch dropout 0.5
@@ -24,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CSV = HERE / "results" / "quickstart_zeroshot.csv"
-FIELDS = ["loss", "data_format", "seed", "patch_dropout", "unmasked_from", "step"]
+FIELDS = ["loss", "data_format", "seed", "patch_dropout", "unmasked_from", "pipeline", "step"]
 FIELDS += ["zeroshot_acc1", "zeroshot_acc5", "zeroshot_mean_per_class_recall"]
 
 
@@ -43,10 +45,16 @@ def run(loss: str, data_format: str, seed: int, patch_dropout: float, until: int
     return [
         {"loss": loss, "data_format": data_format, "seed": seed, "patch_dropout": patch_dropout}
         | {"unmasked_from": until or "", "step": entry["step"]}
-        | {key: round(entry[key], 4) for key in FIELDS[6:]}
+        | {"pipeline": pipeline()}
+        | {key: round(entry[key], 4) for key in FIELDS[7:]}
         for entry in history
         if "zeroshot_acc1" in entry
     ]
+
+
+def pipeline() -> str:
+    """The training input pipeline of the code in this checkout: `turbo` once data/decode.py exists, else `pil`."""
+    return "turbo" if (REPO / "disco_clip_ds" / "data" / "decode.py").is_file() else "pil"
 
 
 def merge(rows: list[dict]) -> None:
@@ -57,12 +65,14 @@ def merge(rows: list[dict]) -> None:
         str(r["seed"]),
         float(r.get("patch_dropout") or 0),
         str(r.get("unmasked_from") or ""),
+        r.get("pipeline") or "pil",
     )
     runs = {key(r) for r in rows}
     kept = []
     if CSV.is_file():
         with CSV.open() as f:
-            kept = [{"patch_dropout": 0.0, "unmasked_from": "", **r} for r in csv.DictReader(f) if key(r) not in runs]
+            old = [{"patch_dropout": 0.0, "unmasked_from": "", **r} for r in csv.DictReader(f) if key(r) not in runs]
+            kept = [{**r, "pipeline": r.get("pipeline") or "pil"} for r in old]
     merged = sorted(kept + rows, key=_order)
     with CSV.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -76,6 +86,7 @@ def _order(row: dict) -> tuple:
         row["data_format"],
         float(row["patch_dropout"]),
         str(row["unmasked_from"]),
+        row["pipeline"],
         int(row["seed"]),
         int(row["step"]),
     )

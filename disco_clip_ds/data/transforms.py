@@ -1,6 +1,8 @@
 """Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
 
-The per-sample work stays on uint8, as PIL decodes and resamples; the float batch is made in one place
+Training crops are decoded by libjpeg-turbo (decode.py) and resized by torch's uint8 bicubic kernel (resize.py);
+the eval transform stays PIL's, as CLIPImageProcessor computes it. The per-sample work stays on uint8; the float
+batch is made in one place
 (`Normalize`), with the same float32 operations as normalising each crop alone, so the batch is bit-identical to
 the per-sample float path: by the collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the
 device, from the uint8 batch the collator then hands over.
@@ -17,23 +19,15 @@ import torch
 from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
+from disco_clip_ds.data.decode import EncodedImage, to_rgb
+from disco_clip_ds.data.resize import resized_crop
+
 # Images above this many pixels are skipped unread: a small file can hold a huge flat image (a decompression bomb)
 # whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
 MAX_IMAGE_PIXELS = 50_000_000
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
 DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode to RGB; transparent pixels become white rather than whatever colour they hide."""
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
@@ -102,14 +96,16 @@ class Normalize:
 
 
 class ImageTransform:
-    """PIL image -> normalised float tensor (3, size, size): random resized crop when training, else resize +
-    centre crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default;
-    the model's image processor's when it has its own, e.g. SigLIP's 0.5).
+    """Image -> normalised float tensor (3, size, size): random resized crop when training, else resize + centre
+    crop (CLIPImageProcessor's eval transform), bicubic, normalised with `mean`/`std` (CLIP's by default; the model's
+    image processor's when it has its own, e.g. SigLIP's 0.5).
 
     `pixels` stops before normalisation (uint8), `normalize` (a `Normalize`) does it, also for a whole batch,
-    bit-identically; `from_bytes` decodes too. With `draft` (training crops only), a JPEG whose crop is at least
-    twice the output size is decoded at 1/2, 1/4 or 1/8 scale by libjpeg (the largest that still leaves the crop
-    >= size a side), which changes pixels slightly; smaller images decode exactly as without it.
+    bit-identically; `from_bytes` decodes too. Training crops are decoded by libjpeg-turbo (PIL for other formats)
+    and resized by torch's uint8 bicubic kernel, which keeps them within about a level of PIL's resize of the same
+    box (tests/unit/data/test_transforms.py bounds it); with `draft`, a JPEG whose crop is at least twice the output
+    size is decoded at 1/2, 1/4 or 1/8 scale (the largest that still leaves the crop >= size a side). The eval
+    transform is PIL's throughout, as the image processor's.
     """
 
     def __init__(self, image_size: int, train: bool = True, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD, draft=True):
@@ -120,38 +116,39 @@ class ImageTransform:
         return self.normalize(self.pixels(image, rng))
 
     def pixels(self, image: Image.Image, rng: random.Random | None = None) -> torch.Tensor:
-        """The crop as a uint8 tensor (3, size, size), before normalisation."""
-        return self._crop(to_rgb(image), self._box(*image.size, rng), image.size)
+        """The crop of a PIL image as a uint8 tensor (3, size, size), before normalisation."""
+        image = to_rgb(image)
+        if not self.train:
+            return self._eval_crop(image)
+        box = random_resized_crop_box(*image.size, rng or random.Random())
+        return resized_crop(np.array(image), box, image.size, self.image_size)
 
     def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
         """Encoded image -> uint8 crop (3, size, size), as `pixels` of the decoded image, but decoded at reduced
         size when `draft` allows it. Raises ValueError for images of more than `max_pixels` pixels, before
         decoding them, and PIL's errors for corrupt data."""
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            full = image.size
-            if full[0] * full[1] > max_pixels:
-                raise ValueError(f"{full[0]} x {full[1]} pixels, above {max_pixels}")
-            box = self._box(*full, rng)
-            scale = draft_scale(box, self.image_size) if box and self.draft else 1
-            if scale > 1:
-                image.draft(None, (full[0] // scale, full[1] // scale))  # a no-op for formats other than JPEG
-            image.load()
-            return self._crop(to_rgb(image), box, full)
+        if not self.train:
+            with Image.open(io.BytesIO(data)) as image:  # reads the header only
+                _check_pixels(image.size, max_pixels)
+                image.load()
+                return self._eval_crop(to_rgb(image))
+        encoded = EncodedImage(data)
+        _check_pixels(encoded.size, max_pixels)
+        box = random_resized_crop_box(*encoded.size, rng)
+        scale = draft_scale(box, self.image_size) if self.draft else 1
+        return resized_crop(encoded.decode(scale), box, encoded.size, self.image_size)
 
-    def _box(self, width: int, height: int, rng: random.Random | None):
-        return random_resized_crop_box(width, height, rng or random.Random()) if self.train else None
-
-    def _crop(self, image: Image.Image, box, full: tuple[int, int]) -> torch.Tensor:
+    def _eval_crop(self, image: Image.Image) -> torch.Tensor:
+        """Resize the short side to size, then the central size x size: CLIPImageProcessor's steps, with PIL."""
         size = self.image_size
-        if self.train:
-            if image.size != full:  # drafted: the box in the reduced image's coordinates
-                sx, sy = image.width / full[0], image.height / full[1]
-                box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-            image = image.resize((size, size), Image.BICUBIC, box=box)
-        else:
-            scale = size / min(image.size)
-            new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
-            image = image.resize(new_size, Image.BICUBIC)
-            left, top = (image.width - size) // 2, (image.height - size) // 2
-            image = image.crop((left, top, left + size, top + size))
+        scale = size / min(image.size)
+        new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
+        image = image.resize(new_size, Image.BICUBIC)
+        left, top = (image.width - size) // 2, (image.height - size) // 2
+        image = image.crop((left, top, left + size, top + size))
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
+
+
+def _check_pixels(size: tuple[int, int], max_pixels: int) -> None:
+    if size[0] * size[1] > max_pixels:
+        raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")

@@ -1,7 +1,7 @@
 """data/transforms.py: RGB conversion, CLIP normalisation, crops drawn from the RNG alone; and the fast input path
-(uint8 crops, draft decoding, bulk normalisation in the collator) against the per-sample float path it replaced,
-written out below as that code computed it: bit for bit where nothing is meant to change, within a stated bound where
-draft decoding changes pixels."""
+(uint8 crops, libjpeg-turbo decoding, torch's uint8 resize, draft decoding, bulk normalisation in the collator)
+against the paths written out below: PIL's crop as training computed it before (bit for bit for the eval crop, within
+a stated bound for the training crop), and per-sample float normalisation (bit for bit)."""
 
 import io
 import random
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import sklearn.datasets
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from transformers import AutoTokenizer
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -24,8 +25,9 @@ SIGLIP = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 PHOTO = Path(sklearn.datasets.__file__).parent / "images" / "china.jpg"  # a 640 x 427 photograph, JPEG
 
 
-def reference(data: bytes, size: int, train: bool, rng: random.Random, mean, std) -> torch.Tensor:
-    """The decode -> crop -> normalise path as it was: a full-size decode, then one float32 tensor per sample."""
+def pil_crop(data: bytes, size: int, train: bool, rng: random.Random) -> torch.Tensor:
+    """The decode -> crop path as it was before the fast decoder and resizer: a full-size PIL decode, PIL's bicubic
+    resize (of the random box when training; of the short side, then the centre, for eval)."""
     with Image.open(io.BytesIO(data)) as image:
         image.load()
         image = to_rgb(image)
@@ -38,10 +40,30 @@ def reference(data: bytes, size: int, train: bool, rng: random.Random, mean, std
             image = image.resize(new_size, Image.BICUBIC)
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
-        std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-        return (pixels - mean) / std
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1)
+
+
+def training_crop(data: bytes, size: int, rng: random.Random) -> torch.Tensor:
+    """The training crop as the new path means it, written with PIL's decoder: the same box, its pixels resized by
+    torch's uint8 bicubic antialiased kernel."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        pixels = torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1)
+    left, top, right, bottom = random_resized_crop_box(pixels.shape[2], pixels.shape[1], rng)
+    crop = pixels[:, top:bottom, left:right].unsqueeze(0)
+    return F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True)[0]
+
+
+def float_path(crop: torch.Tensor, mean, std) -> torch.Tensor:
+    """One uint8 crop normalised alone, in float32, as the per-sample path did."""
+    pixels = torch.from_numpy(crop.permute(1, 2, 0).numpy().astype(np.float32) / 255.0).permute(2, 0, 1)
+    return (pixels - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+
+
+def reference(data: bytes, size: int, train: bool, rng: random.Random, mean, std) -> torch.Tensor:
+    """The crop the path should make (PIL's for eval, the new training crop), normalised alone."""
+    crop = training_crop(data, size, rng) if train else pil_crop(data, size, False, rng)
+    return float_path(crop, mean, std)
 
 
 def textured(rng: np.random.Generator, size: tuple[int, int], mode: str = "RGB", fmt: str = "JPEG") -> bytes:
@@ -68,8 +90,8 @@ def images() -> list[bytes]:
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("mean_std", [(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), SIGLIP], ids=["clip", "siglip"])
 def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(images, train, mean_std):
-    """Where the crop needs the full-size decode (every img2dataset-sized image at 224), the new path changes
-    nothing: the batch the collator normalises equals the old per-sample float32 tensors exactly."""
+    """The batch the collator normalises equals per-sample float32 normalisation of the crop exactly: PIL's crop
+    for eval; for training, the box's pixels (libjpeg-turbo's decode, equal to PIL's) resized by torch's kernel."""
     transform = ImageTransform(224, train=train, mean=mean_std[0], std=mean_std[1])
     expected = [reference(data, 224, train, random.Random(f"k{i}"), *mean_std) for i, data in enumerate(images)]
     crops = [transform.from_bytes(data, random.Random(f"k{i}")) for i, data in enumerate(images)]
@@ -77,7 +99,7 @@ def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(image
     collate = ClipCollator(AutoTokenizer.from_pretrained(TOKENIZER_DIR), 8, mean=mean_std[0], std=mean_std[1])
     batch = collate([(c, "a photo") for c in crops])["pixel_values"]
     assert batch.dtype == torch.float32 and torch.equal(batch, torch.stack(expected))
-    # ImageTransform's own call (a PIL image in, a normalised tensor out) is unchanged too
+    # ImageTransform's own call (a PIL image in, a normalised tensor out) gives the same crop
     with Image.open(io.BytesIO(images[0])) as image:
         assert torch.equal(transform(image, random.Random("k0")), expected[0])
 
@@ -90,7 +112,7 @@ ON_DEVICE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda
 def test_a_uint8_batch_normalised_on_the_device_equals_the_worker_normalised_one_bit_for_bit(images, mean_std, device):
     """ClipCollator(normalize=False) in a DataLoader worker hands over the uint8 batch (in shared memory); the
     trainer's `collator.normalize.batch` on the device (the CPU as CPU ranks would; a GPU where there is one) makes
-    the float32 batch the workers make by default, and the old per-sample float path, exactly."""
+    the float32 batch the workers make by default, and the per-sample float path, exactly."""
     transform = ImageTransform(224, train=True, mean=mean_std[0], std=mean_std[1])
     items = [(transform.from_bytes(data, random.Random(f"k{i}")), "a photo") for i, data in enumerate(images)]
     expected = [reference(data, 224, True, random.Random(f"k{i}"), *mean_std) for i, data in enumerate(images)]
@@ -118,7 +140,7 @@ def test_normalisation_is_the_correctly_rounded_float32_of_the_exact_value():
     assert (got - exact).abs().max() < 1e-6  # three float32 roundings on values of magnitude < 2.2
 
 
-def test_stream_and_collator_give_the_old_tensors_for_every_sample(tmp_path, images):
+def test_stream_and_collator_give_the_expected_tensors_for_every_sample(tmp_path, images):
     """Through ShardStream (key-seeded crops, draft decoding on) and ClipCollator, as training gets them."""
     import webdataset as wds
 
@@ -158,11 +180,60 @@ def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_clo
         diffs.append((a - b).abs())
     diff = torch.stack(diffs)
     assert 0 < diff.mean() < 0.25 and diff.max() < 2.0
-    # at 224 the same photograph needs its full size: the draft path gives the old bytes exactly
+    # at 224 the same photograph needs its full size: the draft path gives the same bytes
     assert torch.equal(
         ImageTransform(224).from_bytes(data, random.Random("x")),
         ImageTransform(224, draft=False).from_bytes(data, random.Random("x")),
     )
+
+
+def test_training_crops_stay_within_a_stated_bound_of_pils_crop_of_the_same_box(images):
+    """The new training crop against PIL's on the same box, on img2dataset-like images and the odd ones (gray,
+    RGBA PNG, CMYK, upscaled), in uint8 levels. Against PIL's crop, then bicubic resize (torchvision's
+    RandomResizedCrop of a PIL image, open_clip's): mean < 0.15, max <= 2. Against PIL's resize of the box within
+    the image (the old training crop), which lets the filter read pixels beyond the box and differs from PIL's own
+    crop-then-resize by up to 5 levels inside: mean < 0.15, max <= 32, the most along the crop's edge of an
+    upscaled image."""
+    cropped_first, old = [], []
+    for i, data in enumerate(images):
+        new = ImageTransform(224).from_bytes(data, random.Random(f"k{i}")).to(torch.int16)
+        image = to_rgb(Image.open(io.BytesIO(data)))
+        box = random_resized_crop_box(*image.size, random.Random(f"k{i}"))
+        pil = np.array(image.crop(box).resize((224, 224), Image.BICUBIC))
+        cropped_first.append((new - torch.from_numpy(pil).permute(2, 0, 1)).abs())
+        old.append((new - pil_crop(data, 224, True, random.Random(f"k{i}"))).abs())
+    cropped_first, old = torch.stack(cropped_first).float(), torch.stack(old).float()
+    assert 0 < cropped_first.mean() < 0.15 and cropped_first.max() <= 2
+    assert old.mean() < 0.15 and old.max() <= 32
+
+
+@pytest.mark.parametrize("processor", ["clip", "siglip"])
+def test_eval_reads_pixels_as_before_and_only_training_takes_the_new_path(images, processor, tmp_path, monkeypatch):
+    """Evaluation's pixels are the model's image processor's, on PIL's decode, bit for bit (what the exported
+    model's processor computes); the eval transform is PIL's crop; the new decoder and resizer serve train=True only
+    (made to fail here, they fail only the training crop)."""
+    from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+    from disco_clip_ds.data import transforms
+    from disco_clip_ds.eval.sources import shard_batches
+    from disco_clip_ds.testing.images import write_samples
+
+    def refused(*a, **k):
+        raise AssertionError("the training path")
+
+    monkeypatch.setattr(transforms, "EncodedImage", refused)
+    monkeypatch.setattr(transforms, "resized_crop", refused)
+    made = CLIPImageProcessor(size={"shortest_edge": 224}) if processor == "clip" else SiglipImageProcessor()
+    jpegs = [data for data in images if data.startswith(b"\xff\xd8")]
+    write_samples(tmp_path, [{"jpg": data, "cls": str(i)} for i, data in enumerate(jpegs)], per_shard=4)
+    pixels = torch.cat([batch for batch, _ in shard_batches(str(tmp_path), made, "cls", 3)])
+    decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in jpegs]
+    assert torch.equal(pixels, made(images=decoded, return_tensors="pt")["pixel_values"])
+    for i, data in enumerate(images):
+        eval_crop = ImageTransform(224, train=False).from_bytes(data, random.Random(f"k{i}"))
+        assert torch.equal(eval_crop, pil_crop(data, 224, False, random.Random(f"k{i}")))
+    with pytest.raises(AssertionError, match="the training path"):
+        ImageTransform(224).from_bytes(images[0], random.Random("k0"))
 
 
 # --- the transform itself ---
