@@ -40,6 +40,7 @@ from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
+from disco_clip_ds.train.distill import load_teacher, teacher_inputs
 from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
@@ -87,6 +88,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
         processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
+        teacher, teacher_extra = _teacher(model_args, args, checked, processor)
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
@@ -104,6 +106,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             std=processor.image_processor.image_std,
             normalize=not on_device,
             patch_dropout=patches is not None,
+            teacher=teacher_extra,
         )
 
         # 7. The trainer (and the zero-shot eval during training, when asked for).
@@ -115,6 +118,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             processing_class=processor,
             reads_own_shards=reads_own_shards,
             stop_signals=checked.stop_signals,
+            teacher=teacher,
         )
         if data_args.zeroshot_steps > 0:
             _attach_zeroshot(trainer, data_args, processor, checked.image_size)
@@ -149,6 +153,33 @@ def _run_lock(output_dir: str):
         yield
     finally:
         release_run_lock()
+
+
+def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: CheckedRun, processor):
+    """The distillation teacher on this rank's device (None without --teacher), and what its inputs need beyond the
+    student's (`distill.teacher_inputs`). Under DeepSpeed the batch arrives in the engine's 16-bit dtype (no
+    autocast), so the teacher runs in it too; elsewhere it stays fp32 under the Trainer's autocast."""
+    if model_args.teacher is None:
+        return None, None
+    teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature)
+    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None) if args.deepspeed else None
+    teacher.to(args.device, dtype)
+    extra = teacher_inputs(
+        teacher,
+        model_args.teacher,
+        checked.tokenizer,
+        checked.max_length,
+        processor.image_processor,
+        checked.image_size,
+    )
+    logger.info(
+        "distilling from %s (weight %g, %s)%s",
+        model_args.teacher,
+        model_args.distill_weight,
+        f"temperature {model_args.distill_temperature:g}" if model_args.distill_temperature else "its own logit scale",
+        "" if extra is None else ", with its own inputs",
+    )
+    return teacher, extra
 
 
 def _stream(
