@@ -10,11 +10,16 @@ it tokenizes or preprocesses differently: the collator then adds its own under T
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from disco_clip_ds.data.collate import TEACHER_PREFIX, TeacherInputs
 from disco_clip_ds.data.transforms import Normalize
 from disco_clip_ds.losses.distill import sigmoid_distill_loss, softmax_distill_loss
+
+# The files of which a saved tokenizer has at least one (fast, slow BPE, sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
 
 
 def split_inputs(inputs: dict) -> tuple[dict, dict]:
@@ -87,10 +92,13 @@ def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: i
 
     config = teacher.model.config
     positions, size = config.text_config.max_position_embeddings, config.vision_config.image_size
-    try:
-        own_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError, TypeError):  # weights without a tokenizer: it was trained on the student's
-        own_tokenizer = tokenizer
+    own_tokenizer = tokenizer  # weights saved without a tokenizer: taken to read the student's
+    # (transformers builds an empty tokenizer from a folder without tokenizer files rather than failing)
+    if not Path(name_or_path).is_dir() or any((Path(name_or_path) / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            own_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError, TypeError):
+            own_tokenizer = tokenizer
     same_tokens = type(own_tokenizer) is type(tokenizer) and own_tokenizer.get_vocab() == tokenizer.get_vocab()
     same_tokens = same_tokens and (
         own_tokenizer.bos_token_id,
