@@ -1,0 +1,72 @@
+"""A live teacher end to end: distillation from a teacher of another width, image size and text length (its own
+pixels and tokens made by the collator) trains exactly alike as one batch of 32, K = 2 micro-batches of 16, and 2
+ranks x K = 2 x 8 under DeepSpeed ZeRO-2; the saved model is the student alone. (The loss: tests/unit/losses/
+test_distill.py; the mixing and the inputs: tests/unit/train/test_distill.py.)"""
+
+import json
+
+import pytest
+
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import SGD, TINY_CONFIG, launch, launch_in_one_process
+from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
+
+STEPS = 2
+# dispatch_batches: every launch reads one stream, whatever its ranks, so that the runs see the same 64 samples
+SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
+
+
+def save_teacher(folder):
+    """A tiny CLIP narrower than the student (width and projection 48), at 32 px and 16 text positions: the collator
+    must make its own pixels (resized, normalised) and tokens, and only similarities can be compared."""
+    import torch
+
+    from disco_clip_ds.models.build import build_model
+
+    config = json.loads(TINY_CONFIG.read_text())
+    config["projection_dim"] = 48
+    config["text_config"].update(hidden_size=48, intermediate_size=96, projection_dim=48, max_position_embeddings=16)
+    config["vision_config"].update(hidden_size=48, intermediate_size=96, projection_dim=48, image_size=32)
+    (folder.parent / "teacher.json").write_text(json.dumps(config))
+    torch.manual_seed(21)
+    build_model(model_config=str(folder.parent / "teacher.json")).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    write_shards(root / "data", num_shards=2, per_shard=32, seed=3)
+    initial, teacher = save_initial_model(root / "init", 11), save_teacher(root / "teacher")
+    common = [
+        "--model_name_or_path",
+        str(initial),
+        "--train_shards",
+        f"{root}/data/{{00000..00001}}.tar",
+        "--train_num_samples",
+        "64",
+        *SGD,
+        *SAME_STREAM,
+        "--teacher",
+        str(teacher),
+        "--distill_weight",
+        "0.6",
+        "--distill_temperature",
+        "0.1",
+    ]
+    micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
+    launch_in_one_process([(root / "n1_k1", [*common, *micro(32, 1)]), (root / "n1_k2", [*common, *micro(16, 2)])])
+    launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2))
+    return root, initial
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["n1_k2", "n2_k2_zero2"])
+def test_distilled_run_trains_like_one_batch_of_all_pairs(runs, run):
+    root, initial = runs
+    assert_same_training(root / run, root / "n1_k1", weights(initial), steps=STEPS)  # keys: the student's alone
+    assert not any("teacher" in key for key in weights(root / run))
+    facts = json.loads((root / run / "run.json").read_text())
+    assert facts["distillation"] == f"from {root / 'teacher'}, weight 0.6, temperature 0.1"
+    assert "with its own inputs" in (root / f"{run}.log").read_text()
