@@ -196,8 +196,9 @@ class ContrastiveAccumulation:
         params = logit_params(unwrapped, outputs)
         update.rng_after = _rng_state()
         loss_fn = unwrapped.global_loss
-        if teacher is not None:
-            loss_fn = teacher.loss_fn(loss_fn, *(torch.cat(t) for t in zip(*teacher_embeds)))
+        if teacher is not None:  # the teacher's multiplier (and bias) are the same for every micro-batch
+            images, texts, teacher_params = zip(*teacher_embeds)
+            loss_fn = teacher.loss_fn(loss_fn, torch.cat(images), torch.cat(texts), teacher_params[0])
         update.loss, update.grads, update.param_grads = cached_embedding_gradients(
             image_embeds, text_embeds, params, loss_fn
         )

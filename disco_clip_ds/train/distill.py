@@ -10,6 +10,7 @@ it tokenizes or preprocesses differently: the collator then adds its own under T
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ import torch
 from disco_clip_ds.data.collate import TEACHER_PREFIX, TeacherInputs
 from disco_clip_ds.data.transforms import Normalize
 from disco_clip_ds.losses.distill import sigmoid_distill_loss, softmax_distill_loss
+
+logger = logging.getLogger("disco_clip_ds.train")
 
 # The files of which a saved tokenizer has at least one (fast, slow BPE, sentencepiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
@@ -34,41 +37,38 @@ def split_inputs(inputs: dict) -> tuple[dict, dict]:
 class Teacher:
     """A frozen CLIP or SigLIP teacher and the loss that mixes its distillation into the student's.
 
-    `model`: a transformers CLIPModel or SiglipModel of the student's family; `weight` W: loss = (1 - W) contrastive +
-    W distillation; `temperature`: when set, the teacher's similarities are multiplied by 1 / temperature instead of
-    its own `logit_scale.exp()` (the student's logits and the teacher's SigLIP bias are unchanged)."""
+    `model`: a DiscoCLIPModel or DiscoSiglipModel of the student's family (its output carries its logit parameters as
+    its forward used them, gathered there under ZeRO-3), or the ZeRO-3 inference engine wrapping one; `weight` W:
+    loss = (1 - W) contrastive + W distillation; `temperature`: when set, the teacher's similarities are multiplied by
+    1 / temperature instead of its own logit multiplier (the student's logits and the teacher's SigLIP bias are
+    unchanged)."""
 
     def __init__(self, model, weight: float, temperature: float | None = None):
-        self.model = model.eval().requires_grad_(False)
+        model.eval()  # (a DeepSpeed engine's eval returns None)
+        model.requires_grad_(False)
+        self.model, self.config = model, getattr(model, "module", model).config  # an engine's config is DeepSpeed's
         self.weight, self.temperature = weight, temperature
-        self.sigmoid = model.config.model_type == "siglip"
-
-    def to(self, device, dtype=None) -> Teacher:
-        self.model.to(device=device, dtype=dtype)
-        return self
+        self.sigmoid = self.config.model_type == "siglip"
 
     @torch.no_grad()
-    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's L2-normalised (image, text) embeddings of a batch's teacher inputs (`split_inputs`)."""
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The teacher's L2-normalised (image, text) embeddings of a batch's teacher inputs (`split_inputs`), and the
+        similarity multiplier (and SigLIP bias) the distillation loss takes."""
         self.model.eval()  # a Trainer's model.train() never reaches it, but nothing else may switch it either
-        out = self.model(**inputs, return_loss=False)
-        return out.image_embeds.float(), out.text_embeds.float()
-
-    def scalars(self) -> tuple[torch.Tensor, ...]:
-        """The teacher's similarity multiplier (and SigLIP bias) the distillation loss takes."""
-        scale = self.model.logit_scale.detach().float().exp().reshape(())
+        out = self.model(**inputs, return_loss=False, return_logits=False)
+        scale = out.logit_scale.detach().float().reshape(())
         if self.temperature is not None:
             scale = torch.full_like(scale, 1.0 / self.temperature)
-        return (scale, self.model.logit_bias.detach().float().reshape(())) if self.sigmoid else (scale,)
+        params = (scale, out.logit_bias.detach().float().reshape(())) if self.sigmoid else (scale,)
+        return out.image_embeds.float(), out.text_embeds.float(), params
 
-    def loss_fn(self, contrastive, teacher_images: torch.Tensor, teacher_texts: torch.Tensor):
+    def loss_fn(self, contrastive, teacher_images: torch.Tensor, teacher_texts: torch.Tensor, teacher_params):
         """loss(images, texts, *params) = (1 - W) contrastive(images, texts, *params) + W distillation against the
         teacher's embeddings of the same rows (`contrastive`: the student's `global_loss`)."""
         distill = sigmoid_distill_loss if self.sigmoid else softmax_distill_loss
-        scalars = self.scalars()
 
         def loss(images, texts, *params):
-            value = self.weight * distill(images, texts, *params, teacher_images, teacher_texts, *scalars)
+            value = self.weight * distill(images, texts, *params, teacher_images, teacher_texts, *teacher_params)
             if self.weight < 1:  # W = 1 is pure distillation: no contrastive pass at all
                 value = value + (1 - self.weight) * contrastive(images, texts, *params)
             return value
@@ -76,11 +76,51 @@ class Teacher:
         return loss
 
 
-def load_teacher(name_or_path: str, weight: float, temperature: float | None) -> Teacher:
-    """The teacher's weights (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its type)."""
-    from transformers import AutoModel
+def load_teacher(name_or_path: str, weight: float, temperature: float | None, args=None) -> Teacher:
+    """The teacher (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its family) on the run's
+    device. Under ZeRO-3 it is built partitioned like the student (transformers' zero.Init in from_pretrained) and
+    run by a DeepSpeed inference engine of its own (no optimizer), which gathers each layer's weights for its forward
+    as the student's engine does: each rank holds 1/N of it. That engine, not a submodule of the student, keeps it out
+    of the student's optimizer, checkpoints and exports. Otherwise it is replicated, in the engine's 16-bit dtype
+    under DeepSpeed (the batch arrives in it; no autocast there) and fp32 elsewhere (the Trainer's autocast)."""
+    from disco_clip_ds.models.build import build_model
 
-    return Teacher(AutoModel.from_pretrained(name_or_path), weight, temperature)
+    model = build_model(name_or_path).requires_grad_(False).eval()
+    if args is None:
+        return Teacher(model, weight, temperature)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return Teacher(_zero3_inference_engine(model, args), weight, temperature)
+    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None) if args.deepspeed else None
+    return Teacher(model.to(device=args.device, dtype=dtype), weight, temperature)
+
+
+def _zero3_inference_engine(model, args):
+    """A DeepSpeed ZeRO-3 engine without optimizer around the partitioned teacher (as transformers' own
+    `deepspeed_init(inference=True)` evaluates a ZeRO-3 model): the run's ZeRO-3 settings and precision, concrete
+    batch numbers in place of the student's "auto" ones (the engine checks them, and the teacher never steps)."""
+    import deepspeed
+
+    written = args.deepspeed_json or {}
+    zero = {k: v for k, v in (written.get("zero_optimization") or {}).items() if v != "auto"}
+    zero.pop("offload_optimizer", None)  # no optimizer
+    config = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {**zero, "stage": 3},
+        "bf16": {"enabled": bool(args.bf16)},
+        "fp16": {"enabled": bool(args.fp16)},
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    logger.info(
+        "teacher sharded by ZeRO-3: %d of its %d weights on this rank",
+        held,
+        sum(p.ds_numel for p in model.parameters()),
+    )
+    return engine
 
 
 def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: int, image_processor, image_size: int):
@@ -90,7 +130,7 @@ def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: i
     position, are not padded to them); its own normalisation and size when its image processor's differ."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    config = teacher.model.config
+    config = teacher.config
     positions, size = config.text_config.max_position_embeddings, config.vision_config.image_size
     own_tokenizer = tokenizer  # weights saved without a tokenizer: taken to read the student's
     # (transformers builds an empty tokenizer from a folder without tokenizer files rather than failing)

@@ -156,14 +156,11 @@ def _run_lock(output_dir: str):
 
 
 def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: CheckedRun, processor):
-    """The distillation teacher on this rank's device (None without --teacher), and what its inputs need beyond the
-    student's (`distill.teacher_inputs`). Under DeepSpeed the batch arrives in the engine's 16-bit dtype (no
-    autocast), so the teacher runs in it too; elsewhere it stays fp32 under the Trainer's autocast."""
+    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; None without
+    --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
     if model_args.teacher is None:
         return None, None
-    teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature)
-    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None) if args.deepspeed else None
-    teacher.to(args.device, dtype)
+    teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature, args)
     extra = teacher_inputs(
         teacher,
         model_args.teacher,

@@ -491,12 +491,6 @@ def _check_teacher(model_args: ModelArguments, args: DiscoTrainingArguments) -> 
         raise UsageError(f"--distill_temperature {temperature:g}: give a positive number, or leave it out")
     if model_args.loss_impl == "local":
         raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
-    stage = ((args.deepspeed_json or {}).get("zero_optimization") or {}).get("stage")
-    if stage == 3:
-        raise UsageError(
-            "--teacher under ZeRO-3 is not supported yet (the teacher would be replicated whole on every rank): "
-            "train with ZeRO-1/2 (ds_configs/*zero2*.json) or store its embeddings once"
-        )
     if _is_path(teacher) and not Path(teacher).expanduser().exists():
         raise UsageError(f"--teacher {teacher}: no such folder")
     with usage_error(f"--teacher {teacher}: "):

@@ -73,12 +73,14 @@ def test_mixed_loss_matches_float64_formula(tiny_teacher, weight, temperature):
     g = torch.Generator().manual_seed(0)
     x, y = (F.normalize(torch.randn(6, 8, generator=g, dtype=torch.float64), dim=1) for _ in "xy")
     xt, yt = (F.normalize(torch.randn(6, 12, generator=g, dtype=torch.float64), dim=1) for _ in "xy")
-    t_scale = 1 / temperature if temperature else teacher.model.logit_scale.exp().item()
+    t_scale = 1 / temperature if temperature else teacher.model.logit_params()[0].item()
     from disco_clip_ds.losses import disco_clip_loss
 
     contrastive = lambda i, t, s: disco_clip_loss(i, t, s)
     xi = x.float().requires_grad_()
-    got = teacher.loss_fn(contrastive, xt.float(), yt.float())(xi, y.float(), torch.tensor(20.0))
+    _, _, params = teacher.embed({"input_ids": torch.randint(0, 40, (2, 8)), "pixel_values": torch.randn(2, 3, 64, 64)})
+    assert params[0].item() == pytest.approx(t_scale)  # the multiplier the distillation takes
+    got = teacher.loss_fn(contrastive, xt.float(), yt.float(), params)(xi, y.float(), torch.tensor(20.0))
     got.backward()
 
     xr = x.clone().requires_grad_()
@@ -97,7 +99,7 @@ def test_teacher_is_frozen_and_in_eval_mode(tiny_teacher):
     _, teacher = tiny_teacher
     teacher.model.train()
     ids = torch.randint(0, 40, (2, 8))
-    images, texts = teacher.embed({"input_ids": ids, "pixel_values": torch.randn(2, 3, 64, 64)})
+    images, texts, _ = teacher.embed({"input_ids": ids, "pixel_values": torch.randn(2, 3, 64, 64)})
     assert not teacher.model.training and not any(p.requires_grad for p in teacher.model.parameters())
     assert images.shape[0] == texts.shape[0] == 2 and not images.requires_grad
     torch.testing.assert_close(images.norm(dim=1), torch.ones(2))

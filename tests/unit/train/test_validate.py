@@ -89,10 +89,6 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--loss_impl", "local"],
         "--teacher distils the global batch's similarities",
     ),
-    "teacher under zero-3": (
-        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--deepspeed", str(REPO / "ds_configs/cpu_zero3.json")],
-        "--teacher under ZeRO-3 is not supported yet",
-    ),
 }
 
 
