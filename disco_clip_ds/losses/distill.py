@@ -42,9 +42,17 @@ from torch import nn
 
 from disco_clip_ds import compat
 from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, ring_exchange
-from disco_clip_ds.losses.sigmoid import _as_scalar, _tiles
 from disco_clip_ds.losses.sigmoid import default_chunk_size as ring_chunk_size
 from disco_clip_ds.losses.softmax import default_chunk_size
+
+
+def _tiles(rows: int, chunk: int):
+    return (slice(start, start + chunk) for start in range(0, rows, chunk))
+
+
+def _as_scalar(value):
+    # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
+    return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
 
 
 def _upstream_per_column(grad_total, sizes, world, group, total):
