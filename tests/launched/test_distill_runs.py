@@ -1,16 +1,18 @@
 """A live teacher end to end: distillation from a teacher of another width, image size and text length (its own
 pixels and tokens made by the collator) trains exactly alike as one batch of 32, K = 2 micro-batches of 16, and 2
-ranks x K = 2 x 8 under DeepSpeed ZeRO-2; the saved model is the student alone. (The loss: tests/unit/losses/
+ranks x K = 2 x 8 under DeepSpeed ZeRO-2 and ZeRO-3 (the teacher sharded); a resumed run continues exactly; the
+saved model and checkpoints are the student alone. (The loss: tests/unit/losses/
 test_distill.py; the mixing and the inputs: tests/unit/train/test_distill.py.)"""
 
 import json
 import re
+import shutil
 
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import SGD, TINY_CONFIG, launch, launch_in_one_process
-from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
+from disco_clip_ds.testing.runs import assert_same_training, same_weights, save_initial_model, step_losses, weights
 
 STEPS = 2
 # dispatch_batches: every launch reads one stream, whatever its ranks, so that the runs see the same 64 samples
@@ -57,7 +59,10 @@ def runs(tmp_path_factory):
     ]
     micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
     launch_in_one_process([(root / "n1_k1", [*common, *micro(32, 1)]), (root / "n1_k2", [*common, *micro(16, 2)])])
-    launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2))
+    launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2), "--save_steps", "1")
+    # stopped after step 1 (its checkpoint) and resumed: the teacher is loaded again, nothing of it was saved
+    shutil.copytree(root / "n2_k2_zero2" / "checkpoint-1", root / "resumed" / "checkpoint-1")
+    launch("torchrun", 2, root / "resumed", *common, *micro(8, 2), "--resume_from_checkpoint", "latest")
     launch("torchrun", 2, root / "n2_k2_zero3", *common, *micro(8, 2), ds_config="cpu_zero3.json")
     return root, initial
 
@@ -76,3 +81,13 @@ def test_distilled_run_trains_like_one_batch_of_all_pairs(runs, run):
     if "zero3" in run:  # rank 0 (the rank that logs) holds half of the teacher (up to ZeRO's padding), not all of it
         held = [tuple(map(int, m)) for m in re.findall(r"teacher sharded by ZeRO-3: (\d+) of its (\d+) weights", log)]
         assert len(held) == 1 and all(part <= total // 2 + 64 for part, total in held), held
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_a_resumed_distilled_run_continues_exactly(runs):
+    root, _ = runs
+    assert not any("teacher" in p.name for p in (root / "n2_k2_zero2" / "checkpoint-1").rglob("*"))
+    assert (root / "resumed.log").read_text().count("{'loss': ") == 1  # step 2 was trained after the resume
+    assert step_losses(root / "resumed") == pytest.approx(step_losses(root / "n2_k2_zero2"), rel=1e-6)
+    assert same_weights(root / "resumed", root / "n2_k2_zero2") <= 1e-6
