@@ -28,6 +28,9 @@ class TeacherInputs:
     max_length: int | None = None
     normalize: Normalize | None = None
     image_size: int | None = None
+    # stored embeddings (data/embeddings.py EmbeddingStore) instead of inputs: each sample's looked up by its
+    # (shard, key), which the stream then carries after its caption (and kept patches)
+    store: object = None
 
 
 class ClipCollator:
@@ -59,11 +62,14 @@ class ClipCollator:
     def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
         pixels, captions, *rest = zip(*batch)
         kept, positions = (rest[0], rest[1:]) if self.patch_dropout else (None, rest)
+        ids = None
+        if self.teacher is not None and self.teacher.store is not None:
+            ids, positions = positions[0], positions[1:]
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         shape = (len(pixels), *pixels[0].shape)
-        teacher = self._teacher_inputs(captions, pixels) if self.teacher is not None else {}
+        teacher = self._teacher_inputs(captions, pixels, ids) if self.teacher is not None else {}
         if pixels[0].dtype == torch.uint8 and self.normalizes:
             pixels = self.normalize(pixels, out=batch_tensor(shape, torch.float32))
         elif pixels[0].dtype == torch.uint8:
@@ -81,9 +87,16 @@ class ClipCollator:
             collated[POSITION_KEY] = torch.stack(positions[0])
         return {**collated, **teacher}
 
-    def _teacher_inputs(self, captions, pixels) -> dict[str, torch.Tensor]:
-        """The teacher's own tokens and pixels, under TEACHER_PREFIX keys, where they differ from the student's."""
+    def _teacher_inputs(self, captions, pixels, ids) -> dict[str, torch.Tensor]:
+        """The teacher's own tokens and pixels, under TEACHER_PREFIX keys, where they differ from the student's; or
+        its stored embeddings of the samples `ids` ((shard, key) each)."""
         out, teacher = {}, self.teacher
+        if ids is not None:
+            images, texts = zip(*(teacher.store.lookup(shard, key) for shard, key in ids))
+            return {
+                TEACHER_PREFIX + "image_embeds": torch.stack(images),
+                TEACHER_PREFIX + "text_embeds": torch.stack(texts),
+            }
         if teacher.tokenizer is not None:
             tokens = teacher.tokenizer(
                 list(captions),

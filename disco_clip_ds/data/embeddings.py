@@ -67,6 +67,7 @@ def write_sidecar(path: Path, keys: list[str], image: torch.Tensor, text: torch.
         "keys": json.dumps(keys),
         "sha256": _checksum(keys, image, text),
     }
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     save_file({"image": image, "text": text}, str(tmp), metadata=metadata)
     os.replace(tmp, path)

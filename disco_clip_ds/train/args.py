@@ -68,6 +68,13 @@ class ModelArguments:
             "logit scale (the student's logits are unchanged)"
         },
     )
+    teacher_embeddings: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --teacher and --train_shards: the folder of its embeddings stored by `disco-clip data embed` "
+            "(one sidecar per shard), read instead of running the teacher"
+        },
+    )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
     # Partial locking (open_clip's --lock-image-unlocked-groups, --lock-text-unlocked-layers): train/locking.py

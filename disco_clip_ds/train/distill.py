@@ -76,6 +76,37 @@ class Teacher:
         return loss
 
 
+class StoredTeacher(Teacher):
+    """A teacher read from its stored embeddings (`--teacher_embeddings`, data/embeddings.py): the collator puts each
+    sample's under TEACHER_PREFIX keys; its multiplier and bias are the sidecars'. No model is loaded or run."""
+
+    def __init__(self, config, weight: float, temperature: float | None, scale: float, bias: float | None):
+        self.model, self.config = None, config
+        self.weight, self.temperature = weight, temperature
+        self.sigmoid = config.model_type == "siglip"
+        self.stored = (scale, bias)
+
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        images, texts = inputs["image_embeds"].float(), inputs["text_embeds"].float()
+        scale = 1.0 / self.temperature if self.temperature is not None else self.stored[0]
+        params = (torch.tensor(scale, device=images.device),)
+        if self.sigmoid:
+            params += (torch.tensor(self.stored[1], device=images.device),)
+        return images, texts, params
+
+
+def stored_teacher(name_or_path: str, folder: str, urls: list[str], weight: float, temperature: float | None):
+    """(StoredTeacher, its TeacherInputs for the collator) from the sidecars in FOLDER of the training shards `urls`
+    (train.validate checked that each is there and this teacher's)."""
+    from disco_clip_ds.data.embeddings import EmbeddingStore, read_metadata, sidecar_path, teacher_fingerprint
+    from disco_clip_ds.models.build import load_config
+
+    meta = read_metadata(sidecar_path(folder, urls[0]))
+    bias = float(meta["logit_bias"]) if meta.get("logit_bias") else None
+    teacher = StoredTeacher(load_config(name_or_path), weight, temperature, float(meta["logit_scale"]), bias)
+    return teacher, TeacherInputs(store=EmbeddingStore(folder, teacher_fingerprint(name_or_path)))
+
+
 def load_teacher(name_or_path: str, weight: float, temperature: float | None, args=None) -> Teacher:
     """The teacher (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its family) on the run's
     device. Under ZeRO-3 it is built partitioned like the student (transformers' zero.Init in from_pretrained) and

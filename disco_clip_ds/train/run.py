@@ -40,7 +40,7 @@ from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
-from disco_clip_ds.train.distill import load_teacher, teacher_inputs
+from disco_clip_ds.train.distill import load_teacher, stored_teacher, teacher_inputs
 from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
@@ -93,7 +93,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
         patches = patch_counts(model.config.vision_config, args.patch_dropout)
-        stream = _stream(data_args, args, checked, reads_own_shards, split, patches)
+        stored = model_args.teacher_embeddings is not None  # the stream then names each sample's shard and key
+        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, stored)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -160,6 +161,15 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
     --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
     if model_args.teacher is None:
         return None, None
+    if model_args.teacher_embeddings is not None:
+        logger.info("distilling from %s's embeddings in %s", model_args.teacher, model_args.teacher_embeddings)
+        return stored_teacher(
+            model_args.teacher,
+            model_args.teacher_embeddings,
+            checked.urls,
+            model_args.distill_weight,
+            model_args.distill_temperature,
+        )
     teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature, args)
     extra = teacher_inputs(
         teacher,
@@ -186,11 +196,13 @@ def _stream(
     reads_own_shards: bool,
     split: int,
     patches: tuple[int, int] | None,
+    sample_ids: bool = False,
 ):
     """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
     each sample with its kept patches when `patches`)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     source = ShardStream if checked.hf is None else HFStream
+    extra = {"sample_ids": True} if sample_ids else {}
     return source(
         checked.urls if checked.hf is None else checked.hf,
         checked.image_size,
@@ -203,6 +215,7 @@ def _stream(
         split=split,
         micro_batch=args.per_device_train_batch_size,
         patches=patches,
+        **extra,
     )
 
 

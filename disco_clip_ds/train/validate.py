@@ -80,6 +80,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
     _check_tower_locks(model_args)
     _check_teacher(model_args, args)
+    _check_teacher_embeddings(model_args, urls)
     return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
 
 
@@ -479,7 +480,15 @@ def _check_teacher(model_args: ModelArguments, args: DiscoTrainingArguments) -> 
     similarities), a weight in (0, 1], a positive temperature, a global-batch loss. Sets the weight's default."""
     teacher, weight, temperature = model_args.teacher, model_args.distill_weight, model_args.distill_temperature
     if teacher is None:
-        given = [f for f, v in (("--distill_weight", weight), ("--distill_temperature", temperature)) if v is not None]
+        given = [
+            f
+            for f, v in (
+                ("--distill_weight", weight),
+                ("--distill_temperature", temperature),
+                ("--teacher_embeddings", model_args.teacher_embeddings),
+            )
+            if v is not None
+        ]
         if given:
             raise UsageError(f"{' and '.join(given)} without --teacher: name the model to distill from")
         return
@@ -501,3 +510,36 @@ def _check_teacher(model_args: ModelArguments, args: DiscoTrainingArguments) -> 
             f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
             f"{student.model_type} teacher"
         )
+
+
+def _check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> None:
+    """Stored embeddings (data/embeddings.py) for every training shard, made by the --teacher named: checked from the
+    sidecars' headers before any work (their checksums are verified as each is read)."""
+    folder = model_args.teacher_embeddings
+    if folder is None:
+        return
+    from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, teacher_fingerprint
+    from disco_clip_ds.errors import DataError
+
+    if not urls:
+        raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
+    if not Path(folder).is_dir():
+        raise UsageError(f"--teacher_embeddings {folder}: no such folder")
+    with usage_error(f"--teacher {model_args.teacher}: "):
+        fingerprint = teacher_fingerprint(model_args.teacher)
+    for url in urls:
+        path = sidecar_path(folder, url)
+        if not path.is_file():
+            raise UsageError(
+                f"--teacher_embeddings {folder}: no embeddings of shard {url} ({path.name}): run `disco-clip data "
+                f"embed --teacher {model_args.teacher} --shards ... --output {folder}`"
+            )
+        try:
+            made_by = read_metadata(path).get("teacher")
+        except DataError as error:
+            raise UsageError(str(error)) from error
+        if made_by != fingerprint:
+            raise UsageError(
+                f"--teacher_embeddings {folder}: {path.name} was made by another teacher than --teacher "
+                f"{model_args.teacher} (fingerprint {made_by}, not {fingerprint})"
+            )
