@@ -153,7 +153,10 @@ def distillation_setting(model_args) -> str | None:
         return None
     temperature = getattr(model_args, "distill_temperature", None)
     scale = f"temperature {temperature:g}" if temperature is not None else "the teacher's logit scale"
-    return f"from {teacher}, weight {model_args.distill_weight:g}, {scale}"
+    stored = getattr(model_args, "teacher_embeddings", None)
+    return f"from {teacher}, weight {model_args.distill_weight:g}, {scale}" + (
+        f", its embeddings stored in {stored}" if stored else ""
+    )
 
 
 # The locking flags (train/locking.py), with their unlocked layers and norms: a frozen parameter has no optimizer

@@ -5,13 +5,16 @@ saved model and checkpoints are the student alone. (The loss: tests/unit/losses/
 test_distill.py; the mixing and the inputs: tests/unit/train/test_distill.py.)"""
 
 import json
+import math
 import re
 import shutil
 
 import pytest
 
+from disco_clip_ds.data.prep.embed import embed_shards
+from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import SGD, TINY_CONFIG, launch, launch_in_one_process
+from disco_clip_ds.testing.launch import SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
 from disco_clip_ds.testing.runs import assert_same_training, same_weights, save_initial_model, step_losses, weights
 
 STEPS = 2
@@ -58,7 +61,18 @@ def runs(tmp_path_factory):
         "0.1",
     ]
     micro = lambda b, k: ["--per_device_train_batch_size", str(b), "--gradient_accumulation_steps", str(k)]
-    launch_in_one_process([(root / "n1_k1", [*common, *micro(32, 1)]), (root / "n1_k2", [*common, *micro(16, 2)])])
+    # the teacher's embeddings stored once (`disco-clip data embed`) and read instead of running it
+    embed_shards(
+        str(teacher), expand_shards(f"{root}/data"), str(root / "embeddings"), tokenizer_name=str(TOKENIZER_DIR)
+    )
+    stored = [*common, "--teacher_embeddings", str(root / "embeddings"), "--patch_dropout", "0.5", *micro(16, 2)]
+    launch_in_one_process(
+        [
+            (root / "n1_k1", [*common, *micro(32, 1)]),
+            (root / "n1_k2", [*common, *micro(16, 2)]),
+            (root / "stored", stored),
+        ]
+    )
     launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2), "--save_steps", "1")
     # stopped after step 1 (its checkpoint) and resumed: the teacher is loaded again, nothing of it was saved
     shutil.copytree(root / "n2_k2_zero2" / "checkpoint-1", root / "resumed" / "checkpoint-1")
@@ -91,3 +105,20 @@ def test_a_resumed_distilled_run_continues_exactly(runs):
     assert (root / "resumed.log").read_text().count("{'loss': ") == 1  # step 2 was trained after the resume
     assert step_losses(root / "resumed") == pytest.approx(step_losses(root / "n2_k2_zero2"), rel=1e-6)
     assert same_weights(root / "resumed", root / "n2_k2_zero2") <= 1e-6
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_a_run_reads_the_stored_embeddings(runs):
+    """--teacher_embeddings: the run reads the sidecars (with K = 2 and patch dropout: the stream names each sample's
+    shard and key beside its kept patches) and trains; its loss is not the live teacher's, whose embeddings are of
+    the training crops, not the center crops stored (tests/unit/data/test_embeddings.py: equal on the same crops)."""
+    root, initial = runs
+    losses = step_losses(root / "stored")
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
+    assert (
+        not any("teacher" in key for key in weights(root / "stored"))
+        and weights(root / "stored").keys() == weights(initial).keys()
+    )
+    facts = json.loads((root / "stored" / "run.json").read_text())
+    assert facts["distillation"].endswith(f"its embeddings stored in {root / 'embeddings'}")
