@@ -1,11 +1,13 @@
 """A live teacher in training (`--teacher`, `--distill_weight`, `--distill_temperature`): the teacher's embeddings of
 each batch and the student's loss (1 - W) contrastive + W distillation (`disco_clip_ds.losses.distill`).
 
-The teacher is a plain transformers CLIPModel or SiglipModel held beside the student, not inside it: it is no
-submodule of the model the Trainer wraps, so it has no optimizer state, the engine never sees it, and checkpoints,
-exports and pushes hold the student alone. It runs in eval mode under no_grad. Its inputs are the student's unless
-it tokenizes or preprocesses differently: the collator then adds its own under TEACHER_PREFIX keys
-(`data.collate.ClipCollator`), which the student never sees (`split_inputs`).
+The teacher (a CLIPModel or SiglipModel's weights, loaded as this package's model of its family) is held beside the
+student, not inside it: it is no submodule of the model the Trainer wraps, so it has no optimizer state, the
+student's engine never sees it, and checkpoints, exports and pushes hold the student alone. It runs in eval mode
+under no_grad (under ZeRO-3 partitioned, in an inference engine of its own: `load_teacher`). Its inputs are the
+student's unless it tokenizes or preprocesses differently: the collator then adds its own under TEACHER_PREFIX keys
+(`data.collate.ClipCollator`), which the student never sees (`split_inputs`). With `--teacher_embeddings` no model
+runs: `StoredTeacher` takes the embeddings stored per shard (data/embeddings.py) that the collator looked up.
 """
 
 from __future__ import annotations
