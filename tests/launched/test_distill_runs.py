@@ -14,25 +14,30 @@ import pytest
 from disco_clip_ds.data.prep.embed import embed_shards
 from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
+from disco_clip_ds.testing.launch import REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
 from disco_clip_ds.testing.runs import assert_same_training, same_weights, save_initial_model, step_losses, weights
 
 STEPS = 2
+SIGLIP_TINY = REPO / "recipes/models/siglip_tiny.json"
 # dispatch_batches: every launch reads one stream, whatever its ranks, so that the runs see the same 64 samples
 SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
 
 
-def save_teacher(folder):
-    """A tiny CLIP narrower than the student (width and projection 48), at 32 px and 16 text positions: the collator
-    must make its own pixels (resized, normalised) and tokens, and only similarities can be compared."""
+def save_teacher(folder, siglip=False):
+    """A tiny CLIP (or SigLIP) narrower than the student (width and projection 48), at 32 px and 16 text positions:
+    the collator must make its own pixels (resized, normalised) and tokens, and only similarities can be compared."""
     import torch
 
     from disco_clip_ds.models.build import build_model
 
-    config = json.loads(TINY_CONFIG.read_text())
-    config["projection_dim"] = 48
-    config["text_config"].update(hidden_size=48, intermediate_size=96, projection_dim=48, max_position_embeddings=16)
-    config["vision_config"].update(hidden_size=48, intermediate_size=96, projection_dim=48, image_size=32)
+    config = json.loads((SIGLIP_TINY if siglip else TINY_CONFIG).read_text())
+    projection = {"projection_size": 48} if siglip else {"projection_dim": 48}
+    if not siglip:
+        config["projection_dim"] = 48
+    config["text_config"].update(hidden_size=48, intermediate_size=96, max_position_embeddings=16, **projection)
+    config["vision_config"].update(hidden_size=48, intermediate_size=96, image_size=32)
+    if not siglip:
+        config["vision_config"]["projection_dim"] = 48
     (folder.parent / "teacher.json").write_text(json.dumps(config))
     torch.manual_seed(21)
     build_model(model_config=str(folder.parent / "teacher.json")).save_pretrained(folder)
@@ -66,11 +71,22 @@ def runs(tmp_path_factory):
         str(teacher), expand_shards(f"{root}/data"), str(root / "embeddings"), tokenizer_name=str(TOKENIZER_DIR)
     )
     stored = [*common, "--teacher_embeddings", str(root / "embeddings"), "--patch_dropout", "0.5", *micro(16, 2)]
+    # SigLIP: the sigmoid distillation (its teacher's bias too), K = 2 x 16 against 1 x 32
+    siglip = [
+        *common[: common.index("--teacher")],
+        "--teacher",
+        str(save_teacher(root / "siglip_teacher", siglip=True)),
+        "--distill_weight",
+        "0.6",
+    ]
+    siglip[1] = str(save_initial_model(root / "siglip_init", 11, SIGLIP_TINY))
     launch_in_one_process(
         [
             (root / "n1_k1", [*common, *micro(32, 1)]),
             (root / "n1_k2", [*common, *micro(16, 2)]),
             (root / "stored", stored),
+            (root / "siglip_k1", [*siglip, *micro(32, 1)]),
+            (root / "siglip_k2", [*siglip, *micro(16, 2)]),
         ]
     )
     launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2), "--save_steps", "1")
@@ -79,6 +95,14 @@ def runs(tmp_path_factory):
     launch("torchrun", 2, root / "resumed", *common, *micro(8, 2), "--resume_from_checkpoint", "latest")
     launch("torchrun", 2, root / "n2_k2_zero3", *common, *micro(8, 2), ds_config="cpu_zero3.json")
     return root, initial
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_siglip_distilled_run_trains_like_one_batch_of_all_pairs(runs):
+    root, _ = runs
+    assert_same_training(root / "siglip_k2", root / "siglip_k1", weights(root / "siglip_init"), steps=STEPS)
+    assert "with its own inputs" in (root / "siglip_k2.log").read_text()
 
 
 @pytest.mark.timeout(900)
