@@ -232,3 +232,32 @@ def test_bad_teacher_input_raises_on_every_rank():
     for rank, said in enumerate(run_ranks(_bad_teacher_rank, 3, timeout=60)):
         for message in said:
             assert message is not None and "teacher's rows per rank [4, 3, 4]" in message, (rank, message)
+
+
+def _peak_rank(rank, world, batch, dim) -> float:
+    from disco_clip_ds.testing.memory import peak_extra_mib
+
+    g = torch.Generator().manual_seed(rank)
+    x, y, xt, yt = (F.normalize(torch.randn(batch, dim, generator=g), dim=1) for _ in range(4))
+    x.requires_grad_(), y.requires_grad_()
+    scale, bias = torch.tensor(10.0, requires_grad=True), torch.tensor(-10.0, requires_grad=True)
+    loss_fn = SigmoidDistillLoss()
+    loss_fn(x[:8], y[:8], scale, bias, xt[:8], yt[:8], 20.0, -8.0).backward()  # set-up costs once per process
+
+    def step():
+        loss_fn(x, y, scale, bias, xt, yt, 20.0, -8.0).backward()
+        x.grad = y.grad = scale.grad = bias.grad = None
+
+    return peak_extra_mib(step)
+
+
+@pytest.mark.slow
+def test_sigmoid_distillation_peak_memory_per_rank_does_not_grow_with_ranks():
+    """Fixed local batch 2048, d = d' = 256, fp32: one rank's peak above its inputs on 2 and on 4 ranks. Gathering
+    the student's or the teacher's texts would add (N - 1) x 2 MiB per further rank and modality, keeping each
+    received block's logits (N - 1) x 16 MiB."""
+    from disco_clip_ds.testing.memory import mmap_threshold_env
+
+    batch, dim = 2048, 256
+    peaks = {n: max(run_ranks(_peak_rank, n, batch, dim, env=mmap_threshold_env(1 << 20))) for n in (2, 4)}
+    assert peaks[4] < peaks[2] * 1.1 + 2, peaks
