@@ -53,27 +53,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--distill_weight", default="0.5")
+    parser.add_argument("--runs", nargs="+", choices=["distilled", "alone"], default=["distilled", "alone"])
+    parser.add_argument("--results", type=Path, default=CSV)
     args = parser.parse_args()
     teacher = OUT / "teacher"
     if not (teacher / "model.safetensors").is_file():
         quickstart(teacher, 29571, SEED="0")
     rows = []
     for seed in args.seeds:
-        for name, extra in (
-            ("distilled", {"TEACHER": str(teacher), "DISTILL_WEIGHT": args.distill_weight}),
-            ("alone", {}),
-        ):
-            got = quickstart(OUT / f"{name}_s{seed}", 29572 + seed, SEED=str(seed), MODEL=STUDENT, **extra)
+        runs = {"distilled": {"TEACHER": str(teacher), "DISTILL_WEIGHT": args.distill_weight}, "alone": {}}
+        for name, extra in ((name, runs[name]) for name in args.runs):
+            tag = f"_w{args.distill_weight}" if name == "distilled" else ""
+            got = quickstart(OUT / f"{name}{tag}_s{seed}", 29572 + seed, SEED=str(seed), MODEL=STUDENT, **extra)
             weight = args.distill_weight if name == "distilled" else ""
             rows += [{"run": name, "seed": seed, "distill_weight": weight, **row} for row in got]
             print(name, seed, got[-1])
-    CSV.parent.mkdir(parents=True, exist_ok=True)
-    with open(CSV, "w", newline="") as f:
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.results, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     last = max(r["step"] for r in rows)
-    for name in ("distilled", "alone"):
+    for name in args.runs:
         final = [r["zeroshot_acc1"] for r in rows if r["run"] == name and r["step"] == last]
         print(f"{name}: zero-shot acc1 at step {last}, mean of {len(final)} seeds {statistics.mean(final):.4f} {final}")
 
