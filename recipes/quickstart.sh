@@ -5,6 +5,8 @@
 # DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
 # PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all);
 # PATCH_DROPOUT_UNTIL_STEP=250 then sees every patch from step 250 on (FLIP's unmasked tuning).
+# TEACHER=outputs/quickstart distils that trained model into this one (DISTILL_WEIGHT, default 0.5; docs/distillation.md);
+# MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
 #   DATA_FORMAT=hf bash recipes/quickstart.sh   # DATA=data/demo_hf OUT=outputs/quickstart_hf (VENV=.venv too)
@@ -21,8 +23,8 @@ case "$DATA_FORMAT" in
   *) echo "DATA_FORMAT=$DATA_FORMAT: shards (webdataset tar shards) or hf (a datasets parquet dataset)" >&2; exit 2 ;;
 esac
 case "$LOSS" in
-  softmax) MODEL=recipes/models/tiny.json; OUT=${OUT:-outputs/quickstart$FMT} ;;
-  sigmoid) MODEL=recipes/models/siglip_tiny.json; OUT=${OUT:-outputs/quickstart_sigmoid$FMT} ;;
+  softmax) MODEL=${MODEL:-recipes/models/tiny.json}; OUT=${OUT:-outputs/quickstart${TEACHER:+_distilled}$FMT} ;;
+  sigmoid) MODEL=${MODEL:-recipes/models/siglip_tiny.json}; OUT=${OUT:-outputs/quickstart_sigmoid${TEACHER:+_distilled}$FMT} ;;
   *) echo "LOSS=$LOSS: softmax (CLIP) or sigmoid (SigLIP)" >&2; exit 2 ;;
 esac
 # the training source: run_clip's flags for a datasets dataset (its train split, image and caption columns)
@@ -51,6 +53,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed "$SEED" \
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" \
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
+  ${TEACHER:+--teacher "$TEACHER" --distill_weight "${DISTILL_WEIGHT:-0.5}"} \
   --resume_from_checkpoint latest
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a

@@ -145,6 +145,20 @@ def patch_dropout_setting(args) -> str | None:
     return f"{rate:g} of the patches dropped" + (f", every patch from step {until}" if until is not None else "")
 
 
+def distillation_setting(model_args) -> str | None:
+    """The run's distillation as the card and run.json show it (None: none). Not a resume fact, as patch dropout:
+    the teacher is never saved and the optimizer state does not depend on it."""
+    teacher = getattr(model_args, "teacher", None)
+    if teacher is None:
+        return None
+    temperature = getattr(model_args, "distill_temperature", None)
+    scale = f"temperature {temperature:g}" if temperature is not None else "the teacher's logit scale"
+    stored = getattr(model_args, "teacher_embeddings", None)
+    return f"from {teacher}, weight {model_args.distill_weight:g}, {scale}" + (
+        f", its embeddings stored in {stored}" if stored else ""
+    )
+
+
 # The locking flags (train/locking.py), with their unlocked layers and norms: a frozen parameter has no optimizer
 # state, so a run's optimizer state holds its trainable parameters only and loads only where the same ones train.
 LOCK_FLAGS = {
@@ -210,6 +224,7 @@ def launch_facts(
         "tower_settings": tower_settings(args),
         "patch_dropout": patch_dropout_setting(args),
         "locked_towers": None if model_args is None else lock_settings(model_args),
+        "distillation": None if model_args is None else distillation_setting(model_args),
     }
 
 

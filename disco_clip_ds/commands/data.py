@@ -100,6 +100,47 @@ def verify_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def embed_parser() -> argparse.ArgumentParser:
+    """`disco-clip data embed`'s arguments."""
+    p = argparse.ArgumentParser(
+        prog="disco-clip data embed",
+        description="Write a teacher's image and text embeddings of every sample of webdataset shards into a sidecar "
+        "per shard (NAME.teacher.safetensors, keyed by sample key, checksummed), for `disco-clip train --teacher "
+        "MODEL --teacher_embeddings DIR`. Re-run the same command to resume.",
+    )
+    p.add_argument("--teacher", required=True, help="CLIPModel or SiglipModel folder or hub id")
+    p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
+    p.add_argument("--output", help="folder of the sidecars (default: beside each shard)")
+    p.add_argument("--batch_size", type=int, default=64, help="samples per teacher forward")
+    p.add_argument("--tokenizer_name", help="the teacher's tokenizer when its folder has none")
+    return p
+
+
+def embed_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data embed --teacher MODEL --shards SPEC`: see `embed_parser`."""
+    from disco_clip_ds.data.prep.embed import embed_shards
+    from disco_clip_ds.data.shards import expand_shards
+
+    args = embed_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch_size {args.batch_size}: give a positive number of samples")
+    try:
+        urls = expand_shards(args.shards)
+    except (ValueError, OSError) as error:
+        raise UsageError(str(error)) from error
+    missing = [u for u in urls if not Path(u).is_file()]
+    if missing:
+        raise UsageError(f"--shards {args.shards}: {missing[0]} does not exist")
+    if args.output:
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+    summary = embed_shards(args.teacher, urls, args.output, args.batch_size, args.tokenizer_name)
+    print(
+        f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
+        f"{summary['skipped']} sample(s) without image or caption skipped"
+    )
+    return 0
+
+
 def metadata_parser() -> argparse.ArgumentParser:
     """`disco-clip data metadata`'s arguments."""
     p = argparse.ArgumentParser(prog="disco-clip data metadata", description="fetch parquet metadata from the HF hub")

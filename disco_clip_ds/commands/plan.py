@@ -48,6 +48,11 @@ def _parse(argv):
         default=0.0,
         help="fraction of image patches dropped in training (as `disco-clip train --patch_dropout`)",
     )
+    p.add_argument(
+        "--teacher",
+        help="a distillation teacher's config JSON (as `disco-clip train --teacher`): its frozen weights (sharded "
+        "under ZeRO-3), forward and embeddings are counted",
+    )
     _lock_arguments(p)
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         args.contrastive_accumulation,
         args.patch_dropout,
         {name: getattr(args, name) for name in LOCK_ARGUMENTS},
+        args.teacher,
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from disco_clip_ds.data.transforms import Normalize
@@ -13,6 +15,22 @@ from disco_clip_ds.models.patch_dropout import PATCHES_KEY
 
 # The batch key under which each sample's position row (a stream's `position_fields`) rides to the trainer.
 POSITION_KEY = "stream_position"
+# The prefix of the batch keys of a distillation teacher's own inputs (train/distill.py reads them back).
+TEACHER_PREFIX = "teacher_"
+
+
+@dataclass
+class TeacherInputs:
+    """How a distillation teacher's inputs differ from the student's: its own tokenizer and text length (None: it
+    reads the student's tokens), its own normalisation and image size (None: it sees the student's pixels)."""
+
+    tokenizer: object = None
+    max_length: int | None = None
+    normalize: Normalize | None = None
+    image_size: int | None = None
+    # stored embeddings (data/embeddings.py EmbeddingStore) instead of inputs: each sample's looked up by its
+    # (shard, key), which the stream then carries after its caption (and kept patches)
+    store: object = None
 
 
 class ClipCollator:
@@ -35,18 +53,23 @@ class ClipCollator:
         std=OPENAI_CLIP_STD,
         normalize=True,
         patch_dropout=False,
+        teacher: TeacherInputs | None = None,
     ):
         self.tokenizer, self.max_length, self.normalizes = tokenizer, max_length, normalize
-        self.patch_dropout = patch_dropout
+        self.patch_dropout, self.teacher = patch_dropout, teacher
         self.normalize = Normalize(mean, std)
 
     def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
         pixels, captions, *rest = zip(*batch)
         kept, positions = (rest[0], rest[1:]) if self.patch_dropout else (None, rest)
+        ids = None
+        if self.teacher is not None and self.teacher.store is not None:
+            ids, positions = positions[0], positions[1:]
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         shape = (len(pixels), *pixels[0].shape)
+        teacher = self._teacher_inputs(captions, pixels, ids) if self.teacher is not None else {}
         if pixels[0].dtype == torch.uint8 and self.normalizes:
             pixels = self.normalize(pixels, out=batch_tensor(shape, torch.float32))
         elif pixels[0].dtype == torch.uint8:
@@ -62,7 +85,40 @@ class ClipCollator:
             collated[PATCHES_KEY] = torch.stack(kept)
         if positions:
             collated[POSITION_KEY] = torch.stack(positions[0])
-        return collated
+        return {**collated, **teacher}
+
+    def _teacher_inputs(self, captions, pixels, ids) -> dict[str, torch.Tensor]:
+        """The teacher's own tokens and pixels, under TEACHER_PREFIX keys, where they differ from the student's; or
+        its stored embeddings of the samples `ids` ((shard, key) each)."""
+        out, teacher = {}, self.teacher
+        if ids is not None:
+            images, texts = zip(*(teacher.store.lookup(shard, key) for shard, key in ids))
+            return {
+                TEACHER_PREFIX + "image_embeds": torch.stack(images),
+                TEACHER_PREFIX + "text_embeds": torch.stack(texts),
+            }
+        if teacher.tokenizer is not None:
+            tokens = teacher.tokenizer(
+                list(captions),
+                padding="max_length",
+                truncation=True,
+                max_length=teacher.max_length,
+                return_tensors="pt",
+            )
+            out[TEACHER_PREFIX + "input_ids"] = tokens["input_ids"]
+            if "attention_mask" in tokens:
+                out[TEACHER_PREFIX + "attention_mask"] = tokens["attention_mask"]
+        if teacher.normalize is not None:
+            if pixels[0].dtype != torch.uint8:
+                raise ValueError("a teacher with its own image processor needs the stream's uint8 crops")
+            crops = torch.stack(pixels)
+            if teacher.image_size is not None and teacher.image_size != crops.shape[-1]:
+                # the student's crop, resized for the teacher (antialiased bicubic, as image processors resize)
+                size = (teacher.image_size, teacher.image_size)
+                crops = F.interpolate(crops.float(), size=size, mode="bicubic", antialias=True)
+                crops = crops.round_().clamp_(0, 255).to(torch.uint8)
+            out[TEACHER_PREFIX + "pixel_values"] = teacher.normalize(crops)
+        return out
 
 
 def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool | None = None) -> torch.Tensor:

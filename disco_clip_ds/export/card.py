@@ -66,6 +66,7 @@ RUN_FIELDS = [
     ("tower_settings", "per-tower learning rates and layer decay"),
     ("patch_dropout", "patch dropout (FLIP)"),
     ("locked_towers", "locked towers"),
+    ("distillation", "distilled (teacher, weight, temperature)"),
     ("precision", "precision"),
     ("steps", "optimizer steps"),
     ("final_train_loss", "last logged training loss"),

@@ -178,6 +178,13 @@ class ModelShape:
         one_layer = max(fit["alpha"] * sh + fit["beta"] * sm for sh, sm in features["tower_layer_sh_sm"])
         return fit["delta"] * features["layer_sh"] + embed + one_layer
 
+    def forward_bytes_per_sample(self, fit: dict, elem_bytes: int) -> float:
+        """A no-grad forward (a distillation teacher's): nothing is kept for a backward, so at most the embeddings'
+        and one layer's activations are alive at a time (the checkpointed estimate without its layer boundaries)."""
+        features = self.features()
+        one_layer = max(fit["alpha"] * sh + fit["beta"] * sm for sh, sm in features["tower_layer_sh_sm"])
+        return (fit["eps"] * features["embed_sh"] + one_layer) * elem_bytes + self.input_bytes(elem_bytes)
+
     def activation_bytes_per_sample(self, fit: dict, checkpointing: bool, elem_bytes: int) -> float:
         return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(
             elem_bytes
@@ -368,8 +375,10 @@ def memory_plan(
     overhead: float = DEFAULT_OVERHEAD_GB * GiB,
     micro_batch: int | None = None,
     chunk_size: int | None = None,
+    teacher: ModelShape | None = None,
 ) -> MemoryPlan:
-    """Per-GPU memory of one training step (bytes), term by term."""
+    """Per-GPU memory of one training step (bytes), term by term; with a distillation `teacher` (`--teacher`), its
+    frozen weights, its forward and its embeddings too."""
     micro = settings.micro_batch if micro_batch is None else micro_batch
     elem = PRECISION_BYTES[settings.precision]
     # the local loss contrasts each micro-batch alone: the trainer accumulates it plainly, never contrastively
@@ -398,20 +407,33 @@ def memory_plan(
             impl, micro * settings.world * k, settings.world, shape.projection_dim, 4, chunk_size, shape.loss
         )
         terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
+    if teacher is not None:
+        # Its weights in the training dtype, partitioned under ZeRO-3 (its own inference engine), else whole; no
+        # gradients, no optimizer state. Its no-grad forward keeps no activations for a backward
+        # (`forward_bytes_per_sample`). Its fp32 embeddings of the step's K micro-batches, and the loss's gather of
+        # every rank's teacher texts (B x d').
+        shards = settings.world if settings.stage == 3 else 1
+        terms["teacher weights"] = teacher.params * elem / shards
+        terms["teacher forward"] = teacher.forward_bytes_per_sample(fit, elem) * micro
+        terms["teacher embeddings"] = (2 * k * micro + micro * settings.world * k) * teacher.projection_dim * 4
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
     terms["transient grad"] = shape.largest_trainable * elem
     terms["framework"] = overhead
     return MemoryPlan(terms, sum(terms.values()), capacity)
 
 
-def max_micro_batch(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None) -> int:
+def max_micro_batch(
+    shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, teacher=None
+) -> int:
     """Largest per-GPU batch whose plan fits (0 if even 1 does not); memory grows monotonically with batch."""
-    fits = lambda b: memory_plan(shape, settings, fit, impl, checkpointing, capacity, overhead, b, chunk_size).fits
+    fits = lambda b: (
+        memory_plan(shape, settings, fit, impl, checkpointing, capacity, overhead, b, chunk_size, teacher).fits
+    )
     return _largest(fits)
 
 
 def max_contrastive_steps(
-    shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, limit: int = 1 << 20
+    shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size=None, limit: int = 1 << 20, teacher=None
 ) -> int:
     """Largest K whose plan fits at the config's micro batch under contrastive accumulation (0 if K=1 does not):
     the largest contrastive batch for this GPU count is micro x world x K. For the global-batch losses only."""
@@ -428,6 +450,7 @@ def max_contrastive_steps(
             overhead,
             None,
             chunk_size,
+            teacher,
         ).fits
     )
     return _largest(fits, limit)

@@ -55,6 +55,7 @@ def plan(
     contrastive_accumulation: bool = True,
     patch_dropout: float = 0.0,
     lock_flags: dict | None = None,
+    teacher_path=None,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
@@ -64,7 +65,11 @@ def plan(
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
     shape = ModelShape.from_json(model_path, lock_flags).with_patch_dropout(patch_dropout)
-    loss_impls = tuple(loss_impls or FAMILY_IMPLS[shape.loss])  # default: every one the model's loss has
+    teacher = ModelShape.from_json(teacher_path) if teacher_path else None
+    if teacher is not None and teacher.loss != shape.loss:
+        raise PlanConfigError(f"--teacher {teacher_path}: a {teacher.loss} model cannot teach a {shape.loss} one")
+    # default: every one the model's loss has (but the local loss, which cannot distil the global batch)
+    loss_impls = tuple(loss_impls or (i for i in FAMILY_IMPLS[shape.loss] if teacher is None or i != "local"))
     for impl in loss_impls:
         shape.check_impl(impl)
     fit, capacity, overhead = load_fit(), parse_memory(gpu_memory), overhead_gb * GiB
@@ -79,6 +84,7 @@ def plan(
             "vision_layer_tokens": shape.layer_tokens(shape.towers["vision"]),
             "vision_tokens": shape.towers["vision"]["tokens"],
             "training_flops_per_sample": shape.training_flops_per_sample(),
+            "teacher_params": teacher.params if teacher is not None else None,
         },
         "global_batch": settings.contrastive_batch,
         "contrastive_steps": settings.contrastive_steps,
@@ -91,15 +97,14 @@ def plan(
         "traffic": traffic_bytes(shape, settings, loss_impls),
     }
     for impl in loss_impls:
-        mem = memory_plan(shape, settings, fit, impl, activation_checkpointing, capacity, overhead, None, chunk_size)
+        if teacher is not None and impl == "local":
+            raise PlanConfigError("--teacher distils the global batch: plan --loss_impl tiled (or disco)")
+        plan_args = (shape, settings, fit, impl, activation_checkpointing, capacity, overhead)
+        mem = memory_plan(*plan_args, None, chunk_size, teacher)
         out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}
-        out["max_micro_batch"][impl] = max_micro_batch(
-            shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
-        )
+        out["max_micro_batch"][impl] = max_micro_batch(*plan_args, chunk_size, teacher)
         if contrastive_accumulation and impl != "local":
-            out["max_contrastive_steps"][impl] = max_contrastive_steps(
-                shape, settings, fit, impl, activation_checkpointing, capacity, overhead, chunk_size
-            )
+            out["max_contrastive_steps"][impl] = max_contrastive_steps(*plan_args, chunk_size, teacher=teacher)
     return out
 
 

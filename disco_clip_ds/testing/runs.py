@@ -10,15 +10,15 @@ from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TINY_CONFIG
 
 
-def save_initial_model(folder: Path, seed: int) -> Path:
-    """Save the tiny CLIP drawn with `seed` to FOLDER: the weights that every run of an equivalence test starts from
-    (one file that every run loads, whatever its launcher, stage or data)."""
+def save_initial_model(folder: Path, seed: int, config: Path = TINY_CONFIG) -> Path:
+    """Save the tiny CLIP (or the model of `config`) drawn with `seed` to FOLDER: the weights that every run of an
+    equivalence test starts from (one file that every run loads, whatever its launcher, stage or data)."""
     import torch
 
     from disco_clip_ds.models.build import build_model
 
     torch.manual_seed(seed)
-    build_model(model_config=str(TINY_CONFIG)).save_pretrained(folder)
+    build_model(model_config=str(config)).save_pretrained(folder)
     return folder
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disco_clip_ds.train.distill import split_inputs
+
 
 def _at_least_fp32(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
@@ -176,19 +178,27 @@ class ContrastiveAccumulation:
         return (loss, outputs) if return_outputs else loss
 
     @staticmethod
-    def embed_and_cache(update: _Update, model, unwrapped, prepare_inputs, autocast) -> None:
+    def embed_and_cache(update: _Update, model, unwrapped, prepare_inputs, autocast, teacher=None) -> None:
         """Steps 1 and 2 for the whole update (`prepare_inputs`, `autocast`: the Trainer's); collective under
-        torch.distributed."""
+        torch.distributed. With a distillation `teacher` (train/distill.py) its embeddings of the K micro-batches are
+        computed here, once per optimizer step, and the cached gradients are those of the mixed loss over all rows."""
         model.train()
-        image_embeds, text_embeds, outputs = [], [], None
+        image_embeds, text_embeds, teacher_embeds, outputs = [], [], [], None
         with torch.no_grad(), autocast():
             for batch in update.batches:
                 update.rng.append(_rng_state())
-                outputs = model(**{**prepare_inputs(batch), "return_loss": False, "return_logits": False})
+                student, teacher_inputs = split_inputs(prepare_inputs(batch))
+                outputs = model(**{**student, "return_loss": False, "return_logits": False})
                 image_embeds.append(outputs.image_embeds)
                 text_embeds.append(outputs.text_embeds)
+                if teacher is not None:  # eval mode, no dropout: it draws nothing from the replayed RNG stream
+                    teacher_embeds.append(teacher.embed(teacher_inputs))
         params = logit_params(unwrapped, outputs)
         update.rng_after = _rng_state()
+        loss_fn = unwrapped.global_loss
+        if teacher is not None:  # the teacher's multiplier (and bias) are the same for every micro-batch
+            images, texts, teacher_params = zip(*teacher_embeds)
+            loss_fn = teacher.loss_fn(loss_fn, torch.cat(images), torch.cat(texts), teacher_params[0])
         update.loss, update.grads, update.param_grads = cached_embedding_gradients(
-            image_embeds, text_embeds, params, unwrapped.global_loss
+            image_embeds, text_embeds, params, loss_fn
         )

@@ -49,6 +49,32 @@ class ModelArguments:
     max_text_length: int | None = field(
         default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"}
     )
+    # Distillation (train/distill.py, losses/distill.py): a frozen teacher's global-batch similarities taught.
+    teacher: str | None = field(
+        default=None,
+        metadata={
+            "help": "a CLIPModel or SiglipModel (hub id or folder) of the model's family to distill from; frozen, "
+            "never saved with the model"
+        },
+    )
+    distill_weight: float | None = field(
+        default=None,
+        metadata={"help": "with --teacher: loss = (1 - W) contrastive + W distillation (default 0.5)"},
+    )
+    distill_temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "with --teacher: the teacher's similarities are divided by this instead of multiplied by its own "
+            "logit scale (the student's logits are unchanged)"
+        },
+    )
+    teacher_embeddings: str | None = field(
+        default=None,
+        metadata={
+            "help": "with --teacher and --train_shards: the folder of its embeddings stored by `disco-clip data embed` "
+            "(one sidecar per shard), read instead of running the teacher"
+        },
+    )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
     # Partial locking (open_clip's --lock-image-unlocked-groups, --lock-text-unlocked-layers): train/locking.py

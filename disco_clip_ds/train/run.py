@@ -40,6 +40,7 @@ from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
+from disco_clip_ds.train.distill import load_teacher, stored_teacher, teacher_inputs
 from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
@@ -87,11 +88,13 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
         processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
+        teacher, teacher_extra = _teacher(model_args, args, checked, processor)
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
         patches = patch_counts(model.config.vision_config, args.patch_dropout)
-        stream = _stream(data_args, args, checked, reads_own_shards, split, patches)
+        stored = model_args.teacher_embeddings is not None  # the stream then names each sample's shard and key
+        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, stored)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -104,6 +107,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             std=processor.image_processor.image_std,
             normalize=not on_device,
             patch_dropout=patches is not None,
+            teacher=teacher_extra,
         )
 
         # 7. The trainer (and the zero-shot eval during training, when asked for).
@@ -115,6 +119,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             processing_class=processor,
             reads_own_shards=reads_own_shards,
             stop_signals=checked.stop_signals,
+            teacher=teacher,
         )
         if data_args.zeroshot_steps > 0:
             _attach_zeroshot(trainer, data_args, processor, checked.image_size)
@@ -151,6 +156,39 @@ def _run_lock(output_dir: str):
         release_run_lock()
 
 
+def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: CheckedRun, processor):
+    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; None without
+    --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
+    if model_args.teacher is None:
+        return None, None
+    if model_args.teacher_embeddings is not None:
+        logger.info("distilling from %s's embeddings in %s", model_args.teacher, model_args.teacher_embeddings)
+        return stored_teacher(
+            model_args.teacher,
+            model_args.teacher_embeddings,
+            checked.urls,
+            model_args.distill_weight,
+            model_args.distill_temperature,
+        )
+    teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature, args)
+    extra = teacher_inputs(
+        teacher,
+        model_args.teacher,
+        checked.tokenizer,
+        checked.max_length,
+        processor.image_processor,
+        checked.image_size,
+    )
+    logger.info(
+        "distilling from %s (weight %g, %s)%s",
+        model_args.teacher,
+        model_args.distill_weight,
+        f"temperature {model_args.distill_temperature:g}" if model_args.distill_temperature else "its own logit scale",
+        "" if extra is None else ", with its own inputs",
+    )
+    return teacher, extra
+
+
 def _stream(
     data_args: DataArguments,
     args: DiscoTrainingArguments,
@@ -158,11 +196,13 @@ def _stream(
     reads_own_shards: bool,
     split: int,
     patches: tuple[int, int] | None,
+    sample_ids: bool = False,
 ):
     """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
     each sample with its kept patches when `patches`)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     source = ShardStream if checked.hf is None else HFStream
+    extra = {"sample_ids": True} if sample_ids else {}
     return source(
         checked.urls if checked.hf is None else checked.hf,
         checked.image_size,
@@ -175,6 +215,7 @@ def _stream(
         split=split,
         micro_batch=args.per_device_train_batch_size,
         patches=patches,
+        **extra,
     )
 
 

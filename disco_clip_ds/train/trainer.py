@@ -20,8 +20,9 @@ from disco_clip_ds.data.streams.base import ReaderStream, error_message
 from disco_clip_ds.distributed.ranks import any_true
 from disco_clip_ds.errors import DataError
 from disco_clip_ds.models.patch_dropout import PATCHES_KEY
-from disco_clip_ds.train.accumulation import ContrastiveAccumulation
+from disco_clip_ds.train.accumulation import ContrastiveAccumulation, logit_params
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
+from disco_clip_ds.train.distill import split_inputs
 from disco_clip_ds.train.finite import FiniteCheck
 from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
 from disco_clip_ds.train.stopping import StopSignals
@@ -39,7 +40,9 @@ class DiscoTrainer(Trainer):
     checkpoint, and a resume restores them (`stream_state`) instead of skipping batches.
     """
 
-    def __init__(self, *args, reads_own_shards: bool = True, stop_signals: tuple[int, ...] = (), **kwargs):
+    def __init__(
+        self, *args, reads_own_shards: bool = True, stop_signals: tuple[int, ...] = (), teacher=None, **kwargs
+    ):
         self.signals = StopSignals(stop_signals)  # before the DataLoader forks its workers
         self.stopper = self.signals.stopper
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.stopper]
@@ -52,6 +55,7 @@ class DiscoTrainer(Trainer):
             # compute_loss returns loss / K itself: the Trainer must not divide again (its documented switch).
             self.loss_is_scaled_for_ga = True
         self.reads_own_shards = reads_own_shards
+        self.teacher = teacher  # a distillation teacher (train/distill.py), held here: never saved with the model
         self._data_time, self._last_log = 0.0, None
         self._resume_checkpoint = None
 
@@ -177,6 +181,7 @@ class DiscoTrainer(Trainer):
             unwrapped=self.model,
             prepare_inputs=self._prepare_inputs,
             autocast=self.compute_loss_context_manager,
+            teacher=self.teacher,
         )
         with self.accumulation.micro_step(inputs, embed_and_cache):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -185,10 +190,21 @@ class DiscoTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.accumulation.in_step:  # the micro-batch's share of the accumulated contrastive loss
-            return self.accumulation.loss(model, self.model, inputs, return_outputs)
+            return self.accumulation.loss(model, self.model, split_inputs(inputs)[0], return_outputs)
+        if self.teacher is not None:
+            return self._distilled_loss(model, inputs, return_outputs)
         # return_loss rides here, not in the batch: accelerate's dispatch_batches broadcasts tensors only.
         inputs = {**inputs, "return_loss": True}
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _distilled_loss(self, model, inputs, return_outputs: bool):
+        """(1 - W) contrastive + W distillation on this batch: the student's embeddings, then the mixed loss outside
+        its forward (as contrastive accumulation computes its loss), the teacher's embeddings without grad."""
+        student, teacher_inputs = split_inputs(inputs)
+        outputs = model(**{**student, "return_loss": False, "return_logits": False})
+        loss_fn = self.teacher.loss_fn(self.model.global_loss, *self.teacher.embed(teacher_inputs))
+        loss = loss_fn(outputs.image_embeds, outputs.text_embeds, *logit_params(self.model, outputs))
+        return (loss, outputs) if return_outputs else loss
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
         # before the Trainer logs, evaluates or saves anything of this step

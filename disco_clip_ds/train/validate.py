@@ -79,6 +79,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     _check_positive_sizes(model_args)
     tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
     _check_tower_locks(model_args)
+    _check_teacher(model_args, args)
+    _check_teacher_embeddings(model_args, urls)
     return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
 
 
@@ -470,3 +472,74 @@ def _check_tower_locks(model_args: ModelArguments) -> None:
     problem = lock_problem(model_args, load_config(model_args.model_name_or_path, model_args.model_config))
     if problem:
         raise UsageError(problem)
+
+
+# --- --teacher, --distill_weight, --distill_temperature ---------------------------------------------------------------
+def _check_teacher(model_args: ModelArguments, args: DiscoTrainingArguments) -> None:
+    """A teacher of the student's family (CLIP for CLIP, SigLIP for SigLIP: the loss compares the same kind of
+    similarities), a weight in (0, 1], a positive temperature, a global-batch loss. Sets the weight's default."""
+    teacher, weight, temperature = model_args.teacher, model_args.distill_weight, model_args.distill_temperature
+    if teacher is None:
+        given = [
+            f
+            for f, v in (
+                ("--distill_weight", weight),
+                ("--distill_temperature", temperature),
+                ("--teacher_embeddings", model_args.teacher_embeddings),
+            )
+            if v is not None
+        ]
+        if given:
+            raise UsageError(f"{' and '.join(given)} without --teacher: name the model to distill from")
+        return
+    if weight is None:
+        model_args.distill_weight = weight = 0.5
+    if not (math.isfinite(weight) and 0 < weight <= 1):
+        raise UsageError(f"--distill_weight {weight:g}: give a number in (0, 1] (1: distillation only)")
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        raise UsageError(f"--distill_temperature {temperature:g}: give a positive number, or leave it out")
+    if model_args.loss_impl == "local":
+        raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
+    if _is_path(teacher) and not Path(teacher).expanduser().exists():
+        raise UsageError(f"--teacher {teacher}: no such folder")
+    with usage_error(f"--teacher {teacher}: "):
+        config = load_config(teacher)
+    student = load_config(model_args.model_name_or_path, model_args.model_config)
+    if config.model_type != student.model_type:
+        raise UsageError(
+            f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
+            f"{student.model_type} teacher"
+        )
+
+
+def _check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> None:
+    """Stored embeddings (data/embeddings.py) for every training shard, made by the --teacher named: checked from the
+    sidecars' headers before any work (their checksums are verified as each is read)."""
+    folder = model_args.teacher_embeddings
+    if folder is None:
+        return
+    from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, teacher_fingerprint
+    from disco_clip_ds.errors import DataError
+
+    if not urls:
+        raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
+    if not Path(folder).is_dir():
+        raise UsageError(f"--teacher_embeddings {folder}: no such folder")
+    with usage_error(f"--teacher {model_args.teacher}: "):
+        fingerprint = teacher_fingerprint(model_args.teacher)
+    for url in urls:
+        path = sidecar_path(folder, url)
+        if not path.is_file():
+            raise UsageError(
+                f"--teacher_embeddings {folder}: no embeddings of shard {url} ({path.name}): run `disco-clip data "
+                f"embed --teacher {model_args.teacher} --shards ... --output {folder}`"
+            )
+        try:
+            made_by = read_metadata(path).get("teacher")
+        except DataError as error:
+            raise UsageError(str(error)) from error
+        if made_by != fingerprint:
+            raise UsageError(
+                f"--teacher_embeddings {folder}: {path.name} was made by another teacher than --teacher "
+                f"{model_args.teacher} (fingerprint {made_by}, not {fingerprint})"
+            )

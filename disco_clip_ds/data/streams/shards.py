@@ -36,11 +36,12 @@ class ShardStream(ReaderStream):
 
     position_fields = POSITION_FIELDS
 
-    def __init__(self, urls: list[str], image_size: int, **options):
+    def __init__(self, urls: list[str], image_size: int, sample_ids: bool = False, **options):
         """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels,
-        split, micro_batch)."""
+        split, micro_batch). `sample_ids`: each item also carries its (shard, sample key), before its position (for
+        the teacher embeddings stored per shard and key, data/embeddings.py)."""
         super().__init__(image_size, **options)
-        self.urls = list(urls)
+        self.urls, self.sample_ids = list(urls), sample_ids
         # fail early, in the main process
         shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
 
@@ -94,6 +95,7 @@ class ShardStream(ReaderStream):
         if image_key is None or text_key is None:
             self._count_skip(what, "no image or no caption")
             return None
-        return self._decode_sample(
+        item = self._decode_sample(
             what, epoch, key, lambda: sample[text_key].decode("utf-8"), lambda: sample[image_key]
         )
+        return (*item, (str(sample.get("__url__")), key)) if item is not None and self.sample_ids else item

@@ -350,3 +350,35 @@ def test_siglip_b16_32k_plan_verdict(capsys):
     assert plan_command.main([*argv, "--gpu_memory", "40GB"]) == 1  # ds_configs/README.md: fits on 80 GB, not on 40 GB
     with pytest.raises(P.PlanConfigError, match="--loss_impl disco: the sigmoid loss has tiled, local"):
         plan_command.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
+
+
+def test_a_distillation_teacher_is_counted(tmp_path):
+    """--teacher: its weights in the training dtype (1/N of them under ZeRO-3, its own inference engine), a no-grad
+    forward (the embeddings and one layer: less than the student's checkpointed activations) and its fp32 embeddings
+    (K micro-batches cached, every rank's texts gathered by the loss); a smaller student's largest batch shrinks."""
+    config, world = REPO / "ds_configs/vit_b32_196k_8gpu.json", 8
+    alone = P.plan(config, VIT, world, "40GB", activation_checkpointing=True, loss_impls=("tiled",))
+    taught = P.plan(config, VIT, world, "40GB", activation_checkpointing=True, loss_impls=("tiled",), teacher_path=VIT)
+    terms, settings = taught["memory"]["tiled"]["terms"], taught["settings"]
+    teacher = P.ModelShape.from_json(VIT)
+    elem = P.memory.PRECISION_BYTES[settings["precision"]]
+    shards = world if settings["stage"] == 3 else 1
+    assert terms["teacher weights"] == pytest.approx(teacher.params * elem / shards)
+    micro, k = settings["micro_batch"], taught["contrastive_steps"]
+    assert terms["teacher embeddings"] == pytest.approx(
+        (2 * k * micro + micro * world * k) * teacher.projection_dim * 4
+    )
+    assert 0 < terms["teacher forward"] < terms["activations"]
+    assert taught["model"]["teacher_params"] == teacher.params
+    assert taught["max_micro_batch"]["tiled"] < alone["max_micro_batch"]["tiled"]
+    stage3 = json.loads(config.read_text())
+    stage3["zero_optimization"] = {**stage3["zero_optimization"], "stage": 3}
+    (tmp_path / "stage3.json").write_text(json.dumps(stage3))
+    sharded = P.plan(tmp_path / "stage3.json", VIT, world, "40GB", activation_checkpointing=True, teacher_path=VIT)
+    assert sharded["settings"]["stage"] == 3
+    assert sharded["memory"]["tiled"]["terms"]["teacher weights"] == pytest.approx(teacher.params * elem / world)
+    siglip = REPO / "recipes/models/siglip_tiny.json"
+    with pytest.raises(P.PlanConfigError, match="cannot teach"):
+        P.plan(config, VIT, world, "40GB", activation_checkpointing=True, teacher_path=siglip)
+    with pytest.raises(P.PlanConfigError, match="distils the global batch"):
+        P.plan(config, VIT, world, "40GB", loss_impls=("local",), teacher_path=VIT)

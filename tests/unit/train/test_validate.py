@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.testing.images import empty_second_shard, write_shards
@@ -68,6 +69,39 @@ BAD_ARGUMENTS = {
     "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
     "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
     "chunk size 0": (["{data}", *MODEL, *TOK, "--chunk_size", "0"], "--chunk_size 0: give a positive"),
+    "distill weight without a teacher": (
+        ["{data}", *MODEL, *TOK, "--distill_weight", "0.5"],
+        "--distill_weight without --teacher",
+    ),
+    "teacher missing": (["{data}", *MODEL, *TOK, "--teacher", "{tmp}/noteacher"], "noteacher: no such folder"),
+    "teacher of another family": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{siglip_teacher}"],
+        "a siglip model cannot teach a clip one",
+    ),
+    "distill weight 0": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--distill_weight", "0"],
+        "--distill_weight 0: give a number in (0, 1]",
+    ),
+    "distill temperature negative": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--distill_temperature", "-1"],
+        "--distill_temperature -1: give a positive number",
+    ),
+    "embeddings missing": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{half_embedded}"],
+        "00001.tar (00001.teacher.safetensors): run `disco-clip data embed",
+    ),
+    "embeddings of another teacher": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{foreign_embedded}"],
+        "00000.teacher.safetensors was made by another teacher than --teacher",
+    ),
+    "embeddings without a teacher": (
+        ["{data}", *MODEL, *TOK, "--teacher_embeddings", "{tmp}"],
+        "--teacher_embeddings without --teacher",
+    ),
+    "teacher with the local loss": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--loss_impl", "local"],
+        "--teacher distils the global batch's similarities",
+    ),
 }
 
 
@@ -86,7 +120,24 @@ def bad_inputs(bad_arguments_setup, tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([json.loads((REPO / "recipes/models/tiny.json").read_text())]))
     ds_optimizer = {**json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()), "optimizer": {"type": "AdamW"}}
     (tmp_path / "ds_optimizer.json").write_text(json.dumps(ds_optimizer))
+    for family, recipe in (("clip", REPO / MODEL[1]), ("siglip", SIGLIP)):  # a teacher's folder: its config.json
+        (tmp_path / f"{family}_teacher").mkdir()
+        (tmp_path / f"{family}_teacher" / "config.json").write_text(recipe.read_text())
+    from disco_clip_ds.data.embeddings import teacher_fingerprint, write_sidecar
+
+    rows = lambda: torch.zeros(4, 8)
+    for folder, shards, teacher in (("half_embedded", ["00000"], None), ("foreign_embedded", ["00000", "00001"], "x")):
+        for shard in shards:
+            made_by = teacher or teacher_fingerprint(str(tmp_path / "clip_teacher"))
+            keys = [str(i) for i in range(4)]
+            write_sidecar(
+                tmp_path / folder / f"{shard}.teacher.safetensors", keys, rows(), rows(), {"teacher": made_by}
+            )
     return {
+        "half_embedded": str(tmp_path / "half_embedded"),
+        "foreign_embedded": str(tmp_path / "foreign_embedded"),
+        "clip_teacher": str(tmp_path / "clip_teacher"),
+        "siglip_teacher": str(tmp_path / "siglip_teacher"),
         "ds_optimizer": str(tmp_path / "ds_optimizer.json"),
         **bad_arguments_setup,
         "list_json": str(tmp_path / "list.json"),

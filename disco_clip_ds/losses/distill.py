@@ -1,0 +1,388 @@
+"""Distillation of a teacher's global-batch similarities into a student, tiled and exact across ranks. Torch only.
+
+Notation as in softmax.py and sigmoid.py: rank r holds b_r student image and text rows x_i, y_j and the teacher's
+rows x'_i, y'_j of the same samples (L2-normalised; the teacher's width may differ from the student's, only
+similarities are compared), B = sum_r b_r. Student logits S_ij = s x_i . y_j (+ t for SigLIP); teacher logits
+T_ij = s' x'_i . y'_j (+ t' for SigLIP). `teacher_scale` s' is the multiplier of the teacher's cosine similarities:
+the teacher's own `logit_scale.exp()`, or 1 / temperature when a distillation temperature is set (the training
+flag --distill_temperature); it scales the teacher's similarities only, never the student's nor the teacher's bias.
+The teacher's features carry no gradient.
+
+Softmax (CLIP) distillation, both directions averaged as CLIP's loss is:
+
+    L = 1/(2B) * [sum_i KL(softmax_j T_i. || softmax_j S_i.) + sum_j KL(softmax_i T_.j || softmax_i S_.j)].
+
+Rank r returns l_r = N/(2B) * (its image rows' KLs + its text columns' KLs), so mean_r l_r = L. Only the texts
+(student and teacher) are gathered; the student's gathered texts' gradient is reduce-scattered to their owner, so
+data-parallel averaging gives every parameter exactly dL/dtheta, as for the contrastive loss. Rank r walks its
+block (b_r x B) in tiles of `chunk_size` rows: a row's KL is complete in its tile; a column's student and teacher
+log-sum-exps and its teacher-weighted mean of T - S are merged tile by tile and then across ranks (one all-reduce
+of 2B maxima, one of 3B sums). Backward recomputes each tile into its gradient
+
+    dL/dS_ij ~ g_r (softmax_j S_ij - softmax_j T_ij) + g_owner(j) (softmax_i S_ij - softmax_i T_ij),
+
+never keeping a b x B matrix: peak extra memory O(B * (d + d') + tile).
+
+Sigmoid (SigLIP) distillation, per pair the binary cross-entropy of the student's sigmoid against the teacher's:
+
+    L = (1/B) sum_ij [softplus(S_ij) - sigmoid(T_ij) S_ij],
+
+which is SigLIP's loss when sigmoid(T) is the identity matrix. As in sigmoid.py, rank r walks its image rows
+against one rank's text blocks at a time, the student's and the teacher's text blocks passing together round the
+ring: a rank never holds more than two blocks of each, whatever the number of ranks. d/dS_ij = sigmoid(S_ij) -
+sigmoid(T_ij).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from disco_clip_ds import compat
+from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, ring_exchange
+from disco_clip_ds.losses.sigmoid import default_chunk_size as ring_chunk_size
+from disco_clip_ds.losses.softmax import default_chunk_size
+
+
+def _tiles(rows: int, chunk: int):
+    return (slice(start, start + chunk) for start in range(0, rows, chunk))
+
+
+def _as_scalar(value):
+    # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
+    return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
+
+
+def _upstream_per_column(grad_total, sizes, world, group, total):
+    """Each column's term is in the loss of the rank that owns the text: that rank's upstream gradient, per column."""
+    g = grad_total.float().reshape(1)
+    if world == 1:
+        return g, g.expand(total)
+    owners = g.new_empty(world)
+    compat.all_gather_single(owners, g, group=group)
+    return g, owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
+
+
+class _SoftmaxDistill(torch.autograd.Function):
+    """sum over this rank's image rows of KL_row_i + over its text columns of KL_col_j (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, images, texts, scale, t_images, t_texts, t_scale, sizes, group, chunk):
+        rank, world = rank_and_world(group)
+        s, ts = float(scale), float(t_scale)
+        b, total = images.shape[0], texts.shape[0]
+        texts32, t_texts32 = texts.float(), t_texts.float()
+        row_lse_s, row_lse_t = texts32.new_empty(b), texts32.new_empty(b)
+        col_lse_s, col_lse_t = texts32.new_full((total,), -torch.inf), texts32.new_full((total,), -torch.inf)
+        col_mean = texts32.new_zeros(total)  # sum_i softmax_i(T)_ij (T_ij - S_ij) over the rows seen so far
+        rows_kl = texts32.new_zeros(())
+        for rows in _tiles(b, chunk):
+            logits = (images[rows].float() * s) @ texts32.T
+            t_logits = (t_images[rows].float() * ts) @ t_texts32.T
+            row_lse_s[rows], row_lse_t[rows] = logits.logsumexp(1), t_logits.logsumexp(1)
+            col_lse_s = torch.logaddexp(col_lse_s, logits.logsumexp(0))
+            diff = t_logits - logits
+            # KL_i = sum_j p_ij (T_ij - S_ij) - lse_T_i + lse_S_i with p the teacher's row softmax
+            p = (t_logits - row_lse_t[rows, None]).exp_()
+            rows_kl += torch.vdot(p.view(-1), diff.view(-1)) - row_lse_t[rows].sum() + row_lse_s[rows].sum()
+            tile_lse_t = t_logits.logsumexp(0)
+            tile_mean = t_logits.sub_(tile_lse_t).exp_().mul_(diff).sum(0)  # this tile's teacher column softmax
+            merged = torch.logaddexp(col_lse_t, tile_lse_t)
+            col_mean = col_mean * (col_lse_t - merged).exp() + tile_mean * (tile_lse_t - merged).exp()
+            col_lse_t = merged
+        if world > 1:  # merge the ranks' partial columns: log-sum-exps and the teacher-weighted means
+            top = torch.stack([col_lse_s, col_lse_t])
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # finite: every column has a row somewhere
+            weight_t = (col_lse_t - top[1]).exp()
+            sums = torch.stack([(col_lse_s - top[0]).exp(), weight_t, weight_t * col_mean])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            col_lse_s, col_lse_t = sums[0].log() + top[0], sums[1].log() + top[1]
+            col_mean = sums[2] / sums[1]
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + b)
+        cols_kl = (col_mean[mine] - col_lse_t[mine] + col_lse_s[mine]).sum()
+        ctx.save_for_backward(images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t)
+        ctx.meta = (sizes, world, group, chunk, s, ts, scale.dtype)
+        return rows_kl + cols_kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t = ctx.saved_tensors
+        sizes, world, group, chunk, s, ts, scale_dtype = ctx.meta
+        need_i, need_t, need_s = ctx.needs_input_grad[:3]
+        g, g_col = _upstream_per_column(grad_total, sizes, world, group, texts.shape[0])
+        texts32, t_texts32 = texts.float(), t_texts.float()
+        grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
+        grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
+        grad_s = texts32.new_zeros(())
+        for rows in _tiles(images.shape[0], chunk):
+            q = images[rows].float()
+            logits = (q * s) @ texts32.T  # S's rounding as in forward (the same product)
+            t_logits = (t_images[rows].float() * ts) @ t_texts32.T
+            # every exponent is <= 0: a logit minus a log-sum-exp that contains it
+            grad = (logits - row_lse_s[rows, None]).exp_().sub_((t_logits - row_lse_t[rows, None]).exp_()).mul_(g)
+            grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_()).mul_(g_col)
+            if need_i or need_s:
+                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = q . grad_q
+                if need_s:
+                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
+                if need_i:
+                    grad_i[rows] = grad_q.mul_(s)
+            if need_t:
+                grad_t.addmm_(grad.T, q, alpha=s)
+        return (
+            grad_i.to(images.dtype) if need_i else None,
+            grad_t.to(texts.dtype) if need_t else None,
+            grad_s.to(scale_dtype) if need_s else None,
+            *([None] * 6),
+        )
+
+
+class _RingSigmoidDistill(torch.autograd.Function):
+    """sum over this rank's image rows i and all texts j of softplus(S_ij) - sigmoid(T_ij) S_ij, the student's and
+    the teacher's text blocks travelling round the ring together (as _RingSigmoid's texts)."""
+
+    @staticmethod
+    def forward(ctx, images, texts, scale, bias, t_images, t_texts, t_scale, t_bias, sizes, group, chunk):
+        ctx.save_for_backward(images, texts, t_images, t_texts)
+        ctx.meta = (sizes, group, chunk, float(scale), float(bias), float(t_scale), float(t_bias))
+        ctx.dtypes = (scale.dtype, bias.dtype)
+        total = images.new_zeros((), dtype=torch.float32)
+        for _, _, _, _, logits, t_logits in _ring_tiles(ctx, images, texts, t_images, t_texts, backward=False):
+            total += F.softplus(logits).sum() - torch.vdot(t_logits.sigmoid_().view(-1), logits.view(-1))
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_total):
+        images, texts, t_images, t_texts = ctx.saved_tensors
+        s = ctx.meta[3]
+        g = float(grad_total)
+        grad_i = torch.zeros(images.shape, dtype=torch.float32, device=images.device)
+        grad_s, grad_b = grad_i.new_zeros(()), grad_i.new_zeros(())
+        ctx.block_grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
+        for rows, q, block32, dots, logits, t_logits in _ring_tiles(
+            ctx, images, texts, t_images, t_texts, backward=True
+        ):
+            grad = logits.sigmoid_().sub_(t_logits.sigmoid_()).mul_(g)
+            grad_s += torch.vdot(grad.view(-1), dots.view(-1))
+            grad_b += grad.sum()
+            grad_i[rows].addmm_(grad, block32, alpha=s)
+            ctx.block_grad.addmm_(grad.T, q, alpha=s)
+        block_grad, ctx.block_grad = ctx.block_grad, None
+        return (
+            grad_i.to(images.dtype),
+            block_grad.to(texts.dtype),
+            grad_s.to(ctx.dtypes[0]),
+            grad_b.to(ctx.dtypes[1]),
+            *([None] * 7),
+        )
+
+
+def _ring_tiles(ctx, images, texts, t_images, t_texts, backward: bool):
+    """Yield (rows, q, block32, dots, S tile, T tile) for every tile of this rank's rows against every rank's text
+    block, the blocks (student's and teacher's) passing round the ring. In backward, ctx.block_grad (the gradient of
+    the block being computed on) follows its block to the next rank; the last step brings it home."""
+    sizes, group, chunk, s, t, ts, tt = ctx.meta
+    rank, world = rank_and_world(group)
+    images32, t_images32 = images.float(), t_images.float()
+    block, t_block = texts.detach(), t_texts.detach()  # travel in their own dtypes; computed on in fp32
+    for k in range(world):
+        nxt_src = (rank - k - 1) % world
+        nxt = t_nxt = None
+        pending = []
+        if k < world - 1:  # the next blocks travel while these are computed
+            nxt = block.new_empty((sizes[nxt_src], block.shape[1]))
+            t_nxt = t_block.new_empty((sizes[nxt_src], t_block.shape[1]))
+            pending = ring_exchange(block, nxt, group, tag=0) + ring_exchange(t_block, t_nxt, group, tag=2)
+        block32, t_block32 = block.float(), t_block.float()
+        for rows in _tiles(images32.shape[0], chunk):
+            q = images32[rows]
+            dots = q @ block32.T
+            t_logits = torch.addmm(t_block32.new_tensor(tt), t_images32[rows] * ts, t_block32.T)
+            yield rows, q, block32, dots, dots * s + t, t_logits
+        if backward and world > 1:
+            arrived = ctx.block_grad.new_empty((sizes[nxt_src], block.shape[1]))
+            for work in ring_exchange(ctx.block_grad, arrived, group, tag=1):
+                work.wait()
+            ctx.block_grad = arrived
+        for work in pending:
+            work.wait()
+        if nxt is not None:
+            block, t_block = nxt, t_nxt
+
+
+def _check(who, student, teacher, scalars, t_scalars, chunk_size, group) -> list[int]:
+    """Both models' inputs checked on every rank at once; the local batch sizes."""
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    sizes = check_inputs(*student, scalars, group, who)
+    t_sizes = check_inputs(*teacher, t_scalars, group, f"{who} (teacher features)")
+    if sizes != t_sizes:  # every rank holds both lists: every rank raises
+        raise ValueError(f"{who}: bad input. the teacher's rows per rank {t_sizes} differ from the student's {sizes}")
+    return sizes
+
+
+def softmax_distill_loss(
+    image_features,
+    text_features,
+    logit_scale,
+    teacher_image_features,
+    teacher_text_features,
+    teacher_scale,
+    chunk_size: int | None = None,
+    group=None,
+) -> torch.Tensor:
+    """Functional form of :class:`SoftmaxDistillLoss`; see the module docstring for the exact contract."""
+    student, teacher = (image_features, text_features), (teacher_image_features, teacher_text_features)
+    scalars, t_scalars = {"logit_scale": logit_scale}, {"teacher_scale": teacher_scale}
+    sizes = _check("SoftmaxDistillLoss", student, teacher, scalars, t_scalars, chunk_size, group)
+    world, total = rank_and_world(group)[1], sum(sizes)
+    device = image_features.device
+    with torch.autocast(device_type=device.type, enabled=False):  # fp32 logits, as the contrastive loss
+        scale = torch.as_tensor(logit_scale, device=device).float()
+        t_scale = torch.as_tensor(teacher_scale, device=device).float().detach()
+        (all_texts,) = gather_features(text_features, sizes=sizes, group=group)
+        with torch.no_grad():  # the teacher's texts: gathered once, no gradient
+            (t_all_texts,) = gather_features(teacher_text_features.detach(), sizes=sizes, group=group)
+        chunk = chunk_size or default_chunk_size(total)
+        terms = _SoftmaxDistill.apply(
+            image_features,
+            all_texts,
+            scale,
+            teacher_image_features.detach(),
+            t_all_texts,
+            t_scale,
+            sizes,
+            group,
+            chunk,
+        )
+        return terms * (world / (2 * total)) if total else terms
+
+
+def sigmoid_distill_loss(
+    image_features,
+    text_features,
+    logit_scale,
+    logit_bias,
+    teacher_image_features,
+    teacher_text_features,
+    teacher_scale,
+    teacher_bias,
+    chunk_size: int | None = None,
+    group=None,
+) -> torch.Tensor:
+    """Functional form of :class:`SigmoidDistillLoss`; see the module docstring for the exact contract."""
+    logit_scale, logit_bias = _as_scalar(logit_scale), _as_scalar(logit_bias)
+    teacher_scale, teacher_bias = _as_scalar(teacher_scale), _as_scalar(teacher_bias)
+    sizes = _check(
+        "SigmoidDistillLoss",
+        (image_features, text_features),
+        (teacher_image_features, teacher_text_features),
+        {"logit_scale": logit_scale, "logit_bias": logit_bias},
+        {"teacher_scale": teacher_scale, "teacher_bias": teacher_bias},
+        chunk_size,
+        group,
+    )
+    world, total = rank_and_world(group)[1], sum(sizes)
+    device = image_features.device
+    with torch.autocast(device_type=device.type, enabled=False):
+        as32 = lambda v: torch.as_tensor(v, device=device).float()
+        chunk = chunk_size or ring_chunk_size(max(sizes))
+        terms = _RingSigmoidDistill.apply(
+            image_features,
+            text_features,
+            as32(logit_scale),
+            as32(logit_bias),
+            teacher_image_features.detach(),
+            teacher_text_features.detach(),
+            as32(teacher_scale).detach(),
+            as32(teacher_bias).detach(),
+            sizes,
+            group,
+            chunk,
+        )
+        return terms * (world / total) if total else terms
+
+
+class SoftmaxDistillLoss(nn.Module):
+    """Global-batch softmax (CLIP) distillation over all ranks of `group`, each rank computing only its own rows.
+
+    forward(image_features, text_features, logit_scale, teacher_image_features, teacher_text_features,
+    teacher_scale): this rank's (b, d) student and (b, d') teacher L2-normalised features of the same samples, the
+    student's logit multiplier (e.g. `model.logit_scale.exp()`) and the teacher's similarity multiplier (its
+    `logit_scale.exp()`, or 1 / temperature). Returns this rank's share l_r with mean_r l_r = the single-device
+    KL distillation loss over the global batch (module docstring), with gradients such that data-parallel
+    averaging yields exactly the global-batch gradient. `chunk_size`: rows per tile (None: ~8 MiB of logits).
+    """
+
+    def __init__(self, chunk_size: int | None = None, group=None):
+        super().__init__()
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+        self.chunk_size, self.group = chunk_size, group
+
+    def forward(
+        self, image_features, text_features, logit_scale, teacher_image_features, teacher_text_features, teacher_scale
+    ):
+        return softmax_distill_loss(
+            image_features,
+            text_features,
+            logit_scale,
+            teacher_image_features,
+            teacher_text_features,
+            teacher_scale,
+            self.chunk_size,
+            self.group,
+        )
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}"
+
+
+class SigmoidDistillLoss(nn.Module):
+    """Global-batch sigmoid (SigLIP) distillation over all ranks of `group`: per pair, the binary cross-entropy of
+    the student's sigmoid against the teacher's, the texts streamed round the ring (memory flat in ranks).
+
+    forward(image_features, text_features, logit_scale, logit_bias, teacher_image_features, teacher_text_features,
+    teacher_scale, teacher_bias): this rank's student and teacher features (as SoftmaxDistillLoss), the student's
+    logit multiplier and bias, the teacher's similarity multiplier (its `logit_scale.exp()`, or 1 / temperature)
+    and its bias. Returns l_r with mean_r l_r = the single-device loss (module docstring) and gradients exact under
+    data-parallel averaging. `chunk_size`: image rows per tile (None: ~8 MiB of logits per tile).
+    """
+
+    def __init__(self, chunk_size: int | None = None, group=None):
+        super().__init__()
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+        self.chunk_size, self.group = chunk_size, group
+
+    def forward(
+        self,
+        image_features,
+        text_features,
+        logit_scale,
+        logit_bias,
+        teacher_image_features,
+        teacher_text_features,
+        teacher_scale,
+        teacher_bias,
+    ):
+        return sigmoid_distill_loss(
+            image_features,
+            text_features,
+            logit_scale,
+            logit_bias,
+            teacher_image_features,
+            teacher_text_features,
+            teacher_scale,
+            teacher_bias,
+            self.chunk_size,
+            self.group,
+        )
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}"

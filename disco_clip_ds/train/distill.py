@@ -1,0 +1,202 @@
+"""A live teacher in training (`--teacher`, `--distill_weight`, `--distill_temperature`): the teacher's embeddings of
+each batch and the student's loss (1 - W) contrastive + W distillation (`disco_clip_ds.losses.distill`).
+
+The teacher (a CLIPModel or SiglipModel's weights, loaded as this package's model of its family) is held beside the
+student, not inside it: it is no submodule of the model the Trainer wraps, so it has no optimizer state, the
+student's engine never sees it, and checkpoints, exports and pushes hold the student alone. It runs in eval mode
+under no_grad (under ZeRO-3 partitioned, in an inference engine of its own: `load_teacher`). Its inputs are the
+student's unless it tokenizes or preprocesses differently: the collator then adds its own under TEACHER_PREFIX keys
+(`data.collate.ClipCollator`), which the student never sees (`split_inputs`). With `--teacher_embeddings` no model
+runs: `StoredTeacher` takes the embeddings stored per shard (data/embeddings.py) that the collator looked up.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from disco_clip_ds.data.collate import TEACHER_PREFIX, TeacherInputs
+from disco_clip_ds.data.transforms import Normalize
+from disco_clip_ds.losses.distill import sigmoid_distill_loss, softmax_distill_loss
+
+logger = logging.getLogger("disco_clip_ds.train")
+
+# The files of which a saved tokenizer has at least one (fast, slow BPE, sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+
+
+def split_inputs(inputs: dict) -> tuple[dict, dict]:
+    """(the student's inputs, the teacher's): the teacher's are its own TEACHER_PREFIX keys where the collator made
+    them, else the student's input_ids, attention_mask and pixel_values (never the student's kept patches)."""
+    student = {k: v for k, v in inputs.items() if not k.startswith(TEACHER_PREFIX)}
+    teacher = {k: student[k] for k in ("input_ids", "attention_mask", "pixel_values") if k in student}
+    teacher.update({k[len(TEACHER_PREFIX) :]: v for k, v in inputs.items() if k.startswith(TEACHER_PREFIX)})
+    return student, teacher
+
+
+class Teacher:
+    """A frozen CLIP or SigLIP teacher and the loss that mixes its distillation into the student's.
+
+    `model`: a DiscoCLIPModel or DiscoSiglipModel of the student's family (its output carries its logit parameters as
+    its forward used them, gathered there under ZeRO-3), or the ZeRO-3 inference engine wrapping one; `weight` W:
+    loss = (1 - W) contrastive + W distillation; `temperature`: when set, the teacher's similarities are multiplied by
+    1 / temperature instead of its own logit multiplier (the student's logits and the teacher's SigLIP bias are
+    unchanged)."""
+
+    def __init__(self, model, weight: float, temperature: float | None = None):
+        model.eval()  # (a DeepSpeed engine's eval returns None)
+        model.requires_grad_(False)
+        self.model, self.config = model, getattr(model, "module", model).config  # an engine's config is DeepSpeed's
+        self.weight, self.temperature = weight, temperature
+        self.sigmoid = self.config.model_type == "siglip"
+
+    @torch.no_grad()
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The teacher's L2-normalised (image, text) embeddings of a batch's teacher inputs (`split_inputs`), and the
+        similarity multiplier (and SigLIP bias) the distillation loss takes."""
+        self.model.eval()  # a Trainer's model.train() never reaches it, but nothing else may switch it either
+        out = self.model(**inputs, return_loss=False, return_logits=False)
+        scale = out.logit_scale.detach().float().reshape(())
+        if self.temperature is not None:
+            scale = torch.full_like(scale, 1.0 / self.temperature)
+        params = (scale, out.logit_bias.detach().float().reshape(())) if self.sigmoid else (scale,)
+        return out.image_embeds.float(), out.text_embeds.float(), params
+
+    def loss_fn(self, contrastive, teacher_images: torch.Tensor, teacher_texts: torch.Tensor, teacher_params):
+        """loss(images, texts, *params) = (1 - W) contrastive(images, texts, *params) + W distillation against the
+        teacher's embeddings of the same rows (`contrastive`: the student's `global_loss`)."""
+        distill = sigmoid_distill_loss if self.sigmoid else softmax_distill_loss
+
+        def loss(images, texts, *params):
+            value = self.weight * distill(images, texts, *params, teacher_images, teacher_texts, *teacher_params)
+            if self.weight < 1:  # W = 1 is pure distillation: no contrastive pass at all
+                value = value + (1 - self.weight) * contrastive(images, texts, *params)
+            return value
+
+        return loss
+
+
+class StoredTeacher(Teacher):
+    """A teacher read from its stored embeddings (`--teacher_embeddings`, data/embeddings.py): the collator puts each
+    sample's under TEACHER_PREFIX keys; its multiplier and bias are the sidecars'. No model is loaded or run."""
+
+    def __init__(self, config, weight: float, temperature: float | None, scale: float, bias: float | None):
+        self.model, self.config = None, config
+        self.weight, self.temperature = weight, temperature
+        self.sigmoid = config.model_type == "siglip"
+        self.stored = (scale, bias)
+
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        images, texts = inputs["image_embeds"].float(), inputs["text_embeds"].float()
+        scale = 1.0 / self.temperature if self.temperature is not None else self.stored[0]
+        params = (torch.tensor(scale, device=images.device),)
+        if self.sigmoid:
+            params += (torch.tensor(self.stored[1], device=images.device),)
+        return images, texts, params
+
+
+def stored_teacher(name_or_path: str, folder: str, urls: list[str], weight: float, temperature: float | None):
+    """(StoredTeacher, its TeacherInputs for the collator) from the sidecars in FOLDER of the training shards `urls`
+    (train.validate checked that each is there and this teacher's)."""
+    from disco_clip_ds.data.embeddings import EmbeddingStore, read_metadata, sidecar_path, teacher_fingerprint
+    from disco_clip_ds.models.build import load_config
+
+    meta = read_metadata(sidecar_path(folder, urls[0]))
+    bias = float(meta["logit_bias"]) if meta.get("logit_bias") else None
+    teacher = StoredTeacher(load_config(name_or_path), weight, temperature, float(meta["logit_scale"]), bias)
+    return teacher, TeacherInputs(store=EmbeddingStore(folder, teacher_fingerprint(name_or_path)))
+
+
+def load_teacher(name_or_path: str, weight: float, temperature: float | None, args=None) -> Teacher:
+    """The teacher (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its family) on the run's
+    device. Under ZeRO-3 it is built partitioned like the student (transformers' zero.Init in from_pretrained) and
+    run by a DeepSpeed inference engine of its own (no optimizer), which gathers each layer's weights for its forward
+    as the student's engine does: each rank holds 1/N of it. That engine, not a submodule of the student, keeps it out
+    of the student's optimizer, checkpoints and exports. Otherwise it is replicated, in the engine's 16-bit dtype
+    under DeepSpeed (the batch arrives in it; no autocast there) and fp32 elsewhere (the Trainer's autocast)."""
+    from disco_clip_ds.models.build import build_model
+
+    model = build_model(name_or_path).requires_grad_(False).eval()
+    if args is None:
+        return Teacher(model, weight, temperature)
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return Teacher(_zero3_inference_engine(model, args), weight, temperature)
+    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None) if args.deepspeed else None
+    return Teacher(model.to(device=args.device, dtype=dtype), weight, temperature)
+
+
+def _zero3_inference_engine(model, args):
+    """A DeepSpeed ZeRO-3 engine without optimizer around the partitioned teacher (as transformers' own
+    `deepspeed_init(inference=True)` evaluates a ZeRO-3 model): the run's ZeRO-3 settings and precision, concrete
+    batch numbers in place of the student's "auto" ones (the engine checks them, and the teacher never steps)."""
+    import deepspeed
+
+    written = args.deepspeed_json or {}
+    zero = {k: v for k, v in (written.get("zero_optimization") or {}).items() if v != "auto"}
+    zero.pop("offload_optimizer", None)  # no optimizer
+    config = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {**zero, "stage": 3},
+        "bf16": {"enabled": bool(args.bf16)},
+        "fp16": {"enabled": bool(args.fp16)},
+        "steps_per_print": 1 << 30,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    logger.info(
+        "teacher sharded by ZeRO-3: %d of its %d weights on this rank",
+        held,
+        sum(p.ds_numel for p in model.parameters()),
+    )
+    return engine
+
+
+def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: int, image_processor, image_size: int):
+    """What the collator must make for the teacher beyond the student's batch (`TeacherInputs`), or None when the
+    teacher reads the student's inputs as they are: its own tokenizer (found with its weights) when its vocabulary or
+    special tokens differ, or when the student's texts do not fit its positions (or, for SigLIP, which pools the last
+    position, are not padded to them); its own normalisation and size when its image processor's differ."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = teacher.config
+    positions, size = config.text_config.max_position_embeddings, config.vision_config.image_size
+    own_tokenizer = tokenizer  # weights saved without a tokenizer: taken to read the student's
+    # (transformers builds an empty tokenizer from a folder without tokenizer files rather than failing)
+    if not Path(name_or_path).is_dir() or any((Path(name_or_path) / f).is_file() for f in TOKENIZER_FILES):
+        try:
+            own_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError, TypeError):
+            own_tokenizer = tokenizer
+    same_tokens = type(own_tokenizer) is type(tokenizer) and own_tokenizer.get_vocab() == tokenizer.get_vocab()
+    same_tokens = same_tokens and (
+        own_tokenizer.bos_token_id,
+        own_tokenizer.eos_token_id,
+        own_tokenizer.pad_token_id,
+    ) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
+    fits = max_length == positions if teacher.sigmoid else max_length <= positions
+    try:
+        own_processor = AutoImageProcessor.from_pretrained(name_or_path)
+        mean, std = list(own_processor.image_mean), list(own_processor.image_std)
+    except (OSError, ValueError, TypeError):  # none saved: the student's normalisation
+        mean, std = list(image_processor.image_mean), list(image_processor.image_std)
+    same_pixels = size == image_size and (mean, std) == (
+        list(image_processor.image_mean),
+        list(image_processor.image_std),
+    )
+    if same_tokens and fits and same_pixels:
+        return None
+    return TeacherInputs(
+        tokenizer=None if same_tokens and fits else own_tokenizer,
+        max_length=positions,
+        normalize=None if same_pixels else Normalize(mean, std),
+        image_size=None if same_pixels else size,
+    )

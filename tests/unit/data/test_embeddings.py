@@ -1,0 +1,91 @@
+"""A teacher's embeddings stored once per shard (`disco-clip data embed`, data/embeddings.py) and read in training
+(`--teacher_embeddings`): the same embeddings and loss as the live teacher on the same inputs, resumable writing,
+and a clear error for a missing, altered or foreign embedding."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.embeddings import EmbeddingStore, read_sidecar, sidecar_path, write_sidecar
+from disco_clip_ds.errors import DataError
+from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
+
+
+def test_sidecar_round_trip_and_checksum(tmp_path):
+    path = tmp_path / "00000.teacher.safetensors"
+    image, text = torch.randn(3, 4), torch.randn(3, 4)
+    write_sidecar(path, ["a", "b", "c"], image, text, {"teacher": "t1"})
+    rows, got_image, got_text, meta = read_sidecar(path)
+    assert rows == {"a": 0, "b": 1, "c": 2} and meta["teacher"] == "t1"
+    assert torch.equal(got_image, image) and torch.equal(got_text, text)
+    data = bytearray(path.read_bytes())
+    data[-4:] = b"\x00\x00\x80\x7f"  # the last float of "text" altered: the file still parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="checksum does not match"):
+        read_sidecar(path)
+
+
+def test_store_errors_name_the_shard_and_the_key(tmp_path):
+    write_sidecar(
+        tmp_path / "00000.teacher.safetensors", ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), {"teacher": "t1"}
+    )
+    store = EmbeddingStore(tmp_path, "t1")
+    assert store.lookup("/data/00000.tar", "k0")[0].shape == (2,)
+    with pytest.raises(DataError, match="sample k9 of shard /data/00000.tar"):
+        store.lookup("/data/00000.tar", "k9")
+    with pytest.raises(DataError, match="no teacher embeddings for shard /data/00001.tar \\(sample k0\\)"):
+        store.lookup("/data/00001.tar", "k0")
+    with pytest.raises(DataError, match="made by another teacher"):
+        EmbeddingStore(tmp_path, "t2").lookup("/data/00000.tar", "k0")
+
+
+@pytest.mark.slow  # builds a model and embeds 48 samples (~3 s)
+def test_stored_embeddings_give_the_live_teachers_loss(tmp_path):
+    """The live teacher and its stored embeddings on the same samples (the stream's center crops, in stream order,
+    as the collator batches them with each sample's shard and key): the same embeddings, multiplier and mixed loss."""
+    from transformers import AutoTokenizer
+
+    from disco_clip_ds.data.embeddings import teacher_fingerprint
+    from disco_clip_ds.data.prep.embed import embed_shards
+    from disco_clip_ds.data.streams.shards import ShardStream
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.train.distill import Teacher, load_teacher, split_inputs, stored_teacher
+
+    urls = write_shards(tmp_path / "data", num_shards=2, per_shard=24, seed=1)
+    torch.manual_seed(4)
+    build_model(model_config=str(TINY_CONFIG)).save_pretrained(tmp_path / "teacher")
+    teacher_dir = str(tmp_path / "teacher")
+    summary = embed_shards(teacher_dir, urls, str(tmp_path / "emb"), batch_size=10, tokenizer_name=str(TOKENIZER_DIR))
+    assert len(summary["embedded"]) == 2 and summary["skipped"] == 0
+    again = embed_shards(teacher_dir, urls, str(tmp_path / "emb"), tokenizer_name=str(TOKENIZER_DIR))
+    assert again["embedded"] == [] and len(again["kept"]) == 2  # resumable: verified sidecars are kept
+
+    live = load_teacher(teacher_dir, 0.5, None)
+    stored, extra = stored_teacher(teacher_dir, str(tmp_path / "emb"), urls, 0.5, None)
+    assert extra.store.fingerprint == teacher_fingerprint(teacher_dir)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    stream = ShardStream(urls, 64, train=False, shuffle_buffer=0, sample_ids=True)
+    items = [item for _, item in zip(range(32), stream)]
+    plain = ClipCollator(tokenizer, 32)([(*item[:2], item[3]) for item in items])
+    with_ids = ClipCollator(tokenizer, 32, teacher=extra)(items)
+    assert torch.equal(plain["pixel_values"], with_ids["pixel_values"])
+    live_out, stored_out = live.embed(split_inputs(plain)[1]), stored.embed(split_inputs(with_ids)[1])
+    torch.testing.assert_close(stored_out[0], live_out[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stored_out[1], live_out[1], rtol=1e-5, atol=1e-6)
+    assert stored_out[2][0].item() == pytest.approx(live_out[2][0].item())
+
+    from disco_clip_ds.losses import disco_clip_loss
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (F.normalize(torch.randn(32, 8, generator=g), dim=1) for _ in "xy")
+    contrastive = lambda i, t, s: disco_clip_loss(i, t, s)
+    values = [
+        t.loss_fn(contrastive, *out)(x, y, torch.tensor(20.0)) for t, out in ((live, live_out), (stored, stored_out))
+    ]
+    assert values[1].item() == pytest.approx(values[0].item(), rel=1e-5)
+    assert isinstance(live, Teacher) and json.loads((tmp_path / "data" / "sizes.json").read_text())
+    assert sidecar_path(tmp_path / "emb", urls[0]).is_file()
