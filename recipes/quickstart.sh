@@ -5,7 +5,8 @@
 # DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
 # PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all);
 # PATCH_DROPOUT_UNTIL_STEP=250 then sees every patch from step 250 on (FLIP's unmasked tuning).
-# TEACHER=outputs/quickstart distils that trained model into this one (DISTILL_WEIGHT, default 0.5; docs/distillation.md);
+# TEACHER=outputs/quickstart distils that trained model into this one (DISTILL_WEIGHT, default 0.5; DISTILL_TEMPERATURE,
+# default the teacher's own logit scale; docs/distillation.md);
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
@@ -54,6 +55,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" \
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
   ${TEACHER:+--teacher "$TEACHER" --distill_weight "${DISTILL_WEIGHT:-0.5}"} \
+  ${DISTILL_TEMPERATURE:+--distill_temperature "$DISTILL_TEMPERATURE"} \
   --resume_from_checkpoint latest
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a

@@ -26,7 +26,16 @@ REPO = HERE.parents[1]
 OUT = REPO / "outputs" / "bench_distill"
 CSV = HERE / "results" / "distill_quality.csv"
 STUDENT = "recipes/models/tiny_student.json"
-FIELDS = ["run", "seed", "distill_weight", "step", "zeroshot_acc1", "zeroshot_acc5", "train_runtime_s"]
+FIELDS = [
+    "run",
+    "seed",
+    "distill_weight",
+    "distill_temperature",
+    "step",
+    "zeroshot_acc1",
+    "zeroshot_acc5",
+    "train_runtime_s",
+]
 
 
 def quickstart(out: Path, port: int, fresh: bool = True, **env: str) -> list[dict]:
@@ -53,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--distill_weight", default="0.5")
+    parser.add_argument("--distill_temperature", default="", help="the default: the teacher's own logit scale")
     parser.add_argument("--runs", nargs="+", choices=["distilled", "alone"], default=["distilled", "alone"])
     parser.add_argument("--results", type=Path, default=CSV)
     args = parser.parse_args()
@@ -61,12 +71,17 @@ def main() -> None:
         quickstart(teacher, 29571, SEED="0")
     rows = []
     for seed in args.seeds:
-        runs = {"distilled": {"TEACHER": str(teacher), "DISTILL_WEIGHT": args.distill_weight}, "alone": {}}
+        distilled = {"TEACHER": str(teacher), "DISTILL_WEIGHT": args.distill_weight}
+        distilled |= {"DISTILL_TEMPERATURE": args.distill_temperature} if args.distill_temperature else {}
+        runs = {"distilled": distilled, "alone": {}}
         for name, extra in ((name, runs[name]) for name in args.runs):
-            tag = f"_w{args.distill_weight}" if name == "distilled" else ""
+            tag = f"_w{args.distill_weight}_t{args.distill_temperature}" if name == "distilled" else ""
             got = quickstart(OUT / f"{name}{tag}_s{seed}", 29572 + seed, SEED=str(seed), MODEL=STUDENT, **extra)
-            weight = args.distill_weight if name == "distilled" else ""
-            rows += [{"run": name, "seed": seed, "distill_weight": weight, **row} for row in got]
+            weight, temperature = (args.distill_weight, args.distill_temperature) if name == "distilled" else ("", "")
+            rows += [
+                {"run": name, "seed": seed, "distill_weight": weight, "distill_temperature": temperature, **row}
+                for row in got
+            ]
             print(name, seed, got[-1])
     args.results.parent.mkdir(parents=True, exist_ok=True)
     with open(args.results, "w", newline="") as f:

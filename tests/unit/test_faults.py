@@ -45,6 +45,7 @@ def _point(code: str, fault: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", f"from disco_clip_ds import faults; {code}; print('past')"], env=env)
 
 
+@pytest.mark.slow  # two interpreters started: the fast tier keeps the in-process points
 def test_kill_in_final_save_kills_at_its_point_only():
     assert _point("faults.in_save(3)", "kill_in_final_save").wait(timeout=60) == 0
     assert _point("faults.in_final_save(3)", "kill_in_final_save").wait(timeout=60) == -signal.SIGKILL

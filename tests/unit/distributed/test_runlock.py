@@ -47,6 +47,7 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_lock(tmp_path):
         runlock.acquire_run_lock(out)
 
 
+@pytest.mark.slow  # a forked interpreter
 def test_a_child_forked_by_the_holder_does_not_keep_its_lock(tmp_path, caplog):
     """A DataLoader worker is forked while rank 0 holds the lock and may outlive a killed rank 0 by seconds: the
     rank that torchrun restarts at once takes the lock over all the same."""
