@@ -4,7 +4,8 @@
     python bench/plan/plan_check.py --loss   # the loss term against the loss benchmark's CSVs (seconds)
 
 Whole steps (world size 1, fp32, AdamW): each point runs disco_clip_ds.testing.step_memory --mode train in a fresh
-process; the estimate is memory_plan() with stage 0, fp32, the model's own (naive) loss, no framework overhead.
+process; the estimate is memory_plan() with stage 0, fp32, the model's own (local) loss, no framework overhead;
+with a teacher, the step first runs the frozen teacher's no-grad forward (`step_memory --teacher`).
 tests/test_plan.py asserts the no-checkpointing points (tiny and small, two batch sizes each) within 25 %.
 
 --loss: `loss_bytes()` against each measured per-rank peak in LOSS_CSVS (written by bench/loss/loss_bench.py),
@@ -25,13 +26,17 @@ from pathlib import Path
 from disco_clip_ds import plan as P
 
 ROOT = Path(__file__).resolve().parents[2]
+# (model, batch, activation checkpointing, distillation teacher): the teacher points check its terms, once with its
+# forward under the student's activations (small) and once above them (ViT-B/32)
 POINTS = [
-    ("tiny", 256, False),
-    ("tiny", 1024, False),
-    ("small", 32, False),
-    ("small", 128, False),
-    ("tiny", 1024, True),
-    ("small", 128, True),
+    ("tiny", 256, False, None),
+    ("tiny", 1024, False, None),
+    ("small", 32, False, None),
+    ("small", 128, False, None),
+    ("tiny", 1024, True, None),
+    ("small", 128, True, None),
+    ("tiny", 256, False, "small"),
+    ("tiny", 128, False, "vit_b32"),
 ]
 LOSS_CSVS = [
     ROOT / "bench/plan/results/plan_loss_check_cpu.csv",
@@ -46,9 +51,12 @@ TOLERANCE = 0.25
 def check_steps(out: Path) -> None:
     """Measure each of POINTS, print it beside the estimate, and write the table to `out` (after every point)."""
     fit = P.load_fit()
-    print("| model | batch | act. ckpt | measured MiB | estimate MiB | error |\n| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| model | batch | act. ckpt | teacher | measured MiB | estimate MiB | error |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
+    )
     rows = []
-    for name, batch, ckpt in POINTS:
+    for name, batch, ckpt, teacher in POINTS:
         path = ROOT / f"recipes/models/{name}.json"
         cmd = [
             sys.executable,
@@ -61,15 +69,16 @@ def check_steps(out: Path) -> None:
             "--mode",
             "train",
         ]
-        stdout = subprocess.run(
-            cmd + (["--activation_checkpointing"] if ckpt else []), check=True, capture_output=True, text=True
-        ).stdout
+        cmd += ["--activation_checkpointing"] if ckpt else []
+        cmd += ["--teacher", str(ROOT / f"recipes/models/{teacher}.json")] if teacher else []
+        stdout = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         measured = json.loads(stdout.strip().splitlines()[-1])["delta_mib"]
         settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
         shape = P.ModelShape.from_json(path)
-        estimate = P.memory_plan(shape, settings, fit, "naive", ckpt, float("inf"), 0.0).total / 2**20
+        taught = P.ModelShape.from_json(ROOT / f"recipes/models/{teacher}.json") if teacher else None
+        estimate = P.memory_plan(shape, settings, fit, "local", ckpt, float("inf"), 0.0, teacher=taught).total / 2**20
         print(
-            f"| {name} | {batch} | {'on' if ckpt else 'off'} | {measured:.0f} | {estimate:.0f} | "
+            f"| {name} | {batch} | {'on' if ckpt else 'off'} | {teacher or '-'} | {measured:.0f} | {estimate:.0f} | "
             f"{estimate / measured - 1:+.0%} |",
             flush=True,
         )
@@ -78,6 +87,7 @@ def check_steps(out: Path) -> None:
                 "model": name,
                 "batch": batch,
                 "act_ckpt": ckpt,
+                "teacher": teacher or "",
                 "measured_mib": round(measured, 1),
                 "estimate_mib": round(estimate, 1),
                 "error": round(estimate / measured - 1, 3),

@@ -178,12 +178,14 @@ class ModelShape:
         one_layer = max(fit["alpha"] * sh + fit["beta"] * sm for sh, sm in features["tower_layer_sh_sm"])
         return fit["delta"] * features["layer_sh"] + embed + one_layer
 
-    def forward_bytes_per_sample(self, fit: dict, elem_bytes: int) -> float:
-        """A no-grad forward (a distillation teacher's): nothing is kept for a backward, so at most the embeddings'
-        and one layer's activations are alive at a time (the checkpointed estimate without its layer boundaries)."""
-        features = self.features()
-        one_layer = max(fit["alpha"] * sh + fit["beta"] * sm for sh, sm in features["tower_layer_sh_sm"])
-        return (fit["eps"] * features["embed_sh"] + one_layer) * elem_bytes + self.input_bytes(elem_bytes)
+    def forward_bytes_per_sample(self, elem_bytes: int) -> float:
+        """A no-grad forward (a distillation teacher's) keeps nothing for a backward: its peak is inside the MLP of
+        one layer of its larger tower, where the layer's input and LayerNorm output (2 s x h) are alive beside the
+        first product and the activation's temporaries (4 s x m: quick_gelu's x, 1.702 x, its sigmoid and their
+        product); plus the sample's inputs. Counted, not fitted (the activation fit measures what a backward keeps);
+        bench/plan/plan_check.py checks it against measured steps with a teacher."""
+        live = max(self.layer_tokens(t) * (2 * t["hidden"] + 4 * t["mlp"]) for t in self.towers.values())
+        return live * elem_bytes + self.input_bytes(elem_bytes)
 
     def activation_bytes_per_sample(self, fit: dict, checkpointing: bool, elem_bytes: int) -> float:
         return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(
@@ -409,12 +411,13 @@ def memory_plan(
         terms["cached embeddings"] = 2 * k * micro * shape.projection_dim * (elem + 4)
     if teacher is not None:
         # Its weights in the training dtype, partitioned under ZeRO-3 (its own inference engine), else whole; no
-        # gradients, no optimizer state. Its no-grad forward keeps no activations for a backward
-        # (`forward_bytes_per_sample`). Its fp32 embeddings of the step's K micro-batches, and the loss's gather of
-        # every rank's teacher texts (B x d').
+        # gradients, no optimizer state. Its no-grad forward runs before the student's and keeps nothing: its peak
+        # counts only where it exceeds the student's activations and loss, which are not alive yet. Its fp32
+        # embeddings of the step's K micro-batches, and the loss's gather of every rank's teacher texts (B x d').
         shards = settings.world if settings.stage == 3 else 1
         terms["teacher weights"] = teacher.params * elem / shards
-        terms["teacher forward"] = teacher.forward_bytes_per_sample(fit, elem) * micro
+        student_peak = terms["activations"] + terms[f"loss ({impl})"]
+        terms["teacher forward"] = max(0.0, teacher.forward_bytes_per_sample(elem) * micro - student_peak)
         terms["teacher embeddings"] = (2 * k * micro + micro * settings.world * k) * teacher.projection_dim * 4
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
     terms["transient grad"] = shape.largest_trainable * elem

@@ -1,7 +1,7 @@
 """Measure the CPU peak memory of one CLIPModel training step, in a fresh process.
 
     python -m disco_clip_ds.testing.step_memory --model recipes/models/vit_b32.json --batch 8
-        [--activation_checkpointing] [--mode fwdbwd|train] [--patch_dropout P]
+        [--activation_checkpointing] [--mode fwdbwd|train] [--patch_dropout P] [--teacher CONFIG]
 
 Prints one JSON line. The number is peak resident memory (Linux VmHWM, reset through /proc/self/clear_refs)
 minus the resident memory just before the measured region, in MiB. Run it with MALLOC_MMAP_THRESHOLD_=65536
@@ -14,7 +14,9 @@ RSS then tracks what torch holds instead of what the allocator keeps cached.
 - train: the region starts after the imports, before the model is built; it covers building the model and
   two AdamW steps at --batch, gradients kept allocated between steps as DeepSpeed's ZeRO buffers are. This is
   the whole-step peak the planner's world-size-1 fp32 estimate is checked against (tests/test_plan.py,
-  bench/plan/plan_check.py).
+  bench/plan/plan_check.py). With --teacher, a frozen distillation teacher of that config is built in the region
+  too, and each step first runs its no-grad forward on inputs of its own size and keeps its embeddings until the
+  optimizer step, as a live teacher does in training.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ def _step(model, config, batch: int, patch_dropout: float) -> None:
     out.loss.backward()
 
 
+def _frozen(config):
+    from disco_clip_ds.models.clip import DiscoCLIPModel
+
+    config.loss_impl = "local"
+    return DiscoCLIPModel(config).requires_grad_(False).eval()
+
+
+def _teacher_embeddings(teacher, batch: int):
+    """The teacher's embeddings of a batch of its own inputs, as `train.distill.Teacher.embed` computes them."""
+    out = teacher(**_inputs(teacher.config, batch, teacher.dtype, 0.0), return_loss=False, return_logits=False)
+    return out.image_embeds.float(), out.text_embeds.float()
+
+
 def measure(
     model_path: str,
     batch: int,
@@ -59,6 +74,7 @@ def measure(
     activation_checkpointing: bool,
     dtype: str = "fp32",
     patch_dropout: float = 0.0,
+    teacher_path: str | None = None,
 ) -> dict:
     """The peak memory of one training step of the CLIPModel at MODEL_PATH (as the package's DiscoCLIPModel, with
     CLIP's own per-device loss) on BATCH samples (this module's docstring says what MODE and the result hold)."""
@@ -80,11 +96,14 @@ def measure(
         base = reset_peak_rss()
         _step(model, config, batch, patch_dropout)
     else:
+        teacher = _frozen(CLIPConfig.from_json_file(teacher_path)) if teacher_path else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for _ in range(2):
             optimizer.zero_grad(set_to_none=False)
+            kept = _teacher_embeddings(teacher, batch) if teacher is not None else None  # noqa: F841 (held)
             _step(model, config, batch, patch_dropout)
             optimizer.step()
+            del kept
     peak = rss_mib("VmHWM")
     return {
         "model": model_path,
@@ -93,6 +112,7 @@ def measure(
         "activation_checkpointing": activation_checkpointing,
         "dtype": dtype,
         "patch_dropout": patch_dropout,
+        "teacher": teacher_path,
         "params": sum(p.numel() for p in model.parameters()),
         "base_mib": round(base, 2),
         "peak_mib": round(peak, 2),
@@ -113,12 +133,15 @@ def main(argv: list[str] | None = None) -> None:
         help="weights, inputs and activations (bf16: checks the planner's halving)",
     )
     parser.add_argument("--patch_dropout", type=float, default=0.0, help="fraction of image patches dropped")
+    parser.add_argument("--teacher", help="CLIPConfig JSON of a frozen distillation teacher (--mode train)")
     args = parser.parse_args(argv)
     if MMAP_ENV.items() - os.environ.items():  # glibc reads it when the process starts: re-exec with it
         os.execve(
             sys.executable, [sys.executable, "-m", __spec__.name, *(argv or sys.argv[1:])], {**os.environ, **MMAP_ENV}
         )
-    result = measure(args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype, args.patch_dropout)
+    result = measure(
+        args.model, args.batch, args.mode, args.activation_checkpointing, args.dtype, args.patch_dropout, args.teacher
+    )
     print(json.dumps(result))
 
 

@@ -1,7 +1,7 @@
 """A live teacher end to end: distillation from a teacher of another width, image size and text length (its own
 pixels and tokens made by the collator) trains exactly alike as one batch of 32, K = 2 micro-batches of 16, and 2
 ranks x K = 2 x 8 under DeepSpeed ZeRO-2 and ZeRO-3 (the teacher sharded); a resumed run continues exactly; the
-saved model and checkpoints are the student alone. (The loss: tests/unit/losses/
+saved model, checkpoints and export are the student alone. (The loss: tests/unit/losses/
 test_distill.py; the mixing and the inputs: tests/unit/train/test_distill.py.)"""
 
 import json
@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 
+from disco_clip_ds.commands import export as export_command
 from disco_clip_ds.data.prep.embed import embed_shards
 from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.testing.images import write_shards
@@ -93,7 +94,7 @@ def runs(tmp_path_factory):
     # stopped after step 1 (its checkpoint) and resumed: the teacher is loaded again, nothing of it was saved
     shutil.copytree(root / "n2_k2_zero2" / "checkpoint-1", root / "resumed" / "checkpoint-1")
     launch("torchrun", 2, root / "resumed", *common, *micro(8, 2), "--resume_from_checkpoint", "latest")
-    launch("torchrun", 2, root / "n2_k2_zero3", *common, *micro(8, 2), ds_config="cpu_zero3.json")
+    launch("torchrun", 2, root / "n2_k2_zero3", *common, *micro(8, 2), "--save_steps", "2", ds_config="cpu_zero3.json")
     return root, initial
 
 
@@ -146,3 +147,24 @@ def test_a_run_reads_the_stored_embeddings(runs):
     )
     facts = json.loads((root / "stored" / "run.json").read_text())
     assert facts["distillation"].endswith(f"its embeddings stored in {root / 'embeddings'}")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_an_exported_distilled_run_is_the_student_alone(runs, tmp_path):
+    """`disco-clip export` of the ZeRO-3 run's DeepSpeed checkpoint (the teacher sharded beside the student): a plain
+    CLIPModel with the student's keys and trained weights, its card naming the teacher."""
+    from transformers import CLIPModel
+
+    root, initial = runs
+    assert export_command.main([str(root / "n2_k2_zero3" / "checkpoint-2"), str(tmp_path / "export")]) == 0
+    exported = CLIPModel.from_pretrained(tmp_path / "export").state_dict()
+    trained = weights(root / "n2_k2_zero3")
+    assert exported.keys() >= trained.keys() == weights(initial).keys()  # + the buffers transformers does not save
+    assert max((exported[k].float() - v).abs().max().item() for k, v in trained.items()) == 0
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert (
+        "| distilled (teacher, weight, temperature) | from " in card
+        and "teacher, weight 0.6, temperature 0.1 |" in card
+    )
+    assert "Weights exported in fp32 from DeepSpeed ZeRO fp32 partitions (global_step2)." in card

@@ -60,7 +60,7 @@ def test_loss_term_within_25_percent_of_measured_peak(impl):
     )
 
 
-def _measured_train_peak(model: Path, batch: int, patch_dropout: float) -> float:
+def _measured_train_peak(model: Path, batch: int, patch_dropout: float, teacher: Path | None) -> float:
     cmd = [
         sys.executable,
         "-m",
@@ -73,6 +73,7 @@ def _measured_train_peak(model: Path, batch: int, patch_dropout: float) -> float
         "train",
         "--patch_dropout",
         str(patch_dropout),
+        *(["--teacher", str(teacher)] if teacher else []),
     ]
     # A fresh process with a minimal environment: nothing that earlier in-process tests left in os.environ. Peak
     # resident memory can only overstate the step (pages faulted in from outside it), so the smaller of two runs.
@@ -84,19 +85,27 @@ def _measured_train_peak(model: Path, batch: int, patch_dropout: float) -> float
     return min(peaks)
 
 
-# the largest measured batch of the larger model; with FLIP's patch dropout at 0.5 too (the kept tokens counted)
-@pytest.mark.parametrize("model, batch, patch_dropout", [("small", 128, 0.0), ("small", 128, 0.5)])
+# the largest measured batch of the larger model; with FLIP's patch dropout at 0.5 too (the kept tokens counted);
+# the tiny model taught by the small one (--teacher: frozen weights, a no-grad forward before the step, embeddings)
+@pytest.mark.parametrize(
+    "model, batch, patch_dropout, teacher",
+    [("small", 128, 0.0, None), ("small", 128, 0.5, None), ("tiny", 256, 0.0, "small")],
+)
 @pytest.mark.slow
-def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch, patch_dropout):
+def test_estimate_within_25_percent_of_measured_cpu_peak(model, batch, patch_dropout, teacher):
     """Single process, fp32, AdamW, the model's own (local) loss: what the CPU can run. The activation
-    coefficients come from ViT-B/32 and probe models (activation_fit.json), never from these two models."""
+    coefficients come from ViT-B/32 and probe models (activation_fit.json), never from these models."""
     path = REPO / f"recipes/models/{model}.json"
+    teacher_path = REPO / f"recipes/models/{teacher}.json" if teacher else None
     shape = P.ModelShape.from_json(path).with_patch_dropout(patch_dropout)
+    taught = P.ModelShape.from_json(teacher_path) if teacher else None
     settings = P.validate_config({"train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0}}, 1)
-    estimate = P.memory_plan(shape, settings, P.load_fit(), "local", False, capacity=float("inf"), overhead=0.0).total
-    measured = _measured_train_peak(path, batch, patch_dropout)
+    fit = P.load_fit()
+    estimate = P.memory_plan(shape, settings, fit, "local", False, float("inf"), 0.0, teacher=taught).total
+    measured = _measured_train_peak(path, batch, patch_dropout, teacher_path)
     assert abs(estimate / measured - 1) < 0.25, (
-        f"{model} b={batch} p={patch_dropout}: estimate {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
+        f"{model} b={batch} p={patch_dropout} teacher={teacher}: estimate {estimate / 2**20:.0f} MiB, "
+        f"measured {measured / 2**20:.0f} MiB"
     )
 
 

@@ -353,9 +353,9 @@ def test_siglip_b16_32k_plan_verdict(capsys):
 
 
 def test_a_distillation_teacher_is_counted(tmp_path):
-    """--teacher: its weights in the training dtype (1/N of them under ZeRO-3, its own inference engine), a no-grad
-    forward (the embeddings and one layer: less than the student's checkpointed activations) and its fp32 embeddings
-    (K micro-batches cached, every rank's texts gathered by the loss); a smaller student's largest batch shrinks."""
+    """--teacher: its weights in the training dtype (1/N of them under ZeRO-3, its own inference engine), its no-grad
+    forward where it exceeds the student's activations (which it precedes), and its fp32 embeddings (K micro-batches
+    cached, every rank's texts gathered by the loss); a smaller student's largest batch shrinks."""
     config, world = REPO / "ds_configs/vit_b32_196k_8gpu.json", 8
     alone = P.plan(config, VIT, world, "40GB", activation_checkpointing=True, loss_impls=("tiled",))
     taught = P.plan(config, VIT, world, "40GB", activation_checkpointing=True, loss_impls=("tiled",), teacher_path=VIT)
@@ -368,7 +368,15 @@ def test_a_distillation_teacher_is_counted(tmp_path):
     assert terms["teacher embeddings"] == pytest.approx(
         (2 * k * micro + micro * world * k) * teacher.projection_dim * 4
     )
-    assert 0 < terms["teacher forward"] < terms["activations"]
+    # ViT-B/32's no-grad forward peaks in a text MLP (77 tokens, width 512, MLP 2048): 2 s x h + 4 s x m elements,
+    # beside a sample's 224 x 224 pixels and 77 int64 ids; under the student's checkpointed activations here
+    per_sample = (77 * (2 * 512 + 4 * 2048) + 3 * 224 * 224) * elem + 77 * 8
+    assert teacher.forward_bytes_per_sample(elem) == per_sample
+    assert per_sample * micro < terms["activations"] and terms["teacher forward"] == 0
+    tiny = P.plan(config, REPO / "recipes/models/tiny.json", world, "40GB", loss_impls=("tiled",), teacher_path=VIT)
+    small_terms, small_micro = tiny["memory"]["tiled"]["terms"], tiny["settings"]["micro_batch"]
+    above = per_sample * small_micro - small_terms["activations"] - small_terms["loss (tiled)"]
+    assert above > 0 and small_terms["teacher forward"] == pytest.approx(above)
     assert taught["model"]["teacher_params"] == teacher.params
     assert taught["max_micro_batch"]["tiled"] < alone["max_micro_batch"]["tiled"]
     stage3 = json.loads(config.read_text())
