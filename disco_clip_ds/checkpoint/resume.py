@@ -126,14 +126,15 @@ TOWER_FLAGS = {
 }
 
 
-def tower_settings(args) -> str | None:
-    """The per-tower optimizer flags a run sets, as one would pass them; None when it sets none."""
+def tower_settings(args) -> str:
+    """The per-tower optimizer flags a run sets, as one would pass them; 'none' when it sets none (a fact run.json
+    keeps, where a None is dropped: a run started without them must refuse a resume with them)."""
     given = [
         f"--{flag} {getattr(args, flag):g}"
         for flag, default in TOWER_FLAGS.items()
         if getattr(args, flag, default) != default
     ]
-    return " ".join(given) or None
+    return " ".join(given) or "none"
 
 
 def patch_dropout_setting(args) -> str | None:
@@ -359,8 +360,7 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
         )
     if "tower_settings" in old and old["tower_settings"] != new.get("tower_settings"):
         problems.append(
-            f"per-tower optimizer settings '{old['tower_settings'] or 'none'}' -> "
-            f"'{new.get('tower_settings') or 'none'}': pass the run's (its optimizer state holds their parameter "
+            f"per-tower optimizer settings '{old['tower_settings']}' -> '{new.get('tower_settings')}': pass the run's (its optimizer state holds their parameter "
             "groups and rates), or export the checkpoint and start a new --output_dir"
         )
     if known("locked_towers") and old["locked_towers"] != new["locked_towers"]:

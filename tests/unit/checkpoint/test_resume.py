@@ -161,11 +161,11 @@ def test_per_tower_optimizer_settings_stay_those_of_the_run():
     from disco_clip_ds.checkpoint.resume import TOWER_FLAGS, tower_settings
 
     args = SimpleNamespace(**TOWER_FLAGS)
-    assert tower_settings(args) is None
+    assert tower_settings(args) == "none"  # kept by run.json, which drops a None: a later resume with them is refused
     args.vision_layer_decay, args.text_lr = 0.85, 2e-4
     assert tower_settings(args) == "--text_lr 0.0002 --vision_layer_decay 0.85"
-    old = _facts(tower_settings=None)
-    assert resume_problems(old, _facts(tower_settings=None)) == []
+    old = _facts(tower_settings="none")
+    assert resume_problems(old, _facts(tower_settings="none")) == []
     assert resume_problems(old, _facts(tower_settings="--vision_layer_decay 0.85")) == [
         "per-tower optimizer settings 'none' -> '--vision_layer_decay 0.85': pass the run's (its optimizer state "
         "holds their parameter groups and rates), or export the checkpoint and start a new --output_dir"
