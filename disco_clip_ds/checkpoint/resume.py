@@ -361,7 +361,8 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
     if "tower_settings" in old and old["tower_settings"] != new.get("tower_settings"):
         problems.append(
             f"per-tower optimizer settings '{old['tower_settings']}' -> '{new.get('tower_settings')}': pass the run's "
-            "(its optimizer state holds their parameter groups and rates), or export the checkpoint and start a new --output_dir"
+            "(its optimizer state holds their parameter groups and rates), or export the checkpoint and start a new "
+            "--output_dir"
         )
     if known("locked_towers") and old["locked_towers"] != new["locked_towers"]:
         problems.append(
