@@ -40,7 +40,7 @@ def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) 
     model = unwrap(model)
     device = _first_param(model).device
     max_length = model.config.text_config.max_position_embeddings
-    padding = "max_length" if model.config.model_type == "siglip" else True
+    padding = "max_length" if model.config.model_type in ("siglip", "siglip2") else True
     chunks = []
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(
