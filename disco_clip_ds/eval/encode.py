@@ -25,11 +25,14 @@ def _first_param(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """L2-normalised float32 image embeddings."""
+def encode_images(model, pixel_values: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    """L2-normalised float32 image embeddings of `pixel_values`, or of a dict of image inputs (SigLIP 2's:
+    pixel_values, pixel_attention_mask, spatial_shapes)."""
     model = unwrap(model)
     param = _first_param(model)
-    out = model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)).pooler_output
+    inputs = pixel_values if isinstance(pixel_values, dict) else {"pixel_values": pixel_values}
+    inputs = {k: v.to(param.device, param.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+    out = model.get_image_features(**inputs).pooler_output
     return F.normalize(out.float(), dim=-1).cpu()
 
 

@@ -65,6 +65,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
     # 2. Validate every argument, before any work: shard lists, counts, tokenizer and model config.
     checked = validate(model_args, data_args, args)
+    if checked.naflex is not None:  # the budget in effect (its default filled in): run.json and resumes record it
+        model_args.max_num_patches = checked.naflex[1]
 
     # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written) and
     # an explicit --resume_from_checkpoint folder is found to be there and to verify: a refusal leaves no run.lock.

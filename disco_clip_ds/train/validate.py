@@ -459,7 +459,7 @@ def naflex_budget(config, max_num_patches: int | None, image_size: int | None, a
         raise UsageError("--image_size: SigLIP 2 keeps each image's aspect ratio; set its patch budget instead")
     if args is not None and args.patch_dropout:
         raise UsageError("--patch_dropout: not supported for SigLIP 2; its patch budget bounds the image tokens")
-    budget = max_num_patches or DEFAULT_MAX_NUM_PATCHES
+    budget = DEFAULT_MAX_NUM_PATCHES if max_num_patches is None else max_num_patches
     grid = config.vision_config.num_patches
     row = math.isqrt(grid)
     if budget < row:

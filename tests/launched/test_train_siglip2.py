@@ -81,3 +81,71 @@ def test_a_budget_above_the_position_grid_stops_every_rank_with_one_line(tmp_pat
     line = "--max_num_patches 300: above the 16 x 16 = 256 position grid; give at most 256"
     assert proc.returncode != 0 and log.count(line) == 2 and "(exitcode: 2)" in log, log[-3000:]
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_the_export_states_the_budget_and_the_zero_shot_pipeline_loads_it(runs, tmp_path):
+    """`disco-clip export`: a plain Siglip2Model folder with its processor at the run's budget and a card stating
+    it; transformers' zero-shot-image-classification pipeline scores an image as the float64 recomputation from
+    the exported weights (sigmoid(scale x cosine + bias) per label, the image through Siglip2ImageProcessor)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, Siglip2Model, pipeline
+
+    from disco_clip_ds.commands.export import main as export_main
+    from disco_clip_ds.errors import run_main
+
+    export = tmp_path / "export"
+    assert run_main(export_main, [str(runs / "n1_k2"), str(export)], "disco-clip export") == 0
+    card = (export / "README.md").read_text()
+    assert "# SigLIP 2 (NaFlex) trained with disco-clip-ds" in card and "Siglip2Model.from_pretrained" in card
+    assert f"| NaFlex patch budget per image (max_num_patches) | {BUDGET} |" in card
+    classify = pipeline("zero-shot-image-classification", model=str(export))
+    assert type(classify.model).__name__ == "Siglip2Model"
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8))
+    labels = ["zero", "one", "two"]
+    scores = {r["label"]: r["score"] for r in classify(image, candidate_labels=labels)}
+    model = Siglip2Model.from_pretrained(export).double().eval()
+    processor = AutoProcessor.from_pretrained(export)
+    texts = [f"This is a photo of {label}." for label in labels]
+    tokens = processor.tokenizer(texts, padding="max_length", max_length=64, truncation=True, return_tensors="pt")
+    inputs = processor.image_processor(images=image, return_tensors="pt")
+    assert inputs["pixel_attention_mask"].shape == (1, int(BUDGET))
+    with torch.no_grad():
+        text = torch.nn.functional.normalize(model.get_text_features(**tokens).pooler_output, dim=-1)
+        inputs["pixel_values"] = inputs["pixel_values"].double()
+        picture = torch.nn.functional.normalize(model.get_image_features(**inputs).pooler_output, dim=-1)
+        expected = torch.sigmoid(picture @ text.T * model.logit_scale.exp() + model.logit_bias)[0]
+    assert [scores[label] for label in labels] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("budget", [16, 144])
+def test_eval_at_a_chosen_budget_sees_each_image_within_it(runs, budget, monkeypatch):
+    """`disco-clip eval --max_num_patches`: retrieval on the training shards with the processor at that budget;
+    every image batch the model sees is padded to it, each image's patches within it."""
+    from disco_clip_ds.commands.eval import EvalArguments, run_eval
+    from disco_clip_ds.eval import tasks
+
+    seen = []
+    encode = tasks.encode_images
+
+    def watched(model, inputs):
+        seen.append((inputs["pixel_values"].shape[1], int(inputs["spatial_shapes"].prod(-1).max())))
+        return encode(model, inputs)
+
+    monkeypatch.setattr(tasks, "encode_images", watched)
+    data = f"{runs}/shards/{{00000..00001}}.tar"
+    args = EvalArguments(model=str(runs / "n1_k2"), data=data, task="zeroshot_retrieval", max_num_patches=budget)
+    record = run_eval(args)
+    assert set(record["metrics"]) >= {"image_retrieval_recall@1", "text_retrieval_recall@1"}
+    assert seen and all(padded == budget and largest <= budget for padded, largest in seen)
+    assert any(largest > budget * 0.8 for _, largest in seen)  # the images fill the budget, as NaFlex resizes
+
+
+def test_eval_refuses_a_budget_outside_the_grid(runs):
+    from disco_clip_ds.commands.eval import EvalArguments, run_eval
+    from disco_clip_ds.errors import UsageError
+
+    data = f"{runs}/shards/{{00000..00001}}.tar"
+    with pytest.raises(UsageError, match="--max_num_patches 8: below one row of the 16 x 16 position grid"):
+        run_eval(EvalArguments(model=str(runs / "n1_k2"), data=data, task="zeroshot_retrieval", max_num_patches=8))
