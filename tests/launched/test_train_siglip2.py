@@ -2,7 +2,7 @@
 16 under ZeRO-2 (torchrun), stopped by a signal at step 2 and resumed, train exactly like 1 rank with 2
 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved initialisation: the
 global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the split and however
-interrupted. A budget outside the position grid stops both ranks with one line and exit 2. (The loss against
+interrupted, and whether the patches are normalised in the DataLoader workers or on the device. A budget outside the position grid stops both ranks with one line and exit 2. (The loss against
 Siglip2Model in float64: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
 tests/unit/data/test_naflex.py.)"""
 
@@ -42,7 +42,9 @@ def runs(tmp_path_factory, initial_model):
         "--per_device_train_batch_size", str(PER_RANK),
         "--accelerator_config", '{"dispatch_batches": true}',  # step t sees one global batch at any world size
     ]  # fmt: skip
-    launch("torchrun", 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2")
+    # normalised on the device (uint8 batches handed over, the padding zeroed there); the resumed run in the workers
+    on_device = ["--normalize_on_device", "true"]
+    launch("torchrun", 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2", *on_device)
     stopped = ["--save_steps", "2", *common]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
     command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it
