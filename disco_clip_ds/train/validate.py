@@ -412,6 +412,8 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments, args: DiscoTrainingAr
     written = read_json(flag, source) if model_args.model_config else None
     _check_embedding_sizes(config, f"{flag} {source}", written)
     budget = naflex_budget(config, model_args.max_num_patches, model_args.image_size, args)
+    if budget is not None and model_args.teacher:
+        raise UsageError("--teacher: distillation into SigLIP 2 is not supported (a teacher would need NaFlex)")
     image_size = None if budget else model_args.image_size or vision.image_size
     if budget is None and image_size != vision.image_size:
         raise UsageError(

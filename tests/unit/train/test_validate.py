@@ -87,6 +87,10 @@ BAD_ARGUMENTS = {
         ["{data}", *SIGLIP2, *TOK, "--image_size", "64"],
         "--image_size: SigLIP 2 keeps each image's aspect ratio",
     ),
+    "teacher for siglip2": (
+        ["{data}", *SIGLIP2, *TOK, "--teacher", "{siglip_teacher}"],
+        "--teacher: distillation into SigLIP 2 is not supported",
+    ),
     "patch dropout for siglip2": (
         ["{data}", *SIGLIP2, *TOK, "--patch_dropout", "0.5"],
         "--patch_dropout: not supported for SigLIP 2",
