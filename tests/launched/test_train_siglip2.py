@@ -1,10 +1,11 @@
 """`disco-clip train` on SigLIP 2 with NaFlex (recipes/models/siglip2_tiny.json, a budget of 64 patches): 2 ranks x
-16 under ZeRO-2 (torchrun), stopped by a signal at step 2 and resumed, train exactly like 1 rank with 2
-contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved initialisation: the
-global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the split and however
-interrupted, and whether the patches are normalised in the DataLoader workers or on the device. A budget outside
-the position grid stops both ranks with one line and exit 2. (The loss against Siglip2Model in float64:
-tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor: tests/unit/data/test_naflex.py.)"""
+16 under ZeRO-2 (torchrun), stopped by a signal at step 2 and resumed, and under ZeRO-3 (accelerate), train exactly
+like 1 rank with 2 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved
+initialisation: the global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the
+split and however interrupted, and whether the patches are normalised in the DataLoader workers or on the device.
+A budget outside the position grid stops both ranks with one line and exit 2. (The loss against Siglip2Model in
+float64: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
+tests/unit/data/test_naflex.py.)"""
 
 import subprocess
 from pathlib import Path
@@ -45,6 +46,7 @@ def runs(tmp_path_factory, initial_model):
     # normalised on the device (uint8 batches handed over, the padding zeroed there); the resumed run in the workers
     on_device = ["--normalize_on_device", "true"]
     launch("torchrun", 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2", *on_device)
+    launch("accelerate", 2, root / "n2_zero3", *common, ds_config="cpu_zero3.json")
     stopped = ["--save_steps", "2", *common]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
     command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it
@@ -54,8 +56,10 @@ def runs(tmp_path_factory, initial_model):
     return root
 
 
-def test_two_ranks_stopped_and_resumed_train_like_one_rank_with_two_accumulated_micro_batches(runs, initial_model):
-    assert_same_training(runs / "resumed", runs / "n1_k2", weights(initial_model), steps=STEPS)
+@pytest.mark.parametrize("run", ["resumed", "n2_zero3"])
+def test_two_ranks_train_like_one_rank_with_two_accumulated_micro_batches(runs, initial_model, run):
+    """ZeRO-2 under torchrun stopped and resumed, and ZeRO-3 under accelerate, against 1 rank x K=2."""
+    assert_same_training(runs / run, runs / "n1_k2", weights(initial_model), steps=STEPS)
 
 
 def test_the_result_is_a_plain_siglip2model_with_its_processor_at_the_budget(runs):
