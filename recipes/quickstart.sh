@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default, on a fresh machine: set up .venv, build the offline digits demo
 # dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
-# minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss.
+# minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss;
+# LOSS=siglip2 the tiny SigLIP 2 with NaFlex inputs (each image at its aspect ratio within MAX_NUM_PATCHES, default 256).
 # DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
 # PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all);
 # PATCH_DROPOUT_UNTIL_STEP=250 then sees every patch from step 250 on (FLIP's unmasked tuning).
@@ -10,6 +11,7 @@
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
+#   LOSS=siglip2 MAX_NUM_PATCHES=144 bash recipes/quickstart.sh   # OUT=outputs/quickstart_siglip2
 #   DATA_FORMAT=hf bash recipes/quickstart.sh   # DATA=data/demo_hf OUT=outputs/quickstart_hf (VENV=.venv too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,9 @@ esac
 case "$LOSS" in
   softmax) MODEL=${MODEL:-recipes/models/tiny.json}; OUT=${OUT:-outputs/quickstart${TEACHER:+_distilled}$FMT} ;;
   sigmoid) MODEL=${MODEL:-recipes/models/siglip_tiny.json}; OUT=${OUT:-outputs/quickstart_sigmoid${TEACHER:+_distilled}$FMT} ;;
-  *) echo "LOSS=$LOSS: softmax (CLIP) or sigmoid (SigLIP)" >&2; exit 2 ;;
+  siglip2) MODEL=${MODEL:-recipes/models/siglip2_tiny.json}; OUT=${OUT:-outputs/quickstart_siglip2${TEACHER:+_distilled}$FMT}
+    BUDGET=(--max_num_patches "${MAX_NUM_PATCHES:-256}") ;;
+  *) echo "LOSS=$LOSS: softmax (CLIP), sigmoid (SigLIP) or siglip2 (SigLIP 2, NaFlex)" >&2; exit 2 ;;
 esac
 # the training source: run_clip's flags for a datasets dataset (its train split, image and caption columns)
 if [ "$DATA_FORMAT" = hf ]; then
@@ -52,7 +56,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   --output_dir "$OUT" --max_steps "$STEPS" --per_device_train_batch_size "$PER_RANK" \
   --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed "$SEED" \
-  --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" \
+  --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" "${BUDGET[@]+"${BUDGET[@]}"}" \
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
   ${TEACHER:+--teacher "$TEACHER" --distill_weight "${DISTILL_WEIGHT:-0.5}"} \
   ${DISTILL_TEMPERATURE:+--distill_temperature "$DISTILL_TEMPERATURE"} \

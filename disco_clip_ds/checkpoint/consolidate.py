@@ -132,16 +132,16 @@ TRAINING_KEYS = ("loss_impl", "chunk_size")
 
 
 def build_plain_model(checkpoint: Path, state_dict: dict):
-    """The plain transformers model (CLIPModel or SiglipModel, by the checkpoint's config) holding `state_dict`,
-    every parameter accounted for."""
-    from transformers import AutoConfig, CLIPModel, SiglipModel
+    """The plain transformers model (CLIPModel, SiglipModel or Siglip2Model, by the checkpoint's config) holding
+    `state_dict`, every parameter accounted for."""
+    from transformers import AutoConfig, CLIPModel, Siglip2Model, SiglipModel
 
     if not (checkpoint / "config.json").is_file():
         raise ExportError(f"partial checkpoint: no config.json in {checkpoint}")
     config = AutoConfig.from_pretrained(checkpoint)
-    plain = {"clip": CLIPModel, "siglip": SiglipModel}.get(config.model_type)
+    plain = {"clip": CLIPModel, "siglip": SiglipModel, "siglip2": Siglip2Model}.get(config.model_type)
     if plain is None:
-        raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP checkpoints")
+        raise ExportError(f"{checkpoint}: a {config.model_type} model; export reads CLIP and SigLIP (2) checkpoints")
     config.architectures = [plain.__name__]
     for key in TRAINING_KEYS:  # how it was trained, not what the model is: run.json and the model card say it
         if key in config.__dict__:

@@ -62,6 +62,7 @@ ARCHITECTURE = {
         "num_hidden_layers",
         "num_attention_heads",
         "image_size",
+        "num_patches",  # SigLIP 2's position-embedding grid
         "patch_size",
         "num_channels",
         "hidden_act",
@@ -224,6 +225,7 @@ def launch_facts(
         "max_steps": max_steps,
         "tower_settings": tower_settings(args),
         "patch_dropout": patch_dropout_setting(args),
+        "max_num_patches": None if model_args is None else getattr(model_args, "max_num_patches", None),
         "locked_towers": None if model_args is None else lock_settings(model_args),
         "distillation": None if model_args is None else distillation_setting(model_args),
     }
@@ -368,6 +370,11 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
         problems.append(
             f"locked towers '{old['locked_towers']}' -> '{new['locked_towers']}': pass the run's (its optimizer state "
             "holds the parameters that train, and only those), or export the checkpoint and start a new --output_dir"
+        )
+    if known("max_num_patches") and old["max_num_patches"] != new["max_num_patches"]:
+        problems.append(
+            f"--max_num_patches {old['max_num_patches']} -> {new['max_num_patches']}: pass "
+            f"--max_num_patches {old['max_num_patches']} (each image's tokens, so the training, depend on it)"
         )
     if known("world_size") and old["world_size"] != new["world_size"] and not (batch_changed or stage_changed):
         if not converts_world_size(old, new):

@@ -55,6 +55,10 @@ class EvalArguments:
     batch_size: int = field(default=64)
     output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={"help": "SigLIP 2 (NaFlex): the patch budget per image (default: the model's processor's)"},
+    )
 
 
 def load_for_eval(model_id: str, device: str = "cpu"):
@@ -75,6 +79,16 @@ def load_for_eval(model_id: str, device: str = "cpu"):
         return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
     except OSError as e:  # no such folder or hub id, or one without the config / processor files
         raise UsageError(f"--model {model_id}: {e}") from e
+
+
+def set_budget(model, image_processor, max_num_patches: int) -> None:
+    """Evaluate a SigLIP 2 at `max_num_patches` patches per image: its processor's budget, once it fits the model's
+    position grid (the training refusals); a one-line UsageError for another model."""
+    from disco_clip_ds.train.validate import naflex_budget
+
+    if model.config.model_type != "siglip2":
+        raise UsageError(f"--max_num_patches is SigLIP 2's (NaFlex); {model.config.model_type} models take none")
+    image_processor.max_num_patches = naflex_budget(model.config, max_num_patches, None)
 
 
 def check_model_path(model_id: str) -> None:
@@ -102,6 +116,8 @@ def run_eval(args: EvalArguments) -> dict:
     )
     templates = find_templates(args.data, args.templates) if classify else None
     model, tokenizer, image_processor = load_for_eval(args.model, args.device)
+    if args.max_num_patches is not None:
+        set_budget(model, image_processor, args.max_num_patches)
     if classify:
         metrics = zeroshot_classification(
             model, tokenizer, data, classnames, templates, image_processor=image_processor, batch_size=args.batch_size

@@ -49,6 +49,11 @@ def _parse(argv):
         help="fraction of image patches dropped in training (as `disco-clip train --patch_dropout`)",
     )
     p.add_argument(
+        "--max_num_patches",
+        type=int,
+        help="SigLIP 2 (NaFlex): patches per image, as `disco-clip train --max_num_patches` (default: the grid)",
+    )
+    p.add_argument(
         "--teacher",
         help="a distillation teacher's config JSON (as `disco-clip train --teacher`): its frozen weights (sharded "
         "under ZeRO-3), forward and embeddings are counted",
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         args.patch_dropout,
         {name: getattr(args, name) for name in LOCK_ARGUMENTS},
         args.teacher,
+        args.max_num_patches,
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

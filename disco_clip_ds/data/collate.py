@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
+from disco_clip_ds.data.naflex import PatchNormalize, pack_patches
 from disco_clip_ds.data.transforms import Normalize
 from disco_clip_ds.models.patch_dropout import PATCHES_KEY
 
@@ -36,7 +37,9 @@ class TeacherInputs:
 class ClipCollator:
     """List of (pixel_values, caption[, kept patches][, position]) -> {"pixel_values", "input_ids",
     "attention_mask"[, PATCHES_KEY][, POSITION_KEY]} (kept patches when `patch_dropout`): tensors only, so that
-    accelerate can dispatch (and slice) them, and no `labels` (the model computes its own loss).
+    accelerate can dispatch (and slice) them, and no `labels` (the model computes its own loss). With
+    `max_num_patches` (SigLIP 2's NaFlex, data/naflex.py) the pixels are patch grids, padded to that budget, and
+    the batch also has "pixel_attention_mask" and "spatial_shapes", as Siglip2ImageProcessor's.
 
     uint8 crops (as the streams yield them) are normalised here, straight into the batch tensor, with `mean`/`std`
     (ImageTransform's rule; pass the model's image processor's); with `normalize=False` they stay a uint8 batch (a
@@ -54,10 +57,11 @@ class ClipCollator:
         normalize=True,
         patch_dropout=False,
         teacher: TeacherInputs | None = None,
+        max_num_patches: int | None = None,
     ):
         self.tokenizer, self.max_length, self.normalizes = tokenizer, max_length, normalize
-        self.patch_dropout, self.teacher = patch_dropout, teacher
-        self.normalize = Normalize(mean, std)
+        self.patch_dropout, self.teacher, self.max_num_patches = patch_dropout, teacher, max_num_patches
+        self.normalize = Normalize(mean, std) if max_num_patches is None else PatchNormalize(mean, std)
 
     def __call__(self, batch: list[tuple]) -> dict[str, torch.Tensor]:
         pixels, captions, *rest = zip(*batch)
@@ -70,7 +74,14 @@ class ClipCollator:
         )
         shape = (len(pixels), *pixels[0].shape)
         teacher = self._teacher_inputs(captions, pixels, ids) if self.teacher is not None else {}
-        if pixels[0].dtype == torch.uint8 and self.normalizes:
+        image_inputs = {}
+        if self.max_num_patches is not None:  # NaFlex patch grids (data/naflex.py): padded to the budget
+            shape = (len(pixels), self.max_num_patches, pixels[0].shape[-1])
+            image_inputs = pack_patches(pixels, self.max_num_patches, out=batch_tensor(shape, pixels[0].dtype))
+            pixels = image_inputs.pop("pixel_values")
+            if self.normalizes:
+                pixels = self.normalize.batch(pixels, image_inputs["pixel_attention_mask"])
+        elif pixels[0].dtype == torch.uint8 and self.normalizes:
             pixels = self.normalize(pixels, out=batch_tensor(shape, torch.float32))
         elif pixels[0].dtype == torch.uint8:
             pixels = torch.stack(pixels, out=batch_tensor(shape, torch.uint8))
@@ -80,6 +91,7 @@ class ClipCollator:
             "pixel_values": pixels,
             "input_ids": tokens["input_ids"],
             "attention_mask": tokens["attention_mask"],
+            **image_inputs,
         }
         if kept is not None:
             collated[PATCHES_KEY] = torch.stack(kept)

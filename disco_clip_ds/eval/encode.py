@@ -25,11 +25,14 @@ def _first_param(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_images(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """L2-normalised float32 image embeddings."""
+def encode_images(model, pixel_values: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    """L2-normalised float32 image embeddings of `pixel_values`, or of a dict of image inputs (SigLIP 2's:
+    pixel_values, pixel_attention_mask, spatial_shapes)."""
     model = unwrap(model)
     param = _first_param(model)
-    out = model.get_image_features(pixel_values=pixel_values.to(param.device, param.dtype)).pooler_output
+    inputs = pixel_values if isinstance(pixel_values, dict) else {"pixel_values": pixel_values}
+    inputs = {k: v.to(param.device, param.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+    out = model.get_image_features(**inputs).pooler_output
     return F.normalize(out.float(), dim=-1).cpu()
 
 
@@ -40,7 +43,7 @@ def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) 
     model = unwrap(model)
     device = _first_param(model).device
     max_length = model.config.text_config.max_position_embeddings
-    padding = "max_length" if model.config.model_type == "siglip" else True
+    padding = "max_length" if model.config.model_type in ("siglip", "siglip2") else True
     chunks = []
     for start in range(0, len(texts), batch_size):
         tokens = tokenizer(

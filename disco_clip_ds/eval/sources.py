@@ -95,9 +95,11 @@ def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iter
         yield pixels(image_processor, images), list(values)
 
 
-def pixels(image_processor, images) -> torch.Tensor:
-    """The model's pixel_values of PIL `images` (converted to RGB), by its own image processor."""
-    return image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
+def pixels(image_processor, images) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The model's pixel_values of PIL `images` (converted to RGB), by its own image processor; for SigLIP 2's
+    (NaFlex) the whole image input, pixel_attention_mask and spatial_shapes with them, as a dict."""
+    inputs = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")
+    return dict(inputs) if "spatial_shapes" in inputs else inputs["pixel_values"]
 
 
 def as_batches(data, image_processor, fields: str, batch_size: int):

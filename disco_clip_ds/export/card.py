@@ -65,6 +65,7 @@ RUN_FIELDS = [
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("tower_settings", "per-tower learning rates and layer decay"),
     ("patch_dropout", "patch dropout (FLIP)"),
+    ("max_num_patches", "NaFlex patch budget per image (max_num_patches)"),
     ("locked_towers", "locked towers"),
     ("distillation", "distilled (teacher, weight, temperature)"),
     ("precision", "precision"),
@@ -87,6 +88,13 @@ CARD_FAMILY = {  # model_type -> (title, model class, the loss it was trained wi
         "SigLIP's sigmoid loss over the global batch ([arXiv 2303.15343](https://arxiv.org/abs/2303.15343)), "
         "computed exactly across ranks",
     ),
+    "siglip2": (
+        "SigLIP 2 (NaFlex)",
+        "Siglip2Model",
+        "SigLIP's sigmoid loss over the global batch ([arXiv 2303.15343](https://arxiv.org/abs/2303.15343)), "
+        "computed exactly across ranks, each image at its native aspect ratio within a patch budget (NaFlex, "
+        "[arXiv 2502.14786](https://arxiv.org/abs/2502.14786))",
+    ),
 }
 
 
@@ -95,6 +103,7 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
     from huggingface_hub import ModelCard, ModelCardData
 
     title, class_name, loss = CARD_FAMILY[model_type]
+    processor_class = "AutoProcessor" if model_type == "siglip2" else "CLIPProcessor"  # Siglip2Processor's budget
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="zero-shot-image-classification",
@@ -135,10 +144,10 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
         "## Use",
         "",
         "```python",
-        f"from transformers import {class_name}, CLIPProcessor",
+        f"from transformers import {class_name}, {processor_class}",
         "",
         f'model = {class_name}.from_pretrained("THIS_FOLDER_OR_REPO")',
-        'processor = CLIPProcessor.from_pretrained("THIS_FOLDER_OR_REPO")',
+        f'processor = {processor_class}.from_pretrained("THIS_FOLDER_OR_REPO")',
         "```",
         "",
     ]

@@ -172,6 +172,16 @@ class GlobalBatchLossMixin:
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         compat.init_as_library_code(super()._initialize_weights)(module, is_custom_code)
 
+    def image_features(self, pixel_values, patch_keep=None, interpolate_pos_encoding=False, image_inputs=None, **kw):
+        """The image tower's output on `pixel_values`, keeping the patches `patch_keep` names (patch dropout).
+        `image_inputs` (NaFlex's) must be unset: a model that takes them overrides this."""
+        if any(v is not None for v in (image_inputs or {}).values()):
+            raise ValueError(f"{type(self).__name__} takes no pixel_attention_mask or spatial_shapes (SigLIP 2 only)")
+        with self.patch_dropout.kept(patch_keep):
+            return self.get_image_features(
+                pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kw
+            )
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -182,6 +192,8 @@ class GlobalBatchLossMixin:
         interpolate_pos_encoding: bool = False,
         return_logits: bool | None = None,
         patch_keep: torch.LongTensor | None = None,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.LongTensor | None = None,
         **kwargs,
     ):
         """The transformers model's forward; with `return_loss` the loss is the global-batch one of
@@ -189,14 +201,14 @@ class GlobalBatchLossMixin:
 
         `patch_keep` (batch, kept): the patches each image keeps (patch dropout, models/patch_dropout.py); None: all.
 
+        `pixel_attention_mask`, `spatial_shapes`: NaFlex's image inputs (SigLIP 2 only, models/siglip2.py).
+
         `return_logits`: whether to build this rank's b x b logits (`logits_per_image` / `logits_per_text`).
         Default: when no loss is asked for (inference, as the transformers model) or the loss is `local`, which
         uses them; a training step with the global loss skips them (64 MiB of fp32 at b = 4096) and returns None.
         """
-        with self.patch_dropout.kept(patch_keep):
-            vision_outputs = self.get_image_features(
-                pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs
-            )
+        naflex = {"pixel_attention_mask": pixel_attention_mask, "spatial_shapes": spatial_shapes}
+        vision_outputs = self.image_features(pixel_values, patch_keep, interpolate_pos_encoding, naflex, **kwargs)
         text_outputs = self.get_text_features(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         )

@@ -1,16 +1,17 @@
 """A model by its config's model_type (MODEL_CLASSES): build_model (fresh or pretrained weights), load_config (the
-CLIPConfig or SiglipConfig of pretrained weights or of a config JSON file)."""
+CLIPConfig, SiglipConfig or Siglip2Config of pretrained weights or of a config JSON file)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from transformers import AutoConfig, CLIPConfig, SiglipConfig
+from transformers import AutoConfig, CLIPConfig, Siglip2Config, SiglipConfig
 
 from disco_clip_ds.models.base import init_seed
 from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.models.siglip import DiscoSiglipModel
+from disco_clip_ds.models.siglip2 import DiscoSiglip2Model
 
 
 def build_model(
@@ -19,9 +20,9 @@ def build_model(
     loss_impl: str = "tiled",
     chunk_size: int | None = None,
     seed: int | None = None,
-) -> DiscoCLIPModel | DiscoSiglipModel:
-    """A DiscoCLIPModel or DiscoSiglipModel (by the config's model_type) from pretrained weights (hub id or folder)
-    or fresh from a config JSON file.
+) -> DiscoCLIPModel | DiscoSiglipModel | DiscoSiglip2Model:
+    """A DiscoCLIPModel, DiscoSiglipModel or DiscoSiglip2Model (by the config's model_type) from pretrained weights
+    (hub id or folder) or fresh from a config JSON file.
 
     A fresh weight (all of them, or those a checkpoint lacks) is drawn from `seed` and its name only (models/base.py
     `drawn_by_name`): the same under any ZeRO stage, world size or device. None: torch.initial_seed(), the seed that
@@ -39,11 +40,13 @@ def build_model(
         return model_class(config)
 
 
-MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel}
+MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel, "siglip2": DiscoSiglip2Model}
+CONFIG_CLASSES = {"clip": CLIPConfig, "siglip": SiglipConfig, "siglip2": Siglip2Config}
 
 
 def load_config(model_name_or_path: str | None = None, model_config: str | None = None):
-    """The CLIPConfig or SiglipConfig of pretrained weights (hub id or folder) or of a config JSON file."""
+    """The CLIPConfig, SiglipConfig or Siglip2Config of pretrained weights (hub id or folder) or of a config JSON
+    file."""
     if model_name_or_path:
         return AutoConfig.from_pretrained(model_name_or_path)
     path = Path(model_config)
@@ -54,7 +57,7 @@ def load_config(model_name_or_path: str | None = None, model_config: str | None 
 
 def _config_from_json(path: Path):
     model_type = json.loads(path.read_text()).get("model_type", "clip")  # a CLIPConfig JSON may omit it
-    config_class = {"clip": CLIPConfig, "siglip": SiglipConfig}.get(model_type)
+    config_class = CONFIG_CLASSES.get(model_type)
     if config_class is None:
-        raise ValueError(f"{path}: model_type {model_type!r} is not one of clip, siglip")
+        raise ValueError(f"{path}: model_type {model_type!r} is not one of {', '.join(CONFIG_CLASSES)}")
     return config_class.from_json_file(str(path))

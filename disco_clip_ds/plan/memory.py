@@ -30,7 +30,7 @@ DEFAULT_OVERHEAD_GB = 2.0
 
 
 # The loss each model family trains with, and the implementations the package ships for it.
-LOSS_FAMILIES = {"clip": "softmax", "siglip": "sigmoid"}
+LOSS_FAMILIES = {"clip": "softmax", "siglip": "sigmoid", "siglip2": "sigmoid"}
 FAMILY_IMPLS = {"softmax": LOSS_IMPLS, "sigmoid": ("tiled", "local")}
 
 
@@ -57,12 +57,14 @@ class ModelShape:
             self.trainable, self.largest_trainable = self.params, self.largest_param
 
     @classmethod
-    def from_json(cls, path, lock_flags: dict | None = None) -> "ModelShape":
-        """Read a CLIPConfig or SiglipConfig JSON; count parameters exactly on the meta device (no memory, no
-        weights), and those that train with the towers `lock_flags` locks ({name: value} of `disco-clip train`'s
-        flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to fit the config (else PlanConfigError)."""
+    def from_json(cls, path, lock_flags: dict | None = None, max_num_patches: int | None = None) -> "ModelShape":
+        """Read a CLIPConfig, SiglipConfig or Siglip2Config JSON; count parameters exactly on the meta device (no
+        memory, no weights), and those that train with the towers `lock_flags` locks ({name: value} of `disco-clip
+        train`'s flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to fit the config (else
+        PlanConfigError). SigLIP 2 (NaFlex) sees `max_num_patches` patches per image (default: its whole grid),
+        padded to that budget: its image is that many patches of channels x patch x patch pixels."""
         import torch
-        from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel
+        from transformers import CLIPConfig, CLIPModel, Siglip2Config, Siglip2Model, SiglipConfig, SiglipModel
 
         path = Path(path)
         if not path.is_file():
@@ -77,9 +79,10 @@ class ModelShape:
             model_type = raw.get("model_type", "clip")
             if model_type not in LOSS_FAMILIES:
                 raise ValueError(f"model_type {model_type!r} is not one of {sorted(LOSS_FAMILIES)}")
-            config_class, model_class = (
-                (SiglipConfig, SiglipModel) if model_type == "siglip" else (CLIPConfig, CLIPModel)
-            )
+            config_class, model_class = {
+                "siglip": (SiglipConfig, SiglipModel),
+                "siglip2": (Siglip2Config, Siglip2Model),
+            }.get(model_type, (CLIPConfig, CLIPModel))
             config = config_class.from_json_file(str(path))
         except (OSError, ValueError) as e:
             raise PlanConfigError(f"--model {path}: not a readable CLIPConfig or SiglipConfig JSON ({e})") from None
@@ -94,7 +97,14 @@ class ModelShape:
         trained = trainable_numels(model, locks)
         v, t = config.vision_config, config.text_config
         # CLIP's vision tower adds a class token; SigLIP's pools the patches with an attention head instead.
-        patches = (v.image_size // v.patch_size) ** 2
+        if model_type == "siglip2":
+            patches = _naflex_patches(v, max_num_patches)
+            image = (1, patches, v.num_channels * v.patch_size**2)
+        elif max_num_patches is not None:
+            raise PlanConfigError(f"--max_num_patches is SigLIP 2's (NaFlex); {path} is a {model_type} model")
+        else:
+            patches = (v.image_size // v.patch_size) ** 2
+            image = (v.num_channels, v.image_size, v.image_size)
         embed_dim = config.projection_dim if model_type == "clip" else t.projection_size
         towers = {
             "vision": {
@@ -114,7 +124,7 @@ class ModelShape:
         }
         return cls(
             towers,
-            (v.num_channels, v.image_size, v.image_size),
+            image,
             t.max_position_embeddings,
             embed_dim,
             sum(numels),
@@ -123,6 +133,11 @@ class ModelShape:
             trainable=sum(trained),
             largest_trainable=max(trained, default=0),
         )
+
+    @property
+    def patches(self) -> int:
+        """The image tower's patches per image (SigLIP 2: its NaFlex budget)."""
+        return self.towers["vision"]["patches"]
 
     def check_impl(self, impl: str) -> None:
         """Refuse a loss implementation this model's loss family does not have."""
@@ -471,3 +486,14 @@ def _largest(fits, limit: float = math.inf) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def _naflex_patches(vision_config, max_num_patches: int | None) -> int:
+    """SigLIP 2's patch budget (default: the whole position grid), refused outside the grid as training refuses it."""
+    grid, row = vision_config.num_patches, math.isqrt(vision_config.num_patches)
+    budget = grid if max_num_patches is None else max_num_patches
+    if not row <= budget <= grid:
+        raise PlanConfigError(
+            f"--max_num_patches {budget}: give one row ({row}) to the whole {row} x {row} = {grid} position grid"
+        )
+    return budget

@@ -56,6 +56,7 @@ def plan(
     patch_dropout: float = 0.0,
     lock_flags: dict | None = None,
     teacher_path=None,
+    max_num_patches: int | None = None,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
@@ -64,7 +65,7 @@ def plan(
     settings.contrastive_accumulation = contrastive_accumulation
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
-    shape = ModelShape.from_json(model_path, lock_flags).with_patch_dropout(patch_dropout)
+    shape = ModelShape.from_json(model_path, lock_flags, max_num_patches).with_patch_dropout(patch_dropout)
     teacher = ModelShape.from_json(teacher_path) if teacher_path else None
     if teacher is not None and teacher.loss != shape.loss:
         raise PlanConfigError(f"--teacher {teacher_path}: a {teacher.loss} model cannot teach a {shape.loss} one")
@@ -83,6 +84,7 @@ def plan(
             "patch_dropout": patch_dropout,
             "vision_layer_tokens": shape.layer_tokens(shape.towers["vision"]),
             "vision_tokens": shape.towers["vision"]["tokens"],
+            "patches_per_image": shape.patches,
             "training_flops_per_sample": shape.training_flops_per_sample(),
             "teacher_params": teacher.params if teacher is not None else None,
         },

@@ -46,6 +46,13 @@ class ModelArguments:
         default=None, metadata={"help": "rows per tile of the tiled loss (default: automatic)"}
     )
     image_size: int | None = field(default=None, metadata={"help": "training resolution (default: the model config's)"})
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={
+            "help": "SigLIP 2 (NaFlex): the patch budget per image, each resized at its own aspect ratio to fit it "
+            "(default 256; at least one row of the position-embedding grid, at most the whole grid)"
+        },
+    )
     max_text_length: int | None = field(
         default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"}
     )

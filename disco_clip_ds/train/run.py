@@ -11,7 +11,14 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoImageProcessor, CLIPImageProcessor, CLIPProcessor, set_seed
+from transformers import (
+    AutoImageProcessor,
+    CLIPImageProcessor,
+    CLIPProcessor,
+    Siglip2ImageProcessor,
+    Siglip2Processor,
+    set_seed,
+)
 
 from disco_clip_ds import compat
 from disco_clip_ds.checkpoint import resume, universal
@@ -58,6 +65,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
 
     # 2. Validate every argument, before any work: shard lists, counts, tokenizer and model config.
     checked = validate(model_args, data_args, args)
+    if checked.naflex is not None:  # the budget in effect (its default filled in): run.json and resumes record it
+        model_args.max_num_patches = checked.naflex[1]
 
     # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written) and
     # an explicit --resume_from_checkpoint folder is found to be there and to verify: a refusal leaves no run.lock.
@@ -87,7 +96,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         )
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
-        processor = _processor(checked.tokenizer, checked.image_size, model_args.model_name_or_path)
+        processor = _processor(checked, model_args.model_name_or_path, model.config)
         teacher, teacher_extra = _teacher(model_args, args, checked, processor)
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
@@ -108,6 +117,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             normalize=not on_device,
             patch_dropout=patches is not None,
             teacher=teacher_extra,
+            max_num_patches=checked.naflex and checked.naflex[1],
         )
 
         # 7. The trainer (and the zero-shot eval during training, when asked for).
@@ -203,6 +213,8 @@ def _stream(
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     source = ShardStream if checked.hf is None else HFStream
     extra = {"sample_ids": True} if sample_ids else {}
+    if checked.naflex is not None:  # SigLIP 2: NaFlex patch grids (data/naflex.py)
+        extra["naflex"] = checked.naflex
     return source(
         checked.urls if checked.hf is None else checked.hf,
         checked.image_size,
@@ -232,9 +244,15 @@ def _log_plan(args: DiscoTrainingArguments, checked: CheckedRun, trainer: DiscoT
     )
 
 
-def _processor(tokenizer, image_size: int, model_name_or_path: str | None) -> CLIPProcessor:
+def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
     """The processor saved with the model: the pretrained model's own image processor when it has one (its
-    normalisation is what its weights expect: SigLIP's is 0.5, not CLIP's), else CLIP's at `image_size`."""
+    normalisation is what its weights expect: SigLIP's is 0.5, not CLIP's), else CLIP's at the run's image size;
+    for SigLIP 2, Siglip2ImageProcessor at the run's patch size and budget (the NaFlex pipeline's eval path)."""
+    tokenizer, image_size = checked.tokenizer, checked.image_size
+    if checked.naflex is not None:
+        patch_size, budget = checked.naflex
+        image_processor = Siglip2ImageProcessor(patch_size=patch_size, max_num_patches=budget)
+        return Siglip2Processor(image_processor=image_processor, tokenizer=tokenizer)
     image_processor = None
     if model_name_or_path:
         try:

@@ -169,7 +169,9 @@ class DiscoTrainer(Trainer):
         inputs = super()._prepare_inputs(inputs)
         pixels = inputs.get("pixel_values")
         if pixels is not None and pixels.dtype == torch.uint8:
-            inputs = {**inputs, "pixel_values": self._prepare_input(self.data_collator.normalize.batch(pixels))}
+            mask = inputs.get("pixel_attention_mask")  # NaFlex: its padding stays 0, as the image processor pads
+            normalized = self.data_collator.normalize.batch(pixels, *(() if mask is None else (mask,)))
+            inputs = {**inputs, "pixel_values": self._prepare_input(normalized)}
         return inputs
 
     # --- the step ---

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from disco_clip_ds.checkpoint.resume import TOWER_FLAGS
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
+from disco_clip_ds.data.naflex import DEFAULT_MAX_NUM_PATCHES
 from disco_clip_ds.data.shards import count_samples, empty_reader, expand_shards, is_url, shards_for_reader
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.errors import AccumulationError, ExportError, UsageError
@@ -44,9 +45,10 @@ class CheckedRun:
     stop_signals: tuple[int, ...]
     hub_model_id: str | None
     tokenizer: object
-    image_size: int
+    image_size: int | None  # None for SigLIP 2, whose images keep their aspect ratio (`max_num_patches`)
     max_length: int
     hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
+    naflex: tuple[int, int] | None = None  # SigLIP 2's (patch size, patch budget per image); None: square images
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
@@ -77,11 +79,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
         if hf is None:
             _check_readers(args, urls)
     _check_positive_sizes(model_args)
-    tokenizer, image_size, max_length = _check_tokenizer_and_sizes(model_args)
+    tokenizer, image_size, max_length, naflex = _check_tokenizer_and_sizes(model_args, args)
     _check_tower_locks(model_args)
     _check_teacher(model_args, args)
     _check_teacher_embeddings(model_args, urls)
-    return CheckedRun(urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf)
+    return CheckedRun(
+        urls, num_samples, max_steps, stop_signals, hub_model_id, tokenizer, image_size, max_length, hf, naflex
+    )
 
 
 def readers(args: DiscoTrainingArguments) -> int:
@@ -380,13 +384,15 @@ def _check_positive_sizes(model_args: ModelArguments) -> None:
         ("--max_text_length", model_args.max_text_length),
         ("--image_size", model_args.image_size),
         ("--chunk_size", model_args.chunk_size),
+        ("--max_num_patches", model_args.max_num_patches),
     ):
         if value is not None and value < 1:  # 0 would silently mean "the default"
             raise UsageError(f"{flag} {value}: give a positive number, or leave it out for the default")
 
 
-def _check_tokenizer_and_sizes(model_args: ModelArguments):
-    """(tokenizer, image size, max text length), once they fit the model's config."""
+def _check_tokenizer_and_sizes(model_args: ModelArguments, args: DiscoTrainingArguments | None = None):
+    """(tokenizer, image size, max text length, NaFlex's (patch size, budget)), once they fit the model's config
+    (the image size None and NaFlex's set for SigLIP 2, the other way round for the square-image models)."""
     tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path
     flag = "--tokenizer_name" if model_args.tokenizer_name else "--model_name_or_path"
     with usage_error(f"{flag} {tokenizer_name}: "):
@@ -405,8 +411,11 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
     text, vision = config.text_config, config.vision_config
     written = read_json(flag, source) if model_args.model_config else None
     _check_embedding_sizes(config, f"{flag} {source}", written)
-    image_size = model_args.image_size or vision.image_size
-    if image_size != vision.image_size:
+    budget = naflex_budget(config, model_args.max_num_patches, model_args.image_size, args)
+    if budget is not None and model_args.teacher:
+        raise UsageError("--teacher: distillation into SigLIP 2 is not supported (a teacher would need NaFlex)")
+    image_size = None if budget else model_args.image_size or vision.image_size
+    if budget is None and image_size != vision.image_size:
         raise UsageError(
             f"--image_size {image_size} differs from the model's {vision.image_size}: set image_size in the "
             "model config instead"
@@ -425,7 +434,7 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
             f"{len(tokenizer)} tokens) does not "
             f"match the model's text config (bos {text.bos_token_id}, eos {text.eos_token_id}, vocab {text.vocab_size})"
         )
-    if config.model_type == "siglip" and text.max_position_embeddings < SIGLIP_PIPELINE_TOKENS:
+    if config.model_type in ("siglip", "siglip2") and text.max_position_embeddings < SIGLIP_PIPELINE_TOKENS:
         logger.warning(
             "%s %s: max_position_embeddings %d in text_config: the model trains, but transformers' "
             "zero-shot-image-classification pipeline pads SigLIP texts to %d tokens, so the exported model will not "
@@ -436,7 +445,33 @@ def _check_tokenizer_and_sizes(model_args: ModelArguments):
             SIGLIP_PIPELINE_TOKENS,
             SIGLIP_PIPELINE_TOKENS,
         )
-    return tokenizer, image_size, max_length
+    naflex = None if budget is None else (vision.patch_size, budget)
+    return tokenizer, image_size, max_length, naflex
+
+
+def naflex_budget(config, max_num_patches: int | None, image_size: int | None, args=None) -> int | None:
+    """SigLIP 2's patch budget per image (NaFlex; default 256), once it fits the position-embedding grid: at least
+    one of its rows (fewer patches than a row cannot hold the grid's aspect ratios) and at most all of it (more
+    would stretch the learned grid beyond what it was trained to cover). None for the square-image models."""
+    if config.model_type != "siglip2":
+        if max_num_patches is not None:
+            raise UsageError(f"--max_num_patches is SigLIP 2's (NaFlex); this is a {config.model_type} model")
+        return None
+    if image_size is not None:
+        raise UsageError("--image_size: SigLIP 2 keeps each image's aspect ratio; set its patch budget instead")
+    if args is not None and args.patch_dropout:
+        raise UsageError("--patch_dropout: not supported for SigLIP 2; its patch budget bounds the image tokens")
+    budget = DEFAULT_MAX_NUM_PATCHES if max_num_patches is None else max_num_patches
+    grid = config.vision_config.num_patches
+    row = math.isqrt(grid)
+    if budget < row:
+        raise UsageError(f"--max_num_patches {budget}: below one row of the {row} x {row} position grid; give {row}+")
+    if budget > grid:
+        raise UsageError(
+            f"--max_num_patches {budget}: above the {row} x {row} = {grid} position grid; give at most {grid}, or "
+            "raise num_patches in vision_config"
+        )
+    return budget
 
 
 def _check_embedding_sizes(config, named: str, written: dict | None) -> None:
@@ -446,7 +481,7 @@ def _check_embedding_sizes(config, named: str, written: dict | None) -> None:
     both projections, and the towers' own (what CLIPTextModelWithProjection and CLIPVisionModelWithProjection read)
     must agree with it where the config file the user wrote (`written`; None: pretrained weights) names them."""
     text, vision = config.text_config, config.vision_config
-    if config.model_type == "siglip" and text.projection_size != vision.hidden_size:
+    if config.model_type in ("siglip", "siglip2") and text.projection_size != vision.hidden_size:
         raise UsageError(
             f"{named}: text_config projection_size {text.projection_size} differs from vision_config hidden_size "
             f"{vision.hidden_size} (the image embedding's size): SigLIP compares the two embeddings, make them equal"

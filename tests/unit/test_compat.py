@@ -189,15 +189,19 @@ def _fsdp_launch_env(*launcher_args: str) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "config, launcher_args",
-    [("tiny.json", []), ("siglip_tiny.json", ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"])],
-    ids=["clip", "siglip"],
+    [
+        ("tiny.json", []),
+        ("siglip_tiny.json", ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"]),
+        ("siglip2_tiny.json", ["--fsdp_transformer_layer_cls_to_wrap", "Siglip2EncoderLayer"]),
+    ],
+    ids=["clip", "siglip", "siglip2"],
 )
 def test_accelerate_trains_an_fsdp_launch_on_cpu_as_ddp_unless_the_state_is_completed(
     monkeypatch, config, launcher_args
 ):
     """A launched CPU rank (one here) under the FSDP recipe's environment: accelerate's state stays MULTI_CPU with
     no FSDP plugin (so the Trainer would wrap the model in DDP); completed by compat, it is FSDP with the recipe's
-    plugin (FSDP2) and `prepare` shards the model (CLIP's and SigLIP's encoder layers as units) with torch's
+    plugin (FSDP2) and `prepare` shards the model (CLIP's, SigLIP's and SigLIP 2's encoder layers as units) with torch's
     fully_shard; the full state dict the Trainer saves has the plain model's keys."""
     import torch.distributed as dist
     from accelerate import Accelerator

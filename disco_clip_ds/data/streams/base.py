@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from disco_clip_ds.data.naflex import NaflexTransform
 from disco_clip_ds.data.streams.state import positions_to_restore, write_stream_state
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, ImageTransform
 from disco_clip_ds.errors import DataError
@@ -56,8 +57,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
     each step trains on the same pairs, which the contrastive loss does not order; `shuffle_buffer` the
     block of raw samples permuted at a time (0: no shuffle where the stream allows it); `train` draws random crops;
     images above `max_image_pixels` are skipped; `patches` (patches per image, patches kept): each sample also
-    carries the indices of its kept patches (patch dropout), drawn from (seed, pass, sample key). Subclasses
-    implement `_passes` (and `state_facts`, `position_fields`) and pass these options through."""
+    carries the indices of its kept patches (patch dropout), drawn from (seed, pass, sample key); `naflex` (patch
+    size, patch budget): each image becomes a NaFlex patch grid (SigLIP 2, data/naflex.py), not a square crop.
+    Subclasses implement `_passes` (and `state_facts`, `position_fields`) and pass these options through."""
 
     position_fields: tuple[str, ...]  # the names of a position row's fields, "reader" and "count" first
 
@@ -80,6 +82,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
         split: int = 1,
         micro_batch: int = 1,
         patches: tuple[int, int] | None = None,
+        naflex: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -89,7 +92,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
         self.reader_rank, self.share = rank // split, rank % split
         self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
         self.max_image_pixels, self.patches = max_image_pixels, patches
-        self.transform = ImageTransform(image_size, train=train)
+        self.transform = (
+            ImageTransform(image_size, train=train) if naflex is None else NaflexTransform(*naflex, train=train)
+        )
         # Shared with the DataLoader's workers, made in the context they start with (the default one, as the
         # DataLoader's): under fork the semaphore's name is unlinked at once, so a run killed with SIGKILL leaves no
         # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).

@@ -102,6 +102,13 @@ def test_each_change_is_one_clause_naming_old_new_and_what_to_pass(new, expected
     assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
+def test_a_changed_naflex_budget_is_refused_and_an_unchanged_one_resumes():
+    assert resume_problems(_facts(max_num_patches=144), _facts(max_num_patches=144)) == []
+    problems = resume_problems(_facts(max_num_patches=144), _facts(max_num_patches=256))
+    expected = "--max_num_patches 144 -> 256: pass --max_num_patches 144"
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
 def test_a_contrastive_batch_that_no_flags_give_on_the_new_ranks_asks_for_another_world_size():
     old = _facts(micro_batch_per_rank=3, dataloader_num_workers=2)  # 6 pairs, 4 readers
     assert resume_problems(old, _facts(micro_batch_per_rank=3, world_size=4)) == [

@@ -28,3 +28,21 @@ def batch(dtype=None, n=GLOBAL_BATCH):
         "attention_mask": mask,
         "pixel_values": torch.randn(n, 3, 64, 64, generator=g, dtype=dtype),
     }
+
+
+# Each image's (patch rows, patch columns) in `naflex_batch`: square, wide, tall, small, the whole budget, one row.
+NAFLEX_SHAPES = ((8, 8), (6, 12), (14, 4), (3, 5), (16, 16), (1, 16))
+
+
+def naflex_batch(dtype=None, n=GLOBAL_BATCH, budget=256, patch_dim=48):
+    """`batch`'s texts with NaFlex images (SigLIP 2): random patches (n, budget, patch_dim) padded to the budget,
+    `pixel_attention_mask` 1 on each image's rows x columns patches, `spatial_shapes` from NAFLEX_SHAPES."""
+    import torch
+
+    inputs = batch(dtype, n)
+    shapes = torch.tensor([NAFLEX_SHAPES[i % len(NAFLEX_SHAPES)] for i in range(n)])
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.arange(budget) < shapes.prod(-1)[:, None]).long()
+    pixels = torch.randn(n, budget, patch_dim, generator=g, dtype=inputs["pixel_values"].dtype) * mask[..., None]
+    inputs.update(pixel_values=pixels, pixel_attention_mask=mask, spatial_shapes=shapes)
+    return inputs

@@ -235,6 +235,33 @@ def test_patch_dropout_counts_the_kept_tokens_in_compute_and_activations(tmp_pat
     assert full["embed_sh"] == kept["embed_sh"]  # the embeddings see every patch
 
 
+def test_siglip2_counts_its_patch_budget_per_image(tmp_path):
+    """The tiny SigLIP 2 (NaFlex; 2 layers, width 64, MLP 256, 4 px patches): the image tower sees the budget's
+    patches, no class token (by hand, as above, for 256 and 64 tokens, the patch embedding over each patch); its
+    input is budget x 3 x 4 x 4 pixels; the parameters are Siglip2Model's own; a budget outside the 16 x 16 grid is
+    refused as training refuses it. (recipes/models/siglip2_b16.json plans the same way, more slowly.)"""
+    import torch
+    from transformers import Siglip2Config, Siglip2Model
+
+    path = REPO / "recipes/models/siglip2_tiny.json"
+    h, m = 64, 256
+    by_hand = lambda t: 2 * t * (4 * h * h + 2 * h * m + 2 * t * h) + t * 3 * 4 * 4 * h
+    for budget in (256, 64):
+        shape = P.ModelShape.from_json(path, max_num_patches=budget)
+        assert shape.patches == budget and shape.layer_tokens(shape.towers["vision"]) == budget
+        assert shape.training_flops_per_sample()["vision"] == 3 * 2 * by_hand(budget)
+        assert shape.input_bytes(2) == budget * 3 * 4 * 4 * 2 + 64 * 8
+    with torch.device("meta"):
+        plain = Siglip2Model(Siglip2Config.from_json_file(str(path)))
+    default = P.ModelShape.from_json(path)
+    assert default.params == sum(p.numel() for p in plain.parameters()) and default.patches == 256  # the whole grid
+    for budget in (15, 257):
+        with pytest.raises(P.PlanConfigError, match=f"--max_num_patches {budget}: give one row \\(16\\)"):
+            P.ModelShape.from_json(path, max_num_patches=budget)
+    with pytest.raises(P.PlanConfigError, match="--max_num_patches is SigLIP 2's"):
+        P.ModelShape.from_json(VIT, max_num_patches=64)
+
+
 def test_loss_terms_scale_as_the_paper_says():
     """local O(b^2) per rank, disco O(B^2/N), tiled O(B*d): the asymptotics the paper and disco_clip_ds.losses
     claim."""

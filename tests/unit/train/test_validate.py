@@ -17,6 +17,7 @@ MODEL = ["--model_config", str(REPO / "recipes/models/tiny.json")]
 TOK = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
 
 SIGLIP = REPO / "recipes/models/siglip_tiny.json"
+SIGLIP2 = ["--model_config", str(REPO / "recipes/models/siglip2_tiny.json")]
 
 # (arguments after --train_shards; "{data}", "{tmp}" and the configs of `bad_inputs` are filled in per test; the
 # message to expect)
@@ -69,6 +70,31 @@ BAD_ARGUMENTS = {
     "text length 0": (["{data}", *MODEL, *TOK, "--max_text_length", "0"], "--max_text_length 0: give a positive"),
     "image size 0": (["{data}", *MODEL, *TOK, "--image_size", "0"], "--image_size 0: give a positive"),
     "chunk size 0": (["{data}", *MODEL, *TOK, "--chunk_size", "0"], "--chunk_size 0: give a positive"),
+    "budget below a patch row": (
+        ["{data}", *SIGLIP2, *TOK, "--max_num_patches", "15"],
+        "--max_num_patches 15: below one row of the 16 x 16 position grid; give 16+",
+    ),
+    "budget above the grid": (
+        ["{data}", *SIGLIP2, *TOK, "--max_num_patches", "257"],
+        "--max_num_patches 257: above the 16 x 16 = 256 position grid; give at most 256",
+    ),
+    "budget 0": (["{data}", *SIGLIP2, *TOK, "--max_num_patches", "0"], "--max_num_patches 0: give a positive"),
+    "budget for a square-image model": (
+        ["{data}", *MODEL, *TOK, "--max_num_patches", "64"],
+        "--max_num_patches is SigLIP 2's (NaFlex); this is a clip model",
+    ),
+    "image size for siglip2": (
+        ["{data}", *SIGLIP2, *TOK, "--image_size", "64"],
+        "--image_size: SigLIP 2 keeps each image's aspect ratio",
+    ),
+    "teacher for siglip2": (
+        ["{data}", *SIGLIP2, *TOK, "--teacher", "{siglip_teacher}"],
+        "--teacher: distillation into SigLIP 2 is not supported",
+    ),
+    "patch dropout for siglip2": (
+        ["{data}", *SIGLIP2, *TOK, "--patch_dropout", "0.5"],
+        "--patch_dropout: not supported for SigLIP 2",
+    ),
     "distill weight without a teacher": (
         ["{data}", *MODEL, *TOK, "--distill_weight", "0.5"],
         "--distill_weight without --teacher",
