@@ -9,6 +9,8 @@
 # TEACHER=outputs/quickstart distils that trained model into this one (DISTILL_WEIGHT, default 0.5; DISTILL_TEMPERATURE,
 # default the teacher's own logit scale; docs/distillation.md);
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
+# CAPTION_NOISE=0.3 builds and trains on the demo with 30 % of its training captions naming another digit
+# (DATA=data/demo_noise0.3; noisy web captions, where a teacher has most to teach: docs/distillation.md).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
 #   LOSS=siglip2 MAX_NUM_PATCHES=144 bash recipes/quickstart.sh   # OUT=outputs/quickstart_siglip2
@@ -19,16 +21,17 @@ export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank: the ranks share the cores
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 NPROC=${NPROC:-2} STEPS=${STEPS:-300} PER_RANK=${PER_RANK:-128} SEED=${SEED:-0} PATCH_DROPOUT=${PATCH_DROPOUT:-0}
-LOSS=${LOSS:-softmax} DATA_FORMAT=${DATA_FORMAT:-shards}
+LOSS=${LOSS:-softmax} DATA_FORMAT=${DATA_FORMAT:-shards} CAPTION_NOISE=${CAPTION_NOISE:-0}
+NOISE=""; [ "$CAPTION_NOISE" = 0 ] || NOISE=_noise$CAPTION_NOISE
 case "$DATA_FORMAT" in
-  shards) DATA=${DATA:-data/demo}; BUILT="$DATA/train/sizes.json"; FMT="" ;;
-  hf) DATA=${DATA:-data/demo_hf}; BUILT="$DATA/eval/zeroshot_classification_templates.txt"; FMT=_hf ;;
+  shards) DATA=${DATA:-data/demo$NOISE}; BUILT="$DATA/train/sizes.json"; FMT="" ;;
+  hf) DATA=${DATA:-data/demo_hf$NOISE}; BUILT="$DATA/eval/zeroshot_classification_templates.txt"; FMT=_hf ;;
   *) echo "DATA_FORMAT=$DATA_FORMAT: shards (webdataset tar shards) or hf (a datasets parquet dataset)" >&2; exit 2 ;;
 esac
 case "$LOSS" in
-  softmax) MODEL=${MODEL:-recipes/models/tiny.json}; OUT=${OUT:-outputs/quickstart${TEACHER:+_distilled}$FMT} ;;
-  sigmoid) MODEL=${MODEL:-recipes/models/siglip_tiny.json}; OUT=${OUT:-outputs/quickstart_sigmoid${TEACHER:+_distilled}$FMT} ;;
-  siglip2) MODEL=${MODEL:-recipes/models/siglip2_tiny.json}; OUT=${OUT:-outputs/quickstart_siglip2${TEACHER:+_distilled}$FMT}
+  softmax) MODEL=${MODEL:-recipes/models/tiny.json}; OUT=${OUT:-outputs/quickstart${TEACHER:+_distilled}$NOISE$FMT} ;;
+  sigmoid) MODEL=${MODEL:-recipes/models/siglip_tiny.json}; OUT=${OUT:-outputs/quickstart_sigmoid${TEACHER:+_distilled}$NOISE$FMT} ;;
+  siglip2) MODEL=${MODEL:-recipes/models/siglip2_tiny.json}; OUT=${OUT:-outputs/quickstart_siglip2${TEACHER:+_distilled}$NOISE$FMT}
     BUDGET=(--max_num_patches "${MAX_NUM_PATCHES:-256}") ;;
   *) echo "LOSS=$LOSS: softmax (CLIP), sigmoid (SigLIP) or siglip2 (SigLIP 2, NaFlex)" >&2; exit 2 ;;
 esac
@@ -45,7 +48,7 @@ VENV=${VENV:-.venv}
 $VENV/bin/python -c "import torch" 2>/dev/null || $VENV/bin/python -m pip install -q "torch==2.13.0"
 $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/python -m pip install -q -e .
 
-[ -f "$BUILT" ] || $VENV/bin/disco-clip data demo --format "$DATA_FORMAT" --output "$DATA"
+[ -f "$BUILT" ] || $VENV/bin/disco-clip data demo --format "$DATA_FORMAT" --caption_noise "$CAPTION_NOISE" --output "$DATA"
 
 # AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F).
 # deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.

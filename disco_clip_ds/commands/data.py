@@ -178,6 +178,13 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--caption_noise",
+        type=float,
+        default=0.0,
+        help="the fraction of training samples captioned as another digit (noisy web captions; the eval split stays "
+        "true): the distillation demo's data",
+    )
+    p.add_argument(
         "--format",
         choices=sorted(FORMAT_FILES),
         default="shards",
@@ -194,10 +201,14 @@ def demo_main(argv: list[str] | None = None) -> int:
     args = demo_parser().parse_args(argv)
     if not 0 < args.eval_fraction < 1:
         raise UsageError("--eval_fraction must be between 0 and 1")
+    if not 0 <= args.caption_noise < 1:
+        raise UsageError(f"--caption_noise {args.caption_noise:g}: give a fraction of the captions, from 0 up to 1")
     check_output_folder(args.output, args.format)
     started = time.monotonic()
     if args.format == "hf":
-        train, evl = build_hf_demo(args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed)
+        train, evl = build_hf_demo(
+            args.output, args.image_size, args.samples_per_shard, args.eval_fraction, args.seed, args.caption_noise
+        )
         print(
             f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
             f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
@@ -212,6 +223,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         args.processes,
         args.threads,
         args.seed,
+        args.caption_noise,
     )
     print(
         f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "

@@ -31,6 +31,14 @@ which is SigLIP's loss when sigmoid(T) is the identity matrix. As in sigmoid.py,
 against one rank's text blocks at a time, the student's and the teacher's text blocks passing together round the
 ring: a rank never holds more than two blocks of each, whatever the number of ranks. d/dS_ij = sigmoid(S_ij) -
 sigmoid(T_ij).
+
+Mixed with the contrastive loss (`distill_weight` W < 1): (1 - W) contrastive + W distillation is one loss of the
+same tiles, the student's logits against a target mixing the positives (weight 1 - W) with the teacher's
+distribution (weight W): CLIP's cross-entropy is the student's row and column log-sum-exps minus S_ii, SigLIP's
+loss is softplus(S_ij) minus S_ii, and both share their first part with the distillation above. So the tiles carry
+W times the teacher's terms and the student's log-sum-exps (softplus) once; the positives, S_ii of this rank's own
+rows, are added outside by autograd. The mix costs what the distillation alone costs: no second gather of the
+student's texts and no second pass over the tiles.
 """
 
 from __future__ import annotations
@@ -50,6 +58,13 @@ def _tiles(rows: int, chunk: int):
     return (slice(start, start + chunk) for start in range(0, rows, chunk))
 
 
+def _check_options(chunk_size, distill_weight) -> None:
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    if not 0 <= distill_weight <= 1:
+        raise ValueError(f"distill_weight must lie in [0, 1] (1: distillation alone), got {distill_weight}")
+
+
 def _as_scalar(value):
     # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
     return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
@@ -66,10 +81,12 @@ def _upstream_per_column(grad_total, sizes, world, group, total):
 
 
 class _SoftmaxDistill(torch.autograd.Function):
-    """sum over this rank's image rows of KL_row_i + over its text columns of KL_col_j (module docstring)."""
+    """sum over this rank's image rows of KL_row_i + over its text columns of KL_col_j (module docstring); with a
+    weight W < 1, W times those KLs + (1 - W) times the student's log-sum-exps of the same rows and columns (the
+    contrastive loss but for its positives)."""
 
     @staticmethod
-    def forward(ctx, images, texts, scale, t_images, t_texts, t_scale, sizes, group, chunk):
+    def forward(ctx, images, texts, scale, t_images, t_texts, t_scale, weight, sizes, group, chunk):
         rank, world = rank_and_world(group)
         s, ts = float(scale), float(t_scale)
         b, total = images.shape[0], texts.shape[0]
@@ -77,7 +94,7 @@ class _SoftmaxDistill(torch.autograd.Function):
         row_lse_s, row_lse_t = texts32.new_empty(b), texts32.new_empty(b)
         col_lse_s, col_lse_t = texts32.new_full((total,), -torch.inf), texts32.new_full((total,), -torch.inf)
         col_mean = texts32.new_zeros(total)  # sum_i softmax_i(T)_ij (T_ij - S_ij) over the rows seen so far
-        rows_kl = texts32.new_zeros(())
+        rows_terms = texts32.new_zeros(())
         for rows in _tiles(b, chunk):
             logits = (images[rows].float() * s) @ texts32.T
             t_logits = (t_images[rows].float() * ts) @ t_texts32.T
@@ -86,7 +103,9 @@ class _SoftmaxDistill(torch.autograd.Function):
             diff = t_logits - logits
             # KL_i = sum_j p_ij (T_ij - S_ij) - lse_T_i + lse_S_i with p the teacher's row softmax
             p = (t_logits - row_lse_t[rows, None]).exp_()
-            rows_kl += torch.vdot(p.view(-1), diff.view(-1)) - row_lse_t[rows].sum() + row_lse_s[rows].sum()
+            rows_terms += (
+                weight * (torch.vdot(p.view(-1), diff.view(-1)) - row_lse_t[rows].sum()) + row_lse_s[rows].sum()
+            )
             tile_lse_t = t_logits.logsumexp(0)
             tile_mean = t_logits.sub_(tile_lse_t).exp_().mul_(diff).sum(0)  # this tile's teacher column softmax
             merged = torch.logaddexp(col_lse_t, tile_lse_t)
@@ -102,16 +121,16 @@ class _SoftmaxDistill(torch.autograd.Function):
             col_mean = sums[2] / sums[1]
         lo = sum(sizes[:rank])
         mine = slice(lo, lo + b)
-        cols_kl = (col_mean[mine] - col_lse_t[mine] + col_lse_s[mine]).sum()
+        cols_terms = (weight * (col_mean[mine] - col_lse_t[mine]) + col_lse_s[mine]).sum()
         ctx.save_for_backward(images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t)
-        ctx.meta = (sizes, world, group, chunk, s, ts, scale.dtype)
-        return rows_kl + cols_kl
+        ctx.meta = (sizes, world, group, chunk, s, ts, weight, scale.dtype)
+        return rows_terms + cols_terms
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
         images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t = ctx.saved_tensors
-        sizes, world, group, chunk, s, ts, scale_dtype = ctx.meta
+        sizes, world, group, chunk, s, ts, weight, scale_dtype = ctx.meta
         need_i, need_t, need_s = ctx.needs_input_grad[:3]
         g, g_col = _upstream_per_column(grad_total, sizes, world, group, texts.shape[0])
         texts32, t_texts32 = texts.float(), t_texts.float()
@@ -123,8 +142,9 @@ class _SoftmaxDistill(torch.autograd.Function):
             logits = (q * s) @ texts32.T  # S's rounding as in forward (the same product)
             t_logits = (t_images[rows].float() * ts) @ t_texts32.T
             # every exponent is <= 0: a logit minus a log-sum-exp that contains it
-            grad = (logits - row_lse_s[rows, None]).exp_().sub_((t_logits - row_lse_t[rows, None]).exp_()).mul_(g)
-            grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_()).mul_(g_col)
+            teacher_rows = (t_logits - row_lse_t[rows, None]).exp_()
+            grad = (logits - row_lse_s[rows, None]).exp_().sub_(teacher_rows, alpha=weight).mul_(g)
+            grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_(), alpha=weight).mul_(g_col)
             if need_i or need_s:
                 grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = q . grad_q
                 if need_s:
@@ -137,22 +157,22 @@ class _SoftmaxDistill(torch.autograd.Function):
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,
             grad_s.to(scale_dtype) if need_s else None,
-            *([None] * 6),
+            *([None] * 7),
         )
 
 
 class _RingSigmoidDistill(torch.autograd.Function):
-    """sum over this rank's image rows i and all texts j of softplus(S_ij) - sigmoid(T_ij) S_ij, the student's and
+    """sum over this rank's image rows i and all texts j of softplus(S_ij) - W sigmoid(T_ij) S_ij, the student's and
     the teacher's text blocks travelling round the ring together (as _RingSigmoid's texts)."""
 
     @staticmethod
-    def forward(ctx, images, texts, scale, bias, t_images, t_texts, t_scale, t_bias, sizes, group, chunk):
+    def forward(ctx, images, texts, scale, bias, t_images, t_texts, t_scale, t_bias, weight, sizes, group, chunk):
         ctx.save_for_backward(images, texts, t_images, t_texts)
         ctx.meta = (sizes, group, chunk, float(scale), float(bias), float(t_scale), float(t_bias))
-        ctx.dtypes = (scale.dtype, bias.dtype)
+        ctx.dtypes, ctx.weight = (scale.dtype, bias.dtype), weight
         total = images.new_zeros((), dtype=torch.float32)
         for _, _, _, _, logits, t_logits in _ring_tiles(ctx, images, texts, t_images, t_texts, backward=False):
-            total += F.softplus(logits).sum() - torch.vdot(t_logits.sigmoid_().view(-1), logits.view(-1))
+            total += F.softplus(logits).sum() - weight * torch.vdot(t_logits.sigmoid_().view(-1), logits.view(-1))
         return total
 
     @staticmethod
@@ -167,7 +187,7 @@ class _RingSigmoidDistill(torch.autograd.Function):
         for rows, q, block32, dots, logits, t_logits in _ring_tiles(
             ctx, images, texts, t_images, t_texts, backward=True
         ):
-            grad = logits.sigmoid_().sub_(t_logits.sigmoid_()).mul_(g)
+            grad = logits.sigmoid_().sub_(t_logits.sigmoid_(), alpha=ctx.weight).mul_(g)
             grad_s += torch.vdot(grad.view(-1), dots.view(-1))
             grad_b += grad.sum()
             grad_i[rows].addmm_(grad, block32, alpha=s)
@@ -178,7 +198,7 @@ class _RingSigmoidDistill(torch.autograd.Function):
             block_grad.to(texts.dtype),
             grad_s.to(ctx.dtypes[0]),
             grad_b.to(ctx.dtypes[1]),
-            *([None] * 7),
+            *([None] * 8),
         )
 
 
@@ -215,10 +235,9 @@ def _ring_tiles(ctx, images, texts, t_images, t_texts, backward: bool):
             block, t_block = nxt, t_nxt
 
 
-def _check(who, student, teacher, scalars, t_scalars, chunk_size, group) -> list[int]:
+def _check(who, student, teacher, scalars, t_scalars, chunk_size, group, distill_weight) -> list[int]:
     """Both models' inputs checked on every rank at once; the local batch sizes."""
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    _check_options(chunk_size, distill_weight)
     sizes = check_inputs(*student, scalars, group, who)
     t_sizes = check_inputs(*teacher, t_scalars, group, f"{who} (teacher features)")
     if sizes != t_sizes:  # every rank holds both lists: every rank raises
@@ -235,11 +254,12 @@ def softmax_distill_loss(
     teacher_scale,
     chunk_size: int | None = None,
     group=None,
+    distill_weight: float = 1.0,
 ) -> torch.Tensor:
     """Functional form of :class:`SoftmaxDistillLoss`; see the module docstring for the exact contract."""
     student, teacher = (image_features, text_features), (teacher_image_features, teacher_text_features)
     scalars, t_scalars = {"logit_scale": logit_scale}, {"teacher_scale": teacher_scale}
-    sizes = _check("SoftmaxDistillLoss", student, teacher, scalars, t_scalars, chunk_size, group)
+    sizes = _check("SoftmaxDistillLoss", student, teacher, scalars, t_scalars, chunk_size, group, distill_weight)
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):  # fp32 logits, as the contrastive loss
@@ -256,10 +276,13 @@ def softmax_distill_loss(
             teacher_image_features.detach(),
             t_all_texts,
             t_scale,
+            float(distill_weight),
             sizes,
             group,
             chunk,
         )
+        if distill_weight < 1:  # the contrastive loss's positives, S_ii for this rank's rows and columns
+            terms = terms - 2 * (1 - distill_weight) * scale * (image_features.float() * text_features.float()).sum()
         return terms * (world / (2 * total)) if total else terms
 
 
@@ -274,6 +297,7 @@ def sigmoid_distill_loss(
     teacher_bias,
     chunk_size: int | None = None,
     group=None,
+    distill_weight: float = 1.0,
 ) -> torch.Tensor:
     """Functional form of :class:`SigmoidDistillLoss`; see the module docstring for the exact contract."""
     logit_scale, logit_bias = _as_scalar(logit_scale), _as_scalar(logit_bias)
@@ -286,25 +310,31 @@ def sigmoid_distill_loss(
         {"teacher_scale": teacher_scale, "teacher_bias": teacher_bias},
         chunk_size,
         group,
+        distill_weight,
     )
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):
         as32 = lambda v: torch.as_tensor(v, device=device).float()
+        scale, bias = as32(logit_scale), as32(logit_bias)
         chunk = chunk_size or ring_chunk_size(max(sizes))
         terms = _RingSigmoidDistill.apply(
             image_features,
             text_features,
-            as32(logit_scale),
-            as32(logit_bias),
+            scale,
+            bias,
             teacher_image_features.detach(),
             teacher_text_features.detach(),
             as32(teacher_scale).detach(),
             as32(teacher_bias).detach(),
+            float(distill_weight),
             sizes,
             group,
             chunk,
         )
+        if distill_weight < 1:  # SigLIP's positives, S_ii for this rank's rows
+            positives = scale * (image_features.float() * text_features.float()).sum() + bias * len(image_features)
+            terms = terms - (1 - distill_weight) * positives
         return terms * (world / total) if total else terms
 
 
@@ -317,13 +347,13 @@ class SoftmaxDistillLoss(nn.Module):
     `logit_scale.exp()`, or 1 / temperature). Returns this rank's share l_r with mean_r l_r = the single-device
     KL distillation loss over the global batch (module docstring), with gradients such that data-parallel
     averaging yields exactly the global-batch gradient. `chunk_size`: rows per tile (None: ~8 MiB of logits).
+    `distill_weight` W < 1 returns (1 - W) CLIP's contrastive loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None):
+    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
         super().__init__()
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
-        self.chunk_size, self.group = chunk_size, group
+        _check_options(chunk_size, distill_weight)
+        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
 
     def forward(
         self, image_features, text_features, logit_scale, teacher_image_features, teacher_text_features, teacher_scale
@@ -337,10 +367,11 @@ class SoftmaxDistillLoss(nn.Module):
             teacher_scale,
             self.chunk_size,
             self.group,
+            self.distill_weight,
         )
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}"
+        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
 
 
 class SigmoidDistillLoss(nn.Module):
@@ -352,13 +383,13 @@ class SigmoidDistillLoss(nn.Module):
     logit multiplier and bias, the teacher's similarity multiplier (its `logit_scale.exp()`, or 1 / temperature)
     and its bias. Returns l_r with mean_r l_r = the single-device loss (module docstring) and gradients exact under
     data-parallel averaging. `chunk_size`: image rows per tile (None: ~8 MiB of logits per tile).
+    `distill_weight` W < 1 returns (1 - W) SigLIP's loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None):
+    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
         super().__init__()
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
-        self.chunk_size, self.group = chunk_size, group
+        _check_options(chunk_size, distill_weight)
+        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
 
     def forward(
         self,
@@ -382,7 +413,8 @@ class SigmoidDistillLoss(nn.Module):
             teacher_bias,
             self.chunk_size,
             self.group,
+            self.distill_weight,
         )
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}"
+        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"

@@ -198,7 +198,7 @@ class ContrastiveAccumulation:
         loss_fn = unwrapped.global_loss
         if teacher is not None:  # the teacher's multiplier (and bias) are the same for every micro-batch
             images, texts, teacher_params = zip(*teacher_embeds)
-            loss_fn = teacher.loss_fn(loss_fn, torch.cat(images), torch.cat(texts), teacher_params[0])
+            loss_fn = teacher.loss_fn(torch.cat(images), torch.cat(texts), teacher_params[0])
         update.loss, update.grads, update.param_grads = cached_embedding_gradients(
             image_embeds, text_embeds, params, loss_fn
         )

@@ -64,16 +64,16 @@ class Teacher:
         params = (scale, out.logit_bias.detach().float().reshape(())) if self.sigmoid else (scale,)
         return out.image_embeds.float(), out.text_embeds.float(), params
 
-    def loss_fn(self, contrastive, teacher_images: torch.Tensor, teacher_texts: torch.Tensor, teacher_params):
-        """loss(images, texts, *params) = (1 - W) contrastive(images, texts, *params) + W distillation against the
-        teacher's embeddings of the same rows (`contrastive`: the student's `global_loss`)."""
+    def loss_fn(self, teacher_images: torch.Tensor, teacher_texts: torch.Tensor, teacher_params):
+        """loss(images, texts, *params) = (1 - W) contrastive + W distillation against the teacher's embeddings of the
+        same rows: the student's CLIP (SigLIP) loss and the distillation from the same tiles, in one pass
+        (`disco_clip_ds.losses.distill`), whichever --loss_impl computes the loss without a teacher."""
         distill = sigmoid_distill_loss if self.sigmoid else softmax_distill_loss
 
         def loss(images, texts, *params):
-            value = self.weight * distill(images, texts, *params, teacher_images, teacher_texts, *teacher_params)
-            if self.weight < 1:  # W = 1 is pure distillation: no contrastive pass at all
-                value = value + (1 - self.weight) * contrastive(images, texts, *params)
-            return value
+            return distill(
+                images, texts, *params, teacher_images, teacher_texts, *teacher_params, distill_weight=self.weight
+            )
 
         return loss
 

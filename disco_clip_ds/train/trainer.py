@@ -204,7 +204,7 @@ class DiscoTrainer(Trainer):
         its forward (as contrastive accumulation computes its loss), the teacher's embeddings without grad."""
         student, teacher_inputs = split_inputs(inputs)
         outputs = model(**{**student, "return_loss": False, "return_logits": False})
-        loss_fn = self.teacher.loss_fn(self.model.global_loss, *self.teacher.embed(teacher_inputs))
+        loss_fn = self.teacher.loss_fn(*self.teacher.embed(teacher_inputs))
         loss = loss_fn(outputs.image_embeds, outputs.text_embeds, *logit_params(self.model, outputs))
         return (loss, outputs) if return_outputs else loss
 

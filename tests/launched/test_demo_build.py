@@ -247,9 +247,10 @@ CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "wid
 
 @pytest.mark.slow
 def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tmp_path):
-    """recipes/quickstart.sh with DATA_FORMAT=hf, its launcher a stand-in: it builds the parquet demo, hands
-    training run_clip's flags for it (and no --train_shards), evaluates the parquet eval set and exports. Training
-    itself from a datasets source is tested where that source is built; the shards default runs unchanged."""
+    """recipes/quickstart.sh with DATA_FORMAT=hf, its launcher a stand-in: it builds the parquet demo (with
+    CAPTION_NOISE, its training captions partly another digit's), hands training run_clip's flags for it (and no
+    --train_shards), evaluates the parquet eval set and exports. Training itself from a datasets source is tested
+    where that source is built; the shards default runs unchanged."""
     from disco_clip_ds.testing.launch import REPO
 
     venv = tmp_path / "venv" / "bin"
@@ -272,6 +273,7 @@ def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tm
         "OUT": str(out),
         "STEPS": "3",
         "SEED": "5",
+        "CAPTION_NOISE": "0.3",
     }
     result = subprocess.run(
         ["bash", str(REPO / "recipes" / "quickstart.sh")], env=env, capture_output=True, text=True, timeout=600
@@ -288,3 +290,33 @@ def test_quickstart_data_format_hf_builds_the_parquet_demo_and_trains_from_it(tm
         record = json.loads((out / "eval" / f"{task}.json").read_text())
         assert record["dataset"] == f"{data}/eval" and record["metrics"], task
     assert (out / "export" / "README.md").is_file()
+    rows = _rows(data / "train" / "train-00000-of-00008.parquet")
+    assert any(not re.search(rf"\b({WORDS[r['label']]}|{r['label']})\b", r["caption"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_caption_noise_recaptions_that_fraction_of_the_training_split_only(hf_demo, tmp_path):
+    """`--caption_noise 0.3`: the same images, labels and eval split as the clean build, and 30 % of the training
+    rows (rounded) captioned as another digit, one named by no other (a caption names one digit); the rest and every
+    eval row as the clean build has them."""
+    from disco_clip_ds import cli
+
+    noisy = tmp_path / "noisy"
+    assert cli.main(["data", "demo", "--format", "hf", "--caption_noise", "0.3", "--output", str(noisy)]) == 0
+
+    def named(caption: str) -> set[int]:
+        return {d for d in range(10) if re.search(rf"\b({WORDS[d]}|{d})\b", caption)}
+
+    mislabelled = 0
+    for folder, split, count in (("train", "train", 8), ("eval", "test", 2)):
+        for shard in range(count):
+            name = f"{split}-{shard:05d}-of-{count:05d}.parquet"
+            for clean, row in zip(_rows(hf_demo / folder / name), _rows(noisy / folder / name), strict=True):
+                assert {k: v for k, v in row.items() if k != "caption"} == {
+                    k: v for k, v in clean.items() if k != "caption"
+                }
+                if row["caption"] != clean["caption"]:
+                    assert folder == "train" and len(named(row["caption"])) == 1
+                    assert named(row["caption"]) != {row["label"]}, row
+                    mislabelled += 1
+    assert mislabelled == round(0.3 * 1437)

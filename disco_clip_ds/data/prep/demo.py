@@ -19,6 +19,9 @@ TarWriter in the CLIP_benchmark layout.
     DIR/eval/zeroshot_classification_templates.txt
 
 `datasets.load_dataset("DIR/train")` or `load_dataset("parquet", data_dir="DIR/eval")` read them.
+
+`--caption_noise P` captions a fraction P of the training samples as another digit (`mislabel`), for the
+distillation demo; the eval split is the same as without it.
 """
 
 from __future__ import annotations
@@ -84,6 +87,20 @@ def captions_for(labels: np.ndarray, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     picks = rng.integers(len(CAPTION_TEMPLATES), size=len(labels))
     return [CAPTION_TEMPLATES[t].format(word=DIGITS[y], digit=y) for t, y in zip(picks, labels)]
+
+
+def mislabel(captions: list[str], labels: np.ndarray, indices: np.ndarray, fraction: float, seed: int) -> list[str]:
+    """`captions` with a seeded `fraction` of the samples `indices` (the training split) captioned as another digit,
+    in a template of their own: web alt-text often fails to describe its image, and a teacher that has learnt past
+    such pairs is what distillation brings a student (docs/distillation.md). The labels stay the images' own."""
+    rng = np.random.default_rng([seed, 1])  # apart from the templates' and the split's draws
+    chosen = rng.choice(indices, size=round(fraction * len(indices)), replace=False)
+    shifts, templates = rng.integers(1, 10, size=len(chosen)), rng.integers(len(CAPTION_TEMPLATES), size=len(chosen))
+    noisy = list(captions)
+    for i, shift, template in zip(chosen, shifts, templates):
+        wrong = (int(labels[i]) + int(shift)) % 10
+        noisy[i] = CAPTION_TEMPLATES[template].format(word=DIGITS[wrong], digit=wrong)
+    return noisy
 
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -240,7 +257,12 @@ def write_parquet_split(folder: Path, split: str, indices, jpgs: dict, labels, c
 
 
 def build_hf_demo(
-    output: Path, image_size: int = 64, samples_per_shard: int = 180, eval_fraction: float = 0.2, seed: int = 0
+    output: Path,
+    image_size: int = 64,
+    samples_per_shard: int = 180,
+    eval_fraction: float = 0.2,
+    seed: int = 0,
+    caption_noise: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """The demo as a datasets parquet dataset under `output` (see the module docstring); returns the rows per
     file of train and eval. No download: the images are encoded as the download encodes them, and the split and
@@ -248,6 +270,7 @@ def build_hf_demo(
     pngs, labels = digit_images(image_size)
     captions = captions_for(labels, seed)
     train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    captions = mislabel(captions, labels, train_idx, caption_noise, seed)
     encode = jpeg_encoder(image_size)
     jpgs = {int(i): encode(pngs[i]) for i in range(len(pngs))}
     train = write_parquet_split(output / "train", "train", train_idx, jpgs, labels, captions, samples_per_shard)
@@ -264,11 +287,14 @@ def build_demo(
     processes: int = 2,
     threads: int = 16,
     seed: int = 0,
+    caption_noise: float = 0.0,
 ) -> tuple[dict, dict]:
-    """Build the demo dataset under `output`; return (train download summary, eval sizes)."""
+    """Build the demo dataset under `output`; return (train download summary, eval sizes). `caption_noise`: the
+    fraction of training samples captioned as another digit (`mislabel`); the eval split's captions stay true."""
     pngs, labels = digit_images(image_size)
     captions = captions_for(labels, seed)
     train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    captions = mislabel(captions, labels, train_idx, caption_noise, seed)
     write_train_metadata(output / "metadata" / "train.parquet", train_idx, labels, captions)
     files = {f"/digits/{i:04d}.png": png for i, png in enumerate(pngs)}
     cfg = prep.DownloadConfig(

@@ -35,3 +35,12 @@ def test_format_hf_and_shards_refuse_each_others_build(tmp_path, capsys):
     assert "holds a --format hf demo: give another folder for shards" in capsys.readouterr().err
     check_output_folder(shards, "shards")  # no error: its own earlier output
     check_output_folder(hf, "hf")
+
+
+def test_caption_noise_outside_0_to_1_is_refused(tmp_path, capsys):
+    from disco_clip_ds import cli
+
+    for noise in ("1", "-0.1"):
+        assert cli.main(["data", "demo", "--caption_noise", noise, "--output", str(tmp_path / "demo")]) == 2
+        assert f"--caption_noise {noise}: give a fraction of the captions, from 0 up to 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()

@@ -30,9 +30,10 @@ def global_features(sizes, seed, dtype=torch.float32):
     return out  # x, y, teacher x, teacher y
 
 
-def softmax_reference(x, y, xt, yt, log_scale, teacher_scale):
+def softmax_reference(x, y, xt, yt, log_scale, teacher_scale, weight=1.0):
     """KL(teacher || student) over the B columns of each image row and the B rows of each text column, in float64
-    from the full B x B matrices, averaged as CLIP's cross-entropies; gradients w.r.t. x, y and the log scale."""
+    from the full B x B matrices, averaged as CLIP's cross-entropies; with weight W < 1, (1 - W) CLIP's loss (the
+    mean of both directions' cross-entropies) + W that. Gradients w.r.t. x, y and the log scale."""
     x, y = x.double().requires_grad_(), y.double().requires_grad_()
     t = torch.tensor(log_scale, dtype=torch.float64, requires_grad=True)
     student = t.exp() * x @ y.T
@@ -41,29 +42,36 @@ def softmax_reference(x, y, xt, yt, log_scale, teacher_scale):
     kl = lambda dim: F.kl_div(
         student.log_softmax(dim), teacher.log_softmax(dim), log_target=True, reduction="sum"
     )  # sum over rows (dim 1) or columns (dim 0) of their KLs
-    loss = (kl(1) / n + kl(0) / n) / 2
+    labels = torch.arange(n)
+    clip = (F.cross_entropy(student, labels) + F.cross_entropy(student.T, labels)) / 2
+    loss = weight * (kl(1) / n + kl(0) / n) / 2 + (1 - weight) * clip
     loss.backward()
     return loss.item(), x.grad, y.grad, t.grad.item()
 
 
-def sigmoid_reference(x, y, xt, yt, log_scale, bias, teacher_scale, teacher_bias):
+def sigmoid_reference(x, y, xt, yt, log_scale, bias, teacher_scale, teacher_bias, weight=1.0):
     """Per-pair BCE of the student's sigmoid against the teacher's, summed over the B x B pairs / B (SigLIP's
-    normalisation), in float64; gradients w.r.t. x, y, log scale and bias."""
+    normalisation), in float64; with weight W < 1, (1 - W) SigLIP's loss (labels +1 on the diagonal, -1 off it) + W
+    that. Gradients w.r.t. x, y, log scale and bias."""
     x, y = x.double().requires_grad_(), y.double().requires_grad_()
     t = torch.tensor(log_scale, dtype=torch.float64, requires_grad=True)
     b = torch.tensor(bias, dtype=torch.float64, requires_grad=True)
     student = t.exp() * x @ y.T + b
     target = torch.sigmoid(teacher_scale * xt.double() @ yt.double().T + teacher_bias)
-    loss = -(target * F.logsigmoid(student) + (1 - target) * F.logsigmoid(-student)).sum() / len(x)
+    distill = -(target * F.logsigmoid(student) + (1 - target) * F.logsigmoid(-student)).sum() / len(x)
+    signs = 2 * torch.eye(len(x), dtype=torch.float64) - 1
+    loss = weight * distill + (1 - weight) * -F.logsigmoid(signs * student).sum() / len(x)
     loss.backward()
     return loss.item(), x.grad, y.grad, t.grad.item(), b.grad.item()
 
 
-CASES = [  # (sizes per rank as a function of world, dtype, chunk)
-    (lambda n: [5] * n, torch.float32, None),
-    (lambda n: [3, 7, 1, 4][:n], torch.float32, 2),
-    (lambda n: [6, 2, 5, 3][:n], torch.bfloat16, 4),
-    (lambda n: [4, 0, 3, 2][:n], torch.float32, 3),  # a rank with no rows (epoch end)
+CASES = [  # (sizes per rank as a function of world, dtype, chunk, distill weight)
+    (lambda n: [5] * n, torch.float32, None, 1.0),
+    (lambda n: [3, 7, 1, 4][:n], torch.float32, 2, 1.0),
+    (lambda n: [6, 2, 5, 3][:n], torch.bfloat16, 4, 1.0),
+    (lambda n: [4, 0, 3, 2][:n], torch.float32, 3, 1.0),  # a rank with no rows (epoch end)
+    (lambda n: [3, 7, 1, 4][:n], torch.float32, 2, 0.3),  # mixed with the contrastive loss
+    (lambda n: [4, 0, 3, 2][:n], torch.float32, 3, 0.0),  # the contrastive loss alone
 ]
 SOFTMAX = (math.log(30.0), 1 / 0.05)  # student log scale; teacher scale (1 / temperature)
 SIGMOID = (math.log(10.0), -5.0, 20.0, -8.0)  # student log scale and bias; teacher scale and bias
@@ -72,19 +80,21 @@ SIGMOID = (math.log(10.0), -5.0, 20.0, -8.0)  # student log scale and bias; teac
 def _rank_losses(rank, world):
     """Both losses on every case on this rank: loss, gradients of the features, log scale (and bias)."""
     out = []
-    for case, (sizes_of, dtype, chunk) in enumerate(CASES):
+    for case, (sizes_of, dtype, chunk, weight) in enumerate(CASES):
         sizes = sizes_of(world)
         x, y, xt, yt = global_features(sizes, seed=case, dtype=dtype)
         mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
         xi, yi = x[mine].clone().requires_grad_(), y[mine].clone().requires_grad_()
         t = torch.tensor(SOFTMAX[0], requires_grad=True)
-        loss = SoftmaxDistillLoss(chunk)(xi, yi, t.exp(), xt[mine], yt[mine], torch.tensor(SOFTMAX[1]))
+        loss_fn = SoftmaxDistillLoss(chunk, distill_weight=weight)
+        loss = loss_fn(xi, yi, t.exp(), xt[mine], yt[mine], torch.tensor(SOFTMAX[1]))
         loss.backward()
         soft = (loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item())
         xi, yi = x[mine].clone().requires_grad_(), y[mine].clone().requires_grad_()
         t = torch.tensor([SIGMOID[0]], requires_grad=True)  # shape (1,), as SiglipModel's
         b = torch.tensor([SIGMOID[1]], requires_grad=True)
-        loss = SigmoidDistillLoss(chunk)(xi, yi, t.exp(), b, xt[mine], yt[mine], *map(torch.tensor, SIGMOID[2:]))
+        loss_fn = SigmoidDistillLoss(chunk, distill_weight=weight)
+        loss = loss_fn(xi, yi, t.exp(), b, xt[mine], yt[mine], *map(torch.tensor, SIGMOID[2:]))
         loss.backward()
         out.append((soft, (loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item(), b.grad.item())))
     return out
@@ -94,14 +104,14 @@ def _rank_losses(rank, world):
 @pytest.mark.slow
 def test_distill_losses_match_float64_reference(world):
     per_rank = run_ranks(_rank_losses, world)
-    for case, (sizes_of, dtype, chunk) in enumerate(CASES):
+    for case, (sizes_of, dtype, chunk, weight) in enumerate(CASES):
         sizes = sizes_of(world)
         features = global_features(sizes, seed=case, dtype=dtype)
         rtol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        refs = (softmax_reference(*features, *SOFTMAX), sigmoid_reference(*features, *SIGMOID))
+        refs = (softmax_reference(*features, *SOFTMAX, weight), sigmoid_reference(*features, *SIGMOID, weight))
         for which, ref in enumerate(refs):
             rows = [r[case][which] for r in per_rank]
-            what = f"{('softmax', 'sigmoid')[which]} world={world} sizes={sizes} chunk={chunk} dtype={dtype}"
+            what = f"{('softmax', 'sigmoid')[which]} world={world} sizes={sizes} chunk={chunk} {dtype} W={weight}"
             assert sum(r[0] for r in rows) / world == pytest.approx(ref[0], rel=rtol), what  # mean_r l_r = L
             for k in (1, 2):  # each rank's feature gradient / N is the global gradient w.r.t. its rows
                 got = torch.cat([r[k] for r in rows]) / world
@@ -152,23 +162,24 @@ def test_per_rank_upstream_gradients_reach_the_owner_of_each_term():
         torch.testing.assert_close(torch.cat([r[which][1] for r in per_rank]), yr.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_without_distributed_matches_reference_for_every_tile_size():
+@pytest.mark.parametrize("weight", [1.0, 0.5, 0.0])
+def test_without_distributed_matches_reference_for_every_tile_size(weight):
     x, y, xt, yt = global_features([9], seed=3)
-    ref = softmax_reference(x, y, xt, yt, *SOFTMAX)
+    ref = softmax_reference(x, y, xt, yt, *SOFTMAX, weight)
     for chunk in (1, 4, None):
         xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
         t = torch.tensor(SOFTMAX[0], requires_grad=True)
-        loss = softmax_distill_loss(xi, yi, t.exp(), xt, yt, SOFTMAX[1], chunk_size=chunk)
+        loss = softmax_distill_loss(xi, yi, t.exp(), xt, yt, SOFTMAX[1], chunk_size=chunk, distill_weight=weight)
         loss.backward()
         assert loss.item() == pytest.approx(ref[0], rel=1e-5)
         torch.testing.assert_close(xi.grad.double(), ref[1], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(yi.grad.double(), ref[2], rtol=1e-4, atol=1e-6)
         assert t.grad.item() == pytest.approx(ref[3], rel=1e-4)
-    ref = sigmoid_reference(x, y, xt, yt, *SIGMOID)
+    ref = sigmoid_reference(x, y, xt, yt, *SIGMOID, weight)
     for chunk in (1, 4, None):
         xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
         t, b = torch.tensor(SIGMOID[0], requires_grad=True), torch.tensor(SIGMOID[1], requires_grad=True)
-        loss = sigmoid_distill_loss(xi, yi, t.exp(), b, xt, yt, *SIGMOID[2:], chunk_size=chunk)
+        loss = sigmoid_distill_loss(xi, yi, t.exp(), b, xt, yt, *SIGMOID[2:], chunk_size=chunk, distill_weight=weight)
         loss.backward()
         assert loss.item() == pytest.approx(ref[0], rel=1e-5)
         torch.testing.assert_close(xi.grad.double(), ref[1], rtol=1e-4, atol=1e-7)
@@ -201,6 +212,10 @@ def test_argument_errors():
     x, y, xt, yt = global_features([4], seed=0)
     with pytest.raises(ValueError, match="chunk_size"):
         SoftmaxDistillLoss(chunk_size=0)
+    with pytest.raises(ValueError, match=r"distill_weight must lie in \[0, 1\]"):
+        SigmoidDistillLoss(distill_weight=1.5)
+    with pytest.raises(ValueError, match=r"distill_weight must lie in \[0, 1\].*-0.1"):
+        softmax_distill_loss(x, y, 10.0, xt, yt, 10.0, distill_weight=-0.1)
     with pytest.raises(ValueError, match="teacher's rows per rank"):
         softmax_distill_loss(x, y, 10.0, xt[:-1], yt[:-1], 10.0)
     with pytest.raises(ValueError, match=r"teacher features.*differ in shape"):
