@@ -7,7 +7,8 @@ teacher features (d = d' = 512). Cases per rank, each measured as the peak resid
 (disco_clip_ds.testing.memory, as bench/loss/loss_bench.py):
 - tiled: our contrastive CLIP loss alone (the reference of the issue's 1.3x bound);
 - distill: our softmax distillation loss alone;
-- mixed: 0.5 contrastive + 0.5 distillation, as `--distill_weight 0.5` trains (both forward graphs alive);
+- mixed: 0.5 contrastive + 0.5 distillation, as `--distill_weight 0.5` trains (one pass of the tiles);
+- mixed_two_pass: the same as two losses summed, each with its own gather and tiles (both graphs alive);
 - open_clip: DistillClipLoss (its contrastive and distillation terms, summed) as open_clip_train builds it by default
   (every rank builds the B x B logits of student and teacher);
 - open_clip_local: the same with --local-loss --gather-with-grad (b x B logits per rank).
@@ -29,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-CASES = ("tiled", "distill", "mixed", "open_clip", "open_clip_local")
+CASES = ("tiled", "distill", "mixed", "mixed_two_pass", "open_clip", "open_clip_local")
 
 
 def _features(rank: int, world: int, batch: int, dim: int = 512, seed: int = 0):
@@ -58,6 +59,8 @@ def _loss(case: str, rank: int, world: int):
     if case == "distill":
         return softmax_distill_loss
     if case == "mixed":
+        return lambda x, y, s, xt, yt, ts: softmax_distill_loss(x, y, s, xt, yt, ts, distill_weight=0.5)
+    if case == "mixed_two_pass":
         return lambda x, y, s, xt, yt, ts: (
             0.5 * disco_clip_loss(x, y, s) + 0.5 * softmax_distill_loss(x, y, s, xt, yt, ts)
         )

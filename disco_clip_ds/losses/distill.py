@@ -36,9 +36,9 @@ Mixed with the contrastive loss (`distill_weight` W < 1): (1 - W) contrastive + 
 same tiles, the student's logits against a target mixing the positives (weight 1 - W) with the teacher's
 distribution (weight W): CLIP's cross-entropy is the student's row and column log-sum-exps minus S_ii, SigLIP's
 loss is softplus(S_ij) minus S_ii, and both share their first part with the distillation above. So the tiles carry
-W times the teacher's terms and the student's log-sum-exps (softplus) once; the positives, S_ii of this rank's own
-rows, are added outside by autograd. The mix costs what the distillation alone costs: no second gather of the
-student's texts and no second pass over the tiles.
+the student's log-sum-exps (softplus) once, W times the teacher's terms and (1 - W) times the positives, which lie
+on the diagonal of a rank's own block (the gradient subtracts (1 - W) there). The mix costs what the distillation
+alone costs: no second gather of the student's texts, no second pass over the tiles, no b x d temporaries.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ def _upstream_per_column(grad_total, sizes, world, group, total):
 
 class _SoftmaxDistill(torch.autograd.Function):
     """sum over this rank's image rows of KL_row_i + over its text columns of KL_col_j (module docstring); with a
-    weight W < 1, W times those KLs + (1 - W) times the student's log-sum-exps of the same rows and columns (the
-    contrastive loss but for its positives)."""
+    weight W < 1, W times those + (1 - W) times the CLIP cross-entropies of the same rows and columns."""
 
     @staticmethod
     def forward(ctx, images, texts, scale, t_images, t_texts, t_scale, weight, sizes, group, chunk):
@@ -95,9 +94,12 @@ class _SoftmaxDistill(torch.autograd.Function):
         col_lse_s, col_lse_t = texts32.new_full((total,), -torch.inf), texts32.new_full((total,), -torch.inf)
         col_mean = texts32.new_zeros(total)  # sum_i softmax_i(T)_ij (T_ij - S_ij) over the rows seen so far
         rows_terms = texts32.new_zeros(())
+        lo = sum(sizes[:rank])  # this rank's texts' first column: its positives lie on the diagonal from there
         for rows in _tiles(b, chunk):
             logits = (images[rows].float() * s) @ texts32.T
             t_logits = (t_images[rows].float() * ts) @ t_texts32.T
+            if weight < 1:  # S_ii of these rows, in the row and in the column of sample i
+                rows_terms -= 2 * (1 - weight) * logits.diagonal(lo + rows.start).sum()
             row_lse_s[rows], row_lse_t[rows] = logits.logsumexp(1), t_logits.logsumexp(1)
             col_lse_s = torch.logaddexp(col_lse_s, logits.logsumexp(0))
             diff = t_logits - logits
@@ -119,18 +121,17 @@ class _SoftmaxDistill(torch.autograd.Function):
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             col_lse_s, col_lse_t = sums[0].log() + top[0], sums[1].log() + top[1]
             col_mean = sums[2] / sums[1]
-        lo = sum(sizes[:rank])
         mine = slice(lo, lo + b)
         cols_terms = (weight * (col_mean[mine] - col_lse_t[mine]) + col_lse_s[mine]).sum()
         ctx.save_for_backward(images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t)
-        ctx.meta = (sizes, world, group, chunk, s, ts, weight, scale.dtype)
+        ctx.meta = (sizes, world, group, chunk, s, ts, weight, lo, scale.dtype)
         return rows_terms + cols_terms
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
         images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t = ctx.saved_tensors
-        sizes, world, group, chunk, s, ts, weight, scale_dtype = ctx.meta
+        sizes, world, group, chunk, s, ts, weight, lo, scale_dtype = ctx.meta
         need_i, need_t, need_s = ctx.needs_input_grad[:3]
         g, g_col = _upstream_per_column(grad_total, sizes, world, group, texts.shape[0])
         texts32, t_texts32 = texts.float(), t_texts.float()
@@ -145,6 +146,8 @@ class _SoftmaxDistill(torch.autograd.Function):
             teacher_rows = (t_logits - row_lse_t[rows, None]).exp_()
             grad = (logits - row_lse_s[rows, None]).exp_().sub_(teacher_rows, alpha=weight).mul_(g)
             grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_(), alpha=weight).mul_(g_col)
+            if weight < 1:  # the positives' -(1 - W) in the row's loss and in the column's (both this rank's)
+                grad.diagonal(lo + rows.start).sub_(2 * (1 - weight) * g)
             if need_i or need_s:
                 grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = q . grad_q
                 if need_s:
@@ -171,8 +174,10 @@ class _RingSigmoidDistill(torch.autograd.Function):
         ctx.meta = (sizes, group, chunk, float(scale), float(bias), float(t_scale), float(t_bias))
         ctx.dtypes, ctx.weight = (scale.dtype, bias.dtype), weight
         total = images.new_zeros((), dtype=torch.float32)
-        for _, _, _, _, logits, t_logits in _ring_tiles(ctx, images, texts, t_images, t_texts, backward=False):
+        for own, rows, _, _, _, logits, t_logits in _ring_tiles(ctx, images, texts, t_images, t_texts, backward=False):
             total += F.softplus(logits).sum() - weight * torch.vdot(t_logits.sigmoid_().view(-1), logits.view(-1))
+            if own and weight < 1:  # the positives (i, i) lie on this rank's own block's diagonal
+                total -= (1 - weight) * logits.diagonal(rows.start).sum()
         return total
 
     @staticmethod
@@ -184,10 +189,13 @@ class _RingSigmoidDistill(torch.autograd.Function):
         grad_i = torch.zeros(images.shape, dtype=torch.float32, device=images.device)
         grad_s, grad_b = grad_i.new_zeros(()), grad_i.new_zeros(())
         ctx.block_grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
-        for rows, q, block32, dots, logits, t_logits in _ring_tiles(
+        for own, rows, q, block32, dots, logits, t_logits in _ring_tiles(
             ctx, images, texts, t_images, t_texts, backward=True
         ):
-            grad = logits.sigmoid_().sub_(t_logits.sigmoid_(), alpha=ctx.weight).mul_(g)
+            grad = logits.sigmoid_().sub_(t_logits.sigmoid_(), alpha=ctx.weight)
+            if own and ctx.weight < 1:
+                grad.diagonal(rows.start).sub_(1 - ctx.weight)
+            grad.mul_(g)
             grad_s += torch.vdot(grad.view(-1), dots.view(-1))
             grad_b += grad.sum()
             grad_i[rows].addmm_(grad, block32, alpha=s)
@@ -203,9 +211,10 @@ class _RingSigmoidDistill(torch.autograd.Function):
 
 
 def _ring_tiles(ctx, images, texts, t_images, t_texts, backward: bool):
-    """Yield (rows, q, block32, dots, S tile, T tile) for every tile of this rank's rows against every rank's text
+    """Yield (own, rows, q, block32, dots, S tile, T tile) for every tile of this rank's rows against every rank's text
     block, the blocks (student's and teacher's) passing round the ring. In backward, ctx.block_grad (the gradient of
-    the block being computed on) follows its block to the next rank; the last step brings it home."""
+    the block being computed on) follows its block to the next rank; the last step brings it home. `own`: the block
+    is this rank's own texts (the first step), whose diagonal holds the positive pairs."""
     sizes, group, chunk, s, t, ts, tt = ctx.meta
     rank, world = rank_and_world(group)
     images32, t_images32 = images.float(), t_images.float()
@@ -223,7 +232,7 @@ def _ring_tiles(ctx, images, texts, t_images, t_texts, backward: bool):
             q = images32[rows]
             dots = q @ block32.T
             t_logits = torch.addmm(t_block32.new_tensor(tt), t_images32[rows] * ts, t_block32.T)
-            yield rows, q, block32, dots, dots * s + t, t_logits
+            yield k == 0, rows, q, block32, dots, dots * s + t, t_logits
         if backward and world > 1:
             arrived = ctx.block_grad.new_empty((sizes[nxt_src], block.shape[1]))
             for work in ring_exchange(ctx.block_grad, arrived, group, tag=1):
@@ -281,8 +290,6 @@ def softmax_distill_loss(
             group,
             chunk,
         )
-        if distill_weight < 1:  # the contrastive loss's positives, S_ii for this rank's rows and columns
-            terms = terms - 2 * (1 - distill_weight) * scale * (image_features.float() * text_features.float()).sum()
         return terms * (world / (2 * total)) if total else terms
 
 
@@ -332,9 +339,6 @@ def sigmoid_distill_loss(
             group,
             chunk,
         )
-        if distill_weight < 1:  # SigLIP's positives, S_ii for this rank's rows
-            positives = scale * (image_features.float() * text_features.float()).sum() + bias * len(image_features)
-            terms = terms - (1 - distill_weight) * positives
         return terms * (world / total) if total else terms
 
 
