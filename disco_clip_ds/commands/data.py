@@ -202,7 +202,9 @@ def demo_main(argv: list[str] | None = None) -> int:
     if not 0 < args.eval_fraction < 1:
         raise UsageError("--eval_fraction must be between 0 and 1")
     if not 0 <= args.caption_noise < 1:
-        raise UsageError(f"--caption_noise {args.caption_noise:g}: give a fraction of the captions, from 0 up to 1")
+        raise UsageError(
+            f"--caption_noise {args.caption_noise:g}: give a fraction of the captions, at least 0 and below 1"
+        )
     check_output_folder(args.output, args.format)
     started = time.monotonic()
     if args.format == "hf":

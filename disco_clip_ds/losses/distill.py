@@ -323,13 +323,12 @@ def sigmoid_distill_loss(
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):
         as32 = lambda v: torch.as_tensor(v, device=device).float()
-        scale, bias = as32(logit_scale), as32(logit_bias)
         chunk = chunk_size or ring_chunk_size(max(sizes))
         terms = _RingSigmoidDistill.apply(
             image_features,
             text_features,
-            scale,
-            bias,
+            as32(logit_scale),
+            as32(logit_bias),
             teacher_image_features.detach(),
             teacher_text_features.detach(),
             as32(teacher_scale).detach(),

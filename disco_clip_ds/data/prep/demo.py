@@ -256,6 +256,15 @@ def write_parquet_split(folder: Path, split: str, indices, jpgs: dict, labels, c
     return [len(indices[start : start + per_shard]) for start in starts]
 
 
+def demo_samples(image_size: int, eval_fraction: float, seed: int, caption_noise: float):
+    """Both builds' samples: (PNG images, labels, captions, train indices, eval indices), the training captions
+    noised by `caption_noise` (`mislabel`)."""
+    pngs, labels = digit_images(image_size)
+    captions = captions_for(labels, seed)
+    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
+    return pngs, labels, mislabel(captions, labels, train_idx, caption_noise, seed), train_idx, eval_idx
+
+
 def build_hf_demo(
     output: Path,
     image_size: int = 64,
@@ -267,10 +276,7 @@ def build_hf_demo(
     """The demo as a datasets parquet dataset under `output` (see the module docstring); returns the rows per
     file of train and eval. No download: the images are encoded as the download encodes them, and the split and
     files hold the samples of the shards demo built with the same arguments."""
-    pngs, labels = digit_images(image_size)
-    captions = captions_for(labels, seed)
-    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
-    captions = mislabel(captions, labels, train_idx, caption_noise, seed)
+    pngs, labels, captions, train_idx, eval_idx = demo_samples(image_size, eval_fraction, seed, caption_noise)
     encode = jpeg_encoder(image_size)
     jpgs = {int(i): encode(pngs[i]) for i in range(len(pngs))}
     train = write_parquet_split(output / "train", "train", train_idx, jpgs, labels, captions, samples_per_shard)
@@ -291,10 +297,7 @@ def build_demo(
 ) -> tuple[dict, dict]:
     """Build the demo dataset under `output`; return (train download summary, eval sizes). `caption_noise`: the
     fraction of training samples captioned as another digit (`mislabel`); the eval split's captions stay true."""
-    pngs, labels = digit_images(image_size)
-    captions = captions_for(labels, seed)
-    train_idx, eval_idx = split_indices(labels, eval_fraction, seed)
-    captions = mislabel(captions, labels, train_idx, caption_noise, seed)
+    pngs, labels, captions, train_idx, eval_idx = demo_samples(image_size, eval_fraction, seed, caption_noise)
     write_train_metadata(output / "metadata" / "train.parquet", train_idx, labels, captions)
     files = {f"/digits/{i:04d}.png": png for i, png in enumerate(pngs)}
     cfg = prep.DownloadConfig(

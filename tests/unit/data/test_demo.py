@@ -42,5 +42,8 @@ def test_caption_noise_outside_0_to_1_is_refused(tmp_path, capsys):
 
     for noise in ("1", "-0.1"):
         assert cli.main(["data", "demo", "--caption_noise", noise, "--output", str(tmp_path / "demo")]) == 2
-        assert f"--caption_noise {noise}: give a fraction of the captions, from 0 up to 1" in capsys.readouterr().err
+        assert (
+            f"--caption_noise {noise}: give a fraction of the captions, at least 0 and below 1"
+            in capsys.readouterr().err
+        )
     assert not (tmp_path / "demo").exists()
