@@ -22,7 +22,7 @@ IMPLS = tuple(impl for impl in P.LOSS_IMPLS if impl != "local")
 
 def main() -> None:
     shape, fit = P.ModelShape.from_json(ROOT / "recipes/models/vit_b32.json"), P.load_fit()
-    base = P.load_config(ROOT / "ds_configs/vit_b32_32k_8gpu.json")
+    base = P.read_deepspeed_json(ROOT / "ds_configs/vit_b32_32k_8gpu.json")
     rows = []
     for memory in ("40GB", "80GB"):
         for n in GPUS:

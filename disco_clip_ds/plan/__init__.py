@@ -12,7 +12,7 @@ family (FAMILY_IMPLS: CLIP's softmax loss, SigLIP's sigmoid loss).
 
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.errors import PlanConfigError
-from disco_clip_ds.plan.checks import KNOWN_TOP_LEVEL_KEYS, load_config, validate_config
+from disco_clip_ds.plan.checks import KNOWN_TOP_LEVEL_KEYS, read_deepspeed_json, validate_config
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
     FAMILY_IMPLS,
@@ -46,7 +46,7 @@ __all__ = [
     "PlanConfigError",
     "Settings",
     "format_report",
-    "load_config",
+    "read_deepspeed_json",
     "load_fit",
     "loss_bytes",
     "max_contrastive_steps",

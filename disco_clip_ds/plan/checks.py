@@ -88,17 +88,23 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
-def load_config(path) -> dict:
-    """Read a DeepSpeed JSON with errors that point at the file and line."""
+def read_deepspeed_json(path, flag: str = "--deepspeed") -> dict:
+    """A DeepSpeed JSON file, read with errors that name the flag, the file and the line: the one reader of it, for
+    `disco-clip plan` and `disco-clip train` (train/args.py reads it once, at parsing) alike. `flag`: the argument
+    that named the file."""
     path = Path(path)
     if not path.is_file():
-        raise PlanConfigError(f"--deepspeed {path}: no such file")
+        raise PlanConfigError(f"{flag} {path}: no such file")
     try:
         config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanConfigError(f"{flag} {path}: not readable ({e})") from None
     except json.JSONDecodeError as e:
-        raise PlanConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise PlanConfigError(
+            f"{flag} {path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
     if not isinstance(config, dict):
-        raise PlanConfigError(f"{path}: the top level must be a JSON object, got {type(config).__name__}")
+        raise PlanConfigError(f"{flag} {path}: the top level must be a JSON object, got {type(config).__name__}")
     return config
 
 

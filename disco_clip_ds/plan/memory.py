@@ -58,13 +58,9 @@ class ModelShape:
 
     @classmethod
     def from_json(cls, path, lock_flags: dict | None = None, max_num_patches: int | None = None) -> "ModelShape":
-        """Read a CLIPConfig, SiglipConfig or Siglip2Config JSON; count parameters exactly on the meta device (no
-        memory, no weights), and those that train with the towers `lock_flags` locks ({name: value} of `disco-clip
-        train`'s flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to fit the config (else
-        PlanConfigError). SigLIP 2 (NaFlex) sees `max_num_patches` patches per image (default: its whole grid),
-        padded to that budget: its image is that many patches of channels x patch x patch pixels."""
-        import torch
-        from transformers import CLIPConfig, CLIPModel, Siglip2Config, Siglip2Model, SiglipConfig, SiglipModel
+        """Read a CLIPConfig, SiglipConfig or Siglip2Config JSON (models/configs.py, the one loader) and make its
+        shape (`from_config`), or a PlanConfigError naming the file."""
+        from disco_clip_ds.models.configs import load_config
 
         path = Path(path)
         if not path.is_file():
@@ -73,26 +69,34 @@ class ModelShape:
                 "recipes/models/vit_b32.json"
             )
         try:
-            raw = json.loads(path.read_text())
-            if not isinstance(raw, dict):
+            if not isinstance(json.loads(path.read_text()), dict):
                 raise ValueError("its top level is not a JSON object")
-            model_type = raw.get("model_type", "clip")
-            if model_type not in LOSS_FAMILIES:
-                raise ValueError(f"model_type {model_type!r} is not one of {sorted(LOSS_FAMILIES)}")
-            config_class, model_class = {
-                "siglip": (SiglipConfig, SiglipModel),
-                "siglip2": (Siglip2Config, Siglip2Model),
-            }.get(model_type, (CLIPConfig, CLIPModel))
-            config = config_class.from_json_file(str(path))
+            config = load_config(model_config=str(path))
         except (OSError, ValueError) as e:
             raise PlanConfigError(f"--model {path}: not a readable CLIPConfig or SiglipConfig JSON ({e})") from None
+        return cls.from_config(config, lock_flags, max_num_patches, named=str(path))
+
+    @classmethod
+    def from_config(
+        cls, config, lock_flags: dict | None = None, max_num_patches: int | None = None, named: str = "the model"
+    ) -> "ModelShape":
+        """The shape of a model of `config` (a loaded CLIPConfig, SiglipConfig or Siglip2Config): parameters counted
+        exactly on the meta device (no memory, no weights), and those that train with the towers `lock_flags` locks
+        ({name: value} of `disco-clip train`'s flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to
+        fit the config (else PlanConfigError). SigLIP 2 (NaFlex) sees `max_num_patches` patches per image (default:
+        its whole grid), padded to that budget: its image is that many patches of channels x patch x patch pixels."""
+        import torch
+
+        from disco_clip_ds.models.configs import plain_model_class
+
+        model_type = config.model_type
         flags = SimpleNamespace(**(lock_flags or {}))
         problem = lock_problem(flags, config)
         if problem:
             raise PlanConfigError(problem)
         locks = tower_locks(flags)
         with torch.device("meta"):
-            model = model_class(config)
+            model = plain_model_class(model_type)(config)
         numels = [p.numel() for p in model.parameters()]
         trained = trainable_numels(model, locks)
         v, t = config.vision_config, config.text_config
@@ -101,7 +105,7 @@ class ModelShape:
             patches = _naflex_patches(v, max_num_patches)
             image = (1, patches, v.num_channels * v.patch_size**2)
         elif max_num_patches is not None:
-            raise PlanConfigError(f"--max_num_patches is SigLIP 2's (NaFlex); {path} is a {model_type} model")
+            raise PlanConfigError(f"--max_num_patches is SigLIP 2's (NaFlex); {named} is a {model_type} model")
         else:
             patches = (v.image_size // v.patch_size) ** 2
             image = (v.num_channels, v.image_size, v.image_size)
@@ -489,11 +493,9 @@ def _largest(fits, limit: float = math.inf) -> int:
 
 
 def _naflex_patches(vision_config, max_num_patches: int | None) -> int:
-    """SigLIP 2's patch budget (default: the whole position grid), refused outside the grid as training refuses it."""
-    grid, row = vision_config.num_patches, math.isqrt(vision_config.num_patches)
-    budget = grid if max_num_patches is None else max_num_patches
-    if not row <= budget <= grid:
-        raise PlanConfigError(
-            f"--max_num_patches {budget}: give one row ({row}) to the whole {row} x {row} = {grid} position grid"
-        )
+    """SigLIP 2's patch budget (default: the whole position grid): any number of patches from one, as in training
+    (Siglip2 interpolates its position embeddings to each image's grid of patches)."""
+    budget = vision_config.num_patches if max_num_patches is None else max_num_patches
+    if budget < 1:
+        raise PlanConfigError(f"--max_num_patches {budget}: give at least one patch per image")
     return budget

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict
 
 from disco_clip_ds.errors import PlanConfigError
-from disco_clip_ds.plan.checks import load_config, validate_config
+from disco_clip_ds.plan.checks import read_deepspeed_json, validate_config
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
     FAMILY_IMPLS,
@@ -61,7 +61,7 @@ def plan(
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
     gradients and no optimizer state."""
-    settings = validate_config(load_config(config_path), gpus, per_device_batch, precision)
+    settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")

@@ -17,6 +17,7 @@ from disco_clip_ds import LOSS_IMPLS, compat
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.distributed import peers
 from disco_clip_ds.errors import EXIT_PREEMPTED, DiscoClipError, UsageError
+from disco_clip_ds.plan import checks
 
 
 @dataclass
@@ -50,7 +51,7 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "SigLIP 2 (NaFlex): the patch budget per image, each resized at its own aspect ratio to fit it "
-            "(default 256; at least one row of the position-embedding grid, at most the whole grid)"
+            "(default 256; any number of patches: the position embeddings are interpolated to each image's grid)"
         },
     )
     max_text_length: int | None = field(
@@ -291,15 +292,22 @@ def parse_args(argv: list[str] | None = None):
     return parsed
 
 
-def read_deepspeed_json(deepspeed) -> dict | None:
-    """The DeepSpeed JSON of a run: the file --deepspeed names (`deepspeed`), or else the one accelerate launch's
-    config names; None without one (or for a config given inline)."""
+def deepspeed_file(deepspeed) -> tuple[str, str] | None:
+    """(the flag, the path) of a run's DeepSpeed JSON file: the one --deepspeed names (`deepspeed`), or else the one
+    accelerate launch's config names; None without one (or for a config given inline)."""
     if isinstance(deepspeed, str) and not deepspeed.lstrip().startswith("{"):
-        return read_json("--deepspeed", deepspeed)
+        return "--deepspeed", deepspeed
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if deepspeed is None and path:  # under accelerate launch
-        return read_json("accelerate's deepspeed_config_file", path)
+        return "accelerate's deepspeed_config_file", path
     return None
+
+
+def read_deepspeed_json(deepspeed) -> dict | None:
+    """The DeepSpeed JSON of a run (`deepspeed_file`), through the planner's reader (plan.checks, the one reader of
+    a DeepSpeed JSON: one kind of error for both commands); None without one."""
+    found = deepspeed_file(deepspeed)
+    return None if found is None else checks.read_deepspeed_json(found[1], flag=found[0])
 
 
 def _read_arguments_file(path: str) -> dict:

@@ -97,46 +97,60 @@ class StoredTeacher(Teacher):
         return images, texts, params
 
 
-def stored_teacher(name_or_path: str, folder: str, urls: list[str], weight: float, temperature: float | None):
+def stored_teacher(
+    name_or_path: str,
+    folder: str,
+    urls: list[str],
+    weight: float,
+    temperature: float | None,
+    config=None,
+    fingerprint: str | None = None,
+):
     """(StoredTeacher, its TeacherInputs for the collator) from the sidecars in FOLDER of the training shards `urls`
-    (train.validate checked that each is there and this teacher's)."""
+    (train.validate checked that each is there and this teacher's). `config`, `fingerprint`: the teacher's, as the
+    checks resolved them (`CheckedRun`); read from NAME_OR_PATH when not given."""
     from disco_clip_ds.data.embeddings import EmbeddingStore, read_metadata, sidecar_path, teacher_fingerprint
-    from disco_clip_ds.models.build import load_config
+    from disco_clip_ds.models.configs import load_config
 
+    config = load_config(name_or_path) if config is None else config
+    fingerprint = teacher_fingerprint(name_or_path) if fingerprint is None else fingerprint
     meta = read_metadata(sidecar_path(folder, urls[0]))
     bias = float(meta["logit_bias"]) if meta.get("logit_bias") else None
-    teacher = StoredTeacher(load_config(name_or_path), weight, temperature, float(meta["logit_scale"]), bias)
-    return teacher, TeacherInputs(store=EmbeddingStore(folder, teacher_fingerprint(name_or_path)))
+    teacher = StoredTeacher(config, weight, temperature, float(meta["logit_scale"]), bias)
+    return teacher, TeacherInputs(store=EmbeddingStore(folder, fingerprint))
 
 
-def load_teacher(name_or_path: str, weight: float, temperature: float | None, args=None) -> Teacher:
+def load_teacher(
+    name_or_path: str, weight: float, temperature: float | None, args=None, config=None, deepspeed: dict | None = None
+) -> Teacher:
     """The teacher (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its family) on the run's
     device. Under ZeRO-3 it is built partitioned like the student (transformers' zero.Init in from_pretrained) and
     run by a DeepSpeed inference engine of its own (no optimizer), which gathers each layer's weights for its forward
     as the student's engine does: each rank holds 1/N of it. That engine, not a submodule of the student, keeps it out
     of the student's optimizer, checkpoints and exports. Otherwise it is replicated, in the engine's 16-bit dtype
-    under DeepSpeed (the batch arrives in it; no autocast there) and fp32 elsewhere (the Trainer's autocast)."""
+    under DeepSpeed (the batch arrives in it; no autocast there) and fp32 elsewhere (the Trainer's autocast).
+    `config`: the teacher's config as the checks loaded it (None: loaded here); `deepspeed`: the run's DeepSpeed
+    JSON, whose ZeRO settings the teacher's engine takes."""
     from disco_clip_ds.models.build import build_model
 
-    model = build_model(name_or_path).requires_grad_(False).eval()
+    model = build_model(name_or_path, config=config).requires_grad_(False).eval()
     if args is None:
         return Teacher(model, weight, temperature)
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
-        return Teacher(_zero3_inference_engine(model, args), weight, temperature)
+        return Teacher(_zero3_inference_engine(model, args, deepspeed), weight, temperature)
     dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None) if args.deepspeed else None
     return Teacher(model.to(device=args.device, dtype=dtype), weight, temperature)
 
 
-def _zero3_inference_engine(model, args):
+def _zero3_inference_engine(model, args, written: dict | None):
     """A DeepSpeed ZeRO-3 engine without optimizer around the partitioned teacher (as transformers' own
     `deepspeed_init(inference=True)` evaluates a ZeRO-3 model): the run's ZeRO-3 settings and precision, concrete
     batch numbers in place of the student's "auto" ones (the engine checks them, and the teacher never steps)."""
     import deepspeed
 
-    written = args.deepspeed_json or {}
-    zero = {k: v for k, v in (written.get("zero_optimization") or {}).items() if v != "auto"}
+    zero = {k: v for k, v in ((written or {}).get("zero_optimization") or {}).items() if v != "auto"}
     zero.pop("offload_optimizer", None)  # no optimizer
     config = {
         "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
@@ -169,7 +183,7 @@ def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: i
     # (transformers builds an empty tokenizer from a folder without tokenizer files rather than failing)
     if not Path(name_or_path).is_dir() or any((Path(name_or_path) / f).is_file() for f in TOKENIZER_FILES):
         try:
-            own_tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+            own_tokenizer = AutoTokenizer.from_pretrained(name_or_path, config=config)  # not loaded again
         except (OSError, ValueError, TypeError):
             own_tokenizer = tokenizer
     same_tokens = type(own_tokenizer) is type(tokenizer) and own_tokenizer.get_vocab() == tokenizer.get_vocab()
@@ -184,7 +198,7 @@ def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: i
     )
     fits = max_length == positions if teacher.sigmoid else max_length <= positions
     try:
-        own_processor = AutoImageProcessor.from_pretrained(name_or_path)
+        own_processor = AutoImageProcessor.from_pretrained(name_or_path, config=config)
         mean, std = list(own_processor.image_mean), list(own_processor.image_std)
     except (OSError, ValueError, TypeError):  # none saved: the student's normalisation
         mean, std = list(image_processor.image_mean), list(image_processor.image_std)

@@ -2,6 +2,8 @@
 with the distributed contrastive loss computed inside the model's forward, as numbered steps (`train`), the way
 HF's run_clip.py main() reads. The command line is `disco_clip_ds.commands.train`; the arguments,
 `disco_clip_ds.train.args`; every refusal, `disco_clip_ds.train.validate`; the Trainer, `disco_clip_ds.train.trainer`.
+What the checks resolved (configs, DeepSpeed JSON, tokenizer, counts, defaults) is read from their `CheckedRun`, never
+again from the files: the arguments as given are kept for what records them as given (the node facts).
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     # 1. Check the nodes: every rank started alike, one --output_dir seen by all.
     nodes.check_nodes(args, lambda: node_facts(model_args, data_args, args))
 
-    # 2. Validate every argument, before any work: shard lists, counts, tokenizer and model config.
+    # 2. Validate every argument, before any work: shard lists, counts, tokenizer and model config. From here on the
+    # model arguments are the checked ones, with their defaults filled in (run.json and resumes record those).
     checked = validate(model_args, data_args, args)
-    if checked.naflex is not None:  # the budget in effect (its default filled in): run.json and resumes record it
-        model_args.max_num_patches = checked.naflex[1]
+    model_args = checked.model_args
 
     # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written) and
     # an explicit --resume_from_checkpoint folder is found to be there and to verify: a refusal leaves no run.lock.
@@ -92,7 +94,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
         compat.init_deepspeed_comm(args)
         model = build_model(
-            model_args.model_name_or_path, model_args.model_config, model_args.loss_impl, model_args.chunk_size
+            model_args.model_name_or_path,
+            model_args.model_config,
+            model_args.loss_impl,
+            model_args.chunk_size,
+            config=checked.config,
         )
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
@@ -179,8 +185,17 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
             checked.urls,
             model_args.distill_weight,
             model_args.distill_temperature,
+            config=checked.teacher_config,
+            fingerprint=checked.teacher_fingerprint,
         )
-    teacher = load_teacher(model_args.teacher, model_args.distill_weight, model_args.distill_temperature, args)
+    teacher = load_teacher(
+        model_args.teacher,
+        model_args.distill_weight,
+        model_args.distill_temperature,
+        args,
+        config=checked.teacher_config,
+        deepspeed=checked.deepspeed,
+    )
     extra = teacher_inputs(
         teacher,
         model_args.teacher,
@@ -256,7 +271,8 @@ def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
     image_processor = None
     if model_name_or_path:
         try:
-            image_processor = AutoImageProcessor.from_pretrained(model_name_or_path)
+            # with the config as loaded: AutoImageProcessor would load it again to find the processor's class
+            image_processor = AutoImageProcessor.from_pretrained(model_name_or_path, config=checked.config)
         except (OSError, ValueError):  # a folder of weights without a preprocessor_config.json
             image_processor = None
     if image_processor is None:
@@ -293,7 +309,7 @@ def _resume_point(
         **resume.launch_facts(
             args, data_args, checked.urls, checked.num_samples, checked.max_steps, model_args=model_args
         ),
-        "model": resume.model_architecture(model_args.model_name_or_path, model_args.model_config),
+        "model": resume.architecture(checked.config.to_dict()),
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
     split = 1 if args.ignore_data_skip else resume.ranks_per_reader(old, new)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disco_clip_ds.plan import load_config, validate_config
+from disco_clip_ds.plan import read_deepspeed_json, validate_config
 from disco_clip_ds.testing.launch import REPO
 
 CONFIG_DIR = REPO / "ds_configs"
@@ -53,7 +53,7 @@ def test_batch_arithmetic_matches_world_size_in_name(path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_passes_validation(path):
     """The planner's checks accept the config without a warning, and read the batch numbers the name promises."""
-    config = load_config(path)
+    config = read_deepspeed_json(path)
     per_device = None
     if config.get("train_micro_batch_size_per_gpu") == "auto":
         per_device = 8

@@ -129,9 +129,9 @@ def test_bad_files_are_reported(tmp_path):
     broken = tmp_path / "ds.json"
     broken.write_text('{"train_batch_size": 8,\n "bf16": {enabled: true}}')
     with pytest.raises(P.PlanConfigError, match="not valid JSON at line 2"):
-        P.load_config(broken)
+        P.read_deepspeed_json(broken)
     with pytest.raises(P.PlanConfigError, match="no such file"):
-        P.load_config(tmp_path / "missing.json")
+        P.read_deepspeed_json(tmp_path / "missing.json")
     argv = ["--deepspeed", str(broken), "--model", str(VIT), "--gpus", "2"]
     assert run_main(plan_command.main, argv, "disco-clip plan") == 2
 
@@ -184,7 +184,7 @@ def test_model_states_match_deepspeed_and_hand_counts():
 
 def test_traffic_hand_computed():
     shape = P.ModelShape.from_json(VIT)
-    settings = P.validate_config(P.load_config(CFG_32K), 8)
+    settings = P.validate_config(P.read_deepspeed_json(CFG_32K), 8)
     t = P.traffic_bytes(shape, settings, ("disco", "tiled"))
     features = 7 / 8 * 32768 * 2 * 512 * 2  # (N-1)/N x B x 2d x bf16
     assert t["disco loss: feature all-gather (forward)"] == pytest.approx(features)
@@ -197,7 +197,7 @@ def test_traffic_hand_computed():
     # DeepSpeed all-reduces ZeRO-2's gradient buckets unless use_multi_rank_bucket_allreduce is off
     assert t["gradient all-reduce (multi-rank buckets)"] == pytest.approx(2 * 7 / 8 * shape.params * 4)  # fp32
     assert t["parameter all-gather"] == pytest.approx(7 / 8 * shape.params * 2)
-    config = P.load_config(CFG_32K)
+    config = P.read_deepspeed_json(CFG_32K)
     config["zero_optimization"]["use_multi_rank_bucket_allreduce"] = False
     t = P.traffic_bytes(shape, P.validate_config(config, 8), ("tiled",))
     assert t["gradient reduce-scatter"] == pytest.approx(7 / 8 * shape.params * 4)
@@ -238,15 +238,16 @@ def test_patch_dropout_counts_the_kept_tokens_in_compute_and_activations(tmp_pat
 def test_siglip2_counts_its_patch_budget_per_image(tmp_path):
     """The tiny SigLIP 2 (NaFlex; 2 layers, width 64, MLP 256, 4 px patches): the image tower sees the budget's
     patches, no class token (by hand, as above, for 256 and 64 tokens, the patch embedding over each patch); its
-    input is budget x 3 x 4 x 4 pixels; the parameters are Siglip2Model's own; a budget outside the 16 x 16 grid is
-    refused as training refuses it. (recipes/models/siglip2_b16.json plans the same way, more slowly.)"""
+    input is budget x 3 x 4 x 4 pixels; the parameters are Siglip2Model's own; any budget of at least one patch is
+    planned, above the 16 x 16 grid too (Siglip2 interpolates its positions), and 0 is refused as training refuses
+    it. (recipes/models/siglip2_b16.json plans the same way, more slowly.)"""
     import torch
     from transformers import Siglip2Config, Siglip2Model
 
     path = REPO / "recipes/models/siglip2_tiny.json"
     h, m = 64, 256
     by_hand = lambda t: 2 * t * (4 * h * h + 2 * h * m + 2 * t * h) + t * 3 * 4 * 4 * h
-    for budget in (256, 64):
+    for budget in (256, 64, 1024, 5):
         shape = P.ModelShape.from_json(path, max_num_patches=budget)
         assert shape.patches == budget and shape.layer_tokens(shape.towers["vision"]) == budget
         assert shape.training_flops_per_sample()["vision"] == 3 * 2 * by_hand(budget)
@@ -255,8 +256,8 @@ def test_siglip2_counts_its_patch_budget_per_image(tmp_path):
         plain = Siglip2Model(Siglip2Config.from_json_file(str(path)))
     default = P.ModelShape.from_json(path)
     assert default.params == sum(p.numel() for p in plain.parameters()) and default.patches == 256  # the whole grid
-    for budget in (15, 257):
-        with pytest.raises(P.PlanConfigError, match=f"--max_num_patches {budget}: give one row \\(16\\)"):
+    for budget in (0, -3):
+        with pytest.raises(P.PlanConfigError, match=f"--max_num_patches {budget}: give at least one patch"):
             P.ModelShape.from_json(path, max_num_patches=budget)
     with pytest.raises(P.PlanConfigError, match="--max_num_patches is SigLIP 2's"):
         P.ModelShape.from_json(VIT, max_num_patches=64)
@@ -298,7 +299,7 @@ def test_the_local_loss_is_planned_per_micro_batch_under_accumulation():
     assert list(result["max_contrastive_steps"]) == ["tiled"]
     report = P.format_report(result, config, VIT)
     assert "planned as `--contrastive_accumulation false`" in report
-    settings = P.validate_config(P.load_config(config), 8)
+    settings = P.validate_config(P.read_deepspeed_json(config), 8)
     with pytest.raises(P.PlanConfigError, match="local cannot be accumulated contrastively"):
         P.max_contrastive_steps(P.ModelShape.from_json(VIT), settings, P.load_fit(), "local", True, 40 * P.GiB, 0.0)
 
@@ -328,7 +329,8 @@ def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     assert terms["activations"] == paper["memory"]["tiled"]["terms"]["activations"]
     # the largest K at this micro batch fits and K + 1 does not
     k = result["max_contrastive_steps"]["tiled"]
-    shape, fit, settings = P.ModelShape.from_json(vit), P.load_fit(), P.validate_config(P.load_config(config), 8)
+    settings = P.validate_config(P.read_deepspeed_json(config), 8)
+    shape, fit = P.ModelShape.from_json(vit), P.load_fit()
     fits = lambda steps: (
         P.memory_plan(shape, dataclasses.replace(settings, grad_accum=steps), fit, "tiled", True, 40 * P.GiB).fits
     )
@@ -361,7 +363,7 @@ def test_sigmoid_loss_terms_by_hand_and_flat_in_the_world_size():
 def test_sigmoid_traffic_by_hand():
     shape = P.ModelShape.from_json(SIGLIP_B16)
     assert shape.loss == "sigmoid" and shape.projection_dim == 768
-    settings = P.validate_config(P.load_config(SIGLIP_32K), 8)
+    settings = P.validate_config(P.read_deepspeed_json(SIGLIP_32K), 8)
     traffic = P.traffic_bytes(shape, settings, ("tiled",))
     block = 4096 * 768
     assert traffic["sigmoid loss: text ring (forward)"] == 7 * block * 2  # bf16 features, 7 hops

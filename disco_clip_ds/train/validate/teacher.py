@@ -1,0 +1,104 @@
+"""The teacher: --teacher (a model of the student's family, with weights to load), --distill_weight,
+--distill_temperature, and --teacher_embeddings stored for every training shard by that teacher."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.models.configs import load_config
+from disco_clip_ds.train.args import ModelArguments, usage_error
+from disco_clip_ds.train.validate.model import is_path
+
+# W without --distill_weight: loss = (1 - W) contrastive + W distillation
+DEFAULT_DISTILL_WEIGHT = 0.5
+
+
+def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, object]:
+    """(the distillation weight, its default filled in; the teacher's config), or (None, None) without --teacher:
+    a teacher of the `student` config's family (CLIP for CLIP, SigLIP for SigLIP: the loss compares the same kind of
+    similarities) whose weights are there to load, a weight in (0, 1], a positive temperature, a global-batch
+    loss."""
+    teacher, weight, temperature = model_args.teacher, model_args.distill_weight, model_args.distill_temperature
+    if teacher is None:
+        given = [
+            f
+            for f, v in (
+                ("--distill_weight", weight),
+                ("--distill_temperature", temperature),
+                ("--teacher_embeddings", model_args.teacher_embeddings),
+            )
+            if v is not None
+        ]
+        if given:
+            raise UsageError(f"{' and '.join(given)} without --teacher: name the model to distill from")
+        return None, None
+    weight = DEFAULT_DISTILL_WEIGHT if weight is None else weight
+    if not (math.isfinite(weight) and 0 < weight <= 1):
+        raise UsageError(f"--distill_weight {weight:g}: give a number in (0, 1] (1: distillation only)")
+    if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        raise UsageError(f"--distill_temperature {temperature:g}: give a positive number, or leave it out")
+    if model_args.loss_impl == "local":
+        raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
+    if is_path(teacher) and not Path(teacher).expanduser().exists():
+        raise UsageError(f"--teacher {teacher}: no such folder")
+    with usage_error(f"--teacher {teacher}: "):
+        config = load_config(teacher)
+    if config.model_type != student.model_type:
+        raise UsageError(
+            f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
+            f"{student.model_type} teacher"
+        )
+    if model_args.teacher_embeddings is None:  # a live teacher: its weights are loaded once the student is built
+        check_teacher_weights(teacher)
+    return weight, config
+
+
+def check_teacher_weights(teacher: str) -> None:
+    """A teacher folder must hold a model's weights (transformers' file names, whole or sharded): a DeepSpeed
+    checkpoint's folder holds ZeRO shards (and no weights under ZeRO-3) that `from_pretrained` cannot read, and
+    would fail only once the student is built. (A hub id is left to the hub.)"""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    folder = Path(teacher).expanduser()
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    if folder.is_dir() and not any((folder / name).is_file() for name in names):
+        raise UsageError(
+            f"--teacher {teacher}: no model weights in the folder ({SAFE_WEIGHTS_NAME} or {WEIGHTS_NAME}); for a "
+            "training checkpoint, give the folder `disco-clip export CHECKPOINT DIR` makes of it"
+        )
+
+
+def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> str | None:
+    """The --teacher's fingerprint (data/embeddings.py), once its stored embeddings are found for every training
+    shard, made by it: checked from the sidecars' headers before any work (their checksums are verified as each is
+    read). None without --teacher_embeddings."""
+    folder = model_args.teacher_embeddings
+    if folder is None:
+        return None
+    from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, teacher_fingerprint
+
+    if not urls:
+        raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
+    if not Path(folder).is_dir():
+        raise UsageError(f"--teacher_embeddings {folder}: no such folder")
+    with usage_error(f"--teacher {model_args.teacher}: "):
+        fingerprint = teacher_fingerprint(model_args.teacher)
+    for url in urls:
+        path = sidecar_path(folder, url)
+        if not path.is_file():
+            raise UsageError(
+                f"--teacher_embeddings {folder}: no embeddings of shard {url} ({path.name}): run `disco-clip data "
+                f"embed --teacher {model_args.teacher} --shards ... --output {folder}`"
+            )
+        try:
+            made_by = read_metadata(path).get("teacher")
+        except DataError as error:
+            raise UsageError(str(error)) from error
+        if made_by != fingerprint:
+            raise UsageError(
+                f"--teacher_embeddings {folder}: {path.name} was made by another teacher than --teacher "
+                f"{model_args.teacher} (fingerprint {made_by}, not {fingerprint})"
+            )
+    return fingerprint
