@@ -100,9 +100,7 @@ def read_deepspeed_json(path, flag: str = "--deepspeed") -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise PlanConfigError(f"{flag} {path}: not readable ({e})") from None
     except json.JSONDecodeError as e:
-        raise PlanConfigError(
-            f"{flag} {path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
-        ) from None
+        raise PlanConfigError(f"{flag} {path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):
         raise PlanConfigError(f"{flag} {path}: the top level must be a JSON object, got {type(config).__name__}")
     return config

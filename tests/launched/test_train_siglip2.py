@@ -3,7 +3,7 @@
 like 1 rank with 2 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved
 initialisation: the global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the
 split and however interrupted, and whether the patches are normalised in the DataLoader workers or on the device.
-A budget outside the position grid stops both ranks with one line and exit 2. (The loss against Siglip2Model in
+A budget of no patch stops both ranks with one line and exit 2. (The loss against Siglip2Model in
 float64: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
 tests/unit/data/test_naflex.py.)"""
 
