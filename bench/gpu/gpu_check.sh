@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on one H200 in at most 10 minutes (part limits: 15 + 40 + 2 x 120 + 150 + 120 s,
-# plus 5 s grace each = 595 s). Every part writes its CSV (and log) under
+# The GPU check: one prepared run on one H200 in at most 10 minutes (part limits: 15 + 40 + 2 x 75 + 150 + 120 + 90
+# s, plus 5 s grace each = 595 s). Every part writes its CSV (and log) under
 # $OUT (default bench/gpu/results/gpu) and runs under its own time limit, so a part that fails or overruns leaves the
 # others' results and the total stays under 10 minutes; $OUT/parts.csv says how each part ended.
 #   env        nvidia-smi and library versions                                        (env.txt)
@@ -12,6 +12,9 @@
 #              checkpointing, tiled loss): samples/s and peak memory against `disco-clip plan`'s estimate
 #   compile    bench/train/compile_step.py: ViT-B/32 bf16 ZeRO-2 step time with the towers compiled (inductor,
 #              --torch_compile) against eager, interleaved rounds at 256 per GPU, and the first compiled step
+#   train      `disco-clip train` (the Trainer, one rank under torchrun): ViT-B/32 bf16 ZeRO-2 at 256 per GPU on
+#              generated shards; bench/gpu/train_figures.py prints what its logs hold: samples/s, TFLOPs per device
+#              and MFU per logging step (trainer_state.json) and for the run (train_results.json)   (train.csv)
 #
 #   bash bench/gpu/gpu_check.sh             # on the GPU machine (PYTHON=... to pick the interpreter)
 #   bash bench/gpu/gpu_check.sh --cpu-smoke # tiny sizes on CPU: every part and code path above, no GPU needed
@@ -30,8 +33,10 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   STEP_LIMIT=700
   COMPILE_ARGS=(--models tiny --per_device 32 --precision fp32 --rounds 2)
   COMPILE_LIMIT=400
+  TRAIN_ARGS=(--model_config recipes/models/tiny.json --per_device_train_batch_size 32 --max_steps 6 --logging_steps 2)
+  TRAIN_LIMIT=300
 else
-  DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=120 LOSS_CONFIG_LIMIT=50
+  DEVICE=cuda LOSS_BATCH="32768 65536 131072 262144 524288" LOSS_LIMIT=75 LOSS_CONFIG_LIMIT=50
   # The loss's default tile (2M logits) was sized on CPU; at B = 32K it is 64 rows, 512 tiles of a dozen small
   # kernels per pass on one GPU. 1024-row tiles (128 MiB at 32K, 2 GiB at 512K) keep the H200 busy instead.
   # LOSS_CHUNK= (empty) measures the default.
@@ -43,6 +48,9 @@ else
   # inductor's compile of both towers (forward and backward) is most of this part's time
   COMPILE_ARGS=(--models vit_b32 --per_device 256 --precision bf16 --rounds 5)
   COMPILE_LIMIT=120
+  TRAIN_ARGS=(--model_config recipes/models/vit_b32.json --per_device_train_batch_size 256 --max_steps 30
+              --logging_steps 10 --bf16 --dataloader_num_workers 8)
+  TRAIN_LIMIT=90
 fi
 
 echo "part,exit_code,seconds,result" > "$OUT/parts.csv"
@@ -92,7 +100,16 @@ part step "$STEP_LIMIT" "$PY" bench/gpu/gpu_step.py --device "$DEVICE" "${STEP_A
 part compile "$COMPILE_LIMIT" "$PY" bench/train/compile_step.py --device "$DEVICE" "${COMPILE_ARGS[@]}" \
   --out "$OUT/compile.csv"
 
-for f in "$OUT"/parts.csv "$OUT"/loss_*.csv "$OUT"/step.csv "$OUT"/compile.csv; do
+# generated shards (the demo's digit captions; images 40-90 px a side, resized as training resizes any image)
+part train "$TRAIN_LIMIT" bash -c "rm -rf '$OUT/train' '$OUT/train_data' \
+  && $PY -c 'import sys; from pathlib import Path; from disco_clip_ds.testing.images import write_shards
+write_shards(Path(sys.argv[1]), num_shards=4, per_shard=2048)' '$OUT/train_data' \
+  && $PY -m torch.distributed.run --nproc_per_node 1 -m disco_clip_ds.train --output_dir '$OUT/train' \
+     --train_shards '$OUT/train_data/{00000..00003}.tar' --tokenizer_name recipes/tokenizer \
+     --deepspeed ds_configs/cpu_zero2.json --report_to none --save_strategy no ${TRAIN_ARGS[*]} \
+  && $PY bench/gpu/train_figures.py '$OUT/train' --out '$OUT/train.csv'"
+
+for f in "$OUT"/parts.csv "$OUT"/loss_*.csv "$OUT"/step.csv "$OUT"/compile.csv "$OUT"/train.csv; do
   [ -f "$f" ] && { echo "== $f"; cat "$f"; }
 done
 exit 0

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from disco_clip_ds import faults
 from disco_clip_ds.distributed import startup
-from disco_clip_ds.distributed.ranks import any_true, rank
+from disco_clip_ds.distributed.ranks import rank
 from disco_clip_ds.errors import EXIT_LAUNCHER_GONE, Preempted, UsageError, say
 
 
@@ -34,8 +34,9 @@ def parse_signals(names: str) -> tuple[int, ...]:
 
 
 class StopOnSignal(TrainerCallback):
-    """On a stop signal at any rank, every rank stops at the next step boundary (one all-reduce of a flag per
-    step), the Trainer saves a checkpoint, and `stopped` names the signal. Installs the handlers at once, so that
+    """On a stop signal at any rank, every rank stops at the next step boundary (the flag rides the trainer's one
+    all-reduce at the step's end: `requested`, then `stop`), the Trainer saves a checkpoint, and `stopped` names the
+    signal. Installs the handlers at once, so that
     DataLoader workers forked later inherit them before their init ignores them.
 
     Also watches the launcher: a rank whose launcher died without a stop signal exits at once (EXIT_LAUNCHER_GONE)
@@ -104,11 +105,20 @@ class StopOnSignal(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         faults.at_step_end(state.global_step)
-        if self.signals and any_true(self._stop_requested(), args.device) and state.global_step < state.max_steps:
-            # (at max_steps the run ends and saves anyway: finished, not preempted)
-            self.stopped = self.received or "a signal on another rank"
-            control.should_save = control.should_training_stop = True
-        return control
+
+    def requested(self) -> bool:
+        """Whether this rank received a stop signal: DiscoTrainer carries it to every rank in the step's one
+        all-reduce (train/step_flags.py) and hands the verdict to `stop`."""
+        return bool(self.signals) and self._stop_requested()
+
+    def stop(self, state, control, signalled: bool) -> bool:
+        """Stop at this step with a checkpoint when any rank was `signalled`; whether it stops. At max_steps the run
+        ends and saves anyway: finished, not preempted."""
+        if not signalled or state.global_step >= state.max_steps:
+            return False
+        self.stopped = self.received or "a signal on another rank"
+        control.should_save = control.should_training_stop = True
+        return True
 
     def _stop_requested(self) -> bool:
         # a call of its own: CPython runs pending signal handlers on entering a function, so a signal this rank

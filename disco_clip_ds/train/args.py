@@ -241,6 +241,14 @@ class DiscoTrainingArguments(TrainingArguments):
             "end of the run, e.g. the last 5%% of --max_steps); default: masked to the end"
         },
     )
+    # MFU in the training log (train/throughput.py): TFLOPs per device over this peak.
+    peak_tflops: float | None = field(
+        default=None,
+        metadata={
+            "help": "one device's dense peak TFLOPs at the run's precision, for the MFU in the training log "
+            "(default: the table in docs/training.md for A100, H100 and H200; none on CPU)"
+        },
+    )
     # A lost peer (frozen, hung, cut off) ends its survivors after this many seconds instead of torch's 30 minutes.
     # 10 minutes (DeepSpeed's own default) is longer than the slowest collective a healthy run waits in: rank 0
     # writing a large model's checkpoint while the others wait at a barrier, the first step's ZeRO-3 gather and

@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from disco_clip_ds.distributed.ranks import is_distributed
 from disco_clip_ds.errors import TrainingDiverged
 
 
@@ -31,55 +29,44 @@ def divergence_message(step: int, loss: float, grad_norm: float | None, weights_
     )
 
 
-def global_step_numbers(
-    loss: float, grad_norm: float | None, bad_weights: int, device
-) -> tuple[float, float | None, bool]:
-    """(loss averaged over ranks, gradient norm averaged over ranks or None, whether the weights are finite on every
-    rank): one all-reduce of three numbers, so that every rank sees the same values and decides the same; a NaN or
-    inf on any rank reaches all of them through the sum."""
-    has_norm = grad_norm is not None
-    values = torch.tensor(
-        [loss, grad_norm if has_norm else 0.0, float(bad_weights)], dtype=torch.float64, device=device
-    )
-    world = 1
-    if is_distributed():
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        world = dist.get_world_size()
-    loss_sum, norm_sum, bad = values.tolist()
-    return loss_sum / world, (norm_sum / world if has_norm else None), bad == 0
-
-
-def non_finite_parameters(model) -> int:
-    """How many of this rank's parameters (its ZeRO-3 partitions) hold a NaN or inf."""
+def non_finite_parameters(model):
+    """How many of this rank's parameters (its ZeRO-3 partitions) hold a NaN or inf: a 0-dim tensor on the device
+    (no host read: it rides the step's flags), or 0 for a model without parameters."""
     with torch.no_grad():
-        return sum(int(not torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in model.parameters() if p.numel())
+        flags = [
+            (~torch.isfinite(t)).any().reshape(1).to(torch.float64)
+            for t in (getattr(p, "ds_tensor", p) for p in model.parameters() if p.numel())
+        ]
+        if not flags:
+            return 0
+        device = flags[0].device  # ZeRO-3's offloaded partitions live on the CPU: counted where the first one lives
+        return torch.cat([f.to(device) for f in flags]).sum()
 
 
 class FiniteCheck:
-    """After every optimizer step, before the Trainer logs, evaluates or saves (DiscoTrainer's
-    `_maybe_log_save_evaluate` calls `check`), the step's loss (this rank's micro-step losses, added by `add`,
-    averaged over ranks) and its gradient norm (global under DeepSpeed) must be finite, and at a step that saves,
-    every weight too; otherwise every rank raises `TrainingDiverged` at that same step. One all-reduce of three
-    numbers per step."""
+    """After every optimizer step, before the Trainer logs, evaluates or saves, the step's loss (this rank's micro-step
+    losses, added by `add`, averaged over ranks) and its gradient norm (global under DeepSpeed) must be finite, and at
+    a step that saves, every weight too; otherwise every rank raises `TrainingDiverged` at that same step (`check`).
+    The numbers travel in the step's flags (train/step_flags.py): DiscoTrainer's `_maybe_log_save_evaluate` takes
+    them from here and hands the verdict back."""
 
     def __init__(self):
-        self.step_loss = 0.0
-        self.checked_step = None
+        self.step_loss = None  # this rank's micro-step losses of the step, summed on the device in float64
 
     def add(self, loss: torch.Tensor) -> None:
         """A micro-step's loss, kept here: the Trainer replaces a non-finite loss by the mean of the earlier ones
-        before it logs."""
-        self.step_loss += loss.detach().double().item()
+        before it logs. Summed on the device: a host read here would stop the GPU's queue every micro-step."""
+        value = loss.detach().to(torch.float64)
+        self.step_loss = value if self.step_loss is None else self.step_loss + value
 
-    def check(self, step: int, grad_norm, model, saves: bool, device) -> None:
-        """Raise TrainingDiverged on every rank when step `step` was not finite (`saves`: the step saves)."""
-        if step == self.checked_step:  # the Trainer logs again, for the same step, at an epoch's end
-            return
-        self.checked_step = step
-        norm = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
-        bad = non_finite_parameters(model) if saves else 0  # what the save would write
-        loss, norm, weights_finite = global_step_numbers(self.step_loss, norm, bad, device)
-        self.step_loss = 0.0
-        message = divergence_message(step, loss, norm, weights_finite)
+    def take_loss(self):
+        """This rank's summed loss of the step (0.0 when none was added), and start the next step's sum."""
+        loss, self.step_loss = self.step_loss, None
+        return 0.0 if loss is None else loss
+
+    @staticmethod
+    def check(step: int, loss: float, grad_norm: float | None, weights_finite: bool) -> None:
+        """Raise TrainingDiverged when step `step` was not finite (the numbers every rank agreed on)."""
+        message = divergence_message(step, loss, grad_norm, weights_finite)
         if message:
             raise TrainingDiverged(message)

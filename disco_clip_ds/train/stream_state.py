@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from disco_clip_ds.data.streams.base import ReaderStream
 from disco_clip_ds.data.streams.state import POSITION_FIELDS, STATE_FILE, as_rows, note_positions, read_stream_state
 from disco_clip_ds.errors import CheckpointError
@@ -18,17 +20,33 @@ class StreamPositions:
     """This rank's readers' newest positions (`note` each batch's), gathered from every rank before a checkpoint
     is written (`gather`), written into it by rank 0 (`write`), and restored from one on resume (`restore`)."""
 
+    # Batches whose positions wait on the device before they are folded in (a bound on the memory they hold)
+    MAX_PENDING = 1024
+
     def __init__(self):
         self.positions: dict[int, list[int]] = {}  # reader -> newest position trained on
+        self.pending: list[torch.Tensor] = []  # batches' position rows not yet read on the host
         self.rows = None  # every rank's positions, gathered for the checkpoint being saved
 
     def note(self, batch_positions) -> None:
-        """The positions a batch carried (its POSITION_KEY), or None."""
-        note_positions(self.positions, batch_positions)
+        """The positions a batch carried (its POSITION_KEY), or None. Kept as they are (on the device): reading
+        them is a host sync, left to `fold`."""
+        if batch_positions is not None:
+            self.pending.append(batch_positions)
+        if len(self.pending) >= self.MAX_PENDING:
+            self.fold()
+
+    def fold(self) -> None:
+        """Read the pending positions on the host, in one copy (DiscoTrainer calls it at a logging step, where the
+        Trainer reads its loss on the host anyway, and before a save)."""
+        if self.pending:
+            rows, self.pending = torch.cat(self.pending), []
+            note_positions(self.positions, rows)
 
     def gather(self, stream, num_workers: int, accelerator, device) -> None:
         """Every rank's newest positions, gathered before anything of a checkpoint is written: a collective inside
         the save would hang when one rank's write fails before it."""
+        self.fold()
         width = len(getattr(stream, "position_fields", POSITION_FIELDS))
         rows = as_rows(self.positions, max(1, num_workers), width)
         self.rows = accelerator.gather(rows.to(device)).cpu()

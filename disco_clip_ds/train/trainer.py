@@ -1,6 +1,11 @@
 """DiscoTrainer: the stock Trainer with each hook it changes overridden once, here, delegating to small components
-(contrastive accumulation, the finite check, stop signals, complete checkpoints, stream state), so that what one
-step does reads top to bottom in this file."""
+(contrastive accumulation, the finite check, stop signals, data failures, complete checkpoints, stream state,
+throughput), so that what one step does reads top to bottom in this file.
+
+Host syncs: outside logging and saving steps, the step's one host read of ours is the end-of-step flags
+(train/step_flags.py; the run's first fetch adds one, train/data_failure.py). The Trainer's own remain: under
+`logging_nan_inf_filter` (its default) it tests each micro-step's loss for NaN and inf on the host, and under DeepSpeed
+it reads the gradient norm (`grad_norm.item()`) every step."""
 
 from __future__ import annotations
 
@@ -16,17 +21,18 @@ from transformers.trainer_utils import get_last_checkpoint
 from disco_clip_ds import compat, faults
 from disco_clip_ds.checkpoint.universal import repair_zero3_universal_load
 from disco_clip_ds.data.collate import POSITION_KEY
-from disco_clip_ds.data.streams.base import ReaderStream, error_message
-from disco_clip_ds.distributed.ranks import any_true
-from disco_clip_ds.errors import DataError
+from disco_clip_ds.data.streams.base import ReaderStream
 from disco_clip_ds.models.patch_dropout import PATCHES_KEY
 from disco_clip_ds.train.accumulation import ContrastiveAccumulation, logit_params
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
+from disco_clip_ds.train.data_failure import DataFailures
 from disco_clip_ds.train.distill import split_inputs
-from disco_clip_ds.train.finite import FiniteCheck
+from disco_clip_ds.train.finite import FiniteCheck, non_finite_parameters
 from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
+from disco_clip_ds.train.step_flags import exchange
 from disco_clip_ds.train.stopping import StopSignals
 from disco_clip_ds.train.stream_state import StreamPositions
+from disco_clip_ds.train.throughput import Throughput, flops_per_sample, peak_tflops
 
 
 class DiscoTrainer(Trainer):
@@ -48,6 +54,7 @@ class DiscoTrainer(Trainer):
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.stopper]
         self.checkpoints = CompleteCheckpoints(self)
         self.finite = FiniteCheck()
+        self.data_failures = DataFailures()
         self.stream_state = StreamPositions()
         super().__init__(*args, **kwargs)
         self.accumulation = ContrastiveAccumulation(self.args)
@@ -56,7 +63,10 @@ class DiscoTrainer(Trainer):
             self.loss_is_scaled_for_ga = True
         self.reads_own_shards = reads_own_shards
         self.teacher = teacher  # a distillation teacher (train/distill.py), held here: never saved with the model
-        self._data_time, self._last_log = 0.0, None
+        max_num_patches = getattr(self.data_collator, "max_num_patches", None)  # SigLIP 2's NaFlex budget
+        flops = flops_per_sample(self.model.config, self.args, max_num_patches, teacher)
+        self.throughput = Throughput(flops, *peak_tflops(self.args, self.args.device))
+        self._data_time, self._settled_step = 0.0, None
         self._resume_checkpoint = None
 
     def contrastive_batch_size(self) -> int:
@@ -126,15 +136,10 @@ class DiscoTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         start = time.perf_counter()
-        if self._last_log is None:  # the clock starts at the first batch: no start-up time, and after a resume
-            self._last_log = (start, self.state.global_step)  # global_step is the restored one
-        failure = None
-        try:
-            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
-        except Exception as error:  # every rank must learn of it: see _stream_failed
-            failure, batches = error, ([], None)
-        if any_true(failure is not None, self.args.device):  # a collective every step: no rank waits on a dead one
-            self._stream_failed(failure)
+        self.throughput.started(start, self.state.global_step)  # after a resume, global_step is the restored one
+        fetch = functools.partial(super().get_batch_samples, epoch_iterator, num_batches, device)
+        # a rank whose loading fails trains this step on a stand-in; every rank raises at its end (_settle_step)
+        batches = self.data_failures.fetch(fetch, num_batches, self.args.process_index, self.args.device)
         self.accumulation.record(batches[0])
         until = self.args.patch_dropout_until_step  # the first step (1-based, as logged) that sees every patch
         unmasked = until is not None and self.state.global_step + 1 >= until
@@ -144,22 +149,6 @@ class DiscoTrainer(Trainer):
                 batch.pop(PATCHES_KEY, None)
         self._data_time += time.perf_counter() - start
         return batches
-
-    def _stream_failed(self, failure: BaseException | None):
-        """Raise on every rank once any rank's data loading failed: its DataError as one line (the same on every
-        rank); any other error, a bug, with its traceback on the rank that hit it."""
-        mine = None
-        if failure is not None:  # a DataError names its reader and rank; anything else gets the rank put first
-            mine = error_message(failure).splitlines()[0] if isinstance(failure, DataError) else None
-            mine = mine or f"rank {self.args.process_index}'s data loading failed: {type(failure).__name__}: {failure}"
-            mine = mine.splitlines()[0]
-        messages = [mine]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            messages = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(messages, mine)
-        if failure is not None and not isinstance(failure, DataError):
-            raise failure
-        raise DataError(next(m for m in messages if m is not None)) from failure
 
     def _prepare_inputs(self, inputs):
         # Every training forward passes here (training_step; the contrastive accumulation's embedding pass), and so
@@ -209,9 +198,34 @@ class DiscoTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
-        # before the Trainer logs, evaluates or saves anything of this step
-        self.finite.check(self.state.global_step, grad_norm, model, self.control.should_save, self.args.device)
+        step = self.state.global_step
+        if step != self._settled_step:  # the Trainer comes again, for the same step, at an epoch's end
+            self._settled_step = step
+            self._settle_step(step, grad_norm, model)
         return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    def _settle_step(self, step: int, grad_norm, model) -> None:
+        """Before the Trainer logs, evaluates or saves anything of the step, every rank learns in one all-reduce
+        (step_flags.exchange) whether some rank's data loading failed, whether the step was finite (its loss, its
+        gradient norm, at a saving step the weights to be saved) and whether some rank received a stop signal; each
+        rank then raises, stops with a checkpoint or trains on, all alike."""
+        saves = self.control.should_save
+        bad = non_finite_parameters(model) if saves else 0  # what the save would write
+        flags = exchange(
+            self.finite.take_loss(),
+            grad_norm,
+            bad,
+            self.data_failures.failed,
+            self.stopper.requested(),
+            self.args.device,
+        )
+        if flags.data_failed:  # first: a stand-in step's numbers mean nothing
+            self.data_failures.raise_everywhere(self.args.process_index)
+        self.finite.check(step, flags.loss, flags.grad_norm, flags.weights_finite)
+        if self.stopper.stop(self.state, self.control, flags.stop) and not saves:
+            # the stop's checkpoint must hold finite weights too: a second exchange, at this one step of the run
+            weights = exchange(0.0, None, non_finite_parameters(model), False, False, self.args.device)
+            self.finite.check(step, flags.loss, flags.grad_norm, weights.weights_finite)
 
     # --- saving ---
 
@@ -245,27 +259,26 @@ class DiscoTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # the training log, reached by every rank at the same step
             logs.update(self._training_metrics())
+        elif "train_runtime" in logs:  # the Trainer's final log, whose dict train() returns (train_results.json)
+            logs.update(self.throughput.run_figures(self._samples_per_step(), self.args.world_size))
         super().log(logs, start_time)
 
     def _training_metrics(self) -> dict[str, float]:
+        # A logging step: the Trainer reads its loss on the host here anyway, so the figures below may read theirs.
         now, step, world = time.perf_counter(), self.state.global_step, self.args.world_size
-        last_time, last_step = self._last_log
-        steps = max(1, step - last_step)
-        elapsed = now - last_time
+        steps = max(1, step - self.throughput.last[1])
+        self.stream_state.fold()
         local = torch.tensor(
             [self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
             dtype=torch.float64,
             device=self.args.device,
         )
         per_rank = self.accelerator.gather(local[None]).reshape(world, 3).cpu()
-        self._data_time, self._last_log = 0.0, (now, step)
-        samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * world
+        self._data_time = 0.0
         metrics = {
             "logit_scale": float(getattr(self.model, "last_logit_scale", float("nan"))),
             "global_contrastive_batch": self.contrastive_batch_size(),
-            "samples_per_s": samples / elapsed,
-            "samples_per_s_per_rank": samples / elapsed / world,
-            "step_time_s": elapsed / steps,
+            **self.throughput.figures(now, step, self._samples_per_step(), world),
             "data_time_s": per_rank[:, 0].max().item() / steps,
             "peak_mem_gib_max": per_rank[:, 1].max().item(),
             "skipped_samples": int(per_rank[:, 2].sum().item()),
@@ -273,6 +286,10 @@ class DiscoTrainer(Trainer):
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
         return metrics
+
+    def _samples_per_step(self) -> int:
+        """The samples of one optimizer step over all devices."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
 
 def _peak_memory_gib(device: torch.device) -> float:

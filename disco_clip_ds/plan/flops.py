@@ -1,0 +1,33 @@
+"""A run's training FLOPs per sample, from the planner's count (plan/memory.py's `ModelShape`): the student's forward
+and backward over the tokens its layers see (patch dropout and the SigLIP 2 NaFlex budget included), plus a live
+distillation teacher's forward. Model FLOPs, as MFU counts them: a recomputed forward (gradient checkpointing,
+contrastive accumulation's embedding pass) is work done twice, not counted twice; the loss's share is left out."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from disco_clip_ds.plan.memory import ModelShape
+
+
+def model_shape(config, max_num_patches: int | None = None) -> ModelShape:
+    """The planner's ModelShape of a model config object (a CLIPConfig, SiglipConfig or Siglip2Config), SigLIP 2's
+    images at `max_num_patches` patches (None: its whole grid). The planner reads a config JSON: the config is
+    written to a temporary one and read back through the same code."""
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "config.json"
+        config.to_json_file(str(path))
+        return ModelShape.from_json(path, max_num_patches=max_num_patches)
+
+
+def forward_flops_per_sample(shape: ModelShape) -> float:
+    """One forward of both towers per sample (the planner counts a training step as 3 x the forward)."""
+    return sum(shape.training_flops_per_sample().values()) / 3
+
+
+def training_flops_per_sample(student: ModelShape, patch_dropout: float = 0.0, teacher: ModelShape | None = None):
+    """Training FLOPs per sample: the student's forward and backward at `patch_dropout`, plus `teacher`'s forward (a
+    live teacher; None: no teacher, or one whose embeddings are stored)."""
+    flops = sum(student.with_patch_dropout(patch_dropout).training_flops_per_sample().values())
+    return flops + (forward_flops_per_sample(teacher) if teacher is not None else 0.0)
