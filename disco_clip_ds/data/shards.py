@@ -11,6 +11,8 @@ from pathlib import Path
 
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
+from disco_clip_ds.data.redact import describe_source
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # the image keys of a webdataset sample, as img2dataset writes them
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
 
@@ -51,6 +53,12 @@ def expand_shards(spec: str) -> list[str]:
     return urls
 
 
+def missing_shards(urls: list[str]) -> list[str]:
+    """The local shards of `urls` that are not files (a remote one is found missing only when it is read). Training
+    skips them, as webdataset's and open_clip's readers do; an evaluation refuses them (eval/sources.py)."""
+    return [url for url in urls if not is_url(url) and not os.path.isfile(url)]
+
+
 def count_samples(urls: list[str]) -> int:
     """Total samples in the given local shards, from each folder's sizes.json or img2dataset's *_stats.json.
 
@@ -80,8 +88,8 @@ def shard_sizes(urls: list[str]) -> dict[str, int]:
             unknown.append(url)
     if unknown:
         raise ValueError(
-            f"cannot count the samples of {len(unknown)} shard(s), e.g. {unknown[0]}: no entry in a sizes.json or "
-            "img2dataset *_stats.json beside them; pass --train_num_samples"
+            f"cannot count the samples of {len(unknown)} shard(s), e.g. {describe_source(unknown[0])}: no entry in a "
+            "sizes.json or img2dataset *_stats.json beside them; pass --train_num_samples"
         )
     return counts
 
