@@ -44,7 +44,7 @@ def expand_shards(spec: str) -> list[str]:
         if not is_url(source) and Path(source).is_dir():
             tars = sorted(str(p) for p in Path(source).glob("*.tar"))
             if not tars:
-                raise FileNotFoundError(f"no .tar shards in directory {source}")
+                raise FileNotFoundError(f"no .tar shards in directory {describe_source(source)}")
             urls += tars
         else:
             urls += list(braceexpand(source))

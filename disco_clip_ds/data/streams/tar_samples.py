@@ -46,7 +46,13 @@ def raw_samples(url: str, start: int = 0, read: bool = True) -> Iterator[dict]:
     `tarfile.ReadError`, `TruncatedShard` when the end-of-archive marker is missing) propagate, after the samples
     before them. For a remote or `pipe:` source, `__url__` and the errors name it by its public description."""
     if not is_url(url):
-        yield from _samples(tarfile.open(url, mode="r:*", tarinfo=_Header), url, start, read)
+        try:
+            tar = tarfile.open(url, mode="r:*", tarinfo=_Header)
+        except tarfile.ReadError as error:  # its message lists each compression tried, one per line
+            lines = str(error).splitlines()
+            said = next((line.split(": ", 1)[1] for line in lines if line.startswith("- method tar: ")), lines[0])
+            raise tarfile.ReadError(f"not a tar, or cut short in its first member: {said}") from None
+        yield from _samples(tar, url, start, read)
         return
     public, stream = describe_source(url), None
     try:
