@@ -55,8 +55,8 @@ def verify(folder: Path, decode_per_shard: int = 16) -> dict:
             broken[path.name] = result["errors"]
         else:
             sizes[path.name] = result["samples"]
-    if sizes:  # only good shards: a training run reading sizes.json should not count broken ones
-        write_json(folder / "sizes.json", sizes)
+    # only good shards, written even when none is: a training run reading sizes.json must not count a broken one
+    write_json(folder / "sizes.json", sizes)
     return {
         "shards": len(shards),
         "broken": broken,
