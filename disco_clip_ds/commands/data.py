@@ -105,8 +105,9 @@ def embed_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="disco-clip data embed",
         description="Write a teacher's image and text embeddings of every sample of webdataset shards into a sidecar "
-        "per shard (NAME.teacher.safetensors, keyed by sample key, checksummed), for `disco-clip train --teacher "
-        "MODEL --teacher_embeddings DIR`. Re-run the same command to resume.",
+        "per shard (NAME.DIGEST.teacher.safetensors, DIGEST from the shard's absolute path; keyed by sample key, "
+        "checksummed), for `disco-clip train --teacher MODEL --teacher_embeddings DIR`. Re-run the same command to "
+        "resume.",
     )
     p.add_argument("--teacher", required=True, help="CLIPModel or SiglipModel folder or hub id")
     p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
@@ -119,7 +120,8 @@ def embed_parser() -> argparse.ArgumentParser:
 def embed_main(argv: list[str] | None = None) -> int:
     """`disco-clip data embed --teacher MODEL --shards SPEC`: see `embed_parser`."""
     from disco_clip_ds.data.prep.embed import embed_shards
-    from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.data.redact import describe_shards, describe_source
+    from disco_clip_ds.data.shards import expand_shards, is_url, missing_shards
 
     args = embed_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -128,9 +130,12 @@ def embed_main(argv: list[str] | None = None) -> int:
         urls = expand_shards(args.shards)
     except (ValueError, OSError) as error:
         raise UsageError(str(error)) from error
-    missing = [u for u in urls if not Path(u).is_file()]
+    remote = [u for u in urls if is_url(u)]
+    if remote:
+        raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
+    missing = missing_shards(urls)
     if missing:
-        raise UsageError(f"--shards {args.shards}: {missing[0]} does not exist")
+        raise UsageError(f"--shards {describe_shards(args.shards)}: {describe_source(missing[0])} does not exist")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
     summary = embed_shards(args.teacher, urls, args.output, args.batch_size, args.tokenizer_name)

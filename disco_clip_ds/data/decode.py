@@ -17,10 +17,24 @@ from PIL import Image
 
 JPEG_START = b"\xff\xd8\xff"  # what PIL's JPEG plugin accepts a file by
 TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")  # those libjpeg-turbo turns into RGB as PIL's convert("RGB") does
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # the modes PIL opens 16-bit grayscale images in
+
+
+def eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (PIL mode I;16 or I) as 8-bit ("L"): each value's high byte (value >> 8), the rule PIL
+    itself applies to 16-bit RGB PNGs and libpng's png_set_strip_16; PIL's convert would clip every value above 255
+    to white. Mode "I" holds 32-bit integers: read as 16-bit samples, values outside 0..65535 are clipped first.
+    Any other image is returned as it is."""
+    if image.mode not in SIXTEEN_BIT_MODES:
+        return image
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+    return Image.fromarray((values >> 8).astype(np.uint8))  # uint8 (h, w): mode "L"
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode to RGB; transparent pixels become white rather than whatever colour they hide."""
+    """Any PIL mode to RGB; transparent pixels become white rather than whatever colour they hide; 16-bit grayscale
+    is scaled to 8 bits (`eight_bit`)."""
+    image = eight_bit(image)
     if image.mode == "RGB":
         return image
     if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):

@@ -1,10 +1,16 @@
 """A teacher's embeddings stored once per shard (`disco-clip data embed`, read by `--teacher_embeddings`): a sidecar
-file beside each shard, NAME.teacher.safetensors for NAME.tar, holding the teacher's L2-normalised image and text
+file per shard, NAME.DIGEST.teacher.safetensors for NAME.tar, holding the teacher's L2-normalised image and text
 embeddings of every sample of the shard, one row per sample key.
 
+DIGEST is 12 hex digits of the sha256 of the shard's identity (`shard_identity`: a local shard's absolute path, a
+remote one's public description), so that shards of one file name in two sources (`a/00000.tar`, `b/00000.tar`) get
+two sidecars in one folder; moving the shards to another folder means embedding them again.
+
 Sidecar layout: fp32 tensors "image" and "text" (n, d'), and metadata "keys" (the sample keys, JSON, in row order),
-"teacher" (the teacher's fingerprint, `teacher_fingerprint`), "model_type", "logit_scale" (the teacher's multiplier)
-and "logit_bias" (SigLIP), "sha256" (of the keys and both tensors' bytes: a torn or altered file is found when read).
+"teacher" (the teacher's fingerprint, `teacher_fingerprint`), "shard" (its shard's identity) and "shard_bytes" (its
+size, for a local shard), "model_type", "logit_scale" (the teacher's multiplier) and "logit_bias" (SigLIP), "sha256"
+(of the keys and both tensors' bytes: a torn or altered file is found when read). A reader checks the teacher, the
+shard and its size (`sidecar_problem`) before it uses a row.
 """
 
 from __future__ import annotations
@@ -16,16 +22,75 @@ from pathlib import Path
 
 import torch
 
+from disco_clip_ds.data.redact import describe_source
+from disco_clip_ds.data.shards import is_url
 from disco_clip_ds.errors import DataError, UsageError
 
 SUFFIX = ".teacher.safetensors"
 KEEP_SIDECARS = 4  # sidecars a DataLoader worker keeps loaded
 
 
+def shard_identity(shard: str) -> str:
+    """What a sidecar records of its shard: a local shard's absolute path; a remote one's public description (the
+    training stream names a remote shard's samples by it, and it holds no credential)."""
+    return describe_source(shard) if is_url(shard) else os.path.abspath(shard)
+
+
 def sidecar_path(folder: str | Path, shard: str) -> Path:
-    """The sidecar of shard `shard` (a path or URL) in FOLDER: its file name with .tar replaced by SUFFIX."""
+    """The sidecar of shard `shard` (a path or URL) in FOLDER: its file name with .tar replaced by .DIGEST + SUFFIX,
+    DIGEST from the shard's identity, so that two shards of one name never share a sidecar."""
+    digest = hashlib.sha256(shard_identity(shard).encode()).hexdigest()[:12]
+    return Path(folder) / f"{_stem(shard)}.{digest}{SUFFIX}"
+
+
+def _stem(shard: str) -> str:
     name = Path(shard.rstrip("/")).name
-    return Path(folder) / ((name[: -len(".tar")] if name.endswith(".tar") else name) + SUFFIX)
+    return name[: -len(".tar")] if name.endswith(".tar") else name
+
+
+def shard_facts(shard: str) -> dict:
+    """The metadata a sidecar records of its shard: its identity and, for a local shard, its size in bytes."""
+    size = _size(shard)
+    return {"shard": shard_identity(shard), **({"shard_bytes": size} if size is not None else {})}
+
+
+def _size(shard: str) -> str | None:
+    return str(os.path.getsize(shard)) if not is_url(shard) and os.path.isfile(shard) else None
+
+
+def sidecar_problem(meta: dict, shard: str, fingerprint: str) -> str | None:
+    """Why a sidecar (its metadata `meta`) may not serve shard `shard` for the teacher of `fingerprint`: made by
+    another teacher, for another shard (a sidecar renamed or copied), for the shard as it was before it was written
+    again (another size); None when it may."""
+    if meta.get("teacher") != fingerprint:
+        return f"made by another teacher (fingerprint {meta.get('teacher')}, not {fingerprint})"
+    if meta.get("shard") != shard_identity(shard):
+        return f"made for shard {describe_source(meta.get('shard', '?'))}, not {describe_source(shard)}"
+    recorded, size = meta.get("shard_bytes"), _size(shard)
+    if recorded is not None and size is not None and recorded != size:
+        return f"made for {describe_source(shard)} when it held {recorded} bytes; it now holds {size}"
+    return None
+
+
+def check_sidecars(folder: str | Path, urls: list[str], fingerprint: str, teacher: str) -> None:
+    """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it (`sidecar_problem`, from the
+    headers alone; checksums are verified as each is read); else a UsageError in one line saying what to run."""
+    embed = f"run `disco-clip data embed --teacher {teacher} --shards ... --output {folder}`"
+    for url in urls:
+        path = sidecar_path(folder, url)
+        if not path.is_file():
+            old = Path(folder) / (_stem(url) + SUFFIX)  # how an older version named it
+            why = f": {old.name} is an older version's, named by the shard's file name alone" if old.is_file() else ""
+            raise UsageError(
+                f"--teacher_embeddings {folder}: no embeddings of shard {describe_source(url)} ({path.name}){why}: "
+                f"{embed}"
+            )
+        try:
+            problem = sidecar_problem(read_metadata(path), url, fingerprint)
+        except DataError as error:
+            raise UsageError(str(error)) from error
+        if problem:
+            raise UsageError(f"--teacher_embeddings {folder}: {path.name} was {problem}: {embed}")
 
 
 def teacher_fingerprint(name_or_path: str) -> str:
@@ -108,14 +173,18 @@ class EmbeddingStore:
 
     def lookup(self, shard: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's (image, text) embeddings of sample `key` of `shard`: a DataError naming both when the
-        sidecar or the key is missing, or the sidecar is another teacher's or does not verify."""
+        sidecar or the key is missing, or the sidecar may not serve this shard (`sidecar_problem`) or does not
+        verify."""
         if shard not in self._loaded:
             path = sidecar_path(self.folder, shard)
             if not path.is_file():
-                raise DataError(f"no teacher embeddings for shard {shard} (sample {key}): {path} is missing")
+                raise DataError(
+                    f"no teacher embeddings for shard {describe_source(shard)} (sample {key}): {path} is missing"
+                )
             rows, image, text, meta = read_sidecar(path)
-            if meta.get("teacher") != self.fingerprint:
-                raise DataError(f"{path}: made by another teacher ({meta.get('teacher')}, not {self.fingerprint})")
+            problem = sidecar_problem(meta, shard, self.fingerprint)
+            if problem:
+                raise DataError(f"{path}: {problem}: run `disco-clip data embed` for these shards again")
             if len(self._loaded) >= KEEP_SIDECARS:  # a shuffle block may span a few shards; older ones are done
                 self._loaded.pop(next(iter(self._loaded)))
             self._loaded[shard] = (rows, image, text)
@@ -123,6 +192,7 @@ class EmbeddingStore:
         row = rows.get(key)
         if row is None:
             raise DataError(
-                f"no teacher embedding for sample {key} of shard {shard} in {sidecar_path(self.folder, shard)}"
+                f"no teacher embedding for sample {key} of shard {describe_source(shard)} in "
+                f"{sidecar_path(self.folder, shard)}"
             )
         return image[row], text[row]

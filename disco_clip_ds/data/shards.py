@@ -11,6 +11,8 @@ from pathlib import Path
 
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
+from disco_clip_ds.data.redact import describe_source
+
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # the image keys of a webdataset sample, as img2dataset writes them
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
 
@@ -42,13 +44,19 @@ def expand_shards(spec: str) -> list[str]:
         if not is_url(source) and Path(source).is_dir():
             tars = sorted(str(p) for p in Path(source).glob("*.tar"))
             if not tars:
-                raise FileNotFoundError(f"no .tar shards in directory {source}")
+                raise FileNotFoundError(f"no .tar shards in directory {describe_source(source)}")
             urls += tars
         else:
             urls += list(braceexpand(source))
     if not urls:
         raise ValueError(f"no shards in {spec!r}: give paths like 'dir/{{00000..00009}}.tar', sources joined by '::'")
     return urls
+
+
+def missing_shards(urls: list[str]) -> list[str]:
+    """The local shards of `urls` that are not files (a remote one is found missing only when it is read). Training
+    skips them, as webdataset's and open_clip's readers do; an evaluation refuses them (eval/sources.py)."""
+    return [url for url in urls if not is_url(url) and not os.path.isfile(url)]
 
 
 def count_samples(urls: list[str]) -> int:
@@ -80,8 +88,8 @@ def shard_sizes(urls: list[str]) -> dict[str, int]:
             unknown.append(url)
     if unknown:
         raise ValueError(
-            f"cannot count the samples of {len(unknown)} shard(s), e.g. {unknown[0]}: no entry in a sizes.json or "
-            "img2dataset *_stats.json beside them; pass --train_num_samples"
+            f"cannot count the samples of {len(unknown)} shard(s), e.g. {describe_source(unknown[0])}: no entry in a "
+            "sizes.json or img2dataset *_stats.json beside them; pass --train_num_samples"
         )
     return counts
 

@@ -10,6 +10,7 @@ Evaluation reads every shard on every rank, never split: under ZeRO-3 all ranks 
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 from collections.abc import Iterator, Sequence
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from disco_clip_ds.data import hf_io
-from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url
+from disco_clip_ds.data.decode import eight_bit
+from disco_clip_ds.data.redact import describe_source
+from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing_shards
+from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError, UsageError
 
 TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt"}
@@ -26,38 +30,38 @@ TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt"}
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
-    `data.shards.expand_shards`) or a list of such specs; local shards must exist (else UsageError)."""
+    `data.shards.expand_shards`) or a list of such specs; every local shard must exist (else UsageError).
+
+    Training skips a missing shard of a pattern (img2dataset leaves one where a shard failed to download); an
+    evaluation refuses it, because a metric over part of a benchmark is not that benchmark's number."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     try:
         urls = [url for item in specs for url in expand_shards(str(item))]
     except (ValueError, FileNotFoundError) as e:  # an empty spec, a folder without shards
         raise UsageError(str(e)) from e
-    missing = [url for url in urls if not is_url(url) and not os.path.isfile(url)]
+    missing = missing_shards(urls)
     if missing:
         raise UsageError(
-            f"{len(missing)} of {len(urls)} shards not found, e.g. '{missing[0]}': give a folder of .tar shards "
-            "or a brace pattern"
+            f"{len(missing)} of {len(urls)} shards not found, e.g. '{describe_source(missing[0])}': an evaluation "
+            "reads every shard of its set (a metric over part of it is not the set's; training skips missing shards, "
+            "evaluation does not): restore it, or give only the shards that exist"
         )
     return urls
 
 
 def check_eval_shards(urls: Sequence[str], task: str) -> None:
-    """Read each local shard's member list before any model is loaded. webdataset would otherwise stop mid-way
-    with a traceback on a truncated tar (its reader cannot tell a cut file from the end of a shard), or find no
-    sample with the field the task needs only after encoding every image."""
+    """Read each local shard's member headers (no image bytes) through the shard reader before any model is loaded:
+    a truncated tar, a sample without an image or without the field the task needs would otherwise be found only
+    after encoding the images before it."""
     need = TASK_FIELD[task]
     for url in urls:
         if is_url(url):
             continue
-        try:
-            with tarfile.open(url, "r:") as tar:
-                members = tar.getmembers()
-        except (tarfile.TarError, OSError) as e:
-            raise DataError(f"shard '{url}' is truncated or not a tar ({e}): re-create or remove it") from e
-        size = os.path.getsize(url)
-        if any(m.offset_data + m.size > size for m in members):  # tarfile lists a cut-off member without error
-            raise DataError(f"shard '{url}' is truncated ({size} bytes): re-create or remove it")
-        fields = {name.rsplit(".", 1)[-1] for name in (m.name for m in members) if "." in name}
+        fields, incomplete = set(), None
+        for sample in _read(url, read=False):
+            fields |= sample.keys()
+            if incomplete is None and not (need in sample and any(ext in sample for ext in IMAGE_EXTS)):
+                incomplete = sample["__key__"]
         if fields and need not in fields:
             other = "zeroshot_retrieval" if task == "zeroshot_classification" else "zeroshot_classification"
             layout = (
@@ -65,40 +69,64 @@ def check_eval_shards(urls: Sequence[str], task: str) -> None:
             )
             hint = f"; it has .{TASK_FIELD[other]}: use --task {other}" if TASK_FIELD[other] in fields else ""
             raise UsageError(
-                f"shard '{url}' has no .{need} members, which --task {task} reads (expected {layout}){hint}"
+                f"shard '{describe_source(url)}' has no .{need} members, which --task {task} reads (expected "
+                f"{layout}){hint}"
+            )
+        if incomplete is not None:
+            raise DataError(
+                f"sample {incomplete} of shard '{describe_source(url)}' has no image ({'/'.join(IMAGE_EXTS)}) or no "
+                f".{need}: an evaluation reads every sample; re-create the shard"
             )
 
 
-def _every_node(urls):
-    # Evaluation reads every shard on every rank: under ZeRO-3 all ranks must run the same forwards.
-    yield from urls
+def _read(url: str, read: bool = True) -> Iterator[dict]:
+    """The samples of one eval shard; a damaged shard is a DataError naming it (its public description)."""
+    try:
+        yield from raw_samples(url, read=read)
+    except (tarfile.TarError, OSError, ValueError) as e:
+        raise DataError(
+            f"shard '{describe_source(url)}' is truncated or not a tar ({e}): re-create or remove it"
+        ) from e
 
 
 def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
-    """(pixel_values, [class index or caption list]) batches read in order from the shards.
+    """(pixel_values, [class index or caption list]) batches read in order from the shards, every shard on every
+    rank (under ZeRO-3 all ranks must run the same forwards), through the one shard reader.
 
     `fields` is "cls" or "txt"."""
-    import webdataset as wds
+    from PIL import Image
 
-    dataset = (
-        wds.WebDataset(
-            resolve_shards(shards), shardshuffle=False, nodesplitter=_every_node, workersplitter=None, empty_check=False
-        )
-        .decode("pil")
-        .to_tuple(";".join(IMAGE_EXTS), fields)
-        .batched(batch_size, collation_fn=None, partial=True)
-    )
-    for batch in dataset:
-        images, values = zip(*batch)
-        if fields == "txt":
-            values = [[line.strip() for line in text.splitlines() if line.strip()] for text in values]
-        yield pixels(image_processor, images), list(values)
+    images, values = [], []
+    for url in resolve_shards(shards):
+        for sample in _read(url):
+            image = next((sample[ext] for ext in IMAGE_EXTS if ext in sample), None)
+            if image is None or fields not in sample:
+                raise DataError(
+                    f"sample {sample['__key__']} of shard '{describe_source(url)}' has no image or no .{fields}"
+                )
+            opened = Image.open(io.BytesIO(image))  # as webdataset's "pil" decoder: loaded, left open for convert
+            opened.load()
+            images.append(opened)
+            values.append(_value(sample[fields], fields))
+            if len(images) == batch_size:
+                yield pixels(image_processor, images), values
+                images, values = [], []
+    if images:
+        yield pixels(image_processor, images), values
+
+
+def _value(data: bytes, field: str):
+    """A class index (webdataset's decoder reads .cls as int(data)) or the captions of a .txt, one per line."""
+    if field == "cls":
+        return int(data)
+    return [line.strip() for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
 def pixels(image_processor, images) -> torch.Tensor | dict[str, torch.Tensor]:
     """The model's pixel_values of PIL `images` (converted to RGB), by its own image processor; for SigLIP 2's
-    (NaFlex) the whole image input, pixel_attention_mask and spatial_shapes with them, as a dict."""
-    inputs = image_processor(images=[image.convert("RGB") for image in images], return_tensors="pt")
+    (NaFlex) the whole image input, pixel_attention_mask and spatial_shapes with them, as a dict. A 16-bit image is
+    scaled to 8 bits first (data/decode.py), rather than clipped by PIL's convert."""
+    inputs = image_processor(images=[eight_bit(image).convert("RGB") for image in images], return_tensors="pt")
     return dict(inputs) if "spatial_shapes" in inputs else inputs["pixel_values"]
 
 

@@ -187,6 +187,6 @@ def test_a_rank_whose_shards_hold_no_sample_stops_every_rank_with_one_line(data,
     assert rc == 1 and len(lines) == 2, log[-3000:]
     assert lines[0] == lines[1] and lines[0].startswith(
         "disco-clip train: reader 1 of 2 (rank 1, DataLoader worker 0) found no readable sample in its shard(s) "
-        f"{tmp_path / 'shards' / '00001.tar'}: check that they exist and hold samples"
+        "shards/00001.tar: check that they exist and hold samples"  # a shard by its public description (redact.py)
     ), lines
     assert "Traceback" not in log

@@ -1,6 +1,8 @@
 """`disco-clip data embed`: a teacher's embeddings of every sample of webdataset shards, written once into a sidecar
 per shard (data/embeddings.py), resumable: a shard whose sidecar verifies and is this teacher's is not embedded
-again, so a re-run after a kill continues where the last one stopped."""
+again, so a re-run after a kill continues where the last one stopped. The teacher is checked before any model is
+built: a name that is neither a folder nor a model on the hub, or a model type whose embeddings cannot be stored here,
+is one line (exit 2)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ from pathlib import Path
 
 import torch
 
-from disco_clip_ds.data.embeddings import read_metadata, read_sidecar, sidecar_path, teacher_fingerprint, write_sidecar
+from disco_clip_ds.data.embeddings import (
+    read_metadata,
+    read_sidecar,
+    shard_facts,
+    shard_identity,
+    sidecar_path,
+    sidecar_problem,
+    teacher_fingerprint,
+    write_sidecar,
+)
+from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, is_url
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.transforms import ImageTransform, Normalize
@@ -18,6 +30,31 @@ from disco_clip_ds.errors import DataError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
 TEXT_KEYS = ("txt", "text", "caption")
+MODEL_TYPES = ("clip", "siglip")  # teachers with one image size, whose center crops data embed stores
+
+
+def teacher_config(teacher: str):
+    """The teacher's config, read before any model is built; a UsageError in one line for a folder that is not there,
+    a name that is neither a model folder nor a model on the hub (or, offline, in its cache), and a model type whose
+    embeddings this command cannot store."""
+    from disco_clip_ds.models.build import load_config
+
+    folder = Path(teacher).expanduser()
+    if not folder.exists() and teacher.startswith(("/", "./", "../", "~")):
+        raise UsageError(f"--teacher {teacher}: no such folder")
+    try:
+        config = load_config(str(folder) if folder.exists() else teacher)
+    except (OSError, ValueError) as error:  # transformers' messages run over several lines
+        what = "not a model folder" if folder.exists() else "no such folder, nor a model on the hub or in its cache"
+        raise UsageError(f"--teacher {teacher}: {what} ({str(error).splitlines()[0]})") from error
+    if config.model_type == "siglip2":
+        raise UsageError(
+            f"--teacher {teacher}: a SigLIP 2 model, whose NaFlex image input has no one image size to crop to; "
+            f"data embed stores the embeddings of {' and '.join(MODEL_TYPES)} teachers"
+        )
+    if config.model_type not in MODEL_TYPES:
+        raise UsageError(f"--teacher {teacher}: a {config.model_type} model; give a CLIPModel or SiglipModel")
+    return config
 
 
 def teacher_preprocessing(name_or_path: str, tokenizer_name: str | None, config):
@@ -57,15 +94,19 @@ def embed_shards(
 
     remote = [u for u in urls if is_url(u)]
     if remote:
-        raise UsageError(f"data embed reads local shards only, not {remote[0]}")
-    fingerprint = teacher_fingerprint(teacher)
+        raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
+    paths = _sidecar_paths(urls, out)
+    teacher_config(teacher)
+    try:
+        fingerprint = teacher_fingerprint(teacher)
+    except (OSError, ValueError) as error:  # a hub id whose weights cannot be fetched
+        raise UsageError(f"--teacher {teacher}: its weights cannot be read ({str(error).splitlines()[0]})") from error
     model = build_model(teacher).eval().requires_grad_(False)
     config = model.config
     tokenizer, length, transform, normalize = teacher_preprocessing(teacher, tokenizer_name, config)
     summary = {"embedded": [], "kept": [], "skipped": 0}
-    for url in urls:
-        path = sidecar_path(out or Path(url).parent, url)
-        if path.is_file() and _verifies(path, fingerprint):
+    for url, path in zip(urls, paths):
+        if path.is_file() and _verifies(path, url, fingerprint):
             summary["kept"].append(str(path))
             continue
         keys, images, texts = [], [], []
@@ -82,7 +123,7 @@ def embed_shards(
                     crops.append(transform.from_bytes(image, None))
                 except Exception as error:  # as the training stream: skipped, counted, said
                     summary["skipped"] += 1
-                    logger.warning("skipping sample %s of %s: %s", sample["__key__"], url, error)
+                    logger.warning("skipping sample %s of %s: %s", sample["__key__"], describe_source(url), error)
                     continue
                 captions.append(caption)
                 keys.append(sample["__key__"])
@@ -100,7 +141,7 @@ def embed_shards(
             images.append(outputs.image_embeds.float())
             texts.append(outputs.text_embeds.float())
         if not keys:
-            raise DataError(f"{url}: no sample with an image and a caption")
+            raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
         params = model.logit_params()
         meta = {
             "teacher": fingerprint,
@@ -108,7 +149,7 @@ def embed_shards(
             "model_type": config.model_type,
             "logit_scale": repr(float(params[0])),
             "logit_bias": repr(float(params[1])) if len(params) > 1 else "",
-            "shard": Path(url).name,
+            **shard_facts(url),
         }
         write_sidecar(path, keys, torch.cat(images), torch.cat(texts), meta)
         summary["embedded"].append(str(path))
@@ -116,10 +157,32 @@ def embed_shards(
     return summary
 
 
-def _verifies(path: Path, fingerprint: str) -> bool:
-    """A sidecar already there counts as done when it is this teacher's and its checksum verifies."""
+def _sidecar_paths(urls: list[str], out: str | None) -> list[Path]:
+    """Each shard's sidecar (in OUT, else beside it); a shard named twice would be embedded into one file twice."""
+    paths, seen = [], {}
+    for url in urls:
+        path = sidecar_path(out or Path(url).parent, url)
+        if path in seen:
+            raise UsageError(
+                f"--shards names the shard {describe_source(url)} twice ({seen[path]!r} and {url!r} are one file): "
+                "give each shard once"
+            )
+        seen[path] = url
+        paths.append(path)
+    return paths
+
+
+def _verifies(path: Path, url: str, fingerprint: str) -> bool:
+    """A sidecar already there counts as done when it may serve this shard for this teacher and its checksum
+    verifies; one made for another shard (a sidecar renamed or copied there) is refused rather than overwritten."""
     try:
-        if read_metadata(path).get("teacher") != fingerprint:
+        meta = read_metadata(path)
+        if meta.get("shard") not in (None, shard_identity(url)):
+            raise UsageError(
+                f"{path}: holds the embeddings of shard {describe_source(meta['shard'])}, not of "
+                f"{describe_source(url)}: remove it, or give another --output"
+            )
+        if sidecar_problem(meta, url, fingerprint):
             return False
         read_sidecar(path)
         return True

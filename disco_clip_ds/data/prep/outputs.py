@@ -9,7 +9,7 @@ import tarfile
 from collections import Counter
 from pathlib import Path
 
-from disco_clip_ds.data.shards import IMAGE_EXTS
+from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import UsageError
 
 _STATS_RE = re.compile(r"^(\d+)_stats\.json$")
@@ -58,24 +58,24 @@ def done_shards(output: Path) -> dict[int, dict]:
 
 
 def canonicalize_tar(path: Path) -> int:
-    """Rewrite a finished shard with members sorted by name and a fixed mtime; return its sample count.
+    """Rewrite a finished shard with members sorted by name and a fixed mtime; return its sample count, as the one
+    shard reader counts it (data/streams/tar_samples.py: webdataset's key rule), which also finds a truncated tar.
 
     Leaves a tar that is already canonical untouched. The rewrite goes through a temporary file and
-    an atomic rename, so an interruption never leaves a half-written shard behind.
+    an atomic rename, so an interruption never leaves a half-written shard behind. Sorting keeps each sample's
+    members together: a key's members share the prefix "KEY.", which no other key's member names start with.
     """
     with tarfile.open(path) as tar:
         members = tar.getmembers()
         names = [m.name for m in members]
-        samples = len({n.rsplit(".", 1)[0] for n in names if n.rsplit(".", 1)[-1].lower() in IMAGE_EXTS})
-        if names == sorted(names) and all(m.mtime == _CANONICAL_MTIME for m in members):
-            return samples
-        tmp = path.with_suffix(".tar.tmp")
-        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
-            for member in sorted(members, key=lambda m: m.name):
-                member.mtime = _CANONICAL_MTIME
-                out.addfile(member, tar.extractfile(member))
-    os.replace(tmp, path)
-    return samples
+        if names != sorted(names) or any(m.mtime != _CANONICAL_MTIME for m in members):
+            tmp = path.with_suffix(".tar.tmp")
+            with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
+                for member in sorted(members, key=lambda m: m.name):
+                    member.mtime = _CANONICAL_MTIME
+                    out.addfile(member, tar.extractfile(member))
+            os.replace(tmp, path)
+    return sum(1 for _ in raw_samples(str(path), read=False))
 
 
 def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
@@ -88,7 +88,7 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
         tar = output / f"{shard_name(shard_id)}.tar"
         try:
             samples = canonicalize_tar(tar)
-        except (tarfile.TarError, OSError) as err:
+        except (tarfile.TarError, OSError, ValueError) as err:  # ValueError: a member twice in one sample
             samples, problem = None, f"unreadable tar ({err})"
         else:
             problem = f"tar holds {samples} samples, its stats say {stats['successes']}"

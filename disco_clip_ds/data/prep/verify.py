@@ -9,52 +9,36 @@ import tarfile
 from pathlib import Path
 
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
+from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError
 
 _SHARD_RE = re.compile(r"^(\d+)\.tar$")
 
 
 def inspect_shard(path: Path, decode_limit: int) -> dict:
-    """Read a tar to its end; count samples, decode up to `decode_limit` images, collect caption lengths.
-
-    Uses `tarfile` directly rather than webdataset: webdataset's readers stop quietly or skip on a
-    truncated stream depending on the handler, while this must see every byte and name the failure.
-    """
+    """Read a tar to its end through the one shard reader (data/streams/tar_samples.py), so that its count is the
+    training stream's and webdataset's (samples keyed at the first dot of a member's base name) and a shard cut short
+    anywhere, at a member boundary included, is found; decode up to `decode_limit` images, collect caption
+    lengths."""
     from PIL import Image
 
-    keys, caption_words, decoded, errors = set(), [], 0, []
+    samples, caption_words, decoded, errors = 0, [], 0, []
     try:
-        with tarfile.open(path) as tar:
-            for member in tar:  # a tar cut at a member boundary just ends early here: see below
-                data = tar.extractfile(member).read() if member.isfile() else b""
-                key, _, ext = member.name.rpartition(".")
-                ext = ext.lower()
-                if ext in IMAGE_EXTS:
-                    keys.add(key)
-                    if decoded < decode_limit:
-                        try:
-                            with Image.open(io.BytesIO(data)) as img:
-                                img.load()
-                            decoded += 1
-                        except Exception as err:  # report which sample is undecodable, go on
-                            errors.append(f"{member.name}: cannot decode ({err})")
-                elif ext == "txt":
-                    caption_words.append(len(data.decode("utf-8", errors="replace").split()))
-            end = tar.offset
-        if not _ends_with_end_of_archive(path, end):
-            errors.append(f"truncated tar: no end-of-archive marker after byte {end}")
-    except (tarfile.TarError, OSError, EOFError) as err:
-        errors.append(f"unreadable tar: {err}")
-    return {"samples": len(keys), "decoded": decoded, "caption_words": caption_words, "errors": errors}
-
-
-def _ends_with_end_of_archive(path: Path, offset: int) -> bool:
-    # tarfile treats a header cut short as the end of the archive; a complete tar has two zero
-    # blocks (and zero padding) where its last member ends.
-    with open(path, "rb") as f:
-        f.seek(offset)
-        rest = f.read()
-    return len(rest) >= 2 * tarfile.BLOCKSIZE and not rest.strip(b"\0")
+        for sample in raw_samples(str(path)):
+            samples += 1
+            image = next((ext for ext in IMAGE_EXTS if ext in sample), None)
+            if image is not None and decoded < decode_limit:
+                try:
+                    with Image.open(io.BytesIO(sample[image])) as img:
+                        img.load()
+                    decoded += 1
+                except Exception as err:  # report which sample is undecodable, go on
+                    errors.append(f"{sample['__key__']}.{image}: cannot decode ({err})")
+            if "txt" in sample:
+                caption_words.append(len(sample["txt"].decode("utf-8", errors="replace").split()))
+    except (tarfile.TarError, OSError, EOFError, ValueError) as err:
+        errors.append(f"unreadable tar: {err}" if samples == 0 else f"after {samples} samples: {err}")
+    return {"samples": samples, "decoded": decoded, "caption_words": caption_words, "errors": errors}
 
 
 def verify(folder: Path, decode_per_shard: int = 16) -> dict:
@@ -71,8 +55,8 @@ def verify(folder: Path, decode_per_shard: int = 16) -> dict:
             broken[path.name] = result["errors"]
         else:
             sizes[path.name] = result["samples"]
-    if sizes:  # only good shards: a training run reading sizes.json should not count broken ones
-        write_json(folder / "sizes.json", sizes)
+    # only good shards, written even when none is: a training run reading sizes.json must not count a broken one
+    write_json(folder / "sizes.json", sizes)
     return {
         "shards": len(shards),
         "broken": broken,

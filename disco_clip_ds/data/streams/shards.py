@@ -52,7 +52,8 @@ class ShardStream(ReaderStream):
     def _empty_pass(self):
         reader, num_readers, _ = self._reader()
         shards = shards_for_reader(self.urls, reader, num_readers)
-        shown = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
+        shown = ", ".join(map(describe_source, shards[:3]))  # a `pipe:` command may hold a credential (data/redact.py)
+        shown += f" and {len(shards) - 3} more" if len(shards) > 3 else ""
         return self._nothing_readable(
             f"its shard(s) {shown}",
             "check that they exist and hold samples, or use fewer ranks x --dataloader_num_workers than there are "

@@ -30,7 +30,7 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--data", "/nonexistent/shards"], "shards not found, e.g. '/nonexistent/shards'"),
+        (["--data", "/nonexistent/shards"], "shards not found, e.g. 'shards'"),
         (["--data", "DIR/{00000..00005}.tar"], "3 of 6 shards not found"),
         (["--classnames", "/nonexistent/names.txt"], "not found"),
         (["--classnames", "imagenet1k", "--templates", "TPL"], "must contain '{c}'"),

@@ -110,3 +110,25 @@ def test_a_reduced_decode_maps_the_box_to_its_pixels():
     assert np.abs(full.numpy().astype(int) - half.numpy().astype(int)).mean() < 2
     # a box thinner than a reduced pixel keeps one pixel
     assert resized_crop(EncodedImage(data).decode(8), (10, 10, 12, 12), (640, 427), 4).shape == (3, 4, 4)
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_not_clipped():
+    """M2: PIL's convert("RGB") clips 16-bit values above 255 to white (a 16-bit image then trains as a white one).
+    Reference: each value's high byte, value >> 8, the rule PIL applies to 16-bit RGB PNGs (and libpng's strip_16)."""
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 65536, size=(33, 47), dtype=np.uint16)
+    values[0, :4] = (0, 255, 256, 65535)  # the edges of the scale: 0, 0, 1, 255
+    buf = io.BytesIO()
+    Image.fromarray(values).save(buf, "PNG")
+    with Image.open(io.BytesIO(buf.getvalue())) as opened:
+        assert opened.mode == "I;16"
+        assert (np.array(opened.convert("RGB"))[..., 0] == 255).mean() > 0.99  # what clipping gave
+        as_int32 = opened.convert("I")  # mode I: 32-bit integers, as some readers give 16-bit samples
+    reference = (values.astype(np.int64) // 256).astype(np.uint8)
+    assert list(reference[0, :4]) == [0, 0, 1, 255]
+    got = EncodedImage(buf.getvalue()).decode()
+    assert got.shape == (33, 47, 3) and got.dtype == np.uint8
+    assert all(np.array_equal(got[..., c], reference) for c in range(3))
+    assert np.array_equal(np.array(to_rgb(as_int32))[..., 1], reference)
+    out_of_range = Image.fromarray(np.array([[-5, 70000, 512]], dtype=np.int32))  # mode I: clipped to 0..65535 first
+    assert np.array(decode.eight_bit(out_of_range)).tolist() == [[0, 255, 2]]

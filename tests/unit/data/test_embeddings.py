@@ -3,14 +3,22 @@
 and a clear error for a missing, altered or foreign embedding."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.data.collate import ClipCollator
-from disco_clip_ds.data.embeddings import EmbeddingStore, read_sidecar, sidecar_path, write_sidecar
-from disco_clip_ds.errors import DataError
+from disco_clip_ds.data.embeddings import (
+    EmbeddingStore,
+    check_sidecars,
+    read_sidecar,
+    shard_facts,
+    sidecar_path,
+    write_sidecar,
+)
+from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
 
@@ -30,17 +38,45 @@ def test_sidecar_round_trip_and_checksum(tmp_path):
 
 
 def test_store_errors_name_the_shard_and_the_key(tmp_path):
-    write_sidecar(
-        tmp_path / "00000.teacher.safetensors", ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), {"teacher": "t1"}
-    )
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for name in ("00000.tar", "00001.tar"):
+        (shards / name).write_bytes(b"x" * 10)
+    first, second = str(shards / "00000.tar"), str(shards / "00001.tar")
+    meta = {"teacher": "t1", **shard_facts(first)}
+    write_sidecar(sidecar_path(tmp_path, first), ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
     store = EmbeddingStore(tmp_path, "t1")
-    assert store.lookup("/data/00000.tar", "k0")[0].shape == (2,)
-    with pytest.raises(DataError, match="sample k9 of shard /data/00000.tar"):
-        store.lookup("/data/00000.tar", "k9")
-    with pytest.raises(DataError, match="no teacher embeddings for shard /data/00001.tar \\(sample k0\\)"):
-        store.lookup("/data/00001.tar", "k0")
+    assert store.lookup(first, "k0")[0].shape == (2,)
+    with pytest.raises(DataError, match="sample k9 of shard data/00000.tar"):
+        store.lookup(first, "k9")
+    with pytest.raises(DataError, match="no teacher embeddings for shard data/00001.tar \\(sample k0\\)"):
+        store.lookup(second, "k0")
     with pytest.raises(DataError, match="made by another teacher"):
-        EmbeddingStore(tmp_path, "t2").lookup("/data/00000.tar", "k0")
+        EmbeddingStore(tmp_path, "t2").lookup(first, "k0")
+    (shards / "00000.tar").write_bytes(b"x" * 11)  # the shard written again after its embeddings
+    with pytest.raises(DataError, match="made for data/00000.tar when it held 10 bytes; it now holds 11"):
+        EmbeddingStore(tmp_path, "t1").lookup(first, "k0")
+
+
+def test_shards_of_one_name_in_two_sources_get_two_sidecars_and_a_foreign_one_is_refused(tmp_path):
+    """D3: sidecars were named by the shard's file name alone, so a/00000.tar and b/00000.tar shared one, and training
+    read a's embeddings for b's samples (same keys, other captions) without a word."""
+    urls = {src: str(tmp_path / src / "00000.tar") for src in "ab"}
+    for url in urls.values():
+        Path(url).parent.mkdir()
+        Path(url).write_bytes(b"tar")
+    paths = {src: sidecar_path(tmp_path / "emb", url) for src, url in urls.items()}
+    assert paths["a"] != paths["b"] and paths["a"].parent == paths["b"].parent == tmp_path / "emb"
+    assert sidecar_path(tmp_path / "emb", "a/../a/00000.tar") == sidecar_path(tmp_path / "emb", "a/00000.tar")
+    # a's sidecar put where b's belongs (renamed or copied): the recorded shard is checked on read
+    meta = {"teacher": "t1", **shard_facts(urls["a"])}
+    write_sidecar(paths["b"], ["k0"], torch.ones(1, 2), torch.ones(1, 2), meta)
+    with pytest.raises(DataError, match="made for shard a/00000.tar, not b/00000.tar"):
+        EmbeddingStore(tmp_path / "emb", "t1").lookup(urls["b"], "k0")
+    with pytest.raises(UsageError, match="00000.[0-9a-f]{12}.teacher.safetensors was made for shard a/00000.tar"):
+        check_sidecars(tmp_path / "emb", [urls["b"]], "t1", "T")
+    with pytest.raises(UsageError, match="no embeddings of shard a/00000.tar"):
+        check_sidecars(tmp_path / "emb", [urls["a"]], "t1", "T")
 
 
 @pytest.mark.slow  # builds a model and embeds 48 samples (~3 s)

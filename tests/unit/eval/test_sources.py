@@ -11,8 +11,8 @@ from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 from unit.eval.sets import CLASSNAMES, cls_dataset, eval_main, record, rows_dataset, string_feature
 
 
-@pytest.mark.parametrize("damage, message", [("truncate", "is truncated"), ("garbage", "is truncated or not a tar")])
-def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_path, capsys, damage, message):
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_path, capsys, damage):
     import shutil
 
     folder = tmp_path / "cls"
@@ -22,7 +22,8 @@ def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_p
     # 612 bytes: the first member's header and the start of its image, cut inside the image
     shard.write_bytes(data[:612] if damage == "truncate" else b"not a tar at all" * 64)
     assert eval_main(["--model", str(model_dir), "--data", str(folder)]) == 1
-    assert f"shard '{shard}' {message}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "shard 'cls/00001.tar' is truncated or not a tar" in err and len(err.splitlines()) == 1, err
 
 
 def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
