@@ -18,6 +18,8 @@ from disco_clip_ds.testing.tokenizers import family_tokenizer
 
 from unit.models.test_processor import BUDGET, assert_reloads_the_tokenizer, saved_run
 
+slow = pytest.mark.slow
+
 
 def card_usage(folder) -> str:
     """The python block of `folder`'s README.md, as printed."""
@@ -47,8 +49,17 @@ def run_the_card(export, image_path) -> dict:
     return scope
 
 
-@pytest.mark.parametrize("model_type", ["clip", "siglip", "siglip2"])
-@pytest.mark.parametrize("tokenizer", ["quickstart", "family"])
+# SigLIP 2 with the quickstart's tokenizer (the case of the defect) in the fast tier, the others in the slow one; CLIP's
+# own family tokenizer is the quickstart's
+CASES = [
+    pytest.param(model_type, tokenizer, marks=() if (model_type, tokenizer) == ("siglip2", "quickstart") else slow)
+    for model_type in ("clip", "siglip", "siglip2")
+    for tokenizer in ("quickstart", "family")
+    if (model_type, tokenizer) != ("clip", "family")
+]
+
+
+@pytest.mark.parametrize("model_type, tokenizer", CASES)
 def test_the_cards_usage_on_an_export_gives_our_eval(tmp_path, model_type, tokenizer):
     source = TOKENIZER_DIR if tokenizer == "quickstart" else family_tokenizer(model_type, tmp_path / "tokenizer")
     if source is None:
