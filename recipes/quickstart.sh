@@ -72,3 +72,20 @@ $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_cla
 $VENV/bin/disco-clip eval --model "$OUT" --data "$DATA/eval" --task zeroshot_retrieval --output "$OUT/eval/zeroshot_retrieval.json"
 rm -rf "$OUT/export"  # this script's own previous export: export refuses to write into a non-empty folder
 $VENV/bin/disco-clip export "$OUT" "$OUT/export" --eval_results "$OUT/eval/zeroshot_classification.json" "$OUT/eval/zeroshot_retrieval.json"
+
+# Both zero-shot figures side by side: the run's own at its last step (trainer_state.json) and `disco-clip eval`'s of the
+# saved model (the tokenizer and processor reloaded as users load them); they agree. Saved in $OUT/eval/zeroshot_both.json.
+$VENV/bin/python - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+state = out / "trainer_state.json"
+history = json.loads(state.read_text())["log_history"] if state.is_file() else []
+during = ([e for e in history if "zeroshot_acc1" in e] or [{}])[-1]
+final = json.loads((out / "eval" / "zeroshot_classification.json").read_text())["metrics"]
+both = {"in_training_step": during.get("step"), "in_training_acc1": during.get("zeroshot_acc1"),
+        "disco_clip_eval_acc1": final["acc1"]}
+(out / "eval" / "zeroshot_both.json").write_text(json.dumps(both, indent=2) + "\n")
+print(f"zero-shot acc1: {both['in_training_acc1']} in training (step {both['in_training_step']}), "
+      f"{both['disco_clip_eval_acc1']} by disco-clip eval of {out}")
+PY

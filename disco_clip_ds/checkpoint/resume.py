@@ -36,7 +36,7 @@ import os
 from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import is_zero3, saved_ranks
-from disco_clip_ds.checkpoint.runfile import run_file_of
+from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
 from disco_clip_ds.data.redact import describe_data
 from disco_clip_ds.errors import UsageError
 
@@ -156,8 +156,10 @@ def distillation_setting(model_args) -> str | None:
     temperature = getattr(model_args, "distill_temperature", None)
     scale = f"temperature {temperature:g}" if temperature is not None else "the teacher's logit scale"
     stored = getattr(model_args, "teacher_embeddings", None)
-    return f"from {teacher}, weight {model_args.distill_weight:g}, {scale}" + (
-        f", its embeddings stored in {stored}" if stored else ""
+    # public, as the card shows it: the teacher and its embeddings by `--train_shards`' rule (no absolute path)
+    return public_distillation(
+        f"from {teacher}, weight {model_args.distill_weight:g}, {scale}"
+        + (f", its embeddings stored in {stored}" if stored else "")
     )
 
 

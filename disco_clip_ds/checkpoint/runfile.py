@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+
+from disco_clip_ds.data.redact import describe_path, redact_text
 
 RUN_FILE = "run.json"
 
@@ -24,3 +27,27 @@ def run_file_of(checkpoint: str | os.PathLike) -> dict | None:
     its run.json), else the run folder's beside it, where training writes it. None when neither reads."""
     checkpoint = Path(checkpoint)
     return read_run_file(checkpoint) or read_run_file(checkpoint.parent)
+
+
+def describe_model_source(source: str) -> str:
+    """A model named on the command line (`--teacher`, `--teacher_embeddings`) as run.json and the model card show
+    it, by `--train_shards`' rule (data/redact.py): a local path by its last component, so that neither names the
+    machine it was read on; a hub id (org/name, no such folder here) as given, as it is public; secrets hidden."""
+    source = str(source)
+    local = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1 or Path(source).expanduser().exists()
+    return describe_path(source.rstrip("/")) if local else redact_text(source)
+
+
+_DISTILLATION = re.compile(
+    r"^from (?P<teacher>.+?), weight (?P<rest>.*?)(?:, its embeddings stored in (?P<stored>.+))?$"
+)
+
+
+def public_distillation(text: str) -> str:
+    """run.json's `distillation` (checkpoint/resume.py's `distillation_setting`) with its teacher and embeddings named
+    by `describe_model_source`; a run.json written before, which holds the paths as given, is shown alike."""
+    match = _DISTILLATION.match(text)
+    if match is None:
+        return redact_text(text)
+    stored = match["stored"] and f", its embeddings stored in {describe_model_source(match['stored'])}"
+    return f"from {describe_model_source(match['teacher'])}, weight {match['rest']}{stored or ''}"

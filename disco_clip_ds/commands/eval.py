@@ -4,6 +4,7 @@ result record. The arguments are `EvalArguments` (HfArgumentParser); the work is
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from disco_clip_ds.checkpoint.layout import has_weights
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
+from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
+
+logger = logging.getLogger("disco_clip_ds.eval")
 
 
 @dataclass
@@ -64,7 +68,7 @@ class EvalArguments:
 def load_for_eval(model_id: str, device: str = "cpu"):
     """(CLIPModel or SiglipModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A
     folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
-    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoModel
 
     compat.quiet_default_config_warnings()  # from_pretrained logs the config: SigLIP's would warn about default ids
     folder = Path(model_id).expanduser()
@@ -76,19 +80,41 @@ def load_for_eval(model_id: str, device: str = "cpu"):
         )
     try:
         model = AutoModel.from_pretrained(model_id).to(device)
-        return model, AutoTokenizer.from_pretrained(model_id), AutoImageProcessor.from_pretrained(model_id)
+        return model, _tokenizer(model_id), AutoImageProcessor.from_pretrained(model_id)
     except OSError as e:  # no such folder or hub id, or one without the config / processor files
         raise UsageError(f"--model {model_id}: {e}") from e
 
 
-def set_budget(model, image_processor, max_num_patches: int) -> None:
-    """Evaluate a SigLIP 2 at `max_num_patches` patches per image: its processor's budget, once it fits the model's
-    position grid (the training refusals); a one-line UsageError for another model."""
-    from disco_clip_ds.train.validate import naflex_budget
+def _tokenizer(model_id: str):
+    """The tokenizer as transformers' AutoTokenizer loads it, which is the run's own for a folder this version saved
+    (models/processor.py). A folder saved before that, whose tokenizer AutoTokenizer loads as another class than the
+    one it was saved as, is evaluated with the saved class, and a warning says to re-export it."""
+    from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    declared = declared_tokenizer_class(model_id) if Path(model_id).expanduser().is_dir() else None
+    if declared and type(tokenizer).__name__.removesuffix("Fast") != declared.removesuffix("Fast"):
+        logger.warning(
+            "%s: AutoTokenizer loads %s, but the tokenizer was saved as %s: evaluating with %s; re-export the folder "
+            "with this version so that AutoTokenizer, AutoProcessor and pipelines load it too",
+            model_id,
+            type(tokenizer).__name__,
+            declared,
+            declared,
+        )
+        tokenizer = load_saved_tokenizer(Path(model_id).expanduser())
+    return tokenizer
+
+
+def set_budget(model, image_processor, max_num_patches: int) -> None:
+    """Evaluate a SigLIP 2 at `max_num_patches` patches per image, at least one: its processor's budget. Any budget
+    fits the model, which resizes its position-embedding grid to each image's patch rows and columns as transformers'
+    Siglip2 does; a one-line UsageError for another model."""
     if model.config.model_type != "siglip2":
         raise UsageError(f"--max_num_patches is SigLIP 2's (NaFlex); {model.config.model_type} models take none")
-    image_processor.max_num_patches = naflex_budget(model.config, max_num_patches, None)
+    if max_num_patches < 1:
+        raise UsageError(f"--max_num_patches {max_num_patches}: give at least 1 (patches per image)")
+    image_processor.max_num_patches = max_num_patches
 
 
 def check_model_path(model_id: str) -> None:

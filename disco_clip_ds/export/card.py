@@ -8,7 +8,7 @@ from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, trainer_state
 from disco_clip_ds.checkpoint.resume import describe_resumes
-from disco_clip_ds.checkpoint.runfile import run_file_of
+from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
 from disco_clip_ds.data.redact import describe_data, redact_text
 
 
@@ -28,6 +28,8 @@ def describe_run(checkpoint: Path) -> dict:
     versions = info.pop("versions", None) or {}
     if versions.get("deepspeed") and "zero_stage" in info:
         info["deepspeed"] = versions["deepspeed"]
+    if isinstance(info.get("distillation"), str):  # run.json of an older version holds the paths as given
+        info["distillation"] = public_distillation(info["distillation"])
     if isinstance(info.get("data"), str):  # run.json of an older version holds the source as given, secrets included
         info["data"] = describe_data(info["data"])
     return {k: v for k, v in info.items() if v is not None}
@@ -98,12 +100,37 @@ CARD_FAMILY = {  # model_type -> (title, model class, the loss it was trained wi
 }
 
 
-def model_card(run: dict, records: list[dict], weights_from: str, model_type: str = "clip"):
-    """A huggingface_hub ModelCard recording the set-up (`describe_run`) and the evaluation (`eval_records`)."""
+USAGE_FOLDER, USAGE_IMAGE = "THIS_FOLDER_OR_REPO", "IMAGE.jpg"  # the placeholders of the card's usage code
+
+
+def usage(model_type: str, text_length: int = 64) -> list[str]:
+    """The card's usage code, as lines: the exported folder through AutoProcessor, as its training and eval saw
+    images and text. SigLIP pads text to its fixed length (its text tower pools the last position, and the
+    attention mask keeps the padding out) and scores each pair by a sigmoid; CLIP pads to the longest text and
+    takes a softmax over the texts."""
+    class_name = CARD_FAMILY[model_type][1]
+    siglip = model_type in ("siglip", "siglip2")
+    padding = f'padding="max_length", max_length={text_length}' if siglip else "padding=True"
+    score = "logits_per_image.sigmoid()" if siglip else "logits_per_image.softmax(dim=-1)"
+    return [
+        "from PIL import Image",
+        f"from transformers import AutoProcessor, {class_name}",
+        "",
+        f'model = {class_name}.from_pretrained("{USAGE_FOLDER}")',
+        f'processor = AutoProcessor.from_pretrained("{USAGE_FOLDER}")',
+        f'image = Image.open("{USAGE_IMAGE}")',
+        'texts = ["a photo of a cat", "a photo of a dog"]',
+        f'inputs = processor(images=image, text=texts, {padding}, return_tensors="pt")',
+        f"probs = model(**inputs).{score}  # per image, one score per text",
+    ]
+
+
+def model_card(run: dict, records: list[dict], weights_from: str, model_type: str = "clip", text_length: int = 64):
+    """A huggingface_hub ModelCard recording the set-up (`describe_run`) and the evaluation (`eval_records`), and how
+    to use the model (`usage`; `text_length`: the text tower's positions, to which SigLIP pads)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     title, class_name, loss = CARD_FAMILY[model_type]
-    processor_class = "AutoProcessor" if model_type == "siglip2" else "CLIPProcessor"  # Siglip2Processor's budget
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="zero-shot-image-classification",
@@ -140,15 +167,5 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
                 for name, value in record["metrics"].items()
             ]
             lines.append("")
-    lines += [
-        "## Use",
-        "",
-        "```python",
-        f"from transformers import {class_name}, {processor_class}",
-        "",
-        f'model = {class_name}.from_pretrained("THIS_FOLDER_OR_REPO")',
-        f'processor = {processor_class}.from_pretrained("THIS_FOLDER_OR_REPO")',
-        "```",
-        "",
-    ]
+    lines += ["## Use", "", "```python", *usage(model_type, text_length), "```", ""]
     return ModelCard("\n".join(lines))

@@ -1,10 +1,12 @@
 """Trainer/DeepSpeed checkpoint -> plain CLIPModel (or SiglipModel) folder with a model card (`card.py`); `hub.py`
 uploads it.
 
-An exported folder loads with transformers alone (`CLIPModel.from_pretrained`, `CLIPProcessor.from_pretrained`):
-model.safetensors (fp32), config.json (architectures ["CLIPModel"]), tokenizer and image-processor files and
-README.md recording how the model was trained and evaluated. The weights come from checkpoint/consolidate.py (also
-used to rewrite a final model); here they are checked finite before anything is written.
+An exported folder loads with transformers alone (`CLIPModel.from_pretrained`, `AutoProcessor.from_pretrained`, the
+zero-shot pipeline): model.safetensors (fp32), config.json (architectures ["CLIPModel"]), the run's tokenizer and
+image-processor files (pinned by models/processor.py, so that the Auto classes load what the run trained with) and
+README.md recording how the model was trained and evaluated, and its usage. The weights come from
+checkpoint/consolidate.py (also used to rewrite a final model); here they are checked finite before anything is
+written.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from disco_clip_ds.checkpoint.layout import (
 from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
 from disco_clip_ds.errors import ExportError, UsageError
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
+from disco_clip_ds.models.processor import load_saved_tokenizer, pin_tokenizer
 
 logger = logging.getLogger("disco_clip_ds.export.weights")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
@@ -122,6 +125,17 @@ def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None
     )
 
 
+def _save_processor(source: Path, model_type: str, staging: Path) -> None:
+    """The run's tokenizer and image processor into `staging`: the tokenizer as the class it was saved as (a folder
+    saved before models/processor.py's pin reloads through AutoTokenizer as another class) and pinned, so that the
+    export's Auto classes give the ids and the NaFlex budget the run trained with."""
+    from transformers import AutoImageProcessor
+
+    image_processor = AutoImageProcessor.from_pretrained(source)
+    pin_tokenizer(load_saved_tokenizer(source), model_type, image_processor).save_pretrained(staging)
+    image_processor.save_pretrained(staging)
+
+
 # --------------------------------------------------------------------------------------------- export
 
 
@@ -146,8 +160,6 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
     checkpoint or its parent. The folder appears complete or not at all: it is built beside `output_dir` and
     renamed into place at the end; `output_dir` must not exist or be empty.
     """
-    from transformers import AutoImageProcessor, AutoTokenizer
-
     checkpoint = resolve_checkpoint(checkpoint_dir)
     output_dir = Path(output_dir)
     staging = _staging_for(output_dir)
@@ -156,11 +168,12 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
         state_dict, weights_from = load_state_dict(checkpoint)
         check_weights(state_dict, checkpoint)
         model = build_plain_model(checkpoint, state_dict)
-        card = model_card(describe_run(checkpoint), eval_records(eval_metrics), weights_from, model.config.model_type)
+        run, records = describe_run(checkpoint), eval_records(eval_metrics)
+        text_length = model.config.text_config.max_position_embeddings  # SigLIP's text padding, as eval/encode.py's
+        card = model_card(run, records, weights_from, model.config.model_type, text_length)
         try:
             model.save_pretrained(staging)
-            AutoTokenizer.from_pretrained(processor_source).save_pretrained(staging)
-            AutoImageProcessor.from_pretrained(processor_source).save_pretrained(staging)
+            _save_processor(processor_source, model.config.model_type, staging)
             card.save(staging / "README.md")
             staging.chmod(0o755)
             if output_dir.exists():

@@ -47,6 +47,7 @@ from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
+from disco_clip_ds.models.processor import pin_processor
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
 from disco_clip_ds.train.distill import load_teacher, stored_teacher, teacher_inputs
@@ -102,7 +103,9 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         )
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
+        # saved with each checkpoint and the final model, pinned so that the Auto classes load it back as it is
         processor = _processor(checked, model_args.model_name_or_path, model.config)
+        pin_processor(processor, model.config.model_type)
         teacher, teacher_extra = _teacher(model_args, args, checked, processor)
 
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.

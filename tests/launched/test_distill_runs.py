@@ -114,7 +114,7 @@ def test_distilled_run_trains_like_one_batch_of_all_pairs(runs, run):
     assert_same_training(root / run, root / "n1_k1", weights(initial), steps=STEPS)  # keys: the student's alone
     assert not any("teacher" in key for key in weights(root / run))
     facts = json.loads((root / run / "run.json").read_text())
-    assert facts["distillation"] == f"from {root / 'teacher'}, weight 0.6, temperature 0.1"
+    assert facts["distillation"] == "from teacher, weight 0.6, temperature 0.1"  # no absolute path (D2)
     log = (root / f"{run}.log").read_text()
     assert "with its own inputs" in log
     if "zero3" in run:  # rank 0 (the rank that logs) holds half of the teacher (up to ZeRO's padding), not all of it
@@ -146,7 +146,7 @@ def test_a_run_reads_the_stored_embeddings(runs):
         and weights(root / "stored").keys() == weights(initial).keys()
     )
     facts = json.loads((root / "stored" / "run.json").read_text())
-    assert facts["distillation"].endswith(f"its embeddings stored in {root / 'embeddings'}")
+    assert facts["distillation"].endswith("its embeddings stored in embeddings")  # the folder's name alone (D2)
 
 
 @pytest.mark.timeout(900)

@@ -25,6 +25,7 @@ from disco_clip_ds.export import weights as ex
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR, run_training, train_command
 from disco_clip_ds.testing.ranks import run_ranks
+from disco_clip_ds.testing.zeroshot import assert_final_eval_is_the_last_zeroshot
 
 pytestmark = pytest.mark.timeout(900)  # the module's deepspeed runs take minutes on a busy 2-core machine
 
@@ -410,3 +411,5 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
         progress=False,
     )
     assert {k: during[4][f"zeroshot_{k}"] for k in metrics} == pytest.approx(metrics)
+    # `disco-clip eval` through the run folder (its final model) and through `disco-clip export` of the run folder
+    assert_final_eval_is_the_last_zeroshot(out, zero3_run / "eval", tmp_path / "export")

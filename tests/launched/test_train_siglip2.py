@@ -3,8 +3,10 @@
 like 1 rank with 2 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved
 initialisation: the global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the
 split and however interrupted, and whether the patches are normalised in the DataLoader workers or on the device.
-A budget of no patch stops both ranks with one line and exit 2. (The loss against Siglip2Model in
-float64: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
+A budget of no patch stops both ranks with one line and exit 2. The final `disco-clip eval` of a run, through its
+folder and its export, equals its last in-training zero-shot eval, with the quickstart's tokenizer and with SigLIP 2's own (a Gemma-style Siglip2Tokenizer); eval takes any budget of at
+least one patch, above the position grid too. (The loss against Siglip2Model in float64, and a budget above the grid
+against transformers: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
 tests/unit/data/test_naflex.py.)"""
 
 import subprocess
@@ -13,8 +15,10 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TOKENIZER_DIR, launch, train_command, train_env
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
 from disco_clip_ds.testing.runs import assert_same_training, weights
+from disco_clip_ds.testing.tokenizers import siglip2_tokenizer
+from disco_clip_ds.testing.zeroshot import assert_final_eval_is_the_last_zeroshot, write_eval_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS, PER_RANK, BUDGET = 4, 16, "64"
@@ -46,6 +50,13 @@ def runs(tmp_path_factory, initial_model):
     # normalised on the device (uint8 batches handed over, the padding zeroed there); the resumed run in the workers
     on_device = ["--normalize_on_device", "true"]
     launch("torchrun", 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2", *on_device)
+    # 2 steps with the zero-shot eval during training (at the last step), as the quickstart runs it, with its tokenizer
+    # and with SigLIP 2's own kind (Gemma's rules). Apart from the runs compared above: the in-training eval's log at
+    # a logging step leaves that step's loss out of the log history.
+    zeroshot = ["--zeroshot_data", str(write_eval_shards(root / "eval")), "--zeroshot_steps", "2", "--max_steps", "2"]
+    launch("torchrun", 1, root / "quickstart_tokenizer", *common, *zeroshot)
+    own = ["--tokenizer_name", str(siglip2_tokenizer(root / "tokenizer"))]
+    launch("torchrun", 1, root / "own_tokenizer", *common, *zeroshot, *own)
     launch("accelerate", 2, root / "n2_zero3", *common, ds_config="cpu_zero3.json")
     stopped = ["--save_steps", "2", *common]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
@@ -89,6 +100,18 @@ def test_a_budget_of_no_patch_stops_every_rank_with_one_line(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("run", ["quickstart_tokenizer", "own_tokenizer"])
+def test_the_final_eval_through_the_folder_and_the_export_is_the_last_in_training_one(runs, run, tmp_path):
+    """D9: the saved and the exported folder reload the tokenizer the run trained with (the quickstart's CLIP-style
+    BPE, or SigLIP 2's own), so `disco-clip eval` scores as the run's own zero-shot eval did at its last step."""
+    from transformers import AutoTokenizer
+
+    during = assert_final_eval_is_the_last_zeroshot(runs / run, runs / "eval", tmp_path / "export")
+    assert 0 <= during["acc1"] <= 1
+    expected = "Siglip2Tokenizer" if run == "own_tokenizer" else "CLIPTokenizer"
+    assert type(AutoTokenizer.from_pretrained(runs / run)).__name__ == expected
+
+
 def test_the_export_states_the_budget_and_the_zero_shot_pipeline_loads_it(runs, tmp_path):
     """`disco-clip export`: a plain Siglip2Model folder with its processor at the run's budget and a card stating
     it; transformers' zero-shot-image-classification pipeline scores an image as the float64 recomputation from
@@ -125,10 +148,11 @@ def test_the_export_states_the_budget_and_the_zero_shot_pipeline_loads_it(runs, 
     assert [scores[label] for label in labels] == pytest.approx(expected.tolist(), abs=1e-5)
 
 
-@pytest.mark.parametrize("budget", [16, 144])
+@pytest.mark.parametrize("budget", [16, 144, 576])
 def test_eval_at_a_chosen_budget_sees_each_image_within_it(runs, budget, monkeypatch):
-    """`disco-clip eval --max_num_patches`: retrieval on the training shards with the processor at that budget;
-    every image batch the model sees is padded to it, each image's patches within it."""
+    """`disco-clip eval --max_num_patches`: retrieval on the training shards with the processor at that budget, above
+    the 16 x 16 position grid too; every image batch the model sees is padded to it, each image's patches within
+    it."""
     from disco_clip_ds.commands.eval import EvalArguments, run_eval
     from disco_clip_ds.eval import tasks
 
@@ -153,5 +177,5 @@ def test_eval_refuses_a_budget_of_no_patch(runs):
     from disco_clip_ds.errors import UsageError
 
     data = f"{runs}/shards/{{00000..00001}}.tar"
-    with pytest.raises(UsageError, match="--max_num_patches 0: give at least one patch per image"):
+    with pytest.raises(UsageError, match="--max_num_patches 0: give at least 1"):
         run_eval(EvalArguments(model=str(runs / "n1_k2"), data=data, task="zeroshot_retrieval", max_num_patches=0))

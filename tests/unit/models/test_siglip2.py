@@ -132,3 +132,39 @@ def test_a_square_image_model_refuses_naflex_inputs():
     inputs = batch(torch.float32)
     with pytest.raises(ValueError, match="takes no pixel_attention_mask or spatial_shapes"):
         tiny_siglip(dtype=torch.float32)(**inputs, spatial_shapes=torch.ones(6, 2, dtype=torch.long))
+
+
+def test_above_its_position_grid_siglip2_equals_transformers_pipeline_in_float64():
+    """A 16 x 16 position grid evaluated at 576 patches per image (SigLIP 2's NaFlex, the grid resized to each
+    image's patch rows and columns): the project's path (data/naflex.py's eval transform, padding and normalisation,
+    DiscoSiglip2Model) gives the logits of transformers' Siglip2ImageProcessor at max_num_patches 576 and plain
+    Siglip2Model on the same weights and images, in float64."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer, Siglip2ImageProcessor, Siglip2Model
+
+    from disco_clip_ds.data.naflex import NaflexTransform, PatchNormalize, pack_patches
+    from disco_clip_ds.testing.launch import TOKENIZER_DIR
+
+    budget, model = 576, tiny_siglip2(dtype=torch.float64).eval()
+    assert model.config.vision_config.num_patches == 256  # the 16 x 16 grid
+    rng = np.random.default_rng(5)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((96, 96), (50, 300))]
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    texts = ["a photo of the number 5.", "a handwritten 7."]
+    tokens = tokenizer(texts, padding="max_length", max_length=64, truncation=True, return_tensors="pt")
+
+    ours = pack_patches([NaflexTransform(4, budget, train=False).pixels(image) for image in images], budget)
+    ours["pixel_values"] = PatchNormalize().batch(ours["pixel_values"], ours["pixel_attention_mask"]).double()
+    assert ours["spatial_shapes"].tolist() == [[24, 24], [10, 57]]  # beyond 16 rows or columns: the grid resized
+    with torch.no_grad():
+        logits = model(**tokens, **ours).logits_per_image
+
+    reference = Siglip2Model(model.config).double().eval()
+    reference.load_state_dict(model.state_dict())
+    inputs = Siglip2ImageProcessor(patch_size=4, max_num_patches=budget)(images=images, return_tensors="pt")
+    inputs["pixel_values"] = inputs["pixel_values"].double()
+    with torch.no_grad():
+        expected = reference(**tokens, **inputs).logits_per_image
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
+    assert (expected[:, 0] - expected[:, 1]).abs().max() > 1e-3  # the texts score apart: the comparison can tell

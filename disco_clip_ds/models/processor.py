@@ -1,0 +1,71 @@
+"""The tokenizer and processor saved with a model, written so that transformers' Auto classes load back what the run
+trained with: `AutoTokenizer`, `AutoProcessor` and the zero-shot pipeline on a saved or exported folder give the
+training tokenizer's ids, and a SigLIP 2 processor's call gives the run's patch size and budget.
+
+Two rules of transformers (5.x) stand in the way, each written into the folder's tokenizer_config.json:
+
+- AutoTokenizer ignores tokenizer_config.json's `tokenizer_class` for the model types it lists in
+  `MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS` (siglip2 among them) and loads the model type's own tokenizer: a
+  SigLIP 2 trained with a CLIP-style BPE reloads as Siglip2Tokenizer (Gemma's rules, other ids). For those types, and
+  only when the class differs, the file also names the class in `auto_map`. AutoTokenizer then skips the model
+  type's override and, as the entry is not remote code it may run (no `trust_remote_code`), loads the class
+  `tokenizer_class` names. The gate reads transformers' own list, so a release that drops siglip2 from it gets no
+  `auto_map`; tests/unit/models/test_processor.py shows that the installed release still needs it.
+- Siglip2Processor's call fills `max_num_patches` 256 and `patch_size` 16 from class defaults, over its image
+  processor's own settings. The processor's documented order lets a tokenizer's init kwargs (tokenizer_config.json)
+  override those defaults: the run's budget and patch size are written there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+NAFLEX_KEYS = ("max_num_patches", "patch_size")  # Siglip2Processor's image defaults that hide the image processor's
+
+
+def _auto_overrides(model_type: str, class_name: str) -> bool:
+    """Whether AutoTokenizer on a `model_type` folder loads another class than `class_name` whatever
+    tokenizer_config.json says (transformers' list of model types whose hub tokenizer class it distrusts)."""
+    from transformers.models.auto import tokenization_auto as auto
+
+    registered = (auto.TOKENIZER_MAPPING_NAMES.get(model_type) or "").removesuffix("Fast")
+    distrusted = getattr(auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", ())
+    return model_type in distrusted and bool(registered) and registered != class_name.removesuffix("Fast")
+
+
+def pin_tokenizer(tokenizer, model_type: str, image_processor=None):
+    """`tokenizer`, its init kwargs (what `save_pretrained` writes to tokenizer_config.json) set so that the Auto
+    classes load it back as it is (module docstring); for SigLIP 2, with `image_processor`'s patch size and budget.
+    Tokenizing is unchanged."""
+    name = type(tokenizer).__name__
+    if _auto_overrides(model_type, name):
+        tokenizer.init_kwargs["auto_map"] = {"AutoTokenizer": [None, name]}
+    if model_type == "siglip2" and image_processor is not None:
+        tokenizer.init_kwargs.update({key: getattr(image_processor, key) for key in NAFLEX_KEYS})
+    return tokenizer
+
+
+def pin_processor(processor, model_type: str):
+    """`processor` with its tokenizer pinned (`pin_tokenizer`) to its image processor."""
+    pin_tokenizer(processor.tokenizer, model_type, getattr(processor, "image_processor", None))
+    return processor
+
+
+def declared_tokenizer_class(folder: str | Path) -> str | None:
+    """The class a saved folder's tokenizer_config.json names (None: none, or no such file)."""
+    try:
+        return json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+
+
+def load_saved_tokenizer(folder: str | Path):
+    """The tokenizer saved in `folder`, as the class its tokenizer_config.json names (a folder saved before the pin
+    reloads through AutoTokenizer as another class), else as AutoTokenizer loads it."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    name = declared_tokenizer_class(folder)
+    cls = tokenizer_class_from_name(name) if name else None
+    return (cls or AutoTokenizer).from_pretrained(folder)
