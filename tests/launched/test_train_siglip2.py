@@ -1,13 +1,13 @@
-"""`disco-clip train` on SigLIP 2 with NaFlex (recipes/models/siglip2_tiny.json, a budget of 64 patches): 2 ranks x
-16 under ZeRO-2 (torchrun), stopped by a signal at step 2 and resumed, and under ZeRO-3 (accelerate), train exactly
-like 1 rank with 2 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved
-initialisation: the global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the
-split and however interrupted, and whether the patches are normalised in the DataLoader workers or on the device.
-A budget of no patch stops both ranks with one line and exit 2. The final `disco-clip eval` of a run, through its
-folder and its export, equals its last in-training zero-shot eval, with the quickstart's tokenizer and with SigLIP 2's own (a Gemma-style Siglip2Tokenizer); eval takes any budget of at
-least one patch, above the position grid too. (The loss against Siglip2Model in float64, and a budget above the grid
-against transformers: tests/unit/models/test_siglip2.py; the pipeline against Siglip2ImageProcessor:
-tests/unit/data/test_naflex.py.)"""
+"""`disco-clip train` on SigLIP 2 with NaFlex (recipes/models/siglip2_tiny.json, a budget of 64 patches): 2 ranks x 16
+under ZeRO-2 (torchrun), stopped by a signal at step 2 and resumed, and under ZeRO-3 (accelerate), train exactly like
+1 rank with 2 contrastively accumulated micro-batches of 16 (within 1e-4 of the update), from one saved
+initialisation: the global sigmoid loss, the sample-keyed crops and the padded budget are the same whatever the split
+and however interrupted, and whether the patches are normalised in the DataLoader workers or on the device. A budget
+of no patch stops both ranks with one line and exit 2. The final `disco-clip eval` of a run, through its folder and
+its export, equals its last in-training zero-shot eval, with the quickstart's tokenizer and with SigLIP 2's own (a
+Gemma-style Siglip2Tokenizer); eval takes any budget of at least one patch, above the position grid too. (The loss
+against Siglip2Model in float64, and a budget above the grid against transformers: tests/unit/models/test_siglip2.py;
+the pipeline against Siglip2ImageProcessor: tests/unit/data/test_naflex.py.)"""
 
 import subprocess
 from pathlib import Path
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TOKENIZER_DIR, launch, train_command, train_env
 from disco_clip_ds.testing.runs import assert_same_training, weights
 from disco_clip_ds.testing.tokenizers import siglip2_tokenizer
 from disco_clip_ds.testing.zeroshot import assert_final_eval_is_the_last_zeroshot, write_eval_shards
