@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
+from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import count_samples, empty_reader, is_url, shards_for_reader
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments
@@ -82,7 +83,7 @@ def steps_and_samples(
         raise UsageError(f"{hf.description}: its number of rows is not known: pass --train_num_samples")
     num_samples = data_args.train_num_samples or (hf.num_rows if hf is not None else count_samples(urls))
     if num_samples <= 0:
-        source = data_args.train_shards if hf is None else hf.description
+        source = describe_source(data_args.train_shards) if hf is None else hf.description
         raise UsageError(f"no training samples in {source} (count {num_samples})")
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.max_steps > 0:

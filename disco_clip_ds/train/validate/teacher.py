@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.errors import UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
@@ -72,12 +72,13 @@ def check_teacher_weights(teacher: str) -> None:
 
 def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> str | None:
     """The --teacher's fingerprint (data/embeddings.py), once its stored embeddings are found for every training
-    shard, made by it: checked from the sidecars' headers before any work (their checksums are verified as each is
-    read). None without --teacher_embeddings."""
+    shard, made by it for that very shard (a sidecar of another source's shard of the same name is refused): checked
+    from the sidecars' headers before any work (their checksums are verified as each is read). None without
+    --teacher_embeddings."""
     folder = model_args.teacher_embeddings
     if folder is None:
         return None
-    from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import check_sidecars, teacher_fingerprint
 
     if not urls:
         raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
@@ -85,20 +86,5 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> str
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
     with usage_error(f"--teacher {model_args.teacher}: "):
         fingerprint = teacher_fingerprint(model_args.teacher)
-    for url in urls:
-        path = sidecar_path(folder, url)
-        if not path.is_file():
-            raise UsageError(
-                f"--teacher_embeddings {folder}: no embeddings of shard {url} ({path.name}): run `disco-clip data "
-                f"embed --teacher {model_args.teacher} --shards ... --output {folder}`"
-            )
-        try:
-            made_by = read_metadata(path).get("teacher")
-        except DataError as error:
-            raise UsageError(str(error)) from error
-        if made_by != fingerprint:
-            raise UsageError(
-                f"--teacher_embeddings {folder}: {path.name} was made by another teacher than --teacher "
-                f"{model_args.teacher} (fingerprint {made_by}, not {fingerprint})"
-            )
+    check_sidecars(folder, urls, fingerprint, model_args.teacher)
     return fingerprint

@@ -110,11 +110,15 @@ BAD_ARGUMENTS = {
     ),
     "embeddings missing": (
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{half_embedded}"],
-        "00001.tar (00001.teacher.safetensors): run `disco-clip data embed",
+        "no embeddings of shard data/00001.tar (00001.",
     ),
     "embeddings of another teacher": (
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{foreign_embedded}"],
-        "00000.teacher.safetensors was made by another teacher than --teacher",
+        ".teacher.safetensors was made by another teacher (fingerprint x, not ",
+    ),
+    "embeddings of another shard": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{copied_embedded}"],
+        ".teacher.safetensors was made for shard data/00000.tar, not data/00001.tar: run `disco-clip data embed",
     ),
     "embeddings without a teacher": (
         ["{data}", *MODEL, *TOK, "--teacher_embeddings", "{tmp}"],
@@ -145,19 +149,23 @@ def bad_inputs(bad_arguments_setup, tmp_path):
     for family, recipe in (("clip", REPO / MODEL[1]), ("siglip", SIGLIP)):  # a teacher's folder: its config.json
         (tmp_path / f"{family}_teacher").mkdir()
         (tmp_path / f"{family}_teacher" / "config.json").write_text(recipe.read_text())
-    from disco_clip_ds.data.embeddings import teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
 
     rows = lambda: torch.zeros(4, 8)
-    for folder, shards, teacher in (("half_embedded", ["00000"], None), ("foreign_embedded", ["00000", "00001"], "x")):
+    folders = (("half_embedded", ["00000"], None), ("foreign_embedded", ["00000", "00001"], "x"))
+    folders += (("copied_embedded", ["00000", "00001"], None),)  # 00001's sidecar is a copy of 00000's (D3)
+    for folder, shards, teacher in folders:
         for shard in shards:
             made_by = teacher or teacher_fingerprint(str(tmp_path / "clip_teacher"))
+            url = str(tmp_path / "data" / f"{shard}.tar")
+            made_for = url.replace("00001", "00000") if folder == "copied_embedded" else url
             keys = [str(i) for i in range(4)]
-            write_sidecar(
-                tmp_path / folder / f"{shard}.teacher.safetensors", keys, rows(), rows(), {"teacher": made_by}
-            )
+            meta = {"teacher": made_by, **shard_facts(made_for)}
+            write_sidecar(sidecar_path(tmp_path / folder, url), keys, rows(), rows(), meta)
     return {
         "half_embedded": str(tmp_path / "half_embedded"),
         "foreign_embedded": str(tmp_path / "foreign_embedded"),
+        "copied_embedded": str(tmp_path / "copied_embedded"),
         "clip_teacher": str(tmp_path / "clip_teacher"),
         "siglip_teacher": str(tmp_path / "siglip_teacher"),
         "ds_optimizer": str(tmp_path / "ds_optimizer.json"),
