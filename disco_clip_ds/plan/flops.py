@@ -5,20 +5,13 @@ contrastive accumulation's embedding pass) is work done twice, not counted twice
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from disco_clip_ds.plan.memory import ModelShape
 
 
 def model_shape(config, max_num_patches: int | None = None) -> ModelShape:
-    """The planner's ModelShape of a model config object (a CLIPConfig, SiglipConfig or Siglip2Config), SigLIP 2's
-    images at `max_num_patches` patches (None: its whole grid). The planner reads a config JSON: the config is
-    written to a temporary one and read back through the same code."""
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "config.json"
-        config.to_json_file(str(path))
-        return ModelShape.from_json(path, max_num_patches=max_num_patches)
+    """The planner's ModelShape of a loaded model config (a CLIPConfig, SiglipConfig or Siglip2Config), SigLIP 2's
+    images at `max_num_patches` patches (None: its whole grid)."""
+    return ModelShape.from_config(config, max_num_patches=max_num_patches)
 
 
 def forward_flops_per_sample(shape: ModelShape) -> float:

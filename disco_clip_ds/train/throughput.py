@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from disco_clip_ds.errors import PlanConfigError, UsageError
+from disco_clip_ds.errors import PlanConfigError
 
 logger = logging.getLogger("disco_clip_ds.train")
 
@@ -48,8 +48,6 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
     """(dense peak TFLOPs of one device at the run's precision, where it came from); (None, why) when there is none:
     then the log holds no MFU."""
     if args.peak_tflops is not None:
-        if not args.peak_tflops > 0:
-            raise UsageError(f"--peak_tflops {args.peak_tflops}: give one device's dense peak in TFLOPs, above 0")
         return args.peak_tflops, "--peak_tflops"
     if device.type != "cuda":
         return None, f"no dense peak is known for a {device.type} device (pass --peak_tflops to set one)"

@@ -86,6 +86,12 @@ def check_torch_compile(args: DiscoTrainingArguments) -> None:
         raise UsageError(f"--torch_compile_mode {args.torch_compile_mode}: one of {', '.join(modes)}")
 
 
+def check_peak_tflops(args: DiscoTrainingArguments) -> None:
+    """--peak_tflops, the device's dense peak that MFU is taken against, is a positive number of TFLOPs."""
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise UsageError(f"--peak_tflops {args.peak_tflops}: give one device's dense peak in TFLOPs, above 0")
+
+
 def check_push_to_hub(args: DiscoTrainingArguments) -> str | None:
     """The hub repo to push to at the end (None: no push), once a token is known to be there."""
     if not args.push_to_hub:

@@ -64,13 +64,14 @@ def test_the_flag_is_parsed_and_a_peak_not_above_zero_refused(tmp_path):
     from transformers import HfArgumentParser
 
     from disco_clip_ds.train.args import DiscoTrainingArguments
+    from disco_clip_ds.train.validate.training import check_peak_tflops
 
     (args,) = HfArgumentParser(DiscoTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--peak_tflops", "312", "--report_to", "none"]
     )
     assert tp.peak_tflops(args, torch.device("cpu")) == (312.0, "--peak_tflops")
     with pytest.raises(UsageError, match=r"^--peak_tflops 0.0: give one device's dense peak in TFLOPs, above 0$"):
-        tp.peak_tflops(_args(peak_tflops=0.0), torch.device("cpu"))
+        check_peak_tflops(_args(peak_tflops=0.0))
 
 
 def test_tflops_and_mfu_from_samples_per_second():

@@ -120,6 +120,10 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--teacher_embeddings", "{copied_embedded}"],
         ".teacher.safetensors was made for shard data/00000.tar, not data/00001.tar: run `disco-clip data embed",
     ),
+    "peak tflops not positive": (
+        ["{data}", *MODEL, *TOK, "--peak_tflops", "0"],
+        "--peak_tflops 0.0: give one device's dense peak in TFLOPs, above 0",
+    ),
     "embeddings without a teacher": (
         ["{data}", *MODEL, *TOK, "--teacher_embeddings", "{tmp}"],
         "--teacher_embeddings without --teacher",
