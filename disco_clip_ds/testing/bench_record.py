@@ -99,13 +99,16 @@ def machine() -> str:
     return described
 
 
-def write_rows(path, rows: list[dict], command: str | None = None) -> Path:
+def write_rows(path, rows: list[dict], command: str | None = None, rounds: int | None = None) -> Path:
     """Write `rows` (from bench_row) to the CSV at `path`, each with the command, commit and machine; the columns
-    are the union of the rows' in first-seen order, the schema's first."""
+    are the union of the rows' in first-seen order, the schema's first. A row not made by bench_row (a computed
+    result, or one whose script records its own spread) takes `rounds` and lists no measured quantity."""
     if not rows:
         raise ValueError(f"no rows to write to {path}")
+    if rounds is None and any("rounds" not in row for row in rows):
+        raise ValueError(f"rows for {path} without a round count: give rounds=")
     stamp = {"command": command or command_line(), "commit": commit(), "machine": machine()}
-    rows = [{**stamp, **row} for row in rows]
+    rows = [{**stamp, "rounds": rounds, "measured": "", **row} for row in rows]
     fields = list(SCHEMA)
     for row in rows:
         fields += [k for k in row if k not in fields]
