@@ -3,7 +3,7 @@
 Every row records what made it and how far to trust it:
 
 - `command`: the command line that wrote the file (repository-relative);
-- `commit`: the checked-out commit, with `+dirty` when the tree had uncommitted changes;
+- `commit`: the checked-out commit when the bench started, with `+dirty` when the tree had uncommitted changes;
 - `machine`: the CPU model and core count, and the GPU's name where one was used;
 - `rounds`: how many times each measured quantity was measured (an integer, or "not recorded" for a file written
   before this schema);
@@ -83,6 +83,10 @@ def commit() -> str:
     return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
+# Read when the bench starts (it imports this module first thing): the tree may change while a long run measures.
+COMMIT_AT_START = commit()
+
+
 def machine() -> str:
     """CPU model and core count (those this process may run on), and the GPU's name if torch sees one."""
     model = platform.processor() or platform.machine()
@@ -107,7 +111,7 @@ def write_rows(path, rows: list[dict], command: str | None = None, rounds: int |
         raise ValueError(f"no rows to write to {path}")
     if rounds is None and any("rounds" not in row for row in rows):
         raise ValueError(f"rows for {path} without a round count: give rounds=")
-    stamp = {"command": command or command_line(), "commit": commit(), "machine": machine()}
+    stamp = {"command": command or command_line(), "commit": COMMIT_AT_START, "machine": machine()}
     rows = [{**stamp, "rounds": rounds, "measured": "", **row} for row in rows]
     fields = list(SCHEMA)
     for row in rows:
