@@ -20,6 +20,15 @@ def test_every_bench_result_follows_the_schema(path):
     assert schema_problems(path) == []
 
 
+def test_every_bench_script_writes_its_csv_through_the_helper():
+    """A script with its own csv writer would write rows without the command, commit, machine and spread."""
+    scripts = sorted(REPO.glob("bench/**/*.py"))
+    assert scripts
+    writers = ("csv.DictWriter", "csv.writer")
+    own = [str(p.relative_to(REPO)) for p in scripts if any(w in p.read_text() for w in writers)]
+    assert own == []
+
+
 def test_a_row_holds_each_quantity_s_spread_over_its_rounds():
     row = bench_row({"model": "tiny"}, {"step_s": [0.3, 0.1, 0.2, 0.7], "ratio": [1.5, 1.0, 2.0, 1.25]})
     assert row["model"] == "tiny" and row["rounds"] == 4 and row["measured"] == "step_s;ratio"
