@@ -1,77 +1,109 @@
-"""Distillation's cost on the demo: the student's training step with and without a live teacher, interleaved.
+"""Distillation's cost: the student's training step with and without a live teacher, interleaved in one process group.
 
-Both sides are `recipes/quickstart.sh` with the student `recipes/models/tiny_student.json` (1 layer, width 32), STEPS
-steps, one with TEACHER= (the quickstart's tiny CLIP, 2 layers, width 64, trained for a few steps into
-outputs/bench_distill_cost/teacher when not there: its weights do not change the cost) and one without, run in
-turn (alone, distilled, distilled, alone, ...) for --rounds rounds. Per run: the median of the logged `step_time_s`
-(the quickstart logs every 20 steps; the first window, start-up included, is left out). Per round: the distilled
-run's step time over the alone run's of the same round.
+The demo's pair: the student `recipes/models/tiny_student.json` (1 layer, width 32), the teacher the quickstart's
+`recipes/models/tiny.json` (2 layers, width 64); the quickstart's 2 CPU ranks x 128 pairs, 1 thread per rank, fp32,
+random in-memory batches (the teacher's weights and the data do not change the cost). Both sides run in one process
+group, in turn (alone, distilled, distilled, alone, ...) for --rounds rounds after a warm-up round, the same DDP +
+AdamW step for both:
 
-    python bench/train/distill_cost.py --rounds 3 --steps 60     # writes results/distill_cost.csv
+- alone: the student's forward and backward of its global-batch contrastive loss;
+- distilled: as `DiscoTrainer` computes a distilled loss (`train/trainer.py`, `train/distill.py`): the student's
+  embeddings, the teacher's without grad (`Teacher.embed`), and the backward of `Teacher.loss_fn`'s
+  (1 - W) contrastive + W distillation.
+
+Per round: each side's step time (the slower rank's) and the distilled step's ratio to the alone step of the same
+round. The launcher's start-up, the data pipeline and the evals are left out: they are the same for both sides.
+
+    python bench/train/distill_cost.py --rounds 15     # writes results/distill_cost.csv
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import statistics
-import subprocess
+import time
 from pathlib import Path
 
+import torch
+
 from disco_clip_ds.testing.bench_record import bench_row, ratios, write_rows
-from disco_clip_ds.testing.ranks import free_port
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-OUT = REPO / "outputs" / "bench_distill_cost"
-STUDENT = "recipes/models/tiny_student.json"
+STUDENT, TEACHER = "recipes/models/tiny_student.json", "recipes/models/tiny.json"
+SIDES = ("alone", "distilled")
 
 
-def quickstart(out: Path, steps: int, **env: str) -> list[dict]:
-    """Run the quickstart afresh into OUT; its trainer_state.json log history."""
-    shutil.rmtree(out, ignore_errors=True)
-    full = {**os.environ, "OUT": str(out), "MASTER_PORT": str(free_port()), "STEPS": str(steps), **env}
-    subprocess.run(["bash", "recipes/quickstart.sh"], cwd=REPO, env=full, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+def _random_batch(config, size: int, seed: int) -> dict:
+    text, vision = config.text_config, config.vision_config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, text.vocab_size, (size, text.max_position_embeddings), generator=g)
+    ids[:, 0], ids[:, -1] = text.bos_token_id, text.eos_token_id
+    pixels = torch.randn(size, 3, vision.image_size, vision.image_size, generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
-def step_time(history: list[dict]) -> float:
-    """The median logged step time, the first logging window (start-up) left out."""
-    times = [h["step_time_s"] for h in history if "step_time_s" in h][1:]
-    if not times:
-        raise SystemExit("fewer than 2 logging windows: give --steps of at least 40 (the quickstart logs every 20)")
-    return statistics.median(times)
+def _rank(rank: int, world: int, per_rank: int, weight: float, rounds: int) -> dict:
+    """{side: [step seconds per round]} on this rank."""
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.train.accumulation import logit_params
+    from disco_clip_ds.train.distill import Teacher
+
+    torch.manual_seed(0)
+    student = build_model(model_config=str(REPO / STUDENT))
+    teacher = Teacher(build_model(model_config=str(REPO / TEACHER)), weight)
+    ddp = torch.nn.parallel.DistributedDataParallel(student)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
+    batch = _random_batch(student.config, per_rank, seed=rank)
+
+    def step(side: str) -> None:
+        if side == "alone":
+            ddp(**batch, return_loss=True).loss.backward()
+            return
+        out = ddp(**batch, return_loss=False, return_logits=False)
+        loss_fn = teacher.loss_fn(*teacher.embed(batch))
+        loss_fn(out.image_embeds, out.text_embeds, *logit_params(student, out)).backward()
+
+    times = {side: [] for side in SIDES}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for side in SIDES if round_ % 2 else SIDES[::-1]:
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            step(side)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if round_:
+                times[side].append(time.perf_counter() - start)
+    torch.distributed.barrier()
+    return times
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60, help="steps per run (the quickstart logs every 20)")
-    parser.add_argument("--distill_weight", default="0.5")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds after one warm-up round")
+    parser.add_argument("--per_rank", type=int, default=128)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--distill_weight", type=float, default=0.5)
     parser.add_argument("--results", type=Path, default=HERE / "results" / "distill_cost.csv")
     args = parser.parse_args()
-    teacher = OUT / "teacher"
-    if not (teacher / "model.safetensors").is_file():
-        quickstart(teacher, 20, SEED="0")
-    sides = {"alone": {}, "distilled": {"TEACHER": str(teacher), "DISTILL_WEIGHT": args.distill_weight}}
-    times = {name: [] for name in sides}
-    for round_ in range(args.rounds):
-        for name in list(sides) if round_ % 2 == 0 else list(sides)[::-1]:
-            times[name].append(step_time(quickstart(OUT / name, args.steps, SEED="0", MODEL=STUDENT, **sides[name])))
-            print(round_, name, times[name][-1], flush=True)
-    settings = {"student": STUDENT, "teacher": "recipes/models/tiny.json", "ranks": 2, "per_rank": 128}
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    per_rank = run_ranks(
+        _rank, args.ranks, args.per_rank, args.distill_weight, args.rounds, timeout=3600, env={"HF_HUB_OFFLINE": "1"}
+    )
+    # a step ends when its slowest rank does
+    times = {side: [max(r[side][i] for r in per_rank) for i in range(args.rounds)] for side in SIDES}
+    settings = {"student": STUDENT, "teacher": TEACHER, "ranks": args.ranks, "per_rank": args.per_rank}
     rows = [
         bench_row(
-            {**settings, "run": name, "distill_weight": args.distill_weight if name == "distilled" else ""},
-            {"step_s": times[name], "step_vs_alone": ratios(times[name], times["alone"])},
-            digits=4,
+            {**settings, "run": side, "distill_weight": args.distill_weight if side == "distilled" else ""},
+            {"step_s": times[side], "step_vs_alone": ratios(times[side], times["alone"])},
         )
-        for name in sides
+        for side in SIDES
     ]
     write_rows(args.results, rows)
-    print(rows[-1])
+    for row in rows:
+        print({k: row[k] for k in ("run", "step_s_median", "step_vs_alone_min", "step_vs_alone_median")})
 
 
 if __name__ == "__main__":
