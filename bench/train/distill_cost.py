@@ -14,7 +14,7 @@ AdamW step for both:
 Per round: each side's step time (the slower rank's) and the distilled step's ratio to the alone step of the same
 round. The launcher's start-up, the data pipeline and the evals are left out: they are the same for both sides.
 
-    python bench/train/distill_cost.py --rounds 15     # writes results/distill_cost.csv
+    python bench/train/distill_cost.py --rounds 31     # writes results/distill_cost.csv
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, per_rank: int, weight: float, rounds: int) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds after one warm-up round")
+    parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds after one warm-up round")
     parser.add_argument("--per_rank", type=int, default=128)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--distill_weight", type=float, default=0.5)
