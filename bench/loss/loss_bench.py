@@ -122,7 +122,6 @@ class _TwoBlockLSE(torch.autograd.Function):
 CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
 
 
-
 def _limit_memory(extra_gib: float):
     """Cap this process's data segment at its current size plus `extra_gib`."""
     import resource
