@@ -42,7 +42,6 @@ by one process with K threads, and by K processes, on the same cores.
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import os
@@ -52,6 +51,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -713,10 +714,7 @@ def summarize(rows: list[dict]) -> None:
 
 def _write(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(path, rows, rounds=1)
     print("wrote", path)
 
 

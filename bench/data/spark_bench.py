@@ -14,7 +14,6 @@ Writes bench/data/results/spark_bench.csv (one row per download) and prints a ma
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import multiprocessing as mp
 import os
@@ -25,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.imageserver import ImageServer
@@ -107,10 +107,7 @@ def main() -> None:
         stop.set()
         server.join(timeout=10)
     args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.csv, rows, rounds=1)
     print(
         f"\n{args.images} images, {args.delay}s server delay each, {args.samples_per_shard}/shard, "
         f"{args.rounds} interleaved rounds; medians\n"

@@ -15,7 +15,6 @@ peak RSS growth from before the model was built on CPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -24,28 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
 from disco_clip_ds.testing.ranks import free_port
-
-FIELDS = [
-    "model",
-    "device",
-    "precision",
-    "zero_stage",
-    "per_device",
-    "act_ckpt",
-    "loss_impl",
-    "steps",
-    "step_s",
-    "samples_per_s",
-    "peak_alloc_mib",
-    "peak_reserved_mib",
-    "plan_mib",
-    "plan_overhead_mib",
-    "measured_vs_plan",
-    "status",
-]
 
 
 def _batch(config, per_device: int, dtype, device) -> dict:
@@ -197,10 +178,7 @@ def main(argv=None) -> int:
             row["status"] = f"timeout ({args.timeout:.0f} s)"
         rows.append(row)
         print(row, flush=True)
-        with open(args.out, "w", newline="") as f:  # rewritten after every point: a later failure keeps these
-            writer = csv.DictWriter(f, FIELDS, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.out, rows, rounds=args.steps)  # rewritten after every point: a later failure keeps these
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -11,7 +11,6 @@ as `--distill_weight 0.5` trains it (one pass of the tiles); and the same mix as
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from disco_clip_ds.losses import disco_clip_loss
 from disco_clip_ds.losses.distill import sigmoid_distill_loss, softmax_distill_loss
 from disco_clip_ds.losses.sigmoid import sigmoid_loss
+from disco_clip_ds.testing.bench_record import write_rows
 
 SCALE, BIAS, T_SCALE, T_BIAS = 20.0, -10.0, 30.0, -12.0
 
@@ -79,10 +79,7 @@ def main() -> None:
             rows.append({"case": name, "batch": batch, "dim": args.dim, "cpu_s": round(statistics.median(t), 3)})
             rows[-1]["vs_contrastive"] = round(ratio, 3)
             print(rows[-1], flush=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows, rounds=args.reps)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,13 @@ recorded as OOM, as loss_bench.py does.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -161,10 +162,7 @@ def main() -> None:
     )
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.results, rows, rounds=1)
     for row in rows:
         print(row)
 

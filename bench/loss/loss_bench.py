@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.memory import mmap_threshold_env, peak_extra_mib, rss_mib
 from disco_clip_ds.testing.ranks import RanksFailed, run_ranks
 from disco_clip_ds.testing.wire import WireBytes
@@ -119,21 +120,6 @@ class _TwoBlockLSE(torch.autograd.Function):
 
 
 CHOICES = (*IMPLS[:-1], "infcl", IMPLS[-1])  # infcl: Inf-CL's PyPI package `inf-cl` (CUDA + Triton), when installed
-
-FIELDS = [
-    "impl",
-    "world",
-    "batch",
-    "dim",
-    "dtype",
-    "device",
-    "peak_extra_mib",
-    "time_ms",
-    "wire_mib",
-    "time_vs_tiled",
-    "rounds_ms",
-    "status",
-]
 
 
 def _limit_memory(extra_gib: float):
@@ -387,10 +373,7 @@ def main(argv=None):
                         flush=True,
                     )
             rows += _merge_rounds(runs)
-            with open(out, "w", newline="") as f:  # rewritten after every batch: a crash keeps what was measured
-                writer = csv.DictWriter(f, FIELDS, restval="")
-                writer.writeheader()
-                writer.writerows(rows)
+            write_rows(out, rows, rounds=args.rounds)  # rewritten after every batch: a crash keeps what was measured
     for r in rows:
         if r.get("time_vs_tiled"):
             print(

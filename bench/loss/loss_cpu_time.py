@@ -13,7 +13,6 @@ interleaved with the rest: a before/after measurement of a change to the loss, i
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.losses import disco_clip_loss
+from disco_clip_ds.testing.bench_record import write_rows
 
 from loss_bench import twoblock_loss
 
@@ -100,10 +100,7 @@ def main() -> None:
             if args.ref and f"{name}@{args.ref}" in times:  # this impl against itself at --ref
                 rows[-1]["vs_ref"] = round(statistics.median(a / b for a, b in zip(t, times[f"{name}@{args.ref}"])), 3)
             print(rows[-1], flush=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]) + (["vs_ref"] if args.ref else []), restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows, rounds=args.reps)
 
 
 if __name__ == "__main__":

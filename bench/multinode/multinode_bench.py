@@ -24,6 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TINY_CONFIG, start_nodes
 
@@ -149,10 +150,7 @@ def main(argv=None) -> None:
 
 
 def _write(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(path, rows, rounds=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from disco_clip_ds import plan as P
+from disco_clip_ds.testing.bench_record import write_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 # (model, batch, activation checkpointing, distillation teacher): the teacher points check its terms, once with its
@@ -93,10 +94,7 @@ def check_steps(out: Path) -> None:
                 "error": round(estimate / measured - 1, 3),
             }
         )
-        with out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(out, rows, rounds=1)
 
 
 def check_loss() -> int:

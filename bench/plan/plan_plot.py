@@ -8,10 +8,10 @@ Settings are the paper configs' (ds_configs/vit_b32_32k_8gpu.json: bf16, ZeRO-2,
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 from disco_clip_ds import plan as P
+from disco_clip_ds.testing.bench_record import write_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,10 +42,7 @@ def main() -> None:
                     }
                 )
     out = ROOT / "bench/plan/results/plan_max_batch.csv"
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows, rounds=1)
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out.relative_to(ROOT)} and {out.with_suffix('.png').relative_to(ROOT)}")
     for r in rows:

@@ -16,12 +16,12 @@ ratio. Both models train the same batch, so their losses are compared too (`loss
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
 from pathlib import Path
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import free_port
 
@@ -150,10 +150,7 @@ def main(argv=None) -> int:
     rows = [measure(args, name) for name in args.models]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows, rounds=args.rounds)
     print(" | ".join(rows[0]))
     for row in rows:
         print(" | ".join(str(v) for v in row.values()))

@@ -17,13 +17,14 @@ another digit (`disco-clip data demo --caption_noise`, the quickstart's CAPTION_
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
 import statistics
 import subprocess
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -105,10 +106,7 @@ def main() -> None:
             ]
             print(name, seed, got[-1])
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.results, rows, rounds=1)
     last = max(r["step"] for r in rows)
     for name in args.runs:
         final = [r["zeroshot_acc1"] for r in rows if r["run"] == name and r["step"] == last]

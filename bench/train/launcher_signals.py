@@ -11,7 +11,6 @@ bench/train/results/launcher_signals.csv.
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import free_port
 
@@ -130,10 +130,7 @@ def main() -> None:
         / "results"
         / ("launcher_signals.csv" if len(sys.argv) == 1 else f"launcher_signals_{'_'.join(sys.argv[1:])}.csv")
     )
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows, rounds=1)
     print(f"wrote {out}")
 
 

@@ -14,7 +14,6 @@ their aspect ratio), padded to the budget; random pixels and tokens.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from disco_clip_ds.data.naflex import naflex_size
 from disco_clip_ds.models.build import build_model
+from disco_clip_ds.testing.bench_record import write_rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -88,10 +88,7 @@ def main(argv=None) -> None:
                 "ratio_to_256_median": round(median / statistics.median(times[256]), 3),
             }
         )
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows, rounds=args.rounds)
     for row in rows:
         print(row)
 

@@ -16,7 +16,6 @@ patches are drawn per sample as the data stream draws them.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ from transformers import CLIPConfig, CLIPVisionConfig
 
 from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.models.patch_dropout import PatchDropout, draw_kept_patches, patch_counts
+from disco_clip_ds.testing.bench_record import write_rows
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -129,10 +129,7 @@ def main(argv=None) -> None:
     ]
     rows = [row for case in cases for row in measure(case, args.rounds)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.out, rows, rounds=args.rounds)
 
 
 if __name__ == "__main__":

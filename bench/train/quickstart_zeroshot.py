@@ -23,6 +23,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from disco_clip_ds.testing.bench_record import write_rows
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CSV = HERE / "results" / "quickstart_zeroshot.csv"
@@ -74,10 +76,7 @@ def merge(rows: list[dict]) -> None:
             old = [{"patch_dropout": 0.0, "unmasked_from": "", **r} for r in csv.DictReader(f) if key(r) not in runs]
             kept = [{**r, "pipeline": r.get("pipeline") or "pil"} for r in old]
     merged = sorted(kept + rows, key=_order)
-    with CSV.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(merged)
+    write_rows(CSV, merged, rounds=1)
 
 
 def _order(row: dict) -> tuple:

@@ -12,7 +12,6 @@ bench/train/results/resume_world_size.csv.
 
 from __future__ import annotations
 
-import csv
 import os
 import runpy
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.testing import launch
+from disco_clip_ds.testing.bench_record import write_rows
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, run_to_end
 from disco_clip_ds.testing.runs import save_initial_model, step_losses, weights
@@ -98,10 +98,7 @@ def main(stages: list[int]) -> None:
                 )
                 print(rows[-1], flush=True)
     OUT.parent.mkdir(exist_ok=True)
-    with OUT.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(OUT, rows, rounds=1)
 
 
 def _rank_without_repair() -> None:

@@ -4,19 +4,19 @@ For each model config and each loss ("local" = each device's own b x b CLIP loss
 trains with under DDP; "disco" and "tiled" = the global-batch loss), times full optimizer steps on in-memory
 batches (no decoding, so the table shows model + loss + engine only), and the loss alone (forward + backward of
 the loss on this rank's features, collectives included). The impls share one engine and run round-robin so
-that drift in the machine's speed hits them alike; `step_vs_local` is the median over rounds of each round's
-step-time ratio to the local loss's, minus 1.
+that drift in the machine's speed hits them alike; `step_vs_local` is each round's step-time ratio to the local
+loss's step of the same round. Each row holds the min / median / max over the rounds of rank 0's step time, that
+ratio and the loss's own time (`loss_share_of_step`: the medians' quotient).
 
     python bench/train/train_bench.py [--models tiny small] [--per_rank 256] [--ranks 2] [--steps 6]   # or:
     disco-clip bench train ...
 
-Prints a table; writes train_bench.csv and train_bench.png to --out.
+Prints a table; writes train_bench.csv and train_bench.png (samples/s, the bars' whiskers the rounds' spread) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import time
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from disco_clip_ds.testing.bench_record import bench_row, ratios, write_rows
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import run_ranks
 
@@ -40,7 +41,7 @@ def _batch(config, per_rank: int, seed: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "return_loss": True}
 
 
-def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int = 5) -> float:
+def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int) -> list[float]:
     from transformers.models.clip.modeling_clip import image_text_contrastive_loss
 
     from disco_clip_ds.losses import disco_clip_loss
@@ -58,11 +59,11 @@ def _loss_only_seconds(impl: str, per_rank: int, dim: int, repeats: int = 5) -> 
             loss = disco_clip_loss(image, text, scale, impl=impl)
         loss.backward()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def _rank(rank: int, world: int, model_name: str, per_rank: int, steps: int) -> dict | None:
-    """Rank 0 returns {impl: (median step s, loss fwd+bwd s, step time vs local's - 1)}."""
+    """Rank 0 returns {impl: {"step_s": [per round], "loss_fwd_bwd_s": [per round]}}."""
     import deepspeed
 
     from disco_clip_ds.models.build import build_model
@@ -91,14 +92,10 @@ def _rank(rank: int, world: int, model_name: str, per_rank: int, steps: int) -> 
             engine.step()
             if round_:
                 step_times[impl].append(time.perf_counter() - start)
-    loss_times = {impl: _loss_only_seconds(impl, per_rank, model.config.projection_dim) for impl in IMPLS}
+    dim = model.config.projection_dim
+    loss_times = {impl: _loss_only_seconds(impl, per_rank, dim, repeats=steps) for impl in IMPLS}
     if rank == 0:
-        # paired per round: the impls ran back to back, so the ratio cancels most of the machine's drift
-        vs_local = {
-            impl: statistics.median(t / ref - 1 for t, ref in zip(step_times[impl], step_times["local"]))
-            for impl in IMPLS
-        }
-        return {impl: (statistics.median(step_times[impl]), loss_times[impl], vs_local[impl]) for impl in IMPLS}
+        return {impl: {"step_s": step_times[impl], "loss_fwd_bwd_s": loss_times[impl]} for impl in IMPLS}
     return None
 
 
@@ -120,33 +117,22 @@ def main() -> None:
     for name in args.models:
         result = bench_model(name, args.per_rank, args.ranks, args.steps)
         for impl in IMPLS:
-            step, loss, vs_local = result[impl]
-            rows.append(
-                {
-                    "model": name,
-                    "loss": impl,
-                    "ranks": args.ranks,
-                    "per_rank": args.per_rank,
-                    "global_batch": args.per_rank * args.ranks,
-                    "step_s": round(step, 4),
-                    "samples_per_s": round(args.per_rank * args.ranks / step, 1),
-                    "samples_per_s_per_rank": round(args.per_rank / step, 1),
-                    "loss_fwd_bwd_s": round(loss, 4),
-                    "loss_share_of_step": round(loss / step, 4),
-                    "step_vs_local": round(vs_local, 4),
-                }
-            )
-    header = list(rows[0])
-    print(" | ".join(header))
+            step, loss = result[impl]["step_s"], result[impl]["loss_fwd_bwd_s"]
+            settings = {"model": name, "loss": impl, "ranks": args.ranks, "per_rank": args.per_rank}
+            settings["global_batch"] = args.per_rank * args.ranks
+            # paired per round: the impls ran back to back, so the ratio cancels most of the machine's drift
+            vs_local = ratios(step, result["local"]["step_s"])
+            row = bench_row(settings, {"step_s": step, "step_vs_local": vs_local, "loss_fwd_bwd_s": loss})
+            row["samples_per_s"] = round(args.per_rank * args.ranks / statistics.median(step), 1)
+            row["loss_share_of_step"] = round(statistics.median(loss) / statistics.median(step), 4)
+            rows.append(row)
+    shown = ("model", "loss", "step_s_median", "step_vs_local_min", "step_vs_local_median", "step_vs_local_max")
+    print(" | ".join(shown + ("loss_share_of_step",)))
     for row in rows:
-        print(" | ".join(str(row[k]) for k in header))
+        print(" | ".join(str(row[k]) for k in shown + ("loss_share_of_step",)))
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train_bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out / "train_bench.csv", rows)
     _plot(rows, out / "train_bench.png")
     print(f"wrote {out / 'train_bench.csv'} and {out / 'train_bench.png'}")
 
@@ -161,7 +147,10 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
-        ax.bar([r["loss"] for r in mine], [r["samples_per_s"] for r in mine], color=["grey", "tab:blue", "tab:green"])
+        rate = [r["samples_per_s"] for r in mine]
+        low = [rate_ - r["global_batch"] / r["step_s_max"] for rate_, r in zip(rate, mine)]
+        high = [r["global_batch"] / r["step_s_min"] - rate_ for rate_, r in zip(rate, mine)]
+        ax.bar([r["loss"] for r in mine], rate, yerr=[low, high], color=["grey", "tab:blue", "tab:green"], capsize=4)
         for i, r in enumerate(mine):
             ax.text(
                 i,

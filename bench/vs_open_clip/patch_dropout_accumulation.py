@@ -27,7 +27,6 @@ accumulated logit_scale gradient is K times the one-batch one, with or without p
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
@@ -35,6 +34,8 @@ import sys
 from pathlib import Path
 
 import same_batches
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 import vs_open_clip
 
@@ -155,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['stack']:<16} p={row['patch_dropout']:<4} {row['comparison']:<48} {row['value']:.3g}")
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    with args.results.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.results, rows, rounds=1)
     return 0
 
 

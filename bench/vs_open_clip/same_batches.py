@@ -22,13 +22,14 @@ Runs in open_clip's virtualenv for the training (see vs_open_clip.py), ours for 
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 import vs_open_clip
 
@@ -177,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(rows[-1], flush=True)
         args.results.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.results, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_rows(args.results, rows, rounds=1)
     return 0
 
 

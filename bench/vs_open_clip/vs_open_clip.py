@@ -34,7 +34,6 @@ Rounds are interleaved, ours then open_clip for each seed, so load from other wo
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -45,6 +44,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 OPENCLIP_VENV = Path(os.environ.get("OPENCLIP_VENV", Path(__file__).resolve().parent / ".venv-openclip"))
@@ -623,10 +624,7 @@ def write(results: Path, rows: list[dict], curves: list[dict], skip: int, name: 
 
     results.mkdir(parents=True, exist_ok=True)
     for file, table in ((f"{name}.csv", rows), (f"{name}_curves.csv", curves)):
-        with open(results / file, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table[0]))
-            writer.writeheader()
-            writer.writerows(table)
+        write_rows(results / file, table, rounds=1)
     seeds = sorted({c["seed"] for c in curves})
     fig, (loss_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for stack, colour in (("ours", "tab:blue"), ("open_clip", "tab:orange")):
