@@ -77,4 +77,8 @@ class ZeroShotCallback(TrainerCallback):
             batch_size=self.batch_size,
             progress=False,
         )
+        # trainer.log clears should_log (the CallbackHandler's on_log does): kept, or a step that both evaluates and
+        # logs would lose its loss and grad_norm, and the next logging step would average over twice the steps
+        should_log = control.should_log
         self.trainer.log({f"zeroshot_{name}": value for name, value in metrics.items()})
+        control.should_log = should_log

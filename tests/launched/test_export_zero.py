@@ -391,6 +391,8 @@ def test_trained_zero3_run_exports_and_evaluates_like_during_training(zero3_run,
     state = json.loads((out / "trainer_state.json").read_text())
     during = {e["step"]: e for e in state["log_history"] if "zeroshot_acc1" in e}
     assert sorted(during) == [2, 4]  # the callback ran on both ranks under ZeRO-3 (a one-rank forward would hang)
+    # a step that evaluates logs its own loss too (the eval's log must not take the step's), each over its own step
+    assert sorted(e["step"] for e in state["log_history"] if "loss" in e) == [1, 2, 3, 4]
 
     exported = ex.export_checkpoint(out / "checkpoint-4", tmp_path / "model")  # consolidated from ZeRO-3 partitions
     assert "| DeepSpeed ZeRO stage | 3 |" in (exported / "README.md").read_text()
