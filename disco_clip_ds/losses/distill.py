@@ -49,7 +49,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, upstream_per_column
-from disco_clip_ds.losses.tiles import Ring, as_fp32, as_scalar, check_options, tile_rows, tiles
+from disco_clip_ds.losses.tiles import (
+    Ring,
+    add_ring_tile_gradient,
+    add_tile_gradient,
+    as_fp32,
+    as_scalar,
+    check_options,
+    tile_rows,
+    tiles,
+)
 
 
 class _SoftmaxDistill(torch.autograd.Function):
@@ -122,14 +131,7 @@ class _SoftmaxDistill(torch.autograd.Function):
             grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_(), alpha=weight).mul_(g_col)
             if weight < 1:  # the positives' -(1 - W) in the row's loss and in the column's (both this rank's)
                 grad.diagonal(lo + rows.start).sub_(2 * (1 - weight) * g)
-            if need_i or need_s:
-                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = q . grad_q
-                if need_s:
-                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
-                if need_i:
-                    grad_i[rows] = grad_q.mul_(scale)
-            if need_t:
-                grad_t.addmm_(grad.T, q_scaled)  # s G^T q: the scale applied as addmm's alpha would apply it
+            add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,
@@ -161,23 +163,19 @@ class _RingSigmoidDistill(torch.autograd.Function):
         images, texts, scale, bias, _, t_texts = saved[:6]
         g = grad_total.float()
         grad_i = torch.zeros(images.shape, dtype=torch.float32, device=images.device)
-        grad_s, grad_b = grad_i.new_zeros(()), grad_i.new_zeros(())
+        sums = [grad_i.new_zeros(()), grad_i.new_zeros(())]  # dL/ds, dL/dt
         ring = Ring(*ctx.meta, texts, t_texts)
         ring.grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
         for own, rows, q, dots, logits, t_logits in _ring_tiles(ring, saved, backward=True):
             grad = logits.sigmoid_().sub_(t_logits.sigmoid_(), alpha=ctx.weight)
             if own and ctx.weight < 1:
                 grad.diagonal(rows.start).sub_(1 - ctx.weight)
-            grad.mul_(g)
-            grad_s += torch.vdot(grad.view(-1), dots.view(-1))
-            grad_b += grad.sum()
-            grad_i[rows].addmm_(grad, ring.block32 * scale)  # the scale applied as addmm's alpha would apply it
-            ring.grad.addmm_(grad.T, q * scale)
+            add_ring_tile_gradient(grad.mul_(g), rows, q, dots, ring.block32, scale, grad_i, ring.grad, sums)
         return (
             grad_i.to(images.dtype),
             ring.grad.to(texts.dtype),
-            grad_s.to(scale.dtype),
-            grad_b.to(bias.dtype),
+            sums[0].to(scale.dtype),
+            sums[1].to(bias.dtype),
             *([None] * 8),
         )
 
@@ -291,7 +289,25 @@ def sigmoid_distill_loss(
         return terms * (world / total) if total else terms
 
 
-class SoftmaxDistillLoss(nn.Module):
+class _DistillModule(nn.Module):
+    """The module form of a distillation loss: its options checked once, forward(*inputs) passing the inputs on to the
+    functional form (`loss_fn`) in the order its docstring gives."""
+
+    loss_fn = None
+
+    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
+        super().__init__()
+        check_options(chunk_size, distill_weight)
+        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
+
+    def forward(self, *inputs) -> torch.Tensor:
+        return type(self).loss_fn(*inputs, self.chunk_size, self.group, self.distill_weight)
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+
+
+class SoftmaxDistillLoss(_DistillModule):
     """Global-batch softmax (CLIP) distillation over all ranks of `group`, each rank computing only its own rows.
 
     forward(image_features, text_features, logit_scale, teacher_image_features, teacher_text_features,
@@ -303,31 +319,10 @@ class SoftmaxDistillLoss(nn.Module):
     `distill_weight` W < 1 returns (1 - W) CLIP's contrastive loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
-        super().__init__()
-        check_options(chunk_size, distill_weight)
-        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
-
-    def forward(
-        self, image_features, text_features, logit_scale, teacher_image_features, teacher_text_features, teacher_scale
-    ):
-        return softmax_distill_loss(
-            image_features,
-            text_features,
-            logit_scale,
-            teacher_image_features,
-            teacher_text_features,
-            teacher_scale,
-            self.chunk_size,
-            self.group,
-            self.distill_weight,
-        )
-
-    def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+    loss_fn = staticmethod(softmax_distill_loss)
 
 
-class SigmoidDistillLoss(nn.Module):
+class SigmoidDistillLoss(_DistillModule):
     """Global-batch sigmoid (SigLIP) distillation over all ranks of `group`: per pair, the binary cross-entropy of
     the student's sigmoid against the teacher's, the texts streamed round the ring (memory flat in ranks).
 
@@ -339,35 +334,4 @@ class SigmoidDistillLoss(nn.Module):
     `distill_weight` W < 1 returns (1 - W) SigLIP's loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
-        super().__init__()
-        check_options(chunk_size, distill_weight)
-        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
-
-    def forward(
-        self,
-        image_features,
-        text_features,
-        logit_scale,
-        logit_bias,
-        teacher_image_features,
-        teacher_text_features,
-        teacher_scale,
-        teacher_bias,
-    ):
-        return sigmoid_distill_loss(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            teacher_image_features,
-            teacher_text_features,
-            teacher_scale,
-            teacher_bias,
-            self.chunk_size,
-            self.group,
-            self.distill_weight,
-        )
-
-    def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+    loss_fn = staticmethod(sigmoid_distill_loss)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disco_clip_ds.losses.comm import check_inputs, rank_and_world
-from disco_clip_ds.losses.tiles import Ring, as_fp32, as_scalar, check_options, tile_rows
+from disco_clip_ds.losses.tiles import Ring, add_ring_tile_gradient, as_fp32, as_scalar, check_options, tile_rows
 
 default_chunk_size = tile_rows  # image rows per tile against one rank's text block of `block_rows` rows
 
@@ -55,7 +55,7 @@ class _RingSigmoid(torch.autograd.Function):
         g = grad_total.float()
         images32 = images.float()
         grad_i = torch.zeros_like(images32)
-        grad_s, grad_t = images32.new_zeros(()), images32.new_zeros(())
+        sums = [images32.new_zeros(()), images32.new_zeros(())]  # dL/ds, dL/dt
         ring = Ring(*ctx.meta, texts)
         ring.grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
         for own, rows, (block32,) in ring.walk(images32, backward=True):
@@ -64,16 +64,12 @@ class _RingSigmoid(torch.autograd.Function):
             grad = torch.sigmoid(dots * scale + bias)
             if own:
                 grad.diagonal(rows.start).sub_(1.0)
-            grad.mul_(g)
-            grad_s += torch.vdot(grad.reshape(-1), dots.reshape(-1))
-            grad_t += grad.sum()
-            grad_i[rows].addmm_(grad, block32 * scale)  # the scale applied as addmm's alpha would apply it
-            ring.grad.addmm_(grad.T, q * scale)
+            add_ring_tile_gradient(grad.mul_(g), rows, q, dots, block32, scale, grad_i, ring.grad, sums)
         return (
             grad_i.to(images.dtype),
             ring.grad.to(texts.dtype),
-            grad_s.to(scale.dtype),
-            grad_t.to(bias.dtype),
+            sums[0].to(scale.dtype),
+            sums[1].to(bias.dtype),
             None,
             None,
             None,

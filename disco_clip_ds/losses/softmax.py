@@ -33,7 +33,14 @@ from torch import nn
 
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, upstream_per_column
-from disco_clip_ds.losses.tiles import DEFAULT_TILE_ELEMENTS, as_fp32, check_options, tile_rows, tiles
+from disco_clip_ds.losses.tiles import (
+    DEFAULT_TILE_ELEMENTS,
+    add_tile_gradient,
+    as_fp32,
+    check_options,
+    tile_rows,
+    tiles,
+)
 
 IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
 # The tiled loss keeps its b x B fp32 logits between forward and backward (skipping the recompute) when they
@@ -143,14 +150,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             grad = shifted.exp_().mul_(torch.addr(g, row_w[rows], col_w))
             torch.where(direct, direct_term.add_(grad), grad, out=grad)
             del direct_term
-            if need_i or need_s:
-                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = sum_ij G_ij q_i.t_j = q . grad_q
-                if need_s:
-                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
-                if need_i:
-                    grad_i[rows] = grad_q.mul_(scale)
-            if need_t:
-                grad_t.addmm_(grad.T, q_scaled)  # s G^T q: the scale applied as addmm's alpha would apply it
+            add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,

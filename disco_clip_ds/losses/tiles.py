@@ -48,6 +48,28 @@ def as_fp32(value, device) -> torch.Tensor:
     return torch.as_tensor(value, device=device).float()
 
 
+def add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s) -> None:
+    """Given G = dL/dS for a tile of rows against all B columns, S = (s Q) T^T: add s G T to grad_i's rows,
+    G^T (s Q) to grad_t and sum_ij G_ij q_i.t_j = dL/ds to grad_s. A gradient passed as None is not wanted."""
+    if grad_i is not None or grad_s is not None:
+        grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = sum_ij G_ij q_i.t_j = q . grad_q
+        if grad_s is not None:
+            grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
+        if grad_i is not None:
+            grad_i[rows] = grad_q.mul_(scale)
+    if grad_t is not None:
+        grad_t.addmm_(grad.T, q_scaled)  # s G^T q: the scale applied as addmm's alpha would apply it
+
+
+def add_ring_tile_gradient(grad, rows, q, dots, block32, scale, grad_i, block_grad, scale_bias_grads) -> None:
+    """Given G = dL/du for a tile of rows against one text block K, u = s Q K^T + t (dots = Q K^T): add s G K to
+    grad_i's rows, s G^T Q to the block's gradient and sum(G * dots), sum(G) to dL/ds, dL/dt."""
+    scale_bias_grads[0] += torch.vdot(grad.reshape(-1), dots.reshape(-1))
+    scale_bias_grads[1] += grad.sum()
+    grad_i[rows].addmm_(grad, block32 * scale)  # the scale applied as addmm's alpha would apply it
+    block_grad.addmm_(grad.T, q * scale)
+
+
 class Ring:
     """The ring walk of a rank's image rows against every rank's text block(s), the blocks passing from rank to rank
     (rank r computes on its own block first, then on r - 1's, ...), so that a rank never holds more than two copies
