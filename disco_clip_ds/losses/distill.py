@@ -48,36 +48,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from disco_clip_ds import compat
-from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, ring_exchange
-from disco_clip_ds.losses.sigmoid import default_chunk_size as ring_chunk_size
-from disco_clip_ds.losses.softmax import default_chunk_size
-
-
-def _tiles(rows: int, chunk: int):
-    return (slice(start, start + chunk) for start in range(0, rows, chunk))
-
-
-def _check_options(chunk_size, distill_weight) -> None:
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
-    if not 0 <= distill_weight <= 1:
-        raise ValueError(f"distill_weight must lie in [0, 1] (1: distillation alone), got {distill_weight}")
-
-
-def _as_scalar(value):
-    # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
-    return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
-
-
-def _upstream_per_column(grad_total, sizes, world, group, total):
-    """Each column's term is in the loss of the rank that owns the text: that rank's upstream gradient, per column."""
-    g = grad_total.float().reshape(1)
-    if world == 1:
-        return g, g.expand(total)
-    owners = g.new_empty(world)
-    compat.all_gather_single(owners, g, group=group)
-    return g, owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
+from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, upstream_per_column
+from disco_clip_ds.losses.tiles import (
+    Ring,
+    add_ring_tile_gradient,
+    add_tile_gradient,
+    as_fp32,
+    as_scalar,
+    check_options,
+    tile_rows,
+    tiles,
+)
 
 
 class _SoftmaxDistill(torch.autograd.Function):
@@ -87,7 +68,6 @@ class _SoftmaxDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, images, texts, scale, t_images, t_texts, t_scale, weight, sizes, group, chunk):
         rank, world = rank_and_world(group)
-        s, ts = float(scale), float(t_scale)
         b, total = images.shape[0], texts.shape[0]
         texts32, t_texts32 = texts.float(), t_texts.float()
         row_lse_s, row_lse_t = texts32.new_empty(b), texts32.new_empty(b)
@@ -95,9 +75,9 @@ class _SoftmaxDistill(torch.autograd.Function):
         col_mean = texts32.new_zeros(total)  # sum_i softmax_i(T)_ij (T_ij - S_ij) over the rows seen so far
         rows_terms = texts32.new_zeros(())
         lo = sum(sizes[:rank])  # this rank's texts' first column: its positives lie on the diagonal from there
-        for rows in _tiles(b, chunk):
-            logits = (images[rows].float() * s) @ texts32.T
-            t_logits = (t_images[rows].float() * ts) @ t_texts32.T
+        for rows in tiles(b, chunk):
+            logits = (images[rows].float() * scale) @ texts32.T
+            t_logits = (t_images[rows].float() * t_scale) @ t_texts32.T
             if weight < 1:  # S_ii of these rows, in the row and in the column of sample i
                 rows_terms -= 2 * (1 - weight) * logits.diagonal(lo + rows.start).sum()
             row_lse_s[rows], row_lse_t[rows] = logits.logsumexp(1), t_logits.logsumexp(1)
@@ -123,43 +103,39 @@ class _SoftmaxDistill(torch.autograd.Function):
             col_mean = sums[2] / sums[1]
         mine = slice(lo, lo + b)
         cols_terms = (weight * (col_mean[mine] - col_lse_t[mine]) + col_lse_s[mine]).sum()
-        ctx.save_for_backward(images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t)
-        ctx.meta = (sizes, world, group, chunk, s, ts, weight, lo, scale.dtype)
+        lses = (row_lse_s, row_lse_t, col_lse_s, col_lse_t)
+        ctx.save_for_backward(images, texts, scale, t_images, t_texts, t_scale, *lses)
+        ctx.meta = (sizes, group, chunk, weight, lo)
         return rows_terms + cols_terms
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        images, texts, t_images, t_texts, row_lse_s, row_lse_t, col_lse_s, col_lse_t = ctx.saved_tensors
-        sizes, world, group, chunk, s, ts, weight, lo, scale_dtype = ctx.meta
+        images, texts, scale, t_images, t_texts, t_scale, *lses = ctx.saved_tensors
+        row_lse_s, row_lse_t, col_lse_s, col_lse_t = lses
+        sizes, group, chunk, weight, lo = ctx.meta
         need_i, need_t, need_s = ctx.needs_input_grad[:3]
-        g, g_col = _upstream_per_column(grad_total, sizes, world, group, texts.shape[0])
+        g, g_col = upstream_per_column(grad_total, sizes, group, texts.shape[0])
         texts32, t_texts32 = texts.float(), t_texts.float()
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
         grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
         grad_s = texts32.new_zeros(())
-        for rows in _tiles(images.shape[0], chunk):
+        for rows in tiles(images.shape[0], chunk):
             q = images[rows].float()
-            logits = (q * s) @ texts32.T  # S's rounding as in forward (the same product)
-            t_logits = (t_images[rows].float() * ts) @ t_texts32.T
+            q_scaled = q * scale
+            logits = q_scaled @ texts32.T  # S's rounding as in forward (the same product)
+            t_logits = (t_images[rows].float() * t_scale) @ t_texts32.T
             # every exponent is <= 0: a logit minus a log-sum-exp that contains it
             teacher_rows = (t_logits - row_lse_t[rows, None]).exp_()
             grad = (logits - row_lse_s[rows, None]).exp_().sub_(teacher_rows, alpha=weight).mul_(g)
             grad += logits.sub_(col_lse_s).exp_().sub_(t_logits.sub_(col_lse_t).exp_(), alpha=weight).mul_(g_col)
             if weight < 1:  # the positives' -(1 - W) in the row's loss and in the column's (both this rank's)
                 grad.diagonal(lo + rows.start).sub_(2 * (1 - weight) * g)
-            if need_i or need_s:
-                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = q . grad_q
-                if need_s:
-                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
-                if need_i:
-                    grad_i[rows] = grad_q.mul_(s)
-            if need_t:
-                grad_t.addmm_(grad.T, q, alpha=s)
+            add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,
-            grad_s.to(scale_dtype) if need_s else None,
+            grad_s.to(scale.dtype) if need_s else None,
             *([None] * 7),
         )
 
@@ -170,11 +146,11 @@ class _RingSigmoidDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, images, texts, scale, bias, t_images, t_texts, t_scale, t_bias, weight, sizes, group, chunk):
-        ctx.save_for_backward(images, texts, t_images, t_texts)
-        ctx.meta = (sizes, group, chunk, float(scale), float(bias), float(t_scale), float(t_bias))
-        ctx.dtypes, ctx.weight = (scale.dtype, bias.dtype), weight
+        saved = (images, texts, scale, bias, t_images, t_texts, t_scale, t_bias)
+        ctx.save_for_backward(*saved)
+        ctx.meta, ctx.weight = (sizes, group, chunk), weight
         total = images.new_zeros((), dtype=torch.float32)
-        for own, rows, _, _, _, logits, t_logits in _ring_tiles(ctx, images, texts, t_images, t_texts, backward=False):
+        for own, rows, _, _, logits, t_logits in _ring_tiles(Ring(sizes, group, chunk, texts, t_texts), saved):
             total += F.softplus(logits).sum() - weight * torch.vdot(t_logits.sigmoid_().view(-1), logits.view(-1))
             if own and weight < 1:  # the positives (i, i) lie on this rank's own block's diagonal
                 total -= (1 - weight) * logits.diagonal(rows.start).sum()
@@ -183,70 +159,43 @@ class _RingSigmoidDistill(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        images, texts, t_images, t_texts = ctx.saved_tensors
-        s = ctx.meta[3]
-        g = float(grad_total)
+        saved = ctx.saved_tensors
+        images, texts, scale, bias, _, t_texts = saved[:6]
+        g = grad_total.float()
         grad_i = torch.zeros(images.shape, dtype=torch.float32, device=images.device)
-        grad_s, grad_b = grad_i.new_zeros(()), grad_i.new_zeros(())
-        ctx.block_grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
-        for own, rows, q, block32, dots, logits, t_logits in _ring_tiles(
-            ctx, images, texts, t_images, t_texts, backward=True
-        ):
+        sums = [grad_i.new_zeros(()), grad_i.new_zeros(())]  # dL/ds, dL/dt
+        ring = Ring(*ctx.meta, texts, t_texts)
+        ring.grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
+        for own, rows, q, dots, logits, t_logits in _ring_tiles(ring, saved, backward=True):
             grad = logits.sigmoid_().sub_(t_logits.sigmoid_(), alpha=ctx.weight)
             if own and ctx.weight < 1:
                 grad.diagonal(rows.start).sub_(1 - ctx.weight)
-            grad.mul_(g)
-            grad_s += torch.vdot(grad.view(-1), dots.view(-1))
-            grad_b += grad.sum()
-            grad_i[rows].addmm_(grad, block32, alpha=s)
-            ctx.block_grad.addmm_(grad.T, q, alpha=s)
-        block_grad, ctx.block_grad = ctx.block_grad, None
+            add_ring_tile_gradient(grad.mul_(g), rows, q, dots, ring.block32, scale, grad_i, ring.grad, sums)
         return (
             grad_i.to(images.dtype),
-            block_grad.to(texts.dtype),
-            grad_s.to(ctx.dtypes[0]),
-            grad_b.to(ctx.dtypes[1]),
+            ring.grad.to(texts.dtype),
+            sums[0].to(scale.dtype),
+            sums[1].to(bias.dtype),
             *([None] * 8),
         )
 
 
-def _ring_tiles(ctx, images, texts, t_images, t_texts, backward: bool):
-    """Yield (own, rows, q, block32, dots, S tile, T tile) for every tile of this rank's rows against every rank's text
-    block, the blocks (student's and teacher's) passing round the ring. In backward, ctx.block_grad (the gradient of
-    the block being computed on) follows its block to the next rank; the last step brings it home. `own`: the block
-    is this rank's own texts (the first step), whose diagonal holds the positive pairs."""
-    sizes, group, chunk, s, t, ts, tt = ctx.meta
-    rank, world = rank_and_world(group)
+def _ring_tiles(ring: Ring, saved, backward: bool = False):
+    """Yield (own, rows, q, dots, S tile, T tile) for every tile of this rank's rows against every rank's student
+    and teacher text blocks (Ring.walk); ring.block32 is the student's block of the tile."""
+    images, _, scale, bias, t_images, _, t_scale, t_bias = saved
     images32, t_images32 = images.float(), t_images.float()
-    block, t_block = texts.detach(), t_texts.detach()  # travel in their own dtypes; computed on in fp32
-    for k in range(world):
-        nxt_src = (rank - k - 1) % world
-        nxt = t_nxt = None
-        pending = []
-        if k < world - 1:  # the next blocks travel while these are computed
-            nxt = block.new_empty((sizes[nxt_src], block.shape[1]))
-            t_nxt = t_block.new_empty((sizes[nxt_src], t_block.shape[1]))
-            pending = ring_exchange(block, nxt, group, tag=0) + ring_exchange(t_block, t_nxt, group, tag=2)
-        block32, t_block32 = block.float(), t_block.float()
-        for rows in _tiles(images32.shape[0], chunk):
-            q = images32[rows]
-            dots = q @ block32.T
-            t_logits = torch.addmm(t_block32.new_tensor(tt), t_images32[rows] * ts, t_block32.T)
-            yield k == 0, rows, q, block32, dots, dots * s + t, t_logits
-        if backward and world > 1:
-            arrived = ctx.block_grad.new_empty((sizes[nxt_src], block.shape[1]))
-            for work in ring_exchange(ctx.block_grad, arrived, group, tag=1):
-                work.wait()
-            ctx.block_grad = arrived
-        for work in pending:
-            work.wait()
-        if nxt is not None:
-            block, t_block = nxt, t_nxt
+    for own, rows, (block32, t_block32) in ring.walk(images32, backward):
+        ring.block32 = block32
+        q = images32[rows]
+        dots = q @ block32.T
+        t_logits = torch.addmm(t_bias, t_images32[rows] * t_scale, t_block32.T)
+        yield own, rows, q, dots, dots * scale + bias, t_logits
 
 
 def _check(who, student, teacher, scalars, t_scalars, chunk_size, group, distill_weight) -> list[int]:
     """Both models' inputs checked on every rank at once; the local batch sizes."""
-    _check_options(chunk_size, distill_weight)
+    check_options(chunk_size, distill_weight)
     sizes = check_inputs(*student, scalars, group, who)
     t_sizes = check_inputs(*teacher, t_scalars, group, f"{who} (teacher features)")
     if sizes != t_sizes:  # every rank holds both lists: every rank raises
@@ -272,12 +221,11 @@ def softmax_distill_loss(
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):  # fp32 logits, as the contrastive loss
-        scale = torch.as_tensor(logit_scale, device=device).float()
-        t_scale = torch.as_tensor(teacher_scale, device=device).float().detach()
+        scale, t_scale = as_fp32(logit_scale, device), as_fp32(teacher_scale, device).detach()
         (all_texts,) = gather_features(text_features, sizes=sizes, group=group)
         with torch.no_grad():  # the teacher's texts: gathered once, no gradient
             (t_all_texts,) = gather_features(teacher_text_features.detach(), sizes=sizes, group=group)
-        chunk = chunk_size or default_chunk_size(total)
+        chunk = chunk_size or tile_rows(total)
         terms = _SoftmaxDistill.apply(
             image_features,
             all_texts,
@@ -307,8 +255,8 @@ def sigmoid_distill_loss(
     distill_weight: float = 1.0,
 ) -> torch.Tensor:
     """Functional form of :class:`SigmoidDistillLoss`; see the module docstring for the exact contract."""
-    logit_scale, logit_bias = _as_scalar(logit_scale), _as_scalar(logit_bias)
-    teacher_scale, teacher_bias = _as_scalar(teacher_scale), _as_scalar(teacher_bias)
+    logit_scale, logit_bias = as_scalar(logit_scale), as_scalar(logit_bias)
+    teacher_scale, teacher_bias = as_scalar(teacher_scale), as_scalar(teacher_bias)
     sizes = _check(
         "SigmoidDistillLoss",
         (image_features, text_features),
@@ -322,8 +270,8 @@ def sigmoid_distill_loss(
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):
-        as32 = lambda v: torch.as_tensor(v, device=device).float()
-        chunk = chunk_size or ring_chunk_size(max(sizes))
+        as32 = lambda v: as_fp32(v, device)
+        chunk = chunk_size or tile_rows(max(sizes))
         terms = _RingSigmoidDistill.apply(
             image_features,
             text_features,
@@ -341,7 +289,25 @@ def sigmoid_distill_loss(
         return terms * (world / total) if total else terms
 
 
-class SoftmaxDistillLoss(nn.Module):
+class _DistillModule(nn.Module):
+    """The module form of a distillation loss: its options checked once, forward(*inputs) passing the inputs on to the
+    functional form (`loss_fn`) in the order its docstring gives."""
+
+    loss_fn = None
+
+    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
+        super().__init__()
+        check_options(chunk_size, distill_weight)
+        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
+
+    def forward(self, *inputs) -> torch.Tensor:
+        return type(self).loss_fn(*inputs, self.chunk_size, self.group, self.distill_weight)
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+
+
+class SoftmaxDistillLoss(_DistillModule):
     """Global-batch softmax (CLIP) distillation over all ranks of `group`, each rank computing only its own rows.
 
     forward(image_features, text_features, logit_scale, teacher_image_features, teacher_text_features,
@@ -353,31 +319,10 @@ class SoftmaxDistillLoss(nn.Module):
     `distill_weight` W < 1 returns (1 - W) CLIP's contrastive loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
-        super().__init__()
-        _check_options(chunk_size, distill_weight)
-        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
-
-    def forward(
-        self, image_features, text_features, logit_scale, teacher_image_features, teacher_text_features, teacher_scale
-    ):
-        return softmax_distill_loss(
-            image_features,
-            text_features,
-            logit_scale,
-            teacher_image_features,
-            teacher_text_features,
-            teacher_scale,
-            self.chunk_size,
-            self.group,
-            self.distill_weight,
-        )
-
-    def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+    loss_fn = staticmethod(softmax_distill_loss)
 
 
-class SigmoidDistillLoss(nn.Module):
+class SigmoidDistillLoss(_DistillModule):
     """Global-batch sigmoid (SigLIP) distillation over all ranks of `group`: per pair, the binary cross-entropy of
     the student's sigmoid against the teacher's, the texts streamed round the ring (memory flat in ranks).
 
@@ -389,35 +334,4 @@ class SigmoidDistillLoss(nn.Module):
     `distill_weight` W < 1 returns (1 - W) SigLIP's loss + W the distillation, both from the same tiles.
     """
 
-    def __init__(self, chunk_size: int | None = None, group=None, distill_weight: float = 1.0):
-        super().__init__()
-        _check_options(chunk_size, distill_weight)
-        self.chunk_size, self.group, self.distill_weight = chunk_size, group, distill_weight
-
-    def forward(
-        self,
-        image_features,
-        text_features,
-        logit_scale,
-        logit_bias,
-        teacher_image_features,
-        teacher_text_features,
-        teacher_scale,
-        teacher_bias,
-    ):
-        return sigmoid_distill_loss(
-            image_features,
-            text_features,
-            logit_scale,
-            logit_bias,
-            teacher_image_features,
-            teacher_text_features,
-            teacher_scale,
-            teacher_bias,
-            self.chunk_size,
-            self.group,
-            self.distill_weight,
-        )
-
-    def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}, distill_weight={self.distill_weight}"
+    loss_fn = staticmethod(sigmoid_distill_loss)

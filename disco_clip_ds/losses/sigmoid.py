@@ -24,14 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disco_clip_ds.losses.comm import check_inputs, rank_and_world, ring_exchange
+from disco_clip_ds.losses.comm import check_inputs, rank_and_world
+from disco_clip_ds.losses.tiles import Ring, add_ring_tile_gradient, as_fp32, as_scalar, check_options, tile_rows
 
-# Logits per tile (rows x one rank's texts, fp32) when chunk_size is None: 2M -> 8 MiB, as the softmax loss.
-DEFAULT_TILE_ELEMENTS = 1 << 21
-
-
-def _tiles(rows: int, chunk: int):
-    return (slice(start, start + chunk) for start in range(0, rows, chunk))
+default_chunk_size = tile_rows  # image rows per tile against one rank's text block of `block_rows` rows
 
 
 class _RingSigmoid(torch.autograd.Function):
@@ -41,104 +37,59 @@ class _RingSigmoid(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, images, texts, scale, bias, sizes, group, chunk):
-        rank, world = rank_and_world(group)
-        s, t = float(scale), float(bias)
         images32 = images.float()
         total = images32.new_zeros(())
-        block = texts.detach()  # travels in its own dtype; computed on in fp32
-        for k in range(world):
-            src = (rank - k) % world
-            nxt, pending = None, []
-            if k < world - 1:  # the next block travels while this one is computed
-                nxt = block.new_empty((sizes[(src - 1) % world], block.shape[1]))
-                pending = ring_exchange(block, nxt, group, tag=0)
-            block32 = block.float()
-            for rows in _tiles(images32.shape[0], chunk):
-                logits = torch.addmm(images32.new_tensor(t), images32[rows] * s, block32.T)
-                total += F.softplus(logits).sum()
-                if src == rank:  # the positive pairs (i, i) lie on this block's diagonal
-                    total -= logits.diagonal(rows.start).sum()
-            for work in pending:
-                work.wait()
-            block = nxt
-        ctx.save_for_backward(images, texts)
-        ctx.meta = (sizes, group, chunk, s, t, scale.dtype, bias.dtype)
+        for own, rows, (block32,) in Ring(sizes, group, chunk, texts).walk(images32):
+            logits = torch.addmm(bias, images32[rows] * scale, block32.T)
+            total += F.softplus(logits).sum()
+            if own:  # the positive pairs (i, i) lie on this block's diagonal
+                total -= logits.diagonal(rows.start).sum()
+        ctx.save_for_backward(images, texts, scale, bias)
+        ctx.meta = (sizes, group, chunk)
         return total
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        images, texts = ctx.saved_tensors
-        sizes, group, chunk, s, t, scale_dtype, bias_dtype = ctx.meta
-        rank, world = rank_and_world(group)
-        g = float(grad_total)
+        images, texts, scale, bias = ctx.saved_tensors
+        g = grad_total.float()
         images32 = images.float()
         grad_i = torch.zeros_like(images32)
-        grad_s, grad_t = images32.new_zeros(()), images32.new_zeros(())
-        block, block_grad = texts, torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
-        for k in range(world):
-            src, nxt_src = (rank - k) % world, (rank - k - 1) % world
-            nxt, pending = None, []
-            if k < world - 1:
-                nxt = block.new_empty((sizes[nxt_src], block.shape[1]))
-                pending = ring_exchange(block, nxt, group, tag=0)
-            block32 = block.float()
-            for rows in _tiles(images32.shape[0], chunk):
-                q = images32[rows]
-                dots = q @ block32.T
-                grad = torch.sigmoid(dots * s + t)
-                if src == rank:
-                    grad.diagonal(rows.start).sub_(1.0)
-                grad.mul_(g)
-                grad_s += torch.vdot(grad.reshape(-1), dots.reshape(-1))
-                grad_t += grad.sum()
-                grad_i[rows].addmm_(grad, block32, alpha=s)
-                block_grad.addmm_(grad.T, q, alpha=s)
-            if world > 1:  # the gradient follows its block to the next rank; the last step brings it home
-                arrived = block_grad.new_empty((sizes[nxt_src], block.shape[1]))
-                for work in ring_exchange(block_grad, arrived, group, tag=1):
-                    work.wait()
-                block_grad = arrived
-            for work in pending:
-                work.wait()
-            block = nxt if nxt is not None else block
+        sums = [images32.new_zeros(()), images32.new_zeros(())]  # dL/ds, dL/dt
+        ring = Ring(*ctx.meta, texts)
+        ring.grad = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device)
+        for own, rows, (block32,) in ring.walk(images32, backward=True):
+            q = images32[rows]
+            dots = q @ block32.T
+            grad = torch.sigmoid(dots * scale + bias)
+            if own:
+                grad.diagonal(rows.start).sub_(1.0)
+            add_ring_tile_gradient(grad.mul_(g), rows, q, dots, block32, scale, grad_i, ring.grad, sums)
         return (
             grad_i.to(images.dtype),
-            block_grad.to(texts.dtype),
-            grad_s.to(scale_dtype),
-            grad_t.to(bias_dtype),
+            ring.grad.to(texts.dtype),
+            sums[0].to(scale.dtype),
+            sums[1].to(bias.dtype),
             None,
             None,
             None,
         )
 
 
-def default_chunk_size(block_rows: int) -> int:
-    """Image rows per tile so that one tile against a text block of `block_rows` holds ~DEFAULT_TILE_ELEMENTS."""
-    return max(32, DEFAULT_TILE_ELEMENTS // max(1, block_rows) // 8 * 8)
-
-
 def sigmoid_loss(image_features, text_features, logit_scale, logit_bias, chunk_size=None, group=None) -> torch.Tensor:
     """Functional form of :class:`SigmoidLoss`; see the module docstring for the exact contract."""
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
-    logit_scale, logit_bias = _as_scalar(logit_scale), _as_scalar(logit_bias)
+    check_options(chunk_size)
+    logit_scale, logit_bias = as_scalar(logit_scale), as_scalar(logit_bias)
     scalars = {"logit_scale": logit_scale, "logit_bias": logit_bias}
     sizes = check_inputs(image_features, text_features, scalars, group, "SigmoidLoss")
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     # Autocast would run the logit matmuls in 16 bits: the loss keeps its own fp32.
     with torch.autocast(device_type=device.type, enabled=False):
-        scale = torch.as_tensor(logit_scale, device=device).float()
-        bias = torch.as_tensor(logit_bias, device=device).float()
+        scale, bias = as_fp32(logit_scale, device), as_fp32(logit_bias, device)
         chunk = chunk_size or default_chunk_size(max(sizes))
         terms = _RingSigmoid.apply(image_features, text_features, scale, bias, sizes, group, chunk)
         return terms * (world / total) if total else terms
-
-
-def _as_scalar(value):
-    # SiglipModel's logit_scale and logit_bias have shape (1,): one element counts as a scalar here.
-    return value.reshape(()) if torch.is_tensor(value) and value.numel() == 1 else value
 
 
 class SigmoidLoss(nn.Module):
@@ -153,8 +104,7 @@ class SigmoidLoss(nn.Module):
 
     def __init__(self, chunk_size: int | None = None, group=None):
         super().__init__()
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+        check_options(chunk_size)
         self.chunk_size, self.group = chunk_size, group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias) -> torch.Tensor:

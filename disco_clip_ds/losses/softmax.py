@@ -31,18 +31,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from disco_clip_ds import LOSS_IMPLS, compat
-from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world
+from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, upstream_per_column
+from disco_clip_ds.losses.tiles import (
+    DEFAULT_TILE_ELEMENTS,
+    add_tile_gradient,
+    as_fp32,
+    check_options,
+    tile_rows,
+    tiles,
+)
 
 IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batch losses implemented here
-# Logits per tile (rows x B, fp32) when chunk_size is None: 2M -> 8 MiB. On CPU, tiles of a few hundred rows beat
-# the plain b x B block (bench/loss); much smaller tiles make the matmuls inefficient.
-DEFAULT_TILE_ELEMENTS = 1 << 21
 # The tiled loss keeps its b x B fp32 logits between forward and backward (skipping the recompute) when they
 # take at most this many bytes: by default when the block is one default tile anyway, so that no extra memory
 # is spent; raise it to trade memory for a quarter of the loss's matmuls.
 DEFAULT_KEEP_BYTES = DEFAULT_TILE_ELEMENTS * 4
-
+default_chunk_size = tile_rows  # rows per tile against the B columns of the global batch
 
 # Below these, a shortcut's shared shift can have lost terms to fp32 underflow (exp(-87) is fp32's smallest normal):
 # a tile's row or column sum of exp(S - tile max) under e^-46 (its significant terms may be under e^-78), and a
@@ -58,10 +63,9 @@ class _OneBlockLogSumExps(torch.autograd.Function):
     (row log-sum-exps: complete, a row lies in one rank's block) and the column sums (this rank's partial column
     log-sum-exps), which two all-reduces of B floats (max, then sum of exp(x - max)) combine into the global
     column log-sum-exps. A row or column whose sum in a tile falls below _TINY_SUM sits so far below the tile's
-    maximum that its terms may have underflowed: after the walk (one host sync) those rows and columns are
-    recomputed from their logits with their own maxima, so a column whose logits are all far below their rows'
-    maxima does not underflow to log(0). Such columns are rare in practice (logits of real CLIP features span
-    far less than 46 within a tile) and each costs one b x d x 1 matmul more.
+    maximum that its terms may have underflowed: it takes the log-sum-exp of its own logits (shifted by its own
+    maximum), which every tile computes beside the shortcut so that no host sync has to pick those rows, so a
+    column whose logits are all far below their rows' maxima does not underflow to log(0).
     Pass 2 (backward) recomputes each tile's logits into P = exp(S - rowlse) (one exponential per logit again)
     and the gradient tile
         G_ij = g_r P_ij + g_owner(j) exp(S_ij - collse_j) = P_ij (g_r + a_i c_j),
@@ -69,36 +73,36 @@ class _OneBlockLogSumExps(torch.autograd.Function):
     whose column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j), so
     the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says.
     Columns with m - collse_j > _MAX_LSE_GAP would overflow c_j while P_ij underflows: they take their column
-    term from the logits directly. When the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and
-    pass 2 skips the recompute.
+    term from the logits directly (computed on every tile and chosen per column, again without a host sync). When
+    the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and pass 2 skips the recompute.
     """
 
     @staticmethod
     def forward(ctx, images, texts, scale, sizes, group, chunk, keep_bytes):
         rank, world = rank_and_world(group)
         need_grad = any(ctx.needs_input_grad[:3])
-        texts32, s = texts.float(), float(scale)
+        texts32 = texts.float()
         b, total = images.shape[0], texts.shape[0]
         keep = need_grad and b * total * 4 <= keep_bytes
         row_lse = images.new_empty(b, dtype=torch.float32)
         col_lse = texts32.new_full((total,), -torch.inf)
-        low_rows = torch.zeros(b, dtype=torch.bool, device=images.device)
+        exact_col_lse = texts32.new_full((total,), -torch.inf)  # from each column's own maximum, for low columns
         low_cols = torch.zeros(total, dtype=torch.bool, device=images.device)
         kept = []
-        for start in range(0, b, chunk):
-            rows = slice(start, start + chunk)
-            logits = (images[rows].float() * s) @ texts32.T
+        for rows in tiles(b, chunk):
+            logits = (images[rows].float() * scale) @ texts32.T
+            exact_rows = torch.logsumexp(logits, dim=1)
+            torch.logaddexp(exact_col_lse, torch.logsumexp(logits, dim=0), out=exact_col_lse)
             top = logits.max()
             exps = (logits - top if keep else logits.sub_(top)).exp_()  # kept logits stay; else exp in place
             if keep:
                 kept.append(logits)
             row_sum, col_sum = exps.sum(1), exps.sum(0)
             del exps
-            low_rows[rows] = row_sum < _TINY_SUM
             low_cols |= col_sum < _TINY_SUM
-            row_lse[rows] = row_sum.log_().add_(top)
+            row_lse[rows] = torch.where(row_sum < _TINY_SUM, exact_rows, row_sum.log_().add_(top))
             torch.logaddexp(col_lse, col_sum.log_().add_(top), out=col_lse)
-        _exact_lse(images, texts32, s, chunk, low_rows, low_cols, row_lse, col_lse)
+        col_lse = torch.where(low_cols, exact_col_lse, col_lse)
         if world > 1:
             col_max = col_lse.clone()  # finite: every column has a row somewhere
             dist.all_reduce(col_max, op=dist.ReduceOp.MAX, group=group)
@@ -107,24 +111,19 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             col_lse = col_sum.log_().add_(col_max)
         lo = sum(sizes[:rank])
         if need_grad:
-            ctx.save_for_backward(images, texts, row_lse, col_lse)
-            ctx.meta = (sizes, world, group, chunk, s, scale.dtype)
+            ctx.save_for_backward(images, texts, scale, row_lse, col_lse)
+            ctx.meta = (sizes, group, chunk)
             ctx.kept, ctx.used = (kept if keep else None), False
         return row_lse.sum() + col_lse[lo : lo + sizes[rank]].sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
-        images, texts, row_lse, col_lse = ctx.saved_tensors
-        sizes, world, group, chunk, s, scale_dtype = ctx.meta
+        images, texts, scale, row_lse, col_lse = ctx.saved_tensors
+        sizes, group, chunk = ctx.meta
         need_i, need_t, need_s = ctx.needs_input_grad[:3]
-        g = grad_total.float().reshape(1)
-        if world > 1:  # each column's term belongs to the loss of the rank that owns the text
-            owners = g.new_empty(world)
-            compat.all_gather_single(owners, g, group=group)
-            g_col = owners.repeat_interleave(torch.tensor(sizes, device=owners.device))
-        else:
-            g_col = g.expand(texts.shape[0])
+        # each column's term belongs to the loss of the rank that owns the text
+        g, g_col = upstream_per_column(grad_total, sizes, group, texts.shape[0])
         if ctx.kept is not None and ctx.used:
             raise RuntimeError(
                 "the tiled CLIP loss kept its logits for one backward (retain_graph re-use is not supported)"
@@ -136,60 +135,31 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         grad_s = torch.zeros((), dtype=torch.float32, device=images.device)
         m = row_lse.max() if row_lse.numel() else row_lse.new_zeros(())
         gap = m - col_lse
-        direct = torch.nonzero(gap > _MAX_LSE_GAP).flatten()  # one host sync per backward
-        col_w = gap.clamp_(max=_MAX_LSE_GAP).exp_().mul_(g_col).index_fill_(0, direct, 0.0)
+        direct = gap > _MAX_LSE_GAP  # chosen per column on the device: no host sync
+        col_w = gap.clamp_(max=_MAX_LSE_GAP).exp_().mul_(g_col).masked_fill_(direct, 0.0)
         row_w = (row_lse - m).exp_()
-        for k, start in enumerate(range(0, images.shape[0], chunk)):
-            rows = slice(start, start + chunk)
+        for k, rows in enumerate(tiles(images.shape[0], chunk)):
             q = images[rows].float()
+            q_scaled = q * scale
             if ctx.kept is not None:
                 shifted, ctx.kept[k] = ctx.kept[k].sub_(row_lse[rows, None]), None  # consumed in place
             else:
                 # S - rowlse, S's rounding as in pass 1 (the same product (s q) T^T)
-                shifted = torch.addmm(row_lse[rows, None], q * s, texts32.T, beta=-1)
-            if direct.numel():
-                direct_logits = shifted[:, direct].add_(row_lse[rows, None])
+                shifted = torch.addmm(row_lse[rows, None], q_scaled, texts32.T, beta=-1)
+            direct_term = (shifted + row_lse[rows, None]).sub_(col_lse).exp_().mul_(g_col)
             grad = shifted.exp_().mul_(torch.addr(g, row_w[rows], col_w))
-            if direct.numel():
-                grad[:, direct] += direct_logits.sub_(col_lse[direct]).exp_().mul_(g_col[direct])
-            if need_i or need_s:
-                grad_q = grad @ texts32  # d/dq_i = s * grad_q_i; d/ds = sum_ij G_ij q_i.t_j = q . grad_q
-                if need_s:
-                    grad_s += torch.vdot(q.reshape(-1), grad_q.view(-1))
-                if need_i:
-                    grad_i[rows] = grad_q.mul_(s)
-            if need_t:
-                grad_t.addmm_(grad.T, q, alpha=s)
+            torch.where(direct, direct_term.add_(grad), grad, out=grad)
+            del direct_term
+            add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
             grad_t.to(texts.dtype) if need_t else None,
-            grad_s.to(scale_dtype) if need_s else None,
+            grad_s.to(scale.dtype) if need_s else None,
             None,
             None,
             None,
             None,
         )
-
-
-def _exact_lse(images, texts32, s, chunk, low_rows, low_cols, row_lse, col_lse) -> None:
-    """Overwrite the flagged rows' log-sum-exps and columns' partial ones with values taken straight from their
-    logits (torch.logsumexp shifts each by its own maximum), in tiles of about chunk x B logits."""
-    rows, cols = low_rows.nonzero().flatten(), low_cols.nonzero().flatten()
-    for start in range(0, rows.numel(), chunk):
-        idx = rows[start : start + chunk]
-        row_lse[idx] = torch.logsumexp((images[idx].float() * s) @ texts32.T, dim=1)
-    if cols.numel():
-        keys, part = texts32[cols], col_lse.new_full((cols.numel(),), -torch.inf)
-        step = max(1, chunk * texts32.shape[0] // cols.numel())
-        for start in range(0, images.shape[0], step):
-            logits = (images[start : start + step].float() * s) @ keys.T
-            torch.logaddexp(part, torch.logsumexp(logits, dim=0), out=part)
-        col_lse[cols] = part
-
-
-def default_chunk_size(total_batch: int) -> int:
-    """Rows per tile so that one tile of logits holds about DEFAULT_TILE_ELEMENTS fp32 values."""
-    return max(32, DEFAULT_TILE_ELEMENTS // max(1, total_batch) // 8 * 8)
 
 
 def _direction_terms(queries, keys, scale) -> torch.Tensor:
@@ -214,7 +184,7 @@ def disco_clip_loss(
     total = sum(sizes)
     # Autocast would run the logit matmuls in 16 bits (an error of ~0.3 at logit 100): the loss keeps its own fp32.
     with torch.autocast(device_type=image_features.device.type, enabled=False):
-        scale = torch.as_tensor(logit_scale, device=image_features.device).float()
+        scale = as_fp32(logit_scale, image_features.device)
         if impl == "tiled":
             (all_texts,) = gather_features(text_features, sizes=sizes, group=group)
             chunk = chunk_size or default_chunk_size(total)
@@ -231,8 +201,7 @@ def disco_clip_loss(
 def _check_options(impl: str, chunk_size, keep_bytes) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
+    check_options(chunk_size)
     if keep_bytes < 0:
         raise ValueError(f"keep_bytes must be >= 0 (0 = always recompute the logits in backward), got {keep_bytes}")
 
