@@ -1,8 +1,9 @@
 """The training step's host syncs, counted in a real run: 2 ranks under torchrun + DeepSpeed ZeRO-2, contrastive
 accumulation of K = 2 micro-batches, with counting wrappers on every tensor method that reads a value on the host
-(disco_clip_ds.testing.syncs). Outside logging and saving steps, our code (train/, distributed/, data/, models/) makes
-at most one per optimizer step: the step's flags (train/step_flags.py). The same run's log carries the throughput
-figures: TFLOPs per device at every logging step on CPU, no MFU there and one line that says why."""
+(disco_clip_ds.testing.syncs). Outside logging and saving steps, our code (train/, distributed/, data/, models/)
+makes at most one per optimizer step: the step's flags (train/step_flags.py); the loss (losses/) makes none. The same
+run's log carries the throughput figures: TFLOPs per device at every logging step on CPU, no MFU there and one line
+that says why."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def test_our_code_makes_at_most_one_host_sync_per_optimizer_step(counted):
         assert all(n <= 1 for n in ours), sites
         # the one sync is there (the test would pass vacuously if the wrappers saw nothing of ours)
         assert all(n == 1 for n in ours) and all("step_flags.py" in " ".join(s["sites"]) for s in measured)
+        # the loss (losses/) makes none once its shapes are agreed (the first step's micro-batches agree them)
+        assert all(step["losses"] == 0 for step in measured), [s["sites"] for s in measured]
         # The Trainer's (and DeepSpeed's) own, counted and left to them: its NaN check of each micro-step's loss at
-        # least. The loss's own syncs (losses/) are counted apart: another change removes them.
+        # least.
         assert all(step["library"] >= 2 for step in measured)
 
 
