@@ -405,3 +405,24 @@ def test_siglips_default_text_config_has_token_ids_outside_its_vocab_and_every_s
     compat.quiet_default_config_warnings()
     assert warned(config.to_json_string) == [] and config.to_json_string() == saved  # the same config.json
     assert warned(lambda: SiglipTextConfig(vocab_size=10, bos_token_id=20)) != []
+
+
+def test_a_stopped_runs_buffers_are_removed_and_no_other_runs(monkeypatch):
+    """remove_deepspeed_shm_buffers (start-up's watch, before it ends a rank): every rank's
+    buffer of this run, named as shm.cpp names them, and none of a run on another port or address."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "61")  # no real launcher's port: 61 and 610 are below 1024
+    ours = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_61_{rank}") for rank in (0, 1, 12)]
+    others = [
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_610_0"),
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.2_61_0"),
+    ]
+    for path in ours + others:
+        path.write_bytes(b"")
+    try:
+        assert ours[:2] == [compat.deepspeed_shm_buffer(0), compat.deepspeed_shm_buffer(1)]
+        compat.remove_deepspeed_shm_buffers()
+        assert [p.exists() for p in ours + others] == [not compat.SHM_BUFFERS_LEFT_DEEPSPEED] * 3 + [True, True]
+    finally:
+        for path in ours + others:
+            path.unlink(missing_ok=True)
