@@ -43,6 +43,40 @@ def reduce_scatter_single(output, input, op, group=None) -> None:
     scatter(output, input, op=op, group=group)
 
 
+# --- deepspeed: its torch backend calls the renamed collectives by their old names ---------------------------------
+# deepspeed (0.19.8 included) picks torch.distributed.all_gather_into_tensor / reduce_scatter_tensor for its single-
+# tensor collectives (comm/torch.py, TorchBackend.get_all_gather_function / get_reduce_scatter_function), which torch
+# 2.13 deprecated: every ZeRO run printed the FutureWarning once per rank and call site. Under the gate the backend
+# takes torch's current names (the same collectives: the old names call them), on the class before a backend exists
+# and on the one that exists already. Gate: a torch with the new names and a deepspeed whose backend still picks an
+# old one (tests/unit/test_compat.py checks the installed release still does).
+def _deepspeed_picks_old_collectives() -> bool:
+    import torch.distributed as dist
+
+    if not (hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")):
+        return False
+    from deepspeed.comm.torch import TorchBackend
+
+    picked = (TorchBackend.get_all_gather_function(), TorchBackend.get_reduce_scatter_function())
+    return picked != (dist.all_gather_single, dist.reduce_scatter_single)
+
+
+def deepspeed_current_collectives() -> None:
+    """Under the gate (above), DeepSpeed's torch backend calls torch's current single-tensor collectives. Call before
+    deepspeed.comm starts (init_deepspeed_comm does); idempotent."""
+    if not _deepspeed_picks_old_collectives():
+        return
+    import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    TorchBackend.get_all_gather_function = classmethod(lambda cls: dist.all_gather_single)
+    TorchBackend.get_reduce_scatter_function = classmethod(lambda cls: dist.reduce_scatter_single)
+    if isinstance(ds_comm.cdb, TorchBackend):  # started already (accelerate starts it on GPU)
+        ds_comm.cdb.all_gather_function = dist.all_gather_single
+        ds_comm.cdb.reduce_scatter_function = dist.reduce_scatter_single
+
+
 # --- deepspeed: 0-dim parameters ----------------------------------------------------------------------------
 # deepspeed 0.19.8 broadcasts every parameter as `p.data.view(torch.uint8)`, which raises for a 0-dim tensor such as
 # CLIP's `logit_scale` (engine init under ZeRO-1/2, zero.Init and weight gathering under ZeRO-3). Under those
@@ -259,6 +293,8 @@ def init_deepspeed_comm(args, at_buffers: Callable[[], None] | None = None) -> N
     import os
 
     launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if args.deepspeed or args.deepspeed_plugin is not None:
+        deepspeed_current_collectives()  # before DeepSpeed's backend exists, here or at the engine's start
     if (args.deepspeed or args.deepspeed_plugin is not None) and (args.world_size > 1 or launched):
         import deepspeed
 

@@ -44,7 +44,7 @@ SECTION_WAIT_S = 20
 ARGUMENTS = 0  # the arguments parsed and the process group joined (commands/train.py)
 VALIDATED = 1  # every argument checked, output_dir not locked yet (train/run.py)
 LOCKED = 2  # output_dir's run lock held (train/run.py)
-DEEPSPEED_BUFFERS = 3  # DeepSpeed's comm up, its /dev/shm buffers named, not unlinked yet (compat.init_deepspeed_comm)
+DEEPSPEED_BUFFERS = 3  # DeepSpeed's comm up, its /dev/shm buffers named, not unlinked yet (start_deepspeed_comm)
 BUILT = 4  # the model and the data built, the trainer (whose StopOnSignal takes over) not yet (train/run.py)
 
 
@@ -73,12 +73,12 @@ def _seen_by_the_watch(signum, frame) -> None:
 
 
 def _watch(r: int, prog: str) -> None:
+    global _stopping
     data = os.read(r, 1)  # blocks until a signal's number, or b"" once `end_startup` closes the write end
     os.close(r)
     if not data:
         return
     where = f"{prog}: [rank {os.environ.get('RANK', '0')}] {signal.Signals(data[0]).name} during start-up"
-    global _stopping
     with _section:
         _stopping = True
     _section_over.wait(SECTION_WAIT_S)

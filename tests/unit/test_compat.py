@@ -426,3 +426,37 @@ def test_a_stopped_runs_buffers_are_removed_and_no_other_runs(monkeypatch):
     finally:
         for path in ours + others:
             path.unlink(missing_ok=True)
+
+
+# --- deepspeed: its torch backend calls the renamed collectives by their old names ---
+
+
+@pytest.mark.slow  # imports deepspeed
+def test_deepspeeds_backend_calls_the_current_collectives_without_a_warning(monkeypatch):
+    """The gate is on where the installed torch has the new names and the installed deepspeed's backend still picks
+    the old ones (which warn at every call); with the workaround the backend's all-gather and reduce-scatter warn no
+    more and give what the old names gave (one rank: its own tensor)."""
+    import torch.distributed as dist
+    from deepspeed.comm.torch import TorchBackend
+
+    for getter in ("get_all_gather_function", "get_reduce_scatter_function"):  # restored after the test
+        monkeypatch.setattr(TorchBackend, getter, TorchBackend.__dict__[getter])
+    picked = TorchBackend.get_all_gather_function(), TorchBackend.get_reduce_scatter_function()
+    assert compat._deepspeed_picks_old_collectives() == hasattr(dist, "all_gather_single")
+    assert picked == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)  # what the gate is about
+    compat.deepspeed_current_collectives()
+    assert not compat._deepspeed_picks_old_collectives()  # applied once
+    backend = TorchBackend.__new__(TorchBackend)  # its collectives as __init__ picks them, without a process group
+    backend.all_gather_function = TorchBackend.get_all_gather_function()
+    backend.reduce_scatter_function = TorchBackend.get_reduce_scatter_function()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gathered, scattered = torch.zeros(3), torch.zeros(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend.all_gather_into_tensor(gathered, torch.arange(3.0))
+            backend.reduce_scatter_tensor(scattered, torch.arange(3.0))
+    finally:
+        dist.destroy_process_group()
+    assert [str(w.message) for w in caught] == []
+    assert gathered.tolist() == scattered.tolist() == [0.0, 1.0, 2.0]
