@@ -146,8 +146,13 @@ def start_deepspeed_comm(args) -> None:
     mapped by every rank and unlinked before a stop ends the rank. Its fault point, DEEPSPEED_BUFFERS, lies where
     the buffers are named."""
     from disco_clip_ds import compat  # see _remove_deepspeed_shm_buffers
+    from disco_clip_ds.distributed.ranks import barrier
 
     with _stops_wait():
+        # every rank enters before any buffer exists: a peer stopped just before the section (a stop of its own, or
+        # a group's signal that found it a moment behind) ends this wait with a lost-peer error, where DeepSpeed's
+        # set-up would have created this rank's buffer and then spun, in C, for the peer's, until killed
+        barrier()
         compat.init_deepspeed_comm(args, at_buffers=lambda: at_startup_point(DEEPSPEED_BUFFERS))
 
 

@@ -141,6 +141,19 @@ def test_a_stop_late_in_startup_leaves_no_lock_and_nothing_in_dev_shm(init, tmp_
     assert not out.exists() or sorted(p.name for p in out.iterdir()) == [], f"stage {stage}: {list(out.iterdir())}"
 
 
+def test_a_rank_stopped_alone_in_startup_leaves_its_peer_nothing_to_leak(init, tmp_path):
+    """SIGTERM to rank 1 alone once output_dir is locked (signal_at_startup:stage=2,rank=1), as a group signal finds
+    a rank a moment behind the other: rank 1 ends at once with its line; rank 0, which goes on into DeepSpeed's comm
+    set-up, must not create its buffer and then wait forever for rank 1's (the launcher SIGKILLs it 30 s later, its
+    buffer left in /dev/shm). It ends with rank 1's stop or one line about the lost peer; the lock is released."""
+    out = tmp_path / "run"
+    rc, log, left = _run(init, out, fault="signal_at_startup:stage=2,rank=1")
+    assert rc == 75 and "[rank 1] SIGTERM during start-up, before training began" in log, log[-3000:]
+    assert "Traceback" not in log and "exits with return code = -9" not in log, log[-3000:]
+    assert left == [], left
+    assert not (out / "run.lock").exists() or (out / "run.lock").read_text() == ""  # released
+
+
 def test_a_killed_run_leaves_nothing_in_dev_shm(init, tmp_path):
     """SIGKILL to the whole group once a checkpoint exists: nothing runs after it, so DeepSpeed's buffers must be
     gone by then (without compat's workaround, 132 MiB stay), and the data stream's shared counters must not hold
