@@ -25,7 +25,7 @@ During start-up, at stage S (`distributed/startup.py`; no stage: the first, 0):
         0  the arguments parsed, the process group joined (`commands/train.py`)
         1  every argument validated, output_dir not locked yet (`train/run.py`)
         2  output_dir's run lock held (`train/run.py`)
-        3  DeepSpeed's comm up, its /dev/shm buffers still named (`compat.init_deepspeed_comm`)
+        3  DeepSpeed's comm up, its /dev/shm buffers still named (`startup.start_deepspeed_comm`)
         4  the model and the data built, the Trainer (whose stop handlers take over) not yet (`train/run.py`)
 At the end of a training step (`distributed/preemption.py`):
     signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
