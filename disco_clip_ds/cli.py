@@ -43,7 +43,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
     unless the help states the default in its own words ("(default: the model config's)" says more than the None
     behind it), or there is nothing to state: a required option, a default of None, a flag that takes no value."""
 
-    _STATED = re.compile(r"\(defaults?\b", re.IGNORECASE)
+    _STATED = re.compile(r"(?:^|[(;,]\s*)defaults?\b", re.IGNORECASE)  # "(default: ...", "...; default: ..."
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         return super()._get_help_string(action) if self._states_default(action) else action.help

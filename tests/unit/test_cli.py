@@ -118,15 +118,18 @@ def test_the_formatter_states_a_default_only_where_there_is_one_to_state(capsys)
     parser.add_argument("--needed", required=True, help="required")
     parser.add_argument("--none", help="unset")
     parser.add_argument("--own", help="its own words (default: the other one's)")
+    parser.add_argument("--after", type=int, default=4, help="a count; default: the other one's")
     parser.add_argument("--bare", type=int, default=3)
     parser.add_argument("--flag", action="store_true", help="a switch")
     parser.add_argument("--rate", type=float, default=0.5, help="a rate")
     parser.print_help()
     helps = _option_helps(capsys.readouterr().out)
-    assert [helps[f"--{name}"].split(maxsplit=2)[2] for name in ("needed", "none", "own", "bare", "rate")] == [
+    names = ("needed", "none", "own", "after", "bare", "rate")
+    assert [helps[f"--{name}"].split(maxsplit=2)[2] for name in names] == [
         "required",
         "unset",
         "its own words (default: the other one's)",
+        "a count; default: the other one's",
         "(default: 3)",
         "a rate (default: 0.5)",
     ]
