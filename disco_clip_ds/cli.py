@@ -8,7 +8,9 @@ errors; `errors.run_main` turns them into a message and an exit code (listed in 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -33,6 +35,33 @@ COMMANDS = {
     ("bench", "train"): ("bench/train/train_bench.py", None, "benchmark training throughput per loss"),
 }
 GROUPS = {"data": "dataset download, verification and the demo set", "bench": "benchmarks (source checkout only)"}
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """The `--help` formatter of every command (HfArgumentParser's included, which would otherwise take argparse's
+    ArgumentDefaultsHelpFormatter): each option's default stated once. argparse's "(default: X)" follows the help
+    unless the help states the default in its own words ("(default: the model config's)" says more than the None
+    behind it), or there is nothing to state: a required option, a default of None, a flag that takes no value."""
+
+    _STATED = re.compile(r"(?:^|[(;,]\s*)defaults?\b", re.IGNORECASE)  # "(default: ...", "...; default: ..."
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return super()._get_help_string(action) if self._states_default(action) else action.help
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._states_default(action):  # argparse states no default for an option without help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _states_default(self, action: argparse.Action) -> bool:
+        return not (
+            action.required
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or action.nargs == 0
+            or self._STATED.search(action.help or "")
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from collections.abc import Callable
 from importlib import metadata
 
 from packaging.version import Version
@@ -40,6 +41,40 @@ def reduce_scatter_single(output, input, op, group=None) -> None:
 
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, input, op=op, group=group)
+
+
+# --- deepspeed: its torch backend calls the renamed collectives by their old names ---------------------------------
+# deepspeed (0.19.8 included) picks torch.distributed.all_gather_into_tensor / reduce_scatter_tensor for its single-
+# tensor collectives (comm/torch.py, TorchBackend.get_all_gather_function / get_reduce_scatter_function), which torch
+# 2.13 deprecated: every ZeRO run printed the FutureWarning once per rank and call site. Under the gate the backend
+# takes torch's current names (the same collectives: the old names call them), on the class before a backend exists
+# and on the one that exists already. Gate: a torch with the new names and a deepspeed whose backend still picks an
+# old one (tests/unit/test_compat.py checks the installed release still does).
+def _deepspeed_picks_old_collectives() -> bool:
+    import torch.distributed as dist
+
+    if not (hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")):
+        return False
+    from deepspeed.comm.torch import TorchBackend
+
+    picked = (TorchBackend.get_all_gather_function(), TorchBackend.get_reduce_scatter_function())
+    return picked != (dist.all_gather_single, dist.reduce_scatter_single)
+
+
+def deepspeed_current_collectives() -> None:
+    """Under the gate (above), DeepSpeed's torch backend calls torch's current single-tensor collectives. Call before
+    deepspeed.comm starts (init_deepspeed_comm does); idempotent."""
+    if not _deepspeed_picks_old_collectives():
+        return
+    import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    TorchBackend.get_all_gather_function = classmethod(lambda cls: dist.all_gather_single)
+    TorchBackend.get_reduce_scatter_function = classmethod(lambda cls: dist.reduce_scatter_single)
+    if isinstance(ds_comm.cdb, TorchBackend):  # started already (accelerate starts it on GPU)
+        ds_comm.cdb.all_gather_function = dist.all_gather_single
+        ds_comm.cdb.reduce_scatter_function = dist.reduce_scatter_single
 
 
 # --- deepspeed: 0-dim parameters ----------------------------------------------------------------------------
@@ -245,7 +280,7 @@ def init_cpu_process_group(args) -> None:
 
 
 # --- deepspeed: deepspeed.comm unset on CPU before the engine exists -------------------------------------------------
-def init_deepspeed_comm(args) -> None:
+def init_deepspeed_comm(args, at_buffers: Callable[[], None] | None = None) -> None:
     """ZeRO-3 builds the model inside deepspeed.zero.Init, which reads the world size from deepspeed.comm. With
     use_cpu, accelerate (1.x) sets up torch.distributed but not deepspeed.comm, which DeepSpeed itself sets up only
     when the engine starts, after the model is built: zero.Init would partition for a world of 1. Call before
@@ -253,14 +288,19 @@ def init_deepspeed_comm(args) -> None:
     launched one-rank run creates its buffer at engine start all the same, and nothing would unlink it later.
     Gate: a DeepSpeed run of several ranks, or of one launched rank (the launcher's rendezvous variables set: without
     them DeepSpeed would look for MPI, and no launcher means no buffer); where deepspeed.comm is up already
-    (accelerate does it on GPU), init_distributed does nothing."""
+    (accelerate does it on GPU), init_distributed does nothing. `at_buffers`: called while the buffers are still
+    named (start-up's fault point, where a stop must remove them: `remove_deepspeed_shm_buffers`)."""
     import os
 
     launched = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    if args.deepspeed or args.deepspeed_plugin is not None:
+        deepspeed_current_collectives()  # before DeepSpeed's backend exists, here or at the engine's start
     if (args.deepspeed or args.deepspeed_plugin is not None) and (args.world_size > 1 or launched):
         import deepspeed
 
         deepspeed.init_distributed(timeout=args.ddp_timeout_delta)  # its default is DeepSpeed's own 10 minutes
+        if at_buffers is not None:
+            at_buffers()
         unlink_deepspeed_shm_buffer()
 
 
@@ -295,8 +335,15 @@ def deepspeed_shm_buffer(rank: int | None = None):
     from pathlib import Path
 
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    return Path("/dev/shm") / f"{_run_shm_prefix()}_{rank}"
+
+
+def _run_shm_prefix() -> str:
+    """What the names of this run's buffers begin with: DeepSpeed's prefix, the user, the launcher's address, port."""
+    import os
+
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return Path("/dev/shm") / f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+    return f"{SHM_BUFFER_PREFIX}_{os.getuid()}_{addr}_{port}"
 
 
 def unlink_deepspeed_shm_buffer() -> None:
@@ -308,6 +355,21 @@ def unlink_deepspeed_shm_buffer() -> None:
         return
     dist.barrier()
     deepspeed_shm_buffer(dist.get_rank()).unlink(missing_ok=True)
+
+
+def remove_deepspeed_shm_buffers() -> None:
+    """Under the gate, unlink every rank's buffer of this run on this machine (its names carry the launcher's
+    MASTER_ADDR and MASTER_PORT, so another run's are never touched): for a rank that ends before
+    `unlink_deepspeed_shm_buffer` could run (a stop signal during start-up), and for its peers, which the launcher
+    then ends as well. Waits for no one: a peer still mapping them is ended with the run."""
+    import glob
+    import os
+    from pathlib import Path
+
+    if not SHM_BUFFERS_LEFT_DEEPSPEED or not os.environ.get("MASTER_PORT"):
+        return  # no launcher, no buffer
+    for buffer in Path("/dev/shm").glob(glob.escape(_run_shm_prefix()) + "_*"):  # PREFIX_RANK
+        buffer.unlink(missing_ok=True)
 
 
 # --- accelerate: the FSDP config ignored on CPU ---------------------------------------------------------------------

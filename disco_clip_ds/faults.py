@@ -20,8 +20,13 @@ Before a save (checkpoint or final), in the free-space check of every rank:
 In the final save (`train/checkpointing.py`), after the final weights are written and before the Trainer state and the
 manifest:
     kill_in_final_save[:rank=R]         SIGKILL to this rank
-During start-up, once the arguments are parsed and before the Trainer exists (`commands/train.py`):
-    signal_at_startup[=SIG][:rank=R]    SIGTERM (or SIG) to this rank
+During start-up, at stage S (`distributed/startup.py`; no stage: the first, 0):
+    signal_at_startup[=SIG][:stage=S][,rank=R]  SIGTERM (or SIG) to this rank; the stages, in their order:
+        0  the arguments parsed, the process group joined (`commands/train.py`)
+        1  every argument validated, output_dir not locked yet (`train/run.py`)
+        2  output_dir's run lock held (`train/run.py`)
+        3  DeepSpeed's comm up, its /dev/shm buffers still named (`startup.start_deepspeed_comm`)
+        4  the model and the data built, the Trainer (whose stop handlers take over) not yet (`train/run.py`)
 At the end of a training step (`distributed/preemption.py`):
     signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
     signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.errors import DataError, UsageError, run_main
 
 
@@ -20,6 +21,7 @@ def download_parser() -> argparse.ArgumentParser:
     from disco_clip_ds.data.prep.download import PRESETS
 
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce,
         prog="disco-clip data download",
         description="Download a dataset to webdataset shards with img2dataset. Any other img2dataset.download "
         "argument passes through (e.g. --encode_quality 90 --retries 1). Re-run the same command to resume.",
@@ -74,7 +76,11 @@ def download_main(argv: list[str] | None = None) -> int:
 
 def verify_parser() -> argparse.ArgumentParser:
     """`disco-clip data verify`'s arguments."""
-    p = argparse.ArgumentParser(prog="disco-clip data verify", description="check webdataset shards, write sizes.json")
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce,
+        prog="disco-clip data verify",
+        description="check webdataset shards, write sizes.json",
+    )
     p.add_argument("folder", type=Path)
     p.add_argument("--decode", type=int, default=16, help="images to decode per shard")
     return p
@@ -103,6 +109,7 @@ def verify_main(argv: list[str] | None = None) -> int:
 def embed_parser() -> argparse.ArgumentParser:
     """`disco-clip data embed`'s arguments."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce,
         prog="disco-clip data embed",
         description="Write a teacher's image and text embeddings of every sample of webdataset shards into a sidecar "
         "per shard (NAME.DIGEST.teacher.safetensors, DIGEST from the shard's absolute path; keyed by sample key, "
@@ -148,7 +155,11 @@ def embed_main(argv: list[str] | None = None) -> int:
 
 def metadata_parser() -> argparse.ArgumentParser:
     """`disco-clip data metadata`'s arguments."""
-    p = argparse.ArgumentParser(prog="disco-clip data metadata", description="fetch parquet metadata from the HF hub")
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce,
+        prog="disco-clip data metadata",
+        description="fetch parquet metadata from the HF hub",
+    )
     p.add_argument("--dataset", required=True, help="HF dataset id, e.g. laion/relaion2B-en-research-safe")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--pattern", nargs="+", default=["*.parquet"], help="glob(s) of files to fetch")
@@ -174,7 +185,9 @@ def demo_parser() -> argparse.ArgumentParser:
     """`disco-clip data demo`'s arguments."""
     from disco_clip_ds.data.prep.demo import FORMAT_FILES
 
-    p = argparse.ArgumentParser(prog="disco-clip data demo", description="build the offline digits demo dataset")
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce, prog="disco-clip data demo", description="build the offline digits demo dataset"
+    )
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--image_size", type=int, default=64)
     p.add_argument("--samples_per_shard", type=int, default=180, help="180 gives 8 train shards")

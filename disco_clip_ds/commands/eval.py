@@ -10,6 +10,7 @@ from pathlib import Path
 
 from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import has_weights
+from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
     try:
-        (args,) = HfArgumentParser(EvalArguments, prog="disco-clip eval").parse_args_into_dataclasses(args=argv)
+        parser = HfArgumentParser(EvalArguments, prog="disco-clip eval", formatter_class=DefaultsOnce)
+        (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # HfArgumentParser's word for argument names it does not know
         raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
     record = run_eval(args)

@@ -8,6 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
+from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.errors import UsageError
 
 
@@ -18,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
 
     compat.quiet_default_config_warnings()
 
-    parser = argparse.ArgumentParser(prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce, prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0]
+    )
     parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")
     parser.add_argument("output_dir", help="new or empty folder to write")
     parser.add_argument(

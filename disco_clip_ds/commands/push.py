@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from disco_clip_ds.cli import DefaultsOnce
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, push (or, with --dry_run, print the plan); return 0."""
     from disco_clip_ds.export.hub import push_folder
 
     parser = argparse.ArgumentParser(
-        prog="disco-clip push", description="upload an exported model folder to the Hugging Face hub"
+        formatter_class=DefaultsOnce,
+        prog="disco-clip push",
+        description="upload an exported model folder to the Hugging Face hub",
     )
     parser.add_argument("folder", help="a folder written by `disco-clip export`")
     parser.add_argument("--repo_id", required=True, help="USER/NAME or ORG/NAME")

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.distributed.slurm import ELASTIC_ENV, LAUNCHERS, launch_command
 from disco_clip_ds.errors import UsageError
 
@@ -22,12 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
     parser = argparse.ArgumentParser(
-        prog="disco-clip slurm-launch", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        formatter_class=DefaultsOnce,
+        prog="disco-clip slurm-launch",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
     )
     parser.add_argument("--launcher", default="torchrun", choices=LAUNCHERS)
     parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node (GPUs per node)")
     parser.add_argument(
-        "--master_port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)), help="default: $MASTER_PORT"
+        "--master_port",
+        type=int,
+        default=int(os.environ.get("MASTER_PORT", 29500)),
+        help="the rendezvous port (default: $MASTER_PORT, else 29500)",
     )
     args, rest = parser.parse_known_args(ours)
     train_args = rest if train_args is None else [*rest, *train_args]

@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import HfArgumentParser, TrainingArguments
 
 from disco_clip_ds import LOSS_IMPLS, compat
+from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.distributed import peers
 from disco_clip_ds.errors import EXIT_PREEMPTED, DiscoClipError, UsageError
@@ -288,7 +289,7 @@ def parse_args(argv: list[str] | None = None):
     """(ModelArguments, DataArguments, DiscoTrainingArguments) from argv, or from one .json/.yaml file. Values that
     TrainingArguments refuses while parsing are a UsageError. The DeepSpeed JSON (--deepspeed, or the one
     accelerate launch's config names) is read here, once, and kept as `deepspeed_json` for the checks."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments), formatter_class=DefaultsOnce)
     argv = list(sys.argv[1:] if argv is None else argv)
     from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
     values = _read_arguments_file(argv[0]) if from_file else vars(parser.parse_known_args(argv)[0])

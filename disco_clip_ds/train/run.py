@@ -22,7 +22,6 @@ from transformers import (
     set_seed,
 )
 
-from disco_clip_ds import compat
 from disco_clip_ds.checkpoint import resume, universal
 from disco_clip_ds.checkpoint.final_model import keep_final_model
 from disco_clip_ds.checkpoint.layout import (
@@ -41,7 +40,7 @@ from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.data.streams.base import ReaderStream
 from disco_clip_ds.data.streams.hf import HFStream
 from disco_clip_ds.data.streams.shards import ShardStream
-from disco_clip_ds.distributed import nodes, peers
+from disco_clip_ds.distributed import nodes, peers, startup
 from disco_clip_ds.distributed.preemption import finished_message, resume_hint
 from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
@@ -70,6 +69,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
     # model arguments are the checked ones, with their defaults filled in (run.json and resumes record those).
     checked = validate(model_args, data_args, args)
     model_args = checked.model_args
+    startup.at_startup_point(startup.VALIDATED)  # DISCO_FAULT signal_at_startup:stage=1
 
     # 3. Lock output_dir, once a full disk would have been one line (before the lock and run.json are written) and
     # an explicit --resume_from_checkpoint folder is found to be there and to verify: a refusal leaves no run.lock.
@@ -79,6 +79,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         verify_resumable(args.resume_from_checkpoint)
     check_space_at_start(args.output_dir)
     with _run_lock(args.output_dir), peers.watching(args.ddp_timeout):
+        startup.at_startup_point(startup.LOCKED)  # DISCO_FAULT signal_at_startup:stage=2
         # 4. The resume point: a checkpoint whose run's settings match this command's, or None (a fresh start).
         resume_from, split = _resume_point(args, model_args, data_args, checked)
         set_seed(args.seed)
@@ -93,7 +94,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         # 5. The model, its locked towers (compiled with --torch_compile: the towers alone, taken out of the
         # Trainer's hands, which would compile the loss's collectives too) and the processor saved with it.
         args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
-        compat.init_deepspeed_comm(args)
+        startup.start_deepspeed_comm(args)  # compat.init_deepspeed_comm, with DISCO_FAULT signal_at_startup:stage=3
         model = build_model(
             model_args.model_name_or_path,
             model_args.model_config,
@@ -128,6 +129,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             teacher=teacher_extra,
             max_num_patches=checked.naflex and checked.naflex[1],
         )
+
+        startup.at_startup_point(startup.BUILT)  # DISCO_FAULT signal_at_startup:stage=4
 
         # 7. The trainer (and the zero-shot eval during training, when asked for).
         trainer = DiscoTrainer(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 
 import pytest
 
-from disco_clip_ds.cli import COMMANDS, main
+from disco_clip_ds.cli import COMMANDS, DefaultsOnce, main
 
 PROBE = r"""
 import sys
@@ -74,3 +76,61 @@ def test_an_error_is_one_write_of_one_line(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Recorder())
     assert run_main(fails, [], "disco-clip train") == 2
     assert writes == ["disco-clip train: what to fix\n"]
+
+
+def _option_helps(help_text: str) -> dict[str, str]:
+    """Each option's (and positional's) entry of a --help text, its lines joined: first word -> entry."""
+    options = help_text.split("\noptions:\n", 1)[-1]
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n  (?=\S)", "\n" + options) if entry.strip()]
+    return {entry.split()[0]: entry for entry in entries}
+
+
+# train's parser imports the Trainer, DeepSpeed and accelerate: too slow for the fast tier
+VERBS = [
+    pytest.param([*filter(None, key)], id=" ".join(filter(None, key)), marks=[pytest.mark.slow] * (key[1] == "train"))
+    for key in COMMANDS
+]
+
+
+@pytest.mark.parametrize("words", VERBS)
+def test_every_commands_help_states_each_default_once(words, capsys):
+    """HfArgumentParser's formatter appended "(default: None)" to help that states the default in its own words
+    ("(default: its only one) (default: None)"): each option's entry says "(default" once at most."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*words, "--help"])
+    assert exit_.value.code == 0
+    helps = _option_helps(capsys.readouterr().out)
+    assert len(helps) > 1 and not [entry for entry in helps.values() if entry.lower().count("(default") > 1]
+
+
+def test_eval_help_states_its_defaults_in_its_own_words_or_argparses(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    helps = _option_helps(capsys.readouterr().out)
+    assert helps["--split"].endswith("split of a datasets dataset (default: its only one)")  # not also None
+    assert helps["--model"].endswith("or hub id")  # required: no default to state
+    assert helps["--batch_size"].endswith("--batch-size BATCH_SIZE (default: 64)")  # no help of its own
+    assert helps["--device"].endswith("torch device, e.g. cpu or cuda (default: cpu)")
+
+
+def test_the_formatter_states_a_default_only_where_there_is_one_to_state(capsys):
+    parser = argparse.ArgumentParser(prog="p", formatter_class=DefaultsOnce)
+    parser.add_argument("--needed", required=True, help="required")
+    parser.add_argument("--none", help="unset")
+    parser.add_argument("--own", help="its own words (default: the other one's)")
+    parser.add_argument("--after", type=int, default=4, help="a count; default: the other one's")
+    parser.add_argument("--bare", type=int, default=3)
+    parser.add_argument("--flag", action="store_true", help="a switch")
+    parser.add_argument("--rate", type=float, default=0.5, help="a rate")
+    parser.print_help()
+    helps = _option_helps(capsys.readouterr().out)
+    names = ("needed", "none", "own", "after", "bare", "rate")
+    assert [helps[f"--{name}"].split(maxsplit=2)[2] for name in names] == [
+        "required",
+        "unset",
+        "its own words (default: the other one's)",
+        "a count; default: the other one's",
+        "(default: 3)",
+        "a rate (default: 0.5)",
+    ]
+    assert helps["--flag"] == "--flag a switch"

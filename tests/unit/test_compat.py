@@ -405,3 +405,58 @@ def test_siglips_default_text_config_has_token_ids_outside_its_vocab_and_every_s
     compat.quiet_default_config_warnings()
     assert warned(config.to_json_string) == [] and config.to_json_string() == saved  # the same config.json
     assert warned(lambda: SiglipTextConfig(vocab_size=10, bos_token_id=20)) != []
+
+
+def test_a_stopped_runs_buffers_are_removed_and_no_other_runs(monkeypatch):
+    """remove_deepspeed_shm_buffers (start-up's watch, before it ends a rank): every rank's
+    buffer of this run, named as shm.cpp names them, and none of a run on another port or address."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "61")  # no real launcher's port: 61 and 610 are below 1024
+    ours = [Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_61_{rank}") for rank in (0, 1, 12)]
+    others = [
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_610_0"),
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.2_61_0"),
+    ]
+    for path in ours + others:
+        path.write_bytes(b"")
+    try:
+        assert ours[:2] == [compat.deepspeed_shm_buffer(0), compat.deepspeed_shm_buffer(1)]
+        compat.remove_deepspeed_shm_buffers()
+        assert [p.exists() for p in ours + others] == [not compat.SHM_BUFFERS_LEFT_DEEPSPEED] * 3 + [True, True]
+    finally:
+        for path in ours + others:
+            path.unlink(missing_ok=True)
+
+
+# --- deepspeed: its torch backend calls the renamed collectives by their old names ---
+
+
+@pytest.mark.slow  # imports deepspeed
+def test_deepspeeds_backend_calls_the_current_collectives_without_a_warning(monkeypatch):
+    """The gate is on where the installed torch has the new names and the installed deepspeed's backend still picks
+    the old ones (which warn at every call); with the workaround the backend's all-gather and reduce-scatter warn no
+    more and give what the old names gave (one rank: its own tensor)."""
+    import torch.distributed as dist
+    from deepspeed.comm.torch import TorchBackend
+
+    for getter in ("get_all_gather_function", "get_reduce_scatter_function"):  # restored after the test
+        monkeypatch.setattr(TorchBackend, getter, TorchBackend.__dict__[getter])
+    picked = TorchBackend.get_all_gather_function(), TorchBackend.get_reduce_scatter_function()
+    assert compat._deepspeed_picks_old_collectives() == hasattr(dist, "all_gather_single")
+    assert picked == (dist.all_gather_into_tensor, dist.reduce_scatter_tensor)  # what the gate is about
+    compat.deepspeed_current_collectives()
+    assert not compat._deepspeed_picks_old_collectives()  # applied once
+    backend = TorchBackend.__new__(TorchBackend)  # its collectives as __init__ picks them, without a process group
+    backend.all_gather_function = TorchBackend.get_all_gather_function()
+    backend.reduce_scatter_function = TorchBackend.get_reduce_scatter_function()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gathered, scattered = torch.zeros(3), torch.zeros(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend.all_gather_into_tensor(gathered, torch.arange(3.0))
+            backend.reduce_scatter_tensor(scattered, torch.arange(3.0))
+    finally:
+        dist.destroy_process_group()
+    assert [str(w.message) for w in caught] == []
+    assert gathered.tolist() == scattered.tolist() == [0.0, 1.0, 2.0]

@@ -78,3 +78,50 @@ def test_a_child_forked_by_the_holder_does_not_keep_its_lock(tmp_path, caplog):
         assert "taking over the lock of a run that is no longer running" in caplog.text
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_stop_during_startup_removes_the_lock_file_this_run_created(tmp_path):
+    """What start-up's watch runs before it ends rank 0 (startup.clean_up_on_stop): the folder as the run found it.
+    The stop itself, through a launched run at each start-up stage, is tests/launched/test_exits.py."""
+    from disco_clip_ds.distributed import startup
+
+    out = tmp_path / "run"
+    runlock.acquire_run_lock(out)
+    assert runlock._abandon_run_lock in startup._cleanups
+    runlock._abandon_run_lock()
+    assert sorted(out.iterdir()) == [] and runlock._abandon_run_lock not in startup._cleanups
+    runlock.acquire_run_lock(out)  # released: taken again without a warning of a dead holder
+    runlock.release_run_lock()
+    assert (out / runlock.LOCK_FILE).read_text() == "" and runlock._abandon_run_lock not in startup._cleanups
+
+
+def test_a_stop_during_startup_empties_a_lock_file_an_earlier_run_left(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / runlock.LOCK_FILE).write_text("")  # an earlier run's, released
+    runlock.acquire_run_lock(out)
+    runlock._abandon_run_lock()
+    assert (out / runlock.LOCK_FILE).read_text() == ""
+
+
+def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again_on_the_new_one(tmp_path, monkeypatch):
+    """A run that opened run.lock just before a stopped run removed it would lock a file no one else sees: it
+    locks the one named run.lock instead."""
+    out = tmp_path / "run"
+    out.mkdir()
+    locked = runlock._locked
+    calls = []
+
+    def removed_after_locking(path):
+        fd, created, holder = locked(path)
+        calls.append(created)
+        if len(calls) == 1:  # the stopped run's removal, between our open and our check
+            path.unlink()
+        return fd, created, holder
+
+    monkeypatch.setattr(runlock, "_locked", removed_after_locking)
+    runlock.acquire_run_lock(out)
+    try:
+        assert calls == [True, True] and os.fstat(runlock._lock_fd).st_ino == (out / runlock.LOCK_FILE).stat().st_ino
+    finally:
+        runlock.release_run_lock()

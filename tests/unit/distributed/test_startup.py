@@ -23,8 +23,27 @@ _PROGRAM = textwrap.dedent(
         assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # not kept: what it was before
         os.kill(os.getpid(), signal.SIGTERM)
         sys.exit(0)
+    if how == "cleanup":  # what the end of the process would not undo, undone by the watch before it ends it
+        startup.clean_up_on_stop(lambda: print("cleaned up", flush=True))
+        startup.clean_up_on_stop(lambda: 1 / 0)  # a cleanup that fails: said, and the others still run
+        forgotten = lambda: print("forgotten", flush=True)
+        startup.clean_up_on_stop(forgotten)
+        startup.forget_cleanup(forgotten)
+    if how == "section":  # a stop inside the section lets it finish, and the main thread goes no further
+        with startup._stops_wait():
+            os.kill(os.getpid(), signal.SIGTERM)
+            while not startup._stopping:  # until the watch has the signal: it then waits for the section
+                threading.Event().wait(0.01)
+            print("section finished", flush=True)
+        print("after the section", flush=True)
+    if how == "fault_in_section":  # the fault point inside a section does not wait for the watch: the section ends
+        with startup._stops_wait():
+            startup.at_startup_point(startup.DEEPSPEED_BUFFERS)  # DISCO_FAULT=signal_at_startup:stage=3
+            print("section finished", flush=True)
     if how == "fault":
-        startup.at_startup_point()  # DISCO_FAULT=signal_at_startup=SIGUSR1
+        startup.at_startup_point(startup.LOCKED)  # DISCO_FAULT=signal_at_startup=SIGUSR1[:stage=2]
+        print("never", flush=True)  # not stopped here
+        sys.exit(0)
     else:
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Event().wait(60)  # the main thread waits in C: the watch ends the process from its own thread
@@ -55,3 +74,33 @@ def test_a_stop_signal_during_startup_is_one_line_and_exit_75():
 def test_the_trainers_handlers_take_over_from_the_startup_watch():
     done = _run("handed_over")
     assert (done.returncode, done.stdout, done.stderr) == (0, "the trainer's handler\n", "")
+
+
+def _one_line(name: str = "SIGTERM") -> str:
+    return (
+        f"disco-clip train: [rank 1] {name} during start-up, before training began: stopped; nothing was trained "
+        "or saved by this run, re-run the same command (exit code 75)"
+    )
+
+
+def test_a_fault_point_fires_at_its_stage_alone():
+    """signal_at_startup:stage=N stops at stage N and at no other; with no stage, at whichever comes first."""
+    for fault, stopped in (("signal_at_startup:stage=2", True), ("signal_at_startup:stage=1", False)):
+        done = _run("fault", fault)
+        assert (done.returncode == 75) == stopped and ("never" in done.stdout) != stopped, (fault, done)
+
+
+def test_the_watch_runs_the_registered_cleanups_before_it_ends_the_process():
+    done = _run("cleanup")
+    assert done.returncode == 75 and done.stdout == "cleaned up\n", done
+    lines = done.stderr.splitlines()
+    assert lines[-1] == _one_line() and len(lines) == 2 and "failed: division by zero" in lines[0], done.stderr
+
+
+def test_a_stop_inside_the_deepspeed_section_lets_it_finish_then_ends_the_process():
+    """DeepSpeed's comm set-up is such a section: a rank that ended inside it would leave its shm buffers named (or
+    remove them under a peer that still maps them, which then spins forever): the watch waits for its end."""
+    for how, fault in (("section", ""), ("fault_in_section", "signal_at_startup:stage=3")):
+        done = _run(how, fault)
+        assert done.returncode == 75 and done.stdout == "section finished\n", (how, done)
+        assert done.stderr.splitlines() == [_one_line()], (how, done)
