@@ -65,8 +65,7 @@ class ModelShape:
         path = Path(path)
         if not path.is_file():
             raise PlanConfigError(
-                f"--model {path}: no such file; pass a CLIPConfig or SiglipConfig JSON such as "
-                "recipes/models/vit_b32.json"
+                f"--model {path}: no such file; pass a model config JSON such as recipes/models/vit_b32.json"
             )
         try:
             if not isinstance(json.loads(path.read_text()), dict):
