@@ -8,10 +8,11 @@ run from train_results.json; printed too.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 FIELDS = ["step", "samples_per_s", "samples_per_s_per_rank", "tflops_per_device", "mfu", "step_time_s"]
 
@@ -31,12 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
     args = p.parse_args(argv)
     found = rows(args.run)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        writer.writeheader()
-        writer.writerows(found)
-    csv.DictWriter(sys.stdout, FIELDS).writerows(found)
+    # each figure is what the run logged (one measurement per logging window), not a spread over rounds
+    write_rows(args.out, found, rounds=1)
+    for row in found:
+        print(",".join(str(row[k]) for k in FIELDS))
     return 0
 
 
