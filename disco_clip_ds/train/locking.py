@@ -29,7 +29,7 @@ PROJECTIONS = {"vision": "visual_projection", "text": "text_projection"}
 def lock_towers(model, model_args) -> None:
     """Freeze the towers `model_args` locks (--lock_image_tower, --lock_text_tower and their unlocked layers and
     norms) in a CLIPModel or SiglipModel, in place; logit_scale and logit_bias, shared by both towers, always train.
-    The counts are checked beforehand against the model's config (train/validate.py)."""
+    The counts are checked beforehand against the model's config (train/validate/)."""
     for tower, lock in tower_locks(model_args).items():
         lock_tower(model, tower, lock)
 
