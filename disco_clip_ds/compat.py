@@ -176,6 +176,29 @@ def init_as_library_code(initialize):
     return initialize_weights
 
 
+# --- transformers: a live ZeRO-3 config partitions every model built, even one on the meta device -----------------
+# `_from_config` (which CLIPModel and SiglipModel use for their towers) enters deepspeed.zero.Init whenever a ZeRO-3
+# config is live (TrainingArguments with a ZeRO-3 JSON registers one for the whole process), and then initialises
+# the partitioned weights from meta tensors: "Cannot copy out of meta tensor". The planner's parameter count on the
+# meta device (the trainer's FLOPs per sample) must build a plain model: the registration is paused meanwhile.
+# transformers keeps it as a module-level weak reference (`_hf_deepspeed_config_weak_ref`, read by
+# `is_deepspeed_zero3_enabled`); a release without it has nothing to pause.
+@contextlib.contextmanager
+def zero3_init_paused():
+    """Within: models are built plainly even where a ZeRO-3 config is live (restored on leaving)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    if not hasattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref"):
+        yield
+        return
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 # --- transformers 5: weight conversions kept on the model --------------------------------------------------------
 def clear_weight_conversions(model) -> None:
     """transformers 5's ZeRO-3 loader leaves its key transforms on the model (`_weight_conversions`) and

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from disco_clip_ds import LOSS_IMPLS
+from disco_clip_ds.compat import zero3_init_paused
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.trainable import lock_problem, tower_locks, trainable_numels
 
@@ -80,10 +81,9 @@ class ModelShape:
         cls, config, lock_flags: dict | None = None, max_num_patches: int | None = None, named: str = "the model"
     ) -> "ModelShape":
         """The shape of a model of `config` (a loaded CLIPConfig, SiglipConfig or Siglip2Config): parameters counted
-        exactly on the meta device (no memory, no weights), and those that train with the towers `lock_flags` locks
-        ({name: value} of `disco-clip train`'s flags, plan.trainable.LOCK_ARGUMENTS), once the flags are found to
-        fit the config (else PlanConfigError). SigLIP 2 (NaFlex) sees `max_num_patches` patches per image (default:
-        its whole grid), padded to that budget: its image is that many patches of channels x patch x patch pixels."""
+        exactly on the meta device, and those that train with the towers `lock_flags` locks ({name: value} of the
+        train flags, plan.trainable.LOCK_ARGUMENTS), once they are found to fit the config (else PlanConfigError).
+        SigLIP 2 (NaFlex) sees `max_num_patches` patches per image (default: its whole grid), padded to it."""
         import torch
 
         from disco_clip_ds.models.configs import plain_model_class
@@ -94,7 +94,7 @@ class ModelShape:
         if problem:
             raise PlanConfigError(problem)
         locks = tower_locks(flags)
-        with torch.device("meta"):
+        with torch.device("meta"), zero3_init_paused():  # a live ZeRO-3 config would partition it
             model = plain_model_class(model_type)(config)
         numels = [p.numel() for p in model.parameters()]
         trained = trainable_numels(model, locks)

@@ -460,3 +460,21 @@ def test_deepspeeds_backend_calls_the_current_collectives_without_a_warning(monk
         dist.destroy_process_group()
     assert [str(w.message) for w in caught] == []
     assert gathered.tolist() == scattered.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_live_zero3_config_does_not_partition_the_planners_meta_count():
+    """TrainingArguments with a ZeRO-3 JSON registers it for the whole process; the trainer's FLOPs per sample
+    (ModelShape on the meta device) must still build a plain model, and count what it counts without one."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from disco_clip_ds.models.configs import load_config
+    from disco_clip_ds.plan.memory import ModelShape
+
+    config = load_config(model_config=str(TINY_CONFIG))
+    plain = ModelShape.from_config(config)
+    live = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()  # the registration this works around is in force
+    assert ModelShape.from_config(config) == plain
+    assert is_deepspeed_zero3_enabled()  # and given back
+    del live
