@@ -35,12 +35,19 @@ def non_finite_parameters(model):
     with torch.no_grad():
         flags = [
             (~torch.isfinite(t)).any().reshape(1).to(torch.float64)
-            for t in (getattr(p, "ds_tensor", p) for p in model.parameters() if p.numel())
+            for t in (_local(p) for p in model.parameters() if p.numel())
         ]
         if not flags:
             return 0
         device = flags[0].device  # ZeRO-3's offloaded partitions live on the CPU: counted where the first one lives
         return torch.cat([f.to(device) for f in flags]).sum()
+
+
+def _local(param):
+    """This rank's own values of a parameter: its ZeRO-3 partition, its FSDP2 shard (a DTensor's local tensor: a
+    DTensor would not fit the step's plain flags tensor), or the parameter itself."""
+    param = getattr(param, "ds_tensor", param)
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 class FiniteCheck:
