@@ -57,7 +57,9 @@ def _siglip_tokenizer(folder: Path) -> Path:
 
     model = io.BytesIO()
     corpus = [c.lower() for c in CAPTIONS] * 50 + list(string.ascii_lowercase + string.digits)
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=model, vocab_size=48, hard_vocab_limit=False)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=model, vocab_size=48, hard_vocab_limit=False
+    )
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "spiece.model").write_bytes(model.getvalue())
     SiglipTokenizer(vocab_file=str(folder / "spiece.model")).save_pretrained(folder)
