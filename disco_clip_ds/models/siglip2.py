@@ -36,12 +36,8 @@ class DiscoSiglip2Model(GlobalBatchLossMixin, Siglip2Model):
     Patch dropout is not supported: NaFlex's patch budget is the lever that bounds the image tower's tokens."""
 
     CLASS_TOKENS = 0
-    PLAIN, IMPLS, OUTPUT, PARAM_NAMES = (
-        Siglip2Model,
-        ("tiled", "local"),
-        DiscoSiglip2Output,
-        ("logit_scale", "logit_bias"),
-    )
+    PLAIN, OUTPUT = Siglip2Model, DiscoSiglip2Output
+    IMPLS, PARAM_NAMES = DiscoSiglipModel.IMPLS, DiscoSiglipModel.PARAM_NAMES  # SigLIP's loss and its parameters
     logit_params = DiscoSiglipModel.logit_params
     logits = DiscoSiglipModel.logits
     local_loss = DiscoSiglipModel.local_loss
