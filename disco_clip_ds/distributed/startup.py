@@ -75,9 +75,11 @@ def _seen_by_the_watch(signum, frame) -> None:
 def _watch(r: int, prog: str) -> None:
     global _stopping
     data = os.read(r, 1)  # blocks until a signal's number, or b"" once `end_startup` closes the write end
-    os.close(r)
     if not data:
+        os.close(r)
         return
+    # The read end stays open until the process ends: a second signal during the stop (the launcher's, after the
+    # fault's) writes to the pipe, and a closed one is an EPIPE that Python reports on stderr as a traceback.
     where = f"{prog}: [rank {os.environ.get('RANK', '0')}] {signal.Signals(data[0]).name} during start-up"
     with _section:
         _stopping = True
