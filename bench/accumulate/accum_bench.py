@@ -29,21 +29,12 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.testing.bench_record import bench_row, ratios, write_rows
+from disco_clip_ds.testing.images import random_clip_batch
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.memory import mmap_threshold_env, reset_peak_rss, rss_mib
 from disco_clip_ds.testing.ranks import run_ranks
 
 _LIBC = ctypes.CDLL("libc.so.6")
-
-
-def _random_batch(config, size: int, seed: int) -> dict:
-    """Random (token ids, image) pairs: the bench measures model + loss, not decoding."""
-    text, vision = config.text_config, config.vision_config
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, text.vocab_size, (size, text.max_position_embeddings), generator=g)
-    ids[:, 0], ids[:, -1] = text.bos_token_id, text.eos_token_id
-    pixels = torch.randn(size, 3, vision.image_size, vision.image_size, generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
 def _step(ddp, model, micro_batches: list) -> None:
@@ -74,7 +65,7 @@ def _rank(rank: int, world: int, model_name: str, batch: int, ks: list, rounds: 
     model = build_model(model_config=str(REPO / "recipes" / "models" / f"{model_name}.json"))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    local = _random_batch(model.config, batch // world, seed=rank)  # this rank's share of the contrastive batch
+    local = random_clip_batch(model.config, batch // world, seed=rank)  # this rank's share of the contrastive batch
     splits = {k: [{n: t[i::k] for n, t in local.items()} for i in range(k)] for k in ks}
     got = {k: {"step_s": [], "peak_mib": []} for k in ks}
     for round_ in range(rounds + 1):  # round 0 warms up

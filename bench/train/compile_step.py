@@ -29,19 +29,11 @@ OUT = Path(__file__).parent / "results" / "compile_step.csv"
 
 
 def _batch(config, per_device: int, dtype, device) -> dict:
-    import torch
+    from disco_clip_ds.testing.images import random_clip_batch
 
-    g = torch.Generator().manual_seed(0)
-    text, vision = config.text_config, config.vision_config
-    ids = torch.randint(2, text.vocab_size, (per_device, text.max_position_embeddings), generator=g)
-    ids[:, 0], ids[:, -1] = text.bos_token_id, text.eos_token_id
-    pixels = torch.randn(per_device, 3, vision.image_size, vision.image_size, generator=g)
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": torch.ones_like(ids).to(device),
-        "pixel_values": pixels.to(device, dtype),
-        "return_loss": True,
-    }
+    batch = random_clip_batch(config, per_device, seed=0)
+    batch["pixel_values"] = batch["pixel_values"].to(dtype)
+    return {**{k: v.to(device) for k, v in batch.items()}, "return_loss": True}
 
 
 def _engine(model_name: str, per_device: int, precision: str, compiled: bool, backend: str, mode: str | None):

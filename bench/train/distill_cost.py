@@ -27,21 +27,13 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.testing.bench_record import bench_row, ratios, write_rows
+from disco_clip_ds.testing.images import random_clip_batch
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.testing.ranks import run_ranks
 
 HERE = Path(__file__).resolve().parent
 STUDENT, TEACHER = "recipes/models/tiny_student.json", "recipes/models/tiny.json"
 SIDES = ("alone", "distilled")
-
-
-def _random_batch(config, size: int, seed: int) -> dict:
-    text, vision = config.text_config, config.vision_config
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, text.vocab_size, (size, text.max_position_embeddings), generator=g)
-    ids[:, 0], ids[:, -1] = text.bos_token_id, text.eos_token_id
-    pixels = torch.randn(size, 3, vision.image_size, vision.image_size, generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
 
 
 def _rank(rank: int, world: int, per_rank: int, weight: float, rounds: int) -> dict:
@@ -55,7 +47,7 @@ def _rank(rank: int, world: int, per_rank: int, weight: float, rounds: int) -> d
     teacher = Teacher(build_model(model_config=str(REPO / TEACHER)), weight)
     ddp = torch.nn.parallel.DistributedDataParallel(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
-    batch = _random_batch(student.config, per_rank, seed=rank)
+    batch = random_clip_batch(student.config, per_rank, seed=rank)
 
     def step(side: str) -> None:
         if side == "alone":

@@ -4,7 +4,7 @@
     memory       peak memory of a piece of work (resident memory on CPU, the allocator's count on CUDA)
     step_memory  the peak memory of one CLIPModel training step in a fresh process (`python -m` it)
     wire         `WireBytes`: the bytes a rank sends through torch.distributed's collectives
-    images       image bytes, training shards and eval shards made on the spot
+    images       image bytes, training shards and eval shards, random model batches, made on the spot
     imageserver  `ImageServer`: a loopback HTTP server with good, failing, hanging and trickling routes
     download     the URL list and the arguments of `disco-clip data download`
     launch       the one way to launch `disco_clip_ds.train` on CPU ranks: commands (one node, or one launcher per

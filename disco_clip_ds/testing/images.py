@@ -29,6 +29,19 @@ def noise_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
     return buf.getvalue()
 
 
+def random_clip_batch(config, size: int, seed: int) -> dict:
+    """`size` random (token ids, image) pairs for a CLIP-style `config`, as the model takes them: for benches and
+    tests that measure or check the model and loss, not decoding. Ids bracketed by the config's bos and eos."""
+    import torch
+
+    text, vision = config.text_config, config.vision_config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, text.vocab_size, (size, text.max_position_embeddings), generator=g)
+    ids[:, 0], ids[:, -1] = text.bos_token_id, text.eos_token_id
+    pixels = torch.randn(size, 3, vision.image_size, vision.image_size, generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
+
+
 def write_shards(folder: Path, num_shards: int, per_shard: int, seed: int = 0, bad: dict | None = None) -> list[str]:
     """img2dataset-layout training shards (key.jpg/.txt/.json) plus sizes.json, captioned with the demo's digit
     words; `bad` = {sample index: kind} with kinds 'corrupt' (truncated JPEG bytes), 'no_text', 'empty_text'
