@@ -96,3 +96,40 @@ def test_the_counter_sees_every_kind_of_sync():
     with counted_syncs() as counts:
         x[0].item(), x.tolist(), x.nonzero(), torch.nonzero(x), bool(x[0]), float(x[0]), int(x[0])
     assert counts == {**dict.fromkeys(SYNCING, 1), "torch.nonzero": 1}
+
+
+def _features(rows: list[int]):
+    """Every rank's (images, texts), from one seed: rank r holds rows[r] pairs."""
+    g = torch.Generator().manual_seed(7)
+    return [
+        tuple(F.normalize(torch.randn(n, 8, generator=g, dtype=torch.float64), dim=1) for _ in range(2)) for n in rows
+    ]
+
+
+def _ragged_after_uniform(rank, world):
+    """A uniform call, then forget_agreements() on every rank, then a call in which rank 1 alone holds fewer rows (a
+    finite loader's ragged last batch): ({this rank's loss of the ragged call}, syncs of that call)."""
+    from disco_clip_ds.losses import disco_clip_loss
+    from disco_clip_ds.losses.comm import forget_agreements
+
+    scale = torch.tensor(10.0)
+    x, y = _features([6, 6])[rank]
+    disco_clip_loss(x.float(), y.float(), scale, chunk_size=3)
+    forget_agreements()
+    x, y = _features([6, 4])[rank]
+    with counted_syncs() as counts:
+        loss = disco_clip_loss(x.float(), y.float(), scale, chunk_size=3)
+    return loss.item(), sum(counts.values())
+
+
+@pytest.mark.slow
+def test_forget_agreements_lets_one_rank_change_its_shape_alone():
+    """Without the forget, rank 0 (shape unchanged) would skip the agreement that rank 1 (changed) enters and both
+    would wait for ever; with it both agree again, and the loss is the float64 CLIP loss of all 10 pairs."""
+    (l0, syncs0), (l1, syncs1) = run_ranks(_ragged_after_uniform, 2, timeout=120)
+    assert syncs0 >= 1 and syncs1 >= 1  # the shapes were agreed again
+    images, texts = (torch.cat([f[i] for f in _features([6, 4])]) for i in range(2))
+    logits = 10.0 * images @ texts.T
+    labels = torch.arange(10)
+    reference = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+    assert (l0 + l1) / 2 == pytest.approx(reference.item(), rel=1e-5)
