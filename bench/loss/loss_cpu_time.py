@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.losses import disco_clip_loss
-from disco_clip_ds.testing.bench_record import write_rows
+from disco_clip_ds.testing.bench_record import bench_row, ratios, write_rows
 
 from loss_bench import twoblock_loss
 
@@ -86,21 +85,12 @@ def main() -> None:
             for name, fn in impls.items():
                 times[name].append(cpu_seconds(fn, x, y, s))
         for name, t in times.items():
-            ratio = statistics.median(a / b for a, b in zip(t, times["twoblock"]))
-            rows.append(
-                {
-                    "impl": name,
-                    "batch": batch,
-                    "dim": args.dim,
-                    "cpu_s": round(statistics.median(t), 3),
-                    "vs_twoblock": round(ratio, 3),
-                    "vs_disco": round(statistics.median(a / b for a, b in zip(t, times["disco"])), 3),
-                }
-            )
+            samples = {"cpu_s": t, "vs_twoblock": ratios(t, times["twoblock"]), "vs_disco": ratios(t, times["disco"])}
             if args.ref and f"{name}@{args.ref}" in times:  # this impl against itself at --ref
-                rows[-1]["vs_ref"] = round(statistics.median(a / b for a, b in zip(t, times[f"{name}@{args.ref}"])), 3)
-            print(rows[-1], flush=True)
-    write_rows(args.out, rows, rounds=args.reps)
+                samples["vs_ref"] = ratios(t, times[f"{name}@{args.ref}"])
+            rows.append(bench_row({"impl": name, "batch": batch, "dim": args.dim}, samples, digits=3))
+            print({k: v for k, v in rows[-1].items() if not k.endswith(("_min", "_max"))}, flush=True)
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
