@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("run", type=Path, help="the run's --output_dir")
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
     args = p.parse_args(argv)
+    missing = [n for n in ("trainer_state.json", "train_results.json") if not (args.run / n).is_file()]
+    if missing:
+        p.error(f"{args.run}: no {' or '.join(missing)}: give the --output_dir of a finished `disco-clip train` run")
     found = rows(args.run)
     # each figure is what the run logged (one measurement per logging window), not a spread over rounds
     write_rows(args.out, found, rounds=1)
