@@ -102,13 +102,6 @@ def architecture(config: dict) -> dict:
     return found
 
 
-def model_architecture(model_name_or_path: str | None, model_config: str | None) -> dict:
-    """The architecture of the model a command would build (its config only, no weights)."""
-    from disco_clip_ds.models.build import load_config
-
-    return architecture(load_config(model_name_or_path, model_config).to_dict())
-
-
 def shards_digest(urls: list[str]) -> str:
     """A short fingerprint of the shard list: a long list is not stored, and respelling it (a folder for its
     tars, a brace range for a list) keeps it."""
@@ -450,7 +443,7 @@ def converts_world_size(old: dict, new: dict) -> bool:
 
 def check_resume(checkpoint: str | os.PathLike, step: int, new: dict, ignore_data_skip: bool = False) -> dict:
     """Raise a one-line UsageError when the run of `checkpoint` cannot resume under `new` facts (`launch_facts`
-    plus "model": `model_architecture`); return the recorded facts otherwise. Reads small files only."""
+    plus "model": `architecture` of the checked config); return the recorded facts otherwise. Reads small files only."""
     checkpoint = Path(checkpoint)
     old = recorded_facts(checkpoint, step)
     problems = resume_problems(old, new, ignore_data_skip)
