@@ -24,6 +24,7 @@ COMMANDS = {
     ("data", "metadata"): ("disco_clip_ds.commands.data", "metadata_main", "fetch parquet metadata from the HF hub"),
     ("data", "verify"): ("disco_clip_ds.commands.data", "verify_main", "check shards, write sizes.json"),
     ("data", "embed"): ("disco_clip_ds.commands.data", "embed_main", "a teacher's embeddings of shards, stored once"),
+    ("data", "filter"): ("disco_clip_ds.commands.data", "filter_main", "curate shards: CLIP score, clusters, dedup"),
     ("data", "demo"): ("disco_clip_ds.commands.data", "demo_main", "build the offline digits demo dataset"),
     (None, "eval"): ("disco_clip_ds.commands.eval", "main", "zero-shot classification / retrieval eval"),
     (None, "export"): ("disco_clip_ds.commands.export", "main", "checkpoint -> plain CLIPModel folder with model card"),

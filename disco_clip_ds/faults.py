@@ -35,6 +35,8 @@ In the download worker of shard K (`data/prep/download.py`):
                                         executor would
     hold_after=FILE:shard=K             once the shard is written, the worker writes its pid to FILE and stops itself
                                         (SIGSTOP), so that a test can kill the run in a known state
+In `disco-clip data filter` (`data/curate/pipeline.py`), once output shard K is complete:
+    kill_after_output:shard=K           SIGKILL to the filter's worker processes, then to the filter itself (kill -9)
 """
 
 from __future__ import annotations
@@ -152,3 +154,15 @@ def after_shard(shard: int) -> None:
     if spec:
         Path(spec.value).write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def after_output_shard(shard: int) -> None:
+    """The point after the filter's output shard `shard` is complete: kill_after_output kills the filter and its
+    workers, as `kill -9` of the whole job would."""
+    if fault("kill_after_output", shard=shard):
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        logger.warning("%s: killing the filter after output shard %d", ENV, shard)
+        os.kill(os.getpid(), signal.SIGKILL)

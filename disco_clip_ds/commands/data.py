@@ -1,4 +1,4 @@
-"""`disco-clip data download|verify|metadata|demo`: parse the arguments, call data/prep/, say what it did.
+"""`disco-clip data download|verify|embed|filter|metadata|demo`: parse the arguments, call data/prep/, say what it did.
 
 Also `python -m disco_clip_ds.commands.data demo --output DIR` (img2dataset's spawned workers re-import the main
 module: this one imports the demo's library only when a command runs).
@@ -153,6 +153,52 @@ def embed_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def filter_parser() -> argparse.ArgumentParser:
+    """`disco-clip data filter`'s arguments."""
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsOnce,
+        prog="disco-clip data filter",
+        description="Curate webdataset shards by their `data embed` sidecars, as DataComp and LAION do: keep what "
+        "every rule given keeps, write it as new shards (members copied byte for byte) with their sidecars and "
+        "sizes.json, filter.parquet (every input key, its score and the rule that dropped it) and summary.json. "
+        "Re-run the same command to resume.",
+    )
+    p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
+    p.add_argument("--embeddings", help="folder of the shards' sidecars (default: beside each shard, as data embed)")
+    p.add_argument("--output", required=True, help="folder of the new shards")
+    p.add_argument(
+        "--teacher", help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target"
+    )
+    p.add_argument("--clip_score_min", type=float, help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32)")
+    p.add_argument("--keep_fraction", type=float, help="keep the top F of all samples by CLIP score (DataComp: 0.3)")
+    p.add_argument("--clusters", type=int, help="k-means clusters of the image embeddings, for --target")
+    p.add_argument("--kmeans_sample", type=int, default=1_000_000, help="embeddings the k-means is trained on")
+    p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="keep samples whose cluster is the nearest of an embedding of this set: a shards folder with sidecars, "
+        "a CLIP_benchmark-style folder, or a text file of class names (repeatable)",
+    )
+    p.add_argument(
+        "--dedup_against", action="append", default=[], help="drop copies of the images of this eval set (repeatable)"
+    )
+    p.add_argument("--dedup", action="store_true", help="drop exact and near copies within the shards, keep the first")
+    p.add_argument("--dedup_threshold", type=int, help="how near counts as a copy (default: the detector's measured)")
+    p.add_argument("--samples_per_shard", type=int, default=10_000)
+    p.add_argument("--processes", type=int, default=1, help="shards scanned and written in parallel")
+    p.add_argument("--seed", type=int, default=0, help="the k-means sample and initialisation")
+    return p
+
+
+def filter_main(argv: list[str] | None = None) -> int:
+    """`disco-clip data filter --shards SPEC --output DIR RULES`: see `filter_parser`."""
+    from disco_clip_ds.data.curate.pipeline import FilterConfig, run_filter
+
+    run_filter(FilterConfig(**vars(filter_parser().parse_args(argv))))
+    return 0
+
+
 def metadata_parser() -> argparse.ArgumentParser:
     """`disco-clip data metadata`'s arguments."""
     p = argparse.ArgumentParser(
@@ -252,7 +298,13 @@ def demo_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-MAINS = {"download": download_main, "verify": verify_main, "metadata": metadata_main, "demo": demo_main}
+MAINS = {
+    "download": download_main,
+    "verify": verify_main,
+    "metadata": metadata_main,
+    "demo": demo_main,
+    "filter": filter_main,
+}
 
 if __name__ == "__main__":  # img2dataset spawns workers that re-import the main module
     if len(sys.argv) < 2 or sys.argv[1] not in MAINS:

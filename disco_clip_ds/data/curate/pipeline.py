@@ -1,0 +1,359 @@
+"""`disco-clip data filter`: scan -> decide -> write.
+
+1. Scan, a task per input shard (`--processes` of them at once): its keys (from the tar's headers), each sample's
+   CLIP score (from its sidecar) and, for the dedup rules, its image fingerprint (the one step that decodes images).
+   The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written under a temporary name and renamed); a
+   re-run keeps a saved scan whose sidecar and shard are unchanged.
+2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
+   a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
+3. Write, a task per output shard: the kept samples, byte for byte, and their sidecar (reshard.py); a re-run keeps an
+   output shard that is complete and verifies. Then sizes.json, the parquet of every input key and the summary.
+
+The same inputs and arguments give byte-identical outputs, whatever --processes: every order is the input order
+(shards as --shards lists them, samples in shard order), and the k-means is seeded.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from disco_clip_ds import faults
+from disco_clip_ds.data.curate import clusters as cl
+from disco_clip_ds.data.curate import inputs, reshard, scores
+from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize, write_summary
+from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
+from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
+from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.errors import DataError, UsageError
+
+logger = logging.getLogger("disco_clip_ds.data.curate")
+STATE = ".filter"  # the scans and the k-means centres of a run, kept for its resume
+
+
+@dataclass
+class FilterConfig:
+    """`disco-clip data filter`'s arguments (commands/data.py parses them; see its --help)."""
+
+    shards: str
+    output: str
+    embeddings: str | None = None
+    teacher: str | None = None
+    clip_score_min: float | None = None
+    keep_fraction: float | None = None
+    clusters: int | None = None
+    kmeans_sample: int = 1_000_000
+    target: list[str] = field(default_factory=list)
+    dedup_against: list[str] = field(default_factory=list)
+    dedup: bool = False
+    dedup_threshold: int | None = None
+    samples_per_shard: int = 10_000
+    processes: int = 1
+    seed: int = 0
+
+    def arguments(self) -> dict:
+        """What the output depends on (all but --processes), recorded in it to refuse a resume with other ones."""
+        return {k: v for k, v in asdict(self).items() if k != "processes"}
+
+    @property
+    def fingerprints(self) -> bool:
+        return self.dedup or bool(self.dedup_against)
+
+
+def check_rules(cfg: FilterConfig) -> None:
+    """Every rule in range and at least one given; a UsageError in one line otherwise."""
+    if cfg.clip_score_min is None and cfg.keep_fraction is None and not cfg.target and not cfg.fingerprints:
+        raise UsageError(
+            "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against or "
+            "--dedup"
+        )
+    if cfg.clip_score_min is not None:
+        scores.check_score_min(cfg.clip_score_min)
+    if cfg.keep_fraction is not None:
+        scores.check_fraction(cfg.keep_fraction)
+    if bool(cfg.target) != (cfg.clusters is not None):
+        raise UsageError("--target and --clusters go together: the image-based rule needs both")
+    if cfg.clusters is not None:
+        cl.check_clusters(cfg.clusters, cfg.kmeans_sample)
+    if cfg.dedup_threshold is not None:
+        if not cfg.fingerprints:
+            raise UsageError("--dedup_threshold: give --dedup or --dedup_against, whose copies it defines")
+        from disco_clip_ds.data.curate.copies import check_threshold
+
+        check_threshold(cfg.dedup_threshold)
+    if cfg.samples_per_shard < 1 or cfg.processes < 1:
+        raise UsageError("--samples_per_shard and --processes: give positive numbers")
+
+
+def run_filter(cfg: FilterConfig) -> dict:
+    """Filter `cfg.shards` into `cfg.output`; returns the summary (also written as OUTPUT/summary.json)."""
+    # 1. Check the inputs and claim the output folder
+    check_rules(cfg)
+    urls = inputs.local_shards(cfg.shards)
+    sidecars, fingerprint = inputs.sidecars(urls, cfg.embeddings, cfg.teacher)
+    for target in cfg.target:
+        inputs.check_target_teacher(target, fingerprint)
+    output = Path(cfg.output)
+    inputs.claim_output(output, cfg.arguments())
+    state = output / STATE
+    (state / "scan").mkdir(parents=True, exist_ok=True)
+    scans = [state / "scan" / f"{i:05d}.npz" for i in range(len(urls))]
+    with _pool(cfg.processes) as pool:
+        # 2. Scan every input shard
+        tasks = [(u, s, p, cfg.fingerprints) for u, s, p in zip(urls, sidecars, scans)]
+        list(pool.imap(scan_shard, tasks))
+        # 3. Decide
+        loaded = _load_scans(scans, cfg.fingerprints)
+        drops, assigned = decide(cfg, urls, sidecars, loaded, fingerprint, state, pool)
+        reason = first_rule(drops, len(loaded["scores"]))
+        # 4. Write the output shards
+        plan = reshard.plan_shards(np.flatnonzero(reason < 0), loaded["offsets"], cfg.samples_per_shard)
+        writes = [
+            (
+                output / reshard.output_name(j),
+                [(urls[i], sidecars[i], scans[i], rows) for i, rows in pieces],
+                fingerprint,
+            )
+            for j, pieces in enumerate(plan)
+        ]
+        sizes = {}
+        for j, (name, count) in enumerate(pool.imap(write_shard, writes)):
+            sizes[name] = count
+            faults.after_output_shard(j)
+    write_json(output / "sizes.json", sizes)
+    # 5. The parquet of every input key and the summary
+    _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
+    summary = {**summarize(reason), "output_shards": len(plan)}
+    print(write_summary(output / "summary.json", summary))
+    return summary
+
+
+def decide(cfg, urls, sidecars, loaded, fingerprint, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """{rule: mask of the samples it drops} and each sample's cluster (-1: not embedded; None without --target)."""
+    embedded = loaded["embedded"]
+    drops = {"no_embedding": ~embedded}
+    values = loaded["scores"]
+    if cfg.clip_score_min is not None:
+        drops["clip_score_min"] = embedded & ~scores.above_min(values, cfg.clip_score_min)
+    if cfg.keep_fraction is not None:
+        keep = np.zeros(len(values), bool)
+        keep[embedded] = scores.top_fraction(values[embedded], cfg.keep_fraction)  # over the embedded samples
+        drops["keep_fraction"] = embedded & ~keep
+    assigned = None
+    if cfg.target:
+        centres = _centres(cfg, sidecars, loaded, state)
+        tasks = [(sidecar, rows, centres) for sidecar, rows in zip(sidecars, loaded["rows"])]
+        assigned = np.concatenate(list(pool.imap(assign_shard, tasks)))
+        chosen = cl.target_clusters(centres, _targets(cfg))
+        drops["target"] = embedded & ~cl.in_clusters(assigned, chosen)
+    if cfg.fingerprints:
+        _dedup_rules(cfg, loaded, drops)
+    return drops, assigned
+
+
+def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
+    """The copy rules (copies.py): copies of a reference image, then copies of an earlier sample among those every
+    other rule keeps (so a copy whose first was dropped for its score is kept in its place)."""
+    from disco_clip_ds.data.curate import copies
+
+    threshold = copies.DEFAULT_THRESHOLD if cfg.dedup_threshold is None else cfg.dedup_threshold
+    embedded, hashes = loaded["embedded"], loaded["hashes"]
+    if cfg.dedup_against:
+        reference = copies.reference_fingerprints(list(cfg.dedup_against))
+        rows = np.flatnonzero(embedded)
+        copy = np.zeros(len(embedded), bool)
+        copy[rows] = copies.copies_of_reference(hashes[rows], reference, threshold)
+        drops["dedup_against"] = copy
+    if cfg.dedup:
+        candidates = np.flatnonzero(~np.logical_or.reduce(list(drops.values())))
+        digests = [loaded["digests"][i].tobytes() for i in candidates]
+        copy = np.zeros(len(embedded), bool)
+        copy[candidates] = copies.copies_within(digests, hashes[candidates], threshold)
+        drops["dedup"] = copy
+
+
+def _targets(cfg: FilterConfig) -> np.ndarray:
+    from disco_clip_ds.data.curate.targets import target_embeddings
+
+    return np.concatenate([np.asarray(target_embeddings(t, cfg.teacher), np.float32) for t in cfg.target])
+
+
+def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path) -> np.ndarray:
+    """The k-means centres, trained once on the seeded sample of embedded samples and kept for a resume."""
+    path = state / f"centres-{cfg.clusters}-{cfg.kmeans_sample}-{cfg.seed}.npy"
+    if path.is_file():
+        return np.load(path)
+    embedded = np.flatnonzero(loaded["embedded"])
+    chosen = embedded[cl.sample_rows(len(embedded), cfg.kmeans_sample, cfg.seed)]
+    owners = np.searchsorted(loaded["offsets"], chosen, side="right") - 1
+    sample = []
+    for shard in np.unique(owners):
+        image = read_sidecar(sidecars[shard])[1].numpy()
+        rows = loaded["rows"][shard][chosen[owners == shard] - loaded["offsets"][shard]]
+        sample.append(image[rows])
+    centres = cl.train_centres(np.concatenate(sample), cfg.clusters, cfg.seed)
+    _save_npy(path, centres)
+    return centres
+
+
+# --- the per-shard tasks (module level: a pool pickles them by name) ---
+
+
+def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
+    """Scan input shard `url` into `scan` (keys, scores, sidecar rows, fingerprints), unless a scan of the shard and
+    sidecar as they are now is there already."""
+    url, sidecar, scan, with_fingerprints = task
+    stamp = np.array([read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))])
+    if scan.is_file():
+        with np.load(scan) as saved:
+            if saved["stamp"].tolist() == stamp.tolist():
+                return
+    rows_of, image, text, _ = read_sidecar(sidecar)
+    embedded_scores = scores.clip_scores(image.numpy(), text.numpy())
+    keys, rows, prints = [], [], []
+    for sample in raw_samples(url, read=with_fingerprints):
+        keys.append(sample["__key__"])
+        rows.append(rows_of.get(sample["__key__"], -1))
+        if with_fingerprints:
+            prints.append(_fingerprint(sample, url) if rows[-1] >= 0 else None)
+    unmatched = set(rows_of) - set(keys)
+    if unmatched:
+        raise UsageError(
+            f"{sidecar}: holds sample {sorted(unmatched)[0]}, which shard {url} does not: it does not match its shard; "
+            f"run `disco-clip data embed` for {url} again"
+        )
+    rows = np.array(rows, np.int64)
+    values = np.full(len(keys), np.nan, np.float32)
+    values[rows >= 0] = embedded_scores[rows[rows >= 0]]
+    arrays = {"keys": np.array(keys, dtype=str), "scores": values, "rows": rows, "stamp": stamp}
+    if with_fingerprints:
+        arrays.update(_stack_fingerprints(prints))
+    _save_npz(scan, arrays)
+
+
+def assign_shard(task: tuple[Path, np.ndarray, np.ndarray]) -> np.ndarray:
+    """Each sample's nearest centre (-1 for a sample without embeddings), in shard order."""
+    sidecar, rows, centres = task
+    assigned = np.full(len(rows), -1, np.int32)
+    image = read_sidecar(sidecar)[1].numpy()
+    assigned[rows >= 0] = cl.nearest_centre(centres, image[rows[rows >= 0]])
+    return assigned
+
+
+def write_shard(task) -> tuple[str, int]:
+    """Write output shard `path` from its pieces, unless it is complete and verifies; (its name, its samples)."""
+    path, pieces, fingerprint = task
+    keys = []
+    for _, _, scan, rows in pieces:
+        with np.load(scan) as saved:
+            keys += saved["keys"][rows].tolist()
+    if not reshard.is_complete(path, keys, fingerprint):
+        reshard.write_output_shard(path, [(url, sidecar, rows) for url, sidecar, _, rows in pieces])
+    return path.name, len(keys)
+
+
+def _fingerprint(sample: dict, url: str):
+    from disco_clip_ds.data.curate.copies import image_fingerprint
+
+    image = next((sample[ext] for ext in IMAGE_EXTS if ext in sample), None)
+    try:
+        return image_fingerprint(image)
+    except Exception as error:  # the teacher embedded it, so it decoded then: the shard changed since
+        raise DataError(f"{url}: sample {sample['__key__']}: cannot fingerprint its image ({error})") from error
+
+
+def _stack_fingerprints(prints: list) -> dict:
+    """The scan's fingerprint arrays: digests (n, D) and hashes (n, ...) uint8, zero rows for samples without."""
+    first = next((p for p in prints if p is not None), None)
+    if first is None:
+        return {"digests": np.zeros((len(prints), 0), np.uint8), "hashes": np.zeros((len(prints), 0), np.uint8)}
+    digest0, hashes0 = first[0], np.asarray(first[1], np.uint8)
+    digests = np.zeros((len(prints), len(digest0)), np.uint8)
+    hashes = np.zeros((len(prints), *hashes0.shape), np.uint8)
+    for i, p in enumerate(prints):
+        if p is not None:
+            digests[i] = np.frombuffer(p[0], np.uint8)
+            hashes[i] = np.asarray(p[1], np.uint8)
+    return {"digests": digests, "hashes": hashes}
+
+
+def _load_scans(scans: list[Path], with_fingerprints: bool) -> dict:
+    """The scans' scores, sidecar rows (per shard), offsets (each shard's first global row) and fingerprints; the
+    keys stay on disk until the report reads them a shard at a time."""
+    values, rows, digests, hashes = [], [], [], []
+    for scan in scans:
+        with np.load(scan) as saved:
+            values.append(saved["scores"])
+            rows.append(saved["rows"])
+            if with_fingerprints:
+                digests.append(saved["digests"])
+                hashes.append(saved["hashes"])
+    loaded = {
+        "scores": np.concatenate(values),
+        "rows": rows,
+        "offsets": np.cumsum([0] + [len(r) for r in rows])[:-1],
+    }
+    loaded["embedded"] = np.concatenate(rows) >= 0
+    if with_fingerprints:
+        loaded["digests"], loaded["hashes"] = _concat_ragged(digests), _concat_ragged(hashes)
+    return loaded
+
+
+def _concat_ragged(parts: list[np.ndarray]) -> np.ndarray:
+    """Concatenate per-shard fingerprint arrays, a shard without any (all zero-width) widened to the others."""
+    shape = next((p.shape[1:] for p in parts if p.size), parts[0].shape[1:])
+    return np.concatenate([p if p.shape[1:] == shape else np.zeros((len(p), *shape), np.uint8) for p in parts])
+
+
+def _write_report(path: Path, urls, scans, loaded, assigned, reason) -> None:
+    writer = ReportWriter(path)
+    for url, scan, start, rows in zip(urls, scans, loaded["offsets"], loaded["rows"]):
+        end = start + len(rows)
+        with np.load(scan) as saved:
+            keys = saved["keys"].tolist()
+        clusters = None if assigned is None else assigned[start:end]
+        writer.add(url, keys, loaded["scores"][start:end], clusters, reason[start:end])
+    writer.close()
+
+
+def _save_npz(path: Path, arrays: dict) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    _atomic_write(path, buffer.getvalue())
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    _atomic_write(path, buffer.getvalue())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class _Serial:
+    """What a pool offers, in this process: --processes 1 runs every task here, as a pool would, in order."""
+
+    def imap(self, func, tasks):
+        return map(func, tasks)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _pool(processes: int):
+    """--processes worker processes (spawned: forking a process that holds faiss' and torch's threads can hang), whose
+    `imap` returns the tasks' results in task order and raises a task's error here."""
+    return _Serial() if processes == 1 else multiprocessing.get_context("spawn").Pool(processes)

@@ -1,0 +1,81 @@
+"""What the filter did, sample by sample and in sum: a parquet of every input key (DataComp's uid-list form, with the
+reason) and a summary of kept and dropped samples by rule, printed and written as JSON.
+
+Parquet columns: shard (the input shard as given), key, clip_score (float32; null for a sample the teacher never
+embedded), cluster (int32; null without --target), dropped_by (the first rule, in RULES order, that drops the sample;
+null when kept). One row group per input shard, rows in shard order.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from disco_clip_ds.data.shards import write_json
+
+# the rules in the order `dropped_by` names the first that drops a sample
+RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup")
+
+SCHEMA_FIELDS = (("shard", "string"), ("key", "string"), ("clip_score", "float32"), ("cluster", "int32"))
+
+
+def first_rule(drops: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """Per sample, the index in RULES of the first rule whose mask in `drops` drops it, -1 when none does."""
+    reason = np.full(n, -1, np.int8)
+    for code, rule in reversed(list(enumerate(RULES))):  # the first rule written last wins
+        if rule in drops:
+            reason[drops[rule]] = code
+    return reason
+
+
+class ReportWriter:
+    """Writes the parquet one input shard at a time (a row group each), to a temporary name renamed by `close`."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCHEMA_FIELDS]
+        self.schema = pa.schema([*fields, pa.field("dropped_by", pa.string())])
+        self.writer = pq.ParquetWriter(str(self.tmp), self.schema)
+
+    def add(self, shard: str, keys: list[str], scores: np.ndarray, clusters: np.ndarray | None, reason: np.ndarray):
+        """Append an input shard's rows: its keys, scores (NaN: not embedded), clusters, first-rule codes."""
+        import pyarrow as pa
+
+        n = len(keys)
+        columns = [
+            pa.array([shard] * n, pa.string()),
+            pa.array(keys, pa.string()),
+            pa.array(scores, pa.float32(), mask=np.isnan(scores)),
+            pa.nulls(n, pa.int32()) if clusters is None else pa.array(clusters, pa.int32(), mask=clusters < 0),
+            pa.array([RULES[c] if c >= 0 else None for c in reason], pa.string()),
+        ]
+        self.writer.write_table(pa.Table.from_arrays(columns, schema=self.schema))
+
+    def close(self) -> None:
+        self.writer.close()
+        os.replace(self.tmp, self.path)
+
+
+def summarize(reason: np.ndarray) -> dict:
+    """{"samples", "kept", "dropped": {rule: samples it was the first to drop}} of the first-rule codes."""
+    counts = np.bincount(reason[reason >= 0].astype(np.int64), minlength=len(RULES))
+    return {
+        "samples": int(len(reason)),
+        "kept": int((reason < 0).sum()),
+        "dropped": {rule: int(counts[code]) for code, rule in enumerate(RULES) if counts[code]},
+    }
+
+
+def write_summary(path: Path, summary: dict) -> str:
+    """Write the summary as JSON (atomically) and return the line printed of it."""
+    write_json(path, summary)
+    dropped = ", ".join(f"{n} by {rule}" for rule, n in summary["dropped"].items()) or "none"
+    return (
+        f"{summary['kept']} of {summary['samples']} samples kept in {summary['output_shards']} shards; dropped: "
+        f"{dropped}"
+    )

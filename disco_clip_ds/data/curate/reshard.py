@@ -1,0 +1,126 @@
+"""New shards from the kept samples, as DataComp's resharder writes them: members copied byte for byte (no decoding,
+no re-encoding), in input order, `--samples_per_shard` a shard, each with its teacher sidecar (data/embeddings.py's
+writer, its rows copied from the input sidecars) so that training can distil from the output without embedding again.
+
+A shard is written to a temporary name and renamed, then its sidecar, which records the shard's size and sha256: the
+sidecar is the shard's completion mark, so a run killed anywhere leaves each output shard complete (both files,
+matching) or to be written again. Tar headers carry no time, owner or mode of this machine (mtime 0, uid/gid 0, no
+names, 0644), so that the same kept samples give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disco_clip_ds.data.embeddings import read_metadata, read_sidecar, shard_facts, sidecar_path, write_sidecar
+from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.errors import DataError
+
+# what an output sidecar keeps of its input sidecars' metadata (the teacher's); the rest is its own shard's
+TEACHER_META = ("teacher", "teacher_name", "model_type", "logit_scale", "logit_bias")
+
+
+def output_name(index: int) -> str:
+    """The file name of output shard `index`: NNNNN.tar, as img2dataset and `data verify` name shards."""
+    return f"{index:05d}.tar"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_complete(path: Path, keys: list[str], fingerprint: str) -> bool:
+    """Whether output shard `path` and its sidecar are both there, the sidecar this teacher's, holding `keys` in order
+    and recording the shard's present size and sha256 (a shard renamed into place whose sidecar was not yet written,
+    or a torn one, is not complete)."""
+    sidecar = sidecar_path(path.parent, str(path))
+    if not path.is_file() or not sidecar.is_file():
+        return False
+    try:
+        meta = read_metadata(sidecar)
+    except DataError:
+        return False
+    return (
+        meta.get("teacher") == fingerprint
+        and meta.get("shard_bytes") == str(path.stat().st_size)
+        and json.loads(meta.get("keys", "null")) == keys
+        and meta.get("shard_sha256") == file_sha256(path)
+    )
+
+
+def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) -> int:
+    """Write output shard `path` from `pieces`: (input shard, its sidecar, the sorted in-shard indices of its kept
+    samples), in order; then its sidecar beside it. Returns the number of samples written."""
+    keys, seen, images, texts, meta = [], set(), [], [], {}
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        for url, sidecar, wanted in pieces:
+            rows, image, text, meta = read_sidecar(sidecar)
+            picked = []
+            for sample in _kept_samples(url, wanted):
+                key = sample["__key__"]
+                if key in seen:
+                    raise DataError(
+                        f"sample key {key} appears twice among the kept samples of output shard {path.name} (again in "
+                        f"{url}): the output's keys must be unique; filter the sources apart"
+                    )
+                keys.append(key)
+                seen.add(key)
+                picked.append(rows[key])
+                for ext, data in sample.items():
+                    if not ext.startswith("__"):
+                        _add_member(tar, f"{key}.{ext}", data)
+            images.append(image[picked])
+            texts.append(text[picked])
+    os.replace(tmp, path)
+    facts = {k: meta[k] for k in TEACHER_META if k in meta}
+    facts.update(shard_facts(str(path)), shard_sha256=file_sha256(path))
+    write_sidecar(sidecar_path(path.parent, str(path)), keys, torch.cat(images), torch.cat(texts), facts)
+    return len(keys)
+
+
+def _kept_samples(url: str, wanted: list[int]):
+    """The samples of `url` at the in-shard indices `wanted` (sorted), reading from the first one on (a local shard
+    passes the members before it by their headers alone)."""
+    if not wanted:
+        return
+    want, last = set(wanted), wanted[-1]
+    for index, sample in enumerate(raw_samples(url, start=wanted[0]), start=wanted[0]):
+        if index in want:
+            yield sample
+        if index >= last:
+            return
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def plan_shards(kept: np.ndarray, offsets: np.ndarray, per_shard: int) -> list[list[tuple[int, list[int]]]]:
+    """The output shards of the kept global rows `kept` (sorted): for each, its pieces (input shard index, in-shard
+    indices), `per_shard` samples a shard, the last one shorter. `offsets[i]` is input shard i's first global row."""
+    shards = []
+    for start in range(0, len(kept), per_shard):
+        rows = kept[start : start + per_shard]
+        owners = np.searchsorted(offsets, rows, side="right") - 1
+        pieces = []
+        for shard in np.unique(owners):
+            pieces.append((int(shard), (rows[owners == shard] - offsets[shard]).tolist()))
+        shards.append(pieces)
+    return shards
