@@ -123,8 +123,9 @@ def _checksum(keys: list[str], image: torch.Tensor, text: torch.Tensor) -> str:
 
 
 def write_sidecar(path: Path, keys: list[str], image: torch.Tensor, text: torch.Tensor, meta: dict) -> None:
-    """Write a shard's embeddings to PATH atomically (a temporary file renamed): a kill leaves the old file or none."""
-    from safetensors.torch import save_file
+    """Write a shard's embeddings to PATH atomically (a temporary file renamed): a kill leaves the old file or none.
+    The same embeddings and metadata give the same bytes (`_canonical`)."""
+    from safetensors.torch import save
 
     image, text = image.float().contiguous(), text.float().contiguous()
     metadata = {
@@ -134,8 +135,19 @@ def write_sidecar(path: Path, keys: list[str], image: torch.Tensor, text: torch.
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"image": image, "text": text}, str(tmp), metadata=metadata)
+    tmp.write_bytes(_canonical(save({"image": image, "text": text}, metadata=metadata)))
     os.replace(tmp, path)
+
+
+def _canonical(data: bytes) -> bytes:
+    """A safetensors file with its JSON header's keys sorted: safetensors writes the metadata map in an order that
+    changes from one write to the next (a Rust HashMap), which would make two writes of one sidecar differ. The
+    header stays what the format says: its length (8 bytes, little-endian), the JSON padded with spaces to a multiple
+    of 8, then the tensors' bytes, unchanged."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + length]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[8 + length :]
 
 
 def read_metadata(path: Path) -> dict:

@@ -68,6 +68,8 @@ class FilterConfig:
 
 def check_rules(cfg: FilterConfig) -> None:
     """Every rule in range and at least one given; a UsageError in one line otherwise."""
+    if bool(cfg.target) != (cfg.clusters is not None):
+        raise UsageError("--target and --clusters go together: the image-based rule needs both")
     if cfg.clip_score_min is None and cfg.keep_fraction is None and not cfg.target and not cfg.fingerprints:
         raise UsageError(
             "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against or "
@@ -77,8 +79,6 @@ def check_rules(cfg: FilterConfig) -> None:
         scores.check_score_min(cfg.clip_score_min)
     if cfg.keep_fraction is not None:
         scores.check_fraction(cfg.keep_fraction)
-    if bool(cfg.target) != (cfg.clusters is not None):
-        raise UsageError("--target and --clusters go together: the image-based rule needs both")
     if cfg.clusters is not None:
         cl.check_clusters(cfg.clusters, cfg.kmeans_sample)
     if cfg.dedup_threshold is not None:

@@ -21,9 +21,17 @@ def unit_rows(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-def with_cosine(image: np.ndarray, cosines: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def with_cosine(image: np.ndarray, cosines: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
     """Unit text rows whose cosine with each unit image row is `cosines` exactly (up to float32 rounding): the image
-    row times c plus a unit vector orthogonal to it times sqrt(1 - c^2)."""
+    row times c plus a unit vector orthogonal to it times sqrt(1 - c^2); without `rng`, image rows e1 and that
+    vector e2 for every row, so that equal cosines give equal rows and exactly equal scores."""
+    if rng is None:
+        image = np.zeros_like(image)
+        image[:, 0] = 1.0
+        other = np.zeros_like(image)
+        other[:, 1] = 1.0
+        c = np.asarray(cosines, np.float64)[:, None]
+        return c * image + np.sqrt(1 - c**2) * other
     other = rng.standard_normal(image.shape)
     other -= np.sum(other * image, axis=1, keepdims=True) * image
     other /= np.linalg.norm(other, axis=1, keepdims=True)
@@ -41,16 +49,20 @@ def embedded_shards(
     seed: int = 0,
     teacher: str = TEACHER,
     skip: tuple[int, ...] = (),
+    ties: bool = False,
 ) -> list[str]:
     """`num_shards` shards in FOLDER with sidecars beside them; sample i (in input order) gets image row `image[i]`
     (default: random unit rows) and a text row at cosine `cosines[i]` (default: random in [-0.2, 0.5]). Samples whose
-    global index is in `skip` get no row (as data embed skips a sample without caption). Returns the shard paths."""
+    global index is in `skip` get no row (as data embed skips a sample without caption). With `ties`, every image row
+    is e1 and equal cosines give exactly equal scores. Returns the shard paths."""
     rng = np.random.default_rng(seed)
     urls = write_shards(folder, num_shards, per_shard, seed=seed)
     n = num_shards * per_shard
     image = unit_rows(rng, n, dim) if image is None else np.asarray(image, np.float64)
     cosines = rng.uniform(-0.2, 0.5, n) if cosines is None else np.asarray(cosines, np.float64)
-    text = with_cosine(image, cosines, rng)
+    text = with_cosine(image, cosines, None if ties else rng)
+    if ties:
+        image = np.eye(1, dim).repeat(n, axis=0)
     index = 0
     for url in urls:
         keys, rows = [], []

@@ -1,0 +1,233 @@
+"""`disco-clip data filter` (commands/data.py, data/curate/pipeline.py) on small shard sets whose scores the test
+chose: what is kept, against hand-computed lists; the output read back by tarfile, `data verify` and training's
+embedding lookup; byte-identical re-runs and resumes; every refusal in one line, exit 2."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tarfile
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from disco_clip_ds.commands.data import filter_main
+from disco_clip_ds.data.embeddings import EmbeddingStore, read_sidecar, shard_facts, sidecar_path, write_sidecar
+from disco_clip_ds.data.prep.verify import verify
+from disco_clip_ds.errors import run_main
+from disco_clip_ds.testing.images import write_shards
+
+from unit.data.curate.shardsets import TEACHER, embedded_shards
+
+# two shards of five: sample 4 (a sample data embed skipped) has no embedding
+COSINES = [0.3, 0.1, 0.29, 0.5, -0.2, 0.27, 0.9, 0.31, 0.0, 0.35]
+
+
+def _filter(*argv) -> int:
+    return run_main(filter_main, [str(a) for a in argv], "disco-clip data filter")
+
+
+def _keys(tar_path) -> list[str]:
+    with tarfile.open(tar_path) as tar:
+        return list(dict.fromkeys(m.name.split(".")[0] for m in tar.getmembers()))
+
+
+def _hashes(folder) -> dict[str, str]:
+    """sha256 of every file of an output folder but the resume state."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and ".filter" not in p.parts
+    }
+
+
+@pytest.fixture
+def shards(tmp_path):
+    embedded_shards(tmp_path / "in", 2, 5, cosines=COSINES, skip=(4,))
+    return tmp_path / "in"
+
+
+def test_the_score_threshold_keeps_the_hand_computed_samples(shards, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _filter("--shards", shards, "--output", out, "--clip_score_min", 0.28, "--samples_per_shard", 4) == 0
+    keys = [f"{s:05d}{i:04d}" for s in range(2) for i in range(s * 5, s * 5 + 5)]
+    kept = [keys[i] for i in (0, 2, 3, 6, 7, 9)]  # cosine >= 0.28, sample 4 never embedded
+    assert [_keys(out / "00000.tar"), _keys(out / "00001.tar")] == [kept[:4], kept[4:]]
+    assert json.loads((out / "sizes.json").read_text()) == {"00000.tar": 4, "00001.tar": 2}
+    report = verify(out)  # `data verify` reads the output as any shard set
+    assert report["broken"] == {} and report["samples"] == 6
+    summary = {"samples": 10, "kept": 6, "dropped": {"no_embedding": 1, "clip_score_min": 3}, "output_shards": 2}
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert (
+        "6 of 10 samples kept in 2 shards; dropped: 1 by no_embedding, 3 by clip_score_min" in capsys.readouterr().out
+    )
+    table = pq.read_table(out / "filter.parquet").to_pydict()
+    assert table["key"] == keys and table["shard"] == [str(shards / f"{s:05d}.tar") for s in range(2) for _ in range(5)]
+    expected = [c if i != 4 else None for i, c in enumerate(COSINES)]
+    assert [s if s is None else round(s, 5) for s in table["clip_score"]] == expected
+    dropped = [None, "clip_score_min", None, None, "no_embedding", "clip_score_min", None, None, "clip_score_min", None]
+    assert table["dropped_by"] == dropped and table["cluster"] == [None] * 10
+    store = EmbeddingStore(out, TEACHER)  # training distils from the output without embedding again
+    rows, image, _, _ = read_sidecar(sidecar_path(shards, str(shards / "00001.tar")))
+    assert torch.equal(store.lookup(str(out / "00001.tar"), kept[4])[0], image[rows[kept[4]]])
+
+
+def test_the_fraction_is_over_all_shards_with_ties_to_the_earliest(tmp_path):
+    cosines = [0.1, 0.5, 0.3, 0.5, 0.9, 0.5, 0.2, 0.5, 0.5, 0.0, 0.5, 0.4]
+    embedded_shards(tmp_path / "in", 3, 4, cosines=cosines, ties=True)  # the 0.5s are exactly equal scores
+    out = tmp_path / "out"
+    assert _filter("--shards", tmp_path / "in", "--output", out, "--keep_fraction", 0.5) == 0
+    keys = [f"{s:05d}{i:04d}" for s in range(3) for i in range(s * 4, s * 4 + 4)]
+    # k = 6: the 0.9, then the first five of the six 0.5s in input order (sample 10's is the one left out)
+    assert _keys(out / "00000.tar") == [keys[i] for i in (1, 3, 4, 5, 7, 8)]
+
+
+def test_two_rules_keep_what_both_keep_and_name_the_first_that_drops(shards, tmp_path):
+    out = tmp_path / "out"
+    assert _filter("--shards", shards, "--output", out, "--clip_score_min", 0.28, "--keep_fraction", 0.34) == 0
+    # 9 embedded samples, k = floor(0.34 x 9) = 3: cosines 0.9, 0.5, 0.35 (samples 6, 3, 9); all three are >= 0.28
+    table = pq.read_table(out / "filter.parquet").to_pydict()
+    assert [i for i, d in enumerate(table["dropped_by"]) if d is None] == [3, 6, 9]
+    assert table["dropped_by"][1] == "clip_score_min" and table["dropped_by"][0] == "keep_fraction"
+    assert json.loads((out / "summary.json").read_text())["dropped"] == {
+        "no_embedding": 1,
+        "clip_score_min": 3,
+        "keep_fraction": 3,
+    }
+
+
+def test_the_same_inputs_give_byte_identical_output_and_a_resume_redoes_only_what_is_missing(shards, tmp_path):
+    out = tmp_path / "out"
+    argv = ["--shards", shards, "--output", out, "--clip_score_min", 0.0, "--samples_per_shard", 3]
+    assert _filter(*argv) == 0
+    first = _hashes(out)
+    assert len([name for name in first if name.endswith(".tar")]) == 3
+    shutil.rmtree(out)
+    assert _filter(*argv) == 0
+    assert _hashes(out) == first
+    # a run killed while writing the second shard: its sidecar not yet written, a torn temporary file, no report
+    untouched = (out / "00000.tar").stat().st_mtime_ns
+    sidecar_path(out, str(out / "00001.tar")).unlink()
+    (out / ".00002.tar.tmp").write_bytes(b"torn")
+    (out / "00002.tar").unlink()
+    (out / "filter.parquet").unlink()
+    assert _filter(*argv) == 0
+    assert (out / "00000.tar").stat().st_mtime_ns == untouched  # complete and verified: not written again
+    assert _hashes(out) == first
+
+
+def _teacher(tmp_path, name="teacher"):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "clip", "name": name}))
+    return tmp_path / name
+
+
+def _refusal_setup(tmp_path, case) -> list:
+    """The arguments of a refusal case, with the files it needs written."""
+    from disco_clip_ds.data.embeddings import teacher_fingerprint
+
+    shards = tmp_path / "in"
+    urls = embedded_shards(shards, 2, 3)
+    base = ["--shards", shards, "--output", tmp_path / "out"]
+    if case == "missing_sidecar":
+        sidecar_path(shards, urls[1]).unlink()
+    elif case == "mixed_teachers":
+        embedded_shards(tmp_path / "other", 1, 3, teacher="0123456789abcdef")
+        base[1] = f"{shards}::{tmp_path / 'other'}"
+    elif case == "named_teacher":
+        base += ["--teacher", _teacher(tmp_path)]
+    elif case == "shard_changed":
+        write_shards(shards, 2, 40, seed=1)  # the shards written again: other sizes than their sidecars record
+    elif case == "stale_sidecar":  # the shards written again, of one size (tar pads to 10 KiB records), other keys
+        write_shards(shards, 2, 4, seed=1)
+        assert [len(read_sidecar(sidecar_path(shards, u))[0]) for u in urls] == [3, 3]
+    elif case == "copied_sidecar":
+        shutil.copy(sidecar_path(shards, urls[0]), sidecar_path(shards, urls[1]))
+    elif case == "foreign_key":
+        rows, image, text, meta = read_sidecar(sidecar_path(shards, urls[1]))
+        keys = sorted(rows, key=rows.get)
+        keys[0] = "not-in-the-shard"
+        write_sidecar(sidecar_path(shards, urls[1]), keys, image, text, {**meta, **shard_facts(urls[1])})
+    elif case == "target_teacher":
+        embedded_shards(tmp_path / "target", 1, 3, teacher="0123456789abcdef")
+        base += ["--target", tmp_path / "target", "--clusters", 2]
+    elif case == "other_arguments":
+        assert _filter(*base, "--clip_score_min", 0.1) == 0
+    elif case == "foreign_output":
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "notes.txt").write_text("mine")
+    if case in ("named_teacher",):
+        assert teacher_fingerprint(str(tmp_path / "teacher")) != TEACHER
+    return base
+
+
+REFUSALS = {
+    "no_rule": ([], "no rule given: pass --clip_score_min, --keep_fraction"),
+    "score_range": (["--clip_score_min", 1.5], "--clip_score_min 1.5: give a cosine between -1 and 1"),
+    "fraction_zero": (["--keep_fraction", 0], "--keep_fraction 0: give a fraction above 0 and at most 1"),
+    "fraction_above_one": (["--keep_fraction", 1.2], "--keep_fraction 1.2: give a fraction above 0"),
+    "target_without_clusters": (["--target", "x"], "--target and --clusters go together"),
+    "clusters_without_target": (["--clusters", 4], "--target and --clusters go together"),
+    "kmeans_sample": (["--target", "x", "--clusters", 4, "--kmeans_sample", 2], "--kmeans_sample 2: k-means needs"),
+    "threshold_without_dedup": (
+        ["--clip_score_min", 0, "--dedup_threshold", 4],
+        "--dedup_threshold: give --dedup or --dedup_against",
+    ),
+    "samples_per_shard": (["--clip_score_min", 0, "--samples_per_shard", 0], "--samples_per_shard and --processes"),
+    "remote_shards": (["--clip_score_min", 0, "--shards", "https://example.invalid/{0..1}.tar"], "local shards only"),
+    "missing_sidecar": (
+        ["--clip_score_min", 0],
+        "1 shard(s) without teacher embeddings, e.g. {in}/00001.tar (no 00001.",
+    ),
+    "mixed_teachers": (
+        ["--clip_score_min", 0],
+        "sidecars of 2 teachers (fingerprints 0123456789abcdef, f00dfeedf00dfeed)",
+    ),
+    "named_teacher": (
+        ["--clip_score_min", 0],
+        "the sidecars were made by another teacher (fingerprint f00dfeedf00dfeed",
+    ),
+    "shard_changed": (["--clip_score_min", 0], "in/00000.tar when it held 30720 bytes; it now holds"),
+    "copied_sidecar": (["--clip_score_min", 0], "00000.tar, not in/00001.tar: run `disco-clip data embed` for"),
+    "stale_sidecar": (["--clip_score_min", 0], "holds sample 000010003, which shard {in}/00001.tar does not"),
+    "foreign_key": (["--clip_score_min", 0], "holds sample not-in-the-shard, which shard {in}/00001.tar does not"),
+    "target_teacher": (
+        [],
+        "was made by another teacher (fingerprint 0123456789abcdef, not the shards' f00dfeedf00dfeed)",
+    ),
+    "other_arguments": (
+        ["--clip_score_min", 0.2],
+        "holds the output of a filter with other arguments (--clip_score_min",
+    ),
+    "foreign_output": (["--clip_score_min", 0], "holds files that are not a filter's output"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_each_refusal_is_one_line_and_exit_2(case, tmp_path, capsys):
+    base = _refusal_setup(tmp_path, case)
+    extra, message = REFUSALS[case]
+    argv = [*base, *extra]
+    if "--shards" in extra:  # the case's own shards replace the set's
+        argv = argv[2:]
+    capsys.readouterr()
+    assert _filter(*argv) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("disco-clip data filter: "), said
+    assert message.format(**{"in": tmp_path / "in"}) in said[0], said[0]
+
+
+def test_a_shard_without_sidecar_is_named_with_the_embed_command_that_makes_it(tmp_path, capsys):
+    urls = embedded_shards(tmp_path / "in", 2, 3)
+    sidecar_path(tmp_path / "in", urls[1]).unlink()
+    assert _filter("--shards", tmp_path / "in", "--output", tmp_path / "out", "--clip_score_min", 0) == 2
+    said = capsys.readouterr().err
+    assert f"run `disco-clip data embed --teacher tiny-teacher --shards '{urls[1]}'`" in said
+    emb = tmp_path / "emb"  # sidecars in their own folder: the command names it
+    shutil.copytree(tmp_path / "in", emb, ignore=shutil.ignore_patterns("*.tar"))
+    argv = ["--shards", tmp_path / "in", "--embeddings", emb, "--output", tmp_path / "out", "--clip_score_min", 0]
+    assert _filter(*argv) == 2
+    assert f"--shards '{urls[1]}' --output {emb}`" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written before the inputs are checked
