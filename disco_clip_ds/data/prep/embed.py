@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,6 +84,40 @@ def teacher_preprocessing(name_or_path: str, tokenizer_name: str | None, config)
     )
 
 
+@dataclass
+class Teacher:
+    """A teacher as data embed runs it: the model (eval mode, no gradients), its fingerprint, and its own view of a
+    sample (`teacher_preprocessing`)."""
+
+    name: str
+    model: torch.nn.Module
+    fingerprint: str
+    tokenizer: object
+    text_length: int
+    transform: ImageTransform
+    normalize: Normalize
+
+
+def load_teacher(teacher: str, tokenizer_name: str | None = None) -> Teacher:
+    """`teacher` (a CLIPModel or SiglipModel folder or hub id) checked (`teacher_config`), fingerprinted and built;
+    a UsageError in one line when it cannot be."""
+    from disco_clip_ds.models.build import build_model
+
+    teacher_config(teacher)
+    try:
+        fingerprint = teacher_fingerprint(teacher)
+    except (OSError, ValueError) as error:  # a hub id whose weights cannot be fetched
+        raise UsageError(f"--teacher {teacher}: its weights cannot be read ({str(error).splitlines()[0]})") from error
+    model = build_model(teacher).eval().requires_grad_(False)
+    tokenizer, length, transform, normalize = teacher_preprocessing(teacher, tokenizer_name, model.config)
+    return Teacher(teacher, model, fingerprint, tokenizer, length, transform, normalize)
+
+
+def sample_image(sample: dict) -> bytes | None:
+    """The encoded image of a webdataset sample (its first image extension), None when it has none."""
+    return next((sample[k] for k in IMAGE_EXTS if k in sample), None)
+
+
 def embed_shards(
     teacher: str, urls: list[str], out: str | None, batch_size: int = 64, tokenizer_name: str | None = None
 ) -> dict:
@@ -90,20 +125,13 @@ def embed_shards(
     into sidecars in OUT (default: beside each shard). Returns {"embedded": [...], "kept": [...], "skipped": n}:
     shards written, shards whose sidecar already verified for this teacher, samples without image or caption (the
     training stream skips those too)."""
-    from disco_clip_ds.models.build import build_model
-
     remote = [u for u in urls if is_url(u)]
     if remote:
         raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
     paths = _sidecar_paths(urls, out)
-    teacher_config(teacher)
-    try:
-        fingerprint = teacher_fingerprint(teacher)
-    except (OSError, ValueError) as error:  # a hub id whose weights cannot be fetched
-        raise UsageError(f"--teacher {teacher}: its weights cannot be read ({str(error).splitlines()[0]})") from error
-    model = build_model(teacher).eval().requires_grad_(False)
-    config = model.config
-    tokenizer, length, transform, normalize = teacher_preprocessing(teacher, tokenizer_name, config)
+    loaded = load_teacher(teacher, tokenizer_name)
+    model, fingerprint, config = loaded.model, loaded.fingerprint, loaded.model.config
+    tokenizer, length, transform, normalize = loaded.tokenizer, loaded.text_length, loaded.transform, loaded.normalize
     summary = {"embedded": [], "kept": [], "skipped": 0}
     for url, path in zip(urls, paths):
         if path.is_file() and _verifies(path, url, fingerprint):
@@ -114,7 +142,7 @@ def embed_shards(
         while batch := list(itertools.islice(samples, batch_size)):
             crops, captions = [], []
             for sample in batch:
-                image = next((sample[k] for k in IMAGE_EXTS if k in sample), None)
+                image = sample_image(sample)
                 text = next((sample[k] for k in TEXT_KEYS if k in sample), None)
                 try:
                     caption = text.decode("utf-8").strip() if text is not None else ""
