@@ -85,6 +85,16 @@ def check_target_teacher(target: str, fingerprint: str) -> None:
             )
 
 
+def check_reference(folder: str) -> None:
+    """A --dedup_against folder holds shards (its own or a CLIP_benchmark set's test/); else a UsageError."""
+    from disco_clip_ds.data.curate.sets import set_shards
+
+    try:
+        set_shards(folder)
+    except UsageError as error:
+        raise UsageError(f"--dedup_against {error}") from error
+
+
 def claim_output(output: Path, arguments: dict) -> None:
     """Make OUTPUT this filter's: a new or empty folder gets the arguments file; one holding the same arguments is
     resumed; one holding other arguments, or files without an arguments file, is refused in one line."""

@@ -99,6 +99,9 @@ def run_filter(cfg: FilterConfig) -> dict:
     sidecars, fingerprint = inputs.sidecars(urls, cfg.embeddings, cfg.teacher)
     for target in cfg.target:
         inputs.check_target_teacher(target, fingerprint)
+    targets = _targets(cfg) if cfg.target else None  # before any scan: a target that cannot be embedded is refused
+    for folder in cfg.dedup_against:
+        inputs.check_reference(folder)
     output = Path(cfg.output)
     inputs.claim_output(output, cfg.arguments())
     state = output / STATE
@@ -110,7 +113,7 @@ def run_filter(cfg: FilterConfig) -> dict:
         list(pool.imap(scan_shard, tasks))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
-        drops, assigned = decide(cfg, urls, sidecars, loaded, fingerprint, state, pool)
+        drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
         reason = first_rule(drops, len(loaded["scores"]))
         # 4. Write the output shards
         plan = reshard.plan_shards(np.flatnonzero(reason < 0), loaded["offsets"], cfg.samples_per_shard)
@@ -134,7 +137,7 @@ def run_filter(cfg: FilterConfig) -> dict:
     return summary
 
 
-def decide(cfg, urls, sidecars, loaded, fingerprint, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """{rule: mask of the samples it drops} and each sample's cluster (-1: not embedded; None without --target)."""
     embedded = loaded["embedded"]
     drops = {"no_embedding": ~embedded}
@@ -150,7 +153,7 @@ def decide(cfg, urls, sidecars, loaded, fingerprint, state, pool) -> tuple[dict[
         centres = _centres(cfg, sidecars, loaded, state)
         tasks = [(sidecar, rows, centres) for sidecar, rows in zip(sidecars, loaded["rows"])]
         assigned = np.concatenate(list(pool.imap(assign_shard, tasks)))
-        chosen = cl.target_clusters(centres, _targets(cfg))
+        chosen = cl.target_clusters(centres, targets)
         drops["target"] = embedded & ~cl.in_clusters(assigned, chosen)
     if cfg.fingerprints:
         _dedup_rules(cfg, loaded, drops)
@@ -179,6 +182,7 @@ def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
 
 
 def _targets(cfg: FilterConfig) -> np.ndarray:
+    """The target sets' embeddings (targets.py), stacked."""
     from disco_clip_ds.data.curate.targets import target_embeddings
 
     return np.concatenate([np.asarray(target_embeddings(t, cfg.teacher), np.float32) for t in cfg.target])

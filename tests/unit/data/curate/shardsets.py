@@ -11,7 +11,7 @@ import torch
 
 from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_sidecar
 from disco_clip_ds.data.streams.tar_samples import raw_samples
-from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.images import write_samples, write_shards
 
 TEACHER = "f00dfeedf00dfeed"  # a teacher fingerprint, as data embed records it
 
@@ -50,13 +50,19 @@ def embedded_shards(
     teacher: str = TEACHER,
     skip: tuple[int, ...] = (),
     ties: bool = False,
+    images: list[bytes] | None = None,
 ) -> list[str]:
     """`num_shards` shards in FOLDER with sidecars beside them; sample i (in input order) gets image row `image[i]`
     (default: random unit rows) and a text row at cosine `cosines[i]` (default: random in [-0.2, 0.5]). Samples whose
     global index is in `skip` get no row (as data embed skips a sample without caption). With `ties`, every image row
-    is e1 and equal cosines give exactly equal scores. Returns the shard paths."""
+    is e1 and equal cosines give exactly equal scores. `images`: the samples' encoded JPEGs (CLIP_benchmark-style keys
+    s00000, ...), instead of flat colours. Returns the shard paths."""
     rng = np.random.default_rng(seed)
-    urls = write_shards(folder, num_shards, per_shard, seed=seed)
+    if images is None:
+        urls = write_shards(folder, num_shards, per_shard, seed=seed)
+    else:
+        write_samples(folder, [{"jpg": data, "txt": f"image {i}"} for i, data in enumerate(images)], per_shard)
+        urls = [str(folder / f"{s:05d}.tar") for s in range(num_shards)]
     n = num_shards * per_shard
     image = unit_rows(rng, n, dim) if image is None else np.asarray(image, np.float64)
     cosines = rng.uniform(-0.2, 0.5, n) if cosines is None else np.asarray(cosines, np.float64)
@@ -81,3 +87,21 @@ def embedded_shards(
             meta,
         )
     return urls
+
+
+def smooth_jpeg(seed: int, size: int = 64, flip: bool = False, scale: float = 1.0, quality: int = 90) -> bytes:
+    """A JPEG of smooth random texture (8 x 8 noise upsampled): distinct images have distinct perceptual hashes, and
+    a flipped, resized or re-encoded one (`flip`, `scale`, `quality`) stays near its original."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
+    if flip:
+        image = ImageOps.mirror(image)
+    if scale != 1.0:
+        image = image.resize((round(size * scale), round(size * scale)), Image.BICUBIC)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=quality)
+    return buffer.getvalue()

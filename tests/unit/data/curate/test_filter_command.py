@@ -9,6 +9,7 @@ import json
 import shutil
 import tarfile
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -231,3 +232,52 @@ def test_a_shard_without_sidecar_is_named_with_the_embed_command_that_makes_it(t
     assert _filter(*argv) == 2
     assert f"--shards '{urls[1]}' --output {emb}`" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing written before the inputs are checked
+
+
+def _grouped_rows(groups: list[int], dim: int = 8, seed: int = 0) -> np.ndarray:
+    """Unit image rows near basis vector e_g for each sample's group g: clusters k-means finds, by construction."""
+    rng = np.random.default_rng(seed)
+    rows = np.eye(dim)[groups] + 0.05 * rng.standard_normal((len(groups), dim))
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def test_the_image_rule_keeps_the_clusters_the_target_points_at_and_intersects_with_the_score(tmp_path):
+    groups = [0, 1, 2, 1, 0, 2, 1, 1, 0, 2, 2, 1]
+    cosines = [0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3]
+    embedded_shards(tmp_path / "in", 2, 6, cosines=cosines, image=_grouped_rows(groups))
+    embedded_shards(tmp_path / "target", 1, 2, image=_grouped_rows([1, 1], seed=1), seed=1)  # its images near e1
+    out = tmp_path / "out"
+    argv = ["--shards", tmp_path / "in", "--target", tmp_path / "target", "--clusters", 3, "--output", out]
+    assert _filter(*argv) == 0
+    table = pq.read_table(out / "filter.parquet").to_pydict()
+    ones = [i for i, g in enumerate(groups) if g == 1]
+    assert [i for i, d in enumerate(table["dropped_by"]) if d is None] == ones
+    clusters = table["cluster"]  # k-means found the three groups: one cluster id per group
+    assert all((clusters[i] == clusters[j]) == (groups[i] == groups[j]) for i in range(12) for j in range(12))
+    both = tmp_path / "both"
+    assert _filter(*argv[:-1], both, "--clip_score_min", 0.2) == 0
+    kept = [d is None for d in pq.read_table(both / "filter.parquet").to_pydict()["dropped_by"]]
+    assert [i for i, k in enumerate(kept) if k] == [i for i in ones if cosines[i] >= 0.2]  # 3 dropped by its score
+
+
+def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path):
+    from unit.data.curate.shardsets import smooth_jpeg
+
+    images = [smooth_jpeg(i) for i in range(8)]
+    images[5] = smooth_jpeg(1, flip=True, quality=70)  # a flipped, re-encoded copy of sample 1
+    images[6] = images[2]  # an exact duplicate of sample 2
+    cosines = [0.3, 0.1, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3]
+    embedded_shards(tmp_path / "in", 2, 4, cosines=cosines, images=images)
+    from disco_clip_ds.testing.images import write_samples
+
+    evalset = [{"webp": smooth_jpeg(3, scale=0.9), "cls": b"0"}, {"webp": smooth_jpeg(100), "cls": b"1"}]
+    write_samples(tmp_path / "eval" / "test", evalset, per_shard=2)  # a CLIP_benchmark wds layout
+    out = tmp_path / "out"
+    argv = ["--shards", tmp_path / "in", "--output", out, "--dedup", "--dedup_against", tmp_path / "eval"]
+    assert _filter(*argv) == 0
+    table = pq.read_table(out / "filter.parquet").to_pydict()
+    assert table["dropped_by"] == [None, None, None, "dedup_against", None, "dedup", "dedup", None]
+    # with the score rule dropping sample 1, its flipped copy (5) is the first of its kind and is kept
+    assert _filter(*argv[:3], tmp_path / "scored", "--dedup", "--clip_score_min", 0.2) == 0
+    table = pq.read_table(tmp_path / "scored" / "filter.parquet").to_pydict()
+    assert table["dropped_by"] == [None, "clip_score_min", None, None, None, None, "dedup", None]
