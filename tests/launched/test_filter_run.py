@@ -1,0 +1,49 @@
+"""Launched: `disco-clip data filter` as a user runs it (its own process, a pool of workers): killed with SIGKILL at
+a named point between output shards (DISCO_FAULT kill_after_output), then re-run, it gives byte for byte the output
+of a run never killed; and --processes 2 gives the output of --processes 1."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import sys
+
+import pytest
+
+from disco_clip_ds.testing.launch import finish, start
+from unit.data.curate.shardsets import embedded_shards, smooth_jpeg
+
+
+def _outputs(folder) -> dict[str, str]:
+    """sha256 of every file of an output folder but the resume state."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and ".filter" not in p.parts
+    }
+
+
+def _run(tmp_path, out, processes: int, fault: str = "") -> int:
+    command = [sys.executable, "-m", "disco_clip_ds.commands.data", "filter", "--shards", str(tmp_path / "in")]
+    command += ["--output", str(out), "--keep_fraction", "0.75", "--dedup", "--samples_per_shard", "5"]
+    command += ["--processes", str(processes)]
+    return finish(start(command, tmp_path / "log.txt", DISCO_FAULT=fault), timeout=240, linger=10)
+
+
+@pytest.mark.slow  # spawns the filter and its workers four times
+def test_a_filter_killed_between_shards_resumes_to_the_same_bytes_at_any_processes(tmp_path):
+    images = [smooth_jpeg(i % 28) for i in range(32)]  # samples 28..31 repeat 0..3: exact copies for --dedup
+    embedded_shards(tmp_path / "in", 4, 8, images=images)
+    out = tmp_path / "out"
+    assert _run(tmp_path, out, 1) == 0, (tmp_path / "log.txt").read_text()
+    reference = _outputs(out)
+    assert sum(name.endswith(".tar") for name in reference) == 5  # 24 kept, then 0..3 copies among them dropped
+    shutil.rmtree(out)
+    assert _run(tmp_path, out, 2) == 0, (tmp_path / "log.txt").read_text()
+    assert _outputs(out) == reference
+    shutil.rmtree(out)
+    assert _run(tmp_path, out, 2, fault="kill_after_output:shard=1") == -signal.SIGKILL
+    assert (out / "00001.tar").is_file() and not (out / "summary.json").exists()
+    assert _run(tmp_path, out, 1) == 0, (tmp_path / "log.txt").read_text()
+    assert _outputs(out) == reference
