@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from disco_clip_ds.testing.launch import finish, start
+
 from unit.data.curate.shardsets import embedded_shards, smooth_jpeg
 
 

@@ -151,7 +151,7 @@ def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.nd
     assigned = None
     if cfg.target:
         centres = _centres(cfg, sidecars, loaded, state)
-        tasks = [(sidecar, rows, centres) for sidecar, rows in zip(sidecars, loaded["rows"])]
+        tasks = [(sidecar, scan, centres) for sidecar, scan in zip(sidecars, loaded["scans"])]
         assigned = np.concatenate(list(pool.imap(assign_shard, tasks)))
         chosen = cl.target_clusters(centres, targets)
         drops["target"] = embedded & ~cl.in_clusters(assigned, chosen)
@@ -199,7 +199,7 @@ def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path)
     sample = []
     for shard in np.unique(owners):
         image = read_sidecar(sidecars[shard])[1].numpy()
-        rows = loaded["rows"][shard][chosen[owners == shard] - loaded["offsets"][shard]]
+        rows = _scan_rows(loaded["scans"][shard])[chosen[owners == shard] - loaded["offsets"][shard]]
         sample.append(image[rows])
     centres = cl.train_centres(np.concatenate(sample), cfg.clusters, cfg.seed)
     _save_npy(path, centres)
@@ -235,15 +235,16 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     rows = np.array(rows, np.int64)
     values = np.full(len(keys), np.nan, np.float32)
     values[rows >= 0] = embedded_scores[rows[rows >= 0]]
-    arrays = {"keys": np.array(keys, dtype=str), "scores": values, "rows": rows, "stamp": stamp}
+    arrays = {"keys": _key_blob(keys), "scores": values, "rows": rows.astype(np.int32), "stamp": stamp}
     if with_fingerprints:
         arrays.update(_stack_fingerprints(prints))
     _save_npz(scan, arrays)
 
 
-def assign_shard(task: tuple[Path, np.ndarray, np.ndarray]) -> np.ndarray:
+def assign_shard(task: tuple[Path, Path, np.ndarray]) -> np.ndarray:
     """Each sample's nearest centre (-1 for a sample without embeddings), in shard order."""
-    sidecar, rows, centres = task
+    sidecar, scan, centres = task
+    rows = _scan_rows(scan)
     assigned = np.full(len(rows), -1, np.int32)
     image = read_sidecar(sidecar)[1].numpy()
     assigned[rows >= 0] = cl.nearest_centre(centres, image[rows[rows >= 0]])
@@ -256,7 +257,8 @@ def write_shard(task) -> tuple[str, int]:
     keys = []
     for _, _, scan, rows in pieces:
         with np.load(scan) as saved:
-            keys += saved["keys"][rows].tolist()
+            names = _keys(saved)
+        keys += [names[i] for i in rows]
     if not reshard.is_complete(path, keys, fingerprint):
         reshard.write_output_shard(path, [(url, sidecar, rows) for url, sidecar, _, rows in pieces])
     return path.name, len(keys)
@@ -288,22 +290,23 @@ def _stack_fingerprints(prints: list) -> dict:
 
 
 def _load_scans(scans: list[Path], with_fingerprints: bool) -> dict:
-    """The scans' scores, sidecar rows (per shard), offsets (each shard's first global row) and fingerprints; the
-    keys stay on disk until the report reads them a shard at a time."""
-    values, rows, digests, hashes = [], [], [], []
+    """The scans' scores (float32), embedded mask, sample counts, offsets (each shard's first global row) and
+    fingerprints; keys and sidecar rows stay on disk until a step reads them a shard at a time."""
+    values, embedded, digests, hashes = [], [], [], []
     for scan in scans:
         with np.load(scan) as saved:
             values.append(saved["scores"])
-            rows.append(saved["rows"])
+            embedded.append(saved["rows"] >= 0)
             if with_fingerprints:
                 digests.append(saved["digests"])
                 hashes.append(saved["hashes"])
     loaded = {
+        "scans": scans,
         "scores": np.concatenate(values),
-        "rows": rows,
-        "offsets": np.cumsum([0] + [len(r) for r in rows])[:-1],
+        "embedded": np.concatenate(embedded),
+        "counts": [len(v) for v in values],
+        "offsets": np.cumsum([0] + [len(v) for v in values])[:-1],
     }
-    loaded["embedded"] = np.concatenate(rows) >= 0
     if with_fingerprints:
         loaded["digests"], loaded["hashes"] = _concat_ragged(digests), _concat_ragged(hashes)
     return loaded
@@ -317,13 +320,30 @@ def _concat_ragged(parts: list[np.ndarray]) -> np.ndarray:
 
 def _write_report(path: Path, urls, scans, loaded, assigned, reason) -> None:
     writer = ReportWriter(path)
-    for url, scan, start, rows in zip(urls, scans, loaded["offsets"], loaded["rows"]):
-        end = start + len(rows)
+    for url, scan, start, count in zip(urls, scans, loaded["offsets"], loaded["counts"]):
+        end = start + count
         with np.load(scan) as saved:
-            keys = saved["keys"].tolist()
+            keys = _keys(saved)
         clusters = None if assigned is None else assigned[start:end]
         writer.add(url, keys, loaded["scores"][start:end], clusters, reason[start:end])
     writer.close()
+
+
+def _key_blob(keys: list[str]) -> np.ndarray:
+    """The keys as one UTF-8 blob, NUL-separated (no tar member name holds a NUL): a byte a character, where numpy's
+    str arrays take four."""
+    return np.frombuffer("\0".join(keys).encode(), np.uint8)
+
+
+def _keys(saved) -> list[str]:
+    blob = saved["keys"].tobytes().decode()
+    return blob.split("\0") if len(saved["scores"]) else []
+
+
+def _scan_rows(scan: Path) -> np.ndarray:
+    """A scan's sidecar row per sample (-1: not embedded), read when needed rather than held for every shard."""
+    with np.load(scan) as saved:
+        return saved["rows"]
 
 
 def _save_npz(path: Path, arrays: dict) -> None:
