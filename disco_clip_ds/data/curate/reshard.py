@@ -94,10 +94,10 @@ def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) ->
 def _kept_samples(url: str, wanted: list[int]):
     """The samples of `url` at the in-shard indices `wanted` (sorted), reading from the first one on (a local shard
     passes the members before it by their headers alone)."""
-    if not wanted:
+    if not len(wanted):
         return
-    want, last = set(wanted), wanted[-1]
-    for index, sample in enumerate(raw_samples(url, start=wanted[0]), start=wanted[0]):
+    want, first, last = set(np.asarray(wanted).tolist()), int(wanted[0]), int(wanted[-1])
+    for index, sample in enumerate(raw_samples(url, start=first), start=first):
         if index in want:
             yield sample
         if index >= last:
@@ -112,15 +112,16 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def plan_shards(kept: np.ndarray, offsets: np.ndarray, per_shard: int) -> list[list[tuple[int, list[int]]]]:
+def plan_shards(kept: np.ndarray, offsets: np.ndarray, per_shard: int) -> list[list[tuple[int, np.ndarray]]]:
     """The output shards of the kept global rows `kept` (sorted): for each, its pieces (input shard index, in-shard
-    indices), `per_shard` samples a shard, the last one shorter. `offsets[i]` is input shard i's first global row."""
+    indices as an int32 array: 4 bytes a kept sample, where lists of Python ints would take nine times that),
+    `per_shard` samples a shard, the last one shorter. `offsets[i]` is input shard i's first global row."""
     shards = []
     for start in range(0, len(kept), per_shard):
         rows = kept[start : start + per_shard]
         owners = np.searchsorted(offsets, rows, side="right") - 1
         pieces = []
         for shard in np.unique(owners):
-            pieces.append((int(shard), (rows[owners == shard] - offsets[shard]).tolist()))
+            pieces.append((int(shard), (rows[owners == shard] - offsets[shard]).astype(np.int32)))
         shards.append(pieces)
     return shards
