@@ -21,3 +21,13 @@ disco-clip data download --preset datacomp --url_list "$META" --output "$OUT" \
   --processes "$PROCESSES" --threads "$THREADS" --samples_per_shard 10000 \
   --timeout 10 --max_download_seconds 60 --retries 2
 disco-clip data verify "$OUT"
+
+# With TEACHER set, go on as DataComp's CLIP-score baseline does (docs/data.md, "Curation"): embed every shard once
+# with the teacher (the sidecars serve distillation too), then keep the best KEEP_FRACTION by CLIP score.
+#   TEACHER=openai/clip-vit-large-patch14 bash data_prep/datacomp.sh small     (DataComp's scoring model; one GPU)
+if [ -n "${TEACHER:-}" ]; then
+  FILTERED=${FILTERED:-data/datacomp_$SCALE/clip_score}
+  disco-clip data embed --teacher "$TEACHER" --shards "$OUT"
+  disco-clip data filter --shards "$OUT" --teacher "$TEACHER" --keep_fraction "${KEEP_FRACTION:-0.3}" \
+    --output "$FILTERED" --samples_per_shard 10000 --processes "$PROCESSES"
+fi
