@@ -281,3 +281,62 @@ def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path):
     assert _filter(*argv[:3], tmp_path / "scored", "--dedup", "--clip_score_min", 0.2) == 0
     table = pq.read_table(tmp_path / "scored" / "filter.parquet").to_pydict()
     assert table["dropped_by"] == [None, "clip_score_min", None, None, None, None, "dedup", None]
+
+
+def test_sidecars_in_their_own_folder_and_a_named_teacher_give_the_same_filter(tmp_path):
+    from disco_clip_ds.data.embeddings import teacher_fingerprint
+
+    teacher = _teacher(tmp_path)
+    urls = embedded_shards(tmp_path / "in", 2, 5, cosines=COSINES, teacher=teacher_fingerprint(str(teacher)))
+    emb = tmp_path / "emb"
+    emb.mkdir()
+    for url in urls:
+        sidecar = sidecar_path(tmp_path / "in", url)
+        sidecar.rename(emb / sidecar.name)  # the name depends on the shard alone: it serves from any folder
+    argv = ["--shards", tmp_path / "in", "--embeddings", emb, "--teacher", teacher, "--clip_score_min", 0.28]
+    assert _filter(*argv, "--output", tmp_path / "out") == 0
+    table = pq.read_table(tmp_path / "out" / "filter.parquet").to_pydict()
+    assert [i for i, d in enumerate(table["dropped_by"]) if d is None] == [0, 2, 3, 6, 7, 9]
+
+
+def test_the_kmeans_sample_and_seed_give_faiss_own_clusters_of_that_sample(tmp_path):
+    import faiss
+
+    from disco_clip_ds.data.curate.clusters import NITER
+
+    groups = [g % 4 for g in range(40)]
+    image = _grouped_rows(groups, seed=3)
+    embedded_shards(tmp_path / "in", 4, 10, image=image)
+    embedded_shards(tmp_path / "target", 1, 1, image=_grouped_rows([2], seed=4), seed=4)
+    argv = ["--shards", tmp_path / "in", "--target", tmp_path / "target", "--clusters", 4, "--kmeans_sample", 12]
+    assert _filter(*argv, "--seed", 5, "--output", tmp_path / "out") == 0
+    # the reference: numpy's Generator(5) draws 12 of the 40 rows, faiss.Kmeans trains on them, its index assigns
+    rows = np.sort(np.random.default_rng(5).choice(40, size=12, replace=False))
+    stored = np.concatenate([read_sidecar(p)[1].numpy() for p in sorted((tmp_path / "in").glob("*.safetensors"))])
+    kmeans = faiss.Kmeans(8, 4, niter=NITER, seed=5, verbose=False)
+    kmeans.train(stored[rows])
+    expected = kmeans.index.search(stored, 1)[1][:, 0]
+    table = pq.read_table(tmp_path / "out" / "filter.parquet").to_pydict()
+    assert table["cluster"] == expected.tolist()
+    target_cluster = kmeans.index.search(read_sidecar(next((tmp_path / "target").glob("*.safetensors")))[1].numpy(), 1)
+    kept = [i for i, d in enumerate(table["dropped_by"]) if d is None]
+    assert kept == [i for i in range(40) if expected[i] == target_cluster[1][0, 0]]
+
+
+def test_the_dedup_threshold_sets_how_near_a_copy_is(tmp_path):
+    from disco_clip_ds.data.curate.copies import hamming, image_fingerprint
+
+    from unit.data.curate.shardsets import smooth_jpeg
+
+    images = [smooth_jpeg(i) for i in range(4)]
+    images[2] = smooth_jpeg(0, scale=0.5, quality=20)  # sample 0 halved and re-encoded hard: some bits away
+    images[3] = images[1]  # an exact duplicate: 0 bits away, and the same bytes
+    distance = hamming(image_fingerprint(images[2])[1], image_fingerprint(images[0])[1]).min()
+    assert 0 < distance <= 10, distance
+    embedded_shards(tmp_path / "in", 1, 4, images=images)
+    argv = ["--shards", tmp_path / "in", "--dedup"]
+    assert _filter(*argv, "--output", tmp_path / "near", "--dedup_threshold", int(distance)) == 0
+    assert _filter(*argv, "--output", tmp_path / "exact", "--dedup_threshold", int(distance) - 1) == 0
+    near = pq.read_table(tmp_path / "near" / "filter.parquet").to_pydict()["dropped_by"]
+    exact = pq.read_table(tmp_path / "exact" / "filter.parquet").to_pydict()["dropped_by"]
+    assert near == [None, None, "dedup", "dedup"] and exact == [None, None, None, "dedup"]

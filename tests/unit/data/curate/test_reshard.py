@@ -69,6 +69,7 @@ def test_the_same_pieces_give_the_same_bytes_and_a_changed_shard_is_not_complete
 def test_the_plan_cuts_the_kept_rows_into_shards_of_pieces_by_hand():
     offsets = np.array([0, 4, 6])  # input shards of 4, 2 and 5 samples
     kept = np.array([1, 3, 4, 5, 7, 10])
+
     def plan(per_shard):
         return [[(shard, rows.tolist()) for shard, rows in pieces] for pieces in plan_shards(kept, offsets, per_shard)]
 
