@@ -2,10 +2,12 @@
 reference image (an eval set's) or of a training image before it, re-encoded, resized, slightly cropped or flipped?
 
 An image's fingerprint is the perceptual hash (`imagehash.phash`, 64 bits) of the image and of its horizontal
-mirror, so that a flipped copy matches its original. Two images are copies when the Hamming distance between the
-hash of one and either hash of the other is at most `threshold` bits. The search over the hashes is faiss's exact
-binary index (`IndexBinaryFlat`): memory holds the hashes alone, never the images. docs/data.md ("Dedup against
-eval sets") says why a perceptual hash rather than the CLIP teacher's embeddings, and how the default was measured.
+mirror, so that a flipped copy matches its original; a reference image's adds those of 9 windows cut a few per cent
+smaller (`WINDOWS`), so that a slightly cropped copy matches too. A training image is a copy when the Hamming
+distance between its hash and any of the other's is at most `threshold` bits. The search over the hashes is
+faiss's exact binary index (`IndexBinaryFlat`): memory holds the hashes alone, never the images. docs/data.md
+("Dedup against eval sets") says why a perceptual hash rather than the CLIP teacher's embeddings, and how the
+default was measured.
 """
 
 from __future__ import annotations
@@ -19,95 +21,111 @@ import numpy as np
 from disco_clip_ds.errors import DataError, UsageError
 
 HASH_SIZE = 8  # imagehash's default: an 8 x 8 block of the DCT, 64 bits
-HASH_BYTES = HASH_SIZE * HASH_SIZE // 8
-MAX_THRESHOLD = HASH_SIZE * HASH_SIZE // 2 - 1  # two unrelated images' hashes differ in about half their bits
-DEFAULT_THRESHOLD = 10  # measured: bench/data/README.md, "Dedup"
+HASH_BITS = HASH_SIZE * HASH_SIZE
+DEFAULT_THRESHOLD = 8  # measured: bench/data/README.md, "Dedup"
+# A reference image is also hashed through 9 windows of (1 - WINDOW_CUT) of its width and height, at the corners,
+# the edges' middles and the centre: a global hash moves with a crop's shift, and these meet a copy cut by a few
+# per cent from any side half way. The eval sets are small; their hashes, 20 per image, cost little.
+WINDOW_CUT = 0.06
+WINDOWS = [(x, y) for y in (0, WINDOW_CUT / 2, WINDOW_CUT) for x in (0, WINDOW_CUT / 2, WINDOW_CUT)]
+_ONE_THREAD_BELOW = 1 << 24  # hash comparisons: a few milliseconds on one core
 _CHUNK = 1024  # training hashes compared per step against those before them (`copies_within`)
 
 
-def check_threshold(value) -> int:
-    """`value` as a threshold in bits, or a one-line UsageError when it is not a whole number in range."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= MAX_THRESHOLD:
+def check_threshold(value, *, bits: int = HASH_BITS) -> int:
+    """`value` as a threshold in bits, or a one-line UsageError when it is not a whole number from 0 to below half
+    of `bits`: two unrelated images' hashes differ in about half their bits, so such a threshold matches anything."""
+    most = bits // 2 - 1
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= most:
         raise UsageError(
-            f"--dedup_threshold {value!r}: give a whole number of bits from 0 to {MAX_THRESHOLD} (Hamming distance "
-            f"between 64-bit perceptual hashes; default {DEFAULT_THRESHOLD})"
+            f"--dedup_threshold {value!r}: give a whole number of bits from 0 to {most} (the Hamming distance "
+            f"between {bits}-bit perceptual hashes that counts as a copy; default {DEFAULT_THRESHOLD})"
         )
     return int(value)
 
 
-def image_fingerprint(data: bytes) -> tuple[bytes, np.ndarray]:
-    """(content digest of the encoded bytes, the perceptual hashes of the image and of its horizontal mirror as a
-    (2, 8) uint8 array). Raises DataError when the bytes are not an image PIL can decode."""
+def image_fingerprint(data: bytes, *, windows: bool = False, hash_size: int = HASH_SIZE) -> tuple[bytes, np.ndarray]:
+    """(content digest of the encoded bytes, perceptual hashes as a uint8 array): the hashes of the image and of its
+    horizontal mirror, (2, 8) by default; with `windows`, then those of the WINDOWS crops of the image and their
+    mirrors, (2 + 2 * len(WINDOWS), 8): a reference image's, so that a slightly cropped copy matches one of them.
+    `hash_size` 16 makes 256-bit hashes (32 bytes each). Raises DataError when the bytes are not an image PIL can
+    decode."""
     import imagehash
     from PIL import Image, ImageOps
 
     try:
         image = Image.open(io.BytesIO(data))
-        image.draft("L", (4 * HASH_SIZE * 2, 4 * HASH_SIZE * 2))  # JPEG: decode at the smallest scale phash can use
+        image.draft("L", (8 * hash_size, 8 * hash_size))  # JPEG: decode at a scale of at least 2x phash's own input
         grey = image.convert("L")
     except Exception as error:  # PIL raises many kinds for bad bytes
         raise DataError(f"not a readable image ({type(error).__name__}: {error})") from None
-    hashes = [imagehash.phash(grey, hash_size=HASH_SIZE), imagehash.phash(ImageOps.mirror(grey), hash_size=HASH_SIZE)]
+    w, h = grey.size
+    views = [grey] + [grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
+                      for x, y in (WINDOWS if windows else ())]
+    hashes = [imagehash.phash(v, hash_size=hash_size) for view in views for v in (view, ImageOps.mirror(view))]
     packed = np.stack([np.packbits(h.hash.reshape(-1)) for h in hashes])
     return hashlib.blake2b(data, digest_size=16).digest(), packed
 
 
-def fingerprints(images: Iterable[bytes]) -> tuple[list[bytes], np.ndarray]:
-    """Digests and stacked hashes ((n, 2, 8) uint8) of `images`."""
-    digests, hashes = [], []
+def fingerprints(images: Iterable[bytes], *, windows: bool = False, hash_size: int = HASH_SIZE):
+    """(digests, stacked hashes (n, 2, 8) uint8, or (n, 20, 8) with `windows`) of `images`: `image_fingerprint`'s."""
+    rows = 2 + 2 * len(WINDOWS) * windows
+    digests, hashes = [], [np.zeros((0, rows, hash_size**2 // 8), np.uint8)]
     for data in images:
-        digest, hashed = image_fingerprint(data)
+        digest, hashed = image_fingerprint(data, windows=windows, hash_size=hash_size)
         digests.append(digest)
-        hashes.append(hashed)
-    return digests, np.stack(hashes) if hashes else np.zeros((0, 2, HASH_BYTES), np.uint8)
+        hashes.append(hashed[None])
+    return digests, np.concatenate(hashes)
 
 
-def reference_fingerprints(folders: list[str]) -> np.ndarray:
-    """The hashes ((n, 2, 8) uint8) of every image in `folders`: webdataset shards or CLIP_benchmark wds sets
-    (`sets.image_samples`). A folder that holds neither is a UsageError; an unreadable image is a DataError naming
-    its sample."""
+def reference_fingerprints(folders: list[str], *, windows: bool = True, hash_size: int = HASH_SIZE) -> np.ndarray:
+    """The hashes ((n, 20, 8) uint8: `image_fingerprint` with `windows`) of every image in `folders`: webdataset
+    shards or CLIP_benchmark wds sets (`sets.image_samples`). A folder that holds neither is a UsageError; an
+    unreadable image is a DataError naming its sample."""
     from disco_clip_ds.data.curate.sets import image_samples
 
-    hashes = [np.zeros((0, 2, HASH_BYTES), np.uint8)]
+    rows = 2 + 2 * len(WINDOWS) * windows
+    hashes = [np.zeros((0, rows, hash_size**2 // 8), np.uint8)]
     for folder in folders:
         for key, data in image_samples(folder):
             try:
-                hashes.append(image_fingerprint(data)[1][None])
+                hashes.append(image_fingerprint(data, windows=windows, hash_size=hash_size)[1][None])
             except DataError as error:
                 raise DataError(f"{folder}: sample {key}: {error}") from None
     return np.concatenate(hashes)
 
 
 def copies_of_reference(train: np.ndarray, reference: np.ndarray, threshold: int) -> np.ndarray:
-    """A bool per training fingerprint: its image's hash is within `threshold` bits of a reference image's hash or
-    of its mirror's."""
-    threshold = check_threshold(threshold)
+    """A bool per training fingerprint (`train`: (n, 2 or more, bytes)): its image's hash (the first) is within
+    `threshold` bits of any hash of a reference image (`reference`: (m, k, bytes), as `reference_fingerprints` makes
+    them: the image, its mirror, their windows)."""
     train, reference = _checked(train, "training"), _checked(reference, "reference")
+    threshold = check_threshold(threshold, bits=train.shape[2] * 8)
+    if train.shape[2] != reference.shape[2]:
+        raise ValueError(f"hashes of {train.shape[2] * 8} bits against hashes of {reference.shape[2] * 8} bits")
     if not len(train) or not len(reference):
         return np.zeros(len(train), bool)
-    index = _index(reference.reshape(-1, HASH_BYTES))
-    distance, _ = index.search(np.ascontiguousarray(train[:, 0]), 1)
-    return distance[:, 0] <= threshold
+    return _nearest(_index(reference.reshape(-1, reference.shape[2])), train[:, 0]) <= threshold
 
 
 def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np.ndarray:
     """A bool per training sample, in order: True when an earlier sample that is kept has the same digest (an exact
     duplicate) or is within `threshold` bits (a near copy, as `copies_of_reference` measures it). The first of each
     group of copies is kept; a sample that resembles only dropped samples is kept too."""
-    threshold = check_threshold(threshold)
-    train = _checked(train, "training")
+    train = _checked(train, "training")[:, :2]  # the image and its mirror: windows are for references
+    threshold = check_threshold(threshold, bits=train.shape[2] * 8)
     if len(digests) != len(train):
         raise ValueError(f"{len(digests)} digests for {len(train)} fingerprints")
     dropped, seen = np.zeros(len(train), bool), set()
     for i, digest in enumerate(digests):  # exact duplicates first: a digest is cheaper than a search
         dropped[i] = digest in seen
         seen.add(digest)
-    index = _index(np.zeros((0, HASH_BYTES), np.uint8))
+    index = _index(np.zeros((0, train.shape[2]), np.uint8))
     for start in range(0, len(train), _CHUNK):
         chunk = train[start : start + _CHUNK]
         dropped[start : start + len(chunk)] |= _chunk_copies(index, chunk, threshold, dropped[start : start + _CHUNK])
         kept = chunk[~dropped[start : start + len(chunk)]]
-        index.add(np.ascontiguousarray(kept.reshape(-1, HASH_BYTES)))
+        index.add(np.ascontiguousarray(kept.reshape(-1, kept.shape[2])))
     return dropped
 
 
@@ -116,8 +134,8 @@ def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -
     the chunk, decided in order since whether that one is kept depends on the samples before it."""
     dropped = exact.copy()
     if index.ntotal:
-        dropped |= index.search(np.ascontiguousarray(chunk[:, 0]), 1)[0][:, 0] <= threshold
-    near = hamming(chunk[:, 0], chunk.reshape(-1, HASH_BYTES)).reshape(len(chunk), len(chunk), 2).min(axis=2)
+        dropped |= _nearest(index, chunk[:, 0]) <= threshold
+    near = hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
     near = near <= threshold
     for i in range(len(chunk)):
         if not dropped[i]:
@@ -130,13 +148,27 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _BITS[a[:, None, :] ^ b[None, :, :]].sum(axis=2, dtype=np.int64)
 
 
-_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # set bits per byte (numpy < 2 has no bitwise_count)
+_BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # bits set per byte (numpy 1 has no bitwise_count)
+
+
+def _nearest(index, queries: np.ndarray) -> np.ndarray:
+    """The distance from each of `queries` to its nearest hash in `index`; a small search on one thread, since
+    OpenMP's start costs more than such a search (and far more on a busy machine, where threads wait their turn)."""
+    import faiss
+
+    threads = faiss.omp_get_max_threads()
+    if len(queries) * index.ntotal < _ONE_THREAD_BELOW:
+        faiss.omp_set_num_threads(1)
+    try:
+        return index.search(np.ascontiguousarray(queries), 1)[0][:, 0]
+    finally:
+        faiss.omp_set_num_threads(threads)
 
 
 def _index(hashes: np.ndarray):
     import faiss
 
-    index = faiss.IndexBinaryFlat(HASH_BYTES * 8)
+    index = faiss.IndexBinaryFlat(hashes.shape[1] * 8)
     if len(hashes):
         index.add(np.ascontiguousarray(hashes))
     return index
@@ -144,7 +176,7 @@ def _index(hashes: np.ndarray):
 
 def _checked(fingerprints: np.ndarray, what: str) -> np.ndarray:
     fingerprints = np.asarray(fingerprints)
-    if fingerprints.dtype != np.uint8 or fingerprints.shape[1:] != (2, HASH_BYTES):
-        raise ValueError(f"{what} fingerprints: expected uint8 (n, 2, {HASH_BYTES}), got {fingerprints.dtype} "
+    if fingerprints.dtype != np.uint8 or fingerprints.ndim != 3 or fingerprints.shape[1] < 2:
+        raise ValueError(f"{what} fingerprints: expected uint8 (n, 2 or more, bytes), got {fingerprints.dtype} "
                          f"{fingerprints.shape}")
     return fingerprints

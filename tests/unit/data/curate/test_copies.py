@@ -1,0 +1,167 @@
+"""The copy detector of `data filter --dedup_against` / `--dedup` (data/curate/copies.py): planted copies (re-encoded,
+resized, cropped, flipped) found and distinct images spared, exact duplicates and the first of each group kept, the
+threshold's refusal, and the faiss search against a brute-force Hamming distance in plain Python integers."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from disco_clip_ds.data.curate import copies
+from disco_clip_ds.data.curate.copies import (
+    DEFAULT_THRESHOLD,
+    check_threshold,
+    copies_of_reference,
+    copies_within,
+    fingerprints,
+    image_fingerprint,
+)
+from disco_clip_ds.errors import DataError, UsageError
+
+
+def _smooth_image(rng, size: int = 96):
+    """A random image of broad shapes (a 6 x 6 noise field, smoothly upscaled), as photos' low frequencies are."""
+    from PIL import Image
+
+    field = rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
+    return Image.fromarray(field).resize((size, size), Image.Resampling.BICUBIC)
+
+
+def _jpeg(image, quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _copies(image) -> list[bytes]:
+    from PIL import Image, ImageOps
+
+    w, h = image.size
+    return [
+        _jpeg(image, quality=60),
+        _jpeg(image.resize((round(w * 0.9), round(h * 0.9)), Image.Resampling.BICUBIC)),
+        _jpeg(image.resize((round(w * 1.1), round(h * 1.1)), Image.Resampling.BICUBIC)),
+        _jpeg(image.crop((1, 6, w - 7, h - 2))),  # 8 % of each side's length cut, off centre
+        _jpeg(ImageOps.mirror(image)),
+    ]
+
+
+def test_planted_copies_are_found_and_distinct_images_spared():
+    rng = np.random.default_rng(0)
+    originals = [_smooth_image(rng) for _ in range(20)]
+    reference = fingerprints([_jpeg(image) for image in originals], windows=True)[1]
+    planted = [copy for image in originals for copy in _copies(image)]
+    distinct = [_jpeg(_smooth_image(rng)) for _ in range(20)]
+    _, train = fingerprints(distinct + planted)
+    found = copies_of_reference(train, reference, DEFAULT_THRESHOLD)
+    assert found[20:].all(), np.flatnonzero(~found[20:])
+    assert not found[:20].any(), np.flatnonzero(found[:20])
+
+
+def test_fingerprint_holds_a_digest_and_the_mirror_hash():
+    from PIL import ImageOps
+
+    image = _smooth_image(np.random.default_rng(1))
+    digest, hashes = image_fingerprint(_png(image))
+    assert hashes.shape == (2, 8) and hashes.dtype == np.uint8
+    windowed = image_fingerprint(_png(image), windows=True)[1]
+    assert windowed.shape == (20, 8) and (windowed[:2] == hashes).all()
+    assert image_fingerprint(_jpeg(image), hash_size=16)[1].shape == (2, 32)
+    assert digest == image_fingerprint(_png(image))[0] != image_fingerprint(_jpeg(image))[0]
+    mirrored = image_fingerprint(_png(ImageOps.mirror(image)))[1]
+    assert (mirrored[0] == hashes[1]).all() and (mirrored[1] == hashes[0]).all()  # a lossless mirror: exact swap
+
+
+def test_unreadable_bytes_are_a_data_error():
+    with pytest.raises(DataError, match="not a readable image"):
+        image_fingerprint(b"not an image")
+
+
+def _random_hashes(rng, n: int, near_to: np.ndarray | None = None, flips: int = 0) -> np.ndarray:
+    """(n, 2, 8) random hashes, or `near_to`'s with `flips` random bits of each changed."""
+    if near_to is None:
+        return rng.integers(0, 256, (n, 2, 8), dtype=np.uint8)
+    bits = np.unpackbits(near_to.reshape(len(near_to), -1), axis=1)
+    for row in bits:
+        row[rng.choice(64, size=flips, replace=False)] ^= 1  # in the image's own hash (the first 64 bits)
+    return np.packbits(bits, axis=1).reshape(near_to.shape)
+
+
+def _distance(a: np.ndarray, b: np.ndarray) -> int:
+    return (int.from_bytes(a.tobytes(), "big") ^ int.from_bytes(b.tobytes(), "big")).bit_count()
+
+
+@pytest.mark.parametrize("threshold", [0, 3, 8, 14, 31])
+def test_copies_of_reference_agrees_with_brute_force(threshold):
+    rng = np.random.default_rng(threshold)
+    reference = np.concatenate([_random_hashes(rng, 30), _random_hashes(rng, 30)], axis=1)  # windows' rows too
+    near = [_random_hashes(rng, 0, reference[:10, :2], flips) for flips in (0, 5, 10)]
+    train = np.concatenate([_random_hashes(rng, 40), *near])
+    train[-3:, 0] = reference[-3:, 1]  # flipped copies: the image's hash is the reference's mirror hash
+    train[-6:-3, 0] = reference[-6:-3, 3]  # and some a window's
+    expected = [
+        min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train
+    ]
+    assert copies_of_reference(train, reference, threshold).tolist() == expected
+
+
+def _greedy(digests, train, threshold) -> list[bool]:
+    """The rule, one sample at a time: dropped when a kept earlier sample has its digest or is within threshold."""
+    kept, dropped = [], []
+    for digest, hashes in zip(digests, train):
+        copy = any(d == digest or min(_distance(hashes[0], h[s]) for s in (0, 1)) <= threshold for d, h in kept)
+        dropped.append(copy)
+        if not copy:
+            kept.append((digest, hashes))
+    return dropped
+
+
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_copies_within_agrees_with_the_rule_one_sample_at_a_time(monkeypatch, chunk):
+    monkeypatch.setattr(copies, "_CHUNK", chunk)  # across chunks and within one
+    rng = np.random.default_rng(chunk)
+    base = _random_hashes(rng, 12)
+    train = np.concatenate([base, _random_hashes(rng, 0, base, 4), _random_hashes(rng, 0, base, 12)])
+    train = train[rng.permutation(len(train))]
+    digests = [bytes([i % 30]) for i in range(len(train))]  # some digests repeat: exact duplicates
+    for threshold in (0, 6, 20):
+        assert copies_within(digests, train, threshold).tolist() == _greedy(digests, train, threshold)
+
+
+def test_exact_duplicates_and_the_first_in_order_kept():
+    rng = np.random.default_rng(3)
+    a, b = _jpeg(_smooth_image(rng)), _jpeg(_smooth_image(rng))
+    digests, train = fingerprints([a, b, a, _jpeg(_smooth_image(rng)), b])
+    assert copies_within(digests, train, 0).tolist() == [False, False, True, False, True]
+
+
+def test_a_copy_of_a_dropped_copy_is_kept():
+    """a ~ b ~ c with c far from a: b goes as a's copy, c stays (nothing kept resembles it)."""
+    bits = np.zeros((3, 128), np.uint8)
+    bits[1, :6] = 1  # b: 6 bits from a
+    bits[2, :12] = 1  # c: 6 bits from b, 12 from a
+    bits[:, 64:] = 255  # mirrors far from every image hash
+    train = np.packbits(bits, axis=1).reshape(3, 2, 8)
+    assert copies_within([b"a", b"b", b"c"], train, 6).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("value", [-1, 32, 2.5, True, "8", None])
+def test_threshold_out_of_range_is_one_line(value):
+    with pytest.raises(UsageError, match="--dedup_threshold") as raised:
+        check_threshold(value)
+    assert "\n" not in str(raised.value)
+    hashes = np.zeros((1, 2, 8), np.uint8)
+    with pytest.raises(UsageError):
+        copies_of_reference(hashes, hashes, value)
+
+
+def test_thresholds_in_range_are_accepted():
+    assert [check_threshold(v) for v in (0, DEFAULT_THRESHOLD, 31, np.int64(5))] == [0, DEFAULT_THRESHOLD, 31, 5]
