@@ -114,7 +114,7 @@ def embed_parser() -> argparse.ArgumentParser:
         description="Write a teacher's image and text embeddings of every sample of webdataset shards into a sidecar "
         "per shard (NAME.DIGEST.teacher.safetensors, DIGEST from the shard's absolute path; keyed by sample key, "
         "checksummed), for `disco-clip train --teacher MODEL --teacher_embeddings DIR`. Re-run the same command to "
-        "resume.",
+        "resume. Under torchrun (one rank per GPU; gloo ranks on CPU) rank r embeds shards r, r + N, ...",
     )
     p.add_argument("--teacher", required=True, help="CLIPModel or SiglipModel folder or hub id")
     p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
@@ -126,7 +126,7 @@ def embed_parser() -> argparse.ArgumentParser:
 
 def embed_main(argv: list[str] | None = None) -> int:
     """`disco-clip data embed --teacher MODEL --shards SPEC`: see `embed_parser`."""
-    from disco_clip_ds.data.prep.embed import embed_shards
+    from disco_clip_ds.data.prep.embed import embed_launched
     from disco_clip_ds.data.redact import describe_shards, describe_source
     from disco_clip_ds.data.shards import expand_shards, is_url, missing_shards
 
@@ -145,11 +145,12 @@ def embed_main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--shards {describe_shards(args.shards)}: {describe_source(missing[0])} does not exist")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
-    summary = embed_shards(args.teacher, urls, args.output, args.batch_size, args.tokenizer_name)
-    print(
-        f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
-        f"{summary['skipped']} sample(s) without image or caption skipped"
-    )
+    summary, rank = embed_launched(args.teacher, urls, args.output, args.batch_size, args.tokenizer_name)
+    if rank == 0:
+        print(
+            f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
+            f"{summary['skipped']} sample(s) without image or caption skipped"
+        )
     return 0
 
 

@@ -6,8 +6,10 @@ is one line (exit 2)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +26,11 @@ from disco_clip_ds.data.embeddings import (
     write_sidecar,
 )
 from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.shards import IMAGE_EXTS, is_url
+from disco_clip_ds.data.shards import IMAGE_EXTS, is_url, shard_sizes
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.transforms import ImageTransform, Normalize
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0
+from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
 TEXT_KEYS = ("txt", "text", "caption")
@@ -98,17 +101,23 @@ class Teacher:
     normalize: Normalize
 
 
-def load_teacher(teacher: str, tokenizer_name: str | None = None) -> Teacher:
-    """`teacher` (a CLIPModel or SiglipModel folder or hub id) checked (`teacher_config`), fingerprinted and built;
-    a UsageError in one line when it cannot be."""
-    from disco_clip_ds.models.build import build_model
-
+def checked_fingerprint(teacher: str) -> str:
+    """`teacher`'s fingerprint once its config is checked (`teacher_config`); a UsageError in one line when its
+    weights cannot be read. A hub id's files are fetched here (into the cache the model is then built from)."""
     teacher_config(teacher)
     try:
-        fingerprint = teacher_fingerprint(teacher)
+        return teacher_fingerprint(teacher)
     except (OSError, ValueError) as error:  # a hub id whose weights cannot be fetched
         raise UsageError(f"--teacher {teacher}: its weights cannot be read ({str(error).splitlines()[0]})") from error
-    model = build_model(teacher).eval().requires_grad_(False)
+
+
+def load_teacher(teacher: str, tokenizer_name: str | None = None, device: str | torch.device = "cpu") -> Teacher:
+    """`teacher` (a CLIPModel or SiglipModel folder or hub id) checked, fingerprinted (`checked_fingerprint`) and
+    built on `device`; a UsageError in one line when it cannot be."""
+    from disco_clip_ds.models.build import build_model
+
+    fingerprint = checked_fingerprint(teacher)
+    model = build_model(teacher).eval().requires_grad_(False).to(device)
     tokenizer, length, transform, normalize = teacher_preprocessing(teacher, tokenizer_name, model.config)
     return Teacher(teacher, model, fingerprint, tokenizer, length, transform, normalize)
 
@@ -119,70 +128,157 @@ def sample_image(sample: dict) -> bytes | None:
 
 
 def embed_shards(
-    teacher: str, urls: list[str], out: str | None, batch_size: int = 64, tokenizer_name: str | None = None
+    teacher: str,
+    urls: list[str],
+    out: str | None,
+    batch_size: int = 64,
+    tokenizer_name: str | None = None,
+    rank: int = 0,
+    world: int = 1,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Embed every sample of the local shards `urls` with `teacher` (a CLIPModel or SiglipModel folder or hub id)
     into sidecars in OUT (default: beside each shard). Returns {"embedded": [...], "kept": [...], "skipped": n}:
     shards written, shards whose sidecar already verified for this teacher, samples without image or caption (the
-    training stream skips those too)."""
+    training stream skips those too).
+
+    Rank `rank` of `world` embeds shards rank, rank + world, ... of `urls` (`embed_launched` runs every rank) and
+    shows a progress bar when it is rank 0."""
     remote = [u for u in urls if is_url(u)]
     if remote:
         raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
-    paths = _sidecar_paths(urls, out)
-    loaded = load_teacher(teacher, tokenizer_name)
-    model, fingerprint, config = loaded.model, loaded.fingerprint, loaded.model.config
-    tokenizer, length, transform, normalize = loaded.tokenizer, loaded.text_length, loaded.transform, loaded.normalize
+    paths = _sidecar_paths(urls, out)[rank::world]  # every shard's, so that one named twice is found on any rank
+    urls = urls[rank::world]
+    loaded = load_teacher(teacher, tokenizer_name, device)
     summary = {"embedded": [], "kept": [], "skipped": 0}
-    for url, path in zip(urls, paths):
-        if path.is_file() and _verifies(path, url, fingerprint):
-            summary["kept"].append(str(path))
-            continue
-        keys, images, texts = [], [], []
-        samples = raw_samples(url)
-        while batch := list(itertools.islice(samples, batch_size)):
-            crops, captions = [], []
-            for sample in batch:
-                image = sample_image(sample)
-                text = next((sample[k] for k in TEXT_KEYS if k in sample), None)
-                try:
-                    caption = text.decode("utf-8").strip() if text is not None else ""
-                    if image is None or not caption:
-                        raise ValueError("no image or no caption")
-                    crops.append(transform.from_bytes(image, None))
-                except Exception as error:  # as the training stream: skipped, counted, said
-                    summary["skipped"] += 1
-                    logger.warning("skipping sample %s of %s: %s", sample["__key__"], describe_source(url), error)
-                    continue
-                captions.append(caption)
-                keys.append(sample["__key__"])
-            if not crops:
+    with _progress(urls, rank, world) as bar:
+        for url, path in zip(urls, paths):
+            if path.is_file() and _verifies(path, url, loaded.fingerprint):
+                summary["kept"].append(str(path))
+                bar.update(_recorded_size(url))
                 continue
-            tokens = tokenizer(captions, padding="max_length", truncation=True, max_length=length, return_tensors="pt")
-            with torch.no_grad():
-                outputs = model(
-                    input_ids=tokens["input_ids"],
-                    attention_mask=tokens.get("attention_mask"),
-                    pixel_values=normalize(crops),
-                    return_loss=False,
-                    return_logits=False,
-                )
-            images.append(outputs.image_embeds.float())
-            texts.append(outputs.text_embeds.float())
-        if not keys:
-            raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
-        params = model.logit_params()
-        meta = {
-            "teacher": fingerprint,
-            "teacher_name": teacher,
-            "model_type": config.model_type,
-            "logit_scale": repr(float(params[0])),
-            "logit_bias": repr(float(params[1])) if len(params) > 1 else "",
-            **shard_facts(url),
-        }
-        write_sidecar(path, keys, torch.cat(images), torch.cat(texts), meta)
-        summary["embedded"].append(str(path))
-        logger.info("%s: %d samples embedded", path, len(keys))
+            summary["skipped"] += _embed_shard(loaded, url, path, batch_size, bar)
+            summary["embedded"].append(str(path))
     return summary
+
+
+def _embed_shard(loaded: Teacher, url: str, path: Path, batch_size: int, bar) -> int:
+    """Write shard `url`'s sidecar at PATH; returns the samples skipped (no image or caption, or undecodable)."""
+    keys, images, texts, skipped = [], [], [], 0
+    device = next(loaded.model.parameters()).device
+    samples = raw_samples(url)
+    while batch := list(itertools.islice(samples, batch_size)):
+        crops, captions = [], []
+        for sample in batch:
+            image = sample_image(sample)
+            text = next((sample[k] for k in TEXT_KEYS if k in sample), None)
+            try:
+                caption = text.decode("utf-8").strip() if text is not None else ""
+                if image is None or not caption:
+                    raise ValueError("no image or no caption")
+                crops.append(loaded.transform.from_bytes(image, None))
+            except Exception as error:  # as the training stream: skipped, counted, said
+                skipped += 1
+                logger.warning("skipping sample %s of %s: %s", sample["__key__"], describe_source(url), error)
+                continue
+            captions.append(caption)
+            keys.append(sample["__key__"])
+        bar.update(len(batch))
+        if not crops:
+            continue
+        tokens = loaded.tokenizer(
+            captions, padding="max_length", truncation=True, max_length=loaded.text_length, return_tensors="pt"
+        )
+        with torch.no_grad():
+            outputs = loaded.model(
+                input_ids=tokens["input_ids"].to(device),
+                attention_mask=tokens["attention_mask"].to(device) if "attention_mask" in tokens else None,
+                pixel_values=loaded.normalize(crops).to(device),
+                return_loss=False,
+                return_logits=False,
+            )
+        images.append(outputs.image_embeds.float().cpu())
+        texts.append(outputs.text_embeds.float().cpu())
+    if not keys:
+        raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
+    params = loaded.model.logit_params()
+    meta = {
+        "teacher": loaded.fingerprint,
+        "teacher_name": loaded.name,
+        "model_type": loaded.model.config.model_type,
+        "logit_scale": repr(float(params[0])),
+        "logit_bias": repr(float(params[1])) if len(params) > 1 else "",
+        **shard_facts(url),
+    }
+    write_sidecar(path, keys, torch.cat(images), torch.cat(texts), meta)
+    logger.info("%s: %d samples embedded", path, len(keys))
+    return skipped
+
+
+def _recorded_size(url: str) -> int:
+    try:
+        return shard_sizes([url])[url]
+    except ValueError:
+        return 0
+
+
+def _progress(urls: list[str], rank: int, world: int):
+    """Rank 0's bar over its own samples (their count from sizes.json, when recorded), with samples/s; the other
+    ranks' bars are off (one bar per rank would interleave on one terminal)."""
+    from tqdm.auto import tqdm
+
+    try:
+        total = sum(shard_sizes(urls).values())
+    except ValueError:
+        total = None
+    what = f"embedding (rank 0 of {world})" if world > 1 else "embedding"
+    return tqdm(total=total, desc=what, unit=" samples", disable=rank != 0, dynamic_ncols=True)
+
+
+def embed_launched(
+    teacher: str, urls: list[str], out: str | None, batch_size: int = 64, tokenizer_name: str | None = None
+) -> tuple[dict, int]:
+    """`embed_shards` on every rank of a torchrun launch (its RANK, WORLD_SIZE, LOCAL_RANK; one rank per GPU, on the
+    GPU of its LOCAL_RANK; gloo ranks on CPU), or in this one process when not launched. Returns (every rank's
+    summary merged, this rank). The teacher is checked and fetched on rank 0 first; an error on any rank is raised
+    on every rank, after all have finished (a rank that stopped early would leave the others waiting)."""
+    rank, world, local = (int(os.environ.get(name, default)) for name, default in _LAUNCH)
+    device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    with _process_group(world, device):
+        decided_on_rank0(lambda: checked_fingerprint(teacher))
+        try:
+            outcome = ("ok", embed_shards(teacher, urls, out, batch_size, tokenizer_name, rank, world, device))
+        except DiscoClipError as error:
+            outcome = ("error", error)
+        outcomes = all_gathered(outcome)
+    errors = [value for kind, value in outcomes if kind == "error"]
+    if errors:
+        raise errors[0]
+    merged = {"embedded": [], "kept": [], "skipped": 0}
+    for _, summary in outcomes:
+        for name in merged:
+            merged[name] += summary[name]
+    return merged, rank
+
+
+_LAUNCH = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))  # torchrun's variables, and their values alone
+
+
+@contextlib.contextmanager
+def _process_group(world: int, device: torch.device):
+    """A process group of `world` ranks for the duration (NCCL on GPUs, gloo on CPU); nothing for one rank."""
+    import torch.distributed as dist
+
+    if world <= 1 or dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _sidecar_paths(urls: list[str], out: str | None) -> list[Path]:
