@@ -169,10 +169,8 @@ def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
     embedded, hashes = loaded["embedded"], loaded["hashes"]
     if cfg.dedup_against:
         reference = copies.reference_fingerprints(list(cfg.dedup_against))
-        rows = np.flatnonzero(embedded)
-        copy = np.zeros(len(embedded), bool)
-        copy[rows] = copies.copies_of_reference(hashes[rows], reference, threshold)
-        drops["dedup_against"] = copy
+        # a sample without embeddings has no fingerprint (zeros): searched, but never counted, so no copy is made
+        drops["dedup_against"] = embedded & copies.copies_of_reference(hashes, reference, threshold)
     if cfg.dedup:
         candidates = np.flatnonzero(~np.logical_or.reduce(list(drops.values())))
         digests = [loaded["digests"][i].tobytes() for i in candidates]
@@ -193,14 +191,17 @@ def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path)
     path = state / f"centres-{cfg.clusters}-{cfg.kmeans_sample}-{cfg.seed}.npy"
     if path.is_file():
         return np.load(path)
-    embedded = np.flatnonzero(loaded["embedded"])
-    chosen = embedded[cl.sample_rows(len(embedded), cfg.kmeans_sample, cfg.seed)]
-    owners = np.searchsorted(loaded["offsets"], chosen, side="right") - 1
+    # the sample is drawn among the embedded samples in input order; the k-th embedded sample of a shard is the one
+    # of its k-th embedded key, so no array over every sample is made to find the sidecar rows
+    per_shard = np.array([int(np.count_nonzero(_scan_rows(scan) >= 0)) for scan in loaded["scans"]])
+    starts = np.cumsum(per_shard) - per_shard
+    chosen = cl.sample_rows(int(per_shard.sum()), cfg.kmeans_sample, cfg.seed)
+    owners = np.searchsorted(starts, chosen, side="right") - 1
     sample = []
     for shard in np.unique(owners):
         image = read_sidecar(sidecars[shard])[1].numpy()
-        rows = _scan_rows(loaded["scans"][shard])[chosen[owners == shard] - loaded["offsets"][shard]]
-        sample.append(image[rows])
+        rows = _scan_rows(loaded["scans"][shard])
+        sample.append(image[rows[rows >= 0][chosen[owners == shard] - starts[shard]]])
     centres = cl.train_centres(np.concatenate(sample), cfg.clusters, cfg.seed)
     _save_npy(path, centres)
     return centres
