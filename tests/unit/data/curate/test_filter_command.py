@@ -176,6 +176,10 @@ REFUSALS = {
         ["--clip_score_min", 0, "--dedup_threshold", 4],
         "--dedup_threshold: give --dedup or --dedup_against",
     ),
+    "dedup_threshold_range": (
+        ["--dedup", "--dedup_threshold", 40],
+        "--dedup_threshold 40: give a whole number of bits",
+    ),
     "samples_per_shard": (["--clip_score_min", 0, "--samples_per_shard", 0], "--samples_per_shard and --processes"),
     "remote_shards": (["--clip_score_min", 0, "--shards", "https://example.invalid/{0..1}.tar"], "local shards only"),
     "missing_sidecar": (
