@@ -154,6 +154,9 @@ def _refusal_setup(tmp_path, case) -> list:
     elif case == "target_teacher":
         embedded_shards(tmp_path / "target", 1, 3, teacher="0123456789abcdef")
         base += ["--target", tmp_path / "target", "--clusters", 2]
+    elif case == "class_names_without_teacher":
+        (tmp_path / "classes.txt").write_text("zero\none\n")
+        base += ["--target", tmp_path / "classes.txt", "--clusters", 2]
     elif case == "other_arguments":
         assert _filter(*base, "--clip_score_min", 0.1) == 0
     elif case == "foreign_output":
@@ -202,6 +205,7 @@ REFUSALS = {
         [],
         "was made by another teacher (fingerprint 0123456789abcdef, not the shards' f00dfeedf00dfeed)",
     ),
+    "class_names_without_teacher": ([], "classes.txt: its class names must be embedded: give the teacher"),
     "other_arguments": (
         ["--clip_score_min", 0.2],
         "holds the output of a filter with other arguments (--clip_score_min",
@@ -222,6 +226,8 @@ def test_each_refusal_is_one_line_and_exit_2(case, tmp_path, capsys):
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("disco-clip data filter: "), said
     assert message.format(**{"in": tmp_path / "in"}) in said[0], said[0]
+    if case not in ("other_arguments", "foreign_output", "foreign_key", "stale_sidecar"):  # found when scanning
+        assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_a_shard_without_sidecar_is_named_with_the_embed_command_that_makes_it(tmp_path, capsys):
