@@ -350,3 +350,36 @@ def test_the_dedup_threshold_sets_how_near_a_copy_is(tmp_path):
     near = pq.read_table(tmp_path / "near" / "filter.parquet").to_pydict()["dropped_by"]
     exact = pq.read_table(tmp_path / "exact" / "filter.parquet").to_pydict()["dropped_by"]
     assert near == [None, None, "dedup", "dedup"] and exact == [None, None, None, "dedup"]
+
+
+@pytest.mark.slow  # builds a tiny teacher, embeds 18 samples and 3 class names
+def test_a_real_teacher_embed_then_filter_with_a_class_name_target(tmp_path):
+    """End to end as a user runs it: `data embed` with a teacher, then `data filter --teacher` with the best half by
+    CLIP score intersected with a class-name target; the scores are the float64 cosines of the stored rows."""
+    from disco_clip_ds.commands.data import embed_main
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
+
+    torch.manual_seed(0)
+    teacher = tmp_path / "teacher"
+    build_model(model_config=str(TINY_CONFIG)).save_pretrained(teacher)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a teacher folder with its tokenizer, as a hub model's
+        shutil.copy(TOKENIZER_DIR / name, teacher / name)
+    urls = write_shards(tmp_path / "in", 3, 6)
+    assert run_main(embed_main, ["--teacher", str(teacher), "--shards", str(tmp_path / "in")], "embed") == 0
+    (tmp_path / "classes.txt").write_text("zero\none\ntwo\n")
+    out = tmp_path / "out"
+    argv = ["--shards", tmp_path / "in", "--teacher", teacher, "--keep_fraction", 0.5, "--output", out]
+    assert _filter(*argv, "--target", tmp_path / "classes.txt", "--clusters", 3) == 0
+    image, text = (
+        np.concatenate([read_sidecar(sidecar_path(tmp_path / "in", u))[i].numpy().astype(np.float64) for u in urls])
+        for i in (1, 2)
+    )
+    cosines = np.sum(image * text, 1) / np.linalg.norm(image, axis=1) / np.linalg.norm(text, axis=1)
+    table = pq.read_table(out / "filter.parquet").to_pydict()
+    np.testing.assert_allclose(table["clip_score"], cosines, atol=1e-6)
+    best = set(np.argsort(-cosines, kind="stable")[:9].tolist())  # floor(0.5 x 18)
+    by_target = {i for i, d in enumerate(table["dropped_by"]) if d != "target"}
+    kept = [i for i, d in enumerate(table["dropped_by"]) if d is None]
+    assert kept == sorted(best & by_target) and set(table["cluster"]) <= {0, 1, 2}
+    assert sum(json.loads((out / "sizes.json").read_text()).values()) == len(kept)
