@@ -69,3 +69,22 @@ def test_hold_after_writes_the_pid_and_stops_the_worker(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow  # two interpreters started
+def test_kill_after_output_kills_the_filter_and_its_workers_at_its_shard_only(tmp_path):
+    worker = "import multiprocessing, time; w = multiprocessing.Process(target=time.sleep, args=(60,)); w.start()"
+    worker += f"; open({str(tmp_path / 'worker.pid')!r}, 'w').write(str(w.pid))"
+    assert _point(f"{worker}; faults.after_output_shard(0); w.terminate()", "kill_after_output:shard=1").wait(60) == 0
+    killed = _point(f"{worker}; faults.after_output_shard(1)", "kill_after_output:shard=1")
+    assert killed.wait(timeout=60) == -signal.SIGKILL
+    pid, deadline = int((tmp_path / "worker.pid").read_text()), time.monotonic() + 10
+    while time.monotonic() < deadline:  # the orphaned worker, killed too, is reaped by init
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the worker outlived the filter")
