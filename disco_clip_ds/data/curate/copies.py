@@ -116,10 +116,7 @@ def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np
     threshold = check_threshold(threshold, bits=train.shape[2] * 8)
     if len(digests) != len(train):
         raise ValueError(f"{len(digests)} digests for {len(train)} fingerprints")
-    dropped, seen = np.zeros(len(train), bool), set()
-    for i, digest in enumerate(digests):  # exact duplicates first: a digest is cheaper than a search
-        dropped[i] = digest in seen
-        seen.add(digest)
+    dropped = _repeated(digests)  # exact duplicates first: a digest is cheaper than a search
     index = _index(np.zeros((0, train.shape[2]), np.uint8))
     for start in range(0, len(train), _CHUNK):
         chunk = train[start : start + _CHUNK]
@@ -129,13 +126,26 @@ def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np
     return dropped
 
 
+def _repeated(digests: list[bytes]) -> np.ndarray:
+    """True for each digest equal to one before it; one array of the digests' bytes, not a set of Python objects."""
+    repeated = np.zeros(len(digests), bool)
+    if digests:
+        width = len(digests[0])
+        if any(len(d) != width for d in digests):
+            raise ValueError("digests of different lengths: give those of image_fingerprint")
+        rows = np.frombuffer(b"".join(digests), np.uint8).reshape(len(digests), width)
+        repeated[:] = True
+        repeated[np.unique(rows, axis=0, return_index=True)[1]] = False  # np.unique's index: the first occurrence
+    return repeated
+
+
 def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -> np.ndarray:
     """Which of `chunk` are copies of a kept sample: one in `index` (those before the chunk), or one before it in
     the chunk, decided in order since whether that one is kept depends on the samples before it."""
     dropped = exact.copy()
     if index.ntotal:
         dropped |= _nearest(index, chunk[:, 0]) <= threshold
-    near = hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
+    near = _hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
     near = near <= threshold
     for i in range(len(chunk)):
         if not dropped[i]:
@@ -143,7 +153,7 @@ def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -
     return dropped
 
 
-def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Hamming distances (int) between each packed hash of `a` (n, bytes) and each of `b` (m, bytes)."""
     return _BITS[a[:, None, :] ^ b[None, :, :]].sum(axis=2, dtype=np.int64)
 
