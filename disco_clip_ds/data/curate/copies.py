@@ -60,8 +60,10 @@ def image_fingerprint(data: bytes, *, windows: bool = False, hash_size: int = HA
     except Exception as error:  # PIL raises many kinds for bad bytes
         raise DataError(f"not a readable image ({type(error).__name__}: {error})") from None
     w, h = grey.size
-    views = [grey] + [grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
-                      for x, y in (WINDOWS if windows else ())]
+    views = [grey] + [
+        grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
+        for x, y in (WINDOWS if windows else ())
+    ]
     hashes = [imagehash.phash(v, hash_size=hash_size) for view in views for v in (view, ImageOps.mirror(view))]
     packed = np.stack([np.packbits(h.hash.reshape(-1)) for h in hashes])
     return hashlib.blake2b(data, digest_size=16).digest(), packed
@@ -187,6 +189,7 @@ def _index(hashes: np.ndarray):
 def _checked(fingerprints: np.ndarray, what: str) -> np.ndarray:
     fingerprints = np.asarray(fingerprints)
     if fingerprints.dtype != np.uint8 or fingerprints.ndim != 3 or fingerprints.shape[1] < 2:
-        raise ValueError(f"{what} fingerprints: expected uint8 (n, 2 or more, bytes), got {fingerprints.dtype} "
-                         f"{fingerprints.shape}")
+        raise ValueError(
+            f"{what} fingerprints: expected uint8 (n, 2 or more, bytes), got {fingerprints.dtype} {fingerprints.shape}"
+        )
     return fingerprints

@@ -107,9 +107,7 @@ def test_copies_of_reference_agrees_with_brute_force(threshold):
     train = np.concatenate([_random_hashes(rng, 40), *near])
     train[-3:, 0] = reference[-3:, 1]  # flipped copies: the image's hash is the reference's mirror hash
     train[-6:-3, 0] = reference[-6:-3, 3]  # and some a window's
-    expected = [
-        min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train
-    ]
+    expected = [min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train]
     assert copies_of_reference(train, reference, threshold).tolist() == expected
 
 
