@@ -147,7 +147,7 @@ def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -
     dropped = exact.copy()
     if index.ntotal:
         dropped |= _nearest(index, chunk[:, 0]) <= threshold
-    near = _hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
+    near = hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
     near = near <= threshold
     for i in range(len(chunk)):
         if not dropped[i]:
@@ -155,7 +155,7 @@ def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -
     return dropped
 
 
-def _hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Hamming distances (int) between each packed hash of `a` (n, bytes) and each of `b` (m, bytes)."""
     return _BITS[a[:, None, :] ^ b[None, :, :]].sum(axis=2, dtype=np.int64)
 
