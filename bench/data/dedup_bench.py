@@ -153,10 +153,18 @@ def rows_for(name: str, detector: str, found_by: dict, kinds: np.ndarray, n_othe
     rows = []
     for threshold, hit in found_by.items():
         other, planted = hit[:n_other], hit[n_other:]
-        row = {"set": name, "detector": detector, "threshold": threshold, "planted": len(planted),
-               "eval_images": n_planted, "others": n_other,
-               "found": round(float(planted.mean()), 4), "found_count": int(planted.sum()),
-               "false": round(float(other.mean()), 5), "false_count": int(other.sum())}
+        row = {
+            "set": name,
+            "detector": detector,
+            "threshold": threshold,
+            "planted": len(planted),
+            "eval_images": n_planted,
+            "others": n_other,
+            "found": round(float(planted.mean()), 4),
+            "found_count": int(planted.sum()),
+            "false": round(float(other.mean()), 5),
+            "false_count": int(other.sum()),
+        }
         row["found_issue"] = round(float(planted[np.isin(kinds, ISSUE_KINDS)].mean()), 4)
         row.update({f"found_{k}": round(float(planted[kinds == k].mean()), 4) for k in KINDS})
         rows.append(row)
@@ -204,9 +212,11 @@ def main(argv=None) -> None:
     rows += measure("photos", *photo_set(args.photo_eval, args.photo_train, args.seed), args)
     for row in rows:
         kinds = " ".join(f"{k} {row[f'found_{k}']:.2f}" for k in KINDS)
-        print(f"{row['set']:6s} {row['detector']:14s} {row['threshold']:>6} found {row['found']:.3f} "
-              f"({row['found_issue']:.3f} of the issue's kinds) "
-              f"false {row['false']:.4f} ({row['false_count']}/{row['others']})  {kinds}")
+        print(
+            f"{row['set']:6s} {row['detector']:14s} {row['threshold']:>6} found {row['found']:.3f} "
+            f"({row['found_issue']:.3f} of the issue's kinds) "
+            f"false {row['false']:.4f} ({row['false_count']}/{row['others']})  {kinds}"
+        )
     print(write_rows(args.csv, rows, rounds=1))
 
 

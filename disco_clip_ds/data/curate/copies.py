@@ -60,8 +60,10 @@ def image_fingerprint(data: bytes, *, windows: bool = False, hash_size: int = HA
     except Exception as error:  # PIL raises many kinds for bad bytes
         raise DataError(f"not a readable image ({type(error).__name__}: {error})") from None
     w, h = grey.size
-    views = [grey] + [grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
-                      for x, y in (WINDOWS if windows else ())]
+    views = [grey] + [
+        grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
+        for x, y in (WINDOWS if windows else ())
+    ]
     hashes = [imagehash.phash(v, hash_size=hash_size) for view in views for v in (view, ImageOps.mirror(view))]
     packed = np.stack([np.packbits(h.hash.reshape(-1)) for h in hashes])
     return hashlib.blake2b(data, digest_size=16).digest(), packed
@@ -116,10 +118,7 @@ def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np
     threshold = check_threshold(threshold, bits=train.shape[2] * 8)
     if len(digests) != len(train):
         raise ValueError(f"{len(digests)} digests for {len(train)} fingerprints")
-    dropped, seen = np.zeros(len(train), bool), set()
-    for i, digest in enumerate(digests):  # exact duplicates first: a digest is cheaper than a search
-        dropped[i] = digest in seen
-        seen.add(digest)
+    dropped = _repeated(digests)  # exact duplicates first: a digest is cheaper than a search
     index = _index(np.zeros((0, train.shape[2]), np.uint8))
     for start in range(0, len(train), _CHUNK):
         chunk = train[start : start + _CHUNK]
@@ -127,6 +126,19 @@ def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np
         kept = chunk[~dropped[start : start + len(chunk)]]
         index.add(np.ascontiguousarray(kept.reshape(-1, kept.shape[2])))
     return dropped
+
+
+def _repeated(digests: list[bytes]) -> np.ndarray:
+    """True for each digest equal to one before it; one array of the digests' bytes, not a set of Python objects."""
+    repeated = np.zeros(len(digests), bool)
+    if digests:
+        width = len(digests[0])
+        if any(len(d) != width for d in digests):
+            raise ValueError("digests of different lengths: give those of image_fingerprint")
+        rows = np.frombuffer(b"".join(digests), np.uint8).reshape(len(digests), width)
+        repeated[:] = True
+        repeated[np.unique(rows, axis=0, return_index=True)[1]] = False  # np.unique's index: the first occurrence
+    return repeated
 
 
 def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -> np.ndarray:
@@ -177,6 +189,7 @@ def _index(hashes: np.ndarray):
 def _checked(fingerprints: np.ndarray, what: str) -> np.ndarray:
     fingerprints = np.asarray(fingerprints)
     if fingerprints.dtype != np.uint8 or fingerprints.ndim != 3 or fingerprints.shape[1] < 2:
-        raise ValueError(f"{what} fingerprints: expected uint8 (n, 2 or more, bytes), got {fingerprints.dtype} "
-                         f"{fingerprints.shape}")
+        raise ValueError(
+            f"{what} fingerprints: expected uint8 (n, 2 or more, bytes), got {fingerprints.dtype} {fingerprints.shape}"
+        )
     return fingerprints

@@ -23,8 +23,10 @@ def set_shards(folder: str) -> list[str]:
     for shards in (sorted(root.glob("*.tar")), sorted((root / "test").glob("*.tar"))):
         if shards:
             return [str(shard) for shard in shards]
-    raise UsageError(f"{folder}: no *.tar shards in it nor in {folder}/test (give a folder of webdataset shards or a "
-                     f"CLIP_benchmark wds set)")
+    raise UsageError(
+        f"{folder}: no *.tar shards in it nor in {folder}/test (give a folder of webdataset shards or a "
+        f"CLIP_benchmark wds set)"
+    )
 
 
 def image_samples(folder: str) -> Iterator[tuple[str, bytes]]:
@@ -35,8 +37,9 @@ def image_samples(folder: str) -> Iterator[tuple[str, bytes]]:
             for sample in raw_samples(shard):
                 image = next((sample[ext] for ext in IMAGE_EXTENSIONS if ext in sample), None)
                 if image is None:
-                    raise DataError(f"{shard}: sample {sample['__key__']} has no image (one of "
-                                    f"{', '.join(IMAGE_EXTENSIONS)})")
+                    raise DataError(
+                        f"{shard}: sample {sample['__key__']} has no image (one of {', '.join(IMAGE_EXTENSIONS)})"
+                    )
                 yield sample["__key__"], image
         except (tarfile.TarError, OSError, ValueError) as error:  # the reader's errors: unreadable, truncated, repeated
             raise DataError(f"{shard}: {error}") from None

@@ -107,9 +107,7 @@ def test_copies_of_reference_agrees_with_brute_force(threshold):
     train = np.concatenate([_random_hashes(rng, 40), *near])
     train[-3:, 0] = reference[-3:, 1]  # flipped copies: the image's hash is the reference's mirror hash
     train[-6:-3, 0] = reference[-6:-3, 3]  # and some a window's
-    expected = [
-        min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train
-    ]
+    expected = [min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train]
     assert copies_of_reference(train, reference, threshold).tolist() == expected
 
 
@@ -165,3 +163,19 @@ def test_threshold_out_of_range_is_one_line(value):
 
 def test_thresholds_in_range_are_accepted():
     assert [check_threshold(v) for v in (0, DEFAULT_THRESHOLD, 31, np.int64(5))] == [0, DEFAULT_THRESHOLD, 31, 5]
+
+
+def test_reference_fingerprints_read_every_folder_and_name_an_unreadable_image(tmp_path):
+    from disco_clip_ds.data.curate.copies import reference_fingerprints
+    from disco_clip_ds.testing.images import write_samples
+
+    rng = np.random.default_rng(4)
+    images = [_png(_smooth_image(rng, size=32)) for _ in range(3)]
+    write_samples(tmp_path / "a" / "test", [{"png": image, "cls": b"0"} for image in images[:2]], per_shard=1)
+    write_samples(tmp_path / "b", [{"png": images[2]}], per_shard=1)
+    hashes = reference_fingerprints([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert hashes.shape == (3, 20, 8)
+    assert all((hashes[i] == image_fingerprint(image, windows=True)[1]).all() for i, image in enumerate(images))
+    write_samples(tmp_path / "c", [{"png": images[0]}, {"png": b"broken"}], per_shard=2)
+    with pytest.raises(DataError, match=r"/c: sample s00001: not a readable image"):
+        reference_fingerprints([str(tmp_path / "c")])
