@@ -195,8 +195,11 @@ def filter_parser() -> argparse.ArgumentParser:
 def filter_main(argv: list[str] | None = None) -> int:
     """`disco-clip data filter --shards SPEC --output DIR RULES`: see `filter_parser`."""
     from disco_clip_ds.data.curate.pipeline import FilterConfig, run_filter
+    from disco_clip_ds.data.curate.report import summary_line
 
-    run_filter(FilterConfig(**vars(filter_parser().parse_args(argv))))
+    args = filter_parser().parse_args(argv)
+    summary = run_filter(FilterConfig(**vars(args)))
+    print(f"{args.output}: {summary_line(summary)}")
     return 0
 
 

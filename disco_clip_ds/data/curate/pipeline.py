@@ -27,7 +27,7 @@ import numpy as np
 from disco_clip_ds import faults
 from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate import inputs, reshard, scores
-from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize, write_summary
+from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -133,7 +133,7 @@ def run_filter(cfg: FilterConfig) -> dict:
     # 5. The parquet of every input key and the summary
     _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
     summary = {**summarize(reason), "output_shards": len(plan)}
-    print(write_summary(output / "summary.json", summary))
+    write_json(output / "summary.json", summary)
     return summary
 
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from disco_clip_ds.data.shards import write_json
-
 # the rules in the order `dropped_by` names the first that drops a sample
 RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup")
 
@@ -71,9 +69,8 @@ def summarize(reason: np.ndarray) -> dict:
     }
 
 
-def write_summary(path: Path, summary: dict) -> str:
-    """Write the summary as JSON (atomically) and return the line printed of it."""
-    write_json(path, summary)
+def summary_line(summary: dict) -> str:
+    """The line `data filter` prints of its summary."""
     dropped = ", ".join(f"{n} by {rule}" for rule, n in summary["dropped"].items()) or "none"
     return (
         f"{summary['kept']} of {summary['samples']} samples kept in {summary['output_shards']} shards; dropped: "
