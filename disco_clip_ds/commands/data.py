@@ -170,6 +170,7 @@ def filter_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--teacher", help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target"
     )
+    p.add_argument("--tokenizer_name", help="the teacher's tokenizer when its folder has none (a class-name target)")
     p.add_argument("--clip_score_min", type=float, help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32)")
     p.add_argument("--keep_fraction", type=float, help="keep the top F of all samples by CLIP score (DataComp: 0.3)")
     p.add_argument("--clusters", type=int, help="k-means clusters of the image embeddings, for --target")

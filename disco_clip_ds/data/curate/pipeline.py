@@ -45,6 +45,7 @@ class FilterConfig:
     output: str
     embeddings: str | None = None
     teacher: str | None = None
+    tokenizer_name: str | None = None
     clip_score_min: float | None = None
     keep_fraction: float | None = None
     clusters: int | None = None
@@ -183,7 +184,8 @@ def _targets(cfg: FilterConfig) -> np.ndarray:
     """The target sets' embeddings (targets.py), stacked."""
     from disco_clip_ds.data.curate.targets import target_embeddings
 
-    return np.concatenate([np.asarray(target_embeddings(t, cfg.teacher), np.float32) for t in cfg.target])
+    embedded = [target_embeddings(t, cfg.teacher, cfg.tokenizer_name) for t in cfg.target]
+    return np.concatenate([np.asarray(e, np.float32) for e in embedded])
 
 
 def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path) -> np.ndarray:

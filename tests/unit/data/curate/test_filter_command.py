@@ -363,13 +363,12 @@ def test_a_real_teacher_embed_then_filter_with_a_class_name_target(tmp_path):
     torch.manual_seed(0)
     teacher = tmp_path / "teacher"
     build_model(model_config=str(TINY_CONFIG)).save_pretrained(teacher)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # a teacher folder with its tokenizer, as a hub model's
-        shutil.copy(TOKENIZER_DIR / name, teacher / name)
     urls = write_shards(tmp_path / "in", 3, 6)
-    assert run_main(embed_main, ["--teacher", str(teacher), "--shards", str(tmp_path / "in")], "embed") == 0
+    tokenizer = ["--tokenizer_name", str(TOKENIZER_DIR)]  # the teacher's folder has none
+    assert run_main(embed_main, ["--teacher", str(teacher), *tokenizer, "--shards", str(tmp_path / "in")], "e") == 0
     (tmp_path / "classes.txt").write_text("zero\none\ntwo\n")
     out = tmp_path / "out"
-    argv = ["--shards", tmp_path / "in", "--teacher", teacher, "--keep_fraction", 0.5, "--output", out]
+    argv = ["--shards", tmp_path / "in", "--teacher", teacher, *tokenizer, "--keep_fraction", 0.5, "--output", out]
     assert _filter(*argv, "--target", tmp_path / "classes.txt", "--clusters", 3) == 0
     image, text = (
         np.concatenate([read_sidecar(sidecar_path(tmp_path / "in", u))[i].numpy().astype(np.float64) for u in urls])
