@@ -164,32 +164,61 @@ def filter_parser() -> argparse.ArgumentParser:
         "sizes.json, filter.parquet (every input key, its score and the rule that dropped it) and summary.json. "
         "Re-run the same command to resume.",
     )
-    p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
-    p.add_argument("--embeddings", help="folder of the shards' sidecars (default: beside each shard, as data embed)")
-    p.add_argument("--output", required=True, help="folder of the new shards")
     p.add_argument(
-        "--teacher", help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target"
+        "--shards",
+        metavar="SPEC",
+        required=True,
+        help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined",
     )
-    p.add_argument("--tokenizer_name", help="the teacher's tokenizer when its folder has none (a class-name target)")
-    p.add_argument("--clip_score_min", type=float, help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32)")
-    p.add_argument("--keep_fraction", type=float, help="keep the top F of all samples by CLIP score (DataComp: 0.3)")
-    p.add_argument("--clusters", type=int, help="k-means clusters of the image embeddings, for --target")
-    p.add_argument("--kmeans_sample", type=int, default=1_000_000, help="embeddings the k-means is trained on")
+    p.add_argument(
+        "--embeddings", metavar="DIR", help="folder of the shards' sidecars (default: beside each shard, as data embed)"
+    )
+    p.add_argument("--output", metavar="DIR", required=True, help="folder of the new shards")
+    p.add_argument(
+        "--teacher",
+        metavar="MODEL",
+        help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target",
+    )
+    p.add_argument(
+        "--tokenizer_name",
+        metavar="NAME",
+        help="the teacher's tokenizer when its folder has none (a class-name target)",
+    )
+    p.add_argument(
+        "--clip_score_min", metavar="S", type=float, help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32)"
+    )
+    p.add_argument(
+        "--keep_fraction", metavar="F", type=float, help="keep the top F of all samples by CLIP score (DataComp: 0.3)"
+    )
+    p.add_argument("--clusters", metavar="K", type=int, help="k-means clusters of the image embeddings, for --target")
+    p.add_argument(
+        "--kmeans_sample", metavar="N", type=int, default=1_000_000, help="embeddings the k-means is trained on"
+    )
     p.add_argument(
         "--target",
+        metavar="DIR_OR_FILE",
         action="append",
         default=[],
         help="keep samples whose cluster is the nearest of an embedding of this set: a shards folder with sidecars, "
         "a CLIP_benchmark-style folder, or a text file of class names (repeatable)",
     )
     p.add_argument(
-        "--dedup_against", action="append", default=[], help="drop copies of the images of this eval set (repeatable)"
+        "--dedup_against",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="drop copies of the images of this eval set (repeatable)",
     )
     p.add_argument("--dedup", action="store_true", help="drop exact and near copies within the shards, keep the first")
-    p.add_argument("--dedup_threshold", type=int, help="how near counts as a copy (default: the detector's measured)")
-    p.add_argument("--samples_per_shard", type=int, default=10_000)
-    p.add_argument("--processes", type=int, default=1, help="shards scanned and written in parallel")
-    p.add_argument("--seed", type=int, default=0, help="the k-means sample and initialisation")
+    p.add_argument(
+        "--dedup_threshold",
+        metavar="BITS",
+        type=int,
+        help="how near counts as a copy (default: the detector's measured)",
+    )
+    p.add_argument("--samples_per_shard", metavar="N", type=int, default=10_000)
+    p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="the k-means sample and initialisation")
     return p
 
 
