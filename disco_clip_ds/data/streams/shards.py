@@ -36,9 +36,7 @@ class ShardStream(ReaderStream):
 
     position_fields = POSITION_FIELDS
 
-    def __init__(
-        self, urls: list[str], image_size: int, sample_ids: bool = False, resampled: bool = False, **options
-    ):
+    def __init__(self, urls: list[str], image_size: int, sample_ids: bool = False, resampled: bool = False, **options):
         """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels,
         split, micro_batch). `sample_ids`: each item also carries its (shard, sample key), before its position (for
         the teacher embeddings stored per shard and key, data/embeddings.py). `resampled`: shards drawn with
