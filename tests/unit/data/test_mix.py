@@ -182,3 +182,33 @@ def test_check_mixture_refusals_are_one_line(sources, given, message):
     with pytest.raises(UsageError) as error:
         check_mixture(DataArguments(train_shards=spec, **given), _args(workers))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_bad_weight_count_stops_disco_clip_train_with_one_line_and_exit_2(sources, tmp_path, capsys):
+    from disco_clip_ds.commands.train import main
+    from disco_clip_ds.errors import run_main
+    from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
+
+    spec = "::".join(str(Path(s[0]).parent) for s in sources)
+    argv = ["--output_dir", str(tmp_path / "out"), "--report_to", "none", "--train_shards", spec]
+    argv += ["--model_config", str(TINY_CONFIG), "--tokenizer_name", str(TOKENIZER_DIR)]
+    assert run_main(main, [*argv, "--train_data_weights", "1", "2"], "disco-clip train") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["disco-clip train: 2 data weight(s) for 3 '::'-joined --train_shards sources: give one each"]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_run_builds_a_resampled_stream_and_a_mixture_from_its_arguments(sources, weighted):
+    from disco_clip_ds.train.run import _stream
+
+    urls = [url for source in sources for url in source]
+    mixture = _mixture(sources) if weighted else None
+    checked = SimpleNamespace(urls=urls, hf=None, naflex=None, image_size=16, mixture=mixture)
+    data_args = DataArguments(train_shards="x", dataset_resampled=True, shuffle_buffer=4)
+    args = SimpleNamespace(process_index=1, world_size=2, seed=3, dataloader_num_workers=1)
+    args.per_device_train_batch_size = 2
+    stream = _stream(data_args, args, checked, reads_own_shards=True, split=1, patches=None)
+    assert isinstance(stream, MixtureStream if weighted else ShardStream)
+    assert stream.resampled and stream.state_facts()["resampled"] is True and stream.rank == 1
+    streams = stream.sources if weighted else [stream]
+    assert all(s.resampled for s in streams)
