@@ -98,16 +98,17 @@ def check_mixture(data_args: DataArguments, args: DiscoTrainingArguments) -> Mix
         )
     if weights is None:
         return None
+    flag = "--train_data_upsampling_factors" if data_args.train_data_upsampling_factors else "--train_data_weights"
     if not data_args.train_shards:
         raise UsageError(
-            "--train_data_weights mix '::'-joined --train_shards sources, each read as its own stream with its own "
+            f"{flag} mix '::'-joined --train_shards sources, each read as its own stream with its own "
             "position; a `datasets` source is one dataset: write it as shards, or mix the datasets beforehand "
             "(see docs/data.md, Mixtures)"
         )
     specs, sources = source_specs(data_args.train_shards), expand_sources(data_args.train_shards)
     if len(sources) < 2:
         raise UsageError(
-            f"--train_data_weights: --train_shards {describe_source(data_args.train_shards)} is one source: join "
+            f"{flag}: --train_shards {describe_source(data_args.train_shards)} is one source: join "
             "the sources to mix with '::' ('a/{00000..00009}.tar::b/{0000..0003}.tar')"
         )
     if len(weights) != len(sources):
