@@ -116,8 +116,8 @@ class DataArguments:
     train_shards: str | None = field(
         default=None,
         metadata={
-            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (or give "
-            "--dataset_name / --train_file)"
+            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (concatenated, "
+            "or mixed by --train_data_weights) (or give --dataset_name / --train_file)"
         },
     )
     dataset_name: str | None = field(
