@@ -4,7 +4,8 @@
   each sample's source read from the shard it came from, against its weight (goal: within 0.01);
 - `mixture_resume.csv`: the scenario of tests/launched/test_mixture_runs.py (tiny CLIP, ZeRO-2, AdamW eps 1e-6,
   2 ranks x K=1 x 4 pairs, stopped at step 3 of 6): the largest absolute weight difference to the uninterrupted run
-  of a resume on 2 ranks (goal 0.0) and of a resume on 1 rank x K=2 with 2 DataLoader workers (the run's 2 readers;
+  of a resume on 2 ranks (goal 0.0), of a resume on 1 rank x K=2 with 2 DataLoader workers (the run's 2 readers),
+  and of an uninterrupted 1 rank x K=2 run with 2 workers (the same 2 readers: the same samples per step;
   `update_rel` = |w_a - w_b| / |w_b - w_0| over all weights, `loss_rel` the largest relative difference of a step's
   loss), and whether each ends with the uninterrupted run's per-source sample counts.
 
@@ -92,6 +93,7 @@ def resumes(root: Path) -> list[dict]:
     full = _run(root, "full", 2)
     rows = []
     for case, out in (
+        ("uninterrupted 1 rank x K=2, 2 DataLoader workers", _run(root, "k2", 1, *K2)),
         ("stopped at step 3, resumed on 2 ranks", _run(root, "resumed", 2, resume_of=full)),
         ("stopped at step 3, resumed on 1 rank x K=2", _run(root, "one", 1, *K2, resume_of=full)),
     ):
