@@ -37,7 +37,13 @@ def expand_shards(spec: str) -> list[str]:
     Sources are joined with '::'; each is brace-expanded. A local directory stands for its `*.tar` files.
     Raises ValueError for an empty spec, and FileNotFoundError for a local directory without tar files.
     """
-    urls: list[str] = []
+    return [url for source in expand_sources(spec) for url in source]
+
+
+def expand_sources(spec: str) -> list[list[str]]:
+    """The shards of each '::'-joined source of `spec`, in order (a weighted mixture reads each as its own stream);
+    `expand_shards` is their concatenation. Raises as `expand_shards` does."""
+    sources: list[list[str]] = []
     for source in (s.strip() for s in spec.split("::")):
         if not source:
             continue
@@ -45,12 +51,17 @@ def expand_shards(spec: str) -> list[str]:
             tars = sorted(str(p) for p in Path(source).glob("*.tar"))
             if not tars:
                 raise FileNotFoundError(f"no .tar shards in directory {describe_source(source)}")
-            urls += tars
+            sources.append(tars)
         else:
-            urls += list(braceexpand(source))
-    if not urls:
+            sources.append(list(braceexpand(source)))
+    if not any(sources):
         raise ValueError(f"no shards in {spec!r}: give paths like 'dir/{{00000..00009}}.tar', sources joined by '::'")
-    return urls
+    return sources
+
+
+def source_specs(spec: str) -> list[str]:
+    """The '::'-joined sources of `spec` as written (one per `expand_sources` entry)."""
+    return [s.strip() for s in spec.split("::") if s.strip()]
 
 
 def missing_shards(urls: list[str]) -> list[str]:
@@ -142,3 +153,9 @@ def epoch_order(shards: list[str], seed: int, epoch: int, reader: int) -> list[s
     order = list(shards)
     random.Random(f"{seed}/{epoch}/{reader}").shuffle(order)
     return order
+
+
+def resampled_order(urls: list[str], seed: int, epoch: int, reader: int) -> list[str]:
+    """A pass of a reader under --dataset_resampled: len(urls) shards drawn with replacement from all of `urls`
+    (open_clip's ResampledShards: every reader draws from every shard), seeded by (seed, pass, reader)."""
+    return random.Random(f"{seed}/resampled/{epoch}/{reader}").choices(urls, k=len(urls))

@@ -74,6 +74,8 @@ RUN_FIELDS = [
     ("steps", "optimizer steps"),
     ("final_train_loss", "last logged training loss"),
     ("data", "training data"),
+    ("data_weights", "data mixture (weight per source)"),
+    ("dataset_resampled", "shards drawn with replacement"),
     ("deepspeed", "deepspeed version"),
 ]
 

@@ -116,8 +116,8 @@ class DataArguments:
     train_shards: str | None = field(
         default=None,
         metadata={
-            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (or give "
-            "--dataset_name / --train_file)"
+            "help": "webdataset shards: 'dir/{00000..00099}.tar', a folder, or several joined by '::' (concatenated, "
+            "or mixed by --train_data_weights) (or give --dataset_name / --train_file)"
         },
     )
     dataset_name: str | None = field(
@@ -143,6 +143,28 @@ class DataArguments:
     streaming: bool = field(
         default=False,
         metadata={"help": "stream --dataset_name/--train_file (an IterableDataset) instead of loading it"},
+    )
+    # Weighted mixtures (data/mix.py): each '::' source its own stream, each sample's source drawn by weight.
+    train_data_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "one weight per '::'-joined --train_shards source: each sample comes from source i with "
+            "probability w_i / sum(w) (without: the sources are concatenated)"
+        },
+    )
+    train_data_upsampling_factors: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "open_clip's form of the weights ('1::2' or 1 2): open_clip draws each shard with its source's "
+            "factor, so source i's share is factor_i x its shards, normalised; give this or --train_data_weights"
+        },
+    )
+    dataset_resampled: bool = field(
+        default=False,
+        metadata={
+            "help": "draw shards with replacement (open_clip's --dataset-resampled): every reader draws its next shard "
+            "at random from all of a source's shards, seeded, instead of passing over its own share"
+        },
     )
     train_num_samples: int | None = field(
         default=None,

@@ -36,6 +36,7 @@ from disco_clip_ds.checkpoint.layout import (
 from disco_clip_ds.checkpoint.runfile import read_run_file
 from disco_clip_ds.checkpoint.space import check_space_at_start
 from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.mix import MixtureStream
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.data.streams.base import ReaderStream
 from disco_clip_ds.data.streams.hf import HFStream
@@ -232,12 +233,16 @@ def _stream(
     """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
     each sample with its kept patches when `patches`)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
-    source = ShardStream if checked.hf is None else HFStream
     extra = {"sample_ids": True} if sample_ids else {}
     if checked.naflex is not None:  # SigLIP 2: NaFlex patch grids (data/naflex.py)
         extra["naflex"] = checked.naflex
+    if checked.hf is not None:
+        source, data = HFStream, checked.hf
+    else:  # one stream of the shards, or a weighted mixture of the '::' sources (data/mix.py)
+        source, data = (ShardStream, checked.urls) if checked.mixture is None else (MixtureStream, checked.mixture)
+        extra["resampled"] = data_args.dataset_resampled
     return source(
-        checked.urls if checked.hf is None else checked.hf,
+        data,
         checked.image_size,
         rank=rank,
         world_size=world,
@@ -383,6 +388,7 @@ def _write_run_file(
     if resume_from is None:
         run = {
             **facts,
+            **_mixture_facts(data_args, checked),
             "loss_impl": model_args.loss_impl,
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "versions": {
@@ -394,6 +400,16 @@ def _write_run_file(
         converted = Path(resume_from).parent.name == universal.UNIVERSAL_DIR
         run = resume.with_resume(recorded, checkpoint_step(resume_from), facts, converted, args.ignore_data_skip)
     write_json(path, {k: v for k, v in run.items() if v is not None})
+
+
+def _mixture_facts(data_args: DataArguments, checked: CheckedRun) -> dict:
+    """run.json's record of a mixture (the model card shows it): each source's weight, by its public description,
+    and whether shards were drawn with replacement."""
+    facts = {"dataset_resampled": True} if data_args.dataset_resampled else {}
+    if checked.mixture is not None:
+        mixture = checked.mixture
+        facts["data_weights"] = ", ".join(f"{w:.4g} {name}" for w, name in zip(mixture.weights, mixture.names))
+    return facts
 
 
 def _version(package: str) -> str | None:

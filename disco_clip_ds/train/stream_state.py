@@ -51,6 +51,20 @@ class StreamPositions:
         rows = as_rows(self.positions, max(1, num_workers), width)
         self.rows = accelerator.gather(rows.to(device)).cpu()
 
+    def per_source(self, stream, num_workers: int, accelerator, device) -> dict[str, int]:
+        """The samples trained on from each source of a weighted mixture ({"samples_seen_source{i}": n}, i the i-th
+        '::' source), over every rank's readers: each reader's newest position counts its draws per source
+        (data/mix.py), so the figure continues across a resume. {} for another stream. A collective: every rank
+        calls it at the same logging step."""
+        if not hasattr(stream, "seen_per_source"):
+            return {}
+        self.fold()
+        width = len(stream.position_fields)
+        rows = accelerator.gather(as_rows(self.positions, max(1, num_workers), width).to(device)).cpu()
+        newest: dict[int, list[int]] = {}
+        note_positions(newest, rows[rows[:, 0] >= 0])  # a reader two split ranks share counts once
+        return {f"samples_seen_source{i}": n for i, n in enumerate(stream.seen_per_source(newest))}
+
     def write(self, stream, output_dir: str, world_process_zero: bool) -> None:
         """stream_state.json in the checkpoint folder being saved (rank 0 writes what every rank gathered)."""
         if world_process_zero and self.rows is not None and isinstance(stream, ReaderStream):

@@ -282,6 +282,9 @@ class DiscoTrainer(Trainer):
             "data_time_s": per_rank[:, 0].max().item() / steps,
             "peak_mem_gib_max": per_rank[:, 1].max().item(),
             "skipped_samples": int(per_rank[:, 2].sum().item()),
+            **self.stream_state.per_source(
+                self.train_dataset, self.args.dataloader_num_workers, self.accelerator, self.args.device
+            ),
         }
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, shards_for_reader
+from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, resampled_order, shards_for_reader
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
 from disco_clip_ds.data.streams.state import POSITION_FIELDS
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -36,22 +36,33 @@ class ShardStream(ReaderStream):
 
     position_fields = POSITION_FIELDS
 
-    def __init__(self, urls: list[str], image_size: int, sample_ids: bool = False, **options):
+    def __init__(self, urls: list[str], image_size: int, sample_ids: bool = False, resampled: bool = False, **options):
         """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels,
         split, micro_batch). `sample_ids`: each item also carries its (shard, sample key), before its position (for
-        the teacher embeddings stored per shard and key, data/embeddings.py)."""
+        the teacher embeddings stored per shard and key, data/embeddings.py). `resampled`: shards drawn with
+        replacement (every reader from all of them) instead of each reader passing over its own share."""
         super().__init__(image_size, **options)
-        self.urls, self.sample_ids = list(urls), sample_ids
-        # fail early, in the main process
-        shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
+        self.urls, self.sample_ids, self.resampled = list(urls), sample_ids, resampled
+        if not resampled:  # fail early, in the main process
+            shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
 
     def state_facts(self) -> dict:
-        """Readers, seed and block size: a shard position means nothing under another of them."""
-        return {"num_readers": self.num_readers, "seed": self.seed, "shuffle_buffer": self.block}
+        """Readers, seed and block size (and resampling): a shard position means nothing under another of them."""
+        facts = {"num_readers": self.num_readers, "seed": self.seed, "shuffle_buffer": self.block}
+        return {**facts, "resampled": True} if self.resampled else facts
+
+    def _reader_shards(self, reader: int, num_readers: int) -> list[str]:
+        """The shards the reader's passes draw from: all of them when resampled, else its disjoint share."""
+        return self.urls if self.resampled else shards_for_reader(self.urls, reader, num_readers)
+
+    def _pass_order(self, shards: list[str], epoch: int, reader: int) -> list[str]:
+        if self.resampled:
+            return resampled_order(shards, self.seed, epoch, reader)
+        return epoch_order(shards, self.seed, epoch, reader)
 
     def _empty_pass(self):
         reader, num_readers, _ = self._reader()
-        shards = shards_for_reader(self.urls, reader, num_readers)
+        shards = self._reader_shards(reader, num_readers)
         shown = ", ".join(map(describe_source, shards[:3]))  # a `pipe:` command may hold a credential (data/redact.py)
         shown += f" and {len(shards) - 3} more" if len(shards) > 3 else ""
         return self._nothing_readable(
@@ -62,10 +73,10 @@ class ShardStream(ReaderStream):
 
     def _passes(self, reader: int, num_readers: int, start: list[int]):
         """(place, item) from `start` = (epoch, shard, member, offset) on, pass after pass."""
-        shards = shards_for_reader(self.urls, reader, num_readers)
+        shards = self._reader_shards(reader, num_readers)
         epoch, shard, member, offset = start or (0, 0, 0, 0)
         for epoch in itertools.count(epoch):
-            raw = self._raw_samples(epoch_order(shards, self.seed, epoch, reader), shard, member)
+            raw = self._raw_samples(self._pass_order(shards, epoch, reader), shard, member)
             while block := list(itertools.islice(raw, self.block)):
                 first_shard, first_member, _ = block[0]
                 key = f"{self.seed}/block/{reader}/{epoch}/{first_shard}/{first_member}"

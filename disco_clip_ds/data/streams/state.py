@@ -9,6 +9,8 @@ splits the same readers differently over ranks and workers (2 ranks x 1 worker -
 One schema for every stream, read and written here only: the stream's facts (those a position means nothing
 without: readers, seed, block size, and what a `datasets` stream reads), the field names, and per reader its
 position as {field: value} (plus what the stream adds, e.g. a `datasets` streaming state_dict as the JSON it is).
+A weighted mixture (data/mix.py) names per source its draws and that source's place, and adds its sources and
+weights to the facts.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from disco_clip_ds.data.hf_io import HFData
+from disco_clip_ds.data.mix import Mixture
 from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments, usage_error
@@ -50,6 +51,7 @@ class CheckedRun:
     naflex: tuple[int, int] | None = None  # SigLIP 2's (patch size, patch budget per image); None: square images
     teacher_config: object | None = None  # --teacher's config (None: no teacher)
     teacher_fingerprint: str | None = None  # --teacher's, with --teacher_embeddings (data/embeddings.py)
+    mixture: Mixture | None = None  # the weighted mixture of --train_shards' '::' sources (None: concatenated)
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrainingArguments) -> CheckedRun:
@@ -79,8 +81,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
             urls = expand_shards(data_args.train_shards)
             data.check_shards_exist(data_args.train_shards, urls)
         max_steps, num_samples = steps_and_samples(data_args, args, urls, hf)
-        if hf is None:
-            data.check_readers(args, urls)
+        mixture = data.check_mixture(data_args, args)
+        if hf is None and mixture is None:
+            data.check_readers(args, urls, data_args.dataset_resampled)
     model.check_positive_sizes(model_args)
     config = model.load_student_config(model_args)
     tokenizer, image_size, max_length, naflex = model.check_tokenizer_and_sizes(model_args, config, written, args)
@@ -108,4 +111,5 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
         naflex,
         teacher_config,
         fingerprint,
+        mixture,
     )

@@ -1,6 +1,6 @@
 """The training data: one source (--train_shards, or a `datasets` dataset loaded and checked), its shards there
-and one for every reader (ranks x DataLoader workers), the samples per epoch and the steps they make,
---max_image_pixels, and the zero-shot eval's data."""
+and one for every reader (ranks x DataLoader workers), a weighted mixture of its '::' sources, the samples per epoch
+and the steps they make, --max_image_pixels, and the zero-shot eval's data."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import math
 from pathlib import Path
 
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
+from disco_clip_ds.data.mix import Mixture, upsampling_weights
 from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.shards import count_samples, empty_reader, is_url, shards_for_reader
+from disco_clip_ds.data.shards import (
+    count_samples,
+    empty_reader,
+    expand_sources,
+    is_url,
+    shards_for_reader,
+    source_specs,
+)
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments
 from disco_clip_ds.train.validate.model import is_path
@@ -59,9 +67,12 @@ def check_shards_exist(spec: str, urls: list[str]) -> None:
         )
 
 
-def check_readers(args: DiscoTrainingArguments, urls: list[str]) -> None:
+def check_readers(args: DiscoTrainingArguments, urls: list[str], resampled: bool = False) -> None:
     """Every reader (rank x DataLoader worker) gets a shard, and, where the shards' counts are recorded, a sample:
-    a reader with none would fail only once training has started."""
+    a reader with none would fail only once training has started. (`resampled`: every reader draws from all the
+    shards, so there is nothing to check.)"""
+    if resampled:
+        return
     num_readers, workers = readers(args), max(1, args.dataloader_num_workers)
     shards_for_reader(urls, 0, num_readers)  # a shard for every reader
     empty = empty_reader(urls, num_readers)
@@ -73,6 +84,63 @@ def check_readers(args: DiscoTrainingArguments, urls: list[str]) -> None:
             "0 samples in their sizes.json / *_stats.json): leave empty shards out of --train_shards, or use fewer "
             "ranks x --dataloader_num_workers"
         )
+
+
+def check_mixture(data_args: DataArguments, args: DiscoTrainingArguments) -> Mixture | None:
+    """The weighted mixture of --train_shards' '::' sources that --train_data_weights (or open_clip's
+    --train_data_upsampling_factors) ask for, each source checked for its readers as a source alone is; None without
+    weights (the sources are then concatenated). --dataset_resampled is refused with a `datasets` source."""
+    weights = _given_weights(data_args)
+    if data_args.dataset_resampled and not data_args.train_shards:
+        raise UsageError(
+            "--dataset_resampled draws webdataset shards with replacement: it needs --train_shards (a `datasets` "
+            "source is read in its own order; see docs/data.md, Mixtures)"
+        )
+    if weights is None:
+        return None
+    flag = "--train_data_upsampling_factors" if data_args.train_data_upsampling_factors else "--train_data_weights"
+    if not data_args.train_shards:
+        raise UsageError(
+            f"{flag} mix '::'-joined --train_shards sources, each read as its own stream with its own "
+            "position; a `datasets` source is one dataset: write it as shards, or mix the datasets beforehand "
+            "(see docs/data.md, Mixtures)"
+        )
+    specs, sources = source_specs(data_args.train_shards), expand_sources(data_args.train_shards)
+    if len(sources) < 2:
+        raise UsageError(
+            f"{flag}: --train_shards {describe_source(data_args.train_shards)} is one source: join "
+            "the sources to mix with '::' ('a/{00000..00009}.tar::b/{0000..0003}.tar')"
+        )
+    if len(weights) != len(sources):
+        raise UsageError(
+            f"{len(weights)} data weight(s) for {len(sources)} '::'-joined --train_shards sources: give one each"
+        )
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise UsageError(f"data weights {' '.join(f'{w:g}' for w in weights)}: each must be a positive finite number")
+    for i, (spec, urls) in enumerate(zip(specs, sources)):
+        try:
+            check_readers(args, urls, data_args.dataset_resampled)
+        except (UsageError, ValueError) as error:
+            raise UsageError(f"--train_shards source {i} ({describe_source(spec)}): {error}") from error
+    if data_args.train_data_upsampling_factors:
+        weights = upsampling_weights(weights, [len(urls) for urls in sources])
+    return Mixture(tuple(map(tuple, sources)), tuple(map(describe_source, specs)), tuple(weights))
+
+
+def _given_weights(data_args: DataArguments) -> list[float] | None:
+    """--train_data_weights, or --train_data_upsampling_factors as numbers ('1::2' or 1 2), or None."""
+    if data_args.train_data_weights and data_args.train_data_upsampling_factors:
+        raise UsageError("give --train_data_weights or --train_data_upsampling_factors (open_clip's form), not both")
+    if not data_args.train_data_upsampling_factors:
+        return list(data_args.train_data_weights) if data_args.train_data_weights else None
+    words = [w for given in data_args.train_data_upsampling_factors for w in given.split("::") if w.strip()]
+    try:
+        return [float(w) for w in words]
+    except ValueError:
+        raise UsageError(
+            f"--train_data_upsampling_factors {' '.join(data_args.train_data_upsampling_factors)}: give numbers, "
+            "one per source ('1::2' or 1 2)"
+        ) from None
 
 
 def steps_and_samples(
