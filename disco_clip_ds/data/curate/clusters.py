@@ -5,13 +5,14 @@ of them; every sample of a large pool is not needed to place K centres), then ev
 centre (L2 on unit vectors, the cosine's order) with a faiss flat index. A sample is kept when its centre is the
 nearest centre of at least one embedding of the target set (ImageNet's training images, in DataComp).
 
-faiss is used from this module alone.
+The searches are faiss's (data/curate/index.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from disco_clip_ds.data.curate.index import kmeans_centres, nearest_rows
 from disco_clip_ds.errors import UsageError
 
 NITER = 20  # faiss.Kmeans' iterations, DataComp's clustering.py's
@@ -35,24 +36,14 @@ def sample_rows(total: int, size: int, seed: int) -> np.ndarray:
 
 def train_centres(sample: np.ndarray, clusters: int, seed: int) -> np.ndarray:
     """The (K, d) float32 centres of faiss k-means on the rows of `sample`."""
-    import faiss
-
-    sample = np.ascontiguousarray(sample, np.float32)
     if len(sample) < clusters:
         raise UsageError(f"--clusters {clusters}: only {len(sample)} samples have embeddings; give fewer clusters")
-    kmeans = faiss.Kmeans(sample.shape[1], clusters, niter=NITER, seed=seed, verbose=False)
-    kmeans.train(sample)
-    return np.ascontiguousarray(kmeans.centroids, np.float32)
+    return kmeans_centres(sample, clusters, seed, NITER)
 
 
 def nearest_centre(centres: np.ndarray, embeddings: np.ndarray) -> np.ndarray:
     """Each row's nearest centre (int32), by a faiss flat L2 index over `centres` (faiss.Kmeans' own assignment)."""
-    import faiss
-
-    index = faiss.IndexFlatL2(centres.shape[1])
-    index.add(np.ascontiguousarray(centres, np.float32))
-    _, nearest = index.search(np.ascontiguousarray(embeddings, np.float32), 1)
-    return nearest[:, 0].astype(np.int32)
+    return nearest_rows(centres, embeddings)
 
 
 def target_clusters(centres: np.ndarray, target: np.ndarray) -> np.ndarray:

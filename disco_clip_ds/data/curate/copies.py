@@ -5,9 +5,9 @@ An image's fingerprint is the perceptual hash (`imagehash.phash`, 64 bits) of th
 mirror, so that a flipped copy matches its original; a reference image's adds those of 9 windows cut a few per cent
 smaller (`WINDOWS`), so that a slightly cropped copy matches too. A training image is a copy when the Hamming
 distance between its hash and any of the other's is at most `threshold` bits. The search over the hashes is
-faiss's exact binary index (`IndexBinaryFlat`): memory holds the hashes alone, never the images. docs/data.md
-("Dedup against eval sets") says why a perceptual hash rather than the CLIP teacher's embeddings, and how the
-default was measured.
+faiss's exact binary index (`IndexBinaryFlat`, data/curate/index.py): memory holds the hashes alone, never the
+images. docs/data.md ("Dedup against eval sets") says why a perceptual hash rather than the CLIP teacher's
+embeddings, and how the default was measured.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from disco_clip_ds.data.curate.index import HashIndex
 from disco_clip_ds.errors import DataError, UsageError
 
 HASH_SIZE = 8  # imagehash's default: an 8 x 8 block of the DCT, 64 bits
@@ -28,7 +29,7 @@ DEFAULT_THRESHOLD = 8  # measured: bench/data/README.md, "Dedup"
 # per cent from any side half way. The eval sets are small; their hashes, 20 per image, cost little.
 WINDOW_CUT = 0.06
 WINDOWS = [(x, y) for y in (0, WINDOW_CUT / 2, WINDOW_CUT) for x in (0, WINDOW_CUT / 2, WINDOW_CUT)]
-_ONE_THREAD_BELOW = 1 << 24  # hash comparisons: a few milliseconds on one core
+
 _CHUNK = 1024  # training hashes compared per step against those before them (`copies_within`)
 
 
@@ -107,7 +108,7 @@ def copies_of_reference(train: np.ndarray, reference: np.ndarray, threshold: int
         raise ValueError(f"hashes of {train.shape[2] * 8} bits against hashes of {reference.shape[2] * 8} bits")
     if not len(train) or not len(reference):
         return np.zeros(len(train), bool)
-    return _nearest(_index(reference.reshape(-1, reference.shape[2])), train[:, 0]) <= threshold
+    return _hash_index(reference.reshape(-1, reference.shape[2])).nearest_distance(train[:, 0]) <= threshold
 
 
 def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np.ndarray:
@@ -119,12 +120,12 @@ def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np
     if len(digests) != len(train):
         raise ValueError(f"{len(digests)} digests for {len(train)} fingerprints")
     dropped = _repeated(digests)  # exact duplicates first: a digest is cheaper than a search
-    index = _index(np.zeros((0, train.shape[2]), np.uint8))
+    index = HashIndex(train.shape[2])
     for start in range(0, len(train), _CHUNK):
         chunk = train[start : start + _CHUNK]
         dropped[start : start + len(chunk)] |= _chunk_copies(index, chunk, threshold, dropped[start : start + _CHUNK])
         kept = chunk[~dropped[start : start + len(chunk)]]
-        index.add(np.ascontiguousarray(kept.reshape(-1, kept.shape[2])))
+        index.add(kept.reshape(-1, kept.shape[2]))
     return dropped
 
 
@@ -145,8 +146,8 @@ def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -
     """Which of `chunk` are copies of a kept sample: one in `index` (those before the chunk), or one before it in
     the chunk, decided in order since whether that one is kept depends on the samples before it."""
     dropped = exact.copy()
-    if index.ntotal:
-        dropped |= _nearest(index, chunk[:, 0]) <= threshold
+    if index.size:
+        dropped |= index.nearest_distance(chunk[:, 0]) <= threshold
     near = hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
     near = near <= threshold
     for i in range(len(chunk)):
@@ -163,26 +164,9 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 _BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # bits set per byte (numpy 1 has no bitwise_count)
 
 
-def _nearest(index, queries: np.ndarray) -> np.ndarray:
-    """The distance from each of `queries` to its nearest hash in `index`; a small search on one thread, since
-    OpenMP's start costs more than such a search (and far more on a busy machine, where threads wait their turn)."""
-    import faiss
-
-    threads = faiss.omp_get_max_threads()
-    if len(queries) * index.ntotal < _ONE_THREAD_BELOW:
-        faiss.omp_set_num_threads(1)
-    try:
-        return index.search(np.ascontiguousarray(queries), 1)[0][:, 0]
-    finally:
-        faiss.omp_set_num_threads(threads)
-
-
-def _index(hashes: np.ndarray):
-    import faiss
-
-    index = faiss.IndexBinaryFlat(hashes.shape[1] * 8)
-    if len(hashes):
-        index.add(np.ascontiguousarray(hashes))
+def _hash_index(hashes: np.ndarray) -> HashIndex:
+    index = HashIndex(hashes.shape[1])
+    index.add(hashes)
     return index
 
 
