@@ -51,13 +51,15 @@ def split_shards(data: str, split: str = "test") -> str | None:
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
-    `data.shards.expand_shards`) or a list of such specs; every local shard must exist (else UsageError).
+    `data.shards.expand_shards`; a folder in CLIP_benchmark's layout stands for its test split) or a list of such
+    specs; every local shard must exist (else UsageError).
 
     Training skips a missing shard of a pattern (img2dataset leaves one where a shard failed to download); an
     evaluation refuses it, because a metric over part of a benchmark is not that benchmark's number."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    specs = [split_shards(str(item)) or str(item) for item in specs]  # a CLIP_benchmark folder: its test split
     try:
-        urls = [url for item in specs for url in expand_shards(str(item))]
+        urls = [url for item in specs for url in expand_shards(item)]
     except (ValueError, FileNotFoundError) as e:  # an empty spec, a folder without shards
         raise UsageError(str(e)) from e
     missing = missing_shards(urls)
