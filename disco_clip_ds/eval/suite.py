@@ -15,6 +15,8 @@ main_metric: ...}`), or a list of such mappings each with a `key`. Fields:
                    label_column, caption_column
     classnames, templates   as `disco-clip eval` takes them (files, shipped or CLIP_benchmark names)
     fewshot_k      linear_probe: training samples per class (-1: all)
+    val_proportion linear_probe: the share of the train split held out to choose the weight decay (CLIP_benchmark's
+                   --val_proportion; default none: no sweep, weight decay 0, as its default)
     train          true: run during training by `--eval_tasks` (when no task is marked, all are)
 
 DataComp's descriptive fields (size, time, num_classes, random_score, tags) are accepted and shown nowhere; any
@@ -40,6 +42,8 @@ import torch
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
+from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
+from disco_clip_ds.eval.probe import linear_probe
 from disco_clip_ds.eval.sources import as_batches
 from disco_clip_ds.eval.tasks import (
     find_templates,
@@ -63,6 +67,7 @@ METRICS = {
 DEFAULT_METRIC = {"zeroshot_classification": "acc1", "zeroshot_retrieval": "mean_recall@1", "linear_probe": "acc1"}
 SOURCE_FIELDS = ("split", "train_split", "config", "image_column", "label_column", "caption_column")
 FIELDS = {"key", "name", "type", "main_metric", "path", "dataset", "classnames", "templates", "fewshot_k", "train"}
+FIELDS |= {"val_proportion"}
 FIELDS |= set(SOURCE_FIELDS)
 DATACOMP_FIELDS = {"size", "time", "num_classes", "random_score", "tags"}  # descriptive: accepted, not used
 
@@ -81,6 +86,7 @@ class Task:
     classnames: str | None = None
     templates: str | None = None
     fewshot_k: int = -1
+    val_proportion: float | None = None
     train: bool = False
     is_path: bool = True  # `source` is the task's path (else a datasets source)
 
@@ -96,7 +102,14 @@ class TaskResult:
 
     @property
     def value(self) -> float | None:
-        return None if self.record is None else self.record["metrics"].get(self.task.main_metric)
+        if self.record is None:
+            return None
+        return self.record["metrics"].get(record_metric(self.task.type, self.task.main_metric))
+
+
+def record_metric(kind: str, metric: str) -> str:
+    """A metric's name in the CLIP_benchmark record: a linear probe's are lp_acc1, lp_acc5, ... there."""
+    return PROBE_NAMES.get(metric, metric) if kind == "linear_probe" else metric
 
 
 def load_tasks(path: str | Path) -> list[Task]:
@@ -142,6 +155,9 @@ def _task(entry: dict, base: Path, where: str) -> Task:
     fewshot_k = entry.get("fewshot_k", -1)
     if not isinstance(fewshot_k, int) or fewshot_k == 0 or fewshot_k < -1:
         raise UsageError(f"{where}: task {key}: fewshot_k {fewshot_k} must be -1 (all) or a positive count")
+    val_proportion = entry.get("val_proportion")
+    if val_proportion is not None and not (isinstance(val_proportion, float) and 0 < val_proportion < 1):
+        raise UsageError(f"{where}: task {key}: val_proportion {val_proportion} must be a fraction, e.g. 0.2")
     columns = {name: entry[name] for name in SOURCE_FIELDS if entry.get(name) and name != "train_split"}
     return Task(
         key=key,
@@ -154,6 +170,7 @@ def _task(entry: dict, base: Path, where: str) -> Task:
         classnames=entry.get("classnames"),
         templates=entry.get("templates"),
         fewshot_k=fewshot_k,
+        val_proportion=val_proportion,
         train=bool(entry.get("train", False)),
         is_path=not entry.get("dataset"),
     )
@@ -235,13 +252,13 @@ def run_task(task: Task, model, tokenizer, image_processor, batch_size: int, pro
 def _linear_probe(task: Task, model, image_processor, batch_size: int, progress: bool, desc: str) -> dict:
     """Image features (L2-normalised, as CLIP_benchmark's probe takes them) of the train and test splits, then
     the logistic-regression probe of eval/probe.py."""
-    from disco_clip_ds.eval.probe import linear_probe
-
     train, _ = open_eval_data(task.source, task.type, **{**task.columns, "split": task.train_split})
     test, _ = open_eval_data(task.source, task.type, **task.columns)
     train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
     test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
-    return linear_probe(train_x, train_y, test_x, test_y, fewshot_k=task.fewshot_k, seed=0)
+    return linear_probe(
+        train_x, train_y, test_x, test_y, fewshot_k=task.fewshot_k, val_proportion=task.val_proportion, seed=0
+    )
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):
@@ -263,7 +280,7 @@ def clip_benchmark_record(task: Task, metrics: dict, model_name: str) -> dict:
         "model": model_name,
         "pretrained": model_name,
         "task": task.type,
-        "metrics": metrics,
+        "metrics": {record_metric(task.type, name): value for name, value in metrics.items()},
         "language": "en",
     }
 

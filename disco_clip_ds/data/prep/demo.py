@@ -346,6 +346,7 @@ digits_probe:
   type: linear_probe
   main_metric: acc1
   path: digits_probe
+  val_proportion: 0.2
 """
 CAPTIONS_PER_IMAGE = 3  # retrieval: several captions per image, as COCO's and Flickr's sets have
 
