@@ -313,3 +313,22 @@ def test_unreadable_shard_member_is_reported_not_raised(tmp_path):
     model, tokenizer, processor = tiny_clip()
     (result,) = run_suite(load_tasks(tmp_path / "t.yml"), model, tokenizer, processor, progress=False)
     assert isinstance(result.error, DataError) and result.value is None and not math.isnan(result.seconds)
+
+
+def test_train_run_attaches_the_suite_every_eval_steps_or_a_fraction_of_max_steps(sets, tmp_path):
+    """train/run.py's `_attach_suite`: --eval_steps is TrainingArguments' own (N steps, or a fraction of
+    --max_steps), and a bad --eval_tasks is refused there, before training, as a UsageError."""
+    from types import SimpleNamespace
+
+    from disco_clip_ds.train.run import _attach_suite
+
+    added = []
+    processor = SimpleNamespace(tokenizer="tok", image_processor="images")
+    for eval_steps, every in ((None, 0), (4, 4), (0.25, 3)):
+        args = SimpleNamespace(eval_steps=eval_steps, max_steps=10, per_device_eval_batch_size=7)
+        trainer = SimpleNamespace(args=args, add_callback=added.append)
+        _attach_suite(trainer, SimpleNamespace(eval_tasks=str(sets / "tasks.yml")), processor)
+        assert (added[-1].every_n_steps, added[-1].batch_size, added[-1].trainer) == (every, 7, trainer)
+    (tmp_path / "bad.yml").write_text("a: {main_metric: nope}\n")
+    with pytest.raises(UsageError, match="has no metric 'nope'"):
+        _attach_suite(trainer, SimpleNamespace(eval_tasks=str(tmp_path / "bad.yml")), processor)
