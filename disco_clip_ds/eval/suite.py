@@ -44,7 +44,7 @@ from disco_clip_ds.errors import DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.eval.sources import as_batches
+from disco_clip_ds.eval.sources import as_batches, split_shards
 from disco_clip_ds.eval.tasks import (
     find_templates,
     open_eval_data,
@@ -252,6 +252,11 @@ def run_task(task: Task, model, tokenizer, image_processor, batch_size: int, pro
 def _linear_probe(task: Task, model, image_processor, batch_size: int, progress: bool, desc: str) -> dict:
     """Image features (L2-normalised, as CLIP_benchmark's probe takes them) of the train and test splits, then
     the logistic-regression probe of eval/probe.py."""
+    if task.is_path and split_shards(task.source, task.train_split) is None:
+        raise UsageError(
+            f"task {task.key}: a linear probe reads a {task.train_split}/ and a test/ split folder in "
+            f"'{task.source}' (CLIP_benchmark's layout)"
+        )
     train, _ = open_eval_data(task.source, task.type, **{**task.columns, "split": task.train_split})
     test, _ = open_eval_data(task.source, task.type, **task.columns)
     train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")

@@ -126,6 +126,7 @@ def suite_run(sets):
     """The task list plus a missing folder and an unreadable shard, run with one tiny CLIP."""
     (sets / "with_failures.yml").write_text(
         DATACOMP_FORM + "gone: {path: nowhere}\nbroken: {path: bad, classnames: cls/classnames.txt}\n"
+        "flat_probe: {type: linear_probe, path: cls}\n"
     )
     model, tokenizer, processor = tiny_clip()
     tasks = load_tasks(sets / "with_failures.yml")
@@ -144,7 +145,8 @@ def test_each_task_equals_its_own_evaluation_and_failures_stay_in_their_rows(set
     assert got["mean_recall@1"] == pytest.approx((ret["image_retrieval_recall@1"] + ret["text_retrieval_recall@1"]) / 2)
     assert isinstance(by_key["gone"].error, UsageError) and "no such folder" in str(by_key["gone"].error)
     assert isinstance(by_key["broken"].error, DataError) and "not a tar" in str(by_key["broken"].error)
-    assert [r.value is None for r in results] == [False, False, False, True, True]
+    assert [r.value is None for r in results] == [False, False, False, True, True, True]
+    assert "a linear probe reads a train/ and a test/ split folder in" in str(by_key["flat_probe"].error)
     record = by_key["cifar_like"].record
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert (record["dataset"], record["model"], record["task"]) == ("cifar_like", "tiny", "zeroshot_classification")
@@ -188,11 +190,11 @@ def test_table_csv_json_and_average(tmp_path, suite_run):
     results, _ = suite_run
     rows = write_suite(results, tmp_path)
     values = [r.value for r in results if r.value is not None]
-    assert rows[-1]["task"] == "average (3 of 5 tasks)"
+    assert rows[-1]["task"] == "average (3 of 6 tasks)"
     assert rows[-1]["value"] == pytest.approx(sum(values) / 3)  # DataComp's average, of the tasks that ran
     with open(tmp_path / "suite.csv") as f:
         table = list(csv.DictReader(f))
-    assert [row["task"] for row in table] == [r.task.key for r in results] + ["average (3 of 5 tasks)"]
+    assert [row["task"] for row in table] == [r.task.key for r in results] + ["average (3 of 6 tasks)"]
     assert float(table[0]["value"]) == pytest.approx(results[0].value) and table[3]["error"].startswith("task gone:")
     assert json.loads((tmp_path / "cifar_like.json").read_text()) == results[0].record
     assert (tmp_path / "retrieval_captions.json").is_file() and not (tmp_path / "gone.json").exists()
@@ -293,7 +295,7 @@ def test_model_card_shows_the_final_suite(tmp_path, suite_run):
     assert f"| cifar_like | zeroshot_classification | acc1 | {results[0].value:.4f} |" in section
     assert any(line.startswith("| gone | zeroshot_classification | acc1 | failed: task gone:") for line in section)
     average = [r.value for r in results if r.value is not None]
-    assert f"| average (3 of 5 tasks) |  |  | {sum(average) / 3:.4f} |" in section
+    assert f"| average (3 of 6 tasks) |  |  | {sum(average) / 3:.4f} |" in section
     assert "## Benchmark suite" not in str(model_card(describe_run(tmp_path / "suite"), [], "a test"))
 
 
