@@ -12,6 +12,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from disco_clip_ds.distributed.ranks import all_true
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.suite import error_line, load_tasks, run_suite, scalars, training_tasks, write_suite
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification
@@ -110,7 +111,9 @@ class SuiteCallback(LoggingCallback):
     last step's suite, the final model's, is written to the run folder (`output_dir/suite/`: each task's
     CLIP_benchmark JSON, suite.md, suite.csv, suite.json), from where the model card takes it.
 
-    A task that fails is logged as a warning with its error and left out of the average; training goes on. The task
+    A task that fails is logged as a warning with its error and left out of the average; training goes on. Its
+    files are opened on every rank before its first forward, and a task that fails to open on any rank is skipped on
+    all (`run_suite`'s `agree`), so that no rank waits for the others in a ZeRO-3 forward. The task
     list is read when the callback is made, before training: a malformed one is a UsageError on every rank.
     `image_processor` is the one the run trains with, as for `ZeroShotCallback`."""
 
@@ -127,7 +130,13 @@ class SuiteCallback(LoggingCallback):
             return
         tasks = self.tasks if last else training_tasks(self.tasks)
         results = run_suite(
-            tasks, model, self.tokenizer, self.image_processor, batch_size=self.batch_size, progress=False
+            tasks,
+            model,
+            self.tokenizer,
+            self.image_processor,
+            batch_size=self.batch_size,
+            progress=False,
+            agree=lambda opened: all_true(opened, args.device),  # a task runs on every rank or on none
         )
         for result in results:
             if result.error is not None and state.is_world_process_zero:

@@ -33,14 +33,14 @@ import csv
 import io
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from disco_clip_ds.data.shards import write_json
-from disco_clip_ds.errors import DiscoClipError, UsageError
+from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
@@ -56,9 +56,9 @@ from disco_clip_ds.eval.tasks import (
 TYPES = {"zeroshot_classification", "zeroshot_retrieval", "linear_probe"}
 TYPE_ALIASES = {"retrieval": "zeroshot_retrieval", "classification": "zeroshot_classification"}
 CLASSIFICATION_METRICS = {"acc1", "acc5", "mean_per_class_recall"}
-RETRIEVAL_METRICS = {
-    f"{side}_retrieval_recall@{k}" for side in ("image", "text") for k in (1, 5, 10)
-} | {"mean_recall@1"}
+RETRIEVAL_METRICS = {f"{side}_retrieval_recall@{k}" for side in ("image", "text") for k in (1, 5, 10)} | {
+    "mean_recall@1"
+}
 METRICS = {
     "zeroshot_classification": CLASSIFICATION_METRICS,
     "zeroshot_retrieval": RETRIEVAL_METRICS,
@@ -190,68 +190,75 @@ def run_suite(
     batch_size: int = 64,
     progress: bool = True,
     model_name: str = "",
+    agree: Callable[[bool], bool] | None = None,
 ) -> list[TaskResult]:
     """Evaluate every task with one model (loaded once by the caller); a task that fails (a missing folder, an
     unreadable shard: a project error or an OSError) is recorded in its result with its error and the others still
-    run. The text tower's class-name classifiers are computed once per (class names, templates) and shared."""
+    run. The text tower's class-name classifiers are computed once per (class names, templates) and shared.
+
+    Each task's files are opened and checked (`prepare_task`) before its first forward. `agree(ok)` (training: true on
+    every rank when true on all) then decides on every rank whether the task runs: under ZeRO-3 a task that could not
+    be opened on one rank is skipped on all of them, where the others would wait for it in a forward."""
     classifiers: dict = {}
     results = []
     for task in tasks:
         started = time.perf_counter()
-        result = TaskResult(task)
+        result, evaluate = TaskResult(task), None
         try:
-            metrics = run_task(task, model, tokenizer, image_processor, batch_size, progress, classifiers)
-            result.record = clip_benchmark_record(task, metrics, model_name)
+            evaluate = prepare_task(task, model, tokenizer, image_processor, batch_size, progress, classifiers)
         except (DiscoClipError, OSError) as e:
             result.error = e
+        if agree is not None and not agree(evaluate is not None) and evaluate is not None:
+            evaluate = None
+            result.error = DataError(f"task {task.key} failed on another rank: skipped on every rank")
+        if evaluate is not None:
+            try:
+                result.record = clip_benchmark_record(task, evaluate(), model_name)
+            except (DiscoClipError, OSError) as e:
+                result.error = e
         result.seconds = time.perf_counter() - started
         results.append(result)
     return results
 
 
-def run_task(task: Task, model, tokenizer, image_processor, batch_size: int, progress: bool, classifiers: dict):
-    """One task's metrics (CLIP_benchmark's names; retrieval adds DataComp's mean_recall@1)."""
+def prepare_task(
+    task: Task, model, tokenizer, image_processor, batch_size: int, progress: bool, classifiers: dict
+) -> Callable[[], dict]:
+    """Open and check one task's files (shards' headers, class names, templates: no forward yet) and return the
+    function that evaluates it: its metrics with CLIP_benchmark's names (retrieval adds DataComp's mean_recall@1)."""
     desc = f"{task.key} ({task.type})"
     if task.is_path and not any(c in task.source for c in "{:") and not Path(task.source).exists():
         raise UsageError(f"task {task.key}: no such folder '{task.source}' (its path, relative to the task list)")
+    settings = dict(image_processor=image_processor, batch_size=batch_size, progress=progress, desc=desc)
     if task.type == "zeroshot_retrieval":
         data, _ = open_eval_data(task.source, task.type, **task.columns)
-        metrics = zeroshot_retrieval(
-            model,
-            tokenizer,
-            data,
-            image_processor=image_processor,
-            batch_size=batch_size,
-            progress=progress,
-            desc=desc,
-        )
-        metrics["mean_recall@1"] = (metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]) / 2
-        return metrics
+
+        def retrieval() -> dict:
+            metrics = zeroshot_retrieval(model, tokenizer, data, **settings)
+            metrics["mean_recall@1"] = (metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]) / 2
+            return metrics
+
+        return retrieval
     if task.type == "linear_probe":
         return _linear_probe(task, model, image_processor, batch_size, progress, desc)
     data, classnames = open_eval_data(task.source, task.type, task.classnames, **task.columns)
     templates = find_templates(task.source, task.templates)
-    cache_key = (tuple(classnames), tuple(templates))
-    if cache_key not in classifiers:
-        with EvalMode(unwrap(model)):
-            classifiers[cache_key] = zeroshot_classifier(model, tokenizer, classnames, templates, max(batch_size, 64))
-    return zeroshot_classification(
-        model,
-        tokenizer,
-        data,
-        classnames,
-        templates,
-        image_processor=image_processor,
-        batch_size=batch_size,
-        progress=progress,
-        classifier=classifiers[cache_key],
-        desc=desc,
-    )
+
+    def classification() -> dict:
+        key = (tuple(classnames), tuple(templates))
+        if key not in classifiers:
+            with EvalMode(unwrap(model)):
+                classifiers[key] = zeroshot_classifier(model, tokenizer, classnames, templates, max(batch_size, 64))
+        return zeroshot_classification(
+            model, tokenizer, data, classnames, templates, classifier=classifiers[key], **settings
+        )
+
+    return classification
 
 
-def _linear_probe(task: Task, model, image_processor, batch_size: int, progress: bool, desc: str) -> dict:
-    """Image features (L2-normalised, as CLIP_benchmark's probe takes them) of the train and test splits, then
-    the logistic-regression probe of eval/probe.py."""
+def _linear_probe(task: Task, model, image_processor, batch_size: int, progress: bool, desc: str):
+    """The probe's splits opened; then image features (L2-normalised, as CLIP_benchmark's probe takes them) of the
+    train and test splits, and the logistic-regression probe of eval/probe.py."""
     if task.is_path and split_shards(task.source, task.train_split) is None:
         raise UsageError(
             f"task {task.key}: a linear probe reads a {task.train_split}/ and a test/ split folder in "
@@ -259,11 +266,15 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
         )
     train, _ = open_eval_data(task.source, task.type, **{**task.columns, "split": task.train_split})
     test, _ = open_eval_data(task.source, task.type, **task.columns)
-    train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
-    test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
-    return linear_probe(
-        train_x, train_y, test_x, test_y, fewshot_k=task.fewshot_k, val_proportion=task.val_proportion, seed=0
-    )
+
+    def probe() -> dict:
+        train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
+        test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
+        return linear_probe(
+            train_x, train_y, test_x, test_y, fewshot_k=task.fewshot_k, val_proportion=task.val_proportion, seed=0
+        )
+
+    return probe
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):

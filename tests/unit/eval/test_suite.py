@@ -334,3 +334,40 @@ def test_train_run_attaches_the_suite_every_eval_steps_or_a_fraction_of_max_step
     (tmp_path / "bad.yml").write_text("a: {main_metric: nope}\n")
     with pytest.raises(UsageError, match="has no metric 'nope'"):
         _attach_suite(trainer, SimpleNamespace(eval_tasks=str(tmp_path / "bad.yml")), processor)
+
+
+def test_a_task_that_fails_to_open_on_any_rank_is_skipped_on_all(sets, monkeypatch):
+    """`agree` hears each task's local outcome before its first forward; when it says no, the task is skipped with a
+    message saying so (and no forward runs), even where it opened."""
+    heard = []
+    (sets / "agree.yml").write_text("cifar_like: {path: cls}\ngone: {path: nowhere}\n")
+    model, tokenizer, processor = tiny_clip()
+    monkeypatch.setattr(suite_module, "zeroshot_classification", lambda *a, **k: pytest.fail("a forward ran"))
+    results = run_suite(
+        load_tasks(sets / "agree.yml"), model, tokenizer, processor, progress=False, agree=lambda ok: heard.append(ok)
+    )
+    assert heard == [True, False]
+    assert str(results[0].error) == "task cifar_like failed on another rank: skipped on every rank"
+    assert "no such folder" in str(results[1].error)
+
+
+def _suite_on_rank(rank: int, world_size: int, root: str) -> list:
+    from disco_clip_ds.distributed.ranks import all_true
+
+    tasks = load_tasks(f"{root}/rank{rank}.yml")
+    model, tokenizer, processor = tiny_clip()
+    results = run_suite(tasks, model, tokenizer, processor, progress=False, agree=lambda ok: all_true(ok, "cpu"))
+    return [(r.task.key, r.value, str(r.error or "")) for r in results]
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_which_tasks_run(sets):
+    """2 spawned ranks (gloo) whose second task opens on rank 0 only: both skip it, both run the others alike."""
+    from disco_clip_ds.testing.ranks import run_ranks
+
+    (sets / "rank0.yml").write_text("a: {path: cls}\nb: {path: cls}\nc: {path: ret, type: retrieval}\n")
+    (sets / "rank1.yml").write_text("a: {path: cls}\nb: {path: only_on_rank0}\nc: {path: ret, type: retrieval}\n")
+    rank0, rank1 = run_ranks(_suite_on_rank, 2, str(sets), timeout=300)
+    assert [(key, value) for key, value, _ in rank0] == [(key, value) for key, value, _ in rank1]
+    assert rank0[1] == ("b", None, "task b failed on another rank: skipped on every rank")
+    assert "no such folder" in rank1[1][2] and rank0[0][1] is not None and rank0[2][1] is not None
