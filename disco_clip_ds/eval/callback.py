@@ -120,7 +120,7 @@ class SuiteCallback(LoggingCallback):
     def __init__(self, tasks_file, tokenizer, image_processor, every_n_steps: int, batch_size: int = 64):
         if every_n_steps < 0:
             raise UsageError(f"--eval_steps must be 0 (the final model only) or positive, got {every_n_steps}")
-        self.tasks = load_tasks(tasks_file)
+        self.tasks = load_tasks(tasks_file, flag="--eval_tasks")
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.every_n_steps, self.batch_size = every_n_steps, batch_size
 

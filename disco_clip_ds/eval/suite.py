@@ -66,9 +66,8 @@ METRICS = {
 }
 DEFAULT_METRIC = {"zeroshot_classification": "acc1", "zeroshot_retrieval": "mean_recall@1", "linear_probe": "acc1"}
 SOURCE_FIELDS = ("split", "train_split", "config", "image_column", "label_column", "caption_column")
-FIELDS = {"key", "name", "type", "main_metric", "path", "dataset", "classnames", "templates", "fewshot_k", "train"}
-FIELDS |= {"val_proportion"}
-FIELDS |= set(SOURCE_FIELDS)
+FIELDS = {"key", "name", "type", "main_metric", "path", "dataset", "classnames", "templates", "train", *SOURCE_FIELDS}
+FIELDS |= {"fewshot_k", "val_proportion"}
 DATACOMP_FIELDS = {"size", "time", "num_classes", "random_score", "tags"}  # descriptive: accepted, not used
 
 
@@ -112,26 +111,26 @@ def record_metric(kind: str, metric: str) -> str:
     return PROBE_NAMES.get(metric, metric) if kind == "linear_probe" else metric
 
 
-def load_tasks(path: str | Path) -> list[Task]:
-    """The tasks of a task list (see the module docstring); every problem is a one-line UsageError."""
+def load_tasks(path: str | Path, flag: str = "--tasks") -> list[Task]:
+    """The tasks of a task list (see the module docstring); every problem is a one-line UsageError naming `flag`."""
     import yaml
 
-    path = Path(path)
+    path, where = Path(path), f"{flag} {path}"
     if not path.is_file():
-        raise UsageError(f"--tasks {path}: no such file (a YAML task list in DataComp's tasklist.yml form)")
+        raise UsageError(f"{where}: no such file (a YAML task list in DataComp's tasklist.yml form)")
     try:
         entries = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise UsageError(f"--tasks {path}: not valid YAML ({str(e).splitlines()[0]})") from e
-    if isinstance(entries, dict):
+        raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from e
+    if isinstance(entries, dict) and all(isinstance(fields, (dict, type(None))) for fields in entries.values()):
         entries = [{"key": key, **(fields or {})} for key, fields in entries.items()]
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-        raise UsageError(f"--tasks {path}: give a mapping of task keys to their fields, or a list of tasks")
-    tasks = [_task(entry, path.parent, f"--tasks {path}") for entry in entries]
+        raise UsageError(f"{where}: give a mapping of task keys to their fields, or a list of tasks")
+    tasks = [_task(entry, path.parent, where) for entry in entries]
     keys = [task.key for task in tasks]
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
-        raise UsageError(f"--tasks {path}: task {repeated[0]} is listed twice")
+        raise UsageError(f"{where}: task {repeated[0]} is listed twice")
     return tasks
 
 

@@ -106,6 +106,7 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("- {key: a}\n- {key: a}", "task a is listed twice"),
         ("a: [unclosed", "not valid YAML"),
         ("just text", "give a mapping of task keys"),
+        ("a: 3", "give a mapping of task keys"),
     ],
 )
 def test_malformed_task_lists_are_one_line_usage_errors(tmp_path, text, message):
@@ -278,7 +279,7 @@ def test_suite_callback_refuses_a_bad_task_list_before_training(tmp_path):
     from disco_clip_ds.eval.callback import SuiteCallback
 
     (tmp_path / "t.yml").write_text("a: {type: nope}\n")
-    with pytest.raises(UsageError, match="has type 'nope'"):
+    with pytest.raises(UsageError, match=r"^--eval_tasks \S+t.yml: task a has type 'nope'"):
         SuiteCallback(tmp_path / "t.yml", None, None, every_n_steps=5)
     with pytest.raises(UsageError, match="--eval_steps must be 0"):
         SuiteCallback(tmp_path / "t.yml", None, None, every_n_steps=-1)
