@@ -81,6 +81,15 @@ with open(sys.argv[2], "w") as f:
 '''
 
 
+def structured_features(seed: int, n: int, n_classes: int = 8, dim: int = 24, noise: float = 1.6):
+    """(features, labels): fixed class centres plus Gaussian noise, uneven class sizes; a probe on them is right
+    often but not always, so its numbers tell settings apart."""
+    centres = torch.randn(n_classes, dim, generator=torch.Generator().manual_seed(100))
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.multinomial(torch.linspace(1, 2, n_classes), n, replacement=True, generator=gen)
+    return centres[labels] + noise * torch.randn(n, dim, generator=gen), labels
+
+
 def install(cache: Path) -> Path:
     """A folder holding clip_benchmark 1.6.2 (and nothing else), made once under `cache`."""
     target = Path(cache) / f"clip_benchmark-{VERSION}"

@@ -16,23 +16,14 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.testing.clip_benchmark_probe import install, run_clip_benchmark
+from disco_clip_ds.testing.clip_benchmark_probe import install, run_clip_benchmark, structured_features
 
 pytestmark = pytest.mark.slow
 COMPARED = {"acc1": "lp_acc1", "acc5": "lp_acc5", "mean_per_class_recall": "lp_mean_per_class_recall",
             "weight_decay": "weight_decay"}
-
-
-def structured_features(seed: int, n: int, n_classes: int = 8, dim: int = 24, noise: float = 1.6):
-    """Class centres plus noise, uneven class sizes: a probe that is right often but not always."""
-    centres = torch.randn(n_classes, dim, generator=torch.Generator().manual_seed(100))
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.multinomial(torch.linspace(1, 2, n_classes), n, replacement=True, generator=gen)
-    return centres[labels] + noise * torch.randn(n, dim, generator=gen), labels
 
 
 @pytest.fixture(scope="session")
