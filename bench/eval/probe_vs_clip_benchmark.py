@@ -30,8 +30,12 @@ from disco_clip_ds.testing.clip_benchmark_probe import install, run_clip_benchma
 
 RESULTS = Path(__file__).parent / "results" / "probe_vs_clip_benchmark.csv"
 FEWSHOT_KS = (-1, 1, 5, 10)
-METRICS = {"acc1": "lp_acc1", "acc5": "lp_acc5", "mean_per_class_recall": "lp_mean_per_class_recall",
-           "weight_decay": "weight_decay"}
+METRICS = {
+    "acc1": "lp_acc1",
+    "acc5": "lp_acc5",
+    "mean_per_class_recall": "lp_mean_per_class_recall",
+    "weight_decay": "weight_decay",
+}
 
 
 def model_features(model_dir: str, data: str) -> tuple[dict, str]:
@@ -65,8 +69,11 @@ def main() -> None:
     parser.add_argument("--data", help="a linear-probe set in CLIP_benchmark's wds layout (train/, test/)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--val_proportion", type=float, default=0.2)
-    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "disco_clip_bench_clip_benchmark"),
-                        help="where clip_benchmark's wheel is fetched and unpacked (kept for the next run)")
+    parser.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "disco_clip_bench_clip_benchmark"),
+        help="where clip_benchmark's wheel is fetched and unpacked (kept for the next run)",
+    )
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     if bool(args.model) != bool(args.data):
@@ -76,8 +83,19 @@ def main() -> None:
     splits, described = model_features(args.model, args.data) if args.model else synthetic_features()
     (train_x, train_y), (test_x, test_y) = splits["train"], splits["test"]
     settings = [{"fewshot_k": k, "val_proportion": args.val_proportion, "seed": 0} for k in FEWSHOT_KS]
-    jobs = [{"train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_y, "batch_size": BATCH_SIZE,
-             "epochs": EPOCHS, "lr": LR, **s} for s in settings]
+    jobs = [
+        {
+            "train_x": train_x,
+            "train_y": train_y,
+            "test_x": test_x,
+            "test_y": test_y,
+            "batch_size": BATCH_SIZE,
+            "epochs": EPOCHS,
+            "lr": LR,
+            **s,
+        }
+        for s in settings
+    ]
     target = install(Path(args.cache))
     ours_runs, theirs_runs = [], []
     with tempfile.TemporaryDirectory() as work:
@@ -109,8 +127,14 @@ def _row(setting: dict, ours: list[dict], theirs: list[dict], described: str, sp
     for run in ours[1:] + theirs[1:]:  # deterministic: every round gives the first round's numbers
         reference = first_ours if "n_train" in run else first_theirs
         assert all(_same(run[k], reference[k]) for k in run if k != "seconds"), (run, reference)
-    row = {"features": described, "n_train": len(splits["train"][1]), "n_test": len(splits["test"][1]),
-           "dim": splits["train"][0].shape[1], **setting, "n_fit": first_ours["n_train"]}
+    row = {
+        "features": described,
+        "n_train": len(splits["train"][1]),
+        "n_test": len(splits["test"][1]),
+        "dim": splits["train"][0].shape[1],
+        **setting,
+        "n_fit": first_ours["n_train"],
+    }
     for ours_key, theirs_key in METRICS.items():
         row[f"ours_{ours_key}"] = first_ours[ours_key]
         row[f"theirs_{ours_key}"] = first_theirs[theirs_key]

@@ -29,7 +29,7 @@ import torch
 
 VERSION = "1.6.2"
 
-DRIVER = r'''
+DRIVER = r"""
 import builtins, json, os, sys, time
 import numpy as np
 import torch
@@ -78,7 +78,7 @@ jobs = torch.load(sys.argv[1])
 results = [run(job, sys.argv[3]) for job in jobs]
 with open(sys.argv[2], "w") as f:
     json.dump(results, f)
-'''
+"""
 
 
 def structured_features(seed: int, n: int, n_classes: int = 8, dim: int = 24, noise: float = 1.6):

@@ -22,8 +22,12 @@ from disco_clip_ds.eval.probe import linear_probe
 from disco_clip_ds.testing.clip_benchmark_probe import install, run_clip_benchmark, structured_features
 
 pytestmark = pytest.mark.slow
-COMPARED = {"acc1": "lp_acc1", "acc5": "lp_acc5", "mean_per_class_recall": "lp_mean_per_class_recall",
-            "weight_decay": "weight_decay"}
+COMPARED = {
+    "acc1": "lp_acc1",
+    "acc5": "lp_acc5",
+    "mean_per_class_recall": "lp_mean_per_class_recall",
+    "weight_decay": "weight_decay",
+}
 
 
 @pytest.fixture(scope="session")
@@ -54,16 +58,28 @@ def test_linear_probe_equals_clip_benchmark(clip_benchmark, tmp_path):
     assert len({their["lp_acc1"] for their in theirs}) >= 3 and max(t["lp_acc1"] for t in theirs) < 1
     assert any(their["weight_decay"] > 0 for their in theirs)
     # and the comparison bites: another seed, or no normalisation, gives other numbers than CLIP_benchmark's
-    assert linear_probe(train_x, train_y, test_x, test_y, seed=5)["mean_per_class_recall"] != theirs[0][
-        "lp_mean_per_class_recall"]
+    assert (
+        linear_probe(train_x, train_y, test_x, test_y, seed=5)["mean_per_class_recall"]
+        != theirs[0]["lp_mean_per_class_recall"]
+    )
     unnormalised = linear_probe(train_x, train_y, test_x, test_y, normalize=False)
     assert unnormalised["mean_per_class_recall"] != theirs[0]["lp_mean_per_class_recall"]
 
 
 def test_too_few_samples_for_fewshot_k_is_refused_where_clip_benchmark_gives_nothing(clip_benchmark, tmp_path):
     train_x, train_y = structured_features(seed=3, n=40)
-    job = {"train_x": train_x, "train_y": train_y, "test_x": train_x, "test_y": train_y, "batch_size": 64,
-           "epochs": 2, "lr": 0.1, "seed": 0, "fewshot_k": 30, "val_proportion": None}
+    job = {
+        "train_x": train_x,
+        "train_y": train_y,
+        "test_x": train_x,
+        "test_y": train_y,
+        "batch_size": 64,
+        "epochs": 2,
+        "lr": 0.1,
+        "seed": 0,
+        "fewshot_k": 30,
+        "val_proportion": None,
+    }
     assert run_clip_benchmark(clip_benchmark, [job], tmp_path) == [None]  # it prints 'insufficient data'
     with pytest.raises(UsageError, match="fewshot_k=30 needs 30 samples per class"):
         linear_probe(train_x, train_y, train_x, train_y, fewshot_k=30, epochs=2)
