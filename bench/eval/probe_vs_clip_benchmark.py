@@ -5,7 +5,7 @@ Features: with --model and --data, the model's image embeddings of a linear-prob
 synthetic features (class centres plus noise). Each setting (full data and few-shot k = 1, 5, 10; the weight decay
 chosen on a --val_proportion split) runs on both sides: ours in this process, CLIP_benchmark's `evaluate` in a
 subprocess with clip_benchmark alone added to its path (disco_clip_ds/testing/clip_benchmark_probe.py says how it is
-installed and the three things patched there). Rounds interleave the sides (ours, theirs, ours, ...); a side's time
+installed and what is patched there). Rounds interleave the sides (ours, theirs, ours, ...); a side's time
 is the wall time of its probe call (theirs: `evaluate`, its reads of its feature cache included; not the process
 start or imports), one thread each.
 

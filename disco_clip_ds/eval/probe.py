@@ -157,6 +157,7 @@ def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> 
     from the argmax."""
     from sklearn.metrics import balanced_accuracy_score
 
+    predicted = logits.argmax(1)  # on the logits as computed (float16 under amp), as CLIP_benchmark takes it
     logits, targets = logits.float(), targets.long()
     ks = (1, 5) if int(targets.max()) >= 5 else (1,)
     top = logits.topk(max(ks), dim=1).indices
@@ -165,7 +166,7 @@ def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> 
     metrics.setdefault("acc5", float("nan"))
     with warnings.catch_warnings():  # predicting a class absent from the test labels is normal here
         warnings.filterwarnings("ignore", message="y_pred contains classes not in y_true")
-        recall = balanced_accuracy_score(targets.numpy(), logits.argmax(1).numpy())
+        recall = balanced_accuracy_score(targets.numpy(), predicted.numpy())
     return {"acc1": metrics["acc1"], "acc5": metrics["acc5"], "mean_per_class_recall": float(recall)}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.probe import linear_probe
@@ -84,3 +85,18 @@ def test_too_few_samples_for_fewshot_k_is_refused_where_clip_benchmark_gives_not
     with pytest.raises(UsageError, match="fewshot_k=30 needs 30 samples per class"):
         linear_probe(train_x, train_y, train_x, train_y, fewshot_k=30, epochs=2)
     assert not math.isnan(linear_probe(train_x, train_y, train_x, train_y, fewshot_k=2, epochs=2)["acc5"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: CLIP_benchmark's probe unpatched runs on CUDA")
+def test_linear_probe_on_cuda_with_amp_equals_clip_benchmark(clip_benchmark, tmp_path):
+    """On a GPU, CLIP_benchmark runs as written (float16 autocast, its default); ours with device="cuda"."""
+    train_x, train_y = structured_features(seed=1, n=240)
+    test_x, test_y = structured_features(seed=2, n=120)
+    data = {"train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_y}
+    cases = [CASES[0], CASES[1], CASES[3]]
+    jobs = [{**data, "batch_size": 64, "epochs": 10, "lr": 0.1, **case} for case in cases]
+    theirs = run_clip_benchmark(clip_benchmark, jobs, tmp_path, cuda=True)
+    for case, their in zip(cases, theirs):
+        ours = linear_probe(train_x, train_y, test_x, test_y, device="cuda", **case)
+        for key, their_key in COMPARED.items():
+            assert ours[key] == their[their_key], (case, key, ours, their)
