@@ -118,8 +118,9 @@ def fewshot_indices(labels: torch.Tensor, fewshot_k: int, order: torch.Tensor) -
     """Indices of `labels` in `order`, keeping the first `fewshot_k` of each class (all of them when negative)."""
     counts: dict[int, int] = {}
     chosen = []
+    labels = labels.tolist()  # a Python list: indexing a tensor per sample would dominate on a large train split
     for index in order.tolist():
-        label = int(labels[index])
+        label = labels[index]
         if fewshot_k < 0 or counts.get(label, 0) < fewshot_k:
             counts[label] = counts.get(label, 0) + 1
             chosen.append(index)
