@@ -56,7 +56,9 @@ def run(job, root):
     torch.manual_seed(job["seed"])  # as CLIP_benchmark's CLI, before its split
     featurize = lp.Featurizer(Identity(), normalize=True)
     splits = {"train": (job["train_x"], job["train_y"]), "test": (job["test_x"], job["test_y"])}
-    if job["val_proportion"] is not None:
+    if job.get("val_x") is not None:  # a validation split of its own (CLIP_benchmark's --val_split)
+        splits["val"] = (job["val_x"], job["val_y"])
+    elif job["val_proportion"] is not None:
         p = job["val_proportion"]
         train, val = torch.utils.data.random_split(range(len(job["train_y"])), [1 - p, p])
         x, y = splits["train"]
@@ -109,7 +111,8 @@ def install(cache: Path) -> Path:
 def run_clip_benchmark(target: Path, jobs: list[dict], workdir: Path, cuda: bool = False) -> list[dict | None]:
     """CLIP_benchmark's linear-probe metrics for each job (its `evaluate`'s dict plus `seconds`, the time of that
     call; None where it declined, e.g. too few samples for fewshot_k). A job holds train_x/train_y/test_x/test_y
-    (raw features and labels), seed, fewshot_k, val_proportion (or None), batch_size, epochs, lr.
+    (raw features and labels), seed, fewshot_k, val_proportion (or None), batch_size, epochs, lr, and optionally
+    val_x/val_y (a validation split of its own).
 
     cuda: run it on the GPU as it is written (nothing patched but `float`), with its default float16 autocast."""
     workdir = Path(workdir)

@@ -3,9 +3,11 @@
 CLIP_benchmark runs in a subprocess of this Python with only clip_benchmark added to its path (its wheel fetched with
 `pip download --no-deps`, unpacked with `pip install --no-deps --target`; torch, numpy, sklearn and tqdm are this
 environment's, nothing is stubbed). It follows its CLI: `torch.manual_seed(seed)`, `random_split` for
-`--val_proportion`, then `evaluate` on its feature cache. In that subprocess only, `.cuda()` returns the module or
-tensor as it is and its `train`/`infer` run on "cpu" (its `evaluate` insists on CUDA), and its `accuracy`'s
-`float()` of a 1-element array, refused by numpy 2, takes the element (disco_clip_ds/testing/clip_benchmark_probe.py).
+`--val_proportion` (or a validation split of its own, `--val_split`), then `evaluate` on its feature cache. In that
+subprocess only, `.cuda()` returns the module or tensor as it is and its `train`/`infer` run on "cpu" (its `evaluate`
+insists on CUDA), and its `accuracy`'s `float()` of a 1-element array, refused by numpy 2, takes the element
+(disco_clip_ds/testing/clip_benchmark_probe.py). On a GPU machine a third test runs it unpatched on CUDA, with its
+float16 autocast.
 
 The numbers must be equal, not close: both sides run the same torch ops (Linear, AdamW, cross-entropy, the
 DataLoader's shuffling) from the same seeds in the same order, so the float arithmetic is the same.
@@ -51,7 +53,13 @@ def test_linear_probe_equals_clip_benchmark(clip_benchmark, tmp_path):
     data = {"train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_y}
     defaults = {"batch_size": 64, "epochs": 10, "lr": 0.1}
     theirs = run_clip_benchmark(clip_benchmark, [{**data, **defaults, **case} for case in CASES], tmp_path)
-    for case, their in zip(CASES, theirs):
+    val_x, val_y = structured_features(seed=3, n=60)  # a validation split of its own (--val_split)
+    given_val = {"fewshot_k": -1, "val_proportion": None, "seed": 0}
+    theirs += run_clip_benchmark(
+        clip_benchmark, [{**data, **defaults, **given_val, "val_x": val_x, "val_y": val_y}], tmp_path / "val_split"
+    )
+    ours_cases = [*CASES, {**given_val, "val_features": val_x, "val_labels": val_y}]
+    for case, their in zip(ours_cases, theirs, strict=True):
         ours = linear_probe(train_x, train_y, test_x, test_y, **case)
         for key, their_key in COMPARED.items():
             assert ours[key] == their[their_key], (case, key, ours, their)
