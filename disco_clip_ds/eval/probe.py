@@ -118,8 +118,9 @@ def fewshot_indices(labels: torch.Tensor, fewshot_k: int, order: torch.Tensor) -
     """Indices of `labels` in `order`, keeping the first `fewshot_k` of each class (all of them when negative)."""
     counts: dict[int, int] = {}
     chosen = []
+    labels = labels.tolist()  # a Python list: indexing a tensor per sample would dominate on a large train split
     for index in order.tolist():
-        label = int(labels[index])
+        label = labels[index]
         if fewshot_k < 0 or counts.get(label, 0) < fewshot_k:
             counts[label] = counts.get(label, 0) + 1
             chosen.append(index)
@@ -157,6 +158,7 @@ def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> 
     from the argmax."""
     from sklearn.metrics import balanced_accuracy_score
 
+    predicted = logits.argmax(1)  # on the logits as computed (float16 under amp), as CLIP_benchmark takes it
     logits, targets = logits.float(), targets.long()
     ks = (1, 5) if int(targets.max()) >= 5 else (1,)
     top = logits.topk(max(ks), dim=1).indices
@@ -165,7 +167,7 @@ def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> 
     metrics.setdefault("acc5", float("nan"))
     with warnings.catch_warnings():  # predicting a class absent from the test labels is normal here
         warnings.filterwarnings("ignore", message="y_pred contains classes not in y_true")
-        recall = balanced_accuracy_score(targets.numpy(), logits.argmax(1).numpy())
+        recall = balanced_accuracy_score(targets.numpy(), predicted.numpy())
     return {"acc1": metrics["acc1"], "acc5": metrics["acc5"], "mean_per_class_recall": float(recall)}
 
 

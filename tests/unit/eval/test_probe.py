@@ -109,8 +109,10 @@ def test_features_are_normalised_and_the_callers_random_state_is_kept():
         ({"fewshot_k": 0}, "fewshot_k must be a number of samples per class"),
         ({"train_labels": torch.zeros(24)}, "train labels must be integer class ids"),
         ({"test_labels": torch.full((24,), 9)}, "test labels include class 9"),
-        ({"val_proportion": 0.5, "val_features": torch.zeros(2, 8), "val_labels": torch.zeros(2, dtype=torch.long)},
-         "not both"),
+        (
+            {"val_proportion": 0.5, "val_features": torch.zeros(2, 8), "val_labels": torch.zeros(2, dtype=torch.long)},
+            "not both",
+        ),
         ({"val_proportion": 1.0}, "val_proportion must lie strictly between 0 and 1"),
         ({"val_features": torch.zeros(2, 8)}, "the val split needs both features and labels"),
     ],
