@@ -1,5 +1,6 @@
-"""`disco-clip eval`: zero-shot classification or retrieval of a model, printed (and written) as CLIP_benchmark's
-result record. The arguments are `EvalArguments` (HfArgumentParser); the work is eval/."""
+"""`disco-clip eval`: zero-shot classification or retrieval of a model on one set (`--data`), printed (and written) as
+CLIP_benchmark's result record, or a whole task list (`--tasks`, eval/suite.py) with its summary table. The arguments
+are `EvalArguments` (HfArgumentParser); the work is eval/."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disco_clip_ds import compat
-from disco_clip_ds.checkpoint.layout import has_weights
+from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state
 from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.shards import write_json
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
 
@@ -22,11 +23,23 @@ logger = logging.getLogger("disco_clip_ds.eval")
 @dataclass
 class EvalArguments:
     model: str = field(metadata={"help": "exported model folder, Trainer checkpoint folder with weights, or hub id"})
-    data: str = field(
+    data: str | None = field(
+        default=None,
         metadata={
-            "help": "webdataset shards (a folder, 'dir/{00000..00009}.tar', or sources joined by '::'), or a datasets "
-            "dataset: a save_to_disk or parquet folder, a parquet/arrow/csv/json file, or a hub id"
-        }
+            "help": "webdataset shards (a folder, CLIP_benchmark's wds layout, 'dir/{00000..00009}.tar', or sources "
+            "joined by '::'), or a datasets dataset: a save_to_disk or parquet folder, a parquet/arrow/csv/json file, "
+            "or a hub id"
+        },
+    )
+    tasks: str | None = field(
+        default=None,
+        metadata={
+            "help": "a task list (YAML, DataComp's tasklist.yml form; docs/evaluation.md) evaluated in one process "
+            "instead of --data: --output is then a folder for each task's JSON and the summary table"
+        },
+    )
+    run_dir: str | None = field(
+        default=None, metadata={"help": "with --tasks: also log the main metrics as TensorBoard scalars here"}
     )
     task: str = field(
         default="zeroshot_classification", metadata={"choices": ["zeroshot_classification", "zeroshot_retrieval"]}
@@ -58,7 +71,10 @@ class EvalArguments:
         default=None, metadata={"help": "templates file or 'openai_imagenet' (default: beside the shards, or OpenAI's)"}
     )
     batch_size: int = field(default=64)
-    output: str | None = field(default=None, metadata={"help": "write the CLIP_benchmark-style JSON here too"})
+    output: str | None = field(
+        default=None,
+        metadata={"help": "write the CLIP_benchmark-style JSON here too (with --tasks: a folder for all of it)"},
+    )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
     max_num_patches: int | None = field(
         default=None,
@@ -126,9 +142,11 @@ def check_model_path(model_id: str) -> None:
 
 
 def run_eval(args: EvalArguments) -> dict:
-    """Evaluate as the CLI does and return CLIP_benchmark's result record."""
+    """Evaluate one set as the CLI does and return CLIP_benchmark's result record."""
     if args.batch_size <= 0:
         raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
+    if not args.data:
+        raise UsageError("give --data (one set) or --tasks FILE (a task list)")
     check_model_path(args.model)  # before the data is opened: a missing input is refused before any work
     classify = args.task == "zeroshot_classification"
     data, classnames = open_eval_data(
@@ -163,8 +181,57 @@ def run_eval(args: EvalArguments) -> dict:
     }
 
 
+SINGLE_SET_FLAGS = ("data", "split", "dataset_config_name", "image_column", "label_column", "caption_column")
+
+
+def run_tasks(args: EvalArguments) -> tuple[list, list[dict]]:
+    """Evaluate a task list as the CLI does: the model and processor loaded once, every task run (a failing one
+    recorded in its row), the table written to --output and the scalars to --run_dir. Returns (results, rows)."""
+    from disco_clip_ds.eval.suite import load_tasks, log_tensorboard, run_suite, summary_rows, write_suite
+
+    if args.batch_size <= 0:
+        raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
+    given = [f"--{name}" for name in SINGLE_SET_FLAGS if getattr(args, name)]
+    if given:  # each task names its own set, split and columns
+        raise UsageError(f"--tasks FILE: {', '.join(given)} belong to a single set; name them in the task list")
+    check_model_path(args.model)
+    tasks = load_tasks(args.tasks)  # a malformed list is refused before the model loads
+    model, tokenizer, image_processor = load_for_eval(args.model, args.device)
+    if args.max_num_patches is not None:
+        set_budget(model, image_processor, args.max_num_patches)
+    results = run_suite(tasks, model, tokenizer, image_processor, batch_size=args.batch_size, model_name=args.model)
+    rows = write_suite(results, args.output) if args.output else summary_rows(results)
+    if args.run_dir:
+        log_tensorboard(results, args.run_dir, _step_of(args.model))
+    return results, rows
+
+
+def _step_of(model_id: str) -> int:
+    """The optimizer step of a checkpoint folder (its trainer_state.json), for the TensorBoard scalars; else 0."""
+    folder = Path(model_id).expanduser()
+    return int(trainer_state(folder).get("global_step") or 0) if (folder / TRAINER_STATE).is_file() else 0
+
+
+def suite_main(args: EvalArguments) -> int:
+    """Print the suite's table; a failed task makes the exit code that of its error (errors.py's map: a missing
+    folder or bad task field 2, an unreadable shard 1), after every task has run."""
+    from disco_clip_ds.eval.suite import markdown
+
+    results, rows = run_tasks(args)
+    print(markdown(rows), end="")
+    failed = [r for r in results if r.error is not None]
+    if failed:
+        first = failed[0].error
+        error = type(first) if isinstance(first, DiscoClipError) else DataError
+        raise error(
+            f"{len(failed)} of {len(results)} tasks failed ({', '.join(r.task.key for r in failed)}; each error is in "
+            "its row of the table above)"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`disco-clip eval`: print (and optionally write) the result record."""
+    """`disco-clip eval`: print (and optionally write) the result record, or a task list's table."""
     from transformers import HfArgumentParser
 
     try:
@@ -172,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # HfArgumentParser's word for argument names it does not know
         raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
+    if args.tasks:
+        return suite_main(args)
     record = run_eval(args)
     print(json.dumps(record, indent=2))
     if args.output:

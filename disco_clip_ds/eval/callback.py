@@ -1,14 +1,51 @@
-"""Zero-shot classification during training (`ZeroShotCallback`), logged like the loss."""
+"""Evaluation during training, logged like the loss: one zero-shot set (`ZeroShotCallback`) or a task list
+(`SuiteCallback`).
+
+Both run on every rank together, as the Trainer calls them (ZeRO-3 forwards are collectives): each rank reads the
+same sets whole and does the same work, so no rank waits on another at the next collective for longer than their
+skew, far within --ddp_timeout as long as the evaluation itself is."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from transformers import TrainerCallback
 
+from disco_clip_ds.distributed.ranks import all_true
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.eval.suite import error_line, load_tasks, run_suite, scalars, training_tasks, write_suite
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification
 
+logger = logging.getLogger("disco_clip_ds.eval")
+SUITE_FOLDER = "suite"  # the final model's suite, in the run folder (export/card.py reads suite.json there)
 
-class ZeroShotCallback(TrainerCallback):
+
+class LoggingCallback(TrainerCallback):
+    """A callback that logs metrics through its trainer (`attach`) without taking the step's own log from it."""
+
+    trainer = None
+
+    def attach(self, trainer):
+        """Add this callback to `trainer` and log through it."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            name = type(self).__name__
+            raise RuntimeError(f"{name} needs the trainer to log through: use {name}(...).attach(trainer)")
+
+    def log(self, control, metrics: dict) -> None:
+        # trainer.log clears should_log (the CallbackHandler's on_log does): kept, or a step that both evaluates and
+        # logs would lose its loss and grad_norm, and the next logging step would average over twice the steps
+        should_log = control.should_log
+        self.trainer.log(metrics)
+        control.should_log = should_log
+
+
+class ZeroShotCallback(LoggingCallback):
     """Zero-shot classification every `every_n_steps` optimizer steps (and at the last), logged like the loss.
 
     `data_dir` is what `disco-clip eval --data` takes: shards, or a 🤗 datasets source (then `split`, `config`,
@@ -50,19 +87,6 @@ class ZeroShotCallback(TrainerCallback):
         self.templates = find_templates(self.data, templates)
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.every_n_steps, self.batch_size = every_n_steps, batch_size
-        self.trainer = None
-
-    def attach(self, trainer) -> "ZeroShotCallback":
-        """Add this callback to `trainer` and log through it."""
-        self.trainer = trainer
-        trainer.add_callback(self)
-        return self
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.trainer is None:
-            raise RuntimeError(
-                "ZeroShotCallback needs the trainer to log through: use ZeroShotCallback(...).attach(trainer)"
-            )
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every_n_steps and state.global_step != state.max_steps:
@@ -77,8 +101,47 @@ class ZeroShotCallback(TrainerCallback):
             batch_size=self.batch_size,
             progress=False,
         )
-        # trainer.log clears should_log (the CallbackHandler's on_log does): kept, or a step that both evaluates and
-        # logs would lose its loss and grad_norm, and the next logging step would average over twice the steps
-        should_log = control.should_log
-        self.trainer.log({f"zeroshot_{name}": value for name, value in metrics.items()})
-        control.should_log = should_log
+        self.log(control, {f"zeroshot_{name}": value for name, value in metrics.items()})
+
+
+class SuiteCallback(LoggingCallback):
+    """A task list (eval/suite.py) during training: every `every_n_steps` optimizer steps (0: never) its training
+    tasks (those marked `train: true`, or all), and at the last step all of them; each task's main metric and the
+    average logged like the loss (`suite/<key>`, `suite/average`: console, TensorBoard, trainer_state.json). The
+    last step's suite, the final model's, is written to the run folder (`output_dir/suite/`: each task's
+    CLIP_benchmark JSON, suite.md, suite.csv, suite.json), from where the model card takes it.
+
+    A task that fails is logged as a warning with its error and left out of the average; training goes on. Its
+    files are opened on every rank before its first forward, and a task that fails to open on any rank is skipped on
+    all (`run_suite`'s `agree`), so that no rank waits for the others in a ZeRO-3 forward. The task
+    list is read when the callback is made, before training: a malformed one is a UsageError on every rank.
+    `image_processor` is the one the run trains with, as for `ZeroShotCallback`."""
+
+    def __init__(self, tasks_file, tokenizer, image_processor, every_n_steps: int, batch_size: int = 64):
+        if every_n_steps < 0:
+            raise UsageError(f"--eval_steps must be 0 (the final model only) or positive, got {every_n_steps}")
+        self.tasks = load_tasks(tasks_file, flag="--eval_tasks")
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.every_n_steps, self.batch_size = every_n_steps, batch_size
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        last = state.global_step == state.max_steps
+        if not last and (not self.every_n_steps or state.global_step % self.every_n_steps):
+            return
+        tasks = self.tasks if last else training_tasks(self.tasks)
+        results = run_suite(
+            tasks,
+            model,
+            self.tokenizer,
+            self.image_processor,
+            batch_size=self.batch_size,
+            progress=False,
+            agree=lambda opened: all_true(opened, args.device),  # a task runs on every rank or on none
+        )
+        for result in results:
+            if result.error is not None and state.is_world_process_zero:
+                step, key = state.global_step, result.task.key
+                logger.warning("step %d: task %s failed: %s", step, key, error_line(result.error))
+        self.log(control, scalars(results))
+        if last and state.is_world_process_zero:
+            write_suite(results, Path(args.output_dir) / SUITE_FOLDER)

@@ -1,7 +1,9 @@
 """Where evaluation reads its images: webdataset shards in CLIP_benchmark's layout, or a 🤗 `datasets` dataset.
 
 Shards: `key.{webp,png,jpg,jpeg}` with `key.cls` (class index) for classification or `key.txt` (captions, one per
-line) for retrieval. A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as training's is): an
+line: several per image) for retrieval. CLIP_benchmark's `wds_*` sets keep them in split folders, `DIR/test/` (and
+`DIR/train/` for a linear probe), each with `nshards.txt` and `0.tar`, `1.tar`, ...; `split_shards` finds them.
+A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as training's is): an
 image column and a `ClassLabel` column (class names from the feature) for classification, or an image column and a
 caption column (a string or a list of strings per image) for retrieval.
 
@@ -15,6 +17,7 @@ import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,18 +28,38 @@ from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError, UsageError
 
-TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt"}
+TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt", "linear_probe": "cls"}
+NSHARDS_FILE = "nshards.txt"  # CLIP_benchmark's count of a split's shards, named 0.tar .. N-1.tar
+
+
+def split_shards(data: str, split: str = "test") -> str | None:
+    """The shard spec of `split` in CLIP_benchmark's wds layout: `data/split/{0..N-1}.tar` when that folder has
+    nshards.txt (every one of them is then read, a missing one refused), its `*.tar` files otherwise; None when
+    `data` is not a local folder with that split folder."""
+    folder = Path(data) / split
+    if is_url(str(data)) or not folder.is_dir():
+        return None
+    count = folder / NSHARDS_FILE
+    if count.is_file():
+        try:
+            n = int(count.read_text().strip())
+        except ValueError as e:
+            raise UsageError(f"'{count}' must hold the number of shards of the split, e.g. 4") from e
+        return str(folder / (f"{{0..{n - 1}}}.tar" if n > 1 else "0.tar"))
+    return str(folder)
 
 
 def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     """Shards from the project's shard syntax (a folder, `dir/{00000..00009}.tar`, sources joined by '::'; see
-    `data.shards.expand_shards`) or a list of such specs; every local shard must exist (else UsageError).
+    `data.shards.expand_shards`; a folder in CLIP_benchmark's layout stands for its test split) or a list of such
+    specs; every local shard must exist (else UsageError).
 
     Training skips a missing shard of a pattern (img2dataset leaves one where a shard failed to download); an
     evaluation refuses it, because a metric over part of a benchmark is not that benchmark's number."""
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    specs = [split_shards(str(item)) or str(item) for item in specs]  # a CLIP_benchmark folder: its test split
     try:
-        urls = [url for item in specs for url in expand_shards(str(item))]
+        urls = [url for item in specs for url in expand_shards(item)]
     except (ValueError, FileNotFoundError) as e:  # an empty spec, a folder without shards
         raise UsageError(str(e)) from e
     missing = missing_shards(urls)
@@ -63,7 +86,7 @@ def check_eval_shards(urls: Sequence[str], task: str) -> None:
             if incomplete is None and not (need in sample and any(ext in sample for ext in IMAGE_EXTS)):
                 incomplete = sample["__key__"]
         if fields and need not in fields:
-            other = "zeroshot_retrieval" if task == "zeroshot_classification" else "zeroshot_classification"
+            other = "zeroshot_retrieval" if need == "cls" else "zeroshot_classification"
             layout = (
                 "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
             )
@@ -182,7 +205,7 @@ class DatasetSource:
         dataset, _, _ = hf_io.open_split(data, split, config, streaming=True)
         dataset, features = hf_io.resolved_features(dataset)
         image = hf_io.image_column(features, image_column, data)
-        if task == "zeroshot_classification":
+        if task in ("zeroshot_classification", "linear_probe"):
             value, names = hf_io.label_column(features, label_column, data, classnames)
         else:
             value, names = hf_io.caption_column(features, caption_column, data, image), None

@@ -2,8 +2,10 @@
 they need besides the images: class names and templates.
 
 Class names and templates are read from `classnames.txt` and `zeroshot_classification_templates.txt` (`{c}` = class
-name) beside the shards, as CLIP_benchmark lays them out; ImageNet-1k class names and OpenAI's 80 templates ship in
-`resources/` for users who bring their own ImageNet val shards. `open_eval_data` opens what `disco-clip eval --data`
+name) beside the shards or their split folder, as CLIP_benchmark lays them out; ImageNet-1k class names and OpenAI's
+80 templates ship in `resources/` for users who bring their own ImageNet val shards; CLIP_benchmark's own lists by
+dataset name (`cifar10`, `imagenet1k`, ...) are read from an installed clip_benchmark package.
+`open_eval_data` opens what `disco-clip eval --data`
 and the in-training callback name: shards or a 🤗 datasets source, its class names with it.
 
 Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so the functions here
@@ -12,6 +14,8 @@ must run on every rank over the same data (they do: the data are read whole on e
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -30,6 +34,7 @@ from disco_clip_ds.eval.sources import (
     check_eval_shards,
     refuse_dataset_options,
     resolve_shards,
+    split_shards,
 )
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
@@ -37,9 +42,15 @@ NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
 NAMED_TEMPLATES = {"openai_imagenet": RESOURCES / "openai_imagenet_templates.txt"}
 CLASSNAMES_FILE = "classnames.txt"  # CLIP_benchmark's names for the files beside the shards
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
+# CLIP_benchmark's lists by dataset name, in its package (read from an installed clip_benchmark, never copied here)
+CLIP_BENCHMARK_LISTS = {
+    "classnames": "datasets/en_classnames.json",
+    "templates": "datasets/en_zeroshot_classification_templates.json",
+}
 
 
-def _progress(batches, desc: str, enabled: bool):
+def progress_bar(batches, desc: str, enabled: bool):
+    """A tqdm bar over `batches` on rank 0 (stderr), when `enabled`."""
     rank = int(os.environ.get("RANK", "0"))
     return tqdm(batches, desc=desc, unit="batch", disable=not enabled or rank != 0, file=sys.stderr)
 
@@ -54,19 +65,24 @@ def zeroshot_classification(
     image_processor=None,
     batch_size: int = 64,
     progress: bool = True,
+    classifier: torch.Tensor | None = None,
+    desc: str = "zero-shot",
 ) -> dict[str, float]:
     """Zero-shot classification: acc1, acc5, mean_per_class_recall (fractions in [0, 1]).
 
     `data` is a shard spec (folder, brace pattern, '::'-joined, list; then `image_processor` is needed) or any
-    iterable of `(pixel_values, class_indices)` batches, such as a DataLoader.
+    iterable of `(pixel_values, class_indices)` batches, such as a DataLoader. `classifier`: the text tower's
+    (n_classes, d) classifier of these class names and templates when already computed (a suite shares it between
+    tasks of the same classes), else computed here.
     """
     if not classnames or not templates:
         raise UsageError("zero-shot classification needs at least one class name and one template")
     with EvalMode(unwrap(model)):
-        classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
+        if classifier is None:
+            classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
         logits, targets = [], []
-        for pixel_values, labels in _progress(
-            as_batches(data, image_processor, "cls", batch_size), "zero-shot", progress
+        for pixel_values, labels in progress_bar(
+            as_batches(data, image_processor, "cls", batch_size), desc, progress
         ):
             logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
             targets.append(torch.as_tensor(labels, dtype=torch.long))
@@ -90,6 +106,7 @@ def zeroshot_retrieval(
     batch_size: int = 64,
     ks: Sequence[int] = RECALL_KS,
     progress: bool = True,
+    desc: str = "retrieval",
 ) -> dict[str, float]:
     """Image-text retrieval: image_retrieval_recall@k and text_retrieval_recall@k for k in `ks`.
 
@@ -98,8 +115,8 @@ def zeroshot_retrieval(
     """
     image_embeddings, text_embeddings, text_to_image = [], [], []
     with EvalMode(unwrap(model)):
-        for pixel_values, captions in _progress(
-            as_batches(data, image_processor, "txt", batch_size), "retrieval", progress
+        for pixel_values, captions in progress_bar(
+            as_batches(data, image_processor, "txt", batch_size), desc, progress
         ):
             first = sum(len(e) for e in image_embeddings)
             image_embeddings.append(encode_images(model, pixel_values))
@@ -122,41 +139,74 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         return [line.strip() for line in f if line.strip()]
 
 
-def _shard_folder(data: str) -> Path | None:
-    if os.path.isdir(data):
-        return Path(data)
+def _beside(data: str, name: str) -> Path | None:
+    """`name` beside the shards: in the folder `data` names, in the shards' folder, or in its parent (CLIP_benchmark
+    keeps classnames.txt beside `test/`)."""
+    folders = [Path(data)] if os.path.isdir(data) else []
     try:
-        return Path(resolve_shards(data)[0]).parent
+        shards = Path(resolve_shards(split_shards(data) or data)[0]).parent
+        folders += [shards, shards.parent]
     except UsageError:
-        return None
+        pass
+    return next((folder / name for folder in folders if (folder / name).is_file()), None)
+
+
+def clip_benchmark_list(kind: str, name: str) -> list[str]:
+    """CLIP_benchmark's English `kind` ("classnames" or "templates") for dataset `name`, read from the installed
+    clip_benchmark package (importlib.resources); a one-line UsageError when it is not installed or has no such
+    dataset."""
+    flag = f"--{kind}"
+    try:
+        table = json.loads((importlib.resources.files("clip_benchmark") / CLIP_BENCHMARK_LISTS[kind]).read_text())
+    except ModuleNotFoundError as e:
+        raise UsageError(
+            f"{flag} {name}: not a file; CLIP_benchmark's {kind} by dataset name need it installed: "
+            f"`pip install clip-benchmark` (or pass a file, one per line)"
+        ) from e
+    values = table.get(name)
+    if not isinstance(values, list) or not values:
+        known = ", ".join(sorted(k for k, v in table.items() if isinstance(v, list))[:12])
+        raise UsageError(f"{flag} {name}: CLIP_benchmark has no {kind} for '{name}' (it has {known}, ...)")
+    return [str(value) for value in values]
+
+
+def _is_name(value: str) -> bool:
+    """A dataset name rather than a file: no folder, no extension (`cifar10`, `imagenet1k`, `fgvc_aircraft`)."""
+    return not os.path.exists(value) and os.sep not in value and "/" not in value and "." not in value
 
 
 def find_classnames(data: str, classnames: str | None) -> list[str]:
-    """Class names from `classnames` (a file or a shipped name like "imagenet1k"), else `classnames.txt` beside
-    the shards."""
+    """Class names from `classnames` (a file, a shipped name like "imagenet1k", or a CLIP_benchmark dataset name
+    like "cifar10"), else `classnames.txt` beside the shards."""
     if classnames:
+        if classnames not in NAMED_CLASSNAMES and _is_name(classnames):
+            return clip_benchmark_list("classnames", classnames)
         path = NAMED_CLASSNAMES.get(classnames, Path(classnames))
     else:
-        folder = _shard_folder(data)
-        path = folder / CLASSNAMES_FILE if folder else None
-        if path is None or not path.is_file():
-            raise UsageError(f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE (or imagenet1k)")
+        path = _beside(data, CLASSNAMES_FILE)
+        if path is None:
+            raise UsageError(
+                f"no {CLASSNAMES_FILE} beside the shards '{data}': pass --classnames FILE, imagenet1k, or a "
+                "CLIP_benchmark dataset name"
+            )
     if not Path(path).is_file():
         raise UsageError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
     return read_lines(path)
 
 
 def find_templates(data: str, templates: str | None) -> list[str]:
-    """Templates from `templates` (a file or "openai_imagenet"), else those beside the shards, else OpenAI's 80."""
-    if templates:
-        path = NAMED_TEMPLATES.get(templates, Path(templates))
+    """Templates from `templates` (a file, "openai_imagenet", or a CLIP_benchmark dataset name like "imagenet1k"),
+    else those beside the shards, else OpenAI's 80."""
+    if templates and templates not in NAMED_TEMPLATES and _is_name(templates):
+        lines, path = clip_benchmark_list("templates", templates), f"CLIP_benchmark's {templates}"
     else:
-        folder = _shard_folder(data)
-        beside = folder / TEMPLATES_FILE if folder else None
-        path = beside if beside is not None and beside.is_file() else NAMED_TEMPLATES["openai_imagenet"]
-    if not Path(path).is_file():
-        raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
-    lines = read_lines(path)
+        if templates:
+            path = NAMED_TEMPLATES.get(templates, Path(templates))
+        else:
+            path = _beside(data, TEMPLATES_FILE) or NAMED_TEMPLATES["openai_imagenet"]
+        if not Path(path).is_file():
+            raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
+        lines = read_lines(path)
     if not all("{c}" in line for line in lines):
         raise UsageError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
     return lines
@@ -175,16 +225,22 @@ DATASET_FLAGS = {
 def open_eval_data(
     data: str, task: str, classnames: str | None = None, **columns: str | None
 ) -> tuple[list[str] | DatasetSource, list[str] | None]:
-    """(the data, its class names: None for retrieval) that `data` names: checked shards, or a 🤗 datasets source
-    with its columns picked (`columns`: `DatasetSource.open`'s split, config and columns). Those name a datasets
-    dataset's; with shards they are refused. `classnames`: a file or a shipped name, else those beside the shards or
-    the dataset's ClassLabel names."""
+    """(the data, its class names: None for retrieval, and for a linear probe without them) that `data` names:
+    checked shards, or a 🤗 datasets source with its columns picked (`columns`: `DatasetSource.open`'s split, config
+    and columns). A folder in CLIP_benchmark's layout is read from its split folder (`split`, default test); the
+    other columns name a datasets dataset's, and with shards they are refused. `classnames`: a file, a shipped or
+    CLIP_benchmark name, else those beside the shards or the dataset's ClassLabel names."""
     classify = task == "zeroshot_classification"
     if is_datasets_source(data):
-        names = find_classnames(data, classnames) if classify and classnames else None
+        names = find_classnames(data, classnames) if task != "zeroshot_retrieval" and classnames else None
         source = DatasetSource.open(data, task, classnames=names, **columns)
         return source, source.classnames
+    split = split_shards(data, columns.get("split") or "test")
+    if split is not None:  # CLIP_benchmark's wds layout: the split names its folder
+        columns = {**columns, "split": None}
     refuse_dataset_options(data, {DATASET_FLAGS[name]: value for name, value in columns.items()})
-    shards = resolve_shards(data)
+    shards = resolve_shards(split or data)
     check_eval_shards(shards, task)
-    return shards, find_classnames(data, classnames) if classify else None
+    if classify:
+        return shards, find_classnames(data, classnames)
+    return shards, None

@@ -1,5 +1,6 @@
-"""The model card of an exported model: the training set-up from run.json and the checkpoint's trainer state, and
-the evaluation records of `disco-clip eval`, as a huggingface_hub ModelCard."""
+"""The model card of an exported model: the training set-up from run.json and the checkpoint's trainer state, the
+final model's benchmark suite (suite/suite.json in the run folder, written by `--eval_tasks`), and the evaluation
+records of `disco-clip eval`, as a huggingface_hub ModelCard."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def describe_run(checkpoint: Path) -> dict:
             info[key] = config[key]
     info.update(_from_trainer_state(checkpoint))
     info.update(run_file_of(checkpoint) or {})
+    suite = checkpoint / SUITE_FILE  # the final model's, in the run folder: a checkpoint-N folder has none
+    if suite.is_file():
+        info["suite"] = json.loads(suite.read_text()).get("rows") or None
     if info.get("resumes"):  # run.json's facts hold for every step; a resume may have changed ranks and K
         info["resumes"] = describe_resumes(info)
     versions = info.pop("versions", None) or {}
@@ -33,6 +37,9 @@ def describe_run(checkpoint: Path) -> dict:
     if isinstance(info.get("data"), str):  # run.json of an older version holds the source as given, secrets included
         info["data"] = describe_data(info["data"])
     return {k: v for k, v in info.items() if v is not None}
+
+
+SUITE_FILE = "suite/suite.json"  # eval/callback.py writes it at the last step
 
 
 def _from_trainer_state(checkpoint: Path) -> dict:
@@ -127,6 +134,20 @@ def usage(model_type: str, text_length: int = 64) -> list[str]:
     ]
 
 
+def suite_section(rows: list[dict]) -> list[str]:
+    """The card's table of the final model's suite: each task's main metric, and their average (the last row)."""
+    if not rows:
+        return []
+    lines = ["## Benchmark suite", "", "The final model on the run's task list (`--eval_tasks`):", ""]
+    lines += ["| task | type | main metric | value |", "|---|---|---|---|"]
+    for row in rows:
+        value = row.get("value")
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) else f"failed: {redact_text(str(row.get('error')))}"
+        cells = [redact_text(str(row.get(key) or "")) for key in ("task", "type", "main_metric")]
+        lines.append(f"| {' | '.join(cells)} | {shown} |")
+    return [*lines, ""]
+
+
 def model_card(run: dict, records: list[dict], weights_from: str, model_type: str = "clip", text_length: int = 64):
     """A huggingface_hub ModelCard recording the set-up (`describe_run`) and the evaluation (`eval_records`), and how
     to use the model (`usage`; `text_length`: the text tower's positions, to which SigLIP pads)."""
@@ -159,6 +180,7 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
         f"Weights exported in fp32 from {weights_from}.",
         "",
     ]
+    lines += suite_section(run.get("suite") or [])
     if records:
         lines += ["## Evaluation", ""]
         for record in records:

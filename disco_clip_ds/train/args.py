@@ -184,6 +184,15 @@ class DataArguments:
         default=None, metadata={"help": "eval shards (CLIP_benchmark layout) for zero-shot accuracy during training"}
     )
     zeroshot_steps: int = field(default=0, metadata={"help": "run the zero-shot eval every N steps (0: never)"})
+    eval_tasks: str | None = field(
+        default=None,
+        metadata={
+            "help": "a task list (YAML, DataComp's tasklist.yml form; docs/evaluation.md) run during training: its "
+            "tasks marked 'train: true' (or all) every --eval_steps (TrainingArguments' own: N steps, or a fraction "
+            "of --max_steps; unset: none), all of them on the final model, written to OUTPUT_DIR/suite and the model "
+            "card"
+        },
+    )
     max_image_pixels: int = field(
         default=MAX_IMAGE_PIXELS,
         metadata={"help": "skip (and count) training images of more pixels, read from the header before decoding"},

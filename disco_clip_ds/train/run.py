@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -146,6 +147,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         )
         if data_args.zeroshot_steps > 0:
             _attach_zeroshot(trainer, data_args, processor, checked.image_size)
+        if data_args.eval_tasks:
+            _attach_suite(trainer, data_args, processor)
         _log_plan(args, checked, trainer, model)
 
         # 8. Train, with run.json written first (a resume adds a segment to it).
@@ -351,6 +354,23 @@ def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: i
         processor.tokenizer,
         processor.image_processor,
         data_args.zeroshot_steps,
+        batch_size=trainer.args.per_device_eval_batch_size,
+    ).attach(trainer)
+
+
+def _attach_suite(trainer, data_args: DataArguments, processor) -> None:
+    """The task list during training, every --eval_steps (HF's flag: N steps, or a fraction of --max_steps) and on
+    the final model, with the image processor the run trains with (see `_attach_zeroshot`)."""
+    from disco_clip_ds.eval.callback import SuiteCallback  # imported only when asked for
+
+    every = trainer.args.eval_steps or 0
+    if 0 < every < 1:
+        every = math.ceil(every * trainer.args.max_steps)
+    SuiteCallback(
+        data_args.eval_tasks,
+        processor.tokenizer,
+        processor.image_processor,
+        int(every),
         batch_size=trainer.args.per_device_eval_batch_size,
     ).attach(trainer)
 

@@ -120,12 +120,14 @@ def test_module_entry_point_rebuilds_the_same_bytes(demo_data, tmp_path):
     contract = [
         p.relative_to(demo_data)
         for p in sorted(demo_data.rglob("*"))
-        if p.parent.name in ("train", "eval")
+        if p.parent in (demo_data / "train", demo_data / "eval")
         and (p.suffix == ".tar" or p.suffix in (".json", ".txt"))
         and not p.name.endswith("_stats.json")
     ]
     assert len(contract) == 15  # 8 + 2 tars, 2 sizes.json, summary.json, classnames, templates
-    for rel in contract:
+    suite = [p.relative_to(demo_data) for p in sorted((demo_data / "suite").rglob("*")) if p.is_file()]
+    assert len(suite) == 24  # the suite: 2 + 2 + 8 + 2 tars, 4 nshards.txt, 2 x 2 names and templates, type, tasks.yml
+    for rel in contract + suite:
         assert (tmp_path / "again" / rel).read_bytes() == (demo_data / rel).read_bytes(), rel
 
 

@@ -10,6 +10,10 @@ TarWriter in the CLIP_benchmark layout.
     DIR/train/sizes.json, summary.json
     DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label), key.json
     DIR/eval/sizes.json, classnames.txt, zeroshot_classification_templates.txt
+    DIR/suite/tasks.yml             three tasks for `disco-clip eval --tasks`, each set in CLIP_benchmark's wds layout
+    DIR/suite/digits_zeroshot/      classnames.txt, zeroshot_classification_templates.txt, test/{nshards.txt,0.tar..}
+    DIR/suite/digits_retrieval/     dataset_type.txt (retrieval), test/: key.jpg + key.txt (three captions per image)
+    DIR/suite/digits_probe/         classnames.txt, train/ (the training split) and test/: key.jpg + key.cls
 
 `--format hf` writes the same samples (same JPEG bytes, captions, labels, split and shard membership) as a
 🤗 datasets parquet dataset, each file the rows of the shard of the same number, in source order:
@@ -318,10 +322,78 @@ def build_demo(
     if summary["successes"] != len(train_idx) or summary["shards_failed"]:
         raise DataError(f"demo download incomplete ({summary}); see {output / 'train' / 'summary.json'}")
     eval_sizes = write_eval_shards(output / "eval", eval_idx, pngs, labels, captions, image_size, samples_per_shard)
+    write_suite_tasks(output / "suite", pngs, labels, train_idx, eval_idx, image_size, samples_per_shard, seed)
     return summary, eval_sizes
 
 
-DEMO_ENTRIES = {"metadata", "train", "eval"}
+SUITE_TASKS = """\
+# Three demo tasks in DataComp's tasklist.yml form over sets in CLIP_benchmark's wds layout:
+#   disco-clip eval --model MODEL --tasks THIS_FILE --output OUT
+digits_zeroshot:
+  name: Digits zero-shot
+  type: zeroshot_classification
+  main_metric: acc1
+  path: digits_zeroshot
+  train: true
+digits_retrieval:
+  name: Digits retrieval
+  type: zeroshot_retrieval
+  main_metric: mean_recall@1
+  path: digits_retrieval
+  train: true
+digits_probe:
+  name: Digits linear probe
+  type: linear_probe
+  main_metric: acc1
+  path: digits_probe
+  val_proportion: 0.2
+"""
+CAPTIONS_PER_IMAGE = 3  # retrieval: several captions per image, as COCO's and Flickr's sets have
+
+
+def write_suite_tasks(folder: Path, pngs, labels, train_idx, eval_idx, image_size: int, per_shard: int, seed: int):
+    """The demo's three suite tasks (module docstring): zero-shot classification and retrieval of the eval split,
+    a linear probe trained on the training split and tested on the eval split; tasks.yml written last."""
+    encode = jpeg_encoder(image_size)
+    jpgs = {int(i): encode(pngs[i]) for i in np.concatenate([train_idx, eval_idx])}
+    classes = {int(i): str(int(labels[i])) for i in jpgs}
+    rng = np.random.default_rng([seed, 2])  # apart from the other draws of the demo
+    several = {
+        int(i): "\n".join(
+            CAPTION_TEMPLATES[t].format(word=DIGITS[labels[i]], digit=labels[i])
+            for t in rng.choice(len(CAPTION_TEMPLATES), CAPTIONS_PER_IMAGE, replace=False)
+        )
+        for i in eval_idx
+    }
+    for name in ("digits_zeroshot", "digits_probe"):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        (folder / name / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
+        write_templates(folder / name)
+    write_wds_split(folder / "digits_zeroshot" / "test", eval_idx, jpgs, "cls", classes, per_shard)
+    write_wds_split(folder / "digits_probe" / "train", train_idx, jpgs, "cls", classes, per_shard)
+    write_wds_split(folder / "digits_probe" / "test", eval_idx, jpgs, "cls", classes, per_shard)
+    write_wds_split(folder / "digits_retrieval" / "test", eval_idx, jpgs, "txt", several, per_shard)
+    (folder / "digits_retrieval" / "dataset_type.txt").write_text("retrieval\n")
+    (folder / "tasks.yml").write_text(SUITE_TASKS)
+
+
+def write_wds_split(folder: Path, indices, jpgs: dict, field: str, values: dict, per_shard: int) -> None:
+    """A split in CLIP_benchmark's wds layout: `0.tar`, `1.tar`, ... of `per_shard` samples (key.jpg and key.`field`)
+    and `nshards.txt`, each shard written whole or not at all."""
+    import webdataset as wds
+
+    folder.mkdir(parents=True, exist_ok=True)
+    starts = range(0, len(indices), per_shard)
+    for shard, start in enumerate(starts):
+        tmp = folder / f"{shard}.tar.tmp"
+        with wds.TarWriter(str(tmp), mtime=0) as sink:
+            for i in indices[start : start + per_shard]:
+                sink.write({"__key__": f"s{int(i):05d}", "jpg": jpgs[int(i)], field: values[int(i)]})
+        os.replace(tmp, folder / f"{shard}.tar")
+    (folder / "nshards.txt").write_text(f"{len(starts)}\n")
+
+
+DEMO_ENTRIES = {"metadata", "train", "eval", "suite"}
 
 
 FORMAT_FILES = {"shards": "*.tar", "hf": "*-of-*.parquet"}  # img2dataset writes NNNNN.parquet beside its tars
