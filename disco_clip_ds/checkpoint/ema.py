@@ -10,10 +10,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from disco_clip_ds.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 EMA_DIR = "ema"
 FORMAT = "disco-clip-ema/1"
@@ -77,6 +79,8 @@ def fill_fragments(folder: Path, fragments: list[Fragment], values: list[torch.T
 def read_ema_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The full EMA of `checkpoint`, assembled from every rank's file: ({name: fp32 tensor of the full shape}, the
     settings it was kept with). For export (one process, after training)."""
+    import torch
+
     files = ema_files(checkpoint)
     if not files:
         raise CheckpointError(f"{checkpoint} holds no EMA ({EMA_DIR}/): train with --ema_decay to keep one")
