@@ -87,14 +87,16 @@ def _fragments(model, optimizer, rank: int, world: int) -> list[tuple[Fragment, 
 
 
 class WeightsEma(TrainerCallback):
-    """The EMA of a DiscoTrainer's weights. The trainer calls `start` once the optimizer exists (fresh, or restored from
-    a checkpoint), `save` into each checkpoint folder; the update runs at `on_optimizer_step`, before the step's other
-    callbacks (the in-training eval) and its checkpoint. `swapped()` puts the EMA into the model for the length of a
-    `with` block (`--eval_ema`)."""
+    """The EMA of `trainer`'s (a DiscoTrainer's) weights. It starts at `on_train_begin`, once the optimizer exists,
+    from the fp32 master weights or, when the trainer set `resume_from`, from that checkpoint's EMA; the trainer calls
+    `save` into each checkpoint folder; the update runs at `on_optimizer_step`, before the step's other callbacks (the
+    in-training eval) and its checkpoint. `swapped()` puts the EMA into the model for the length of a `with` block
+    (`--eval_ema`)."""
 
-    def __init__(self, decay: float, start_step: int = 0, warmup: bool = True):
+    def __init__(self, trainer, decay: float, start_step: int = 0, warmup: bool = True):
         self.decay, self.start_step, self.warmup = decay, start_step, warmup
-        self.trainer = None
+        self.trainer = trainer
+        self.resume_from: str | None = None
         self.fragments: list[Fragment] = []
         self.values: list[torch.Tensor] = []  # this rank's EMA, one fp32 tensor per fragment
 
@@ -113,11 +115,13 @@ class WeightsEma(TrainerCallback):
 
     # --- the trainer's calls ---
 
-    def start(self, trainer, checkpoint: str | None) -> None:
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start(self.resume_from)
+
+    def start(self, checkpoint: str | None) -> None:
         """Begin from the current fp32 master weights, or from `checkpoint`'s EMA when it holds one."""
-        self.trainer = trainer
-        args = trainer.args
-        pieces = _fragments(trainer.model, self._optimizer(), args.process_index, args.world_size)
+        args = self.trainer.args
+        pieces = _fragments(self.trainer.model, self._optimizer(), args.process_index, args.world_size)
         self.fragments = [fragment for fragment, _ in pieces]
         self.values = [source.detach().float().clone() for _, source in pieces]
         folder = Path(checkpoint) / EMA_DIR if checkpoint else None

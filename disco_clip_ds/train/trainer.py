@@ -61,7 +61,7 @@ class DiscoTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.ema = None  # the EMA of the weights (`ema`), updated at each optimizer step, before the other callbacks
         if getattr(self.args, "ema_decay", None) is not None:
-            self.ema = WeightsEma(self.args.ema_decay, self.args.ema_start_step, self.args.ema_warmup)
+            self.ema = WeightsEma(self, self.args.ema_decay, self.args.ema_start_step, self.args.ema_warmup)
             self.add_callback(self.ema)
         self.accumulation = ContrastiveAccumulation(self.args)
         if self.accumulation.enabled:
@@ -125,8 +125,8 @@ class DiscoTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)  # after the engine loaded `checkpoint` (DeepSpeed)
         if checkpoint is not None and self.is_deepspeed_enabled:
             repair_zero3_universal_load(self.model_wrapped.optimizer, checkpoint)
-        if self.ema is not None:  # the optimizer's fp32 masters exist now, restored when resuming
-            self.ema.start(self, checkpoint)
+        if self.ema is not None:  # the Trainer calls this only when resuming; the EMA starts at on_train_begin
+            self.ema.resume_from = checkpoint
 
     def get_resumed_dataloader(self, dataloader, num_batches: int):
         """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the
