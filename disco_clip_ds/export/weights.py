@@ -106,9 +106,11 @@ def _with_ema(checkpoint: Path, state_dict: dict) -> tuple[dict, str]:
         averaged, settings = read_ema_state_dict(checkpoint)
     except (CheckpointError, OSError, ValueError, KeyError) as error:
         raise ExportError(f"cannot read the EMA in {checkpoint}: {error}") from error
-    unknown = sorted(set(averaged) - set(state_dict))
+    unknown = sorted(n for n in averaged if n not in state_dict or averaged[n].numel() != state_dict[n].numel())
     if unknown:
-        raise ExportError(f"the EMA in {checkpoint} holds {unknown[0]}, which the model has not")
+        raise ExportError(f"the EMA in {checkpoint} holds {unknown[0]}, which the model has not (of that size)")
+    # the saved model's shapes: CLIP's logit_scale trains as a 1-vector (compat.adopt_vector_logit_scale)
+    averaged = {name: value.reshape(state_dict[name].shape) for name, value in averaged.items()}
     warmup = ", with warmup" if settings.get("warmup") else ""
     described = (
         f"the exponential moving average (EMA) of the weights, decay {settings['decay']:g} from step "
