@@ -151,3 +151,25 @@ def test_a_resume_on_one_rank_with_k2_re_partitions_the_ema(runs):
     gap = torch.cat([(resumed[n] - reference[n]).view(-1) for n in reference])
     assert moved.norm() > 0 and gap.norm() <= 1e-4 * moved.norm(), f"{gap.norm() / moved.norm():.2e}"
     assert_same_training(runs / "one_rank", runs / "zero2", weights(runs / "tiny"), STEPS)  # and the weights
+
+
+def test_one_process_without_warmup_averages_the_whole_model_at_the_flat_decay(tmp_path):
+    """`--ema_warmup false`: d = 0.5 from step 2 on (timm's use_warmup=False); one process, no engine: the EMA is of
+    the whole model, in one file."""
+    from disco_clip_ds.testing.launch import launch_in_one_process
+
+    write_shards(tmp_path / "shards", num_shards=2, per_shard=16, seed=1)
+    out = tmp_path / "run"
+    args = ["--model_name_or_path", str(save_initial_model(tmp_path / "tiny", 7)), "--train_shards"]
+    args += [f"{tmp_path}/shards/{{00000..00001}}.tar", "--train_num_samples", "32", "--per_device_train_batch_size"]
+    args += ["4", "--max_steps", "3", "--save_steps", "1", *ADAMW, "--ema_decay", "0.5", "--ema_warmup", "false"]
+    launch_in_one_process([(out, args)])
+    expected = None
+    for step in (1, 2, 3):
+        w = _float64(weights(out / f"checkpoint-{step}"))
+        expected = w if expected is None else {n: 0.5 * expected[n] + 0.5 * w[n] for n in expected}
+        saved, settings = read_ema_state_dict(out / f"checkpoint-{step}")
+        assert settings["warmup"] is False and len(ema_files(out / f"checkpoint-{step}")) == 1
+        for name, value in saved.items():
+            value = value.double().reshape(expected[name].shape)
+            torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7)
