@@ -35,7 +35,6 @@ import torch
 from transformers import TrainerCallback
 
 from disco_clip_ds.checkpoint.ema import EMA_DIR, Fragment, fill_fragments, write_fragments
-from disco_clip_ds.errors import CheckpointError
 
 logger = logging.getLogger("disco_clip_ds.train.ema")
 
@@ -99,6 +98,7 @@ class WeightsEma(TrainerCallback):
         self.resume_from: str | None = None
         self.fragments: list[Fragment] = []
         self.values: list[torch.Tensor] = []  # this rank's EMA, one fp32 tensor per fragment
+        self.sources: list[torch.Tensor] = []  # the fp32 master weights each fragment averages (views)
 
     # --- where the master weights are ---
 
@@ -107,11 +107,9 @@ class WeightsEma(TrainerCallback):
         return getattr(engine, "optimizer", None) if self.trainer.is_deepspeed_enabled else None
 
     def _sources(self) -> list[torch.Tensor]:
-        args = self.trainer.args
-        pieces = _fragments(self.trainer.model, self._optimizer(), args.process_index, args.world_size)
-        if [f for f, _ in pieces] != self.fragments:
-            raise CheckpointError("the EMA's fragments no longer match the optimizer's partitions")
-        return [source for _, source in pieces]
+        # Views found once, at the start: they stay views of the tensors the optimizer updates in place, and looking
+        # them up again each step would cost a stream synchronisation per parameter under ZeRO-3 on a GPU.
+        return self.sources
 
     # --- the trainer's calls ---
 
@@ -123,7 +121,8 @@ class WeightsEma(TrainerCallback):
         args = self.trainer.args
         pieces = _fragments(self.trainer.model, self._optimizer(), args.process_index, args.world_size)
         self.fragments = [fragment for fragment, _ in pieces]
-        self.values = [source.detach().float().clone() for _, source in pieces]
+        self.sources = [source for _, source in pieces]
+        self.values = [source.detach().float().clone() for source in self.sources]
         folder = Path(checkpoint) / EMA_DIR if checkpoint else None
         if folder is not None and folder.is_dir():
             fill_fragments(folder, self.fragments, self.values)
