@@ -98,18 +98,15 @@ class WeightsEma(TrainerCallback):
         self.resume_from: str | None = None
         self.fragments: list[Fragment] = []
         self.values: list[torch.Tensor] = []  # this rank's EMA, one fp32 tensor per fragment
-        self.sources: list[torch.Tensor] = []  # the fp32 master weights each fragment averages (views)
+        # the fp32 master weights each fragment averages: views found once, at the start, of the tensors the optimizer
+        # updates in place (looking them up each step would cost a stream sync per parameter under ZeRO-3 on a GPU)
+        self.sources: list[torch.Tensor] = []
 
     # --- where the master weights are ---
 
     def _optimizer(self):
         engine = self.trainer.model_wrapped
         return getattr(engine, "optimizer", None) if self.trainer.is_deepspeed_enabled else None
-
-    def _sources(self) -> list[torch.Tensor]:
-        # Views found once, at the start: they stay views of the tensors the optimizer updates in place, and looking
-        # them up again each step would cost a stream synchronisation per parameter under ZeRO-3 on a GPU.
-        return self.sources
 
     # --- the trainer's calls ---
 
@@ -138,7 +135,7 @@ class WeightsEma(TrainerCallback):
         if not self.values:
             return
         weight = 1.0 - ema_decay(step, self.decay, self.start_step, self.warmup)
-        torch._foreach_lerp_(self.values, self._sources(), weight)  # ModelEmaV3's update, as one kernel per group
+        torch._foreach_lerp_(self.values, self.sources, weight)  # ModelEmaV3's update, as one kernel per group
 
     def save(self, output_dir: str | Path) -> None:
         """This rank's EMA into OUTPUT_DIR/ema/ (checkpoint/ema.py's layout)."""
@@ -159,7 +156,7 @@ class WeightsEma(TrainerCallback):
 
     @torch.no_grad()
     def _swap(self) -> None:
-        for source, value in zip(self._sources(), self.values):
+        for source, value in zip(self.sources, self.values):
             held = source.clone()
             source.copy_(value)
             value.copy_(held)
