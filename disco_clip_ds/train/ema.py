@@ -169,6 +169,10 @@ class WeightsEma(TrainerCallback):
             return  # FSDP2 or one process: the masters are the parameters
         if hasattr(optimizer, "update_lp_params"):  # ZeRO-1/2: copy into the bit16 partition, all-gather
             optimizer.update_lp_params()
-        elif hasattr(optimizer, "_reassign_or_swap_out_partitioned_parameters"):  # ZeRO-3, private in 0.19
+        elif hasattr(optimizer, "_reassign_or_swap_out_partitioned_parameters"):  # ZeRO-3: its step's end (0.19.8)
             for group in range(len(optimizer.fp32_partitioned_groups_flat)):
-                optimizer._reassign_or_swap_out_partitioned_parameters(group)
+                optimizer._reassign_or_swap_out_partitioned_parameters(group)  # masters -> the model's partitions
+            persistent = optimizer.persistent_parameters  # below stage3_param_persistence_threshold: kept whole
+            if persistent:
+                persistent[0].all_gather(persistent)
+            optimizer.invalidate_secondary_tensor()
