@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 from disco_clip_ds.testing.bench_record import write_rows
+from disco_clip_ds.testing.ranks import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -30,8 +31,11 @@ MODEL = "recipes/models/tiny.json"
 
 
 def quickstart(out: Path, seed: int, decay: str) -> None:
+    """The quickstart with the EMA into OUT, unless OUT already holds its finished run (a bench cut short goes on)."""
+    if (out / "eval" / "zeroshot_both.json").is_file():  # the quickstart's last file
+        return
     shutil.rmtree(out, ignore_errors=True)
-    env = {**os.environ, "OUT": str(out), "SEED": str(seed), "EMA_DECAY": decay, "MASTER_PORT": str(29581 + seed)}
+    env = {**os.environ, "OUT": str(out), "SEED": str(seed), "EMA_DECAY": decay, "MASTER_PORT": str(free_port())}
     subprocess.run(["bash", "recipes/quickstart.sh"], cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
