@@ -4,7 +4,8 @@ process group, and the bytes the EMA holds on each rank against the planner's te
 2 CPU ranks x 1 thread, fp32, random in-memory batches, the DDP + AdamW step (as distill_cost.py): each rank averages
 every trainable weight, the most an EMA costs a rank (under ZeRO each rank averages only its 1/N of the fp32 masters).
 Both sides run in turn (without, with, with, without, ...) for --rounds rounds after a warm-up round; per round each
-side's step time (the slower rank's) and the ratio of the step with the EMA to the step without it of the same round.
+side's step time (the slower rank's), the ratio of the step with the EMA to the step without it of the same round,
+and the update alone (`update_s`) with its share of the step it ends.
 
     python bench/train/ema_cost.py --models tiny small --rounds 15     # writes results/ema_cost.csv
 """
@@ -47,7 +48,7 @@ def _rank(rank: int, world: int, model_name: str, per_rank: int, rounds: int) ->
     ema = WeightsEma(trainer, decay=0.999)
     ema.start(None)
     times = {side: [] for side in SIDES}
-    step = 0
+    update, step = [], 0
     for round_ in range(rounds + 1):  # round 0 warms up
         for side in SIDES if round_ % 2 else SIDES[::-1]:
             torch.distributed.barrier()
@@ -57,11 +58,14 @@ def _rank(rank: int, world: int, model_name: str, per_rank: int, rounds: int) ->
             optimizer.zero_grad(set_to_none=True)
             step += 1
             if side == "with":
+                updating = time.perf_counter()
                 ema.update(step)
+                if round_:
+                    update.append(time.perf_counter() - updating)
             if round_:
                 times[side].append(time.perf_counter() - start)
     torch.distributed.barrier()
-    return {**times, "held": sum(v.numel() * v.element_size() for v in ema.values)}
+    return {**times, "update": update, "held": sum(v.numel() * v.element_size() for v in ema.values)}
 
 
 def main() -> None:
@@ -85,12 +89,15 @@ def main() -> None:
         settings = {"model": model, "ranks": args.ranks, "per_rank": per_rank, "engine": "DDP"}
         memory = {"ema_bytes_per_rank_held": got[0]["held"], "ema_bytes_per_rank_planned_ddp": zero2 * args.ranks}
         memory["ema_bytes_per_rank_planned_zero2"] = zero2
+        update = [max(r["update"][i] for r in got) for i in range(args.rounds)]
         for side in SIDES:
             samples = {"step_s": times[side], "step_vs_without": ratios(times[side], times["without"])}
+            if side == "with":  # the update alone, and its share of the step it ends
+                samples |= {"update_s": update, "update_share": ratios(update, times[side])}
             rows.append(bench_row({**settings, "run": side, **memory}, samples))
     write_rows(args.results, rows)
     for row in rows:
-        print({k: row[k] for k in ("model", "run", "step_s_median", "step_vs_without_min", "step_vs_without_median")})
+        print({k: v for k, v in row.items() if k.startswith(("model", "run", "step_", "update_"))})
 
 
 if __name__ == "__main__":
