@@ -132,6 +132,31 @@ def stored_settings(meta: dict) -> tuple[int, list[str]]:
     return int(meta["augmentations"]), json.loads(meta["caption_keys"])
 
 
+def settings_of(meta: dict) -> Reinforced:
+    """The settings (teachers' facts, K, caption keys, dtype, seed) of a sidecar's header, without its tensors."""
+    if meta.get("format") != FORMAT:
+        teacher = TeacherFacts(
+            meta.get("teacher", ""),
+            meta.get("teacher_name", ""),
+            meta.get("model_type", ""),
+            float(meta["logit_scale"]) if meta.get("logit_scale") else None,
+            float(meta["logit_bias"]) if meta.get("logit_bias") else None,
+        )
+        return Reinforced([], [teacher], [], [], None, [LEGACY_CAPTION_KEY], meta=meta)
+    return Reinforced(
+        [],
+        [TeacherFacts.from_json(t) for t in json.loads(meta["teachers"])],
+        [],
+        [],
+        None,
+        json.loads(meta["caption_keys"]),
+        int(meta["augmentations"]),
+        meta["dtype"],
+        int(meta["seed"]) if meta.get("seed") else None,
+        meta,
+    )
+
+
 def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | None:
     stored, keys = stored_settings(meta)
     if stored < augmentations:
@@ -271,35 +296,21 @@ def read_reinforced(path: Path) -> Reinforced:
     meta = _raw_metadata(path)
     if meta.get("format") != FORMAT:
         rows, image, text, meta = read_sidecar(path)
-        teacher = TeacherFacts(
-            meta.get("teacher", ""),
-            meta.get("teacher_name", ""),
-            meta.get("model_type", ""),
-            float(meta["logit_scale"]) if meta.get("logit_scale") else None,
-            float(meta["logit_bias"]) if meta.get("logit_bias") else None,
-        )
-        return Reinforced(
-            list(rows), [teacher], [image[:, None]], [{LEGACY_CAPTION_KEY: text}], None, [LEGACY_CAPTION_KEY], meta=meta
-        )
+        return replace(settings_of(meta), keys=list(rows), images=[image[:, None]], texts=[{LEGACY_CAPTION_KEY: text}])
     try:
-        tensors = load_file(str(path))
-        teachers = [TeacherFacts.from_json(t) for t in json.loads(meta["teachers"])]
-        caption_keys, keys = json.loads(meta["caption_keys"]), json.loads(meta["keys"])
+        tensors, stored = load_file(str(path)), settings_of(meta)
+        keys = json.loads(meta["keys"])
     except Exception as error:
         raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
     if reinforced_checksum(meta, tensors) != meta.get("sha256"):
         raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
-    return Reinforced(
-        keys,
-        teachers,
-        [tensors[f"image/{t.fingerprint}"] for t in teachers],
-        [{key: tensors[f"text/{t.fingerprint}/{key}"] for key in caption_keys} for t in teachers],
-        tensors.get("boxes"),
-        caption_keys,
-        int(meta["augmentations"]),
-        meta["dtype"],
-        int(meta["seed"]) if meta.get("seed") else None,
-        meta,
+    prints = [t.fingerprint for t in stored.teachers]
+    return replace(
+        stored,
+        keys=keys,
+        images=[tensors[f"image/{f}"] for f in prints],
+        texts=[{key: tensors[f"text/{f}/{key}"] for key in stored.caption_keys} for f in prints],
+        boxes=tensors.get("boxes"),
     )
 
 
@@ -327,7 +338,7 @@ class EmbeddingStore:
         self.fingerprints = [fingerprints] if isinstance(fingerprints, str) else list(fingerprints)
         self.fingerprint = self.fingerprints[0]  # the single teacher's, as the first layout's readers know it
         self._loaded: dict[str, tuple] = {}
-        self._facts: Reinforced | None = None
+        self._facts: Reinforced | None = None  # the settings of the first sidecar read, without its tensors
         self._reference = shards[0] if shards else None
 
     # --- the facts of the stored run ---
@@ -354,10 +365,17 @@ class EmbeddingStore:
         return [stored[f] for f in self.fingerprints]
 
     def _settings(self) -> Reinforced:
+        """The settings of the first sidecar read; before any: of the first shard's (`shards`), else of the first
+        sidecar in the folder (by name) that holds every teacher asked for, from its header alone."""
         if self._facts is None:
-            if self._reference is None:
-                raise DataError(f"{self.folder}: no sidecar read yet, and no shard given to read the settings from")
-            self._load(self._reference)
+            if self._reference is not None:
+                self._load(self._reference)
+                return self._facts
+            for path in sorted(self.folder.glob("*" + SUFFIX)):
+                meta = _raw_metadata(path)
+                if all(f in stored_fingerprints(meta) for f in self.fingerprints):
+                    return settings_of(meta)
+            raise DataError(f"{self.folder}: no sidecar holds the teachers {', '.join(self.fingerprints)}")
         return self._facts
 
     # --- lookups ---
@@ -405,7 +423,7 @@ class EmbeddingStore:
 
     def _check_settings(self, path: Path, stored: Reinforced) -> None:
         if self._facts is None:
-            self._facts = replace(stored, images=[], texts=[], boxes=None)  # the settings, not the tensors
+            self._facts = replace(stored, keys=[], images=[], texts=[], boxes=None)
             return
         first, this = self._facts, stored
         for name in ("augmentations", "caption_keys", "seed"):

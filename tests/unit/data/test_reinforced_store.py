@@ -197,8 +197,12 @@ def test_a_centre_crop_sidecar_of_one_teacher_serves_todays_readers(tmp_path):
     assert rows == {"a": 0, "b": 1} and torch.equal(got_image, image[:, 0]) and torch.equal(got_text, text)
     facts = (meta["teacher"], meta["logit_scale"], meta["logit_bias"], meta["model_type"])
     assert facts == ("t1", "10.0", "-10.0", "siglip")
-    sample = EmbeddingStore(tmp_path, "t1").lookup(str(shard), "b")
+    store = EmbeddingStore(tmp_path, "t1")  # its settings before any lookup: from the folder's first sidecar
+    assert store.augmentations == 0 and store.caption_keys == ["txt"] and store.teachers == [teacher]
+    sample = store.lookup(str(shard), "b")
     assert sample.boxes is None and torch.equal(sample.images[0], image[1]) and sample.images[0].shape == (1, 4)
+    with pytest.raises(DataError, match="no sidecar holds the teachers t1, t2"):
+        EmbeddingStore(tmp_path, ["t1", "t2"]).caption_keys
 
 
 def test_first_layout_sidecars_still_read(tmp_path):
