@@ -227,12 +227,13 @@ def _canonical(data: bytes) -> bytes:
 
 def read_metadata(path: Path) -> dict:
     """A sidecar's metadata (its header alone); a DataError naming the file when it cannot be read. Of a sidecar of
-    the second layout it also holds "teacher", "model_type", "logit_scale" and "logit_bias" of its first teacher,
-    where a reader of the first layout finds them (not stored twice: derived here)."""
+    the second layout it also holds "teacher", "teacher_name", "model_type", "logit_scale" and "logit_bias" of its
+    first teacher, where a reader of the first layout finds them (not stored twice: derived here)."""
     meta = _raw_metadata(path)
     if meta.get("format") == FORMAT:
         first = json.loads(meta["teachers"])[0]
         meta = {**meta, "teacher": first["fingerprint"], "model_type": first.get("model_type") or ""}
+        meta["teacher_name"] = first.get("name") or ""
         meta["logit_scale"] = repr(first["logit_scale"]) if first.get("logit_scale") is not None else ""
         meta["logit_bias"] = repr(first["logit_bias"]) if first.get("logit_bias") is not None else ""
     return meta

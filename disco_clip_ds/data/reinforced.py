@@ -12,6 +12,8 @@ import torch
 
 FORMAT = "2"  # the metadata "format" of the layout of several teachers, augmentations and captions
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# what a sidecar records of its shard: its identity, size and (a resharded shard's) sha256
+SHARD_META = ("shard", "shard_bytes", "shard_sha256")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Reinforced:
         """The metadata to store, without its checksum (all strings, as safetensors keeps them)."""
         teachers = [{k: v for k, v in vars(t).items()} for t in self.teachers]
         return {
-            **{k: str(v) for k, v in (self.meta or {}).items() if k in ("shard", "shard_bytes")},
+            **{k: str(v) for k, v in (self.meta or {}).items() if k in SHARD_META},
             "format": FORMAT,
             "keys": json.dumps(self.keys),
             "teachers": json.dumps(teachers),
@@ -86,3 +88,30 @@ def reinforced_checksum(header: dict[str, str], tensors: dict[str, torch.Tensor]
         digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + str(tensors[name].dtype).encode())
         digest.update(tensor_bytes(tensors[name]))
     return digest.hexdigest()
+
+
+def joined_rows(pieces: list[tuple[Reinforced, list[int]]], meta: dict) -> Reinforced:
+    """The rows `rows` of each reinforcement of `pieces` ((reinforcement, rows)), in order, as one with the shard facts
+    `meta` (resharding: an output shard's sidecar from its input shards'); a ValueError when they were made with other
+    teachers or settings (their rows cannot share one file)."""
+    first = pieces[0][0]
+    settings = lambda r: ([t.fingerprint for t in r.teachers], r.caption_keys, r.augmentations, r.dtype, r.seed)
+    for stored, _ in pieces[1:]:
+        if settings(stored) != settings(first):
+            raise ValueError(f"embedded with other settings: {settings(stored)}, not {settings(first)}")
+    take = lambda tensor, rows: tensor[torch.as_tensor(rows, dtype=torch.long)]
+    return Reinforced(
+        [stored.keys[i] for stored, rows in pieces for i in rows],
+        first.teachers,
+        [torch.cat([take(s.images[t], rows) for s, rows in pieces]) for t in range(len(first.teachers))],
+        [
+            {key: torch.cat([take(s.texts[t][key], rows) for s, rows in pieces]) for key in first.caption_keys}
+            for t in range(len(first.teachers))
+        ],
+        None if first.boxes is None else torch.cat([take(s.boxes, rows) for s, rows in pieces]),
+        first.caption_keys,
+        first.augmentations,
+        first.dtype,
+        first.seed,
+        meta,
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -365,3 +366,52 @@ def test_check_sidecars_refuses_too_few_augmentations_or_a_missing_caption_key(t
     write_sidecar(sidecar_path(centre, str(shard)), ["a"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
     with pytest.raises(UsageError, match="made with the centre crop alone, fewer than the 1 needed"):
         check_sidecars(centre, [str(shard)], "t", "T", augmentations=1)
+
+
+def test_resharding_carries_every_teacher_augmentation_and_caption_of_the_kept_rows(tmp_path):
+    """data filter's reshard (data/curate/reshard.py) copies the kept rows of reinforced sidecars; inputs embedded
+    with other settings cannot share an output sidecar."""
+    from disco_clip_ds.data.curate.reshard import write_output_shard
+
+    rng = np.random.default_rng(3)
+    write_samples(tmp_path / "in", [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": f"c{i}"} for i in range(6)], 3)
+    urls = [str(tmp_path / "in" / f"0000{i}.tar") for i in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    inputs = []
+    for i, url in enumerate(urls):
+        keys = [f"s{j:05d}" for j in range(3 * i, 3 * i + 3)]
+        stored = Reinforced(
+            keys,
+            [TeacherFacts("a", "A", "clip", 100.0), TeacherFacts("b", "B", "siglip", 10.0, -10.0)],
+            [torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 6, generator=gen)],
+            [{k: torch.randn(3, d, generator=gen) for k in ("txt", "syn0.txt")} for d in (4, 6)],
+            torch.randint(0, 40, (3, 2, 4), generator=gen, dtype=torch.int32),
+            ["txt", "syn0.txt"],
+            2,
+            "bfloat16",
+            7,
+            shard_facts(url),
+        )
+        write_reinforced(sidecar_path(tmp_path / "in", url), stored)
+        inputs.append(read_reinforced(sidecar_path(tmp_path / "in", url)))
+    out = tmp_path / "out" / "00000.tar"
+    out.parent.mkdir()
+    pieces = [
+        (urls[0], sidecar_path(tmp_path / "in", urls[0]), [1]),
+        (urls[1], sidecar_path(tmp_path / "in", urls[1]), [0, 2]),
+    ]
+    assert write_output_shard(out, pieces) == 3
+    got = read_reinforced(sidecar_path(out.parent, str(out)))
+    assert got.keys == ["s00001", "s00003", "s00005"] and (got.augmentations, got.dtype, got.seed) == (2, "bfloat16", 7)
+    assert [t.fingerprint for t in got.teachers] == ["a", "b"] and got.teachers[1].logit_bias == -10.0
+    picks = [(inputs[0], 1), (inputs[1], 0), (inputs[1], 2)]
+    for row, (source, at) in enumerate(picks):
+        assert torch.equal(got.boxes[row], source.boxes[at])
+        for t in range(2):
+            assert torch.equal(got.images[t][row], source.images[t][at])
+            assert all(torch.equal(got.texts[t][k][row], source.texts[t][k][at]) for k in ("txt", "syn0.txt"))
+    other = replace(inputs[1], augmentations=3, boxes=torch.zeros(3, 3, 4, dtype=torch.int32))
+    other.images = [torch.zeros(3, 3, 4), torch.zeros(3, 3, 6)]
+    write_reinforced(sidecar_path(tmp_path / "in", urls[1]), other)
+    with pytest.raises(DataError, match="input sidecars were embedded with other settings"):
+        write_output_shard(out, pieces)
