@@ -258,8 +258,8 @@ def _sample_views(loaded: list[Teacher], settings: Settings, sample: dict) -> tu
     if image is None:
         raise ValueError("no image")
     boxes = crop_boxes(image, settings.augmentations, settings.seed, sample["__key__"])
-    views = [[teacher.crop(image, box) for box in boxes or [None]] for teacher in loaded]
-    return views, boxes, captions
+    decoded = {}  # the image decoded once per draft scale, for every teacher
+    return [teacher.crops(image, boxes, decoded) for teacher in loaded], boxes, captions
 
 
 def _forward(teacher: Teacher, crops: list, captions: list[dict], caption_keys: list[str]) -> tuple:

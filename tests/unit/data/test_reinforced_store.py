@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from disco_clip_ds.commands.data import embed_main
+from disco_clip_ds.data.decode import EncodedImage
 from disco_clip_ds.data.embeddings import (
     EmbeddingStore,
     Reinforced,
@@ -78,6 +79,11 @@ def test_a_given_box_is_the_drawn_crop_bit_for_bit_and_crop_boxes_are_the_traini
         assert torch.equal(transform.from_bytes(data, None, box=box), drawn)
         assert torch.equal(ImageTransform(64, train=False).from_bytes(data, None, box=box), drawn)  # a box: a crop
     assert crop_boxes(data, 4, seed=8, key="s00003") != boxes
+    decoded = {}  # one decode per draft scale, shared by two image sizes (two teachers)
+    for size in (64, 48):
+        crops = ImageTransform(size).box_crops(EncodedImage(data), boxes, decoded)
+        assert all(torch.equal(c, ImageTransform(size).from_bytes(data, None, box=b)) for c, b in zip(crops, boxes))
+    assert sorted(decoded) == [2, 4]  # 8 crops, 2 decodes
     with pytest.raises(ValueError, match="does not fit a 260 x 220 image"):
         transform.from_bytes(data, None, box=(0, 0, 261, 10))
 
