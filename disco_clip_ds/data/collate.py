@@ -104,7 +104,7 @@ class ClipCollator:
         its stored embeddings of the samples `ids` ((shard, key) each)."""
         out, teacher = {}, self.teacher
         if ids is not None:
-            images, texts = zip(*(teacher.store.lookup(shard, key) for shard, key in ids))
+            images, texts = zip(*(teacher.store.pair(shard, key) for shard, key in ids))
             return {
                 TEACHER_PREFIX + "image_embeds": torch.stack(images),
                 TEACHER_PREFIX + "text_embeds": torch.stack(texts),

@@ -50,6 +50,31 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tupl
     return left, top, left + side, top + side
 
 
+def augmentation_rng(seed: int, key: str, augmentation: int) -> random.Random:
+    """The RNG of augmentation `augmentation` of sample `key`, as `data embed --augmentations K` draws it: seeded from
+    the string f"{seed}/augmentation/{augmentation}/{key}" (a string seed is hashed by sha512, the same in every
+    process and Python version), so that a sample's K boxes depend on nothing but the seed, its key and a."""
+    return random.Random(f"{seed}/augmentation/{augmentation}/{key}")
+
+
+def crop_boxes(data_or_size: bytes | tuple[int, int], k: int, seed: int, key: str) -> list[tuple[int, int, int, int]]:
+    """The crop boxes (left, top, right, bottom, source pixels) of augmentations 0..k-1 of sample `key`: each the
+    training crop (`random_resized_crop_box`, the first draw of `augmentation_rng(seed, key, a)`) of the image
+    `data_or_size` (its encoded bytes, whose header alone is read, or its (width, height)). The training pipeline has
+    no flip and no RandAugment: the box is the whole augmentation."""
+    width, height = data_or_size if isinstance(data_or_size, tuple) else EncodedImage(data_or_size).size
+    return [random_resized_crop_box(width, height, augmentation_rng(seed, key, a)) for a in range(k)]
+
+
+def check_box(box: Sequence[int], size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """`box` as four ints, once it is a non-empty box inside an image `size` (width, height) px large; a ValueError
+    otherwise (a box stored for another image)."""
+    left, top, right, bottom = (int(v) for v in box)
+    if not (0 <= left < right <= size[0] and 0 <= top < bottom <= size[1]):
+        raise ValueError(f"crop box {(left, top, right, bottom)} does not fit a {size[0]} x {size[1]} image")
+    return left, top, right, bottom
+
+
 def draft_scale(box: tuple[int, int, int, int], size: int) -> int:
     """The largest JPEG reduction (8, 4, 2, else 1) after which `box` still spans at least `size` pixels a side."""
     width, height = box[2] - box[0], box[3] - box[1]
@@ -123,20 +148,46 @@ class ImageTransform:
         box = random_resized_crop_box(*image.size, rng or random.Random())
         return resized_crop(np.array(image), box, image.size, self.image_size)
 
-    def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    def from_bytes(
+        self,
+        data: bytes,
+        rng: random.Random | None,
+        max_pixels: int = MAX_IMAGE_PIXELS,
+        box: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Encoded image -> uint8 crop (3, size, size), as `pixels` of the decoded image, but decoded at reduced
-        size when `draft` allows it. Raises ValueError for images of more than `max_pixels` pixels, before
-        decoding them, and PIL's errors for corrupt data."""
-        if not self.train:
+        size when `draft` allows it. With `box` (left, top, right, bottom, in source pixels; e.g. a stored
+        augmentation's) the crop is that box instead of one drawn from `rng`, train or not: the same decode (draft
+        rule included) and resize as the drawn path gives for that box, bit for bit. Raises ValueError for images of
+        more than `max_pixels` pixels, before decoding them, and for a box outside the image; PIL's errors for
+        corrupt data."""
+        if box is None and not self.train:
             with Image.open(io.BytesIO(data)) as image:  # reads the header only
-                _check_pixels(image.size, max_pixels)
+                check_pixels(image.size, max_pixels)
                 image.load()
                 return self._eval_crop(to_rgb(image))
         encoded = EncodedImage(data)
-        _check_pixels(encoded.size, max_pixels)
-        box = random_resized_crop_box(*encoded.size, rng)
-        scale = draft_scale(box, self.image_size) if self.draft else 1
-        return resized_crop(encoded.decode(scale), box, encoded.size, self.image_size)
+        check_pixels(encoded.size, max_pixels)
+        if box is None:
+            box = random_resized_crop_box(*encoded.size, rng)
+        return self.box_crops(encoded, [box])[0]
+
+    def box_crops(
+        self, encoded: EncodedImage, boxes: Sequence[Sequence[int]], decoded: dict[int, np.ndarray] | None = None
+    ) -> list[torch.Tensor]:
+        """The uint8 crops (3, size, size) of several boxes of one image (its header read: `EncodedImage`), each as
+        `from_bytes(data, None, box=box)` gives it, bit for bit, the image decoded once per draft scale: `decoded`
+        ({scale: pixels}) keeps the decodes, and may be shared by transforms of other sizes (several teachers).
+        The caller checks the image's pixel count (`from_bytes` does). A ValueError for a box outside the image."""
+        decoded = {} if decoded is None else decoded
+        crops = []
+        for box in boxes:
+            box = check_box(box, encoded.size)
+            scale = draft_scale(box, self.image_size) if self.draft else 1
+            if scale not in decoded:
+                decoded[scale] = encoded.decode(scale)
+            crops.append(resized_crop(decoded[scale], box, encoded.size, self.image_size))
+        return crops
 
     def _eval_crop(self, image: Image.Image) -> torch.Tensor:
         """Resize the short side to size, then the central size x size: CLIPImageProcessor's steps, with PIL."""
@@ -149,6 +200,7 @@ class ImageTransform:
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
 
 
-def _check_pixels(size: tuple[int, int], max_pixels: int) -> None:
+def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """A ValueError for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
     if size[0] * size[1] > max_pixels:
         raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")

@@ -1,9 +1,9 @@
-"""`disco-clip data embed` under torchrun: 2 gloo ranks write the same sidecars as one process, and an error on one
-rank ends both, in one line each, without a hang.
+"""`disco-clip data embed` under torchrun: 2 gloo ranks write the same sidecars as one process (two teachers, two
+augmentations per image), and an error on one rank ends both, in one line each, without a hang.
 
 The sidecars are compared byte for byte: each shard is embedded whole by one process, in the same batches, by the
 same CPU kernels with one thread; its metadata names the shard by its absolute path, which does not depend on the
-output folder, and write_sidecar sorts the header (safetensors alone writes its metadata in a hash map's order, which
+output folder, and the writer sorts the header (safetensors alone writes its metadata in a hash map's order, which
 changes from process to process). So rank r's file for a shard is the single process's, bit for bit. (On GPUs the
 kernels may differ by rank and batch, and only the tensors' closeness would hold.)"""
 
@@ -14,6 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from disco_clip_ds.commands.data import embed_main
 from disco_clip_ds.errors import run_main
@@ -25,7 +26,9 @@ SUMMARY = "5 shard(s) embedded, 0 already done, 1 sample(s) without image or cap
 
 
 def _args(output, shards: str, teacher) -> list[str]:
-    args = ["--teacher", str(teacher), "--tokenizer_name", str(TOKENIZER_DIR)]
+    # an ensemble of two teachers and 2 augmentations per image: drawn from (seed, key, a), whatever the rank
+    args = ["--teacher", str(teacher), str(teacher) + "2", "--tokenizer_name", str(TOKENIZER_DIR)]
+    args += ["--augmentations", "2", "--seed", "3"]
     return [*args, "--shards", shards, "--output", str(output), "--batch_size", "3"]
 
 
@@ -46,6 +49,7 @@ def test_two_ranks_write_the_sidecars_of_one_process_and_fail_together(tmp_path,
     samples += [{"jpg": b"not a jpeg", "txt": "broken"}] * 2  # shard 5: no sample that can be embedded
     write_samples(tmp_path / "data", samples, per_shard=4)
     build_model(model_config=str(TINY_CONFIG), seed=0).save_pretrained(tmp_path / "teacher")
+    build_model(model_config=str(TINY_CONFIG), seed=1).save_pretrained(tmp_path / "teacher2")
     good = str(tmp_path / "data" / "{00000..00004}.tar")  # 5 shards: rank 0 takes 0, 2, 4; rank 1 takes 1, 3
 
     threads = torch.get_num_threads()
@@ -63,6 +67,7 @@ def test_two_ranks_write_the_sidecars_of_one_process_and_fail_together(tmp_path,
     assert len(files) == 5 and files == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in files:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+        assert len(load_file(tmp_path / "one" / name)) == 5, name  # 2 teachers x (image, text), and the boxes
 
     # again with shard 5, rank 1's, which fails: both ranks end with its one line (exit 2); the done ones are kept
     failed = _embed_on_two_ranks(tmp_path / "two", str(tmp_path / "data" / "{00000..00005}.tar"), tmp_path / "teacher")
