@@ -48,7 +48,11 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, li
             f"--teacher {' '.join(teachers)} with --teacher_embeddings: stored embeddings are read for one teacher; "
             "name one, or leave --teacher_embeddings out to run the ensemble live"
         )
-    return weight, [_check_one(teacher, student, live=model_args.teacher_embeddings is None) for teacher in teachers]
+    configs = [_family_config(teacher, student) for teacher in teachers]
+    if model_args.teacher_embeddings is None:  # live teachers: their weights are loaded once the student is built
+        for teacher in teachers:
+            check_teacher_weights(teacher)
+    return weight, configs
 
 
 def check_listed_once(teachers: list[str]) -> None:
@@ -67,9 +71,8 @@ def check_listed_once(teachers: list[str]) -> None:
         seen[key] = teacher
 
 
-def _check_one(teacher: str, student, live: bool):
-    """One teacher's config, once it is of the student's family and (`live`: run, not read from stored embeddings)
-    its weights are there to load."""
+def _family_config(teacher: str, student):
+    """One teacher's config, once it is there and of the student's family."""
     if is_path(teacher) and not Path(teacher).expanduser().exists():
         raise UsageError(f"--teacher {teacher}: no such folder")
     with usage_error(f"--teacher {teacher}: "):
@@ -79,8 +82,6 @@ def _check_one(teacher: str, student, live: bool):
             f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
             f"{student.model_type} teacher"
         )
-    if live:  # a live teacher: its weights are loaded once the student is built
-        check_teacher_weights(teacher)
     return config
 
 
