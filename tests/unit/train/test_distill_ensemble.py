@@ -142,3 +142,42 @@ def test_run_json_names_every_teacher_without_its_path(tmp_path):
     shown = distillation_setting(args)
     assert shown == "from teacher_a + org/clip-b, weight 1, the teacher's logit scale"
     assert public_distillation(f"from {tmp_path}/a + {tmp_path}/b, weight 1, x") == "from a + b, weight 1, x"
+
+
+def test_siglip_ensemble_matches_float64_mean_of_sigmoids(tmp_path):
+    """Two SigLIP teachers (each its own scale and bias, set apart): the target of each pair is the mean of their
+    sigmoids, in the per-pair cross-entropy of the student's sigmoid, / B."""
+    from disco_clip_ds.models.build import build_model
+    from disco_clip_ds.testing.launch import REPO
+
+    members = []
+    for seed, (scale, bias) in zip((5, 6), ((2.0, -3.0), (3.0, -1.0))):
+        torch.manual_seed(seed)
+        model = build_model(model_config=str(REPO / "recipes/models/siglip_tiny.json"))
+        with torch.no_grad():
+            model.logit_scale.fill_(scale), model.logit_bias.fill_(bias)
+        members.append(Teacher(model, 1.0))
+    ensemble = Ensemble(members)
+    inputs = {k: v for k, v in batch(seed=3).items() if k != "1_pixel_values"}
+    images, texts, params = ensemble.embed(inputs)
+    assert [p.shape for p in params] == [(2,), (2,)]
+    g = torch.Generator().manual_seed(1)
+    x, y = (F.normalize(torch.randn(6, 16, generator=g, dtype=torch.float64), dim=1) for _ in "xy")
+    xi = x.float().requires_grad_()
+    got = ensemble.loss_fn(images, texts, params)(xi, y.float(), torch.tensor(10.0), torch.tensor(-5.0))
+    got.backward()
+
+    xr = x.clone().requires_grad_()
+    student = 10.0 * xr @ y.T - 5.0
+    with torch.no_grad():
+        outs = [m.model(**inputs, return_loss=False, return_logits=False) for m in members]
+        logits = [
+            o.logit_scale.double().reshape(()) * o.image_embeds.double() @ o.text_embeds.double().T
+            + o.logit_bias.double().reshape(())
+            for o in outs
+        ]
+    target = sum(t.sigmoid() for t in logits) / 2
+    ref = -(target * F.logsigmoid(student) + (1 - target) * F.logsigmoid(-student)).sum() / 6
+    ref.backward()
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(xi.grad.double(), xr.grad, rtol=1e-4, atol=1e-6)
