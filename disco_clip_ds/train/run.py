@@ -183,19 +183,22 @@ def _run_lock(output_dir: str):
 
 
 def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: CheckedRun, processor):
-    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; None without
-    --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
+    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; an Ensemble for
+    several --teacher; None without --teacher), and what its inputs need beyond the student's
+    (`distill.teacher_inputs`)."""
     if model_args.teacher is None:
         return None, None
+    names = " + ".join(model_args.teacher)
     if model_args.teacher_embeddings is not None:
-        logger.info("distilling from %s's embeddings in %s", model_args.teacher, model_args.teacher_embeddings)
+        logger.info("distilling from %s's embeddings in %s", names, model_args.teacher_embeddings)
+        (name,) = model_args.teacher  # validate refused several teachers with stored embeddings
         return stored_teacher(
-            model_args.teacher,
+            name,
             model_args.teacher_embeddings,
             checked.urls,
             model_args.distill_weight,
             model_args.distill_temperature,
-            config=checked.teacher_config,
+            config=checked.teacher_config[0],
             fingerprint=checked.teacher_fingerprint,
         )
     teacher = load_teacher(
@@ -216,7 +219,7 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
     )
     logger.info(
         "distilling from %s (weight %g, %s)%s",
-        model_args.teacher,
+        names,
         model_args.distill_weight,
         f"temperature {model_args.distill_temperature:g}" if model_args.distill_temperature else "its own logit scale",
         "" if extra is None else ", with its own inputs",

@@ -49,7 +49,7 @@ class CheckedRun:
     max_length: int
     hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
     naflex: tuple[int, int] | None = None  # SigLIP 2's (patch size, patch budget per image); None: square images
-    teacher_config: object | None = None  # --teacher's config (None: no teacher)
+    teacher_config: list | None = None  # each --teacher's config, in its order (None: no teacher)
     teacher_fingerprint: str | None = None  # --teacher's, with --teacher_embeddings (data/embeddings.py)
     mixture: Mixture | None = None  # the weighted mixture of --train_shards' '::' sources (None: concatenated)
 
