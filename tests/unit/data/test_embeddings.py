@@ -46,7 +46,7 @@ def test_store_errors_name_the_shard_and_the_key(tmp_path):
     meta = {"teacher": "t1", **shard_facts(first)}
     write_sidecar(sidecar_path(tmp_path, first), ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
     store = EmbeddingStore(tmp_path, "t1")
-    assert store.lookup(first, "k0")[0].shape == (2,)
+    assert store.pair(first, "k0")[0].shape == (2,)
     with pytest.raises(DataError, match="sample k9 of shard data/00000.tar"):
         store.lookup(first, "k9")
     with pytest.raises(DataError, match="no teacher embeddings for shard data/00001.tar \\(sample k0\\)"):
