@@ -112,8 +112,8 @@ def stored_teacher(names: list[str], store, weight: float, temperature: float | 
     from disco_clip_ds.models.configs import load_config
 
     config = load_config(names[0]) if config is None else config
-    scales = [float(s) for s in store.logit_scales]
-    biases = [None if b is None else float(b) for b in store.logit_biases]
+    scales = [float(t.logit_scale) for t in store.teachers]
+    biases = [None if t.logit_bias is None else float(t.logit_bias) for t in store.teachers]
     return StoredTeacher(config, weight, temperature, scales, biases), TeacherInputs(stored=True)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
@@ -88,9 +88,13 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
     for name in teachers(model_args):
         with usage_error(f"--teacher {name}: "):
             fingerprints.append(teacher_fingerprint(name))
-    check_sidecars(folder, urls, fingerprints, teachers(model_args))
-    with usage_error(f"--teacher_embeddings {folder}: "):
-        return EmbeddingStore(folder, fingerprints)
+    check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
+    store = EmbeddingStore(folder, fingerprints, shards=urls)
+    try:
+        store.teachers  # the settings, read from the first shard's sidecar (each of the others is checked as read)
+    except DataError as error:
+        raise UsageError(str(error)) from error
+    return store
 
 
 def teachers(model_args: ModelArguments) -> list[str]:

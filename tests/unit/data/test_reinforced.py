@@ -133,9 +133,9 @@ def test_a_stored_caption_missing_for_a_teacher_is_skipped_and_counted(tmp_path)
     urls = write_shards(tmp_path / "data", num_shards=1, per_shard=6, seed=2)
     missing = ("000000002", "txt")
     stream = ShardStream(urls, 16, seed=1, reinforcement=Reinforcement(FakeStore(2, missing=missing), 2, pool=True))
-    keys = [f"{int(item[2][0][0][0]):09d}" for _, item in zip(range(10), stream)]
+    keys = [f"{int(item[2][0][0][0]):09d}" for _, item in zip(range(11), stream)]  # into the third pass
     assert missing[0] not in keys and len(set(keys)) == 5
-    assert stream.skipped.value == 2  # once per pass (two passes over the 5 good samples)
+    assert stream.skipped.value in (2, 3)  # once per pass read through (two whole, the third begun)
 
 
 def test_without_targets_the_stream_replays_the_crops_and_captions_alone(tmp_path):
