@@ -4,12 +4,9 @@ weights of the same run whose two teachers run live on the same replayed crops a
 within 1e-4: CLIP and SigLIP students, on 1 rank x K = 2 micro-batches and on 2 ranks. (The choices and the stream:
 tests/unit/data/test_reinforced.py; the refusals: tests/unit/train/test_validate_reinforced.py.)"""
 
-import io
-import tarfile
-
 import pytest
 
-from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.images import add_synthetic_captions, write_shards
 from disco_clip_ds.testing.launch import REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
 from disco_clip_ds.testing.runs import same_weights, save_initial_model, step_losses, weights
 
@@ -17,21 +14,6 @@ STEPS = 2
 SIGLIP_TINY = REPO / "recipes/models/siglip_tiny.json"
 # dispatch_batches: every launch reads one stream, whatever its ranks, so that the runs see the same 64 samples
 SAME_STREAM = ["--max_steps", str(STEPS), "--accelerator_config", '{"dispatch_batches": true}']
-
-
-def add_synthetic_captions(url: str) -> None:
-    """Rewrite shard `url` with a synthetic caption KEY.syn0.txt after each KEY.txt (as DataCompDR ships them)."""
-    with tarfile.open(url) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    with tarfile.open(url, "w") as tar:
-        for member, data in members:
-            tar.addfile(member, io.BytesIO(data))
-            key, ext = member.name.split(".", 1)
-            if ext == "txt":
-                text = b"a picture showing " + data
-                info = tarfile.TarInfo(f"{key}.syn0.txt")
-                info.size = len(text)
-                tar.addfile(info, io.BytesIO(text))
 
 
 def save_teachers(root, config, seeds=(21, 22)) -> list[str]:

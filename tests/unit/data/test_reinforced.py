@@ -3,7 +3,6 @@ are functions of (seed, pass, key) alone, uniform over the K stored augmentation
 ratio; the stream crops from the chosen stored box and carries that augmentation's and caption's stored targets; a
 sample without its chosen caption is skipped and counted."""
 
-import io
 import random
 import tarfile
 from types import SimpleNamespace
@@ -19,7 +18,7 @@ from disco_clip_ds.data.streams.reinforced import (
     caption_choice,
     stack_targets,
 )
-from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.images import add_synthetic_captions, write_shards
 
 KEYS = [f"{i:09d}" for i in range(4000)]
 
@@ -62,21 +61,6 @@ def _sample(tar_path: str, key: str) -> dict:
         }
 
 
-def _add_synthetic(path: str, skip: set[str]) -> None:
-    """Rewrite shard `path` with a synthetic caption KEY.syn0.txt beside each sample's KEY.txt (none for `skip`)."""
-    with tarfile.open(path) as tar:
-        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
-    with tarfile.open(path, "w") as tar:
-        for member, data in members:
-            tar.addfile(member, io.BytesIO(data))
-            key, ext = member.name.split(".", 1)
-            if ext == "txt" and key not in skip:
-                text = b"synthetic " + data
-                info = tarfile.TarInfo(f"{key}.syn0.txt")
-                info.size = len(text)
-                tar.addfile(info, io.BytesIO(text))
-
-
 class FakeStore:
     """An EmbeddingStore's lookup: per sample, K boxes and per teacher (K, d) images and {caption key: (d,)} texts,
     made from the key so that a test can say which row was read."""
@@ -102,7 +86,7 @@ def test_the_stream_crops_from_the_chosen_stored_box_and_carries_its_targets(tmp
     urls = write_shards(tmp_path / "data", num_shards=2, per_shard=12, seed=2)
     without = "000000003"  # a sample whose synthetic caption is missing: skipped and counted when it is drawn
     for url in urls:
-        _add_synthetic(url, {without})
+        add_synthetic_captions(url, {without})
     pool = Reinforcement(FakeStore(3), 3, pool=True, ratio=0.5, synthetic=("syn0.txt",))
     stream = ShardStream(urls, 16, seed=5, shuffle_buffer=4, reinforcement=pool)
     items = [item for _, item in zip(range(60), stream)]
@@ -150,3 +134,42 @@ def test_without_targets_the_stream_replays_the_crops_and_captions_alone(tmp_pat
     b = [item for _, item in zip(range(16), live)]
     assert all(len(x) == 4 and len(y) == 3 for x, y in zip(a, b))
     assert all(torch.equal(x[0], y[0]) and x[1] == y[1] and torch.equal(x[3], y[2]) for x, y in zip(a, b))
+
+
+@pytest.mark.slow  # builds a tiny teacher and embeds 16 samples x 3 augmentations (~3 s)
+def test_the_stored_targets_are_the_teachers_forward_of_the_replayed_crop_and_chosen_caption(tmp_path):
+    """Sidecars made by `data embed --augmentations 3 --caption_keys txt,syn0.txt`, read by the pooled stream: the
+    targets each sample carries are a fresh forward of the teacher on the pixels and caption the stream yields (the
+    crop replayed from the stored box of the chosen augmentation, the chosen caption's member), to 1e-6."""
+    from transformers import AutoTokenizer
+
+    from disco_clip_ds.data.collate import ClipCollator
+    from disco_clip_ds.data.embeddings import EmbeddingStore, teacher_fingerprint
+    from disco_clip_ds.data.prep.embed import Settings, embed_shards
+    from disco_clip_ds.data.streams.shards import ShardStream
+    from disco_clip_ds.testing.launch import TOKENIZER_DIR
+    from disco_clip_ds.testing.runs import save_initial_model
+    from disco_clip_ds.train.distill import load_teacher, split_inputs
+
+    urls = write_shards(tmp_path / "data", num_shards=1, per_shard=16, seed=6)
+    add_synthetic_captions(urls[0])
+    teacher = str(save_initial_model(tmp_path / "teacher", 5))
+    settings = Settings([teacher], [str(TOKENIZER_DIR)], augmentations=3, caption_keys=["txt", "syn0.txt"])
+    embed_shards(teacher, urls, str(tmp_path / "emb"), settings=settings)
+    store = EmbeddingStore(tmp_path / "emb", teacher_fingerprint(teacher), shards=urls)
+    assert store.augmentations == 3 and list(store.caption_keys) == ["txt", "syn0.txt"]
+    pool = Reinforcement(store, 3, pool=True, ratio=0.5, synthetic=("syn0.txt",))
+    items = [item for _, item in zip(range(32), ShardStream(urls, 64, seed=9, shuffle_buffer=5, reinforcement=pool))]
+    live = load_teacher(teacher, 0.5, None)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    batch = ClipCollator(tokenizer, 32)([(pixels, caption) for pixels, caption, *_ in items])
+    images, texts, _ = live.embed(split_inputs(batch)[1])
+    targets = stack_targets([item[2] for item in items])
+    torch.testing.assert_close(targets[0][0], images, rtol=0, atol=1e-6)
+    torch.testing.assert_close(targets[1][0], texts, rtol=0, atol=1e-6)
+    # what those 32 samples (two passes over the 16) were drawn with: every augmentation and both captions
+    with tarfile.open(urls[0]) as tar:
+        keys = {m.name.split(".", 1)[0] for m in tar.getmembers()}
+    chosen = {pool.choose(9, epoch, key) for epoch in (0, 1) for key in keys}
+    assert {i for i, _ in chosen} == {0, 1, 2} and {c for _, c in chosen} == {"txt", "syn0.txt"}
+    assert {int(item[3][2]) for item in items} == {0, 1}
