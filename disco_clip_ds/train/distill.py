@@ -90,19 +90,19 @@ class StoredTeacher(Teacher):
         self.sigmoid = config.model_type == "siglip"
         self.stored = list(zip(scales, biases))
 
-    def embed(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
-        """Per teacher: its stored (image, text) embeddings of the batch and its (multiplier[, bias])."""
-        images, texts, params = [], [], []
-        for t, (scale, bias) in enumerate(self.stored):
-            image = inputs[f"image_embeds.{t}"].float()
-            scale = 1.0 / self.temperature if self.temperature is not None else scale
-            images.append(image)
-            texts.append(inputs[f"text_embeds.{t}"].float())
-            params.append(
-                (torch.tensor(scale, device=image.device),)
-                + ((torch.tensor(bias, device=image.device),) if self.sigmoid else ())
-            )
-        return images, texts, params
+    def embed(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[list[torch.Tensor], ...]]:
+        """The teachers' stored (image, text) embeddings of the batch, a list of each, and (multipliers[, biases]):
+        a list per parameter, teachers in the same order, as the distillation losses take an ensemble."""
+        images = [inputs[f"image_embeds.{t}"].float() for t in range(len(self.stored))]
+        texts = [inputs[f"text_embeds.{t}"].float() for t in range(len(self.stored))]
+        device = images[0].device
+        scales = [
+            torch.tensor(1.0 / self.temperature if self.temperature is not None else scale, device=device)
+            for scale, _ in self.stored
+        ]
+        if not self.sigmoid:
+            return images, texts, (scales,)
+        return images, texts, (scales, [torch.tensor(bias, device=device) for _, bias in self.stored])
 
 
 def stored_teacher(names: list[str], store, weight: float, temperature: float | None, config=None):
