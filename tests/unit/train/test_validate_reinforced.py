@@ -72,3 +72,26 @@ def test_what_the_sidecars_hold_is_checked_against_the_flags():
     with pytest.raises(UsageError, match="NaFlex"):
         check_reinforced_flags(_args(augmentation_pool=True), naflex=True)
     check_reinforced_flags(_args(augmentation_pool=True, synthetic_caption_ratio=1.0), naflex=False)
+
+
+def test_a_teacher_of_the_ensemble_without_sidecars_is_refused(bad_arguments_setup, train_main, tmp_path, capsys):
+    """--teacher A B against sidecars made by A alone: one line naming B's fingerprint and the command to run."""
+    import torch
+
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.shards import expand_shards
+
+    names = []
+    for name, width in (("a", 64), ("b", 32)):  # two teacher folders (configs alone) of two fingerprints
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((REPO / MODEL[1]).read_text().replace("\n", "\n" * (width // 32)))
+        names.append(str(tmp_path / name))
+    for url in expand_shards(bad_arguments_setup["data"]):
+        meta = {"teacher": teacher_fingerprint(names[0]), **shard_facts(url)}
+        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 8), torch.zeros(1, 8), meta)
+    argv = ["--teacher", *names, "--teacher_embeddings", str(tmp_path / "emb")]
+    assert train_main("--train_shards", bad_arguments_setup["data"], *MODEL, *TOK, *argv) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip train: ")]
+    assert len(said) == 1, said
+    assert f"made by another teacher (fingerprint {teacher_fingerprint(names[0])}, not " in said[0]
+    assert teacher_fingerprint(names[1]) in said[0] and "disco-clip data embed --teacher" in said[0]
