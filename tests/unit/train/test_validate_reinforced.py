@@ -58,7 +58,8 @@ def test_what_the_sidecars_hold_is_checked_against_the_flags():
     store = SimpleNamespace(augmentations=4, caption_keys=("txt", "syn0.txt", "syn1.txt"))
     assert check_store(_args(augmentation_pool=True), store) == (4, ("syn0.txt", "syn1.txt"))
     assert check_store(_args(augmentation_pool=True, augmentation_pool_size=3), store)[0] == 3
-    assert check_store(_args(), store)[0] == 1  # no pool: the stored row 0 (and the stream's own crop)
+    with pytest.raises(UsageError, match="store 4 augmentations per sample: add --augmentation_pool"):
+        check_store(_args(), store)  # the stream's own crop would be taught the embedding of another crop
     with pytest.raises(UsageError, match=r"--augmentation_pool_size 5: .* store 4 augmentations .* --augmentations 5"):
         check_store(_args(augmentation_pool=True, augmentation_pool_size=5), store)
     centre = SimpleNamespace(augmentations=0, caption_keys=("txt",))
@@ -67,8 +68,11 @@ def test_what_the_sidecars_hold_is_checked_against_the_flags():
     with pytest.raises(UsageError, match="--synthetic_caption_ratio 0.3: the sidecars in emb store the real captions"):
         check_store(_args(synthetic_caption_ratio=0.3), centre)
     assert check_store(_args(synthetic_caption_ratio=0.0), centre) == (1, ())  # ratio 0: the real captions suffice
+    assert check_store(_args(synthetic_caption_ratio=0.2), SimpleNamespace(augmentations=0, caption_keys=("txt", "s")))[
+        1
+    ] == ("s",)  # centre crops (no pool) with synthetic captions
     with pytest.raises(UsageError, match=r"no embeddings of the real captions \(txt\)"):
-        check_store(_args(), SimpleNamespace(augmentations=2, caption_keys=("syn0.txt",)))
+        check_store(_args(), SimpleNamespace(augmentations=0, caption_keys=("syn0.txt",)))
     with pytest.raises(UsageError, match="NaFlex"):
         check_reinforced_flags(_args(augmentation_pool=True), naflex=True)
     check_reinforced_flags(_args(augmentation_pool=True, synthetic_caption_ratio=1.0), naflex=False)
