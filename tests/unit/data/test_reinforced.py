@@ -173,3 +173,35 @@ def test_the_stored_targets_are_the_teachers_forward_of_the_replayed_crop_and_ch
     chosen = {pool.choose(9, epoch, key) for epoch in (0, 1) for key in keys}
     assert {i for i, _ in chosen} == {0, 1, 2} and {c for _, c in chosen} == {"txt", "syn0.txt"}
     assert {int(item[3][2]) for item in items} == {0, 1}
+
+
+def _by_key(items) -> dict:
+    """{(pass, key): (pixels, caption, targets)} of pooled stream items (the fake store's rows name their key)."""
+    return {(int(item[3][2]), f"{int(item[2][0][0][0]):09d}"): item[:3] for item in items}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k][0], b[k][0]) and a[k][1] == b[k][1] and a[k][2][1][1].tolist() == b[k][2][1][1].tolist()
+        for k in a
+    )
+
+
+def test_a_sample_gets_the_same_crop_caption_and_targets_on_any_reader_and_after_a_resume(tmp_path):
+    """The choices follow the sample, not the reader: 2 readers (ranks) between them yield, per (pass, key), what 1
+    reader yields; a stream restored from a position continues with what the uninterrupted one yielded next."""
+    from disco_clip_ds.data.streams.shards import ShardStream
+
+    urls = write_shards(tmp_path / "data", num_shards=2, per_shard=8, seed=4)
+    for url in urls:
+        add_synthetic_captions(url)
+    pool = dict(reinforcement=Reinforcement(FakeStore(4), 4, pool=True, ratio=0.5, synthetic=("syn0.txt",)))
+    options = dict(seed=2, shuffle_buffer=3, **pool)
+    one = [item for _, item in zip(range(32), ShardStream(urls, 16, **options))]  # two passes
+    two = [
+        item for rank in (0, 1) for _, item in zip(range(16), ShardStream(urls, 16, rank=rank, world_size=2, **options))
+    ]
+    assert _same(_by_key(one), _by_key(two))
+    resumed = ShardStream(urls, 16, **options)
+    resumed.restore({0: tuple(one[10][3][1:].tolist())}, consumed_batches=0)
+    assert _same(_by_key([item for _, item in zip(range(21), resumed)]), _by_key(one[11:]))
