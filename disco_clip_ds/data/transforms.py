@@ -163,17 +163,31 @@ class ImageTransform:
         corrupt data."""
         if box is None and not self.train:
             with Image.open(io.BytesIO(data)) as image:  # reads the header only
-                _check_pixels(image.size, max_pixels)
+                check_pixels(image.size, max_pixels)
                 image.load()
                 return self._eval_crop(to_rgb(image))
         encoded = EncodedImage(data)
-        _check_pixels(encoded.size, max_pixels)
+        check_pixels(encoded.size, max_pixels)
         if box is None:
             box = random_resized_crop_box(*encoded.size, rng)
-        else:
+        return self.box_crops(encoded, [box])[0]
+
+    def box_crops(
+        self, encoded: EncodedImage, boxes: Sequence[Sequence[int]], decoded: dict[int, np.ndarray] | None = None
+    ) -> list[torch.Tensor]:
+        """The uint8 crops (3, size, size) of several boxes of one image (its header read: `EncodedImage`), each as
+        `from_bytes(data, None, box=box)` gives it, bit for bit, the image decoded once per draft scale: `decoded`
+        ({scale: pixels}) keeps the decodes, and may be shared by transforms of other sizes (several teachers).
+        The caller checks the image's pixel count (`from_bytes` does). A ValueError for a box outside the image."""
+        decoded = {} if decoded is None else decoded
+        crops = []
+        for box in boxes:
             box = check_box(box, encoded.size)
-        scale = draft_scale(box, self.image_size) if self.draft else 1
-        return resized_crop(encoded.decode(scale), box, encoded.size, self.image_size)
+            scale = draft_scale(box, self.image_size) if self.draft else 1
+            if scale not in decoded:
+                decoded[scale] = encoded.decode(scale)
+            crops.append(resized_crop(decoded[scale], box, encoded.size, self.image_size))
+        return crops
 
     def _eval_crop(self, image: Image.Image) -> torch.Tensor:
         """Resize the short side to size, then the central size x size: CLIPImageProcessor's steps, with PIL."""
@@ -186,6 +200,7 @@ class ImageTransform:
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
 
 
-def _check_pixels(size: tuple[int, int], max_pixels: int) -> None:
+def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """A ValueError for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
     if size[0] * size[1] > max_pixels:
         raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")

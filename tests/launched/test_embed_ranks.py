@@ -1,5 +1,5 @@
-"""`disco-clip data embed` under torchrun: 2 gloo ranks write the same sidecars as one process, and an error on one
-rank ends both, in one line each, without a hang.
+"""`disco-clip data embed` under torchrun: 2 gloo ranks write the same sidecars as one process (two teachers, two
+augmentations per image), and an error on one rank ends both, in one line each, without a hang.
 
 The sidecars are compared tensor for tensor, bit for bit, and their metadata entry for entry: each shard is embedded
 whole by one process, in the same batches, by the same CPU kernels with one thread, and its metadata names the shard
@@ -27,7 +27,9 @@ SUMMARY = "5 shard(s) embedded, 0 already done, 1 sample(s) without image or cap
 
 
 def _args(output, shards: str, teacher) -> list[str]:
-    args = ["--teacher", str(teacher), "--tokenizer_name", str(TOKENIZER_DIR)]
+    # an ensemble of two teachers and 2 augmentations per image: drawn from (seed, key, a), whatever the rank
+    args = ["--teacher", str(teacher), str(teacher) + "2", "--tokenizer_name", str(TOKENIZER_DIR)]
+    args += ["--augmentations", "2", "--seed", "3"]
     return [*args, "--shards", shards, "--output", str(output), "--batch_size", "3"]
 
 
@@ -48,6 +50,7 @@ def test_two_ranks_write_the_sidecars_of_one_process_and_fail_together(tmp_path,
     samples += [{"jpg": b"not a jpeg", "txt": "broken"}] * 2  # shard 5: no sample that can be embedded
     write_samples(tmp_path / "data", samples, per_shard=4)
     build_model(model_config=str(TINY_CONFIG), seed=0).save_pretrained(tmp_path / "teacher")
+    build_model(model_config=str(TINY_CONFIG), seed=1).save_pretrained(tmp_path / "teacher2")
     good = str(tmp_path / "data" / "{00000..00004}.tar")  # 5 shards: rank 0 takes 0, 2, 4; rank 1 takes 1, 3
 
     threads = torch.get_num_threads()
@@ -65,7 +68,7 @@ def test_two_ranks_write_the_sidecars_of_one_process_and_fail_together(tmp_path,
     assert len(files) == 5 and files == sorted(p.name for p in (tmp_path / "two").iterdir())
     for name in files:
         one_file, two_file = load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)
-        assert one_file.keys() == two_file.keys() and len(one_file) == 2, name  # one teacher's image and text
+        assert one_file.keys() == two_file.keys() and len(one_file) == 5, name  # 2 x (image, text), boxes
         assert all(torch.equal(one_file[k], two_file[k]) for k in one_file), name
         assert read_metadata(tmp_path / "one" / name) == read_metadata(tmp_path / "two" / name), name
 

@@ -18,14 +18,11 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from disco_clip_ds.data.embeddings import read_metadata, read_sidecar, shard_facts, sidecar_path, write_sidecar
+from disco_clip_ds.data.embeddings import read_metadata, read_reinforced, shard_facts, sidecar_path, write_reinforced
+from disco_clip_ds.data.reinforced import joined_rows
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError
-
-# what an output sidecar keeps of its input sidecars' metadata (the teacher's); the rest is its own shard's
-TEACHER_META = ("teacher", "teacher_name", "model_type", "logit_scale", "logit_bias")
 
 
 def output_name(index: int) -> str:
@@ -62,13 +59,14 @@ def is_complete(path: Path, keys: list[str], fingerprint: str) -> bool:
 
 def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) -> int:
     """Write output shard `path` from `pieces`: (input shard, its sidecar, the sorted in-shard indices of its kept
-    samples), in order; then its sidecar beside it. Returns the number of samples written."""
-    keys, seen, images, texts, meta = [], set(), [], [], {}
+    samples), in order; then its sidecar beside it (every teacher, augmentation and caption of the input sidecars'
+    rows; a DataError when the inputs were embedded with other settings). Returns the number of samples written."""
+    keys, seen, chosen = [], set(), []
     tmp = path.with_name(f".{path.name}.tmp")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
         for url, sidecar, wanted in pieces:
-            rows, image, text, meta = read_sidecar(sidecar)
-            picked = []
+            stored = read_reinforced(sidecar)
+            rows, picked = stored.rows(), []
             for sample in _kept_samples(url, wanted):
                 key = sample["__key__"]
                 if key in seen:
@@ -82,12 +80,13 @@ def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) ->
                 for ext, data in sample.items():
                     if not ext.startswith("__"):
                         _add_member(tar, f"{key}.{ext}", data)
-            images.append(image[picked])
-            texts.append(text[picked])
+            chosen.append((stored, picked))
     os.replace(tmp, path)
-    facts = {k: meta[k] for k in TEACHER_META if k in meta}
-    facts.update(shard_facts(str(path)), shard_sha256=file_sha256(path))
-    write_sidecar(sidecar_path(path.parent, str(path)), keys, torch.cat(images), torch.cat(texts), facts)
+    try:
+        joined = joined_rows(chosen, {**shard_facts(str(path)), "shard_sha256": file_sha256(path)})
+    except ValueError as error:
+        raise DataError(f"output shard {path.name}: its input sidecars were {error}: embed them alike") from error
+    write_reinforced(sidecar_path(path.parent, str(path)), joined)
     return len(keys)
 
 

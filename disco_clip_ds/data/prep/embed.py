@@ -120,7 +120,10 @@ class Settings:
 def checked_fingerprints(teachers: list[str]) -> list[str]:
     """The fingerprints of the ensemble's teachers, each checked (`checked_fingerprint`); a UsageError in one line
     when two are one model (their embeddings would be stored under one name)."""
-    fingerprints = [checked_fingerprint(t) for t in teachers]
+    return _distinct(teachers, [checked_fingerprint(t) for t in teachers])
+
+
+def _distinct(teachers: list[str], fingerprints: list[str]) -> list[str]:
     for i, fingerprint in enumerate(fingerprints):
         j = fingerprints.index(fingerprint)
         if j != i:
@@ -176,9 +179,8 @@ def embed_shards(
         raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
     paths = _sidecar_paths(urls, out)[rank::world]  # every shard's, so that one named twice is found on any rank
     urls = urls[rank::world]
-    checked_fingerprints(settings.teachers)
     loaded = [load_teacher(t, settings.tokenizer_of(i), device) for i, t in enumerate(settings.teachers)]
-    fingerprints = [t.fingerprint for t in loaded]
+    fingerprints = _distinct(settings.teachers, [t.fingerprint for t in loaded])
     summary = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}}
     with _progress(urls, rank, world) as bar:
         for index, (url, path) in enumerate(zip(urls, paths)):
@@ -256,8 +258,8 @@ def _sample_views(loaded: list[Teacher], settings: Settings, sample: dict) -> tu
     if image is None:
         raise ValueError("no image")
     boxes = crop_boxes(image, settings.augmentations, settings.seed, sample["__key__"])
-    views = [[teacher.crop(image, box) for box in boxes or [None]] for teacher in loaded]
-    return views, boxes, captions
+    decoded = {}  # the image decoded once per draft scale, for every teacher
+    return [teacher.crops(image, boxes, decoded) for teacher in loaded], boxes, captions
 
 
 def _forward(teacher: Teacher, crops: list, captions: list[dict], caption_keys: list[str]) -> tuple:

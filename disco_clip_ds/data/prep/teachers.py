@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from disco_clip_ds.data.decode import EncodedImage
 from disco_clip_ds.data.embeddings import teacher_fingerprint
-from disco_clip_ds.data.transforms import ImageTransform, Normalize
+from disco_clip_ds.data.transforms import ImageTransform, Normalize, check_pixels
 from disco_clip_ds.errors import UsageError
 
 MODEL_TYPES = ("clip", "siglip")  # teachers with one image size, whose crops data embed stores
@@ -79,15 +80,18 @@ class Teacher:
     transform: ImageTransform
     normalize: Normalize
 
-    def crop(self, data: bytes, box: tuple[int, int, int, int] | None) -> torch.Tensor:
-        """The teacher's uint8 view (3, size, size) of an encoded image: the centre crop (its image processor's
-        steps) when `box` is None, else that box resized to its image size as the training crop makes it
-        (`ImageTransform.from_bytes` with a box: the same decode and resize, bit for bit)."""
-        if box is None:
-            return self.transform.from_bytes(data, None)
+    def crops(self, data: bytes, boxes: list, decoded: dict) -> list[torch.Tensor]:
+        """The teacher's uint8 views (3, size, size) of an encoded image: the centre crop (its image processor's
+        steps) when `boxes` is empty, else each box resized to its image size as the training crop makes it
+        (`ImageTransform.box_crops`: as `from_bytes` with that box, bit for bit; the image decoded once per draft
+        scale, `decoded` shared with the other teachers)."""
+        if not boxes:
+            return [self.transform.from_bytes(data, None)]
         if self._box_transform is None:
             self._box_transform = ImageTransform(self.transform.image_size, train=True)
-        return self._box_transform.from_bytes(data, None, box=box)
+        encoded = EncodedImage(data)
+        check_pixels(encoded.size)
+        return self._box_transform.box_crops(encoded, boxes, decoded)
 
     _box_transform: ImageTransform | None = field(default=None, init=False, repr=False)
 
