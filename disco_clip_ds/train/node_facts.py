@@ -28,8 +28,8 @@ BLOCK = 1 << 20
 
 def node_facts(model_args, data_args, args) -> dict:
     """What every rank of a run must agree on, as comparable values: every argument, the contents of the files they
-    name (DeepSpeed config, model config, the files of a model or tokenizer folder, the shard list), ranks per node
-    and package versions. A fact that cannot be read here is its error's text (the same error on every node passes
+    name (DeepSpeed config, model config, the files of a model, tokenizer or teacher folder, the shard list), ranks per
+    node and package versions. A fact that cannot be read here is its error's text (the same error on every node passes
     on to the argument checks). `args`: DiscoTrainingArguments."""
     from dataclasses import asdict
 
@@ -44,7 +44,9 @@ def node_facts(model_args, data_args, args) -> dict:
     )
     if model_file and Path(model_file).is_file():  # a hub id is compared as an argument
         facts["the model"] = _read(lambda: json.loads(Path(model_file).read_text()))
-    for name, folder in (("model", model_args.model_name_or_path), ("tokenizer", model_args.tokenizer_name)):
+    folders = [("model", model_args.model_name_or_path), ("tokenizer", model_args.tokenizer_name)]
+    folders += [(f"--teacher {teacher}", teacher) for teacher in model_args.teacher or ()]  # each loaded on each node
+    for name, folder in folders:
         if folder and Path(folder).is_dir():
             facts[f"the {name} files"] = _read(lambda folder=folder: folder_fingerprint(Path(folder)))
     facts["the training shards"] = _read(lambda: _shards(data_args.train_shards))

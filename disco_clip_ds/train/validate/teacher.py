@@ -43,8 +43,11 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, li
     if model_args.loss_impl == "local":
         raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
     check_listed_once(teachers)
-    live = model_args.teacher_embeddings is None or model_args.live_teacher
-    return weight, [_check_one(teacher, student, live=live) for teacher in teachers]
+    configs = [_family_config(teacher, student) for teacher in teachers]
+    if model_args.teacher_embeddings is None or model_args.live_teacher:  # run: loaded once the student is built
+        for teacher in teachers:
+            check_teacher_weights(teacher)
+    return weight, configs
 
 
 def check_listed_once(teachers: list[str]) -> None:
@@ -63,9 +66,8 @@ def check_listed_once(teachers: list[str]) -> None:
         seen[key] = teacher
 
 
-def _check_one(teacher: str, student, live: bool):
-    """One teacher's config, once it is of the student's family and (`live`: run, not read from stored embeddings)
-    its weights are there to load."""
+def _family_config(teacher: str, student):
+    """One teacher's config, once it is there and of the student's family."""
     if is_path(teacher) and not Path(teacher).expanduser().exists():
         raise UsageError(f"--teacher {teacher}: no such folder")
     with usage_error(f"--teacher {teacher}: "):
@@ -75,8 +77,6 @@ def _check_one(teacher: str, student, live: bool):
             f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
             f"{student.model_type} teacher"
         )
-    if live:  # run, not read from stored embeddings: its weights are loaded once the student is built
-        check_teacher_weights(teacher)
     return config
 
 

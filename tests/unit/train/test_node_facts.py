@@ -74,3 +74,25 @@ def test_other_weights_under_the_same_config_are_named(tmp_path):
         facts.append(node_facts(*parse_args(argv)))
     problem = nodes.launch_problem([{"rank": r, "node": r, "host": "h", "facts": f} for r, f in enumerate(facts)])
     assert " in the model files (model.safetensors " in problem and "config.json" not in problem
+
+
+def test_other_weights_of_a_teacher_are_named(tmp_path):
+    """--teacher A B: every node loads each teacher; the second teacher's weights differ on node 1."""
+    from disco_clip_ds.train.args import parse_args
+
+    teachers = [tmp_path / "a", tmp_path / "b"]
+    for folder in teachers:
+        folder.mkdir()
+        (folder / "config.json").write_text(TINY_CONFIG.read_text())
+        (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    argv = [
+        "--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--tokenizer_name",
+        str(REPO / "recipes/tokenizer"), "--train_shards", str(tmp_path / "x.tar"), "--report_to", "none",
+        "--teacher", *map(str, teachers),
+    ]  # fmt: skip
+    facts = [node_facts(*parse_args(argv))]
+    (teachers[1] / "model.safetensors").write_bytes(b"\1" * 64)
+    facts.append(node_facts(*parse_args(argv)))
+    problem = nodes.launch_problem([{"rank": r, "node": r, "host": "h", "facts": f} for r, f in enumerate(facts)])
+    assert f" in the --teacher {teachers[1]} files (model.safetensors " in problem
+    assert f"{teachers[0]} files" not in problem

@@ -132,6 +132,22 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "--loss_impl", "local"],
         "--teacher distils the global batch's similarities",
     ),
+    "teacher listed twice": (  # an ensemble's mean would count it twice
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{siglip_teacher}", "{clip_teacher}/"],
+        "/clip_teacher/ is listed twice (as /tmp/",
+    ),
+    "ensemble member of another family": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{siglip_teacher}"],
+        "/siglip_teacher: a siglip model cannot teach a clip one",
+    ),
+    "ensemble member missing": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{tmp}/noteacher"],
+        "noteacher: no such folder",
+    ),
+    "ensemble with stored embeddings": (
+        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{clip_32}", "--teacher_embeddings", "{tmp}"],
+        "stored embeddings are read for one teacher",
+    ),
 }
 
 

@@ -85,9 +85,9 @@ def test_validate_changes_none_of_its_inputs_and_returns_what_it_resolved(tmp_pa
     checked = validate(*given)
     assert [asdict(given[0]), asdict(given[1]), json.dumps(given[2].to_dict())] == before
     assert given[0].distill_weight is None and given[2].deepspeed_json is None
-    assert checked.model_args.distill_weight == 0.5 and checked.model_args.teacher == str(tmp_path / "teacher")
+    assert checked.model_args.distill_weight == 0.5 and checked.model_args.teacher == [str(tmp_path / "teacher")]
     assert checked.deepspeed == json.loads(ds.read_text())
-    assert checked.config.model_type == checked.teacher_config.model_type == "clip"
+    assert checked.config.model_type == checked.teacher_config[0].model_type == "clip"  # one per --teacher
     assert (checked.num_samples, checked.max_length, checked.image_size) == (8, 32, 64)  # tiny.json's
 
 
