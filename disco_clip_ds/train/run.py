@@ -37,6 +37,7 @@ from disco_clip_ds.checkpoint.layout import (
 from disco_clip_ds.checkpoint.runfile import read_run_file
 from disco_clip_ds.checkpoint.space import check_space_at_start
 from disco_clip_ds.data.collate import ClipCollator
+from disco_clip_ds.data.embeddings import EmbeddingStore
 from disco_clip_ds.data.mix import MixtureStream
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.data.streams.base import ReaderStream
@@ -231,8 +232,11 @@ def _reinforcement(model_args: ModelArguments, checked: CheckedRun) -> Reinforce
     if checked.teacher_store is None:
         return None
     augmentations, synthetic = checked.reinforced
+    checked_store = checked.teacher_store
     return Reinforcement(
-        checked.teacher_store,
+        # a store of its own, with nothing loaded yet: the DataLoader's workers each load the sidecars they read, and
+        # none starts with a copy of the one the checks read their settings from
+        EmbeddingStore(checked_store.folder, checked_store.fingerprints),
         augmentations,
         model_args.augmentation_pool,
         model_args.synthetic_caption_ratio or 0.0,
