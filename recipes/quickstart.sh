@@ -9,6 +9,7 @@
 # TEACHER=outputs/quickstart distils that trained model into this one (DISTILL_WEIGHT, default 0.5; DISTILL_TEMPERATURE,
 # default the teacher's own logit scale; docs/distillation.md);
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
+# EMA_DECAY=0.99 keeps an EMA of the weights and evaluates it beside them (zeroshot_ema_*; docs/training.md, "EMA").
 # CAPTION_NOISE=0.3 builds and trains on the demo with 30 % of its training captions naming another digit
 # (DATA=data/demo_noise0.3; noisy web captions, where a teacher has most to teach: docs/distillation.md).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
@@ -63,6 +64,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
   ${TEACHER:+--teacher "$TEACHER" --distill_weight "${DISTILL_WEIGHT:-0.5}"} \
   ${DISTILL_TEMPERATURE:+--distill_temperature "$DISTILL_TEMPERATURE"} \
+  ${EMA_DECAY:+--ema_decay "$EMA_DECAY" --eval_ema true} \
   --resume_from_checkpoint latest
 
 # Evaluate the trained model on the held-out digits (CLIP_benchmark metrics and JSON), then export it as a

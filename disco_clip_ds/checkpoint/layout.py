@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from disco_clip_ds.checkpoint.ema import ema_files
 from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
 from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.errors import CheckpointError, UsageError
@@ -88,8 +89,9 @@ def checkpoint_step(folder: str | os.PathLike) -> int:
 
 def save_problem(folder: str | os.PathLike) -> str | None:
     """What a finished save of `folder` lacks (None: nothing): the Trainer state, an RNG state per rank, and either
-    DeepSpeed's model states with one optimizer shard per rank, or full weights (FSDP: its own files). The check
-    before a save's manifest is written; `checkpoint_problem` repeats it under the manifest."""
+    DeepSpeed's model states with one optimizer shard per rank, or full weights (FSDP: its own files); an EMA file per
+    rank when the run keeps an EMA. The check before a save's manifest is written; `checkpoint_problem` repeats it
+    under the manifest."""
     folder = Path(folder)
     try:
         checkpoint_step(folder)
@@ -98,6 +100,9 @@ def save_problem(folder: str | os.PathLike) -> str | None:
     ranks = saved_ranks(folder)
     if not ranks:
         return "no rng_state*.pth"
+    emas = len(ema_files(folder))
+    if emas and emas != ranks:
+        return f"{emas} EMA files for {ranks} ranks"
     tag = deepspeed_tag(folder)
     if tag is not None:  # DeepSpeed: the tag folder holds model states and one optimizer shard per rank
         if not any(tag.glob("*model_states.pt")):

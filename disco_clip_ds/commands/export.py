@@ -1,6 +1,6 @@
-"""`disco-clip export CHECKPOINT_DIR OUTPUT_DIR [--eval_results FILE ...] [--processor_from DIR]`: a checkpoint (or
-a run folder: its final model or newest good checkpoint) -> a plain CLIPModel/SiglipModel folder with a model card
-(disco_clip_ds.export.weights)."""
+"""`disco-clip export CHECKPOINT_DIR OUTPUT_DIR [--eval_results FILE ...] [--processor_from DIR] [--ema]`: a
+checkpoint (or a run folder: its final model or newest good checkpoint) -> a plain CLIPModel/SiglipModel folder with a
+model card (disco_clip_ds.export.weights); --ema: the EMA of the weights that the run kept."""
 
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--processor_from", help="folder with tokenizer + image processor (default: the checkpoint or its parent)"
     )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the EMA of the weights the run kept (--ema_decay); a run folder gives its newest checkpoint",
+    )
     args = parser.parse_args(argv)
     records = [_read_eval_results(f) for f in args.eval_results]
     out = export_checkpoint(
-        args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from
+        args.checkpoint_dir, args.output_dir, eval_metrics=records, processor_from=args.processor_from, ema=args.ema
     )
     print(f"exported {args.checkpoint_dir} -> {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0

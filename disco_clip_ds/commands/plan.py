@@ -61,6 +61,11 @@ def _parse(argv):
         help="a distillation teacher's config JSON (as `disco-clip train --teacher`): its frozen weights (sharded "
         "under ZeRO-3), forward and embeddings are counted",
     )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="plan for `disco-clip train --ema_decay D`: an fp32 EMA of the trainable weights, sharded like them",
+    )
     _lock_arguments(p)
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
@@ -103,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         {name: getattr(args, name) for name in LOCK_ARGUMENTS},
         args.teacher,
         args.max_num_patches,
+        args.ema,
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

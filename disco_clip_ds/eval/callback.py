@@ -7,6 +7,7 @@ skew, far within --ddp_timeout as long as the evaluation itself is."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -54,7 +55,8 @@ class ZeroShotCallback(LoggingCallback):
     not CLIP's), so that the numbers are those `disco-clip eval` gives for the same weights. Runs on every rank
     (ZeRO-3 forwards are collectives) and logs through `trainer.log`, so the metrics reach the console,
     TensorBoard and `trainer_state.json` as `zeroshot_acc1` etc. Register it with
-    `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through.
+    `ZeroShotCallback(...).attach(trainer)`, which also gives it the trainer to log through. Under --eval_ema the EMA
+    of the weights (the trainer's `ema`) is evaluated too, swapped into the model and out, logged as `zeroshot_ema_*`.
     """
 
     def __init__(
@@ -91,7 +93,8 @@ class ZeroShotCallback(LoggingCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every_n_steps and state.global_step != state.max_steps:
             return
-        metrics = zeroshot_classification(
+        evaluate = functools.partial(
+            zeroshot_classification,
             model,
             self.tokenizer,
             self.source,
@@ -101,6 +104,11 @@ class ZeroShotCallback(LoggingCallback):
             batch_size=self.batch_size,
             progress=False,
         )
+        metrics = evaluate()
+        ema = getattr(self.trainer, "ema", None)
+        if ema is not None and getattr(args, "eval_ema", False):  # --eval_ema: the EMA's figures beside the weights'
+            with ema.swapped():
+                metrics.update({f"ema_{name}": value for name, value in evaluate().items()})
         self.log(control, {f"zeroshot_{name}": value for name, value in metrics.items()})
 
 

@@ -81,9 +81,7 @@ def zeroshot_classification(
         if classifier is None:
             classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
         logits, targets = [], []
-        for pixel_values, labels in progress_bar(
-            as_batches(data, image_processor, "cls", batch_size), desc, progress
-        ):
+        for pixel_values, labels in progress_bar(as_batches(data, image_processor, "cls", batch_size), desc, progress):
             logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
             targets.append(torch.as_tensor(labels, dtype=torch.long))
     if not logits:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from disco_clip_ds.checkpoint.consolidate import build_plain_model, load_state_dict
+from disco_clip_ds.checkpoint.ema import ema_files, read_ema_state_dict
 from disco_clip_ds.checkpoint.final_model import final_model_problem
 from disco_clip_ds.checkpoint.layout import (
     WEIGHT_FILES,
@@ -30,7 +31,7 @@ from disco_clip_ds.checkpoint.layout import (
     saved_ranks,
 )
 from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
-from disco_clip_ds.errors import ExportError, UsageError
+from disco_clip_ds.errors import CheckpointError, ExportError, UsageError
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 from disco_clip_ds.models.processor import load_saved_tokenizer, pin_tokenizer
 
@@ -83,6 +84,39 @@ def _final_or_newest(run_dir: Path, holds_model: bool) -> Path:
     if newest is None:
         raise ExportError(f"'{run_dir}' holds no final model or checkpoint-N that verifies (see the lines above)")
     return newest
+
+
+def _ema_checkpoint(path) -> Path:
+    """The checkpoint whose EMA `export --ema` writes: `path` itself, or a run folder's newest complete checkpoint."""
+    path = Path(path)
+    if path.is_dir() and checkpoint_folders(path):
+        newest = newest_complete(path)
+        if newest is None:
+            raise ExportError(f"'{path}' holds no checkpoint-N that verifies (see the lines above): no EMA to export")
+        path = newest
+    checkpoint = resolve_checkpoint(path)
+    if not ema_files(checkpoint):
+        raise UsageError(f"--ema: '{checkpoint}' holds no EMA of the weights; train with --ema_decay D to keep one")
+    return checkpoint
+
+
+def _with_ema(checkpoint: Path, state_dict: dict) -> tuple[dict, str]:
+    """`state_dict` with every trained parameter replaced by its EMA, and what the card says the weights are."""
+    try:
+        averaged, settings = read_ema_state_dict(checkpoint)
+    except (CheckpointError, OSError, ValueError, KeyError) as error:
+        raise ExportError(f"cannot read the EMA in {checkpoint}: {error}") from error
+    unknown = sorted(n for n in averaged if n not in state_dict or averaged[n].numel() != state_dict[n].numel())
+    if unknown:
+        raise ExportError(f"the EMA in {checkpoint} holds {unknown[0]}, which the model has not (of that size)")
+    # the saved model's shapes: CLIP's logit_scale trains as a 1-vector (compat.adopt_vector_logit_scale)
+    averaged = {name: value.reshape(state_dict[name].shape) for name, value in averaged.items()}
+    warmup = ", with warmup" if settings.get("warmup") else ""
+    described = (
+        f"the exponential moving average (EMA) of the weights, decay {settings['decay']:g} from step "
+        f"{settings['start_step']}{warmup} (timm ModelEmaV3's rule), at {checkpoint.name}"
+    )
+    return {**state_dict, **averaged}, described
 
 
 # Trained CLIP weights are O(1) (logit_scale at most ln 100). Beyond 1e15 the dot product of two such rows over a
@@ -152,20 +186,24 @@ def _staging_for(output_dir: Path) -> Path:
         raise ExportError(f"cannot write '{output_dir}': {reason}: choose a writable folder") from error
 
 
-def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_from=None) -> Path:
+def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_from=None, ema: bool = False) -> Path:
     """Write a plain CLIPModel folder from a Trainer/DeepSpeed checkpoint of any ZeRO stage; return its path.
 
     `eval_metrics`: one or a list of `disco-clip eval` result records (or bare {metric: value} dicts) for the
     model card. `processor_from`: where the tokenizer and image processor are saved, when not in the
-    checkpoint or its parent. The folder appears complete or not at all: it is built beside `output_dir` and
-    renamed into place at the end; `output_dir` must not exist or be empty.
+    checkpoint or its parent. `ema`: export the EMA of the weights the run kept (--ema_decay) instead of the weights;
+    a run folder then gives its newest complete checkpoint (the final model holds no EMA). The folder appears complete
+    or not at all: it is built beside `output_dir` and renamed into place at the end; `output_dir` must not exist or be
+    empty.
     """
-    checkpoint = resolve_checkpoint(checkpoint_dir)
+    checkpoint = _ema_checkpoint(checkpoint_dir) if ema else resolve_checkpoint(checkpoint_dir)
     output_dir = Path(output_dir)
     staging = _staging_for(output_dir)
     try:
         processor_source = _processor_source(checkpoint, processor_from)
         state_dict, weights_from = load_state_dict(checkpoint)
+        if ema:
+            state_dict, weights_from = _with_ema(checkpoint, state_dict)
         check_weights(state_dict, checkpoint)
         model = build_plain_model(checkpoint, state_dict)
         run, records = describe_run(checkpoint), eval_records(eval_metrics)

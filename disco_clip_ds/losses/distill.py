@@ -65,14 +65,20 @@ alone costs: no second gather of the student's texts, no second pass over the ti
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from disco_clip_ds.losses.comm import check_inputs, gather_features, rank_and_world, upstream_per_column
+from disco_clip_ds.losses.teachers import (
+    Teachers,
+    as_list,
+    mean_softmax,
+    side_by_side,
+    teacher_lses,
+    teacher_scalars,
+)
 from disco_clip_ds.losses.tiles import (
     Ring,
     add_ring_tile_gradient,
@@ -85,50 +91,6 @@ from disco_clip_ds.losses.tiles import (
 )
 
 
-class _Teachers:
-    """M teachers' features side by side in one (rows, sum_t d'_t) tensor per modality, their widths `dims` and their
-    fp32 multipliers (and SigLIP biases), shape (M,): each tile's logits per teacher."""
-
-    def __init__(self, images, dims, scales, biases=None):
-        self.images32, self.dims, self.scales, self.biases = images.float(), dims, scales, biases
-
-    def logits(self, rows, texts32) -> list[torch.Tensor]:
-        """[T^t of the image rows `rows` against `texts32` (fp32, the teachers' texts side by side)] for t = 1..M."""
-        pairs = zip(self.images32[rows].split(self.dims, 1), texts32.split(self.dims, 1))
-        if self.biases is None:
-            return [(q * self.scales[t]) @ k.T for t, (q, k) in enumerate(pairs)]
-        return [torch.addmm(self.biases[t], q * self.scales[t], k.T) for t, (q, k) in enumerate(pairs)]
-
-
-def _mean_softmax(t_logits: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """(1/M) sum_t exp(T^t - lse_t): the ensemble's target from each teacher's log-sum-exps (broadcast along the
-    softmax's axis). Overwrites the teachers' logits. Every exponent is <= 0 (a logit minus a lse containing it)."""
-    target = t_logits[0].sub_(lses[0]).exp_()
-    for logits, lse in zip(t_logits[1:], lses[1:]):
-        target += logits.sub_(lse).exp_()
-    return target.div_(len(t_logits)) if len(t_logits) > 1 else target
-
-
-def _merge_columns(lse: torch.Tensor, group) -> torch.Tensor:
-    """Per-rank partial column log-sum-exps (any leading shape) merged across the ranks of `group`."""
-    top = lse.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # finite: every column has a row somewhere
-    sums = (lse - top).exp()
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    return sums.log() + top
-
-
-def _teacher_lses(teachers: _Teachers, t_texts32, b, chunk, group, world):
-    """An ensemble's first pass: every teacher's row log-sum-exps (M, b) and column ones (M, B), merged across ranks."""
-    m, total = len(teachers.dims), t_texts32.shape[0]
-    rows_lse, cols_lse = t_texts32.new_empty(m, b), t_texts32.new_full((m, total), -torch.inf)
-    for rows in tiles(b, chunk):
-        for t, logits in enumerate(teachers.logits(rows, t_texts32)):
-            rows_lse[t, rows] = logits.logsumexp(1)
-            cols_lse[t] = torch.logaddexp(cols_lse[t], logits.logsumexp(0))
-    return rows_lse, _merge_columns(cols_lse, group) if world > 1 else cols_lse
-
-
 class _SoftmaxDistill(torch.autograd.Function):
     """sum over this rank's image rows of KL_row_i + over its text columns of KL_col_j (module docstring) against one
     teacher or the mean of M teachers' softmaxes; with a weight W < 1, W times those + (1 - W) times the CLIP
@@ -137,7 +99,7 @@ class _SoftmaxDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, images, texts, scale, t_images, t_texts, t_scales, dims, weight, sizes, group, chunk):
         texts32, t_texts32 = texts.float(), t_texts.float()
-        teachers = _Teachers(t_images, dims, t_scales)
+        teachers = Teachers(t_images, dims, t_scales)
         # this rank's texts' first column: its positives lie on the diagonal from there
         lo = sum(sizes[: rank_and_world(group)[0]])
         if len(dims) == 1:
@@ -157,7 +119,7 @@ class _SoftmaxDistill(torch.autograd.Function):
         need_i, need_t, need_s = ctx.needs_input_grad[:3]
         g, g_col = upstream_per_column(grad_total, sizes, group, texts.shape[0])
         texts32, t_texts32 = texts.float(), t_texts.float()
-        teachers = _Teachers(t_images, dims, t_scales)
+        teachers = Teachers(t_images, dims, t_scales)
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
         grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
         grad_s = texts32.new_zeros(())
@@ -166,9 +128,9 @@ class _SoftmaxDistill(torch.autograd.Function):
             q_scaled = q * scale
             logits = q_scaled @ texts32.T  # S's rounding as in forward (the same product)
             t_logits = teachers.logits(rows, t_texts32)
-            teacher_rows = _mean_softmax([x.clone() for x in t_logits], list(row_lse_t[:, rows, None]))
+            teacher_rows = mean_softmax(t_logits, list(row_lse_t[:, rows, None]), keep=True)
             grad = (logits - row_lse_s[rows, None]).exp_().sub_(teacher_rows, alpha=weight).mul_(g)
-            teacher_cols = _mean_softmax(t_logits, list(col_lse_t))
+            teacher_cols = mean_softmax(t_logits, list(col_lse_t))
             grad += logits.sub_(col_lse_s).exp_().sub_(teacher_cols, alpha=weight).mul_(g_col)
             if weight < 1:  # the positives' -(1 - W) in the row's loss and in the column's (both this rank's)
                 grad.diagonal(lo + rows.start).sub_(2 * (1 - weight) * g)
@@ -224,7 +186,7 @@ def _ensemble_terms(images, texts32, scale, teachers, t_texts32, weight, lo, chu
     log-sum-exps and the KLs to the mean of the teachers' softmaxes: (this rank's terms, the log-sum-exps)."""
     world = rank_and_world(group)[1]
     b, total = images.shape[0], texts32.shape[0]
-    row_lse_t, col_lse_t = _teacher_lses(teachers, t_texts32, b, chunk, group, world)
+    row_lse_t, col_lse_t = teacher_lses(teachers, t_texts32, b, chunk, group, world)
     row_lse_s, col_lse_s = texts32.new_empty(b), texts32.new_full((total,), -torch.inf)
     col_kl = texts32.new_zeros(total)  # sum_i P_ij (log P_ij - S_ij) over this rank's rows
     rows_terms = texts32.new_zeros(())
@@ -235,11 +197,11 @@ def _ensemble_terms(images, texts32, scale, teachers, t_texts32, weight, lo, chu
         row_lse_s[rows] = logits.logsumexp(1)
         col_lse_s = torch.logaddexp(col_lse_s, logits.logsumexp(0))
         t_logits = teachers.logits(rows, t_texts32)
-        target = _mean_softmax([x.clone() for x in t_logits], list(row_lse_t[:, rows, None]))
+        target = mean_softmax(t_logits, list(row_lse_t[:, rows, None]), keep=True)
         # KL_i = sum_j P_ij (log P_ij - S_ij) + lse_S_i (xlogy: a target that underflows to 0 adds 0)
         rows_terms += weight * (torch.xlogy(target, target).sum() - torch.vdot(target.view(-1), logits.view(-1)))
         rows_terms += row_lse_s[rows].sum()
-        target = _mean_softmax(t_logits, list(col_lse_t))
+        target = mean_softmax(t_logits, list(col_lse_t))
         col_kl += torch.xlogy(target, target).sub_(target.mul_(logits)).sum(0)
     if world > 1:  # the student's column log-sum-exps and the columns' KL sums, across ranks
         top = col_lse_s.clone()
@@ -297,7 +259,7 @@ def _ring_tiles(ring: Ring, saved, dims, backward: bool = False):
     """Yield (own, rows, q, dots, S tile, P tile) for every tile of this rank's rows against every rank's student and
     teachers' text blocks (Ring.walk), P the (mean) teachers' sigmoid; ring.block32 is the student's block."""
     images, _, scale, bias, t_images, _, t_scales, t_biases = saved
-    images32, teachers = images.float(), _Teachers(t_images, dims, t_scales, t_biases)
+    images32, teachers = images.float(), Teachers(t_images, dims, t_scales, t_biases)
     for own, rows, (block32, t_block32) in ring.walk(images32, backward):
         ring.block32 = block32
         q = images32[rows]
@@ -307,11 +269,6 @@ def _ring_tiles(ring: Ring, saved, dims, backward: bool = False):
         for t_logit in t_logits[1:]:
             target += t_logit.sigmoid_()
         yield own, rows, q, dots, dots * scale + bias, target.div_(len(dims)) if len(dims) > 1 else target
-
-
-def _as_list(value) -> list:
-    """One teacher's tensor or scalar as a list of one; a list or tuple (an ensemble) as a list."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _check(who, student, teachers, scalars, t_scalars, chunk_size, group, distill_weight) -> list[int]:
@@ -339,20 +296,6 @@ def _check(who, student, teachers, scalars, t_scalars, chunk_size, group, distil
     return sizes
 
 
-def _side_by_side(features: list[torch.Tensor]) -> torch.Tensor:
-    """The teachers' features of one modality in one detached tensor, their widths side by side (one teacher's as
-    they are), in the widest dtype among them: one block to gather or to pass round the ring."""
-    if len(features) == 1:
-        return features[0].detach()
-    dtype = functools.reduce(torch.promote_types, (f.dtype for f in features))
-    return torch.cat([f.detach().to(dtype) for f in features], dim=1)
-
-
-def _scalars(values: list, device) -> torch.Tensor:
-    """Per-teacher scalars as one detached fp32 tensor of shape (M,)."""
-    return torch.stack([as_fp32(v, device).detach().reshape(()) for v in values])
-
-
 def softmax_distill_loss(
     image_features,
     text_features,
@@ -366,7 +309,7 @@ def softmax_distill_loss(
 ) -> torch.Tensor:
     """Functional form of :class:`SoftmaxDistillLoss`; see the module docstring for the exact contract. The teacher
     arguments are one teacher's tensors and scalar, or lists of M teachers' (an ensemble)."""
-    t_images, t_texts, t_scales = map(_as_list, (teacher_image_features, teacher_text_features, teacher_scale))
+    t_images, t_texts, t_scales = map(as_list, (teacher_image_features, teacher_text_features, teacher_scale))
     student, scalars = (image_features, text_features), {"logit_scale": logit_scale}
     sizes = _check(
         "SoftmaxDistillLoss",
@@ -381,16 +324,16 @@ def softmax_distill_loss(
     world, total = rank_and_world(group)[1], sum(sizes)
     device = image_features.device
     with torch.autocast(device_type=device.type, enabled=False):  # fp32 logits, as the contrastive loss
-        scale, t_scales = as_fp32(logit_scale, device), _scalars(t_scales, device)
+        scale, t_scales = as_fp32(logit_scale, device), teacher_scalars(t_scales, device)
         (all_texts,) = gather_features(text_features, sizes=sizes, group=group)
         with torch.no_grad():  # the teachers' texts: gathered once, side by side, no gradient
-            (t_all_texts,) = gather_features(_side_by_side(t_texts), sizes=sizes, group=group)
+            (t_all_texts,) = gather_features(side_by_side(t_texts), sizes=sizes, group=group)
         chunk = chunk_size or tile_rows(total * len(t_texts))  # an ensemble's tiles hold M + 3 tiles of logits
         terms = _SoftmaxDistill.apply(
             image_features,
             all_texts,
             scale,
-            _side_by_side(t_images),
+            side_by_side(t_images),
             t_all_texts,
             t_scales,
             [t.shape[1] for t in t_images],
@@ -418,9 +361,9 @@ def sigmoid_distill_loss(
     """Functional form of :class:`SigmoidDistillLoss`; see the module docstring for the exact contract. The teacher
     arguments are one teacher's tensors and scalars, or lists of M teachers' (an ensemble)."""
     logit_scale, logit_bias = as_scalar(logit_scale), as_scalar(logit_bias)
-    t_images, t_texts = _as_list(teacher_image_features), _as_list(teacher_text_features)
-    t_scales = [as_scalar(v) for v in _as_list(teacher_scale)]
-    t_biases = [as_scalar(v) for v in _as_list(teacher_bias)]
+    t_images, t_texts = as_list(teacher_image_features), as_list(teacher_text_features)
+    t_scales = [as_scalar(v) for v in as_list(teacher_scale)]
+    t_biases = [as_scalar(v) for v in as_list(teacher_bias)]
     sizes = _check(
         "SigmoidDistillLoss",
         (image_features, text_features),
@@ -441,10 +384,10 @@ def sigmoid_distill_loss(
             text_features,
             as32(logit_scale),
             as32(logit_bias),
-            _side_by_side(t_images),
-            _side_by_side(t_texts),
-            _scalars(t_scales, device),
-            _scalars(t_biases, device),
+            side_by_side(t_images),
+            side_by_side(t_texts),
+            teacher_scalars(t_scales, device),
+            teacher_scalars(t_biases, device),
             [t.shape[1] for t in t_images],
             float(distill_weight),
             sizes,

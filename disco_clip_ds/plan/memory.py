@@ -243,6 +243,7 @@ class Settings:
     trainer_auto: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
     contrastive_accumulation: bool = True  # the trainer's --contrastive_accumulation
+    ema: bool = False  # the trainer's --ema_decay is set: an fp32 EMA of the trainable weights
 
     @property
     def contrastive_steps(self) -> int:
@@ -437,6 +438,8 @@ def memory_plan(
         student_peak = terms["activations"] + terms[f"loss ({impl})"]
         terms["teacher forward"] = max(0.0, teacher.forward_bytes_per_sample(elem) * micro - student_peak)
         terms["teacher embeddings"] = (2 * k * micro + micro * settings.world * k) * teacher.projection_dim * 4
+    if settings.ema:  # train/ema.py: fp32, partitioned like the fp32 master weights (ZeRO-1/2/3), else whole
+        terms["ema"] = 4 * shape.trainable / (settings.world if settings.stage >= 1 else 1)
     # A parameter's gradient is produced whole before it is added to its buffer (the token embedding's is dense).
     terms["transient grad"] = shape.largest_trainable * elem
     terms["framework"] = overhead
@@ -460,20 +463,9 @@ def max_contrastive_steps(
     the largest contrastive batch for this GPU count is micro x world x K. For the global-batch losses only."""
     if impl == "local":
         raise PlanConfigError("--loss_impl local cannot be accumulated contrastively: plan tiled or disco")
-    fits = lambda k: (
-        memory_plan(
-            shape,
-            replace(settings, grad_accum=k, contrastive_accumulation=True),
-            fit,
-            impl,
-            checkpointing,
-            capacity,
-            overhead,
-            None,
-            chunk_size,
-            teacher,
-        ).fits
-    )
+    accumulating = lambda k: replace(settings, grad_accum=k, contrastive_accumulation=True)
+    rest = (fit, impl, checkpointing, capacity, overhead, None, chunk_size, teacher)
+    fits = lambda k: memory_plan(shape, accumulating(k), *rest).fits
     return _largest(fits, limit)
 
 

@@ -57,12 +57,14 @@ def plan(
     lock_flags: dict | None = None,
     teacher_path=None,
     max_num_patches: int | None = None,
+    ema: bool = False,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
     gradients and no optimizer state."""
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
+    settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
     shape = ModelShape.from_json(model_path, lock_flags, max_num_patches).with_patch_dropout(patch_dropout)

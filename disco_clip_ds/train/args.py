@@ -311,6 +311,26 @@ class DiscoTrainingArguments(TrainingArguments):
             "end of the run, e.g. the last 5%% of --max_steps); default: masked to the end"
         },
     )
+    # An EMA of the weights (train/ema.py): timm ModelEmaV3's rule, sharded like the fp32 master weights.
+    ema_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "keep an EMA of the weights with this decay, in [0, 1) (e.g. 0.999; timm's default 0.9998); saved "
+            "in every checkpoint, exported by `disco-clip export --ema` (default: no EMA)"
+        },
+    )
+    ema_start_step: int = field(
+        default=0,
+        metadata={"help": "the EMA copies the weights up to this step, then averages (timm's update_after_step)"},
+    )
+    ema_warmup: bool = field(
+        default=True,
+        metadata={"help": "the decay ramps up as 1 - (1 + step)^(-2/3) to --ema_decay (timm's use_warmup)"},
+    )
+    eval_ema: bool = field(
+        default=False,
+        metadata={"help": "the in-training zero-shot eval also evaluates the EMA (logged as zeroshot_ema_*)"},
+    )
     # MFU in the training log (train/throughput.py): TFLOPs per device over this peak.
     peak_tflops: float | None = field(
         default=None,

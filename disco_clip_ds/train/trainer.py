@@ -27,6 +27,7 @@ from disco_clip_ds.train.accumulation import ContrastiveAccumulation, logit_para
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
 from disco_clip_ds.train.data_failure import DataFailures
 from disco_clip_ds.train.distill import split_inputs
+from disco_clip_ds.train.ema import WeightsEma
 from disco_clip_ds.train.finite import FiniteCheck, non_finite_parameters
 from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
 from disco_clip_ds.train.step_flags import exchange
@@ -42,7 +43,8 @@ class DiscoTrainer(Trainer):
 
     Checkpoints are complete or absent (`checkpoints`); `stop_signals=(...)` stop training at the next step with a
     checkpoint (`stopper.stopped` says whether one did); a loss or gradient norm that is not finite stops every rank
-    before anything of that step is saved (`finite`). Each batch's stream positions are kept and saved in every
+    before anything of that step is saved (`finite`). With --ema_decay an EMA of the weights is kept, saved and
+    restored with every checkpoint (`ema`). Each batch's stream positions are kept and saved in every
     checkpoint, and a resume restores them (`stream_state`) instead of skipping batches.
     """
 
@@ -57,6 +59,10 @@ class DiscoTrainer(Trainer):
         self.data_failures = DataFailures()
         self.stream_state = StreamPositions()
         super().__init__(*args, **kwargs)
+        self.ema = None  # the EMA of the weights (`ema`), updated at each optimizer step, before the other callbacks
+        if getattr(self.args, "ema_decay", None) is not None:
+            self.ema = WeightsEma(self, self.args.ema_decay, self.args.ema_start_step, self.args.ema_warmup)
+            self.add_callback(self.ema)
         self.accumulation = ContrastiveAccumulation(self.args)
         if self.accumulation.enabled:
             # compute_loss returns loss / K itself: the Trainer must not divide again (its documented switch).
@@ -119,6 +125,8 @@ class DiscoTrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint)  # after the engine loaded `checkpoint` (DeepSpeed)
         if checkpoint is not None and self.is_deepspeed_enabled:
             repair_zero3_universal_load(self.model_wrapped.optimizer, checkpoint)
+        if self.ema is not None:  # the Trainer calls this only when resuming; the EMA starts at on_train_begin
+            self.ema.resume_from = checkpoint
 
     def get_resumed_dataloader(self, dataloader, num_batches: int):
         """Resume the stream where each reader stood (stream_state.json) instead of reading and decoding the
@@ -245,6 +253,8 @@ class DiscoTrainer(Trainer):
         faults.in_save(self.state.global_step)  # the named point: model and DeepSpeed files written, state not
         super()._save_rng_state(output_dir)
         self.stream_state.write(self.train_dataset, output_dir, self.is_world_process_zero())
+        if self.ema is not None:
+            self.ema.save(output_dir)  # every rank its own part: the checkpoint's manifest covers it
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         self.checkpoints.save_model(super().save_model, output_dir, _internal_call)

@@ -72,6 +72,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     training.check_patch_dropout(args)
     training.check_torch_compile(args)
     training.check_peak_tflops(args)
+    training.check_ema(args, data_args.zeroshot_steps)
     written = model.check_model_source(model_args)
     data.check_zeroshot(data_args)
     hub_model_id = training.check_push_to_hub(args)

@@ -92,6 +92,19 @@ def check_peak_tflops(args: DiscoTrainingArguments) -> None:
         raise UsageError(f"--peak_tflops {args.peak_tflops}: give one device's dense peak in TFLOPs, above 0")
 
 
+def check_ema(args: DiscoTrainingArguments, zeroshot_steps: int) -> None:
+    """--ema_decay in [0, 1), --ema_start_step at least 0, --eval_ema with an EMA and an in-training eval."""
+    decay = args.ema_decay
+    if decay is not None and not (math.isfinite(decay) and 0 <= decay < 1):
+        raise UsageError(f"--ema_decay {decay:g}: give a number at least 0 and below 1 (e.g. 0.999)")
+    if args.ema_start_step < 0:
+        raise UsageError(f"--ema_start_step {args.ema_start_step}: give the step the EMA starts at, at least 0")
+    if args.eval_ema and decay is None:
+        raise UsageError("--eval_ema evaluates the EMA of the weights: give --ema_decay too (e.g. 0.999)")
+    if args.eval_ema and zeroshot_steps <= 0:
+        raise UsageError("--eval_ema runs with the in-training eval: give --zeroshot_data and --zeroshot_steps N too")
+
+
 def check_push_to_hub(args: DiscoTrainingArguments) -> str | None:
     """The hub repo to push to at the end (None: no push), once a token is known to be there."""
     if not args.push_to_hub:
