@@ -107,3 +107,33 @@ def empty_second_shard(folder: Path, sizes: bool) -> str:
     else:
         (folder / "sizes.json").unlink()
     return urls[0].replace("00000.tar", "{00000..00001}.tar")
+
+
+def add_synthetic_captions(url: str, skip: set[str] = frozenset(), seed: int = 0) -> None:
+    """Rewrite shard `url` (write_shards') as a reinforced set's: a synthetic caption KEY.syn0.txt ("a picture
+    showing " + the real one) after each KEY.txt, as DataCompDR ships them (none for the keys in `skip`), and each JPEG
+    made noise of its own size, so that two crops of it differ (every crop of a flat colour is the same)."""
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    with tarfile.open(url) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(url, "w") as tar:
+        for member, data in members:
+            key, ext = member.name.split(".", 1)
+            if ext == "jpg":
+                with Image.open(io.BytesIO(data)) as image:
+                    width, height = image.size
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG", quality=95)
+                data = buf.getvalue()
+            added = [(member.name, data)] + (
+                [(f"{key}.syn0.txt", b"a picture showing " + data)] if ext == "txt" else []
+            )
+            for name, content in added[: 1 if key in skip else 2]:
+                info = tarfile.TarInfo(name)
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))

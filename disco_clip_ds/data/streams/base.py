@@ -186,17 +186,26 @@ class ReaderStream(torch.utils.data.IterableDataset):
                 raise self._empty_pass()
             good, whole = 0, True
 
-    def _decode_sample(self, what: str, epoch: int, key: str, caption: Callable[[], str], image: Callable[[], bytes]):
+    def _decode_sample(
+        self,
+        what: str,
+        epoch: int,
+        key: str,
+        caption: Callable[[], str],
+        image: Callable[[], bytes],
+        box: tuple[int, int, int, int] | None = None,
+    ):
         """(uint8 pixels, caption[, kept patches]) of one sample, or None when it is skipped (and counted): its
         `caption()` is empty, or its `image()` bytes are missing, unreadable or above `max_image_pixels`. The
-        augmentation and the patch mask draw from (seed, pass, sample key): per sample, not per reader."""
+        augmentation and the patch mask draw from (seed, pass, sample key): per sample, not per reader; `box`: the
+        crop replayed from a stored augmentation instead (data/streams/reinforced.py)."""
         try:
             text = caption().strip()
             if not text:
                 raise ValueError("empty caption")
-            pixels = self.transform.from_bytes(
-                image(), random.Random(f"{self.seed}/{epoch}/{key}"), self.max_image_pixels
-            )
+            replay = {} if box is None else {"box": box}  # (NaFlex grids have no box; the checks refuse a pool)
+            rng = random.Random(f"{self.seed}/{epoch}/{key}")
+            pixels = self.transform.from_bytes(image(), rng, self.max_image_pixels, **replay)
             if self.patches is None:
                 return pixels, text
             # an RNG of its own: the crops are those of a run without patch dropout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
@@ -43,13 +43,8 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, li
     if model_args.loss_impl == "local":
         raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
     check_listed_once(teachers)
-    if len(teachers) > 1 and model_args.teacher_embeddings is not None:
-        raise UsageError(
-            f"--teacher {' '.join(teachers)} with --teacher_embeddings: stored embeddings are read for one teacher; "
-            "name one, or leave --teacher_embeddings out to run the ensemble live"
-        )
     configs = [_family_config(teacher, student) for teacher in teachers]
-    if model_args.teacher_embeddings is None:  # live teachers: their weights are loaded once the student is built
+    if model_args.teacher_embeddings is None or model_args.live_teacher:  # run: loaded once the student is built
         for teacher in teachers:
             check_teacher_weights(teacher)
     return weight, configs
@@ -100,22 +95,33 @@ def check_teacher_weights(teacher: str) -> None:
         )
 
 
-def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> str | None:
-    """The --teacher's fingerprint (data/embeddings.py), once its stored embeddings are found for every training
-    shard, made by it for that very shard (a sidecar of another source's shard of the same name is refused): checked
-    from the sidecars' headers before any work (their checksums are verified as each is read). None without
-    --teacher_embeddings."""
+def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
+    """The EmbeddingStore (data/embeddings.py) of the --teacher(s)' stored embeddings, once a sidecar is found for
+    every training shard and every teacher, made by it (fingerprint) for that very shard (a sidecar of another
+    source's shard of the same name is refused): checked from the sidecars' headers before any work (their checksums
+    are verified as each is read). None without --teacher_embeddings."""
     folder = model_args.teacher_embeddings
     if folder is None:
         return None
-    from disco_clip_ds.data.embeddings import check_sidecars, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore, check_sidecars, teacher_fingerprint
 
     if not urls:
         raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
     if not Path(folder).is_dir():
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
-    (teacher,) = model_args.teacher  # check_teacher refused several teachers with stored embeddings
-    with usage_error(f"--teacher {teacher}: "):
-        fingerprint = teacher_fingerprint(teacher)
-    check_sidecars(folder, urls, fingerprint, teacher)
-    return fingerprint
+    fingerprints = []
+    for name in teachers(model_args):
+        with usage_error(f"--teacher {name}: "):
+            fingerprints.append(teacher_fingerprint(name))
+    check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
+    store = EmbeddingStore(folder, fingerprints, shards=urls)
+    try:
+        store.teachers  # the settings, read from the first shard's sidecar (each of the others is checked as read)
+    except DataError as error:
+        raise UsageError(str(error)) from error
+    return store
+
+
+def teachers(model_args: ModelArguments) -> list[str]:
+    """--teacher as the list of the ensemble's teachers, in the order given."""
+    return list(model_args.teacher or [])

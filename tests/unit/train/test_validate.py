@@ -144,10 +144,6 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{tmp}/noteacher"],
         "noteacher: no such folder",
     ),
-    "ensemble with stored embeddings": (
-        ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{clip_32}", "--teacher_embeddings", "{tmp}"],
-        "stored embeddings are read for one teacher",
-    ),
 }
 
 
