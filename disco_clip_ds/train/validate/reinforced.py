@@ -67,8 +67,10 @@ def check_store(model_args: ModelArguments, store) -> tuple[int, tuple[str, ...]
         )
     keys = tuple(store.caption_keys)
     if REAL_CAPTION not in keys:
-        raise UsageError(f"--teacher_embeddings {folder}: no embeddings of the real captions ({REAL_CAPTION}): {embed} "
-                         f"--caption_keys {','.join((REAL_CAPTION, *keys))}")
+        raise UsageError(
+            f"--teacher_embeddings {folder}: no embeddings of the real captions ({REAL_CAPTION}): {embed} "
+            f"--caption_keys {','.join((REAL_CAPTION, *keys))}"
+        )
     synthetic = tuple(k for k in keys if k != REAL_CAPTION)
     if (model_args.synthetic_caption_ratio or 0) > 0 and not synthetic:
         raise UsageError(
