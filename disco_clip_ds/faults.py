@@ -35,6 +35,8 @@ In the download worker of shard K (`data/prep/download.py`):
                                         executor would
     hold_after=FILE:shard=K             once the shard is written, the worker writes its pid to FILE and stops itself
                                         (SIGSTOP), so that a test can kill the run in a known state
+In `disco-clip data embed` (`data/prep/embed.py`), once the sidecar of shard K (its index in --shards) is written:
+    kill_after_sidecar:shard=K          SIGKILL to the embedding process (kill -9)
 In `disco-clip data filter` (`data/curate/pipeline.py`), once output shard K is complete:
     kill_after_output:shard=K           SIGKILL to the filter's worker processes, then to the filter itself (kill -9)
 """
@@ -166,3 +168,9 @@ def after_output_shard(shard: int) -> None:
             os.kill(child.pid, signal.SIGKILL)
         logger.warning("%s: killing the filter after output shard %d", ENV, shard)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def after_sidecar(shard: int) -> None:
+    """The point after `data embed` wrote the sidecar of shard `shard` (its index in --shards): kill_after_sidecar."""
+    if fault("kill_after_sidecar", shard=shard):
+        _kill(f"after the sidecar of shard {shard}")

@@ -111,28 +111,60 @@ def embed_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data embed",
-        description="Write a teacher's image and text embeddings of every sample of webdataset shards into a sidecar "
-        "per shard (NAME.DIGEST.teacher.safetensors, DIGEST from the shard's absolute path; keyed by sample key, "
-        "checksummed), for `disco-clip train --teacher MODEL --teacher_embeddings DIR`. Re-run the same command to "
-        "resume. Under torchrun (one rank per GPU; gloo ranks on CPU) rank r embeds shards r, r + N, ...",
+        description="Write the image and text embeddings of every sample of webdataset shards, by one teacher or an "
+        "ensemble, for K augmentations of each image and each caption, into a sidecar per shard "
+        "(NAME.DIGEST.teacher.safetensors, DIGEST from the shard's absolute path; keyed by sample key, checksummed), "
+        "for `disco-clip train --teacher MODEL --teacher_embeddings DIR`. Re-run the same command to resume (a "
+        "sidecar made with other settings is embedded again). Under torchrun (one rank per GPU; gloo ranks on CPU) "
+        "rank r embeds shards r, r + N, ...",
     )
-    p.add_argument("--teacher", required=True, help="CLIPModel or SiglipModel folder or hub id")
+    p.add_argument(
+        "--teacher", required=True, nargs="+", help="CLIPModel or SiglipModel folder or hub id; several: an ensemble"
+    )
     p.add_argument("--shards", required=True, help="local shards: 'dir/{00000..00099}.tar', a folder, or '::'-joined")
     p.add_argument("--output", help="folder of the sidecars (default: beside each shard)")
     p.add_argument("--batch_size", type=int, default=64, help="samples per teacher forward")
-    p.add_argument("--tokenizer_name", help="the teacher's tokenizer when its folder has none")
+    p.add_argument(
+        "--tokenizer_name",
+        nargs="+",
+        help="the tokenizer of a teacher whose folder has none: one for every teacher, or one per teacher in "
+        "--teacher's order",
+    )
+    p.add_argument(
+        "--augmentations",
+        type=int,
+        default=0,
+        help="K random resized crops per image, drawn as training draws them from (--seed, key, a), their boxes "
+        "stored; 0: the centre crop alone",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the seed of the augmentations' draw")
+    p.add_argument(
+        "--caption_keys",
+        default="txt",
+        help="comma-separated caption members to embed: txt (the caption training reads: txt, text or caption), "
+        "syn0.txt (the member KEY.syn0.txt), ...; a sample lacking one is skipped and counted",
+    )
+    p.add_argument("--embedding_dtype", default="float32", help="stored dtype: float16, bfloat16 or float32")
     return p
 
 
 def embed_main(argv: list[str] | None = None) -> int:
-    """`disco-clip data embed --teacher MODEL --shards SPEC`: see `embed_parser`."""
-    from disco_clip_ds.data.prep.embed import embed_launched
+    """`disco-clip data embed --teacher MODEL [MODEL ...] --shards SPEC`: see `embed_parser`."""
+    from disco_clip_ds.data.prep.embed import Settings, embed_launched
     from disco_clip_ds.data.redact import describe_shards, describe_source
     from disco_clip_ds.data.shards import expand_shards, is_url, missing_shards
 
     args = embed_parser().parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size {args.batch_size}: give a positive number of samples")
+    settings = Settings(
+        args.teacher,
+        args.tokenizer_name,
+        args.augmentations,
+        args.caption_keys.split(","),
+        args.embedding_dtype,
+        args.seed,
+    )
     try:
         urls = expand_shards(args.shards)
     except (ValueError, OSError) as error:
@@ -145,11 +177,12 @@ def embed_main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--shards {describe_shards(args.shards)}: {describe_source(missing[0])} does not exist")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
-    summary, rank = embed_launched(args.teacher, urls, args.output, args.batch_size, args.tokenizer_name)
+    summary, rank = embed_launched(settings.teachers, urls, args.output, args.batch_size, settings=settings)
     if rank == 0:
+        lacking = ", ".join(f"{n} without {key}" for key, n in sorted(summary["missing_captions"].items()))
         print(
             f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
-            f"{summary['skipped']} sample(s) without image or caption skipped"
+            f"{summary['skipped']} sample(s) without image or caption skipped" + (f" ({lacking})" if lacking else "")
         )
     return 0
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from disco_clip_ds.data.naflex import PatchNormalize, pack_patches
+from disco_clip_ds.data.streams.reinforced import stack_targets
 from disco_clip_ds.data.transforms import Normalize
 from disco_clip_ds.models.patch_dropout import PATCHES_KEY
 
@@ -29,9 +30,9 @@ class TeacherInputs:
     max_length: int | None = None
     normalize: Normalize | None = None
     image_size: int | None = None
-    # stored embeddings (data/embeddings.py EmbeddingStore) instead of inputs: each sample's looked up by its
-    # (shard, key), which the stream then carries after its caption (and kept patches)
-    store: object = None
+    # stored embeddings (--teacher_embeddings) instead of inputs: each sample carries its teachers' (image, text)
+    # pairs after its caption (and kept patches), as the stream looked them up (data/streams/reinforced.py)
+    stored: bool = False
 
 
 class ClipCollator:
@@ -67,7 +68,7 @@ class ClipCollator:
         pixels, captions, *rest = zip(*batch)
         kept, positions = (rest[0], rest[1:]) if self.patch_dropout else (None, rest)
         ids = None
-        if self.teacher is not None and self.teacher.store is not None:
+        if self.teacher is not None and self.teacher.stored:
             ids, positions = positions[0], positions[1:]
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
@@ -101,14 +102,13 @@ class ClipCollator:
 
     def _teacher_inputs(self, captions, pixels, ids) -> dict[str, torch.Tensor]:
         """The teacher's own tokens and pixels, under TEACHER_PREFIX keys, where they differ from the student's; or
-        its stored embeddings of the samples `ids` ((shard, key) each)."""
+        the stored embeddings the samples carry (`targets`), per teacher t under image_embeds.t and text_embeds.t."""
         out, teacher = {}, self.teacher
         if ids is not None:
-            images, texts = zip(*(teacher.store.lookup(shard, key) for shard, key in ids))
-            return {
-                TEACHER_PREFIX + "image_embeds": torch.stack(images),
-                TEACHER_PREFIX + "text_embeds": torch.stack(texts),
-            }
+            images, texts = stack_targets(list(ids))
+            for t, (image, text) in enumerate(zip(images, texts)):
+                out[f"{TEACHER_PREFIX}image_embeds.{t}"], out[f"{TEACHER_PREFIX}text_embeds.{t}"] = image, text
+            return out
         if teacher.tokenizer is not None:
             tokens = teacher.tokenizer(
                 list(captions),

@@ -1,16 +1,26 @@
-"""A teacher's embeddings stored once per shard (`disco-clip data embed`, read by `--teacher_embeddings`): a sidecar
-file per shard, NAME.DIGEST.teacher.safetensors for NAME.tar, holding the teacher's L2-normalised image and text
-embeddings of every sample of the shard, one row per sample key.
+"""Teacher embeddings stored once per shard (`disco-clip data embed`, read by `--teacher_embeddings`): a sidecar file
+per shard, NAME.DIGEST.teacher.safetensors for NAME.tar, holding, for every sample of the shard (one row per sample
+key), the image embeddings of one or several teachers for each of K augmentations of the image, and their text
+embeddings of each of the sample's captions (the real one and synthetic ones, each a member of the sample).
 
 DIGEST is 12 hex digits of the sha256 of the shard's identity (`shard_identity`: a local shard's absolute path, a
 remote one's public description), so that shards of one file name in two sources (`a/00000.tar`, `b/00000.tar`) get
 two sidecars in one folder; moving the shards to another folder means embedding them again.
 
-Sidecar layout: fp32 tensors "image" and "text" (n, d'), and metadata "keys" (the sample keys, JSON, in row order),
-"teacher" (the teacher's fingerprint, `teacher_fingerprint`), "shard" (its shard's identity) and "shard_bytes" (its
-size, for a local shard), "model_type", "logit_scale" (the teacher's multiplier) and "logit_bias" (SigLIP), "sha256"
-(of the keys and both tensors' bytes: a torn or altered file is found when read). A reader checks the teacher, the
-shard and its size (`sidecar_problem`) before it uses a row.
+Layout (metadata "format" 2, `write_reinforced`): for each teacher of fingerprint F (`teacher_fingerprint`), a tensor
+"image/F" (n, K, d_F) and, for each caption key C, "text/F/C" (n, d_F), L2-normalised, in the stored dtype (float16,
+bfloat16 or float32; read back as float32); "boxes" (n, K, 4) int32, the crop (left, top, right, bottom, source
+pixels) of each augmentation (`transforms.crop_boxes`). K = 0 augmentations (the centre crop, as CLIPImageProcessor
+makes it) is stored as K = 1 without boxes. Metadata: "keys" (the sample keys, JSON, in row order), "teachers" (JSON:
+fingerprint, name, model_type, logit_scale, logit_bias of each, in the order given), "caption_keys" (JSON),
+"augmentations" (K), "dtype", "seed" (of the augmentations' draw), "shard" (its shard's identity) and "shard_bytes"
+(its size, for a local shard), "sha256" (of all the metadata and every tensor's name and bytes: a torn or altered
+file is found when read). A reader checks the teachers, the shard and its size (`sidecar_problem`) before it uses a
+row.
+
+The first layout (no "format"; one teacher, the centre crop, one caption: fp32 "image" and "text" (n, d), metadata
+"teacher", "model_type", "logit_scale", "logit_bias", "sha256" of the keys and both tensors) is still read, as one
+teacher, K = 0 and the caption key "txt" (`read_reinforced`), and still written by `write_sidecar`.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +39,9 @@ from disco_clip_ds.errors import DataError, UsageError
 
 SUFFIX = ".teacher.safetensors"
 KEEP_SIDECARS = 4  # sidecars a DataLoader worker keeps loaded
+FORMAT = "2"
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+LEGACY_CAPTION_KEY = "txt"  # the caption key a first-layout sidecar's one text embedding is read under
 
 
 def shard_identity(shard: str) -> str:
@@ -58,12 +72,21 @@ def _size(shard: str) -> str | None:
     return str(os.path.getsize(shard)) if not is_url(shard) and os.path.isfile(shard) else None
 
 
-def sidecar_problem(meta: dict, shard: str, fingerprint: str) -> str | None:
-    """Why a sidecar (its metadata `meta`) may not serve shard `shard` for the teacher of `fingerprint`: made by
-    another teacher, for another shard (a sidecar renamed or copied), for the shard as it was before it was written
-    again (another size); None when it may."""
-    if meta.get("teacher") != fingerprint:
-        return f"made by another teacher (fingerprint {meta.get('teacher')}, not {fingerprint})"
+def stored_fingerprints(meta: dict) -> list[str]:
+    """The fingerprints of the teachers a sidecar (its metadata) holds, in their stored order."""
+    if meta.get("format") == FORMAT:
+        return [t["fingerprint"] for t in json.loads(meta["teachers"])]
+    return [meta.get("teacher")]
+
+
+def sidecar_problem(meta: dict, shard: str, fingerprint: str | list[str]) -> str | None:
+    """Why a sidecar (its metadata `meta`) may not serve shard `shard` for the teacher(s) of `fingerprint` (one or a
+    list): made without one of them (by other teachers), for another shard (a sidecar renamed or copied), for the
+    shard as it was before it was written again (another size); None when it may."""
+    stored = stored_fingerprints(meta)
+    missing = [f for f in ([fingerprint] if isinstance(fingerprint, str) else fingerprint) if f not in stored]
+    if missing:
+        return f"made by another teacher (fingerprint {', '.join(map(str, stored))}, not {', '.join(missing)})"
     if meta.get("shard") != shard_identity(shard):
         return f"made for shard {describe_source(meta.get('shard', '?'))}, not {describe_source(shard)}"
     recorded, size = meta.get("shard_bytes"), _size(shard)
@@ -72,9 +95,10 @@ def sidecar_problem(meta: dict, shard: str, fingerprint: str) -> str | None:
     return None
 
 
-def check_sidecars(folder: str | Path, urls: list[str], fingerprint: str, teacher: str) -> None:
-    """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it (`sidecar_problem`, from the
-    headers alone; checksums are verified as each is read); else a UsageError in one line saying what to run."""
+def check_sidecars(folder: str | Path, urls: list[str], fingerprint: str | list[str], teacher: str) -> None:
+    """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it for the teacher(s) of
+    `fingerprint` (one or a list; `sidecar_problem`, from the headers alone; checksums are verified as each is read);
+    else a UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them)."""
     embed = f"run `disco-clip data embed --teacher {teacher} --shards ... --output {folder}`"
     for url in urls:
         path = sidecar_path(folder, url)
@@ -151,7 +175,19 @@ def _canonical(data: bytes) -> bytes:
 
 
 def read_metadata(path: Path) -> dict:
-    """A sidecar's metadata (its header alone); a DataError naming the file when it cannot be read."""
+    """A sidecar's metadata (its header alone); a DataError naming the file when it cannot be read. Of a sidecar of
+    the second layout it also holds "teacher", "model_type", "logit_scale" and "logit_bias" of its first teacher,
+    where a reader of the first layout finds them (not stored twice: derived here)."""
+    meta = _raw_metadata(path)
+    if meta.get("format") == FORMAT:
+        first = json.loads(meta["teachers"])[0]
+        meta = {**meta, "teacher": first["fingerprint"], "model_type": first.get("model_type") or ""}
+        meta["logit_scale"] = repr(first["logit_scale"]) if first.get("logit_scale") is not None else ""
+        meta["logit_bias"] = repr(first["logit_bias"]) if first.get("logit_bias") is not None else ""
+    return meta
+
+
+def _raw_metadata(path: Path) -> dict:
     from safetensors import safe_open
 
     try:
@@ -162,7 +198,13 @@ def read_metadata(path: Path) -> dict:
 
 
 def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor, dict]:
-    """({key: row}, image, text, metadata) of a sidecar, once its checksum verifies; else a DataError naming it."""
+    """({key: row}, image, text, metadata) of a sidecar, once its checksum verifies; else a DataError naming it. Of a
+    sidecar of several teachers, augmentations or captions: the first teacher's image embedding of the first
+    augmentation and its text embedding of the first caption key, as float32 (what curation and resharding read)."""
+    if _raw_metadata(path).get("format") == FORMAT:
+        stored = read_reinforced(path)
+        image, text = stored.images[0][:, 0].float(), stored.texts[0][stored.caption_keys[0]].float()
+        return stored.rows(), image, text, read_metadata(path)
     from safetensors.torch import load_file
 
     meta = read_metadata(path)
@@ -175,36 +217,248 @@ def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor
     return {k: i for i, k in enumerate(keys)}, tensors["image"], tensors["text"], meta
 
 
+@dataclass(frozen=True)
+class TeacherFacts:
+    """What a sidecar records of one teacher: its fingerprint, the name it was given by, its model type, its logit
+    scale (the multiplier) and bias (SigLIP's; None for CLIP). A first-layout sidecar may lack the last three."""
+
+    fingerprint: str
+    name: str = ""
+    model_type: str = ""
+    logit_scale: float | None = None
+    logit_bias: float | None = None
+
+    @classmethod
+    def from_json(cls, item: dict) -> TeacherFacts:
+        return cls(**{k: item.get(k) for k in ("fingerprint", "name", "model_type", "logit_scale", "logit_bias")})
+
+
+@dataclass
+class Reinforced:
+    """A shard's stored reinforcement: per teacher (in `teachers`' order) the image embeddings (n, max(K, 1), d) and,
+    per caption key, the text embeddings (n, d); the crop boxes (n, K, 4) int32 (None when K = 0: the centre crop);
+    `meta` holds the shard's facts (`shard_facts`) and, once read, the whole header."""
+
+    keys: list[str]
+    teachers: list[TeacherFacts]
+    images: list[torch.Tensor]
+    texts: list[dict[str, torch.Tensor]]
+    boxes: torch.Tensor | None
+    caption_keys: list[str]
+    augmentations: int = 0
+    dtype: str = "float32"
+    seed: int | None = None
+    meta: dict | None = None
+
+    def rows(self) -> dict[str, int]:
+        return {k: i for i, k in enumerate(self.keys)}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors under their stored names (module docstring)."""
+        out = {}
+        for teacher, image, texts in zip(self.teachers, self.images, self.texts):
+            out[f"image/{teacher.fingerprint}"] = image
+            out.update({f"text/{teacher.fingerprint}/{key}": texts[key] for key in self.caption_keys})
+        if self.boxes is not None:
+            out["boxes"] = self.boxes
+        return out
+
+    def header(self) -> dict[str, str]:
+        """The metadata to store, without its checksum (all strings, as safetensors keeps them)."""
+        teachers = [{k: v for k, v in vars(t).items()} for t in self.teachers]
+        return {
+            **{k: str(v) for k, v in (self.meta or {}).items() if k in ("shard", "shard_bytes")},
+            "format": FORMAT,
+            "keys": json.dumps(self.keys),
+            "teachers": json.dumps(teachers),
+            "caption_keys": json.dumps(self.caption_keys),
+            "augmentations": str(self.augmentations),
+            "dtype": self.dtype,
+            "seed": "" if self.seed is None else str(self.seed),
+        }
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    # as uint8: numpy has no bfloat16
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _reinforced_checksum(header: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + str(tensors[name].dtype).encode())
+        digest.update(_tensor_bytes(tensors[name]))
+    return digest.hexdigest()
+
+
+def write_reinforced(path: Path, stored: Reinforced) -> None:
+    """Write a shard's reinforcement to PATH atomically (a temporary file renamed): a kill leaves the old file or none.
+    The embeddings are cast to `stored.dtype`; the same contents give the same bytes (`_canonical`)."""
+    from safetensors.torch import save
+
+    if stored.dtype not in DTYPES:
+        raise UsageError(f"--embedding_dtype {stored.dtype}: give one of {', '.join(DTYPES)}")
+    dtype = DTYPES[stored.dtype]
+    tensors = {
+        name: (t.to(torch.int32) if name == "boxes" else t.to(dtype)).contiguous()
+        for name, t in stored.tensors().items()
+    }
+    header = stored.header()
+    header["sha256"] = _reinforced_checksum(header, tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(_canonical(save(tensors, metadata=header)))
+    os.replace(tmp, path)
+
+
+def read_reinforced(path: Path) -> Reinforced:
+    """A sidecar's reinforcement, once its checksum verifies (either layout; a first-layout one as one teacher,
+    K = 0 and the caption key "txt"), in the stored dtype; else a DataError naming it."""
+    from safetensors.torch import load_file
+
+    meta = _raw_metadata(path)
+    if meta.get("format") != FORMAT:
+        rows, image, text, meta = read_sidecar(path)
+        teacher = TeacherFacts(
+            meta.get("teacher", ""),
+            meta.get("teacher_name", ""),
+            meta.get("model_type", ""),
+            float(meta["logit_scale"]) if meta.get("logit_scale") else None,
+            float(meta["logit_bias"]) if meta.get("logit_bias") else None,
+        )
+        return Reinforced(
+            list(rows), [teacher], [image[:, None]], [{LEGACY_CAPTION_KEY: text}], None, [LEGACY_CAPTION_KEY], meta=meta
+        )
+    try:
+        tensors = load_file(str(path))
+        teachers = [TeacherFacts.from_json(t) for t in json.loads(meta["teachers"])]
+        caption_keys, keys = json.loads(meta["caption_keys"]), json.loads(meta["keys"])
+    except Exception as error:
+        raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
+    if _reinforced_checksum(meta, tensors) != meta.get("sha256"):
+        raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
+    return Reinforced(
+        keys,
+        teachers,
+        [tensors[f"image/{t.fingerprint}"] for t in teachers],
+        [{key: tensors[f"text/{t.fingerprint}/{key}"] for key in caption_keys} for t in teachers],
+        tensors.get("boxes"),
+        caption_keys,
+        int(meta["augmentations"]),
+        meta["dtype"],
+        int(meta["seed"]) if meta.get("seed") else None,
+        meta,
+    )
+
+
+@dataclass
+class StoredSample:
+    """One sample's stored reinforcement, as float32, teachers in the order the store was asked for: `images[t]`
+    (K', d_t) (K' = K, or 1 for the centre crop), `texts[t]` {caption key: (d_t,)}, `boxes` (K, 4) int32 (None for
+    the centre crop)."""
+
+    images: list[torch.Tensor]
+    texts: list[dict[str, torch.Tensor]]
+    boxes: torch.Tensor | None
+
+
 class EmbeddingStore:
-    """The sidecars in FOLDER made by the teacher of fingerprint `fingerprint`, looked up by (shard, sample key).
-    Each DataLoader worker loads a shard's sidecar once, when its first sample is asked for."""
+    """The sidecars in FOLDER holding the teachers of `fingerprints` (one fingerprint, or a list: an ensemble, in the
+    order its embeddings are to be returned), looked up by (shard, sample key). Each DataLoader worker loads a
+    shard's sidecar once, when its first sample is asked for, as float32. Every sidecar read must agree with the
+    first on the augmentations, caption keys and seed (a DataError otherwise: a folder embedded twice with other
+    settings). `shards`: the run's shards; the store's facts (`augmentations`, `caption_keys`, `teachers`) are read
+    from the header of the first one's sidecar (else of the first sidecar looked up)."""
 
-    def __init__(self, folder: str | Path, fingerprint: str):
-        self.folder, self.fingerprint = Path(folder), fingerprint
+    def __init__(self, folder: str | Path, fingerprints: str | list[str], shards: list[str] | None = None):
+        self.folder = Path(folder)
+        self.fingerprints = [fingerprints] if isinstance(fingerprints, str) else list(fingerprints)
+        self.fingerprint = self.fingerprints[0]  # the single teacher's, as the first layout's readers know it
         self._loaded: dict[str, tuple] = {}
+        self._facts: Reinforced | None = None
+        self._reference = shards[0] if shards else None
 
-    def lookup(self, shard: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's (image, text) embeddings of sample `key` of `shard`: a DataError naming both when the
-        sidecar or the key is missing, or the sidecar may not serve this shard (`sidecar_problem`) or does not
-        verify."""
-        if shard not in self._loaded:
-            path = sidecar_path(self.folder, shard)
-            if not path.is_file():
-                raise DataError(
-                    f"no teacher embeddings for shard {describe_source(shard)} (sample {key}): {path} is missing"
-                )
-            rows, image, text, meta = read_sidecar(path)
-            problem = sidecar_problem(meta, shard, self.fingerprint)
-            if problem:
-                raise DataError(f"{path}: {problem}: run `disco-clip data embed` for these shards again")
-            if len(self._loaded) >= KEEP_SIDECARS:  # a shuffle block may span a few shards; older ones are done
-                self._loaded.pop(next(iter(self._loaded)))
-            self._loaded[shard] = (rows, image, text)
-        rows, image, text = self._loaded[shard]
+    # --- the facts of the stored run ---
+
+    @property
+    def augmentations(self) -> int:
+        """K: the stored augmentations per sample (0: the centre crop only)."""
+        return self._settings().augmentations
+
+    @property
+    def caption_keys(self) -> list[str]:
+        """The caption keys stored per sample (the first, "txt", is the real caption)."""
+        return self._settings().caption_keys
+
+    @property
+    def seed(self) -> int | None:
+        """The seed the augmentations were drawn from (`transforms.crop_boxes`)."""
+        return self._settings().seed
+
+    @property
+    def teachers(self) -> list[TeacherFacts]:
+        """The facts (logit scale and bias, model type) of each teacher, in the order of `fingerprints`."""
+        stored = {t.fingerprint: t for t in self._settings().teachers}
+        return [stored[f] for f in self.fingerprints]
+
+    def _settings(self) -> Reinforced:
+        if self._facts is None:
+            if self._reference is None:
+                raise DataError(f"{self.folder}: no sidecar read yet, and no shard given to read the settings from")
+            self._load(self._reference)
+        return self._facts
+
+    # --- lookups ---
+
+    def lookup(self, shard: str, key: str) -> StoredSample:
+        """Sample `key` of `shard`: a DataError naming both when the sidecar or the key is missing, or the sidecar
+        may not serve this shard (`sidecar_problem`) or does not verify."""
+        rows, images, texts, boxes = self._load(shard, key)
         row = rows.get(key)
         if row is None:
             raise DataError(
                 f"no teacher embedding for sample {key} of shard {describe_source(shard)} in "
                 f"{sidecar_path(self.folder, shard)}"
             )
-        return image[row], text[row]
+        return StoredSample(
+            [image[row] for image in images],
+            [{name: text[row] for name, text in by_key.items()} for by_key in texts],
+            None if boxes is None else boxes[row],
+        )
+
+    def pair(self, shard: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first teacher's (image, text) embeddings (d,) of sample `key`: of its first augmentation (the centre
+        crop when K = 0) and its first caption key: what a single-teacher, centre-crop run distils from."""
+        sample = self.lookup(shard, key)
+        return sample.images[0][0], sample.texts[0][self.caption_keys[0]]
+
+    def _load(self, shard: str, key: str | None = None) -> tuple:
+        if shard not in self._loaded:
+            path = sidecar_path(self.folder, shard)
+            if not path.is_file():
+                sample = f" (sample {key})" if key is not None else ""
+                raise DataError(f"no teacher embeddings for shard {describe_source(shard)}{sample}: {path} is missing")
+            stored = read_reinforced(path)
+            problem = sidecar_problem(read_metadata(path), shard, self.fingerprints)
+            if problem:
+                raise DataError(f"{path}: {problem}: run `disco-clip data embed` for these shards again")
+            self._check_settings(path, stored)
+            order = [[t.fingerprint for t in stored.teachers].index(f) for f in self.fingerprints]
+            images = [stored.images[i].float() for i in order]
+            texts = [{k: v.float() for k, v in stored.texts[i].items()} for i in order]
+            if len(self._loaded) >= KEEP_SIDECARS:  # a shuffle block may span a few shards; older ones are done
+                self._loaded.pop(next(iter(self._loaded)))
+            self._loaded[shard] = (stored.rows(), images, texts, stored.boxes)
+        return self._loaded[shard]
+
+    def _check_settings(self, path: Path, stored: Reinforced) -> None:
+        if self._facts is None:
+            self._facts = replace(stored, images=[], texts=[], boxes=None)  # the settings, not the tensors
+            return
+        first, this = self._facts, stored
+        for name in ("augmentations", "caption_keys", "seed"):
+            if getattr(first, name) != getattr(this, name):
+                raise DataError(
+                    f"{path}: made with {name} {getattr(this, name)}, other sidecars of {self.folder} with "
+                    f"{getattr(first, name)}: embed every shard with one setting"
+                )

@@ -59,16 +59,26 @@ def cumulative_weights(weights: tuple[float, ...]) -> list[float]:
 class MixtureStream(ReaderStream):
     """Endless stream of (uint8 pixels, caption, position) drawn from several sources with the mixture's weights.
 
-    `mixture`: the sources and weights; `sample_ids`, `resampled`: as ShardStream's, for every source; `options`:
-    ReaderStream's. A position row is (reader, count, then per source SOURCE_FIELDS); `seen` 0 means the source was
-    not drawn yet (it starts afresh on resume). Skipped samples of every source count in this stream's `skipped`."""
+    `mixture`: the sources and weights; `sample_ids`, `resampled`, `reinforcement`: as ShardStream's, for every
+    source; `options`: ReaderStream's. A position row is (reader, count, then per source SOURCE_FIELDS); `seen` 0
+    means the source was not drawn yet (it starts afresh on resume). Skipped samples of every source count in this
+    stream's `skipped`."""
 
-    def __init__(self, mixture: Mixture, image_size: int, sample_ids: bool = False, resampled: bool = False, **options):
+    def __init__(
+        self,
+        mixture: Mixture,
+        image_size: int,
+        sample_ids: bool = False,
+        resampled: bool = False,
+        reinforcement=None,
+        **options,
+    ):
         super().__init__(image_size, **options)
+        sources = {"reinforcement": reinforcement}
         self.mixture, self.resampled = mixture, resampled
         self.cumulative = cumulative_weights(mixture.weights)
         self.sources = [
-            ShardStream(list(urls), image_size, sample_ids=sample_ids, resampled=resampled, **options)
+            ShardStream(list(urls), image_size, sample_ids=sample_ids, resampled=resampled, **sources, **options)
             for urls in mixture.sources
         ]
         for source in self.sources:  # one skip counter for the mixture, shared with the DataLoader's workers

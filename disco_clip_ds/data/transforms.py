@@ -50,6 +50,31 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tupl
     return left, top, left + side, top + side
 
 
+def augmentation_rng(seed: int, key: str, augmentation: int) -> random.Random:
+    """The RNG of augmentation `augmentation` of sample `key`, as `data embed --augmentations K` draws it: seeded from
+    the string f"{seed}/augmentation/{augmentation}/{key}" (a string seed is hashed by sha512, the same in every
+    process and Python version), so that a sample's K boxes depend on nothing but the seed, its key and a."""
+    return random.Random(f"{seed}/augmentation/{augmentation}/{key}")
+
+
+def crop_boxes(data_or_size: bytes | tuple[int, int], k: int, seed: int, key: str) -> list[tuple[int, int, int, int]]:
+    """The crop boxes (left, top, right, bottom, source pixels) of augmentations 0..k-1 of sample `key`: each the
+    training crop (`random_resized_crop_box`, the first draw of `augmentation_rng(seed, key, a)`) of the image
+    `data_or_size` (its encoded bytes, whose header alone is read, or its (width, height)). The training pipeline has
+    no flip and no RandAugment: the box is the whole augmentation."""
+    width, height = data_or_size if isinstance(data_or_size, tuple) else EncodedImage(data_or_size).size
+    return [random_resized_crop_box(width, height, augmentation_rng(seed, key, a)) for a in range(k)]
+
+
+def check_box(box: Sequence[int], size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """`box` as four ints, once it is a non-empty box inside an image `size` (width, height) px large; a ValueError
+    otherwise (a box stored for another image)."""
+    left, top, right, bottom = (int(v) for v in box)
+    if not (0 <= left < right <= size[0] and 0 <= top < bottom <= size[1]):
+        raise ValueError(f"crop box {(left, top, right, bottom)} does not fit a {size[0]} x {size[1]} image")
+    return left, top, right, bottom
+
+
 def draft_scale(box: tuple[int, int, int, int], size: int) -> int:
     """The largest JPEG reduction (8, 4, 2, else 1) after which `box` still spans at least `size` pixels a side."""
     width, height = box[2] - box[0], box[3] - box[1]
@@ -123,18 +148,30 @@ class ImageTransform:
         box = random_resized_crop_box(*image.size, rng or random.Random())
         return resized_crop(np.array(image), box, image.size, self.image_size)
 
-    def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
+    def from_bytes(
+        self,
+        data: bytes,
+        rng: random.Random | None,
+        max_pixels: int = MAX_IMAGE_PIXELS,
+        box: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Encoded image -> uint8 crop (3, size, size), as `pixels` of the decoded image, but decoded at reduced
-        size when `draft` allows it. Raises ValueError for images of more than `max_pixels` pixels, before
-        decoding them, and PIL's errors for corrupt data."""
-        if not self.train:
+        size when `draft` allows it. With `box` (left, top, right, bottom, in source pixels; e.g. a stored
+        augmentation's) the crop is that box instead of one drawn from `rng`, train or not: the same decode (draft
+        rule included) and resize as the drawn path gives for that box, bit for bit. Raises ValueError for images of
+        more than `max_pixels` pixels, before decoding them, and for a box outside the image; PIL's errors for
+        corrupt data."""
+        if box is None and not self.train:
             with Image.open(io.BytesIO(data)) as image:  # reads the header only
                 _check_pixels(image.size, max_pixels)
                 image.load()
                 return self._eval_crop(to_rgb(image))
         encoded = EncodedImage(data)
         _check_pixels(encoded.size, max_pixels)
-        box = random_resized_crop_box(*encoded.size, rng)
+        if box is None:
+            box = random_resized_crop_box(*encoded.size, rng)
+        else:
+            box = check_box(box, encoded.size)
         scale = draft_scale(box, self.image_size) if self.draft else 1
         return resized_crop(encoded.decode(scale), box, encoded.size, self.image_size)
 

@@ -107,3 +107,21 @@ def empty_second_shard(folder: Path, sizes: bool) -> str:
     else:
         (folder / "sizes.json").unlink()
     return urls[0].replace("00000.tar", "{00000..00001}.tar")
+
+
+def add_synthetic_captions(url: str, skip: set[str] = frozenset(), prefix: bytes = b"a picture showing ") -> None:
+    """Rewrite shard `url` with a synthetic caption KEY.syn0.txt (PREFIX + the real caption) after each KEY.txt, as
+    DataCompDR ships its synthetic captions: extra members of the sample. Samples whose key is in `skip` get none."""
+    import io
+    import tarfile
+
+    with tarfile.open(url) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(url, "w") as tar:
+        for member, data in members:
+            tar.addfile(member, io.BytesIO(data))
+            key, ext = member.name.split(".", 1)
+            if ext == "txt" and key not in skip:
+                info = tarfile.TarInfo(f"{key}.syn0.txt")
+                info.size = len(prefix + data)
+                tar.addfile(info, io.BytesIO(prefix + data))

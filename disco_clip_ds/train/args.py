@@ -84,6 +84,38 @@ class ModelArguments:
             "(one sidecar per shard), read instead of running the teacher"
         },
     )
+    # Training from a reinforced set (data/streams/reinforced.py): MobileCLIP's stored augmentations and captions.
+    augmentation_pool: bool = field(
+        default=False,
+        metadata={
+            "help": "with --teacher_embeddings stored with `data embed --augmentations K`: each sample is cropped with "
+            "one of its K stored augmentations, chosen from (seed, sample, pass), and distilled towards the "
+            "teachers' embeddings of that crop"
+        },
+    )
+    augmentation_pool_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --augmentation_pool: draw from the first N stored augmentations of each sample only "
+            "(default: all K stored)"
+        },
+    )
+    synthetic_caption_ratio: float | None = field(
+        default=None,
+        metadata={
+            "help": "with --teacher_embeddings stored with synthetic --caption_keys: each sample's caption is one of "
+            "its synthetic captions with this probability (in [0, 1]), else its real one; the text target is the "
+            "teachers' embedding of the caption chosen"
+        },
+    )
+    live_teacher: bool = field(
+        default=False,
+        metadata={
+            "help": "with --teacher_embeddings: the teachers run live on the crops and captions the stored run would "
+            "train on (replayed from the sidecars) instead of their stored embeddings being read: a check that "
+            "training from stored embeddings is training from the teachers"
+        },
+    )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
     # Partial locking (open_clip's --lock-image-unlocked-groups, --lock-text-unlocked-layers): train/locking.py

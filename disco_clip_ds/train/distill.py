@@ -79,45 +79,42 @@ class Teacher:
 
 
 class StoredTeacher(Teacher):
-    """A teacher read from its stored embeddings (`--teacher_embeddings`, data/embeddings.py): the collator puts each
-    sample's under TEACHER_PREFIX keys; its multiplier and bias are the sidecars'. No model is loaded or run."""
+    """An ensemble of T teachers read from their stored embeddings (`--teacher_embeddings`, data/embeddings.py): each
+    sample's, of its chosen augmentation and caption, ride in the batch under TEACHER_PREFIX keys (image_embeds.t,
+    text_embeds.t for teacher t, in the order of --teacher); each teacher's multiplier and bias are its sidecars'. No
+    model is loaded or run."""
 
-    def __init__(self, config, weight: float, temperature: float | None, scale: float, bias: float | None):
+    def __init__(self, config, weight: float, temperature: float | None, scales: list[float], biases: list):
         self.model, self.config = None, config
         self.weight, self.temperature = weight, temperature
         self.sigmoid = config.model_type == "siglip"
-        self.stored = (scale, bias)
+        self.stored = list(zip(scales, biases))
 
-    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-        images, texts = inputs["image_embeds"].float(), inputs["text_embeds"].float()
-        scale = 1.0 / self.temperature if self.temperature is not None else self.stored[0]
-        params = (torch.tensor(scale, device=images.device),)
-        if self.sigmoid:
-            params += (torch.tensor(self.stored[1], device=images.device),)
+    def embed(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+        """Per teacher: its stored (image, text) embeddings of the batch and its (multiplier[, bias])."""
+        images, texts, params = [], [], []
+        for t, (scale, bias) in enumerate(self.stored):
+            image = inputs[f"image_embeds.{t}"].float()
+            scale = 1.0 / self.temperature if self.temperature is not None else scale
+            images.append(image)
+            texts.append(inputs[f"text_embeds.{t}"].float())
+            params.append(
+                (torch.tensor(scale, device=image.device),)
+                + ((torch.tensor(bias, device=image.device),) if self.sigmoid else ())
+            )
         return images, texts, params
 
 
-def stored_teacher(
-    name_or_path: str,
-    folder: str,
-    urls: list[str],
-    weight: float,
-    temperature: float | None,
-    config=None,
-    fingerprint: str | None = None,
-):
-    """(StoredTeacher, its TeacherInputs for the collator) from the sidecars in FOLDER of the training shards `urls`
-    (train.validate checked that each is there and this teacher's). `config`, `fingerprint`: the teacher's, as the
-    checks resolved them (`CheckedRun`); read from NAME_OR_PATH when not given."""
-    from disco_clip_ds.data.embeddings import EmbeddingStore, read_metadata, sidecar_path, teacher_fingerprint
+def stored_teacher(names: list[str], store, weight: float, temperature: float | None, config=None):
+    """(StoredTeacher, its TeacherInputs for the collator) of the teachers `names` (in --teacher's order) whose
+    embeddings `store` (data/embeddings.py EmbeddingStore, train.validate checked each teacher there) holds; the
+    multiplier and bias of each are the sidecars'. `config`: the first teacher's, as the checks resolved it."""
     from disco_clip_ds.models.configs import load_config
 
-    config = load_config(name_or_path) if config is None else config
-    fingerprint = teacher_fingerprint(name_or_path) if fingerprint is None else fingerprint
-    meta = read_metadata(sidecar_path(folder, urls[0]))
-    bias = float(meta["logit_bias"]) if meta.get("logit_bias") else None
-    teacher = StoredTeacher(config, weight, temperature, float(meta["logit_scale"]), bias)
-    return teacher, TeacherInputs(store=EmbeddingStore(folder, fingerprint))
+    config = load_config(names[0]) if config is None else config
+    scales = [float(t.logit_scale) for t in store.teachers]
+    biases = [None if t.logit_bias is None else float(t.logit_bias) for t in store.teachers]
+    return StoredTeacher(config, weight, temperature, scales, biases), TeacherInputs(stored=True)
 
 
 def load_teacher(

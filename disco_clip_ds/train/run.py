@@ -41,6 +41,7 @@ from disco_clip_ds.data.mix import MixtureStream
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.data.streams.base import ReaderStream
 from disco_clip_ds.data.streams.hf import HFStream
+from disco_clip_ds.data.streams.reinforced import Reinforcement
 from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.distributed import nodes, peers, startup
 from disco_clip_ds.distributed.preemption import finished_message, resume_hint
@@ -56,6 +57,7 @@ from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
 from disco_clip_ds.train.validate import CheckedRun, validate
+from disco_clip_ds.train.validate.teacher import teachers
 
 logger = logging.getLogger("disco_clip_ds.train")
 
@@ -114,8 +116,8 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
         patches = patch_counts(model.config.vision_config, args.patch_dropout)
-        stored = model_args.teacher_embeddings is not None  # the stream then names each sample's shard and key
-        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, stored)
+        reinforcement = _reinforcement(model_args, checked)  # the sidecars' crops, captions and targets, when stored
+        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, reinforcement)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -187,16 +189,14 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
     --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
     if model_args.teacher is None:
         return None, None
-    if model_args.teacher_embeddings is not None:
+    if model_args.teacher_embeddings is not None and not model_args.live_teacher:
         logger.info("distilling from %s's embeddings in %s", model_args.teacher, model_args.teacher_embeddings)
         return stored_teacher(
-            model_args.teacher,
-            model_args.teacher_embeddings,
-            checked.urls,
+            teachers(model_args),
+            checked.teacher_store,
             model_args.distill_weight,
             model_args.distill_temperature,
             config=checked.teacher_config,
-            fingerprint=checked.teacher_fingerprint,
         )
     teacher = load_teacher(
         model_args.teacher,
@@ -224,6 +224,21 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
     return teacher, extra
 
 
+def _reinforcement(model_args: ModelArguments, checked: CheckedRun) -> Reinforcement | None:
+    """How the stream reads the sidecars of --teacher_embeddings (data/streams/reinforced.py); None without them."""
+    if checked.teacher_store is None:
+        return None
+    augmentations, synthetic = checked.reinforced
+    return Reinforcement(
+        checked.teacher_store,
+        augmentations,
+        model_args.augmentation_pool,
+        model_args.synthetic_caption_ratio or 0.0,
+        synthetic,
+        targets=not model_args.live_teacher,
+    )
+
+
 def _stream(
     data_args: DataArguments,
     args: DiscoTrainingArguments,
@@ -231,12 +246,13 @@ def _stream(
     reads_own_shards: bool,
     split: int,
     patches: tuple[int, int] | None,
-    sample_ids: bool = False,
+    reinforcement: Reinforcement | None = None,
 ):
     """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
-    each sample with its kept patches when `patches`)."""
+    each sample with its kept patches when `patches`; cropped, captioned and with its stored targets as the
+    `reinforcement` says, with --teacher_embeddings)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
-    extra = {"sample_ids": True} if sample_ids else {}
+    extra = {"reinforcement": reinforcement} if reinforcement is not None else {}
     if checked.naflex is not None:  # SigLIP 2: NaFlex patch grids (data/naflex.py)
         extra["naflex"] = checked.naflex
     if checked.hf is not None:

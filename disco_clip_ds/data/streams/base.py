@@ -186,16 +186,29 @@ class ReaderStream(torch.utils.data.IterableDataset):
                 raise self._empty_pass()
             good, whole = 0, True
 
-    def _decode_sample(self, what: str, epoch: int, key: str, caption: Callable[[], str], image: Callable[[], bytes]):
+    def _decode_sample(
+        self,
+        what: str,
+        epoch: int,
+        key: str,
+        caption: Callable[[], str],
+        image: Callable[[], bytes],
+        box: tuple[int, int, int, int] | None = None,
+    ):
         """(uint8 pixels, caption[, kept patches]) of one sample, or None when it is skipped (and counted): its
         `caption()` is empty, or its `image()` bytes are missing, unreadable or above `max_image_pixels`. The
-        augmentation and the patch mask draw from (seed, pass, sample key): per sample, not per reader."""
+        augmentation and the patch mask draw from (seed, pass, sample key): per sample, not per reader; `box`: the
+        crop replayed from a stored augmentation instead (data/streams/reinforced.py)."""
         try:
             text = caption().strip()
             if not text:
                 raise ValueError("empty caption")
-            pixels = self.transform.from_bytes(
-                image(), random.Random(f"{self.seed}/{epoch}/{key}"), self.max_image_pixels
+            rng = random.Random(f"{self.seed}/{epoch}/{key}")
+            data = image()
+            pixels = (
+                self.transform.from_bytes(data, rng, self.max_image_pixels)
+                if box is None
+                else self.transform.from_bytes(data, rng, self.max_image_pixels, box=box)
             )
             if self.patches is None:
                 return pixels, text

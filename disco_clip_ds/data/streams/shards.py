@@ -12,6 +12,7 @@ import itertools
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, resampled_order, shards_for_reader
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
+from disco_clip_ds.data.streams.reinforced import MissingCaption, Reinforcement
 from disco_clip_ds.data.streams.state import POSITION_FIELDS
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 
@@ -36,13 +37,24 @@ class ShardStream(ReaderStream):
 
     position_fields = POSITION_FIELDS
 
-    def __init__(self, urls: list[str], image_size: int, sample_ids: bool = False, resampled: bool = False, **options):
+    def __init__(
+        self,
+        urls: list[str],
+        image_size: int,
+        sample_ids: bool = False,
+        resampled: bool = False,
+        reinforcement: Reinforcement | None = None,
+        **options,
+    ):
         """`options`: ReaderStream's (rank, world_size, seed, shuffle_buffer, train, num_workers, max_image_pixels,
-        split, micro_batch). `sample_ids`: each item also carries its (shard, sample key), before its position (for
-        the teacher embeddings stored per shard and key, data/embeddings.py). `resampled`: shards drawn with
-        replacement (every reader from all of them) instead of each reader passing over its own share."""
+        split, micro_batch). `sample_ids`: each item also carries its (shard, sample key), before its position.
+        `reinforcement` (data/streams/reinforced.py): each sample is cropped from its chosen stored augmentation,
+        captioned with its chosen caption, and (when it carries targets) its item carries the teachers' stored
+        embeddings of both, before its position. `resampled`: shards drawn with replacement (every reader from all of
+        them) instead of each reader passing over its own share."""
         super().__init__(image_size, **options)
         self.urls, self.sample_ids, self.resampled = list(urls), sample_ids, resampled
+        self.reinforcement = reinforcement
         if not resampled:  # fail early, in the main process
             shards_for_reader(self.urls, self.reader_rank * self.workers, self.num_readers)
 
@@ -107,7 +119,27 @@ class ShardStream(ReaderStream):
         if image_key is None or text_key is None:
             self._count_skip(what, "no image or no caption")
             return None
+        if self.reinforcement is not None:
+            return self._decode_reinforced(sample, epoch, key, what, image_key)
         item = self._decode_sample(
             what, epoch, key, lambda: sample[text_key].decode("utf-8"), lambda: sample[image_key]
         )
         return (*item, (str(sample.get("__url__")), key)) if item is not None and self.sample_ids else item
+
+    def _decode_reinforced(self, sample: dict, epoch: int, key: str, what: str, image_key: str):
+        """A sample of a reinforced set: its chosen caption (the member of that extension: txt, syn0.txt, ...) and
+        augmentation (the crop replayed from its stored box), then the teachers' stored embeddings of both. A sample
+        without the chosen caption, or whose sidecar lacks it, is skipped and counted, as any unreadable sample."""
+        index, caption = self.reinforcement.choose(self.seed, epoch, key)
+        if caption not in sample:
+            self._count_skip(what, f"no caption member {key}.{caption}")
+            return None
+        try:
+            box, targets = self.reinforcement.lookup(str(sample.get("__url__")), key, index, caption)
+        except MissingCaption as error:  # skipped and counted, as a sample without that caption member
+            self._count_skip(what, error)
+            return None
+        item = self._decode_sample(
+            what, epoch, key, lambda: sample[caption].decode("utf-8"), lambda: sample[image_key], box=box
+        )
+        return item if item is None or targets is None else (*item, targets)

@@ -15,7 +15,7 @@ from disco_clip_ds.data.mix import Mixture
 from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments, usage_error
-from disco_clip_ds.train.validate import batch, data, model, teacher, training
+from disco_clip_ds.train.validate import batch, data, model, reinforced, teacher, training
 from disco_clip_ds.train.validate.batch import check_contrastive_accumulation, check_deepspeed_batch, deepspeed_path
 from disco_clip_ds.train.validate.data import readers, steps_and_samples
 from disco_clip_ds.train.validate.model import naflex_budget
@@ -50,7 +50,9 @@ class CheckedRun:
     hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
     naflex: tuple[int, int] | None = None  # SigLIP 2's (patch size, patch budget per image); None: square images
     teacher_config: object | None = None  # --teacher's config (None: no teacher)
-    teacher_fingerprint: str | None = None  # --teacher's, with --teacher_embeddings (data/embeddings.py)
+    teacher_store: object | None = None  # the EmbeddingStore of --teacher_embeddings (data/embeddings.py), checked
+    # (augmentations per sample to draw from, synthetic caption keys to draw from), with --teacher_embeddings
+    reinforced: tuple[int, tuple[str, ...]] | None = None
     mixture: Mixture | None = None  # the weighted mixture of --train_shards' '::' sources (None: concatenated)
 
 
@@ -89,7 +91,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     tokenizer, image_size, max_length, naflex = model.check_tokenizer_and_sizes(model_args, config, written, args)
     model.check_tower_locks(model_args, config)
     distill_weight, teacher_config = teacher.check_teacher(model_args, config)
-    fingerprint = teacher.check_teacher_embeddings(model_args, urls)
+    reinforced.check_reinforced_flags(model_args, naflex is not None)
+    store = teacher.check_teacher_embeddings(model_args, urls)
+    pool = None if store is None else reinforced.check_store(model_args, store)
     resolved = dataclasses.replace(
         model_args,
         distill_weight=distill_weight,
@@ -110,6 +114,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
         hf,
         naflex,
         teacher_config,
-        fingerprint,
+        store,
+        pool,
         mixture,
     )

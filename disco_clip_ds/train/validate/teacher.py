@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
@@ -50,7 +50,7 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, ob
             f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
             f"{student.model_type} teacher"
         )
-    if model_args.teacher_embeddings is None:  # a live teacher: its weights are loaded once the student is built
+    if model_args.teacher_embeddings is None or model_args.live_teacher:  # its weights are loaded once the student is
         check_teacher_weights(teacher)
     return weight, config
 
@@ -70,21 +70,34 @@ def check_teacher_weights(teacher: str) -> None:
         )
 
 
-def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]) -> str | None:
-    """The --teacher's fingerprint (data/embeddings.py), once its stored embeddings are found for every training
-    shard, made by it for that very shard (a sidecar of another source's shard of the same name is refused): checked
-    from the sidecars' headers before any work (their checksums are verified as each is read). None without
-    --teacher_embeddings."""
+def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
+    """The EmbeddingStore (data/embeddings.py) of the --teacher(s)' stored embeddings, once a sidecar is found for
+    every training shard and every teacher, made by it (fingerprint) for that very shard (a sidecar of another
+    source's shard of the same name is refused): checked from the sidecars' headers before any work (their checksums
+    are verified as each is read). None without --teacher_embeddings."""
     folder = model_args.teacher_embeddings
     if folder is None:
         return None
-    from disco_clip_ds.data.embeddings import check_sidecars, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore, check_sidecars, teacher_fingerprint
 
     if not urls:
         raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
     if not Path(folder).is_dir():
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
-    with usage_error(f"--teacher {model_args.teacher}: "):
-        fingerprint = teacher_fingerprint(model_args.teacher)
-    check_sidecars(folder, urls, fingerprint, model_args.teacher)
-    return fingerprint
+    fingerprints = []
+    for name in teachers(model_args):
+        with usage_error(f"--teacher {name}: "):
+            fingerprints.append(teacher_fingerprint(name))
+    check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
+    store = EmbeddingStore(folder, fingerprints, shards=urls)
+    try:
+        store.teachers  # the settings, read from the first shard's sidecar (each of the others is checked as read)
+    except DataError as error:
+        raise UsageError(str(error)) from error
+    return store
+
+
+def teachers(model_args: ModelArguments) -> list[str]:
+    """--teacher as the list of the ensemble's teachers, in the order given."""
+    teacher = model_args.teacher
+    return [] if teacher is None else [teacher] if isinstance(teacher, str) else list(teacher)

@@ -52,8 +52,8 @@ def test_two_sources_with_the_same_shard_names_get_their_own_embeddings(tmp_path
         keys = [sample["__key__"] for sample in raw_samples(f"a/{name}")]
         assert keys == [sample["__key__"] for sample in raw_samples(f"b/{name}")]
         for key in keys:
-            a_image, a_text = store.lookup(f"a/{name}", key)
-            b_image, b_text = store.lookup(str(tmp_path / "b" / name), key)  # the same shard spelled absolutely
+            a_image, a_text = store.pair(f"a/{name}", key)
+            b_image, b_text = store.pair(str(tmp_path / "b" / name), key)  # the same shard spelled absolutely
             assert not torch.allclose(a_image, b_image) and not torch.allclose(a_text, b_text)
     assert _embed(argv) == 0 and "0 shard(s) embedded, 4 already done" in capsys.readouterr().out
     # one shard named twice would be embedded into one sidecar twice

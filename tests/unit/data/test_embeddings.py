@@ -46,7 +46,7 @@ def test_store_errors_name_the_shard_and_the_key(tmp_path):
     meta = {"teacher": "t1", **shard_facts(first)}
     write_sidecar(sidecar_path(tmp_path, first), ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
     store = EmbeddingStore(tmp_path, "t1")
-    assert store.lookup(first, "k0")[0].shape == (2,)
+    assert store.pair(first, "k0")[0].shape == (2,)
     with pytest.raises(DataError, match="sample k9 of shard data/00000.tar"):
         store.lookup(first, "k9")
     with pytest.raises(DataError, match="no teacher embeddings for shard data/00001.tar \\(sample k0\\)"):
@@ -85,8 +85,9 @@ def test_stored_embeddings_give_the_live_teachers_loss(tmp_path):
     as the collator batches them with each sample's shard and key): the same embeddings, multiplier and mixed loss."""
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.embeddings import teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore, teacher_fingerprint
     from disco_clip_ds.data.prep.embed import embed_shards
+    from disco_clip_ds.data.streams.reinforced import Reinforcement
     from disco_clip_ds.data.streams.shards import ShardStream
     from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.distill import Teacher, load_teacher, split_inputs, stored_teacher
@@ -101,15 +102,18 @@ def test_stored_embeddings_give_the_live_teachers_loss(tmp_path):
     assert again["embedded"] == [] and len(again["kept"]) == 2  # resumable: verified sidecars are kept
 
     live = load_teacher(teacher_dir, 0.5, None)
-    stored, extra = stored_teacher(teacher_dir, str(tmp_path / "emb"), urls, 0.5, None)
-    assert extra.store.fingerprint == teacher_fingerprint(teacher_dir)
+    store = EmbeddingStore(str(tmp_path / "emb"), teacher_fingerprint(teacher_dir), shards=urls)
+    stored, extra = stored_teacher([teacher_dir], store, 0.5, None)
+    assert extra.stored and store.augmentations == 0 and store.caption_keys == ["txt"]
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    stream = ShardStream(urls, 64, train=False, shuffle_buffer=0, sample_ids=True)
+    # no pool: the stream's own (here centre) crop, and each sample's stored row 0 and real caption as its targets
+    stream = ShardStream(urls, 64, train=False, shuffle_buffer=0, reinforcement=Reinforcement(store, 1, pool=False))
     items = [item for _, item in zip(range(32), stream)]
     plain = ClipCollator(tokenizer, 32)([(*item[:2], item[3]) for item in items])
-    with_ids = ClipCollator(tokenizer, 32, teacher=extra)(items)
-    assert torch.equal(plain["pixel_values"], with_ids["pixel_values"])
-    live_out, stored_out = live.embed(split_inputs(plain)[1]), stored.embed(split_inputs(with_ids)[1])
+    with_targets = ClipCollator(tokenizer, 32, teacher=extra)(items)
+    assert torch.equal(plain["pixel_values"], with_targets["pixel_values"])
+    live_out, (images, texts, params) = live.embed(split_inputs(plain)[1]), stored.embed(split_inputs(with_targets)[1])
+    stored_out = (images[0], texts[0], params[0])  # the one teacher of the ensemble
     torch.testing.assert_close(stored_out[0], live_out[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stored_out[1], live_out[1], rtol=1e-5, atol=1e-6)
     assert stored_out[2][0].item() == pytest.approx(live_out[2][0].item())

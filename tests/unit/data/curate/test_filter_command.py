@@ -72,7 +72,7 @@ def test_the_score_threshold_keeps_the_hand_computed_samples(shards, tmp_path, c
     assert table["dropped_by"] == dropped and table["cluster"] == [None] * 10
     store = EmbeddingStore(out, TEACHER)  # training distils from the output without embedding again
     rows, image, _, _ = read_sidecar(sidecar_path(shards, str(shards / "00001.tar")))
-    assert torch.equal(store.lookup(str(out / "00001.tar"), kept[4])[0], image[rows[kept[4]]])
+    assert torch.equal(store.pair(str(out / "00001.tar"), kept[4])[0], image[rows[kept[4]]])
 
 
 def test_the_fraction_is_over_all_shards_with_ties_to_the_earliest(tmp_path):

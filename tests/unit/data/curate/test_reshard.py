@@ -40,7 +40,7 @@ def test_kept_members_are_copied_byte_for_byte_with_their_embeddings(tmp_path):
     store = EmbeddingStore(out.parent, TEACHER)  # training's own lookup of the carried-over sidecar
     for url, key in ((urls[0], "000000001"), (urls[0], "000000004"), (urls[1], "000010005")):
         rows, image, text, _ = read_sidecar(sidecar_path(tmp_path / "in", url))
-        got_image, got_text = store.lookup(str(out), key)
+        got_image, got_text = store.pair(str(out), key)
         assert torch.equal(got_image, image[rows[key]]) and torch.equal(got_text, text[rows[key]])
     meta = read_sidecar(sidecar_path(out.parent, str(out)))[3]
     assert (meta["teacher"], meta["teacher_name"], meta["logit_scale"]) == (TEACHER, "tiny-teacher", "100.0")
