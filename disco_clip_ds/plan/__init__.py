@@ -5,8 +5,9 @@
     (--model recipes/models/siglip_b16.json plans SigLIP's sigmoid loss)
 
 checks.py reads and validates the config for a world size; memory.py counts each GPU's memory term by term and finds
-the largest batch that fits; traffic.py counts the bytes each rank sends; report.py puts them together (`plan`),
-prints the table and is the command (`main`). The losses planned are the ones the package ships for the model's
+the largest batch that fits; traffic.py counts the bytes each rank sends; storage.py the bytes a reinforced set
+(`data embed`) stores per sample; report.py puts them together (`plan`), prints the table and is the command
+(`main`). The losses planned are the ones the package ships for the model's
 family (FAMILY_IMPLS: CLIP's softmax loss, SigLIP's sigmoid loss).
 """
 
@@ -31,6 +32,7 @@ from disco_clip_ds.plan.memory import (
     zero_buffer_bytes,
 )
 from disco_clip_ds.plan.report import format_report, parse_memory, plan
+from disco_clip_ds.plan.storage import StoragePlan, format_storage, storage_plan
 from disco_clip_ds.plan.traffic import traffic_bytes
 
 __all__ = [
@@ -45,7 +47,9 @@ __all__ = [
     "ModelShape",
     "PlanConfigError",
     "Settings",
+    "StoragePlan",
     "format_report",
+    "format_storage",
     "read_deepspeed_json",
     "load_fit",
     "loss_bytes",
@@ -55,6 +59,7 @@ __all__ = [
     "model_state_bytes",
     "parse_memory",
     "plan",
+    "storage_plan",
     "traffic_bytes",
     "validate_config",
     "zero_buffer_bytes",

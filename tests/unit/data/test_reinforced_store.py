@@ -121,7 +121,10 @@ def _reference(folder, kind: str, data: bytes, box, captions: list[str], mean, s
     crop = ImageTransform(size).from_bytes(data, None, box=box).float()
     pixels = ((crop / 255 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))[None]
     tokens = AutoTokenizer.from_pretrained(TOKENIZER_DIR)(
-        captions, padding="max_length", truncation=True, max_length=model.config.text_config.max_position_embeddings,
+        captions,
+        padding="max_length",
+        truncation=True,
+        max_length=model.config.text_config.max_position_embeddings,
         return_tensors="pt",
     )
     with torch.no_grad():
@@ -136,7 +139,8 @@ def test_an_ensemble_with_augmentations_and_captions_equals_fresh_forwards_of_th
 
     clip, siglip = _teachers(tmp_path)
     shards = _shards(tmp_path)
-    argv = ["--teacher", str(clip), str(siglip), "--tokenizer_name", str(TOKENIZER_DIR), "--shards", shards]
+    argv = ["--teacher", str(clip), str(siglip), "--tokenizer_name", str(TOKENIZER_DIR), str(TOKENIZER_DIR)]
+    argv += ["--shards", shards]  # a tokenizer per teacher
     argv += ["--output", str(tmp_path / "emb"), "--augmentations", "3", "--seed", "5"]
     argv += ["--caption_keys", "txt,syn0.txt", "--batch_size", "2"]
     assert _embed(argv) == 0
@@ -221,8 +225,18 @@ def test_the_stored_dtype_reads_back_as_float32_within_its_rounding(tmp_path, dt
     gen = torch.Generator().manual_seed(0)
     image, text = F.normalize(torch.randn(5, 2, 32, generator=gen), dim=-1), F.normalize(torch.randn(5, 32), dim=-1)
     boxes = torch.randint(0, 100, (5, 2, 4), generator=gen, dtype=torch.int32)
-    stored = Reinforced([f"k{i}" for i in range(5)], [TeacherFacts("t")], [image], [{"txt": text}], boxes, ["txt"], 2,
-                        dtype, 3, shard_facts(str(shard)))
+    stored = Reinforced(
+        [f"k{i}" for i in range(5)],
+        [TeacherFacts("t")],
+        [image],
+        [{"txt": text}],
+        boxes,
+        ["txt"],
+        2,
+        dtype,
+        3,
+        shard_facts(str(shard)),
+    )
     path = sidecar_path(tmp_path, str(shard))
     write_reinforced(path, stored)
     back = read_reinforced(path)
@@ -245,8 +259,18 @@ def test_a_folder_of_mixed_settings_is_refused_by_the_store(tmp_path):
         shard.write_bytes(b"x")
         urls.append(str(shard))
         boxes = torch.zeros(1, k, 4, dtype=torch.int32)
-        stored = Reinforced(["a"], [TeacherFacts("t")], [torch.zeros(1, k, 2)], [{"txt": torch.zeros(1, 2)}], boxes,
-                            ["txt"], k, "float32", 0, shard_facts(str(shard)))
+        stored = Reinforced(
+            ["a"],
+            [TeacherFacts("t")],
+            [torch.zeros(1, k, 2)],
+            [{"txt": torch.zeros(1, 2)}],
+            boxes,
+            ["txt"],
+            k,
+            "float32",
+            0,
+            shard_facts(str(shard)),
+        )
         write_reinforced(sidecar_path(tmp_path, str(shard)), stored)
     store = EmbeddingStore(tmp_path, "t")
     store.lookup(urls[0], "a")
@@ -268,8 +292,9 @@ def test_a_kill_after_a_sidecar_resumes_from_the_next_shard(tmp_path):
     args = ["--teacher", str(tmp_path / "teacher"), "--tokenizer_name", str(TOKENIZER_DIR), "--augmentations", "2"]
     args += ["--shards", str(tmp_path / "data" / "{00000..00002}.tar"), "--output", str(tmp_path / "emb")]
     cmd = [str(VENV_BIN / "python"), "-m", "disco_clip_ds.cli", "data", "embed", *args]
-    killed = subprocess.run(cmd, env=train_env(DISCO_FAULT="kill_after_sidecar:shard=1"), capture_output=True,
-                            text=True, timeout=120)
+    killed = subprocess.run(
+        cmd, env=train_env(DISCO_FAULT="kill_after_sidecar:shard=1"), capture_output=True, text=True, timeout=120
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     done = sorted(p.name for p in (tmp_path / "emb").iterdir())
     assert len(done) == 2 and not any(name.endswith(".tmp") for name in done)  # shards 0 and 1, whole
