@@ -63,26 +63,26 @@ def _rank(rank: int, world: int, case: str, teachers: int, weight: float, rounds
     """{side: [step seconds per round]} on this rank."""
     from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.accumulation import logit_params
+    from disco_clip_ds.train.distill import Teacher
 
     student_path, teacher_path, patch, _, per_rank = CASES[case]
     torch.manual_seed(0)
     student = build_model(model_config=str(REPO / student_path))
-    models = [_teacher_model(teacher_path, patch, 1 + t) for t in range(teachers)]
-    ensemble = [make_teacher(models[: t + 1], weight) for t in range(teachers)]
+    models = [Teacher(_teacher_model(teacher_path, patch, 1 + t), weight) for t in range(teachers)]
     ddp = torch.nn.parallel.DistributedDataParallel(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
     batch = random_clip_batch(student.config, per_rank, seed=rank)
-    stored = [teacher.embed(batch) for teacher in ensemble]  # what the sidecars hold for this batch
+    stored = [teacher.embed(batch) for teacher in models]  # what the sidecars hold for this batch
 
     def step(side: str) -> None:
         if side == "alone":
             ddp(**batch, return_loss=True).loss.backward()
             return
         kind, t = side.split("_t")
-        teacher = ensemble[int(t) - 1]
-        targets = stored[int(t) - 1] if kind == "stored" else teacher.embed(batch)
+        embeds = stored[: int(t)] if kind == "stored" else [teacher.embed(batch) for teacher in models[: int(t)]]
         out = ddp(**batch, return_loss=False, return_logits=False)
-        teacher.loss_fn(*targets)(out.image_embeds, out.text_embeds, *logit_params(student, out)).backward()
+        loss_fn = models[0].loss_fn(*ensemble_targets(embeds))
+        loss_fn(out.image_embeds, out.text_embeds, *logit_params(student, out)).backward()
 
     times = {side: [] for side in sides(teachers)}
     for round_ in range(rounds + 1):  # round 0 warms up
@@ -98,15 +98,13 @@ def _rank(rank: int, world: int, case: str, teachers: int, weight: float, rounds
     return times
 
 
-def make_teacher(models: list, weight: float):
-    """The live teacher(s) as training holds them: one `Teacher`, or the ensemble of several."""
-    from disco_clip_ds.train.distill import Teacher
-
-    if len(models) == 1:
-        return Teacher(models[0], weight)
-    from disco_clip_ds.train.distill import TeacherEnsemble
-
-    return TeacherEnsemble([Teacher(m, weight) for m in models], weight)
+def ensemble_targets(embeds: list[tuple]) -> tuple:
+    """The distillation loss's teacher arguments from each teacher's `Teacher.embed` output: one teacher's as they
+    are, several as lists with one entry per teacher (losses/distill.py: the ensemble form)."""
+    if len(embeds) == 1:
+        return embeds[0]
+    images, texts, params = zip(*embeds)
+    return list(images), list(texts), tuple(list(p) for p in zip(*params))
 
 
 def main() -> None:
