@@ -144,8 +144,9 @@ def distillation_setting(model_args) -> str | None:
     """The run's distillation as the card and run.json show it (None: none). Not a resume fact, as patch dropout:
     the teacher is never saved and the optimizer state does not depend on it."""
     teacher = getattr(model_args, "teacher", None)
-    if teacher is None:
+    if not teacher:
         return None
+    teacher = teacher if isinstance(teacher, str) else " + ".join(teacher)  # an ensemble: every member, in order
     temperature = getattr(model_args, "distill_temperature", None)
     scale = f"temperature {temperature:g}" if temperature is not None else "the teacher's logit scale"
     stored = getattr(model_args, "teacher_embeddings", None)

@@ -50,4 +50,5 @@ def public_distillation(text: str) -> str:
     if match is None:
         return redact_text(text)
     stored = match["stored"] and f", its embeddings stored in {describe_model_source(match['stored'])}"
-    return f"from {describe_model_source(match['teacher'])}, weight {match['rest']}{stored or ''}"
+    teachers = " + ".join(describe_model_source(t) for t in match["teacher"].split(" + "))  # an ensemble's each
+    return f"from {teachers}, weight {match['rest']}{stored or ''}"

@@ -68,7 +68,7 @@ class ClipCollator:
         pixels, captions, *rest = zip(*batch)
         kept, positions = (rest[0], rest[1:]) if self.patch_dropout else (None, rest)
         ids = None
-        if self.teacher is not None and self.teacher.stored:
+        if self.teacher is not None and not isinstance(self.teacher, (list, tuple)) and self.teacher.stored:
             ids, positions = positions[0], positions[1:]
         tokens = self.tokenizer(
             list(captions), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
@@ -102,8 +102,20 @@ class ClipCollator:
 
     def _teacher_inputs(self, captions, pixels, ids) -> dict[str, torch.Tensor]:
         """The teacher's own tokens and pixels, under TEACHER_PREFIX keys, where they differ from the student's; or
-        the stored embeddings the samples carry (`targets`), per teacher t under image_embeds.t and text_embeds.t."""
-        out, teacher = {}, self.teacher
+        the stored embeddings the samples carry (`targets`), per teacher t under image_embeds.t and text_embeds.t. A
+        list of TeacherInputs (a live ensemble, None where a member reads the student's inputs): each member's under
+        TEACHER_PREFIX + "INDEX_"."""
+        if not isinstance(self.teacher, (list, tuple)):
+            return self._member_inputs(self.teacher, captions, pixels, ids)
+        out = {}
+        for index, member in enumerate(self.teacher):
+            made = self._member_inputs(member, captions, pixels, None) if member is not None else {}
+            out.update({f"{TEACHER_PREFIX}{index}_{k[len(TEACHER_PREFIX) :]}": v for k, v in made.items()})
+        return out
+
+    @staticmethod
+    def _member_inputs(teacher: TeacherInputs, captions, pixels, ids) -> dict[str, torch.Tensor]:
+        out = {}
         if ids is not None:
             images, texts = stack_targets(list(ids))
             for t, (image, text) in enumerate(zip(images, texts)):

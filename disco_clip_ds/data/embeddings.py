@@ -34,13 +34,12 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.data.redact import describe_source
+from disco_clip_ds.data.reinforced import DTYPES, FORMAT, Reinforced, TeacherFacts, reinforced_checksum
 from disco_clip_ds.data.shards import is_url
 from disco_clip_ds.errors import DataError, UsageError
 
 SUFFIX = ".teacher.safetensors"
 KEEP_SIDECARS = 4  # sidecars a DataLoader worker keeps loaded
-FORMAT = "2"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 LEGACY_CAPTION_KEY = "txt"  # the caption key a first-layout sidecar's one text embedding is read under
 
 
@@ -95,10 +94,18 @@ def sidecar_problem(meta: dict, shard: str, fingerprint: str | list[str]) -> str
     return None
 
 
-def check_sidecars(folder: str | Path, urls: list[str], fingerprint: str | list[str], teacher: str) -> None:
+def check_sidecars(
+    folder: str | Path,
+    urls: list[str],
+    fingerprint: str | list[str],
+    teacher: str,
+    augmentations: int = 0,
+    caption_keys: list[str] = (),
+) -> None:
     """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it for the teacher(s) of
-    `fingerprint` (one or a list; `sidecar_problem`, from the headers alone; checksums are verified as each is read);
-    else a UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them)."""
+    `fingerprint` (one or a list; `sidecar_problem`, from the headers alone; checksums are verified as each is read),
+    holding at least `augmentations` augmentations per sample and every caption key of `caption_keys`; else a
+    UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them)."""
     embed = f"run `disco-clip data embed --teacher {teacher} --shards ... --output {folder}`"
     for url in urls:
         path = sidecar_path(folder, url)
@@ -110,11 +117,30 @@ def check_sidecars(folder: str | Path, urls: list[str], fingerprint: str | list[
                 f"{embed}"
             )
         try:
-            problem = sidecar_problem(read_metadata(path), url, fingerprint)
+            meta = read_metadata(path)
         except DataError as error:
             raise UsageError(str(error)) from error
+        problem = sidecar_problem(meta, url, fingerprint) or _settings_problem(meta, augmentations, caption_keys)
         if problem:
             raise UsageError(f"--teacher_embeddings {folder}: {path.name} was {problem}: {embed}")
+
+
+def stored_settings(meta: dict) -> tuple[int, list[str]]:
+    """(K, caption keys) of a sidecar (its metadata): a first-layout one holds K = 0 and the caption key "txt"."""
+    if meta.get("format") != FORMAT:
+        return 0, [LEGACY_CAPTION_KEY]
+    return int(meta["augmentations"]), json.loads(meta["caption_keys"])
+
+
+def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | None:
+    stored, keys = stored_settings(meta)
+    if stored < augmentations:
+        what = "the centre crop alone" if stored == 0 else f"{stored} augmentations per sample"
+        return f"made with {what}, fewer than the {augmentations} needed (embed with --augmentations {augmentations})"
+    missing = [key for key in caption_keys if key not in keys]
+    if missing:
+        return f"made without the caption key {missing[0]} (its keys: {','.join(keys)}; embed with --caption_keys)"
+    return None
 
 
 def teacher_fingerprint(name_or_path: str) -> str:
@@ -217,80 +243,6 @@ def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor
     return {k: i for i, k in enumerate(keys)}, tensors["image"], tensors["text"], meta
 
 
-@dataclass(frozen=True)
-class TeacherFacts:
-    """What a sidecar records of one teacher: its fingerprint, the name it was given by, its model type, its logit
-    scale (the multiplier) and bias (SigLIP's; None for CLIP). A first-layout sidecar may lack the last three."""
-
-    fingerprint: str
-    name: str = ""
-    model_type: str = ""
-    logit_scale: float | None = None
-    logit_bias: float | None = None
-
-    @classmethod
-    def from_json(cls, item: dict) -> TeacherFacts:
-        return cls(**{k: item.get(k) for k in ("fingerprint", "name", "model_type", "logit_scale", "logit_bias")})
-
-
-@dataclass
-class Reinforced:
-    """A shard's stored reinforcement: per teacher (in `teachers`' order) the image embeddings (n, max(K, 1), d) and,
-    per caption key, the text embeddings (n, d); the crop boxes (n, K, 4) int32 (None when K = 0: the centre crop);
-    `meta` holds the shard's facts (`shard_facts`) and, once read, the whole header."""
-
-    keys: list[str]
-    teachers: list[TeacherFacts]
-    images: list[torch.Tensor]
-    texts: list[dict[str, torch.Tensor]]
-    boxes: torch.Tensor | None
-    caption_keys: list[str]
-    augmentations: int = 0
-    dtype: str = "float32"
-    seed: int | None = None
-    meta: dict | None = None
-
-    def rows(self) -> dict[str, int]:
-        return {k: i for i, k in enumerate(self.keys)}
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors under their stored names (module docstring)."""
-        out = {}
-        for teacher, image, texts in zip(self.teachers, self.images, self.texts):
-            out[f"image/{teacher.fingerprint}"] = image
-            out.update({f"text/{teacher.fingerprint}/{key}": texts[key] for key in self.caption_keys})
-        if self.boxes is not None:
-            out["boxes"] = self.boxes
-        return out
-
-    def header(self) -> dict[str, str]:
-        """The metadata to store, without its checksum (all strings, as safetensors keeps them)."""
-        teachers = [{k: v for k, v in vars(t).items()} for t in self.teachers]
-        return {
-            **{k: str(v) for k, v in (self.meta or {}).items() if k in ("shard", "shard_bytes")},
-            "format": FORMAT,
-            "keys": json.dumps(self.keys),
-            "teachers": json.dumps(teachers),
-            "caption_keys": json.dumps(self.caption_keys),
-            "augmentations": str(self.augmentations),
-            "dtype": self.dtype,
-            "seed": "" if self.seed is None else str(self.seed),
-        }
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    # as uint8: numpy has no bfloat16
-    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _reinforced_checksum(header: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "sha256"}, sort_keys=True).encode())
-    for name in sorted(tensors):
-        digest.update(name.encode() + str(tuple(tensors[name].shape)).encode() + str(tensors[name].dtype).encode())
-        digest.update(_tensor_bytes(tensors[name]))
-    return digest.hexdigest()
-
-
 def write_reinforced(path: Path, stored: Reinforced) -> None:
     """Write a shard's reinforcement to PATH atomically (a temporary file renamed): a kill leaves the old file or none.
     The embeddings are cast to `stored.dtype`; the same contents give the same bytes (`_canonical`)."""
@@ -304,7 +256,7 @@ def write_reinforced(path: Path, stored: Reinforced) -> None:
         for name, t in stored.tensors().items()
     }
     header = stored.header()
-    header["sha256"] = _reinforced_checksum(header, tensors)
+    header["sha256"] = reinforced_checksum(header, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(_canonical(save(tensors, metadata=header)))
@@ -335,7 +287,7 @@ def read_reinforced(path: Path) -> Reinforced:
         caption_keys, keys = json.loads(meta["caption_keys"]), json.loads(meta["keys"])
     except Exception as error:
         raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-    if _reinforced_checksum(meta, tensors) != meta.get("sha256"):
+    if reinforced_checksum(meta, tensors) != meta.get("sha256"):
         raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
     return Reinforced(
         keys,

@@ -1,7 +1,8 @@
 """A run's training FLOPs per sample, from the planner's count (plan/memory.py's `ModelShape`): the student's forward
 and backward over the tokens its layers see (patch dropout and the SigLIP 2 NaFlex budget included), plus a live
-distillation teacher's forward. Model FLOPs, as MFU counts them: a recomputed forward (gradient checkpointing,
-contrastive accumulation's embedding pass) is work done twice, not counted twice; the loss's share is left out."""
+distillation teacher's forward (each member's, for an ensemble). Model FLOPs, as MFU counts them: a recomputed
+forward (gradient checkpointing, contrastive accumulation's embedding pass) is work done twice, not counted twice;
+the loss's share is left out."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ def forward_flops_per_sample(shape: ModelShape) -> float:
     return sum(shape.training_flops_per_sample().values()) / 3
 
 
-def training_flops_per_sample(student: ModelShape, patch_dropout: float = 0.0, teacher: ModelShape | None = None):
+def training_flops_per_sample(
+    student: ModelShape, patch_dropout: float = 0.0, teacher: ModelShape | list[ModelShape] | None = None
+):
     """Training FLOPs per sample: the student's forward and backward at `patch_dropout`, plus `teacher`'s forward (a
-    live teacher; None: no teacher, or one whose embeddings are stored)."""
+    live teacher, or a list of an ensemble's: each member's forward; None: no teacher, or one whose embeddings are
+    stored)."""
     flops = sum(student.with_patch_dropout(patch_dropout).training_flops_per_sample().values())
-    return flops + (forward_flops_per_sample(teacher) if teacher is not None else 0.0)
+    teachers = teacher if isinstance(teacher, (list, tuple)) else [] if teacher is None else [teacher]
+    return flops + sum(forward_flops_per_sample(t) for t in teachers)

@@ -198,7 +198,13 @@ class ContrastiveAccumulation:
         loss_fn = unwrapped.global_loss
         if teacher is not None:  # the teacher's multiplier (and bias) are the same for every micro-batch
             images, texts, teacher_params = zip(*teacher_embeds)
-            loss_fn = teacher.loss_fn(torch.cat(images), torch.cat(texts), teacher_params[0])
+            loss_fn = teacher.loss_fn(_cat_rows(images), _cat_rows(texts), teacher_params[0])
         update.loss, update.grads, update.param_grads = cached_embedding_gradients(
             image_embeds, text_embeds, params, loss_fn
         )
+
+
+def _cat_rows(parts: tuple) -> torch.Tensor | list[torch.Tensor]:
+    """The micro-batches' teacher embeddings as one batch: one teacher's tensors concatenated, or an ensemble's
+    (a list per micro-batch, one tensor per teacher) concatenated teacher by teacher."""
+    return torch.cat(parts) if torch.is_tensor(parts[0]) else [torch.cat(rows) for rows in zip(*parts)]

@@ -59,11 +59,12 @@ class ModelArguments:
         default=None, metadata={"help": "tokens per caption (default: the model's max_position_embeddings)"}
     )
     # Distillation (train/distill.py, losses/distill.py): a frozen teacher's global-batch similarities taught.
-    teacher: str | None = field(
+    teacher: list[str] | None = field(
         default=None,
         metadata={
             "help": "a CLIPModel or SiglipModel (hub id or folder) of the model's family to distill from; frozen, "
-            "never saved with the model"
+            "never saved with the model. Several (--teacher A B): an ensemble, whose target is the mean of the "
+            "teachers' softmaxes (sigmoids), each with its own inputs and logit scale, as MobileCLIP distils"
         },
     )
     distill_weight: float | None = field(
@@ -141,6 +142,11 @@ class ModelArguments:
             "CLIP's projection train; embeddings stay frozen (0, as unset: the whole tower frozen)"
         },
     )
+
+    def __post_init__(self):
+        # A config file (or a caller) may name one teacher as a string, as --teacher took before it took a list.
+        if isinstance(self.teacher, str):
+            self.teacher = [self.teacher]
 
 
 @dataclass

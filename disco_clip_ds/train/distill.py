@@ -8,6 +8,11 @@ under no_grad (under ZeRO-3 partitioned, in an inference engine of its own: `loa
 student's unless it tokenizes or preprocesses differently: the collator then adds its own under TEACHER_PREFIX keys
 (`data.collate.ClipCollator`), which the student never sees (`split_inputs`). With `--teacher_embeddings` no model
 runs: `StoredTeacher` takes the embeddings stored per shard (data/embeddings.py) that the collator looked up.
+
+Several teachers (`--teacher A B`) are an `Ensemble`: each runs on its own inputs (the collator's TEACHER_PREFIX keys
+then carry the member's index, "teacher_0_input_ids"), and the loss distils the mean of their distributions
+(losses/distill.py, as MobileCLIP's ensemble). Its embeddings travel as one tensor, the members' side by side, so
+that contrastive accumulation concatenates micro-batches of an ensemble as it does one teacher's.
 """
 
 from __future__ import annotations
@@ -78,6 +83,47 @@ class Teacher:
         return loss
 
 
+class Ensemble:
+    """Several frozen teachers distilled as one (losses/distill.py's ensemble: the mean of the members' softmaxes or
+    sigmoids, each member with its own multiplier and bias). The interface of `Teacher`: `embed` returns the members'
+    embeddings side by side, (b, sum of their widths), and their multipliers (and biases) as tensors of shape (M,);
+    `loss_fn` splits them again. `members`: Teachers of one family, sharing the weight and the temperature."""
+
+    def __init__(self, members: list[Teacher]):
+        self.members, self.dims = members, None
+        self.weight, self.sigmoid = members[0].weight, members[0].sigmoid
+        self.config = members[0].config  # the family's, for what asks which family teaches
+
+    @torch.no_grad()
+    def embed(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Every member's embeddings of its own inputs (`member_inputs`), side by side, and its parameters."""
+        images, texts, params = zip(*(m.embed(member_inputs(inputs, k)) for k, m in enumerate(self.members)))
+        self.dims = [x.shape[1] for x in images]
+        return torch.cat(images, 1), torch.cat(texts, 1), tuple(torch.stack(p) for p in zip(*params))
+
+    def loss_fn(self, teacher_images: torch.Tensor, teacher_texts: torch.Tensor, teacher_params):
+        """As Teacher.loss_fn, against the ensemble: the side-by-side embeddings split into the members' again."""
+        distill = sigmoid_distill_loss if self.sigmoid else softmax_distill_loss
+        images, texts = teacher_images.split(self.dims, 1), teacher_texts.split(self.dims, 1)
+        params = [list(p.unbind()) for p in teacher_params]
+
+        def loss(student_images, student_texts, *student_params):
+            return distill(
+                student_images, student_texts, *student_params, images, texts, *params, distill_weight=self.weight
+            )
+
+        return loss
+
+
+def member_inputs(inputs: dict, index: int) -> dict:
+    """Ensemble member `index`'s inputs from a batch's teacher inputs (`split_inputs`): the student's, with those the
+    collator made for this member ("INDEX_"-prefixed) in their place."""
+    prefix = f"{index}_"
+    own = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "pixel_values")}
+    own.update({k[len(prefix) :]: v for k, v in inputs.items() if k.startswith(prefix)})
+    return own
+
+
 class StoredTeacher(Teacher):
     """An ensemble of T teachers read from their stored embeddings (`--teacher_embeddings`, data/embeddings.py): each
     sample's, of its chosen augmentation and caption, ride in the batch under TEACHER_PREFIX keys (image_embeds.t,
@@ -90,19 +136,19 @@ class StoredTeacher(Teacher):
         self.sigmoid = config.model_type == "siglip"
         self.stored = list(zip(scales, biases))
 
-    def embed(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
-        """Per teacher: its stored (image, text) embeddings of the batch and its (multiplier[, bias])."""
-        images, texts, params = [], [], []
-        for t, (scale, bias) in enumerate(self.stored):
-            image = inputs[f"image_embeds.{t}"].float()
-            scale = 1.0 / self.temperature if self.temperature is not None else scale
-            images.append(image)
-            texts.append(inputs[f"text_embeds.{t}"].float())
-            params.append(
-                (torch.tensor(scale, device=image.device),)
-                + ((torch.tensor(bias, device=image.device),) if self.sigmoid else ())
-            )
-        return images, texts, params
+    def embed(self, inputs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[list[torch.Tensor], ...]]:
+        """The teachers' stored (image, text) embeddings of the batch, a list of each, and (multipliers[, biases]):
+        a list per parameter, teachers in the same order, as the distillation losses take an ensemble."""
+        images = [inputs[f"image_embeds.{t}"].float() for t in range(len(self.stored))]
+        texts = [inputs[f"text_embeds.{t}"].float() for t in range(len(self.stored))]
+        device = images[0].device
+        scales = [
+            torch.tensor(1.0 / self.temperature if self.temperature is not None else scale, device=device)
+            for scale, _ in self.stored
+        ]
+        if not self.sigmoid:
+            return images, texts, (scales,)
+        return images, texts, (scales, [torch.tensor(bias, device=device) for _, bias in self.stored])
 
 
 def stored_teacher(names: list[str], store, weight: float, temperature: float | None, config=None):
@@ -118,8 +164,13 @@ def stored_teacher(names: list[str], store, weight: float, temperature: float | 
 
 
 def load_teacher(
-    name_or_path: str, weight: float, temperature: float | None, args=None, config=None, deepspeed: dict | None = None
-) -> Teacher:
+    name_or_path: str | list[str],
+    weight: float,
+    temperature: float | None,
+    args=None,
+    config=None,
+    deepspeed: dict | None = None,
+) -> Teacher | Ensemble:
     """The teacher (a CLIPModel or SiglipModel hub id or folder; `train.validate` checked its family) on the run's
     device. Under ZeRO-3 it is built partitioned like the student (transformers' zero.Init in from_pretrained) and
     run by a DeepSpeed inference engine of its own (no optimizer), which gathers each layer's weights for its forward
@@ -127,8 +178,14 @@ def load_teacher(
     of the student's optimizer, checkpoints and exports. Otherwise it is replicated, in the engine's 16-bit dtype
     under DeepSpeed (the batch arrives in it; no autocast there) and fp32 elsewhere (the Trainer's autocast).
     `config`: the teacher's config as the checks loaded it (None: loaded here); `deepspeed`: the run's DeepSpeed
-    JSON, whose ZeRO settings the teacher's engine takes."""
+    JSON, whose ZeRO settings the teacher's engine takes. Several names (and `config` a list of their configs, or
+    None): an Ensemble of them, each loaded so; one name in a list: that teacher alone."""
     from disco_clip_ds.models.build import build_model
+
+    if isinstance(name_or_path, (list, tuple)):
+        configs = config if config is not None else [None] * len(name_or_path)
+        members = [load_teacher(n, weight, temperature, args, c, deepspeed) for n, c in zip(name_or_path, configs)]
+        return members[0] if len(members) == 1 else Ensemble(members)
 
     model = build_model(name_or_path, config=config).requires_grad_(False).eval()
     if args is None:
@@ -167,11 +224,21 @@ def _zero3_inference_engine(model, args, written: dict | None):
     return engine
 
 
-def teacher_inputs(teacher: Teacher, name_or_path: str, tokenizer, max_length: int, image_processor, image_size: int):
+def teacher_inputs(teacher, name_or_path, tokenizer, max_length: int, image_processor, image_size: int):
     """What the collator must make for the teacher beyond the student's batch (`TeacherInputs`), or None when the
     teacher reads the student's inputs as they are: its own tokenizer (found with its weights) when its vocabulary or
     special tokens differ, or when the student's texts do not fit its positions (or, for SigLIP, which pools the last
-    position, are not padded to them); its own normalisation and size when its image processor's differ."""
+    position, are not padded to them); its own normalisation and size when its image processor's differ. For an
+    Ensemble (`name_or_path` the list of its names): a list with each member's (None where a member needs nothing),
+    or None when none needs anything."""
+    if isinstance(teacher, Ensemble):
+        extra = [
+            teacher_inputs(m, n, tokenizer, max_length, image_processor, image_size)
+            for m, n in zip(teacher.members, name_or_path)
+        ]
+        return extra if any(e is not None for e in extra) else None
+    if isinstance(name_or_path, (list, tuple)):
+        (name_or_path,) = name_or_path
     from transformers import AutoImageProcessor, AutoTokenizer
 
     config = teacher.config

@@ -185,18 +185,20 @@ def _run_lock(output_dir: str):
 
 
 def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: CheckedRun, processor):
-    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; None without
-    --teacher), and what its inputs need beyond the student's (`distill.teacher_inputs`)."""
+    """The distillation teacher on this rank's device, sharded under ZeRO-3 (`distill.load_teacher`; an Ensemble for
+    several --teacher; None without --teacher), and what its inputs need beyond the student's
+    (`distill.teacher_inputs`)."""
     if model_args.teacher is None:
         return None, None
+    names = " + ".join(model_args.teacher)
     if model_args.teacher_embeddings is not None and not model_args.live_teacher:
-        logger.info("distilling from %s's embeddings in %s", model_args.teacher, model_args.teacher_embeddings)
+        logger.info("distilling from %s's embeddings in %s", names, model_args.teacher_embeddings)
         return stored_teacher(
             teachers(model_args),
             checked.teacher_store,
             model_args.distill_weight,
             model_args.distill_temperature,
-            config=checked.teacher_config,
+            config=checked.teacher_config[0],
         )
     teacher = load_teacher(
         model_args.teacher,
@@ -216,7 +218,7 @@ def _teacher(model_args: ModelArguments, args: DiscoTrainingArguments, checked: 
     )
     logger.info(
         "distilling from %s (weight %g, %s)%s",
-        model_args.teacher,
+        names,
         model_args.distill_weight,
         f"temperature {model_args.distill_temperature:g}" if model_args.distill_temperature else "its own logit scale",
         "" if extra is None else ", with its own inputs",

@@ -117,8 +117,9 @@ def flops_per_sample(model_config, args, max_num_patches: int | None = None, tea
 
     try:
         student = model_shape(model_config, max_num_patches)
-        live = teacher is not None and getattr(teacher, "model", None) is not None
-        teacher_shape = model_shape(teacher.config) if live else None
+        members = getattr(teacher, "members", [teacher])  # an ensemble's members, each its own forward
+        live = [m for m in members if m is not None and getattr(m, "model", None) is not None]
+        teacher_shape = [model_shape(m.config) for m in live] or None
     except (PlanConfigError, ValueError, AttributeError) as error:  # a model the planner does not know: train on
         logger.warning("TFLOPs per device are not logged: the planner cannot count this model (%s)", error)
         return lambda step: None

@@ -168,3 +168,38 @@ def test_an_exported_distilled_run_is_the_student_alone(runs, tmp_path):
         and "teacher, weight 0.6, temperature 0.1 |" in card
     )
     assert "Weights exported in fp32 from DeepSpeed ZeRO fp32 partitions (global_step2)." in card
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_a_live_ensemble_trains_alike_on_two_ranks_and_one_rank_k2(tmp_path):
+    """--teacher A B: a narrower teacher with its own pixels and tokens and a student-shaped one reading the
+    student's inputs, distilled as one ensemble (losses/distill.py), trains alike on 2 ranks x 8 and on 1 rank x K = 2
+    x 8; run.json names both teachers. (The ensemble's loss against float64: tests/unit/losses/
+    test_distill_ensemble.py.)"""
+    write_shards(tmp_path / "data", num_shards=1, per_shard=32, seed=5)
+    initial = save_initial_model(tmp_path / "init", 11)
+    narrow, same = save_teacher(tmp_path / "narrow"), save_initial_model(tmp_path / "same", 23)
+    common = [
+        "--model_name_or_path",
+        str(initial),
+        "--train_shards",
+        f"{tmp_path}/data/00000.tar",
+        "--train_num_samples",
+        "32",
+        *SGD,
+        *SAME_STREAM,
+        "--teacher",
+        str(narrow),
+        str(same),
+        "--distill_weight",
+        "1.0",
+    ]
+    launch_in_one_process(
+        [(tmp_path / "n1_k2", [*common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"])]
+    )
+    launch("torchrun", 2, tmp_path / "n2", *common, "--per_device_train_batch_size", "8")
+    assert_same_training(tmp_path / "n2", tmp_path / "n1_k2", weights(initial), steps=STEPS)
+    facts = json.loads((tmp_path / "n2" / "run.json").read_text())
+    assert facts["distillation"] == "from narrow + same, weight 1, the teacher's logit scale"
+    assert "distilling from" in (log := (tmp_path / "n2.log").read_text()) and "with its own inputs" in log

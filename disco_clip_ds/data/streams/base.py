@@ -203,13 +203,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
             text = caption().strip()
             if not text:
                 raise ValueError("empty caption")
+            replay = {} if box is None else {"box": box}  # (NaFlex grids have no box; the checks refuse a pool)
             rng = random.Random(f"{self.seed}/{epoch}/{key}")
-            data = image()
-            pixels = (
-                self.transform.from_bytes(data, rng, self.max_image_pixels)
-                if box is None
-                else self.transform.from_bytes(data, rng, self.max_image_pixels, box=box)
-            )
+            pixels = self.transform.from_bytes(image(), rng, self.max_image_pixels, **replay)
             if self.patches is None:
                 return pixels, text
             # an RNG of its own: the crops are those of a run without patch dropout

@@ -48,9 +48,9 @@ class MissingCaption(DataError):
 class Reinforcement:
     """How the stream reads a reinforced set: `store` (data/embeddings.py EmbeddingStore of the teachers, in the
     order of --teacher), `augmentations` K stored per sample, `pool`: crop each sample with one of them (else the
-    stream's own random crop, and the targets of stored row 0), `ratio` and the `synthetic` caption keys to draw from,
-    `targets`: carry the stored embeddings as the distillation targets (False: a live teacher runs on the replayed
-    crops and chosen captions, the check that stored and live training agree)."""
+    stream's own random crop and the stored centre crop's targets, row 0), `ratio` and the `synthetic` caption keys
+    to draw from, `targets`: carry the stored embeddings as the distillation targets (False: a live teacher runs on
+    the replayed crops and chosen captions, the check that stored and live training agree)."""
 
     store: object
     augmentations: int

@@ -49,7 +49,7 @@ class CheckedRun:
     max_length: int
     hf: HFData | None = None  # the `datasets` dataset to train from, when the source is one
     naflex: tuple[int, int] | None = None  # SigLIP 2's (patch size, patch budget per image); None: square images
-    teacher_config: object | None = None  # --teacher's config (None: no teacher)
+    teacher_config: list | None = None  # each --teacher's config, in its order (None: no teacher)
     teacher_store: object | None = None  # the EmbeddingStore of --teacher_embeddings (data/embeddings.py), checked
     # (augmentations per sample to draw from, synthetic caption keys to draw from), with --teacher_embeddings
     reinforced: tuple[int, tuple[str, ...]] | None = None

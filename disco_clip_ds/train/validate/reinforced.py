@@ -44,14 +44,20 @@ def check_reinforced_flags(model_args: ModelArguments, naflex: bool) -> None:
 
 def check_store(model_args: ModelArguments, store) -> tuple[int, tuple[str, ...]]:
     """(augmentations to draw from, synthetic caption keys to draw from) once the sidecars' `store` holds what the
-    flags ask: stored augmentations for a pool, at least --augmentation_pool_size of them, the real caption, and a
-    synthetic caption for a ratio above 0."""
+    flags ask: stored augmentations for a pool (and a pool for stored augmentations), at least
+    --augmentation_pool_size of them, the real caption, and a synthetic caption for a ratio above 0."""
     folder, stored = model_args.teacher_embeddings, int(store.augmentations or 0)
     embed = f"run `disco-clip data embed --teacher ... --output {folder}` with"
     if model_args.augmentation_pool and stored == 0:
         raise UsageError(
             f"--augmentation_pool: the sidecars in {folder} store no augmentations (centre crops only): {embed} "
             "--augmentations K"
+        )
+    if stored and not model_args.augmentation_pool:
+        raise UsageError(
+            f"--teacher_embeddings {folder}: its sidecars store {stored} augmentations per sample: add "
+            "--augmentation_pool (without it each sample's own random crop would be taught the embedding of another "
+            "crop)"
         )
     size = model_args.augmentation_pool_size or stored
     if model_args.augmentation_pool and size > stored:

@@ -1,5 +1,6 @@
-"""The teacher: --teacher (a model of the student's family, with weights to load), --distill_weight,
---distill_temperature, and --teacher_embeddings stored for every training shard by that teacher."""
+"""The teacher(s): --teacher (a model of the student's family with weights to load, or several: an ensemble, each
+listed once), --distill_weight, --distill_temperature, and --teacher_embeddings stored for every training shard by
+that teacher."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from disco_clip_ds.train.validate.model import is_path
 DEFAULT_DISTILL_WEIGHT = 0.5
 
 
-def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, object]:
-    """(the distillation weight, its default filled in; the teacher's config), or (None, None) without --teacher:
-    a teacher of the `student` config's family (CLIP for CLIP, SigLIP for SigLIP: the loss compares the same kind of
-    similarities) whose weights are there to load, a weight in (0, 1], a positive temperature, a global-batch
-    loss."""
-    teacher, weight, temperature = model_args.teacher, model_args.distill_weight, model_args.distill_temperature
-    if teacher is None:
+def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, list | None]:
+    """(the distillation weight, its default filled in; each teacher's config, in --teacher's order), or (None, None)
+    without --teacher: teachers of the `student` config's family (CLIP for CLIP, SigLIP for SigLIP: the loss compares
+    the same kind of similarities), each listed once, whose weights are there to load, a weight in (0, 1], a positive
+    temperature, a global-batch loss."""
+    teachers, weight, temperature = model_args.teacher, model_args.distill_weight, model_args.distill_temperature
+    if not teachers:
         given = [
             f
             for f, v in (
@@ -41,6 +42,30 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, ob
         raise UsageError(f"--distill_temperature {temperature:g}: give a positive number, or leave it out")
     if model_args.loss_impl == "local":
         raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
+    check_listed_once(teachers)
+    live = model_args.teacher_embeddings is None or model_args.live_teacher
+    return weight, [_check_one(teacher, student, live=live) for teacher in teachers]
+
+
+def check_listed_once(teachers: list[str]) -> None:
+    """An ensemble lists each teacher once: a teacher listed twice would count twice in the mean of the teachers'
+    distributions (and its inputs be made twice). Names are compared as the folders or hub ids they resolve to."""
+    seen = {}
+    for teacher in teachers:
+        folder = Path(teacher).expanduser()
+        key = str(folder.resolve()) if is_path(teacher) or folder.exists() else teacher
+        if key in seen:
+            raise UsageError(
+                f"--teacher {' '.join(teachers)}: {teacher} is listed twice"
+                + (f" (as {seen[key]})" if seen[key] != teacher else "")
+                + "; list each teacher once"
+            )
+        seen[key] = teacher
+
+
+def _check_one(teacher: str, student, live: bool):
+    """One teacher's config, once it is of the student's family and (`live`: run, not read from stored embeddings)
+    its weights are there to load."""
     if is_path(teacher) and not Path(teacher).expanduser().exists():
         raise UsageError(f"--teacher {teacher}: no such folder")
     with usage_error(f"--teacher {teacher}: "):
@@ -50,9 +75,9 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, ob
             f"--teacher {teacher}: a {config.model_type} model cannot teach a {student.model_type} one; give a "
             f"{student.model_type} teacher"
         )
-    if model_args.teacher_embeddings is None or model_args.live_teacher:  # its weights are loaded once the student is
+    if live:  # run, not read from stored embeddings: its weights are loaded once the student is built
         check_teacher_weights(teacher)
-    return weight, config
+    return config
 
 
 def check_teacher_weights(teacher: str) -> None:
@@ -99,5 +124,4 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
 
 def teachers(model_args: ModelArguments) -> list[str]:
     """--teacher as the list of the ensemble's teachers, in the order given."""
-    teacher = model_args.teacher
-    return [] if teacher is None else [teacher] if isinstance(teacher, str) else list(teacher)
+    return list(model_args.teacher or [])

@@ -113,7 +113,7 @@ def test_stored_embeddings_give_the_live_teachers_loss(tmp_path):
     with_targets = ClipCollator(tokenizer, 32, teacher=extra)(items)
     assert torch.equal(plain["pixel_values"], with_targets["pixel_values"])
     live_out, (images, texts, params) = live.embed(split_inputs(plain)[1]), stored.embed(split_inputs(with_targets)[1])
-    stored_out = (images[0], texts[0], params[0])  # the one teacher of the ensemble
+    stored_out = (images[0], texts[0], (params[0][0],))  # the one teacher of the ensemble
     torch.testing.assert_close(stored_out[0], live_out[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(stored_out[1], live_out[1], rtol=1e-5, atol=1e-6)
     assert stored_out[2][0].item() == pytest.approx(live_out[2][0].item())

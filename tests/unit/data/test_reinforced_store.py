@@ -339,3 +339,25 @@ def test_one_model_under_two_names_is_one_line(tmp_path, capsys, no_model):
     assert _embed(argv) == 2
     err = capsys.readouterr().err
     assert "are one model (fingerprint" in err and len(err.splitlines()) == 1, err
+
+
+def test_check_sidecars_refuses_too_few_augmentations_or_a_missing_caption_key(tmp_path):
+    shard = tmp_path / "00000.tar"
+    shard.write_bytes(b"x")
+    boxes = torch.zeros(1, 2, 4, dtype=torch.int32)
+    texts = {"txt": torch.zeros(1, 2), "syn0.txt": torch.zeros(1, 2)}
+    stored = Reinforced(
+        ["a"], [TeacherFacts("t")], [torch.zeros(1, 2, 2)], [texts], boxes, ["txt", "syn0.txt"], 2, "float32", 0,
+        shard_facts(str(shard)),
+    )  # fmt: skip
+    write_reinforced(sidecar_path(tmp_path, str(shard)), stored)
+    check_sidecars(tmp_path, [str(shard)], ["t"], "T", augmentations=2, caption_keys=["txt", "syn0.txt"])
+    with pytest.raises(UsageError, match="made with 2 augmentations per sample, fewer than the 3 needed"):
+        check_sidecars(tmp_path, [str(shard)], ["t"], "T", augmentations=3)
+    with pytest.raises(UsageError, match="made without the caption key syn1.txt \\(its keys: txt,syn0.txt"):
+        check_sidecars(tmp_path, [str(shard)], "t", "T", caption_keys=["syn1.txt"])
+    centre = tmp_path / "centre"
+    meta = {"teacher": "t", **shard_facts(str(shard))}
+    write_sidecar(sidecar_path(centre, str(shard)), ["a"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
+    with pytest.raises(UsageError, match="made with the centre crop alone, fewer than the 1 needed"):
+        check_sidecars(centre, [str(shard)], "t", "T", augmentations=1)

@@ -40,6 +40,11 @@ def test_patch_dropout_and_a_live_teacher():
     # a teacher runs its forward only, over every patch: 2 FLOPs per multiply-add
     teacher = shape
     assert training_flops_per_sample(shape, 0.5, teacher) == 6 * (dropped + TINY_TEXT) + 2 * (TINY_VISION + TINY_TEXT)
+    # an ensemble: each member's forward, a wider member's more
+    wide = model_shape(CLIPConfig.from_json_file(str(TINY)))
+    wide.towers["vision"]["layers"] *= 2
+    both = training_flops_per_sample(shape, 0.5, [teacher, wide]) - training_flops_per_sample(shape, 0.5)
+    assert both == 2 * (TINY_VISION + TINY_TEXT) + forward_flops_per_sample(wide) > 4 * (TINY_VISION + TINY_TEXT)
 
 
 def test_siglip2_counts_its_naflex_budget():

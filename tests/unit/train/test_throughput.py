@@ -116,3 +116,6 @@ def test_the_flops_follow_patch_dropout_until_its_last_step():
     live = SimpleNamespace(model=object(), config=config)
     assert tp.flops_per_sample(config, args, teacher=stored)(1) == per_sample(1)
     assert tp.flops_per_sample(config, args, teacher=live)(1) == per_sample(1) + per_sample(3) / 3
+    # an ensemble: each live member's forward (per_sample(3) / 3: one forward of the tiny model, teacher and student)
+    ensemble = SimpleNamespace(members=[live, live, stored], config=config)
+    assert tp.flops_per_sample(config, args, teacher=ensemble)(1) == per_sample(1) + 2 * per_sample(3) / 3

@@ -58,7 +58,8 @@ def test_what_the_sidecars_hold_is_checked_against_the_flags():
     store = SimpleNamespace(augmentations=4, caption_keys=("txt", "syn0.txt", "syn1.txt"))
     assert check_store(_args(augmentation_pool=True), store) == (4, ("syn0.txt", "syn1.txt"))
     assert check_store(_args(augmentation_pool=True, augmentation_pool_size=3), store)[0] == 3
-    assert check_store(_args(), store)[0] == 1  # no pool: the stored row 0 (and the stream's own crop)
+    with pytest.raises(UsageError, match="store 4 augmentations per sample: add --augmentation_pool"):
+        check_store(_args(), store)  # the stream's own crop would be taught the embedding of another crop
     with pytest.raises(UsageError, match=r"--augmentation_pool_size 5: .* store 4 augmentations .* --augmentations 5"):
         check_store(_args(augmentation_pool=True, augmentation_pool_size=5), store)
     centre = SimpleNamespace(augmentations=0, caption_keys=("txt",))
@@ -67,8 +68,34 @@ def test_what_the_sidecars_hold_is_checked_against_the_flags():
     with pytest.raises(UsageError, match="--synthetic_caption_ratio 0.3: the sidecars in emb store the real captions"):
         check_store(_args(synthetic_caption_ratio=0.3), centre)
     assert check_store(_args(synthetic_caption_ratio=0.0), centre) == (1, ())  # ratio 0: the real captions suffice
+    assert check_store(_args(synthetic_caption_ratio=0.2), SimpleNamespace(augmentations=0, caption_keys=("txt", "s")))[
+        1
+    ] == ("s",)  # centre crops (no pool) with synthetic captions
     with pytest.raises(UsageError, match=r"no embeddings of the real captions \(txt\)"):
-        check_store(_args(), SimpleNamespace(augmentations=2, caption_keys=("syn0.txt",)))
+        check_store(_args(), SimpleNamespace(augmentations=0, caption_keys=("syn0.txt",)))
     with pytest.raises(UsageError, match="NaFlex"):
         check_reinforced_flags(_args(augmentation_pool=True), naflex=True)
     check_reinforced_flags(_args(augmentation_pool=True, synthetic_caption_ratio=1.0), naflex=False)
+
+
+def test_a_teacher_of_the_ensemble_without_sidecars_is_refused(bad_arguments_setup, train_main, tmp_path, capsys):
+    """--teacher A B against sidecars made by A alone: one line naming B's fingerprint and the command to run."""
+    import torch
+
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.shards import expand_shards
+
+    names = []
+    for name, width in (("a", 64), ("b", 32)):  # two teacher folders (configs alone) of two fingerprints
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((REPO / MODEL[1]).read_text().replace("\n", "\n" * (width // 32)))
+        names.append(str(tmp_path / name))
+    for url in expand_shards(bad_arguments_setup["data"]):
+        meta = {"teacher": teacher_fingerprint(names[0]), **shard_facts(url)}
+        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 8), torch.zeros(1, 8), meta)
+    argv = ["--teacher", *names, "--teacher_embeddings", str(tmp_path / "emb")]
+    assert train_main("--train_shards", bad_arguments_setup["data"], *MODEL, *TOK, *argv) == 2
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip train: ")]
+    assert len(said) == 1, said
+    assert f"made by another teacher (fingerprint {teacher_fingerprint(names[0])}, not " in said[0]
+    assert teacher_fingerprint(names[1]) in said[0] and "disco-clip data embed --teacher" in said[0]
