@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, case: str, teachers: int, weight: float, rounds
     """{side: [step seconds per round]} on this rank."""
     from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.accumulation import logit_params
-    from disco_clip_ds.train.distill import Teacher
+    from disco_clip_ds.train.distill import Ensemble, Teacher
 
     student_path, teacher_path, patch, _, per_rank = CASES[case]
     torch.manual_seed(0)
@@ -72,16 +72,21 @@ def _rank(rank: int, world: int, case: str, teachers: int, weight: float, rounds
     ddp = torch.nn.parallel.DistributedDataParallel(student)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
     batch = random_clip_batch(student.config, per_rank, seed=rank)
-    stored = [teacher.embed(batch) for teacher in models]  # what the sidecars hold for this batch
+    live = [models[0]] + ([Ensemble(models)] if teachers > 1 else [])  # as `--teacher A [B]` runs them
+    # what the sidecars hold for this batch, in the form StoredTeacher hands the loss (a list per teacher argument)
+    stored = [models[0].embed(batch)] + ([ensemble_targets([m.embed(batch) for m in models])] if teachers > 1 else [])
 
     def step(side: str) -> None:
         if side == "alone":
             ddp(**batch, return_loss=True).loss.backward()
             return
         kind, t = side.split("_t")
-        embeds = stored[: int(t)] if kind == "stored" else [teacher.embed(batch) for teacher in models[: int(t)]]
+        teacher = live[int(t) - 1]
+        if kind == "stored":  # StoredTeacher's loss is Teacher's, on the stored lists
+            loss_fn = models[0].loss_fn(*stored[int(t) - 1])
+        else:
+            loss_fn = teacher.loss_fn(*teacher.embed(batch))
         out = ddp(**batch, return_loss=False, return_logits=False)
-        loss_fn = models[0].loss_fn(*ensemble_targets(embeds))
         loss_fn(out.image_embeds, out.text_embeds, *logit_params(student, out)).backward()
 
     times = {side: [] for side in sides(teachers)}
@@ -99,10 +104,8 @@ def _rank(rank: int, world: int, case: str, teachers: int, weight: float, rounds
 
 
 def ensemble_targets(embeds: list[tuple]) -> tuple:
-    """The distillation loss's teacher arguments from each teacher's `Teacher.embed` output: one teacher's as they
-    are, several as lists with one entry per teacher (losses/distill.py: the ensemble form)."""
-    if len(embeds) == 1:
-        return embeds[0]
+    """Several teachers' `Teacher.embed` outputs as `StoredTeacher.embed` gives them: a list per argument, one entry
+    per teacher (losses/distill.py's ensemble form)."""
     images, texts, params = zip(*embeds)
     return list(images), list(texts), tuple(list(p) for p in zip(*params))
 
