@@ -17,8 +17,9 @@ quickstart's training (its 2 CPU ranks x 128 pairs, 300 steps, schedule and in-t
 
 All distilled runs at `--distill_weight` (default 1.0, MobileCLIP's). The order is seed-major: every run of seed 0 (on
 each demo) before any of seed 1, so a bench cut short still has one seed of every row. A run already finished (its
-trainer_state.json holds the last eval) is read, not trained again. Rows go to results/reinforced_quality.csv after each
-run, the teachers' too.
+trainer_state.json holds the last eval) is read, not trained again; a teacher or a sidecar folder is made when a run
+first needs it. The runs go in --runs' order. Rows go to results/reinforced_quality.csv after each run, with the
+teachers' trained so far (runs `teacher_s0`, `teacher_s1`).
 
     python bench/train/reinforced_quality.py --seeds 0 1 2 --caption_noise 0 0.3
 """
@@ -69,7 +70,7 @@ def teacher(noise: str, seed: int) -> Path:
 def embeddings(noise: str, teachers: list[Path]) -> Path:
     """The teachers' stored embeddings of the demo's training shards: K augmentations, every caption key, float16."""
     out = OUT / f"embeddings{noise_tag(noise)}_t{len(teachers)}_k{K}"
-    done = out / "done"
+    done = out.with_name(out.name + ".command")  # beside the folder: the store reads every file in it
     if not done.is_file():
         command = [str(BIN / "disco-clip"), "data", "embed", "--teacher", *map(str, teachers)]
         command += ["--shards", str(data_dir(noise) / "train"), "--output", str(out), "--augmentations", str(K)]
@@ -120,6 +121,18 @@ def run_flags(run: str, noise: str, weight: str) -> list[str]:
     return flags
 
 
+def teacher_rows(noises: list[str]) -> list[dict]:
+    """The zero-shot rows of the teachers trained so far."""
+    rows = []
+    for noise in noises:
+        for seed in (0, 1):
+            out = OUT / f"teacher{noise_tag(noise)}_s{seed}"
+            if (out / "trainer_state.json").is_file():
+                got = zeroshot_rows(out)
+                rows += [{"run": f"teacher_s{seed}", "caption_noise": noise, "seed": seed, **r} for r in got]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -129,10 +142,6 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=CSV)
     args = parser.parse_args()
     rows = []
-    for noise in args.caption_noise:
-        for seed in (0, 1):
-            got = zeroshot_rows(teacher(noise, seed))
-            rows += [{"run": "teacher", "caption_noise": noise, "seed": seed, "distill_weight": "", **r} for r in got]
     for seed in args.seeds:
         for noise in args.caption_noise:
             for run in args.runs:
@@ -140,8 +149,9 @@ def main() -> None:
                 got = train(OUT / f"{run}{noise_tag(noise)}_s{seed}", noise, seed, flags)
                 weight = args.distill_weight if run != "alone" else ""
                 rows += [{"run": run, "caption_noise": noise, "seed": seed, "distill_weight": weight, **r} for r in got]
-                write_rows(args.results, rows, rounds=1)
+                write_rows(args.results, teacher_rows(args.caption_noise) + rows, rounds=1)
                 print(run, noise, seed, json.dumps(got[-1]), flush=True)
+    rows = teacher_rows(args.caption_noise) + rows
     for noise in args.caption_noise:
         for run in args.runs:
             key = (run, noise, STEPS)
