@@ -20,7 +20,7 @@ for all of them:
 Each distilled side at T = 1 and T = 2 teachers. Per round: each side's step time (the slower rank's) and its ratio to
 the `alone` step of the same round. The goal a stored step is held to: at most 1.05 x `alone`.
 
-    python bench/train/reinforced_cost.py --case demo --rounds 21    # writes results/reinforced_cost_demo.csv
+    python bench/train/reinforced_cost.py --case demo --rounds 61    # writes results/reinforced_cost_demo.csv
     python bench/train/reinforced_cost.py --case vit_b --rounds 5
 """
 
