@@ -26,7 +26,7 @@ def samples_of(folder: Path) -> list[dict[str, bytes]]:
         by_key: dict[str, dict[str, bytes]] = {}
         with tarfile.open(path) as tar:
             for m in tar:
-                key, _, ext = m.name.rpartition(".")
+                key, _, ext = m.name.partition(".")  # webdataset's rule: KEY.syn0.txt is KEY's "syn0.txt"
                 by_key.setdefault(key, {"__key__": key})[ext] = tar.extractfile(m).read()
         out += by_key.values()
     return out
@@ -56,7 +56,7 @@ def test_layout_contract(demo_data):
     for folder, sizes in ((train, train_sizes), (evl, eval_sizes)):
         samples = samples_of(folder)
         assert len(samples) == sum(sizes.values())
-        want = {"__key__", "jpg", "txt", "json"} | ({"cls"} if folder == evl else set())
+        want = {"__key__", "jpg", "txt", "json"} | ({"cls"} if folder == evl else {"syn0.txt", "syn1.txt"})
         assert all(set(s) == want for s in samples)
 
 
@@ -66,6 +66,10 @@ def _check_against_sklearn(sample: dict, digits) -> tuple[int, int]:
     assert label == digits.target[index]
     caption = sample["txt"].decode()
     assert re.search(rf"\b({WORDS[label]}|{label})\b", caption), caption
+    for syn in ("syn0.txt", "syn1.txt"):  # the training split's synthetic captions name the digit, and only it
+        if syn in sample:
+            named = {d for d in range(10) if re.search(rf"\b({WORDS[d]}|{d})\b", sample[syn].decode())}
+            assert named == {label}, sample[syn]
     # the image is the sklearn digit, upscaled as the demo documents (bilinear to 64 px), through JPEG
     with Image.open(io.BytesIO(sample["jpg"])) as img:
         assert img.size == (64, 64) and img.mode == "RGB"
@@ -191,7 +195,7 @@ def test_hf_demo_holds_the_shards_demo_samples(demo_data, hf_demo):
             shards = {}
             with tarfile.open(tar) as archive:
                 for member in archive:
-                    key, _, ext = member.name.rpartition(".")
+                    key, _, ext = member.name.partition(".")
                     shards.setdefault(key, {})[ext] = archive.extractfile(member).read()
             by_index = {json.loads(s["json"])["source_index"]: s for s in shards.values()}
             data_file = hf_demo / folder / f"{split}-{shard:05d}-of-{count:05d}.parquet"

@@ -6,7 +6,8 @@ encoded with img2dataset's own Resizer (same size, same JPEG encoder) and writte
 TarWriter in the CLIP_benchmark layout.
 
     DIR/metadata/train.parquet      the URL list the download reads
-    DIR/train/NNNNN.tar             key.jpg, key.txt (caption), key.json (img2dataset meta + label)
+    DIR/train/NNNNN.tar             key.jpg, key.txt (caption), key.json (img2dataset meta + label),
+                                    key.syn0.txt, key.syn1.txt (synthetic captions, see below)
     DIR/train/sizes.json, summary.json
     DIR/eval/NNNNN.tar              key.jpg, key.txt (caption, for retrieval), key.cls (label), key.json
     DIR/eval/sizes.json, classnames.txt, zeroshot_classification_templates.txt
@@ -26,12 +27,19 @@ TarWriter in the CLIP_benchmark layout.
 
 `--caption_noise P` captions a fraction P of the training samples as another digit (`mislabel`), for the
 distillation demo; the eval split is the same as without it.
+
+Every training sample of the shards also carries synthetic captions, extra members as DataCompDR ships a captioner's
+captions beside the alt-text: `key.syn0.txt` and `key.syn1.txt`, each in a template of its own (`SYNTHETIC_TEMPLATES`,
+none of the real captions' templates) and always naming the image's own digit, as a good captioner would, whatever
+`--caption_noise` did to `key.txt`. Training reads `key.txt` unless told to draw synthetic captions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import json
 import math
 import os
 import threading
@@ -44,7 +52,7 @@ import numpy as np
 
 from disco_clip_ds.data.prep import download as prep
 from disco_clip_ds.data.prep.fetch import environ
-from disco_clip_ds.data.prep.outputs import shard_name
+from disco_clip_ds.data.prep.outputs import canonicalize_tar, shard_name
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import DataError, UsageError
 
@@ -58,6 +66,12 @@ CAPTION_TEMPLATES = [
     "the number {digit}, drawn by hand",
     "a blurry handwritten {word}",
     "a low resolution image of a handwritten {digit}",
+]
+# The synthetic captions' templates, one per member (`syn0`, `syn1`): a captioner's wording, apart from the real
+# captions' templates so that a run can tell which kind of caption it learnt from.
+SYNTHETIC_TEMPLATES = [
+    "a handwritten digit {digit}",
+    "a black and white picture of the digit {word}",
 ]
 ZEROSHOT_TEMPLATES = [
     "a photo of the number {c}.",
@@ -105,6 +119,43 @@ def mislabel(captions: list[str], labels: np.ndarray, indices: np.ndarray, fract
         wrong = (int(labels[i]) + int(shift)) % 10
         noisy[i] = CAPTION_TEMPLATES[template].format(word=DIGITS[wrong], digit=wrong)
     return noisy
+
+
+def synthetic_captions(label: int) -> dict[str, str]:
+    """A sample's synthetic captions by member extension (`syn0.txt`, ...), each naming its true digit."""
+    words = {"word": DIGITS[label], "digit": label}
+    return {f"syn{k}.txt": template.format(**words) for k, template in enumerate(SYNTHETIC_TEMPLATES)}
+
+
+def add_synthetic_captions(tar_path: Path) -> None:
+    """Add `synthetic_captions` of its label (from key.json) to every sample of a finished training shard, each as an
+    extra member of its sample; the members end sorted with the fixed mtime (`canonicalize_tar`), the shard written
+    whole through a temporary file. A shard that already has them is left untouched (a resumed build)."""
+    import tarfile
+
+    with tarfile.open(tar_path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers() if m.isreg()]
+    names = {m.name for m, _ in members}
+    extra = []
+    for member, data in members:
+        key, _, ext = member.name.partition(".")
+        if ext != "json":
+            continue
+        for syn, caption in synthetic_captions(int(json.loads(data)["label"])).items():
+            if f"{key}.{syn}" not in names:
+                extra.append((f"{key}.{syn}", caption.encode()))
+    if not extra:
+        return
+    tmp = tar_path.with_name(tar_path.name + ".syn")
+    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
+        for member, data in members:
+            out.addfile(member, io.BytesIO(data))
+        for name, data in extra:
+            info = copy.copy(members[0][0])  # the download's owner, mode and mtime, so that the shard stays uniform
+            info.name, info.size = name, len(data)
+            out.addfile(info, io.BytesIO(data))
+    canonicalize_tar(tmp)
+    os.replace(tmp, tar_path)
 
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,6 +372,8 @@ def build_demo(
         summary = prep.download(cfg)
     if summary["successes"] != len(train_idx) or summary["shards_failed"]:
         raise DataError(f"demo download incomplete ({summary}); see {output / 'train' / 'summary.json'}")
+    for tar in sorted((output / "train").glob("[0-9][0-9][0-9][0-9][0-9].tar")):
+        add_synthetic_captions(tar)
     eval_sizes = write_eval_shards(output / "eval", eval_idx, pngs, labels, captions, image_size, samples_per_shard)
     write_suite_tasks(output / "suite", pngs, labels, train_idx, eval_idx, image_size, samples_per_shard, seed)
     return summary, eval_sizes
