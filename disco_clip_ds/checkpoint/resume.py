@@ -150,11 +150,25 @@ def distillation_setting(model_args) -> str | None:
     temperature = getattr(model_args, "distill_temperature", None)
     scale = f"temperature {temperature:g}" if temperature is not None else "the teacher's logit scale"
     stored = getattr(model_args, "teacher_embeddings", None)
+    how = "crops replayed from" if getattr(model_args, "live_teacher", False) else "its embeddings stored in"
     # public, as the card shows it: the teacher and its embeddings by `--train_shards`' rule (no absolute path)
     return public_distillation(
         f"from {teacher}, weight {model_args.distill_weight:g}, {scale}"
-        + (f", its embeddings stored in {stored}" if stored else "")
+        + (f", {how} {stored}" if stored else "")
+        + "".join(f"; {part}" for part in _reinforcement(model_args))
     )
+
+
+def _reinforcement(model_args) -> list[str]:
+    """How a run reads a reinforced set (data/streams/reinforced.py), as the card shows it."""
+    parts = []
+    if getattr(model_args, "augmentation_pool", False):
+        size = getattr(model_args, "augmentation_pool_size", None)
+        parts.append(f"one of {'the first ' + str(size) if size else 'all'} stored crops per sample")
+    ratio = getattr(model_args, "synthetic_caption_ratio", None)
+    if ratio:
+        parts.append(f"synthetic captions at ratio {ratio:g}")
+    return parts
 
 
 # The locking flags (train/locking.py), with their unlocked layers and norms: a frozen parameter has no optimizer

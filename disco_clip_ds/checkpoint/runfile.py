@@ -39,7 +39,8 @@ def describe_model_source(source: str) -> str:
 
 
 _DISTILLATION = re.compile(
-    r"^from (?P<teacher>.+?), weight (?P<rest>.*?)(?:, its embeddings stored in (?P<stored>.+))?$"
+    r"^from (?P<teacher>.+?), weight (?P<rest>.*?)"
+    r"(?:, (?P<how>its embeddings stored in|crops replayed from) (?P<stored>[^;]+))?(?P<reinforced>; .*)?$"
 )
 
 
@@ -49,6 +50,6 @@ def public_distillation(text: str) -> str:
     match = _DISTILLATION.match(text)
     if match is None:
         return redact_text(text)
-    stored = match["stored"] and f", its embeddings stored in {describe_model_source(match['stored'])}"
+    stored = match["stored"] and f", {match['how']} {describe_model_source(match['stored'])}"
     teachers = " + ".join(describe_model_source(t) for t in match["teacher"].split(" + "))  # an ensemble's each
-    return f"from {teachers}, weight {match['rest']}{stored or ''}"
+    return f"from {teachers}, weight {match['rest']}{stored or ''}{match['reinforced'] or ''}"

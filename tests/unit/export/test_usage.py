@@ -99,6 +99,16 @@ def test_the_card_and_run_json_name_the_teacher_without_its_absolute_paths(tmp_p
     assert shown == "from teacher, weight 0.5, the teacher's logit scale, its embeddings stored in emb"
     hub = SimpleNamespace(teacher="org/clip-teacher", teacher_embeddings=None, distill_weight=1, distill_temperature=2)
     assert distillation_setting(hub) == "from org/clip-teacher, weight 1, temperature 2"  # a hub id is public
+    pool = SimpleNamespace(**vars(args), augmentation_pool=True)
+    pool.teacher, pool.augmentation_pool_size, pool.synthetic_caption_ratio = [str(teacher), "org/t2"], 4, 0.5
+    assert distillation_setting(pool) == (
+        "from teacher + org/t2, weight 0.5, the teacher's logit scale, its embeddings stored in emb; one of the first "
+        "4 stored crops per sample; synthetic captions at ratio 0.5"
+    )
+    pool.live_teacher, pool.augmentation_pool_size = True, None
+    assert distillation_setting(pool).endswith(
+        ", crops replayed from emb; one of all stored crops per sample; synthetic captions at ratio 0.5"
+    )
     checkpoint = tmp_path / "run" / "checkpoint-1"
     saved_run(checkpoint, "clip", TOKENIZER_DIR)
     old = f"from {teacher}, weight 0.5, the teacher's logit scale, its embeddings stored in {stored}"
