@@ -65,5 +65,5 @@ def test_datacomp_goes_on_with_embed_and_filter_when_a_teacher_is_named(tmp_path
     calls = [line.split("\0")[:-1] for line in (tmp_path / "calls").read_text().splitlines() if line]
     assert [c[:2] for c in calls][-3:] == [["data", "verify"], ["data", "embed"], ["data", "filter"]]
     embed, filtered = embed_parser().parse_args(calls[-2][2:]), filter_parser().parse_args(calls[-1][2:])
-    assert embed.teacher == filtered.teacher == "t" and embed.shards == filtered.shards
+    assert embed.teacher == ["t"] and filtered.teacher == "t" and embed.shards == filtered.shards  # embed: an ensemble
     assert filtered.keep_fraction == 0.3 and filtered.output == "data/datacomp_small/clip_score"
