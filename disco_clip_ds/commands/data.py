@@ -151,8 +151,7 @@ def embed_parser() -> argparse.ArgumentParser:
 def embed_main(argv: list[str] | None = None) -> int:
     """`disco-clip data embed --teacher MODEL [MODEL ...] --shards SPEC`: see `embed_parser`."""
     from disco_clip_ds.data.prep.embed import Settings, embed_launched
-    from disco_clip_ds.data.redact import describe_shards, describe_source
-    from disco_clip_ds.data.shards import expand_shards, is_url, missing_shards
+    from disco_clip_ds.data.shards import local_shards
 
     args = embed_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -165,16 +164,7 @@ def embed_main(argv: list[str] | None = None) -> int:
         args.embedding_dtype,
         args.seed,
     )
-    try:
-        urls = expand_shards(args.shards)
-    except (ValueError, OSError) as error:
-        raise UsageError(str(error)) from error
-    remote = [u for u in urls if is_url(u)]
-    if remote:
-        raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
-    missing = missing_shards(urls)
-    if missing:
-        raise UsageError(f"--shards {describe_shards(args.shards)}: {describe_source(missing[0])} does not exist")
+    urls = local_shards(args.shards, "data embed")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
     summary, rank = embed_launched(settings.teachers, urls, args.output, args.batch_size, settings=settings)

@@ -12,6 +12,7 @@ from pathlib import Path
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
 from disco_clip_ds.data.redact import describe_source
+from disco_clip_ds.errors import UsageError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # the image keys of a webdataset sample, as img2dataset writes them
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
@@ -159,3 +160,19 @@ def resampled_order(urls: list[str], seed: int, epoch: int, reader: int) -> list
     """A pass of a reader under --dataset_resampled: len(urls) shards drawn with replacement from all of `urls`
     (open_clip's ResampledShards: every reader draws from every shard), seeded by (seed, pass, reader)."""
     return random.Random(f"{seed}/resampled/{epoch}/{reader}").choices(urls, k=len(urls))
+
+
+def local_shards(spec: str, command: str) -> list[str]:
+    """The shards of SPEC ('::'-joined sources, brace patterns, folders) for a command that reads local files only
+    (`data embed`, `data filter`); a UsageError in one line for a bad spec, a remote shard or a missing one."""
+    try:
+        urls = expand_shards(spec)
+    except (ValueError, OSError) as error:
+        raise UsageError(f"--shards: {error}") from error
+    remote = [u for u in urls if is_url(u)]
+    if remote:
+        raise UsageError(f"--shards: {command} reads local shards only, not {describe_source(remote[0])}")
+    missing = missing_shards(urls)
+    if missing:
+        raise UsageError(f"--shards: {describe_source(missing[0])} does not exist")
+    return urls

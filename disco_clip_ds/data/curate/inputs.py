@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, sidecar_problem, teacher_fingerprint
-from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.shards import expand_shards, is_url, missing_shards, write_json
+from disco_clip_ds.data.shards import local_shards as _local_shards
+from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import DataError, UsageError
 
 ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resume with other ones is refused
@@ -17,16 +17,7 @@ ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resum
 
 def local_shards(spec: str) -> list[str]:
     """The shards of SPEC ('::'-joined sources, brace patterns, folders), each an existing local file, named once."""
-    try:
-        urls = expand_shards(spec)
-    except (ValueError, OSError) as error:
-        raise UsageError(f"--shards: {error}") from error
-    remote = [u for u in urls if is_url(u)]
-    if remote:
-        raise UsageError(f"--shards: data filter reads local shards only, not {describe_source(remote[0])}")
-    missing = missing_shards(urls)
-    if missing:
-        raise UsageError(f"--shards: {missing[0]} does not exist")
+    urls = _local_shards(spec, "data filter")
     resolved = [str(Path(u).resolve()) for u in urls]
     if len(set(resolved)) != len(resolved):
         raise UsageError("--shards names one shard twice: give each shard once")
