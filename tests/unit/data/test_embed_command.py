@@ -20,16 +20,6 @@ def _embed(argv: list[str]) -> int:
     return run_main(embed_main, argv, "disco-clip data embed")
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: the refusals must come before."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr("disco_clip_ds.models.build.build_model", refuse)
-
-
 @pytest.mark.slow  # builds a tiny teacher and embeds 12 samples
 def test_two_sources_with_the_same_shard_names_get_their_own_embeddings(tmp_path, capsys, monkeypatch):
     """D3: b's shards were "already done" with a's sidecars, and training read a's embeddings for b's samples."""

@@ -45,14 +45,6 @@ def _embed(argv: list[str]) -> int:
     return run_main(embed_main, argv, "disco-clip data embed")
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr("disco_clip_ds.models.build.build_model", refuse)
-
-
 def _jpeg(rng, width: int, height: int) -> bytes:
     import io
 
