@@ -144,3 +144,39 @@ def hf_cls(cls_set, tmp_path_factory):
 def record(argv, capsys) -> dict:
     assert eval_main(argv) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)
+
+
+def tiny_trainer(model, tokenizer, processor, images: list[bytes], output_dir):
+    """A Trainer of `model` for 3 steps of 2 pairs (the first two `images`, two short captions) on the CPU, without
+    saving: what the in-training eval callbacks are attached to in the tests."""
+    import io
+
+    from PIL import Image
+    from transformers import Trainer, TrainingArguments
+
+    tokens = tokenizer(["a photo", "two cats playing"], padding="max_length", max_length=16, return_tensors="pt")
+    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")
+    train = [
+        {
+            "input_ids": tokens["input_ids"][i],
+            "attention_mask": tokens["attention_mask"][i],
+            "pixel_values": pixels["pixel_values"][i],
+        }
+        for i in range(2)
+    ] * 4
+
+    def collate(rows):
+        return {**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, "return_loss": True}
+
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return Trainer(model=model, args=args, train_dataset=train, data_collator=collate)

@@ -3,16 +3,13 @@ trains on (the model's own image processor)."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
 
 from disco_clip_ds.eval.callback import ZeroShotCallback
 from disco_clip_ds.eval.tasks import zeroshot_classification
 
-from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_tokenizer
+from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_tokenizer, tiny_trainer
 
 
 @pytest.mark.parametrize("source", ["shards", "datasets"])
@@ -20,35 +17,10 @@ def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp
     """Logged every 2 steps and at the last, equal to an eval of the final model on the shards: from the shards
     themselves, or from the same set as a parquet dataset (its split and columns named, class names from its
     ClassLabel)."""
-    from transformers import Trainer, TrainingArguments
 
     folder, images, labels = cls_set
     model, tokenizer, processor = tiny_clip()
-    tokens = tokenizer(["a photo", "two cats playing"], padding="max_length", max_length=16, return_tensors="pt")
-    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")[
-        "pixel_values"
-    ]
-    train = [
-        {"input_ids": tokens["input_ids"][i], "attention_mask": tokens["attention_mask"][i], "pixel_values": pixels[i]}
-        for i in range(2)
-    ] * 4
-
-    def collate(rows):
-        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-        return {**batch, "return_loss": True}
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
+    trainer = tiny_trainer(model, tokenizer, processor, images, tmp_path)
     if source == "shards":
         callback = ZeroShotCallback(folder, tokenizer, processor, every_n_steps=2, batch_size=4)
     else:

@@ -5,7 +5,6 @@ suite section."""
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import re
@@ -22,7 +21,7 @@ from disco_clip_ds.eval.suite import load_tasks, log_tensorboard, run_suite, tra
 from disco_clip_ds.eval.tasks import zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 
-from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip
+from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_trainer
 
 DATACOMP_FORM = """
 # as DataComp's tasklist.yml: a key per task, descriptive fields besides
@@ -222,39 +221,10 @@ def test_tensorboard_scalars(tmp_path, suite_run):
 def test_suite_callback_logs_training_tasks_then_all_and_writes_the_final_suite(sets, tmp_path, cls_set):
     """Every 2 steps the tasks marked train (retrieval/captions), at the last step all of them; the last step's
     values equal a suite run of the final weights, and its table lands in OUTPUT_DIR/suite."""
-    from PIL import Image
-    from transformers import Trainer, TrainingArguments
-
     from disco_clip_ds.eval.callback import SuiteCallback
 
     model, tokenizer, processor = tiny_clip()
-    images = cls_set[1]
-    tokens = tokenizer(["a photo", "two cats"], padding="max_length", max_length=16, return_tensors="pt")
-    pixels = processor(images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images[:2]], return_tensors="pt")
-    train = [
-        {
-            "input_ids": tokens["input_ids"][i],
-            "attention_mask": tokens["attention_mask"][i],
-            "pixel_values": pixels["pixel_values"][i],
-        }
-        for i in range(2)
-    ] * 4
-
-    def collate(rows):
-        return {**{k: torch.stack([r[k] for r in rows]) for k in rows[0]}, "return_loss": True}
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate)
+    trainer = tiny_trainer(model, tokenizer, processor, cls_set[1], tmp_path)
     SuiteCallback(sets / "tasks.yml", tokenizer, processor, every_n_steps=2, batch_size=4).attach(trainer)
     trainer.train()
     logged = {e["step"]: e for e in trainer.state.log_history if any(k.startswith("suite/") for k in e)}
