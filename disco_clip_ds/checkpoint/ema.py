@@ -76,6 +76,16 @@ def fill_fragments(folder: Path, fragments: list[Fragment], values: list[torch.T
         raise CheckpointError(f"{folder} lacks the EMA of {', '.join(short[:3])}: the checkpoint is incomplete")
 
 
+def saved_settings(checkpoint: str | Path) -> dict | None:
+    """The settings `checkpoint`'s EMA was kept with (decay, start_step, warmup, begun_at: the optimizer step whose
+    weights it started from), from its first rank file's header; None when the checkpoint holds no EMA."""
+    files = ema_files(checkpoint)
+    if not files:
+        return None
+    with _saved(files[0]) as saved:
+        return json.loads(saved.metadata()["settings"])
+
+
 def read_ema_state_dict(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The full EMA of `checkpoint`, assembled from every rank's file: ({name: fp32 tensor of the full shape}, the
     settings it was kept with). For export (one process, after training)."""

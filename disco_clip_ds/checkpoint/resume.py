@@ -35,6 +35,7 @@ import logging
 import os
 from pathlib import Path
 
+from disco_clip_ds.checkpoint.ema import saved_settings
 from disco_clip_ds.checkpoint.layout import is_zero3, saved_ranks
 from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
 from disco_clip_ds.data.redact import describe_data
@@ -260,6 +261,9 @@ def checkpoint_facts(checkpoint: Path) -> dict:
         facts["world_size"] = ranks
     if is_zero3(checkpoint):
         facts["zero_stage"] = 3
+    ema = saved_settings(checkpoint)
+    if ema is not None:
+        facts["ema_decay"] = ema["decay"]
     try:
         facts["model"] = architecture(json.loads((checkpoint / "config.json").read_text()))
     except (OSError, ValueError):
@@ -392,6 +396,11 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
                 f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO checkpoints move to "
                 f"another number of ranks; resume on {_ranks(old['world_size'])}"
             )
+    if old.get("ema_decay") is not None and new.get("ema_decay") is None and not new.get("drop_ema"):
+        problems.append(
+            f"the checkpoint keeps an EMA of the weights (decay {old['ema_decay']:g}) and this command none: pass "
+            f"--ema_decay {old['ema_decay']:g} to keep it, or --drop_ema true to go on without it"
+        )
     if ignore_data_skip:
         return problems
     if known("data_readers") and old["data_readers"] != new["data_readers"] and ranks_per_reader(old, new) == 1:

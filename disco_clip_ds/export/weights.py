@@ -111,12 +111,19 @@ def _with_ema(checkpoint: Path, state_dict: dict) -> tuple[dict, str]:
         raise ExportError(f"the EMA in {checkpoint} holds {unknown[0]}, which the model has not (of that size)")
     # the saved model's shapes: CLIP's logit_scale trains as a 1-vector (compat.adopt_vector_logit_scale)
     averaged = {name: value.reshape(state_dict[name].shape) for name, value in averaged.items()}
-    warmup = ", with warmup" if settings.get("warmup") else ""
-    described = (
-        f"the exponential moving average (EMA) of the weights, decay {settings['decay']:g} from step "
-        f"{settings['start_step']}{warmup} (timm ModelEmaV3's rule), at {checkpoint.name}"
-    )
+    described = f"the exponential moving average (EMA) of the weights, {ema_origin(settings)}, at {checkpoint.name}"
     return {**state_dict, **averaged}, described
+
+
+def ema_origin(settings: dict) -> str:
+    """Where an EMA (its saved settings) started and by which rule: averaging from step max(start_step, begun_at),
+    begun_at being the step a run resumed at without an EMA (older EMA files lack it: from the start)."""
+    warmup = ", with warmup" if settings.get("warmup") else ""
+    begun = settings.get("begun_at", 0)
+    first = max(settings["start_step"], begun)
+    resumed = begun > settings["start_step"]
+    why = f" (started when the run was resumed at step {begun} without an EMA)" if resumed else ""
+    return f"decay {settings['decay']:g} from step {first}{why}{warmup} (timm ModelEmaV3's rule)"
 
 
 # Trained CLIP weights are O(1) (logit_scale at most ln 100). Beyond 1e15 the dot product of two such rows over a

@@ -327,6 +327,13 @@ class DiscoTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "the decay ramps up as 1 - (1 + step)^(-2/3) to --ema_decay (timm's use_warmup)"},
     )
+    drop_ema: bool = field(
+        default=False,
+        metadata={
+            "help": "resume a checkpoint that keeps an EMA of the weights without --ema_decay: the EMA is dropped "
+            "(without this flag such a resume is refused, so that no EMA is lost by a forgotten flag)"
+        },
+    )
     eval_ema: bool = field(
         default=False,
         metadata={"help": "the in-training zero-shot eval also evaluates the EMA (logged as zeroshot_ema_*)"},

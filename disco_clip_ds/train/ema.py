@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from disco_clip_ds.checkpoint.ema import EMA_DIR, Fragment, fill_fragments, write_fragments
+from disco_clip_ds.checkpoint.ema import EMA_DIR, Fragment, fill_fragments, saved_settings, write_fragments
 
 logger = logging.getLogger("disco_clip_ds.train.ema")
 
@@ -96,6 +96,7 @@ class WeightsEma(TrainerCallback):
         self.decay, self.start_step, self.warmup = decay, start_step, warmup
         self.trainer = trainer
         self.resume_from: str | None = None
+        self.begun_at = 0  # the optimizer step whose weights the EMA started from (a resume without one: that step)
         self.fragments: list[Fragment] = []
         self.values: list[torch.Tensor] = []  # this rank's EMA, one fp32 tensor per fragment
         # the fp32 master weights each fragment averages: views found once, at the start, of the tensors the optimizer
@@ -111,20 +112,23 @@ class WeightsEma(TrainerCallback):
     # --- the trainer's calls ---
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start(self.resume_from)
+        self.start(self.resume_from, state.global_step)
 
-    def start(self, checkpoint: str | None) -> None:
-        """Begin from the current fp32 master weights, or from `checkpoint`'s EMA when it holds one."""
+    def start(self, checkpoint: str | None, step: int = 0) -> None:
+        """Begin from the current fp32 master weights (those of optimizer step `step`), or from `checkpoint`'s EMA
+        when it holds one."""
         args = self.trainer.args
         pieces = _fragments(self.trainer.model, self._optimizer(), args.process_index, args.world_size)
         self.fragments = [fragment for fragment, _ in pieces]
         self.sources = [source for _, source in pieces]
         self.values = [source.detach().float().clone() for source in self.sources]
         folder = Path(checkpoint) / EMA_DIR if checkpoint else None
+        self.begun_at = step
         if folder is not None and folder.is_dir():
             fill_fragments(folder, self.fragments, self.values)
+            self.begun_at = saved_settings(checkpoint).get("begun_at", 0)  # files before this key: from the start
         elif folder is not None:
-            logger.warning("%s holds no EMA: the EMA starts from its weights", checkpoint)
+            logger.warning("%s holds no EMA: the EMA starts from its weights, at step %d", checkpoint, step)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.update(state.global_step + 1)  # the Trainer counts the step just after this callback
@@ -140,6 +144,7 @@ class WeightsEma(TrainerCallback):
     def save(self, output_dir: str | Path) -> None:
         """This rank's EMA into OUTPUT_DIR/ema/ (checkpoint/ema.py's layout)."""
         settings = {"decay": self.decay, "start_step": self.start_step, "warmup": self.warmup}
+        settings["begun_at"] = self.begun_at
         write_fragments(Path(output_dir), self.trainer.args.process_index, self.fragments, self.values, settings)
 
     # --- evaluating the EMA ---

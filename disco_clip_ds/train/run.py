@@ -346,8 +346,12 @@ def _resume_point(
             args, data_args, checked.urls, checked.num_samples, checked.max_steps, model_args=model_args
         ),
         "model": resume.architecture(checked.config.to_dict()),
+        "ema_decay": args.ema_decay,
+        "drop_ema": args.drop_ema,
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
+    if old.get("ema_decay") is not None and args.ema_decay is None:
+        logger.warning("resume: --drop_ema: the EMA of the weights kept in %s is dropped", last)
     split = 1 if args.ignore_data_skip else resume.ranks_per_reader(old, new)
     if old.get("world_size", args.world_size) == args.world_size or step >= checked.max_steps:
         universal.drop_universal(args.output_dir)

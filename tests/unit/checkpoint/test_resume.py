@@ -334,3 +334,24 @@ def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(
         steps = [sorted(key for r in range(4) for key, _ in split[r][s - start]) for s in range(start, STEPS)]
         assert steps == reference[start:], start
         assert newest(split, STEPS) == newest(ranks, STEPS)
+
+
+def test_a_checkpoint_keeping_an_ema_is_not_resumed_without_it_unless_dropped_on_purpose(tmp_path):
+    """The EMA a checkpoint keeps (read from its ema/ files) is not dropped by a forgotten --ema_decay: the resume is
+    refused naming both ways on; --drop_ema drops it on purpose; a checkpoint without an EMA resumes with or without."""
+    from disco_clip_ds.checkpoint.ema import Fragment, write_fragments
+    from disco_clip_ds.checkpoint.resume import checkpoint_facts
+
+    checkpoint = tmp_path / "checkpoint-3"
+    write_fragments(checkpoint, 0, [Fragment("w", 0, 2, (2,))], [torch.zeros(2)], {"decay": 0.99, "start_step": 0})
+    old = {**_facts(), **checkpoint_facts(checkpoint)}
+    assert old["ema_decay"] == 0.99
+    (problem,) = resume_problems(old, _facts(ema_decay=None))
+    assert problem == (
+        "the checkpoint keeps an EMA of the weights (decay 0.99) and this command none: pass --ema_decay 0.99 to "
+        "keep it, or --drop_ema true to go on without it"
+    )
+    assert resume_problems(old, _facts(ema_decay=None, drop_ema=True)) == []
+    assert resume_problems(old, _facts(ema_decay=0.99)) == []
+    assert "ema_decay" not in checkpoint_facts(tmp_path)
+    assert resume_problems(_facts(), _facts(ema_decay=0.9)) == []

@@ -171,3 +171,32 @@ def test_check_ema_accepts_the_edges():
     check_ema(SimpleNamespace(ema_decay=0.9, ema_start_step=0, eval_ema=True), 5)
     with pytest.raises(UsageError):
         check_ema(SimpleNamespace(ema_decay=float("inf"), ema_start_step=0, eval_ema=False), 0)
+
+
+def test_an_ema_begun_at_a_resume_without_one_records_that_step_and_the_card_says_it(tmp_path):
+    """Resuming a checkpoint without an EMA with --ema_decay starts the EMA from that step's weights: the saved
+    settings say so and what export's card writes names that step, not step 0. A resume of the EMA keeps the step."""
+    from disco_clip_ds.checkpoint.ema import saved_settings
+    from disco_clip_ds.export.weights import ema_origin
+
+    model = _model()
+    without = tmp_path / "checkpoint-40"
+    without.mkdir()  # a checkpoint the run saved before it kept an EMA
+    ema = WeightsEma(_trainer(model), decay=0.9, start_step=0, warmup=False)
+    ema.start(str(without), step=40)
+    ema.save(tmp_path / "checkpoint-50")
+    settings = saved_settings(tmp_path / "checkpoint-50")
+    assert settings["begun_at"] == 40
+    assert ema_origin(settings) == (
+        "decay 0.9 from step 40 (started when the run was resumed at step 40 without an EMA) (timm ModelEmaV3's rule)"
+    )
+    again = WeightsEma(_trainer(_model()), decay=0.9, start_step=0, warmup=False)
+    again.start(str(tmp_path / "checkpoint-50"), step=50)  # a resume of the EMA: it began at 40 still
+    assert again.begun_at == 40 and all(torch.equal(a, b) for a, b in zip(again.values, ema.values))
+    fresh = WeightsEma(_trainer(_model()), decay=0.9, start_step=5, warmup=True)
+    fresh.start(None)
+    fresh.save(tmp_path / "checkpoint-60")
+    assert ema_origin(saved_settings(tmp_path / "checkpoint-60")) == (
+        "decay 0.9 from step 5, with warmup (timm ModelEmaV3's rule)"
+    )
+    assert saved_settings(without) is None
