@@ -14,6 +14,7 @@ before this module existed and one written after are shown alike.
 
 from __future__ import annotations
 
+import html
 import re
 import shlex
 from pathlib import PurePosixPath
@@ -33,6 +34,9 @@ SECRETS = (
         re.compile(r"(?i)(?<=aws_secret_access_key)(?:\s*[=:]\s*|\s+)['\"]?[A-Za-z0-9/+=]{30,}"),
     ),
     ("a password in a URL (user:password@)", re.compile(r"(?<=://)[^/\s:@'\"]+:[^/\s@'\"]+(?=@)")),
+    ("a GitHub token (ghp_..., github_pat_...)", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_\w{40,})")),
+    ("an API key (sk-...)", re.compile(r"\bsk-[A-Za-z0-9_-]{20,}")),
+    ("a Slack token (xox.-...)", re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}")),
     (
         "a token in a URL query (token=...)",
         re.compile(
@@ -96,7 +100,8 @@ def describe_shards(spec: str) -> str:
     return "::".join(describe_source(s) for s in spec.split("::") if s.strip())
 
 
-_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/[^\s,;]+")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~<-])~?/[^\s,;<>]+")
+_MARKDOWN = re.compile(r"([\\`*\[\]|])")  # what would break a table cell or start a link, code span or emphasis
 
 
 def describe_data(data: str) -> str:
@@ -106,6 +111,15 @@ def describe_data(data: str) -> str:
     if data.startswith("datasets "):
         return _ABSOLUTE_PATH.sub(lambda m: describe_path(m.group(0)), redact_text(data))
     return describe_shards(data)
+
+
+def public_text(text: str) -> str:
+    """`text` as it may go into a model card or suite.md, whatever it holds: known secrets hidden (`redact_text`),
+    absolute local paths shortened to their last parts (`describe_path`), one line, and Markdown's and HTML's
+    special characters escaped, so that a value stays one table cell and renders as the text it is."""
+    text = _ABSOLUTE_PATH.sub(lambda m: describe_path(m.group(0)), redact_text(str(text)))
+    text = " ".join(text.split())
+    return _MARKDOWN.sub(r"\\\1", html.escape(text, quote=False))
 
 
 def _words(command: str) -> list[str]:

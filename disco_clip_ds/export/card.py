@@ -10,7 +10,7 @@ from pathlib import Path
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, trainer_state
 from disco_clip_ds.checkpoint.resume import describe_resumes
 from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
-from disco_clip_ds.data.redact import describe_data, redact_text
+from disco_clip_ds.data.redact import describe_data, public_text
 
 
 def describe_run(checkpoint: Path) -> dict:
@@ -142,8 +142,8 @@ def suite_section(rows: list[dict]) -> list[str]:
     lines += ["| task | type | main metric | value |", "|---|---|---|---|"]
     for row in rows:
         value = row.get("value")
-        shown = f"{value:.4f}" if isinstance(value, (int, float)) else f"failed: {redact_text(str(row.get('error')))}"
-        cells = [redact_text(str(row.get(key) or "")) for key in ("task", "type", "main_metric")]
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) else f"failed: {public_text(row.get('error'))}"
+        cells = [public_text(row.get(key) or "") for key in ("task", "type", "main_metric")]
         lines.append(f"| {' | '.join(cells)} | {shown} |")
     return [*lines, ""]
 
@@ -159,8 +159,8 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
         pipeline_tag="zero-shot-image-classification",
         tags=[model_type, "disco-clip", "deepspeed"],
     )
-    # every shown value passes the secret patterns too, whatever run.json held
-    rows = [f"| {label} | {redact_text(str(run[key]))} |" for key, label in RUN_FIELDS if key in run]
+    # every shown value passes `public_text` (secrets, local paths, Markdown and HTML), whatever run.json held
+    rows = [f"| {label} | {public_text(run[key])} |" for key, label in RUN_FIELDS if key in run]
     lines = [
         "---",
         data.to_yaml(),
@@ -184,10 +184,13 @@ def model_card(run: dict, records: list[dict], weights_from: str, model_type: st
     if records:
         lines += ["## Evaluation", ""]
         for record in records:
-            source = f" on `{record['dataset']}`" if record.get("dataset") else ""
-            lines += [f"{record.get('task', 'evaluation')}{source}:", "", "| metric | value |", "|---|---|"]
+            source = f" on {public_text(record['dataset'])}" if record.get("dataset") else ""
+            task = public_text(record.get("task", "evaluation"))
+            lines += [f"{task}{source}:", "", "| metric | value |", "|---|---|"]
             lines += [
-                f"| {name} | {value:.4f} |" if isinstance(value, float) else f"| {name} | {value} |"
+                f"| {public_text(name)} | {value:.4f} |"
+                if isinstance(value, float)
+                else f"| {public_text(name)} | {public_text(value)} |"
                 for name, value in record["metrics"].items()
             ]
             lines.append("")

@@ -35,15 +35,23 @@ def upload_plan(folder: str | os.PathLike) -> list[tuple[str, int]]:
     files = sorted(
         p
         for p in folder.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        if (p.is_file() or p.is_symlink()) and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
+    root = folder.resolve()
     for path in files:
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise ExportError(
+                f"'{path}' is a link to '{path.resolve()}', outside the folder: an upload would publish that file; "
+                "replace the link by the file it should be, or remove it, and push again; nothing was uploaded"
+            )
         problem = secret_problem(path)
         if problem:
             raise ExportError(
-                f"'{path}' {problem}: a public upload would publish it; remove it (an export by this version "
-                "writes none into the model card) and push again; nothing was uploaded"
+                f"'{path}' {problem}: a public upload would publish it; remove it (or, for README.md, export the "
+                "checkpoint again: the card is written without secrets or local paths) and push again; nothing was "
+                "uploaded"
             )
+    files = [p for p in files if p.is_file()]  # a link inside the folder to a folder: its files are listed
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in files]
 
 

@@ -193,6 +193,16 @@ def _staging_for(output_dir: Path) -> Path:
         raise ExportError(f"cannot write '{output_dir}': {reason}: choose a writable folder") from error
 
 
+def _make_readable(folder: Path) -> None:
+    """The export's folder and files as a plain `cp` would leave them (0755 / 0644 under the usual umask): some
+    writers (a temporary file renamed into place) leave 0600, and a model folder is for others to read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_from=None, ema: bool = False) -> Path:
     """Write a plain CLIPModel folder from a Trainer/DeepSpeed checkpoint of any ZeRO stage; return its path.
 
@@ -220,7 +230,7 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
             model.save_pretrained(staging)
             _save_processor(processor_source, model.config.model_type, staging)
             card.save(staging / "README.md")
-            staging.chmod(0o755)
+            _make_readable(staging)
             if output_dir.exists():
                 output_dir.rmdir()  # empty, checked above
             os.rename(staging, output_dir)

@@ -4,6 +4,7 @@ the card itself. (The card of real exports: launched/test_export_zero.py.)"""
 from __future__ import annotations
 
 import json
+import re
 
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 
@@ -91,3 +92,36 @@ def test_an_export_publishes_no_credential_path_or_training_key(tmp_path):
     exported = json.loads((out / "config.json").read_text())
     assert "loss_impl" not in exported and "chunk_size" not in exported
     assert exported["architectures"] == ["CLIPModel"]
+
+
+HOSTILE = [
+    "/home/alice/private/eval_set",
+    "https://bob:hunter2secret@data.example.org/eval?token=abc123def456&x=1",
+    f"s3 key AKIA{'ABCDEFGHIJKLMNOP'} and {HF_TOKEN}",
+    "task|with|pipes\nand a newline",
+    "<script>alert(1)</script><img src=x onerror=alert(2)>",
+    "[click](javascript:alert(3))",
+]
+
+
+def _table_rows(card: str) -> list[str]:
+    return [line for line in card.splitlines() if line.startswith("|")]
+
+
+def test_a_card_holds_no_local_path_credential_or_markup_whatever_the_records_hold():
+    """Every value a card shows passes one function (data/redact.public_text): eval records' datasets, task names and
+    metric names, the suite's task keys and error texts, run.json's values. Nothing local, secret or active comes out,
+    and each table row keeps its cells."""
+    run = {"data": HOSTILE[0], "world_size": 2, "suite": []}
+    run["suite"] = [
+        {"task": HOSTILE[3], "type": HOSTILE[4], "main_metric": "acc1", "value": 0.5},
+        {"task": "broken", "type": "zeroshot", "main_metric": "acc1", "value": None, "error": f"{HOSTILE[0]}: gone"},
+    ]
+    records = [{"task": text, "dataset": text, "metrics": {text: 0.25, "n": text}} for text in HOSTILE]
+    card = str(model_card(run, records, "model.safetensors"))
+    for leaked in ("/home/alice", "hunter2secret", "abc123def456", "AKIAABCDEFGHIJKLMNOP", HF_TOKEN, "<script", "<img"):
+        assert leaked not in card, leaked
+    assert "](javascript" not in card.replace("\\]", "")
+    assert "eval_set" in card and "data.example.org" in card  # what names the data stays
+    for row in _table_rows(card):
+        assert len(re.findall(r"(?<!\\)\|", row)) in (3, 5), row  # 2 or 4 cells: no pipe from a value

@@ -158,3 +158,29 @@ def test_push_of_a_missing_folder_or_a_file_is_bad_usage(exported, tmp_path, cap
     assert f"'{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
     assert push_main([str(exported / "config.json"), "--repo_id", "someone/x", "--dry_run"]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_push_refuses_a_link_that_leaves_the_folder_and_keeps_one_inside(exported, tmp_path, capsys):
+    """A symlink in the folder to a file outside it would upload that file (huggingface_hub lists files through
+    links): refused, dry run included; a link to a file inside the folder is planned as that file."""
+    outside = tmp_path / "id_rsa"
+    outside.write_text("not for the hub\n")
+    folder = tmp_path / "model"
+    shutil.copytree(exported, folder)
+    (folder / "notes.txt").symlink_to(outside)
+    assert push_main([str(folder), "--repo_id", "someone/x", "--dry_run"]) == 1
+    err = capsys.readouterr().err
+    assert f"'{folder / 'notes.txt'}' is a link to '{outside}', outside the folder" in err and err.count("\n") == 1
+    (folder / "notes.txt").unlink()
+    (folder / "card.md").symlink_to(folder / "README.md")
+    assert push_main([str(folder), "--repo_id", "someone/x", "--dry_run"]) == 0
+    assert "  card.md  (" in capsys.readouterr().out
+
+
+def test_every_exported_file_has_the_same_mode(exported):
+    """model.safetensors is not left owner-only beside world-readable files: the folder is for others to read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in exported.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    assert exported.stat().st_mode & 0o777 == 0o777 & ~umask
