@@ -46,6 +46,7 @@ from disco_clip_ds.data.streams.reinforced import Reinforcement
 from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.distributed import nodes, peers, startup
 from disco_clip_ds.distributed.preemption import finished_message, resume_hint
+from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
@@ -348,6 +349,7 @@ def _resume_point(
         "model": resume.architecture(checked.config.to_dict()),
         "ema_decay": args.ema_decay,
         "drop_ema": args.drop_ema,
+        "shards_stat_sha256": decided_on_rank0(lambda: resume.shards_stat_digest(checked.urls)),
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
     if old.get("ema_decay") is not None and args.ema_decay is None:
@@ -430,6 +432,7 @@ def _write_run_file(
     facts = resume.launch_facts(
         args, data_args, checked.urls, checked.num_samples, checked.max_steps, split, model_args
     )
+    facts["shards_stat_sha256"] = resume.shards_stat_digest(checked.urls)  # rank 0 alone writes run.json
     path = Path(args.output_dir) / "run.json"
     if resume_from is None:
         run = {

@@ -355,3 +355,29 @@ def test_a_checkpoint_keeping_an_ema_is_not_resumed_without_it_unless_dropped_on
     assert resume_problems(old, _facts(ema_decay=0.99)) == []
     assert "ema_decay" not in checkpoint_facts(tmp_path)
     assert resume_problems(_facts(), _facts(ema_decay=0.9)) == []
+
+
+def test_a_shard_rewritten_under_its_name_and_size_is_refused_unless_the_data_is_restarted(tmp_path):
+    """Samples reordered in a shard keep its name and size: the names' digest cannot see it, the sizes' and
+    modification times' digest recorded at the start can (one stat per shard). --ignore_data_skip restarts the data
+    and is not refused."""
+    import os
+
+    from disco_clip_ds.checkpoint.resume import shards_stat_digest
+
+    urls = write_shards(tmp_path / "d", num_shards=2, per_shard=4, seed=0)
+    before = shards_stat_digest(urls)
+    assert before == shards_stat_digest(urls) and shards_stat_digest(["https://host/0.tar"]) is None
+    first = urls[0]
+    data = open(first, "rb").read()
+    stat = os.stat(first)
+    with open(first, "r+b") as f:  # the same bytes in another order: same size, a new modification time
+        f.write(data[512:1024] + data[:512] + data[1024:])
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    after = shards_stat_digest(urls)
+    assert after != before
+    old, new = _facts(shards_stat_sha256=before), _facts(shards_stat_sha256=after)
+    (problem,) = resume_problems(old, new)
+    assert problem.startswith("training data d/{0..3}.tar (4 shards): a shard was rewritten since the run read"), problem
+    assert "--ignore_data_skip" in problem and resume_problems(old, new, ignore_data_skip=True) == []
+    assert resume_problems(old, _facts(shards_stat_sha256=before)) == []
