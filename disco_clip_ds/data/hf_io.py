@@ -81,6 +81,7 @@ def open_split(
 
     path = Path(data)
     base = str(path.resolve()) if path.is_dir() else str(Path.cwd())
+    refuse_empty(path, flags)
     if path.is_file() or (path.suffix in DATA_FILE_BUILDERS and not path.is_dir()):
         return open_file(path, split or "train", streaming, flags)
     if is_saved_folder(path):
@@ -116,9 +117,41 @@ def open_file(path: Path, split: str, streaming: bool, flags: Flags):
         raise UsageError(f"{flags.data} {path}: give a {', '.join(others)} or {last} file")
     if not path.is_file():
         raise UsageError(f"{flags.data} {path}: no such file")
+    refuse_empty(path, flags)
     found = _load(datasets.load_dataset, flags, str(path), builder, data_files={split: str(path)}, split=split,
                   streaming=streaming)  # fmt: skip
     return found, parquet_rows([path]) if streaming else len(found), str(path.parent.resolve())
+
+
+def refuse_empty(path: Path, flags: Flags) -> None:
+    """A UsageError saying that local data `path` has 0 rows, told before `datasets` reads it: on an empty file or
+    folder it fails with messages that name no cause ("list index out of range", "StopIteration", "An error
+    occurred while generating the dataset")."""
+    if path.exists() and has_no_rows(path):
+        raise UsageError(f"{flags.data} {path}: it has 0 rows: give a dataset that holds samples")
+
+
+def has_no_rows(path: Path) -> bool:
+    """Whether local data `path` (a data file, a save_to_disk folder, a folder of data files) certainly holds no row,
+    from file footers, save_to_disk's state.json and text sizes, reading no row. False when unsure."""
+    import json
+
+    if is_saved_folder(path):
+        states = list(path.rglob("state.json"))
+        return bool(states) and all(not json.loads(s.read_text()).get("_data_files") for s in states)
+    if path.is_dir():
+        files = [f for f in path.rglob("*") if f.suffix in DATA_FILE_BUILDERS and f.is_file()]
+        return bool(files) and all(_file_has_no_rows(f) for f in files)
+    return path.is_file() and _file_has_no_rows(path)
+
+
+def _file_has_no_rows(path: Path) -> bool:
+    if path.suffix == ".parquet":
+        return parquet_rows([path]) == 0
+    if path.suffix in (".json", ".jsonl", ".csv") and path.stat().st_size < (1 << 20):  # larger: it holds rows
+        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+        return len(lines) <= (1 if path.suffix == ".csv" else 0) or b"".join(lines).strip() in (b"[]", b"{}")
+    return False
 
 
 def parquet_rows(files) -> int | None:

@@ -214,3 +214,35 @@ def test_a_plain_bytes_path_struct_trains_and_evaluates_as_an_image_column_with_
     )
     for (ours, _), (reference, _) in zip(batches["pq"], batches["featured.parquet"]):
         assert ours.equal(reference)
+
+
+@pytest.mark.parametrize("kind", ["parquet_folder", "parquet_file", "save_to_disk", "jsonl", "csv_header_only"])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_dataset_of_0_rows_is_refused_saying_so(tmp_path, kind, streaming):
+    """datasets fails on empty data with 'list index out of range', 'StopIteration' or 'An error occurred while
+    generating the dataset' (or an ArrowInvalid traceback): one line saying it has 0 rows instead."""
+    from types import SimpleNamespace
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from disco_clip_ds.errors import UsageError
+
+    table = pa.table({"image": pa.array([], pa.string()), "caption": pa.array([], pa.string())})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "train.parquet")
+    datasets.Dataset.from_dict({"image": [], "caption": []}).save_to_disk(str(tmp_path / "disk"))
+    (tmp_path / "e.jsonl").write_text("\n \n")
+    (tmp_path / "h.csv").write_text("image,caption\n")
+    source = {
+        "parquet_folder": dict(dataset_name=str(tmp_path / "pq"), train_file=None),
+        "parquet_file": dict(dataset_name=str(tmp_path / "pq" / "train.parquet"), train_file=None),
+        "save_to_disk": dict(dataset_name=str(tmp_path / "disk"), train_file=None),
+        "jsonl": dict(dataset_name=None, train_file=str(tmp_path / "e.jsonl")),
+        "csv_header_only": dict(dataset_name=None, train_file=str(tmp_path / "h.csv")),
+    }[kind]
+    args = SimpleNamespace(train_split="train", streaming=streaming, dataset_config_name=None, image_column="image",
+                           caption_column="caption", **source)  # fmt: skip
+    with pytest.raises(UsageError, match=r": it has 0 rows: give a dataset that holds samples$"):
+        load_training_dataset(args, 2)
