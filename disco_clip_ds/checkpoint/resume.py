@@ -84,7 +84,7 @@ SEGMENT_KEYS = (  # what a resume may change and records
     "data",
     "num_shards",
     "shards_sha256",
-    "shards_stat_sha256",
+    "data_stat_sha256",
     "train_num_samples",
     "max_steps",
 )
@@ -110,19 +110,23 @@ def shards_digest(urls: list[str]) -> str:
     return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
 
 
-def shards_stat_digest(urls: list[str]) -> str | None:
-    """A short fingerprint of the local shards' sizes and modification times (None when no shard is local): a shard
-    rewritten under its name (its samples reordered, some replaced) changes it, while a billion samples in 100,000
-    shards cost 100,000 stat calls, not a read. Remote shards (URLs, `pipe:`) are not compared."""
+def data_stat_digest(urls: list[str], data_args=None) -> str | None:
+    """A short fingerprint of the sizes and modification times of the run's local data files: its local shards, or
+    the files of a local `datasets` source (`data_args.train_file` / `dataset_name`); None when none is local. Data
+    rewritten under its names (a shard's samples reordered, a dataset shrunk) changes it, and a billion samples in
+    100,000 shards cost 100,000 stat calls, not a read. Remote shards (URLs, `pipe:`) and hub datasets are not
+    compared."""
     from disco_clip_ds.data.shards import is_url
 
-    digest, local = hashlib.sha256(), 0
-    for url in urls:
-        if not is_url(url) and os.path.isfile(url):
-            stat = os.stat(url)
-            digest.update(f"{url}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-            local += 1
-    return digest.hexdigest()[:16] if local else None
+    files = [url for url in urls if not is_url(url) and os.path.isfile(url)]
+    source = None if urls or data_args is None else (data_args.train_file or data_args.dataset_name)
+    if source and os.path.exists(source):
+        files = [str(p) for p in sorted(Path(source).rglob("*")) if p.is_file()] if os.path.isdir(source) else [source]
+    digest = hashlib.sha256()
+    for path in files:
+        stat = os.stat(path)
+        digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16] if files else None
 
 
 # The per-tower optimizer flags (train/optim.py) and their defaults: the optimizer state holds one group per tower
@@ -435,13 +439,13 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
             + ", or --ignore_data_skip to train on the new data from its start"
         )
     same_names = old.get("shards_sha256") == new.get("shards_sha256")
-    if same_names and known("shards_stat_sha256") and old["shards_stat_sha256"] != new["shards_stat_sha256"]:
+    if same_names and known("data_stat_sha256") and old["data_stat_sha256"] != new["data_stat_sha256"]:
         problems.append(
-            f"training data {_data(new)}: a shard was rewritten since the run read it (the shards' sizes or "
-            "modification times differ; the run would not continue the data it trained on): restore the shards "
-            "the run read, or pass --ignore_data_skip to train on them as they are now from their start"
+            f"training data {_data(new)} changed since the run read it (its files' sizes or modification times "
+            "differ; the run would not continue the data it trained on): restore the data the run read, or pass "
+            "--ignore_data_skip to train on it as it is now from its start"
         )
-    if known("train_num_samples") and old["train_num_samples"] != new["train_num_samples"]:
+    elif known("train_num_samples") and old["train_num_samples"] != new["train_num_samples"]:
         problems.append(
             f"--train_num_samples {old['train_num_samples']} -> {new['train_num_samples']}: pass "
             f"--train_num_samples {old['train_num_samples']}, or --ignore_data_skip to restart the data stream"

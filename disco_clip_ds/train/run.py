@@ -349,7 +349,7 @@ def _resume_point(
         "model": resume.architecture(checked.config.to_dict()),
         "ema_decay": args.ema_decay,
         "drop_ema": args.drop_ema,
-        "shards_stat_sha256": decided_on_rank0(lambda: resume.shards_stat_digest(checked.urls)),
+        "data_stat_sha256": decided_on_rank0(lambda: resume.data_stat_digest(checked.urls, data_args)),
     }
     old = resume.check_resume(last, step, new, args.ignore_data_skip)
     if old.get("ema_decay") is not None and args.ema_decay is None:
@@ -432,7 +432,7 @@ def _write_run_file(
     facts = resume.launch_facts(
         args, data_args, checked.urls, checked.num_samples, checked.max_steps, split, model_args
     )
-    facts["shards_stat_sha256"] = resume.shards_stat_digest(checked.urls)  # rank 0 alone writes run.json
+    facts["data_stat_sha256"] = resume.data_stat_digest(checked.urls, data_args)  # rank 0 alone writes run.json
     path = Path(args.output_dir) / "run.json"
     if resume_from is None:
         run = {

@@ -357,27 +357,39 @@ def test_a_checkpoint_keeping_an_ema_is_not_resumed_without_it_unless_dropped_on
     assert resume_problems(_facts(), _facts(ema_decay=0.9)) == []
 
 
-def test_a_shard_rewritten_under_its_name_and_size_is_refused_unless_the_data_is_restarted(tmp_path):
-    """Samples reordered in a shard keep its name and size: the names' digest cannot see it, the sizes' and
-    modification times' digest recorded at the start can (one stat per shard). --ignore_data_skip restarts the data
-    and is not refused."""
+def test_data_rewritten_under_its_names_is_refused_unless_restarted_and_the_row_hint_does_not_hide_it(tmp_path):
+    """Samples reordered in a shard keep its name and size, and a shrunk `datasets` source keeps its name: the names'
+    digest cannot see either, the digest of the files' sizes and modification times recorded at the start can (one
+    stat per file). The changed row count's hint (--train_num_samples OLD) is not offered then: passing it would
+    resume on other data. --ignore_data_skip restarts the data and is not refused."""
     import os
+    from types import SimpleNamespace
 
-    from disco_clip_ds.checkpoint.resume import shards_stat_digest
+    from disco_clip_ds.checkpoint.resume import data_stat_digest
 
     urls = write_shards(tmp_path / "d", num_shards=2, per_shard=4, seed=0)
-    before = shards_stat_digest(urls)
-    assert before == shards_stat_digest(urls) and shards_stat_digest(["https://host/0.tar"]) is None
-    first = urls[0]
-    data = open(first, "rb").read()
-    stat = os.stat(first)
-    with open(first, "r+b") as f:  # the same bytes in another order: same size, a new modification time
+    before = data_stat_digest(urls)
+    assert before == data_stat_digest(urls) and data_stat_digest(["https://host/0.tar"]) is None
+    stat = os.stat(urls[0])
+    data = open(urls[0], "rb").read()
+    with open(urls[0], "r+b") as f:  # the same bytes in another order: same size, a new modification time
         f.write(data[512:1024] + data[:512] + data[1024:])
-    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    after = shards_stat_digest(urls)
+    os.utime(urls[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    after = data_stat_digest(urls)
     assert after != before
-    old, new = _facts(shards_stat_sha256=before), _facts(shards_stat_sha256=after)
+    old, new = _facts(data_stat_sha256=before), _facts(data_stat_sha256=after)
     (problem,) = resume_problems(old, new)
-    assert problem.startswith("training data d/{0..3}.tar (4 shards): a shard was rewritten since"), problem
+    assert problem.startswith("training data d/{0..3}.tar (4 shards) changed since the run read it"), problem
     assert "--ignore_data_skip" in problem and resume_problems(old, new, ignore_data_skip=True) == []
-    assert resume_problems(old, _facts(shards_stat_sha256=before)) == []
+    assert resume_problems(old, _facts(data_stat_sha256=before)) == []
+
+    (tmp_path / "rows.jsonl").write_text("".join(f'{{"image": "{i}.png", "caption": "c"}}\n' for i in range(120)))
+    source = SimpleNamespace(train_file=str(tmp_path / "rows.jsonl"), dataset_name=None)
+    before = data_stat_digest([], source)
+    (tmp_path / "rows.jsonl").write_text("".join(f'{{"image": "{i}.png", "caption": "c"}}\n' for i in range(100)))
+    old = _facts(num_shards=None, train_num_samples=120, data_stat_sha256=before)
+    new = _facts(num_shards=None, train_num_samples=100, data_stat_sha256=data_stat_digest([], source))
+    (problem,) = resume_problems(old, new)
+    assert "changed since the run read it" in problem and "--train_num_samples" not in problem, problem
+    (problem,) = resume_problems(old, {**new, "train_num_samples": 120})  # the old count given: still refused
+    assert "changed since the run read it" in problem
