@@ -77,6 +77,10 @@ def read_stream_state(checkpoint: str | Path | None) -> dict | None:
     return json.loads(path.read_text())
 
 
+def _shown(value) -> str:
+    return "none" if value is None else str(value)
+
+
 def positions_to_restore(
     state: dict,
     facts: dict,
@@ -87,9 +91,11 @@ def positions_to_restore(
     """{reader: position past the reader field} from a saved state, once it was saved by a stream with these
     `facts` and `fields` (positions mean nothing under another split of the data, seed or block size); else a
     UsageError says what differs. `extra` turns an entry's added values back into ints."""
-    saved = {k: state.get(k) for k in facts}
-    if saved != facts:
-        differ = ", ".join(f"{k} {saved[k]} -> {facts[k]}" for k in facts if saved[k] != facts[k])
+    # every fact either side has: a mixture's sources and weights, absent from a plain stream's facts, count too
+    keys = [*facts, *(k for k in state if k not in facts and k not in ("fields", "readers"))]
+    saved, now = {k: state.get(k) for k in keys}, {k: facts.get(k) for k in keys}
+    if saved != now:
+        differ = ", ".join(f"{k} {_shown(saved[k])} -> {_shown(now[k])}" for k in keys if saved[k] != now[k])
         raise UsageError(
             f"{checkpoint} was saved reading the data differently ({differ}): resume with the same, or pass "
             "--ignore_data_skip to start the data stream afresh"

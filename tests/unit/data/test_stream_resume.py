@@ -119,3 +119,16 @@ def test_positions_are_folded_per_reader_saved_and_checked(tmp_path):
     with pytest.raises(UsageError, match="saved reading the data differently .num_readers 4 -> 2.*--ignore_data_skip"):
         positions_to_restore(state, {**facts, "num_readers": 2}, POSITION_FIELDS, tmp_path)
     assert read_stream_state(tmp_path / "none") is None and read_stream_state(None) is None
+
+
+def test_a_weighted_run_resumed_without_its_weights_is_told_the_sources_and_weights_differ(tmp_path):
+    """A mixture's state holds its sources and weights (and a position row per source): resumed as a plain stream,
+    the refusal names them, not the rows' fields."""
+    facts = {"num_readers": 2, "seed": 0, "shuffle_buffer": 8}
+    mixed = {**facts, "sources": ["a", "b"], "weights": [0.75, 0.25]}
+    write_stream_state(tmp_path, as_rows({0: [0, 3, 0, 0, 0, 1, 0, 0, 0, 2]}, 1, 10), mixed, POSITION_FIELDS)
+    with pytest.raises(UsageError) as refused:
+        positions_to_restore(read_stream_state(tmp_path), facts, POSITION_FIELDS, tmp_path)
+    message = str(refused.value)
+    assert "sources ['a', 'b'] -> none, weights [0.75, 0.25] -> none" in message, message
+    assert "has fields" not in message
