@@ -42,11 +42,60 @@ def load_config(model_name_or_path: str | None = None, model_config: str | None 
     if model_name_or_path:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_name_or_path)
-    path = Path(model_config)
-    if not path.is_file():
-        raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
-    model_type = json.loads(path.read_text()).get("model_type", "clip")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
-    return config_class(model_type).from_json_file(str(path))
+        config = AutoConfig.from_pretrained(model_name_or_path)
+    else:
+        path = Path(model_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
+        model_type = json.loads(path.read_text()).get("model_type", "clip")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{path}: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+        try:
+            config = config_class(model_type).from_json_file(str(path))
+        except ValueError:
+            raise
+        except Exception as error:  # transformers' strict dataclass validation (not a ValueError): on one line
+            raise ValueError(f"{path}: {' '.join(str(error).split())}") from error
+    problem = config_problem(config) if config.model_type in MODEL_TYPES else None
+    if problem:
+        raise ValueError(problem)
+    return config
+
+
+# The sizes a tower needs positive (whole numbers): a 0 or negative one builds a model that fails inside its first
+# forward, or allocates nothing where the planner counts something.
+TOWER_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def config_problem(config) -> str | None:
+    """What makes a CLIP/SigLIP/SigLIP 2 config unbuildable or untrainable, in one clause naming the field and a
+    fix, or None: sizes that are not positive whole numbers, heads that do not divide the width, a patch of 0 or
+    larger than the image, a projection of 0, a logit scale or bias that is not finite. For `plan` and `train`
+    alike (both load configs here), before any model is built."""
+    import math
+
+    for name in ("text_config", "vision_config"):
+        tower = getattr(config, name)
+        for field in TOWER_SIZES + (("vocab_size", "max_position_embeddings") if name == "text_config" else ()):
+            value = getattr(tower, field, None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return f"{name}.{field} {value!r}: give a positive whole number"
+        if tower.hidden_size % tower.num_attention_heads:
+            return (
+                f"{name}.num_attention_heads {tower.num_attention_heads} does not divide hidden_size "
+                f"{tower.hidden_size}: choose heads that divide the width (e.g. hidden_size / 64)"
+            )
+    vision = config.vision_config
+    patch, image = getattr(vision, "patch_size", None), getattr(vision, "image_size", None)
+    if not isinstance(patch, int) or isinstance(patch, bool) or patch < 1:
+        return f"vision_config.patch_size {patch!r}: give a positive whole number"
+    if config.model_type != "siglip2" and (not isinstance(image, int) or image < patch):
+        return f"vision_config.image_size {image!r}: give a whole number at least the patch size {patch}"
+    projection = getattr(config, "projection_dim", None)
+    if projection is not None and (not isinstance(projection, int) or projection < 1):
+        return f"projection_dim {projection!r}: give a positive whole number"
+    for field in ("logit_scale_init_value", "logit_scale", "logit_bias"):
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and not math.isfinite(value):
+            return f"{field} {value!r}: give a finite number"
+    return None

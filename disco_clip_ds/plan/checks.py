@@ -293,6 +293,31 @@ def _without_auto(value):
     return value
 
 
+def _section_problems(config: dict, precision: str | None, problems: list, warnings: list, auto: list):
+    """The problems of a config that no world size changes (keys, precision, the ZeRO section); (the precision it
+    trains in, the ZeRO numbers)."""
+    for key in config:
+        if key not in KNOWN_TOP_LEVEL_KEYS:
+            problems.append(
+                f'unknown top-level key "{key}"{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}; '
+                "DeepSpeed would silently ignore it"
+            )
+    chosen = _precision(config, precision, problems, auto)
+    zero = {"stage": 0}
+    _zero_section(config, zero, problems, warnings, auto)
+    return chosen, zero
+
+
+def check_sections(config: dict, source: str) -> None:
+    """`disco-clip train`'s check of its DeepSpeed JSON (`source`: the flag and file that named it) before anything
+    reads it: the problems `disco-clip plan` names that no world size changes (unknown keys, fp16 with bf16, a ZeRO
+    stage or key DeepSpeed refuses), as a PlanConfigError, instead of DeepSpeed's or transformers' traceback."""
+    problems: list = []
+    _section_problems(config, None, problems, [], [])
+    if problems:
+        raise PlanConfigError(f"{source}: DeepSpeed config problems:\n  - " + "\n  - ".join(problems))
+
+
 def validate_config(
     config: dict, world: int, per_device_batch: int | None = None, precision: str | None = None
 ) -> Settings:
@@ -304,16 +329,8 @@ def validate_config(
     if not isinstance(world, int) or world < 1:
         raise PlanConfigError(f"--gpus must be a positive integer, got {world!r}")
     problems, warnings, auto = [], [], []
-    for key in config:
-        if key not in KNOWN_TOP_LEVEL_KEYS:
-            problems.append(
-                f'unknown top-level key "{key}"{_suggest(key, KNOWN_TOP_LEVEL_KEYS)}; '
-                "DeepSpeed would silently ignore it"
-            )
     batch = _batch_numbers(config, world, per_device_batch, problems, auto)
-    chosen = _precision(config, precision, problems, auto)
-    zero = {"stage": 0}
-    _zero_section(config, zero, problems, warnings, auto)
+    chosen, zero = _section_problems(config, precision, problems, warnings, auto)
     listed = {a.split(":")[0] for a in auto}
     auto += [
         f'{path}: "auto" (filled by the HF Trainer from TrainingArguments)'

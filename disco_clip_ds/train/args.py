@@ -412,7 +412,11 @@ def read_deepspeed_json(deepspeed) -> dict | None:
     """The DeepSpeed JSON of a run (`deepspeed_file`), through the planner's reader (plan.checks, the one reader of
     a DeepSpeed JSON: one kind of error for both commands); None without one."""
     found = deepspeed_file(deepspeed)
-    return None if found is None else checks.read_deepspeed_json(found[1], flag=found[0])
+    if found is None:
+        return None
+    config = checks.read_deepspeed_json(found[1], flag=found[0])
+    checks.check_sections(config, " ".join(found))
+    return config
 
 
 def _read_arguments_file(path: str) -> dict:

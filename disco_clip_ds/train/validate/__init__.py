@@ -89,6 +89,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
             data.check_readers(args, urls, data_args.dataset_resampled)
     model.check_positive_sizes(model_args)
     config = model.load_student_config(model_args)
+    model.check_fits_host(config, deepspeed)
     tokenizer, image_size, max_length, naflex = model.check_tokenizer_and_sizes(model_args, config, written, args)
     model.check_tower_locks(model_args, config)
     distill_weight, teacher_config = teacher.check_teacher(model_args, config)

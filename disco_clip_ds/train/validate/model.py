@@ -5,6 +5,7 @@ the towers' embedding sizes, and the locking flags."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -70,6 +71,31 @@ def load_student_config(model_args: ModelArguments):
     if config.model_type not in MODEL_TYPES:
         raise UsageError(f"{named}: a {config.model_type} model; train CLIP or SigLIP ({sorted(MODEL_TYPES)})")
     return config
+
+
+def check_fits_host(config, deepspeed: dict | None, host_bytes: int | None = None) -> None:
+    """Refuse, before any weight is allocated, a model whose fp32 weights alone exceed this node's memory: every rank
+    builds the whole model before DeepSpeed partitions it (ZeRO-3 builds its 1/world share: zero.Init). The planner's
+    parameter count (plan.memory.ModelShape, counted on the meta device); `host_bytes`: the node's (default: the
+    machine's physical memory)."""
+    from disco_clip_ds.plan.memory import ModelShape
+
+    host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    params = ModelShape.from_config(config).params
+    zero3 = ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per_rank = 4 * params / (world if zero3 else 1)
+    if per_rank * local > host:
+        raise UsageError(
+            f"the model has {params / 1e9:,.1f} billion parameters: its fp32 weights take {per_rank / GiB:,.1f} GiB "
+            f"per rank{' (ZeRO-3: 1/world each)' if zero3 else ''}, {per_rank * local / GiB:,.1f} GiB for this "
+            f"node's {local} rank(s), more than its {host / GiB:,.1f} GiB of memory: `disco-clip plan` sizes it; "
+            "use a smaller model config, or more nodes under ZeRO-3"
+        )
+
+
+GiB = 1024**3
 
 
 def check_positive_sizes(model_args: ModelArguments) -> None:
