@@ -82,8 +82,9 @@ def test_a_teacher_of_the_ensemble_without_sidecars_is_refused(bad_arguments_set
     """--teacher A B against sidecars made by A alone: one line naming B's fingerprint and the command to run."""
     import torch
 
-    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_sidecar
     from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
 
     names = []
     for name, width in (("a", 64), ("b", 32)):  # two teacher folders (configs alone) of two fingerprints
