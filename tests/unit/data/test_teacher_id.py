@@ -7,7 +7,6 @@ from a hub cache holding config.json alone, online from a loopback hub that reco
 import hashlib
 import json
 import os
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,26 +14,16 @@ import pytest
 
 from disco_clip_ds.data.teacher_id import cache_entry, teacher_fingerprint
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.testing.file_opens import recorded_opens
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-_OPENED: list[str] | None = None  # the paths opened while a test records (`opened`)
-
-
-def _audit(event, args):
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.fsdecode(args[0]))
-
-
-sys.addaudithook(_audit)  # sees every open: builtins.open, io.open, os.open, Path.open, Path.read_bytes
 
 
 @pytest.fixture
 def opened():
     """The paths opened (by any Python code in this process) during the test."""
-    global _OPENED
-    _OPENED = []
-    yield _OPENED
-    _OPENED = None
+    with recorded_opens() as seen:
+        yield seen
 
 
 @pytest.fixture
