@@ -3,7 +3,10 @@ disco_clip_ds.testing; a slow test is marked `slow` in its own file."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -13,6 +16,10 @@ from disco_clip_ds.testing.ranks import release_shm_buffers
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# teacher fingerprints are cached in a folder of the test session's own (data/teacher_id.py), never the user's
+if "DISCO_CLIP_CACHE" not in os.environ:
+    os.environ["DISCO_CLIP_CACHE"] = tempfile.mkdtemp(prefix="disco-clip-cache-")
+    atexit.register(shutil.rmtree, os.environ["DISCO_CLIP_CACHE"], True)
 
 
 @pytest.fixture(autouse=True)

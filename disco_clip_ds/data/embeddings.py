@@ -168,28 +168,6 @@ def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | Non
     return None
 
 
-def teacher_fingerprint(name_or_path: str) -> str:
-    """A short fingerprint of a teacher's weights: sha256 of a folder's config.json and weight files, or of a hub id's
-    resolved config and weights (as transformers caches them)."""
-    folder = Path(name_or_path).expanduser()
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["config.json", "*.safetensors", "*.bin"]))
-    digest = hashlib.sha256()
-    files = sorted(
-        p for p in folder.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin") and p.is_file()
-    )
-    if not any(p.name == "config.json" for p in files):
-        raise UsageError(f"{name_or_path}: no config.json: not a model folder")
-    for path in files:
-        digest.update(path.name.encode())
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                digest.update(block)
-    return digest.hexdigest()[:16]
-
-
 def _checksum(keys: list[str], image: torch.Tensor, text: torch.Tensor) -> str:
     digest = hashlib.sha256(json.dumps(keys).encode())
     for tensor in (image, text):

@@ -117,6 +117,14 @@ class ModelArguments:
             "training from stored embeddings is training from the teachers"
         },
     )
+    verify_teacher_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "with --teacher_embeddings: hash each teacher folder's weights (once, on rank 0) to check them "
+            "against the sidecars' fingerprints, even when the fingerprint cache holds the fingerprint of its files "
+            "as they are (then no weight is read)"
+        },
+    )
     lock_image_tower: bool = field(default=False, metadata={"help": "freeze the vision encoder and its projection"})
     lock_text_tower: bool = field(default=False, metadata={"help": "freeze the text encoder and its projection"})
     # Partial locking (open_clip's --lock-image-unlocked-groups, --lock-text-unlocked-layers): train/locking.py

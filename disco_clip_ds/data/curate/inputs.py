@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, sidecar_problem, teacher_fingerprint
+from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, sidecar_problem
 from disco_clip_ds.data.shards import local_shards as _local_shards
 from disco_clip_ds.data.shards import write_json
+from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.errors import DataError, UsageError
 
 ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resume with other ones is refused

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from disco_clip_ds.data.embeddings import read_sidecar, sidecar_path, sidecar_problem, teacher_fingerprint
+from disco_clip_ds.data.embeddings import read_sidecar, sidecar_path, sidecar_problem
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.errors import DataError, UsageError
 
 CLASS_TEMPLATE = "a photo of a {name}."

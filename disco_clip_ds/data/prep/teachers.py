@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.data.decode import EncodedImage
-from disco_clip_ds.data.embeddings import teacher_fingerprint
+from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.data.transforms import ImageTransform, Normalize, check_pixels
 from disco_clip_ds.errors import UsageError
 
@@ -97,12 +97,13 @@ class Teacher:
 
 
 def checked_fingerprint(teacher: str) -> str:
-    """`teacher`'s fingerprint once its config is checked (`teacher_config`); a UsageError in one line when its
-    weights cannot be read. A hub id's files are fetched here (into the cache the model is then built from)."""
+    """`teacher`'s fingerprint once its config is checked (`teacher_config`; `data.teacher_id`: a folder's weights
+    hashed, or taken from the fingerprint cache while its files are unchanged; a hub id's resolved commit, no weights
+    fetched); a UsageError in one line when its weights cannot be read."""
     teacher_config(teacher)
     try:
         return teacher_fingerprint(teacher)
-    except (OSError, ValueError) as error:  # a hub id whose weights cannot be fetched
+    except (OSError, ValueError) as error:  # a weight file that cannot be read
         raise UsageError(f"--teacher {teacher}: its weights cannot be read ({str(error).splitlines()[0]})") from error
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
@@ -29,6 +30,7 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, li
                 ("--distill_weight", weight),
                 ("--distill_temperature", temperature),
                 ("--teacher_embeddings", model_args.teacher_embeddings),
+                ("--verify_teacher_weights", model_args.verify_teacher_weights or None),
             )
             if v is not None
         ]
@@ -42,6 +44,11 @@ def check_teacher(model_args: ModelArguments, student) -> tuple[float | None, li
         raise UsageError(f"--distill_temperature {temperature:g}: give a positive number, or leave it out")
     if model_args.loss_impl == "local":
         raise UsageError("--teacher distils the global batch's similarities: use --loss_impl tiled (or disco)")
+    if model_args.verify_teacher_weights and model_args.teacher_embeddings is None:
+        raise UsageError(
+            "--verify_teacher_weights checks the teachers against the sidecars of --teacher_embeddings: add them, or "
+            "leave it out (a teacher run live is loaded, not compared)"
+        )
     check_listed_once(teachers)
     configs = [_family_config(teacher, student) for teacher in teachers]
     if model_args.teacher_embeddings is None or model_args.live_teacher:  # run: loaded once the student is built
@@ -103,16 +110,13 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
     folder = model_args.teacher_embeddings
     if folder is None:
         return None
-    from disco_clip_ds.data.embeddings import EmbeddingStore, check_sidecars, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore, check_sidecars
 
     if not urls:
         raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
     if not Path(folder).is_dir():
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
-    fingerprints = []
-    for name in teachers(model_args):
-        with usage_error(f"--teacher {name}: "):
-            fingerprints.append(teacher_fingerprint(name))
+    fingerprints = teacher_fingerprints(model_args)
     check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
     store = EmbeddingStore(folder, fingerprints, shards=urls)
     try:
@@ -120,6 +124,22 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
     except DataError as error:
         raise UsageError(str(error)) from error
     return store
+
+
+def teacher_fingerprints(model_args: ModelArguments) -> list[str]:
+    """Each teacher's fingerprint (`data.teacher_id`), made on rank 0 and handed to every rank, so that a run reads a
+    folder's weights once at most, and not at all while the fingerprint cache holds them (`--verify_teacher_weights`:
+    read them all the same); an error there is raised on every rank."""
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
+
+    def on_rank0():
+        fingerprints = []
+        for name in teachers(model_args):
+            with usage_error(f"--teacher {name}: "):
+                fingerprints.append(teacher_fingerprint(name, verify=model_args.verify_teacher_weights))
+        return fingerprints
+
+    return decided_on_rank0(on_rank0)
 
 
 def teachers(model_args: ModelArguments) -> list[str]:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from disco_clip_ds.commands.data import embed_main
-from disco_clip_ds.data.embeddings import EmbeddingStore, teacher_fingerprint
+from disco_clip_ds.data.embeddings import EmbeddingStore
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples, write_shards
 from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR

@@ -85,10 +85,11 @@ def test_stored_embeddings_give_the_live_teachers_loss(tmp_path):
     as the collator batches them with each sample's shard and key): the same embeddings, multiplier and mixed loss."""
     from transformers import AutoTokenizer
 
-    from disco_clip_ds.data.embeddings import EmbeddingStore, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore
     from disco_clip_ds.data.prep.embed import embed_shards
     from disco_clip_ds.data.streams.reinforced import Reinforcement
     from disco_clip_ds.data.streams.shards import ShardStream
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
     from disco_clip_ds.models.build import build_model
     from disco_clip_ds.train.distill import Teacher, load_teacher, split_inputs, stored_teacher
 

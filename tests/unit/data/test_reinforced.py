@@ -144,9 +144,10 @@ def test_the_stored_targets_are_the_teachers_forward_of_the_replayed_crop_and_ch
     from transformers import AutoTokenizer
 
     from disco_clip_ds.data.collate import ClipCollator
-    from disco_clip_ds.data.embeddings import EmbeddingStore, teacher_fingerprint
+    from disco_clip_ds.data.embeddings import EmbeddingStore
     from disco_clip_ds.data.prep.embed import Settings, embed_shards
     from disco_clip_ds.data.streams.shards import ShardStream
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
     from disco_clip_ds.testing.launch import TOKENIZER_DIR
     from disco_clip_ds.testing.runs import save_initial_model
     from disco_clip_ds.train.distill import load_teacher, split_inputs

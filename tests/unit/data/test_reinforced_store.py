@@ -28,11 +28,11 @@ from disco_clip_ds.data.embeddings import (
     read_sidecar,
     shard_facts,
     sidecar_path,
-    teacher_fingerprint,
     write_reinforced,
     write_sidecar,
 )
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.data.transforms import ImageTransform, augmentation_rng, crop_boxes, random_resized_crop_box
 from disco_clip_ds.errors import DataError, UsageError, run_main
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples

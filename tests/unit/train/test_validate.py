@@ -165,7 +165,8 @@ def bad_inputs(bad_arguments_setup, tmp_path):
     for family, recipe in (("clip", REPO / MODEL[1]), ("siglip", SIGLIP)):  # a teacher's folder: its config.json
         (tmp_path / f"{family}_teacher").mkdir()
         (tmp_path / f"{family}_teacher" / "config.json").write_text(recipe.read_text())
-    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_sidecar
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
 
     rows = lambda: torch.zeros(4, 8)
     folders = (("half_embedded", ["00000"], None), ("foreign_embedded", ["00000", "00001"], "x"))

@@ -82,8 +82,9 @@ def test_a_teacher_of_the_ensemble_without_sidecars_is_refused(bad_arguments_set
     """--teacher A B against sidecars made by A alone: one line naming B's fingerprint and the command to run."""
     import torch
 
-    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, teacher_fingerprint, write_sidecar
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_sidecar
     from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
 
     names = []
     for name, width in (("a", 64), ("b", 32)):  # two teacher folders (configs alone) of two fingerprints
@@ -99,3 +100,113 @@ def test_a_teacher_of_the_ensemble_without_sidecars_is_refused(bad_arguments_set
     assert len(said) == 1, said
     assert f"made by another teacher (fingerprint {teacher_fingerprint(names[0])}, not " in said[0]
     assert teacher_fingerprint(names[1]) in said[0] and "disco-clip data embed --teacher" in said[0]
+
+
+@pytest.fixture
+def embedded(bad_arguments_setup, tmp_path, monkeypatch):
+    """A teacher folder with a weight file, fingerprinted once (as `data embed` does, which fills the fingerprint
+    cache), and a sidecar of it for every training shard."""
+    import torch
+
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_sidecar
+    from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
+
+    monkeypatch.setenv("DISCO_CLIP_CACHE", str(tmp_path / "cache"))
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text((REPO / MODEL[1]).read_text())
+    (teacher / "model.safetensors").write_bytes(b"\1" * 4096)  # never loaded by a stored run: any bytes do
+    fingerprint = teacher_fingerprint(str(teacher))
+    for url in expand_shards(bad_arguments_setup["data"]):
+        meta = {"teacher": fingerprint, **shard_facts(url)}
+        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 8), torch.zeros(1, 8), meta)
+    return teacher, fingerprint
+
+
+def _validate(tmp_path, shards, teacher, *extra):
+    from disco_clip_ds.train.args import parse_args
+    from disco_clip_ds.train.validate import validate
+
+    argv = ["--output_dir", str(tmp_path / "out"), "--train_shards", shards, "--report_to", "none", *MODEL, *TOK]
+    argv += ["--teacher", str(teacher), "--teacher_embeddings", str(tmp_path / "emb"), *extra]
+    return validate(*parse_args(argv))
+
+
+def test_a_stored_run_reads_no_teacher_weight_unless_asked(embedded, bad_arguments_setup, tmp_path):
+    """The sidecars' fingerprint is checked against the cached one: no teacher weight file opened; with
+    --verify_teacher_weights it is read (and still matches)."""
+    from disco_clip_ds.testing.file_opens import recorded_opens
+
+    teacher, fingerprint = embedded
+    weights = str(teacher / "model.safetensors")
+    with recorded_opens() as opened:
+        checked = _validate(tmp_path, bad_arguments_setup["data"], teacher)
+    assert checked.teacher_store.fingerprints == [fingerprint]
+    assert str(teacher / "config.json") in opened and weights not in opened  # the spy sees the teacher's files
+    with recorded_opens() as opened:
+        checked = _validate(tmp_path, bad_arguments_setup["data"], teacher, "--verify_teacher_weights")
+    assert checked.teacher_store.fingerprints == [fingerprint] and opened.count(weights) == 1
+
+
+def test_a_teacher_changed_since_its_sidecars_is_refused_though_its_fingerprint_was_cached(
+    embedded, bad_arguments_setup, tmp_path
+):
+    """Weights rewritten in place after `data embed` (same size): the cache no longer holds them, so they are read
+    and the sidecars refused as another teacher's."""
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
+
+    teacher, fingerprint = embedded
+    (teacher / "model.safetensors").write_bytes(b"\2" * 4096)
+    with pytest.raises(UsageError, match=f"made by another teacher \\(fingerprint {fingerprint}, not "):
+        _validate(tmp_path, bad_arguments_setup["data"], teacher)
+    assert teacher_fingerprint(str(teacher)) != fingerprint
+
+
+def test_verify_teacher_weights_without_stored_embeddings_is_refused(bad_arguments_setup, train_main, tmp_path, capsys):
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text((REPO / MODEL[1]).read_text())
+    for argv, message in (
+        (["--teacher", str(tmp_path / "teacher")], "--verify_teacher_weights checks the teachers against the"),
+        ([], "--verify_teacher_weights without --teacher"),
+    ):
+        argv = ["--train_shards", bad_arguments_setup["data"], *MODEL, *TOK, *argv, "--verify_teacher_weights"]
+        assert train_main(*argv) == 2
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip train: ")]
+        assert len(said) == 1 and message in said[0], said
+
+
+def _fingerprint_rank(rank, world, teacher):
+    """This rank's (fingerprints or the error's text, weight files it opened) from `teacher_fingerprints`."""
+    from disco_clip_ds.testing.file_opens import recorded_opens
+    from disco_clip_ds.train.validate.teacher import teacher_fingerprints
+
+    model_args = SimpleNamespace(teacher=[teacher], verify_teacher_weights=True)
+    with recorded_opens() as opened:
+        try:
+            got = teacher_fingerprints(model_args)
+        except UsageError as error:
+            got = str(error)
+    return got, [p for p in opened if p.endswith(".safetensors")]
+
+
+@pytest.mark.slow
+def test_one_rank_reads_the_teacher_and_every_rank_gets_its_fingerprint_or_its_error(tmp_path):
+    """On 2 ranks, with the weights read (--verify_teacher_weights): rank 0 alone opens them, both get the
+    fingerprint (the one computed by hand from the files); a folder without config.json fails on both, no hang."""
+    import hashlib
+
+    from disco_clip_ds.testing.ranks import run_ranks
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text("{}")
+    (teacher / "model.safetensors").write_bytes(b"\3" * 100)
+    expected = hashlib.sha256(b"config.json{}model.safetensors" + b"\3" * 100).hexdigest()[:16]
+    env = {"DISCO_CLIP_CACHE": str(tmp_path / "cache")}
+    (rank0, opened0), (rank1, opened1) = run_ranks(_fingerprint_rank, 2, str(teacher), env=env, timeout=90)
+    assert rank0 == rank1 == [expected]
+    assert opened0 == [str(teacher / "model.safetensors")] and opened1 == []
+    (teacher / "config.json").unlink()
+    said = [got for got, _ in run_ranks(_fingerprint_rank, 2, str(teacher), env=env, timeout=90)]
+    assert said[0] == said[1] and "no config.json: not a model folder" in said[0]

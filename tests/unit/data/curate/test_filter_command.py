@@ -127,7 +127,7 @@ def _teacher(tmp_path, name="teacher"):
 
 def _refusal_setup(tmp_path, case) -> list:
     """The arguments of a refusal case, with the files it needs written."""
-    from disco_clip_ds.data.embeddings import teacher_fingerprint
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
 
     shards = tmp_path / "in"
     urls = embedded_shards(shards, 2, 3)
@@ -294,7 +294,7 @@ def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path):
 
 
 def test_sidecars_in_their_own_folder_and_a_named_teacher_give_the_same_filter(tmp_path):
-    from disco_clip_ds.data.embeddings import teacher_fingerprint
+    from disco_clip_ds.data.teacher_id import teacher_fingerprint
 
     teacher = _teacher(tmp_path)
     urls = embedded_shards(tmp_path / "in", 2, 5, cosines=COSINES, teacher=teacher_fingerprint(str(teacher)))
