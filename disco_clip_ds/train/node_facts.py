@@ -45,7 +45,8 @@ def node_facts(model_args, data_args, args) -> dict:
     if model_file and Path(model_file).is_file():  # a hub id is compared as an argument
         facts["the model"] = _read(lambda: json.loads(Path(model_file).read_text()))
     folders = [("model", model_args.model_name_or_path), ("tokenizer", model_args.tokenizer_name)]
-    folders += [(f"--teacher {teacher}", teacher) for teacher in model_args.teacher or ()]  # each loaded on each node
+    if model_args.teacher_embeddings is None or model_args.live_teacher:  # loaded on each node; a stored run's is not
+        folders += [(f"--teacher {teacher}", teacher) for teacher in model_args.teacher or ()]
     for name, folder in folders:
         if folder and Path(folder).is_dir():
             facts[f"the {name} files"] = _read(lambda folder=folder: folder_fingerprint(Path(folder)))

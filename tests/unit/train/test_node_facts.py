@@ -96,3 +96,27 @@ def test_other_weights_of_a_teacher_are_named(tmp_path):
     problem = nodes.launch_problem([{"rank": r, "node": r, "host": "h", "facts": f} for r, f in enumerate(facts)])
     assert f" in the --teacher {teachers[1]} files (model.safetensors " in problem
     assert f"{teachers[0]} files" not in problem
+
+
+def test_a_stored_run_reads_no_teacher_weights_for_its_node_facts(tmp_path):
+    """From stored embeddings without --live_teacher no node loads the teacher: its weights are not sampled (the
+    sidecars carry its fingerprint); with --live_teacher every node loads it, so its files are compared."""
+    from disco_clip_ds.testing.file_opens import recorded_opens
+    from disco_clip_ds.train.args import parse_args
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text(TINY_CONFIG.read_text())
+    (teacher / "model.safetensors").write_bytes(b"\0" * 64)
+    argv = [
+        "--output_dir", str(tmp_path / "run"), "--model_config", str(TINY_CONFIG), "--tokenizer_name",
+        str(REPO / "recipes/tokenizer"), "--train_shards", str(tmp_path / "x.tar"), "--report_to", "none",
+        "--teacher", str(teacher), "--teacher_embeddings", str(tmp_path / "stored"),
+    ]  # fmt: skip
+    parsed = parse_args(argv)
+    with recorded_opens() as opened:
+        facts = node_facts(*parsed)
+    assert not any(name.startswith("the --teacher") for name in facts)
+    assert str(teacher / "model.safetensors") not in map(str, opened)
+    live = node_facts(*parse_args([*argv, "--live_teacher", "true"]))
+    assert f"the --teacher {teacher} files" in live
