@@ -180,6 +180,19 @@ def test_a_copy_of_a_dropped_copy_is_kept():
     assert copies_within([b"a", b"b", b"c"], train, 6).tolist() == [False, True, False]
 
 
+def test_a_sample_near_only_dropped_ones_is_kept_whenever_they_were_dropped():
+    """a, b, x, y, z with bits {}, {0,1}, {0..3}, {0..5}, {0,1,4,5}, threshold 2: b goes (a's copy), x stays (near b
+    alone), y goes (x's copy) after b is decided, and z, near b and y only, stays: both its neighbours dropped,
+    decided one after the other."""
+    sets = [[], [0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 4, 5]]
+    bits = np.zeros((5, 128), np.uint8)
+    for row, ones in zip(bits, sets):
+        row[ones] = 1
+    bits[:, 64:] = 1  # mirrors far from every image hash
+    train = np.packbits(bits, axis=1).reshape(5, 2, 8)
+    assert copies_within([bytes([i]) for i in range(5)], train, 2).tolist() == [False, True, False, True, False]
+
+
 @pytest.mark.parametrize("value", [-1, 32, 2.5, True, "8", None])
 def test_threshold_out_of_range_is_one_line(value):
     with pytest.raises(UsageError, match="--dedup_threshold") as raised:
