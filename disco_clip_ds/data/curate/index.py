@@ -37,6 +37,7 @@ def nearest_rows(base: np.ndarray, queries: np.ndarray) -> np.ndarray:
 MAX_PIECE_BITS = 24  # a piece's bucket table holds 2**bits counts and starts (int64): 256 MiB at 24 bits
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
 FLAT_COST = 0.1  # one comparison of the exhaustive search, in units of one multi-index probe or candidate
+TABLE_BITS = 5  # a piece's table has at most 2**TABLE_BITS buckets per base code
 _STEP = 1 << 22  # probes, then candidates, handled per numpy step: bounds the memory of a search
 
 
@@ -75,10 +76,11 @@ def _packed(codes) -> np.ndarray:
 def _plan(bits: int, radius: int, nq: int, nb: int):
     """(pieces, flip masks, piece width) of the cheapest multi-index search, or None when the exhaustive search's
     estimate (FLAT_COST per comparison) is lower. Each distinct query piece is probed once per mask; a probe's
-    bucket holds nb / 2**width base codes on average, each a candidate of each query with that piece."""
+    bucket holds nb / 2**width base codes on average, each a candidate of each query with that piece. A table has
+    at most 32 buckets per base code (TABLE_BITS): few codes take small tables, quick to build."""
     best, plan = FLAT_COST * nq * nb, None
     for pieces in range(1, min(radius + 1, bits) + 1):
-        width = min(bits // pieces, MAX_PIECE_BITS)
+        width = min(bits // pieces, MAX_PIECE_BITS, nb.bit_length() + TABLE_BITS)
         probes = _volume(width, radius // pieces)
         if probes > MAX_FLIPS:
             continue

@@ -61,8 +61,9 @@ def test_hamming_pairs_are_the_brute_force_pairs(monkeypatch, flat_cost, width, 
 
 def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
     """Every plan's pieces and flips cover the radius (pieces * (flip bits + 1) > radius: a pair within it is within
-    the flips on one piece at least); at a million against two million 64-bit codes, radius 8, it is 3 pieces of 21
-    bits probed within 2 bits; small searches are exhaustive."""
+    the flips on one piece at least); at the sizes of bench/data/dedup_scale.py (24,000 to a million against about
+    twice as many 64-bit codes), radius 8, it is 3 pieces of 21 bits probed within 2 bits; small searches are
+    exhaustive, or with FLAT_COST inf take small tables."""
     for bits, radius in [(64, r) for r in range(32)] + [(256, r) for r in (0, 8, 40, 127)]:
         plan = index._plan(bits, radius, 10**6, 2 * 10**6)
         if plan is not None:
@@ -70,8 +71,10 @@ def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
             flip_bits = max(bin(int(f)).count("1") for f in flips)
             assert pieces * (flip_bits + 1) > radius and pieces * width <= bits
             assert len(flips) == sum(math.comb(width, k) for k in range(flip_bits + 1))
-    pieces, flips, width = index._plan(64, 8, 10**6, 2 * 10**6)
-    assert (pieces, len(flips), width) == (3, 1 + 21 + 210, 21)
+    for nq, nb in [(24_000, 47_000), (100_000, 200_000), (250_000, 500_000), (10**6, 2 * 10**6)]:  # dedup_scale.py's
+        pieces, flips, width = index._plan(64, 8, nq, nb)
+        assert (pieces, len(flips), width) == (3, 1 + 21 + 210, 21)
+    assert index._plan(64, 0, 60, 90)[2] < 16  # few codes: narrow pieces, small tables
     assert index._plan(64, 8, 50, 100) is None
 
 
