@@ -4,9 +4,9 @@ reference image (an eval set's) or of a training image before it, re-encoded, re
 An image's fingerprint is the perceptual hash (`imagehash.phash`, 64 bits) of the image and of its horizontal
 mirror, so that a flipped copy matches its original; a reference image's adds those of 9 windows cut a few per cent
 smaller (`WINDOWS`), so that a slightly cropped copy matches too. A training image is a copy when the Hamming
-distance between its hash and any of the other's is at most `threshold` bits. The search over the hashes is
-faiss's exact binary index (`IndexBinaryFlat`, data/curate/index.py): memory holds the hashes alone, never the
-images. docs/data.md ("Dedup against eval sets") says why a perceptual hash rather than the CLIP teacher's
+distance between its hash and any of the other's is at most `threshold` bits. The search over the hashes is exact
+and sub-quadratic, multi-index hashing (`hamming_pairs`, data/curate/index.py): memory holds the hashes alone, never
+the images. docs/data.md ("Dedup against eval sets") says why a perceptual hash rather than the CLIP teacher's
 embeddings, and how the default was measured.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from disco_clip_ds.data.curate.index import HashIndex
+from disco_clip_ds.data.curate.index import hamming_pairs
 from disco_clip_ds.errors import DataError, UsageError
 
 HASH_SIZE = 8  # imagehash's default: an 8 x 8 block of the DCT, 64 bits
@@ -29,8 +29,6 @@ DEFAULT_THRESHOLD = 8  # measured: bench/data/README.md, "Dedup"
 # per cent from any side half way. The eval sets are small; their hashes, 20 per image, cost little.
 WINDOW_CUT = 0.06
 WINDOWS = [(x, y) for y in (0, WINDOW_CUT / 2, WINDOW_CUT) for x in (0, WINDOW_CUT / 2, WINDOW_CUT)]
-
-_CHUNK = 1024  # training hashes compared per step against those before them (`copies_within`)
 
 
 def check_threshold(value, *, bits: int = HASH_BITS) -> int:
@@ -101,59 +99,85 @@ def reference_fingerprints(folders: list[str], *, windows: bool = True, hash_siz
 def copies_of_reference(train: np.ndarray, reference: np.ndarray, threshold: int) -> np.ndarray:
     """A bool per training fingerprint (`train`: (n, 2 or more, bytes)): its image's hash (the first) is within
     `threshold` bits of any hash of a reference image (`reference`: (m, k, bytes), as `reference_fingerprints` makes
-    them: the image, its mirror, their windows)."""
+    them: the image, its mirror, their windows). Each distinct hash is searched once (`hamming_pairs`)."""
     train, reference = _checked(train, "training"), _checked(reference, "reference")
     threshold = check_threshold(threshold, bits=train.shape[2] * 8)
     if train.shape[2] != reference.shape[2]:
         raise ValueError(f"hashes of {train.shape[2] * 8} bits against hashes of {reference.shape[2] * 8} bits")
     if not len(train) or not len(reference):
         return np.zeros(len(train), bool)
-    return _hash_index(reference.reshape(-1, reference.shape[2])).nearest_distance(train[:, 0]) <= threshold
+    queries, inverse = _distinct(train[:, 0], inverse=True)
+    found = np.zeros(len(queries), bool)
+    found[hamming_pairs(queries, _distinct(reference.reshape(-1, reference.shape[2])), threshold)[0]] = True
+    return found[inverse]
 
 
-def copies_within(digests: list[bytes], train: np.ndarray, threshold: int) -> np.ndarray:
-    """A bool per training sample, in order: True when an earlier sample that is kept has the same digest (an exact
-    duplicate) or is within `threshold` bits (a near copy, as `copies_of_reference` measures it). The first of each
-    group of copies is kept; a sample that resembles only dropped samples is kept too."""
+def copies_within(digests, train: np.ndarray, threshold: int) -> np.ndarray:
+    """A bool per training sample, in order: True when an earlier sample has the same digest (an exact duplicate)
+    or a kept earlier sample is within `threshold` bits (a near copy: its image's hash against the image and mirror
+    hashes of the kept sample). The first of each group of copies is kept; a sample that resembles only dropped
+    samples is kept too. `digests`: a list of equal-length bytes, or their (n, bytes) uint8 array.
+
+    Only the first sample of each image hash, among those that are not exact duplicates, can be kept: a later one
+    is within 0 bits of it, or of whatever kept sample dropped it. These are searched against each other once
+    (`hamming_pairs`), and the rule is then applied to the pairs found (`_dropped_in_order`)."""
     train = _checked(train, "training")[:, :2]  # the image and its mirror: windows are for references
     threshold = check_threshold(threshold, bits=train.shape[2] * 8)
     if len(digests) != len(train):
         raise ValueError(f"{len(digests)} digests for {len(train)} fingerprints")
-    dropped = _repeated(digests)  # exact duplicates first: a digest is cheaper than a search
-    index = HashIndex(train.shape[2])
-    for start in range(0, len(train), _CHUNK):
-        chunk = train[start : start + _CHUNK]
-        dropped[start : start + len(chunk)] |= _chunk_copies(index, chunk, threshold, dropped[start : start + _CHUNK])
-        kept = chunk[~dropped[start : start + len(chunk)]]
-        index.add(kept.reshape(-1, kept.shape[2]))
+    live = np.flatnonzero(~_repeated(digests))  # exact duplicates first: a digest is cheaper than a search
+    firsts = live[np.sort(_distinct(train[live, 0], first=True))]
+    dropped = np.ones(len(train), bool)
+    later, row = hamming_pairs(train[firsts, 0], train[firsts].reshape(-1, train.shape[2]), threshold)
+    earlier = row // 2  # rows 2k and 2k + 1: the image and mirror hashes of firsts[k]
+    dropped[firsts] = _dropped_in_order(len(firsts), earlier[earlier < later], later[earlier < later])
     return dropped
 
 
-def _repeated(digests: list[bytes]) -> np.ndarray:
+def _distinct(hashes: np.ndarray, *, inverse: bool = False, first: bool = False):
+    """np.unique of packed hashes (rows of uint8): the distinct rows, and the index of each row's distinct row
+    (`inverse`) or the first row of each distinct one (`first`). Rows of 8 bytes are sorted as one uint64 each."""
+    hashes = np.ascontiguousarray(hashes, np.uint8)
+    keys = hashes.view("<u8")[:, 0] if hashes.shape[1] == 8 else hashes.view(np.dtype((np.void, hashes.shape[1])))
+    if first:
+        return np.unique(keys, return_index=True)[1]
+    values, index = np.unique(keys, return_inverse=True)
+    distinct = values.view(np.uint8).reshape(len(values), hashes.shape[1])
+    return (distinct, index.reshape(-1)) if inverse else distinct
+
+
+def _dropped_in_order(n: int, earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
+    """The rule `copies_within` states, on n samples in order and the pairs of near ones (earlier < later): a sample
+    is dropped when a kept sample before it is near. Decided in rounds, each a few numpy passes over the pairs not
+    yet decided: a sample with a kept earlier neighbour is dropped; one whose earlier neighbours are all dropped is
+    kept; the first undecided sample is decided in every round, and a group of copies of one kept sample in one."""
+    dropped, undecided = np.zeros(n, bool), np.zeros(n, bool)
+    undecided[later] = True  # a sample with no earlier neighbour is kept
+    while len(later):
+        kept_before = ~undecided[earlier] & ~dropped[earlier]
+        dropped[later[kept_before]] = True
+        undecided[later[kept_before]] = False
+        waiting = np.zeros(n, bool)
+        waiting[later[undecided[earlier]]] = True
+        undecided &= waiting  # no kept and no undecided earlier neighbour: kept
+        pending = undecided[later]
+        earlier, later = earlier[pending], later[pending]
+    return dropped
+
+
+def _repeated(digests) -> np.ndarray:
     """True for each digest equal to one before it; one array of the digests' bytes, not a set of Python objects."""
-    repeated = np.zeros(len(digests), bool)
-    if digests:
-        width = len(digests[0])
-        if any(len(d) != width for d in digests):
+    if not len(digests):
+        return np.zeros(0, bool)
+    if isinstance(digests, np.ndarray):
+        rows = np.ascontiguousarray(digests, np.uint8).reshape(len(digests), -1)
+    else:
+        if any(len(d) != len(digests[0]) for d in digests):
             raise ValueError("digests of different lengths: give those of image_fingerprint")
-        rows = np.frombuffer(b"".join(digests), np.uint8).reshape(len(digests), width)
-        repeated[:] = True
-        repeated[np.unique(rows, axis=0, return_index=True)[1]] = False  # np.unique's index: the first occurrence
+        rows = np.frombuffer(b"".join(digests), np.uint8).reshape(len(digests), -1)
+    repeated = np.ones(len(rows), bool)
+    repeated[np.unique(rows, axis=0, return_index=True)[1]] = False  # np.unique's index: the first occurrence
     return repeated
-
-
-def _chunk_copies(index, chunk: np.ndarray, threshold: int, exact: np.ndarray) -> np.ndarray:
-    """Which of `chunk` are copies of a kept sample: one in `index` (those before the chunk), or one before it in
-    the chunk, decided in order since whether that one is kept depends on the samples before it."""
-    dropped = exact.copy()
-    if index.size:
-        dropped |= index.nearest_distance(chunk[:, 0]) <= threshold
-    near = hamming(chunk[:, 0], chunk.reshape(len(chunk) * 2, -1)).reshape(len(chunk), len(chunk), 2).min(axis=2)
-    near = near <= threshold
-    for i in range(len(chunk)):
-        if not dropped[i]:
-            dropped[i] = bool(np.any(near[i, :i] & ~dropped[:i]))
-    return dropped
 
 
 def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -162,12 +186,6 @@ def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 _BITS = np.array([bin(i).count("1") for i in range(256)], np.uint8)  # bits set per byte (numpy 1 has no bitwise_count)
-
-
-def _hash_index(hashes: np.ndarray) -> HashIndex:
-    index = HashIndex(hashes.shape[1])
-    index.add(hashes)
-    return index
 
 
 def _checked(fingerprints: np.ndarray, what: str) -> np.ndarray:

@@ -174,9 +174,8 @@ def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
         drops["dedup_against"] = embedded & copies.copies_of_reference(hashes, reference, threshold)
     if cfg.dedup:
         candidates = np.flatnonzero(~np.logical_or.reduce(list(drops.values())))
-        digests = [loaded["digests"][i].tobytes() for i in candidates]
         copy = np.zeros(len(embedded), bool)
-        copy[candidates] = copies.copies_within(digests, hashes[candidates], threshold)
+        copy[candidates] = copies.copies_within(loaded["digests"][candidates], hashes[candidates], threshold)
         drops["dedup"] = copy
 
 

@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 
-from disco_clip_ds.data.curate import copies
+from disco_clip_ds.data.curate import index
 from disco_clip_ds.data.curate.copies import (
     DEFAULT_THRESHOLD,
     check_threshold,
@@ -99,39 +99,68 @@ def _distance(a: np.ndarray, b: np.ndarray) -> int:
     return (int.from_bytes(a.tobytes(), "big") ^ int.from_bytes(b.tobytes(), "big")).bit_count()
 
 
+# the search both ways: multi-index hashing whatever the sizes (FLAT_COST inf) and the exhaustive one (FLAT_COST 0)
+SEARCHES = pytest.mark.parametrize("flat_cost", [np.inf, 0.0], ids=["multi_index", "exhaustive"])
+
+
+@SEARCHES
 @pytest.mark.parametrize("threshold", [0, 3, 8, 14, 31])
-def test_copies_of_reference_agrees_with_brute_force(threshold):
+def test_copies_of_reference_agrees_with_brute_force(monkeypatch, flat_cost, threshold):
+    monkeypatch.setattr(index, "FLAT_COST", flat_cost)
     rng = np.random.default_rng(threshold)
     reference = np.concatenate([_random_hashes(rng, 30), _random_hashes(rng, 30)], axis=1)  # windows' rows too
     near = [_random_hashes(rng, 0, reference[:10, :2], flips) for flips in (0, 5, 10)]
-    train = np.concatenate([_random_hashes(rng, 40), *near])
+    at = [_random_hashes(rng, 0, reference[10:20, :2], flips) for flips in {threshold, max(threshold - 1, 0)}]
+    beyond = _random_hashes(rng, 0, reference[20:30, :2], threshold + 1)
+    train = np.concatenate([_random_hashes(rng, 40), *near, *at, beyond, near[0][:3]])  # and repeated hashes
     train[-3:, 0] = reference[-3:, 1]  # flipped copies: the image's hash is the reference's mirror hash
     train[-6:-3, 0] = reference[-6:-3, 3]  # and some a window's
     expected = [min(_distance(t[0], r[row]) for r in reference for row in range(4)) <= threshold for t in train]
+    assert sum(expected) >= 20 and (threshold > 20 or not all(expected))  # 31 bits: random hashes match too
     assert copies_of_reference(train, reference, threshold).tolist() == expected
 
 
 def _greedy(digests, train, threshold) -> list[bool]:
-    """The rule, one sample at a time: dropped when a kept earlier sample has its digest or is within threshold."""
+    """The rule, one sample at a time: dropped when an earlier sample has its digest (here digests and hashes are
+    drawn apart, so the rule's two parts act apart) or a kept earlier sample is within threshold."""
     kept, dropped = [], []
-    for digest, hashes in zip(digests, train):
-        copy = any(d == digest or min(_distance(hashes[0], h[s]) for s in (0, 1)) <= threshold for d, h in kept)
+    for i, (digest, hashes) in enumerate(zip(digests, train)):
+        copy = digest in digests[:i] or any(min(_distance(hashes[0], h[s]) for s in (0, 1)) <= threshold for h in kept)
         dropped.append(copy)
         if not copy:
-            kept.append((digest, hashes))
+            kept.append(hashes)
     return dropped
 
 
-@pytest.mark.parametrize("chunk", [3, 1024])
-def test_copies_within_agrees_with_the_rule_one_sample_at_a_time(monkeypatch, chunk):
-    monkeypatch.setattr(copies, "_CHUNK", chunk)  # across chunks and within one
-    rng = np.random.default_rng(chunk)
+@SEARCHES
+@pytest.mark.parametrize("seed", [0, 1])
+def test_copies_within_agrees_with_the_rule_one_sample_at_a_time(monkeypatch, flat_cost, seed):
+    monkeypatch.setattr(index, "FLAT_COST", flat_cost)
+    rng = np.random.default_rng(seed)
     base = _random_hashes(rng, 12)
-    train = np.concatenate([base, _random_hashes(rng, 0, base, 4), _random_hashes(rng, 0, base, 12)])
-    train = train[rng.permutation(len(train))]
-    digests = [bytes([i % 30]) for i in range(len(train))]  # some digests repeat: exact duplicates
     for threshold in (0, 6, 20):
-        assert copies_within(digests, train, threshold).tolist() == _greedy(digests, train, threshold)
+        planted = [_random_hashes(rng, 0, base, f) for f in (4, 12, threshold, threshold + 1, max(threshold - 1, 0))]
+        chain = [base[:4]]  # each 3 bits from the one before: copies of copies
+        for _ in range(3):
+            chain.append(_random_hashes(rng, 0, chain[-1], 3))
+        train = np.concatenate([base, *planted, *chain, base[:3]])
+        train = train[rng.permutation(len(train))]
+        digests = [bytes([i % 30]) for i in range(len(train))]  # some digests repeat: exact duplicates
+        expected = _greedy(digests, train, threshold)
+        assert 0 < sum(expected) < len(train)
+        assert copies_within(digests, train, threshold).tolist() == expected
+        as_array = np.frombuffer(b"".join(digests), np.uint8).reshape(len(digests), 1)
+        assert copies_within(as_array, train, threshold).tolist() == expected
+
+
+def test_a_chain_of_copies_keeps_every_other_one():
+    """a ~ b ~ c ~ d ~ e, each 2 bits from the one before and more than 2 from any other: a, c, e kept."""
+    bits = np.zeros((5, 128), np.uint8)
+    for i in range(5):
+        bits[i, : 2 * i] = 1
+    bits[:, 64:] = 255  # mirrors far from every image hash
+    train = np.packbits(bits, axis=1).reshape(5, 2, 8)
+    assert copies_within([bytes([i]) for i in range(5)], train, 2).tolist() == [False, True, False, True, False]
 
 
 def test_exact_duplicates_and_the_first_in_order_kept():
@@ -149,6 +178,19 @@ def test_a_copy_of_a_dropped_copy_is_kept():
     bits[:, 64:] = 255  # mirrors far from every image hash
     train = np.packbits(bits, axis=1).reshape(3, 2, 8)
     assert copies_within([b"a", b"b", b"c"], train, 6).tolist() == [False, True, False]
+
+
+def test_a_sample_near_only_dropped_ones_is_kept_whenever_they_were_dropped():
+    """a, b, x, y, z with bits {}, {0,1}, {0..3}, {0..5}, {0,1,4,5}, threshold 2: b goes (a's copy), x stays (near b
+    alone), y goes (x's copy) after b is decided, and z, near b and y only, stays: both its neighbours dropped,
+    decided one after the other."""
+    sets = [[], [0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 1, 4, 5]]
+    bits = np.zeros((5, 128), np.uint8)
+    for row, ones in zip(bits, sets):
+        row[ones] = 1
+    bits[:, 64:] = 1  # mirrors far from every image hash
+    train = np.packbits(bits, axis=1).reshape(5, 2, 8)
+    assert copies_within([bytes([i]) for i in range(5)], train, 2).tolist() == [False, True, False, True, False]
 
 
 @pytest.mark.parametrize("value", [-1, 32, 2.5, True, "8", None])

@@ -1,13 +1,16 @@
 """faiss and imagehash are each used from one module (data/curate/index.py, data/curate/copies.py), and the binary
-index's nearest distance is the brute-force Hamming distance."""
+Hamming-radius search (multi-index hashing, and the exhaustive faiss search) finds the brute-force pairs."""
 
+import math
 import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import disco_clip_ds
-from disco_clip_ds.data.curate.index import HashIndex
+from disco_clip_ds.data.curate import index
+from disco_clip_ds.data.curate.index import hamming_pairs
 
 PACKAGE = Path(disco_clip_ds.__file__).parent
 
@@ -22,13 +25,61 @@ def test_faiss_and_imagehash_are_each_imported_by_one_module():
     assert importers("imagehash") == ["data/curate/copies.py"]
 
 
-def test_hash_index_nearest_distance_is_the_brute_force_hamming_distance():
-    rng = np.random.default_rng(0)
-    base, queries = rng.integers(0, 256, (50, 8), dtype=np.uint8), rng.integers(0, 256, (7, 8), dtype=np.uint8)
-    index = HashIndex(8)
-    index.add(base)
-    brute = [
-        min(bin(int.from_bytes(q.tobytes(), "big") ^ int.from_bytes(b.tobytes(), "big")).count("1") for b in base)
-        for q in queries
-    ]
-    assert index.size == 50 and index.nearest_distance(queries).tolist() == brute
+def _brute_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> list[tuple[int, int]]:
+    """Every pair within radius, by Python integers' bit counts."""
+    q, b = ([int.from_bytes(c.tobytes(), "big") for c in codes] for codes in (queries, base))
+    return [(i, j) for i, x in enumerate(q) for j, y in enumerate(b) if (x ^ y).bit_count() <= radius]
+
+
+def _planted(rng, width: int, radius: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random codes of `width` bytes; the first base codes are queries' with radius - 1, radius, radius + 1 bits
+    changed, and two base codes repeat a query's: pairs on each side of the radius, and shared buckets."""
+    queries, base = rng.integers(0, 256, (60, width), dtype=np.uint8), rng.integers(0, 256, (90, width), dtype=np.uint8)
+    bits = np.unpackbits(queries[:30], axis=1)
+    for row, flips in zip(bits, [radius - 1, radius, radius + 1] * 10):
+        row[rng.choice(width * 8, size=max(flips, 0), replace=False)] ^= 1
+    base[:30] = np.packbits(bits, axis=1)
+    base[30:32] = queries[0]
+    return queries, base
+
+
+@pytest.mark.parametrize("flat_cost", [np.inf, 0.0], ids=["multi_index", "exhaustive"])
+@pytest.mark.parametrize(
+    ("width", "radius"), [(8, 0), (8, 1), (8, 2), (8, 8), (8, 9), (8, 20), (8, 31), (3, 5), (32, 40)]
+)
+def test_hamming_pairs_are_the_brute_force_pairs(monkeypatch, flat_cost, width, radius):
+    """Multi-index hashing (forced: FLAT_COST inf) and the exhaustive faiss search (FLAT_COST 0) each give every
+    pair within the radius and no other, pairs at radius - 1, radius and radius + 1 planted; 3-byte codes (padded
+    to a word) and 256-bit codes (pieces across words) too."""
+    monkeypatch.setattr(index, "FLAT_COST", flat_cost)
+    queries, base = _planted(np.random.default_rng(radius * 100 + width), width, radius)
+    expected = _brute_pairs(queries, base, radius)
+    assert sum(i < 30 and j == i for i, j in expected) == 20  # the planted ones within radius, not those beyond
+    rows, columns = hamming_pairs(queries, base, radius)
+    assert list(zip(rows.tolist(), columns.tolist())) == expected
+
+
+def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
+    """Every plan's pieces and flips cover the radius (pieces * (flip bits + 1) > radius: a pair within it is within
+    the flips on one piece at least); at the sizes of bench/data/dedup_scale.py (24,000 to a million against about
+    twice as many 64-bit codes), radius 8, it is 3 pieces of 21 bits probed within 2 bits; small searches are
+    exhaustive, or with FLAT_COST inf take small tables."""
+    for bits, radius in [(64, r) for r in range(32)] + [(256, r) for r in (0, 8, 40, 127)]:
+        plan = index._plan(bits, radius, 10**6, 2 * 10**6)
+        if plan is not None:
+            pieces, flips, width = plan
+            flip_bits = max(bin(int(f)).count("1") for f in flips)
+            assert pieces * (flip_bits + 1) > radius and pieces * width <= bits
+            assert len(flips) == sum(math.comb(width, k) for k in range(flip_bits + 1))
+    for nq, nb in [(24_000, 47_000), (100_000, 200_000), (250_000, 500_000), (10**6, 2 * 10**6)]:  # dedup_scale.py's
+        pieces, flips, width = index._plan(64, 8, nq, nb)
+        assert (pieces, len(flips), width) == (3, 1 + 21 + 210, 21)
+    assert index._plan(64, 0, 60, 90)[2] < 16  # few codes: narrow pieces, small tables
+    assert index._plan(64, 8, 50, 100) is None
+
+
+def test_empty_and_mismatched_codes():
+    codes = np.zeros((3, 8), np.uint8)
+    assert [a.tolist() for a in hamming_pairs(codes[:0], codes, 4)] == [[], []]
+    with pytest.raises(ValueError, match="8 bytes against codes of 4 bytes"):
+        hamming_pairs(codes, codes[:, :4], 4)

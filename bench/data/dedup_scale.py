@@ -1,0 +1,168 @@
+"""How the copy rules' search scales: `copies.copies_of_reference` (`data filter --dedup_against`) and
+`copies.copies_within` (`--dedup`) on synthetic fingerprints, this tree's multi-index hashing against the exhaustive
+faiss search of --before_commit (the code as it was, extracted with `git archive`), at the sizes each can reach.
+
+Fingerprints are shaped as copies.py makes them: 64-bit hashes with 32 bits set (a pHash has as many bits set as
+clear); a pool sample has its image's hash and its mirror's; an eval image has 20 (the image, its mirror, 9 windows
+and their mirrors), each window's hash its image's with 2, 4 or 6 bits changed. Planted in the pool: 2 % copies of
+an eval hash and 2 % copies of an earlier pool sample, each with 0 to 10 bits changed (so some just past the
+default threshold, 8), and 0.5 % exact duplicates (an earlier sample's digest and hashes). Each measurement is a
+fresh process (both sides alike), rounds interleaved; the timed part is the rule's call alone, wall and CPU time of
+the process; decisions_sha is the SHA-256 of the decisions, equal for both sides at equal sizes and seed.
+
+    python bench/data/dedup_scale.py --rounds 2 --csv bench/data/results/dedup_scale.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+# (rule, side, pool samples, eval images): the new search at the issue's size and a quarter of it, both sides where
+# the exhaustive search runs in reasonable time
+CASES = [
+    ("against", "new", 1_000_000, 100_000),
+    ("against", "new", 250_000, 25_000),
+    ("against", "new", 100_000, 10_000),
+    ("against", "old", 100_000, 10_000),
+    ("against", "new", 25_000, 2_500),
+    ("against", "old", 25_000, 2_500),
+    ("within", "new", 1_000_000, 0),
+    ("within", "new", 250_000, 0),
+    ("within", "new", 50_000, 0),
+    ("within", "old", 50_000, 0),
+    ("within", "new", 25_000, 0),
+    ("within", "old", 25_000, 0),
+]
+
+
+def balanced(rng, n: int) -> np.ndarray:
+    """(n, 64) bits, 32 of each row set."""
+    bits = np.zeros((n, 64), np.uint8)
+    bits[:, :32] = 1
+    return rng.permuted(bits, axis=1)
+
+
+def flipped(rng, bits: np.ndarray, flips: np.ndarray) -> np.ndarray:
+    """`bits` with flips[i] bits of row i changed, half set ones cleared and half clear ones set (stays balanced)."""
+    noise = rng.random(bits.shape) + 2 * bits  # ones rank after zeros
+    rank_zero = np.argsort(np.argsort(noise, axis=1), axis=1)  # zeros take ranks 0..31, ones 32..63
+    half = (flips // 2)[:, None]
+    change = (rank_zero < half) | ((rank_zero >= 32) & (rank_zero < 32 + half))
+    return bits ^ change.astype(np.uint8)
+
+
+def synthetic(pool: int, eval_images: int, seed: int):
+    """(digests (n, 16) uint8, pool fingerprints (n, 2, 8), eval fingerprints (m, 20, 8))."""
+    rng = np.random.default_rng(seed)
+    reference = np.zeros((eval_images, 20, 8), np.uint8)
+    if eval_images:
+        image, mirror = balanced(rng, eval_images), balanced(rng, eval_images)
+        rows = [image, mirror]
+        for _ in range(9):
+            change = rng.choice([2, 4, 6], eval_images)
+            rows += [flipped(rng, image, change), flipped(rng, mirror, change)]
+        reference = np.stack([np.packbits(r, axis=1) for r in rows], axis=1)
+    train = np.stack([balanced(rng, pool), balanced(rng, pool)], axis=1)  # (n, 2, 64) bits
+    digests = rng.integers(0, 256, (pool, 16), dtype=np.uint8)
+    n_copies = pool // 50
+    if eval_images:  # copies of an eval hash
+        rows = rng.choice(pool, n_copies, replace=False)
+        source = np.unpackbits(reference[rng.integers(0, eval_images, n_copies), rng.integers(0, 20, n_copies)], axis=1)
+        train[rows, 0] = flipped(rng, source, rng.integers(0, 6, n_copies) * 2)
+    later = rng.choice(np.arange(1, pool), n_copies, replace=False)  # copies of an earlier pool sample
+    earlier = (rng.random(n_copies) * later).astype(np.int64)
+    for side in (0, 1):
+        train[later, side] = flipped(rng, train[earlier, side], rng.integers(0, 6, n_copies) * 2)
+    later = rng.choice(np.arange(1, pool), pool // 200, replace=False)  # exact duplicates
+    earlier = (rng.random(len(later)) * later).astype(np.int64)
+    train[later], digests[later] = train[earlier], digests[earlier]
+    return digests, np.packbits(train, axis=2), reference
+
+
+def child(args) -> None:
+    from disco_clip_ds.data.curate import copies
+
+    digests, train, reference = synthetic(args.pool, args.eval_images, args.seed)
+    digest_list = [d.tobytes() for d in digests]  # what the filter gave before this change (both sides alike)
+    wall, cpu = time.perf_counter(), time.process_time()
+    if args.rule == "against":
+        dropped = copies.copies_of_reference(train, reference, args.threshold)
+    else:
+        dropped = copies.copies_within(digest_list, train, args.threshold)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    sha = hashlib.sha256(np.packbits(dropped).tobytes()).hexdigest()[:16]
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "dropped": int(dropped.sum()), "decisions_sha": sha}))
+
+
+def extract(commit: str, into: str) -> None:
+    """The package at `commit`, from `git archive`, under `into`."""
+    archive = subprocess.run(["git", "archive", commit, "disco_clip_ds"], cwd=ROOT, capture_output=True, check=True)
+    with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+
+
+def measure(case, seed: int, threshold: int, before: str, timeout: int) -> dict:
+    rule, side, pool, eval_images = case
+    env = dict(os.environ, PYTHONPATH=str(ROOT) if side == "new" else before, OMP_NUM_THREADS="1")
+    command = [sys.executable, __file__, "--child", "--rule", rule, "--pool", str(pool)]
+    command += ["--eval_images", str(eval_images), "--seed", str(seed), "--threshold", str(threshold)]
+    load = os.getloadavg()[0]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=True)
+    return {"load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1), **json.loads(done.stdout)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threshold", type=int, default=8)
+    parser.add_argument("--before_commit", default="9b87829")
+    parser.add_argument("--rules", nargs="+", default=["against", "within"])
+    parser.add_argument("--timeout", type=int, default=3600)
+    parser.add_argument("--csv", default="bench/data/results/dedup_scale.csv")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rule", help=argparse.SUPPRESS)
+    parser.add_argument("--pool", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--eval_images", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as before:
+        extract(args.before_commit, before)
+        for round_ in range(args.rounds):
+            for case in [c for c in CASES if c[0] in args.rules]:
+                result = measure(case, args.seed, args.threshold, before, args.timeout)
+                rule, side, pool, eval_images = case
+                row = {
+                    "rule": rule,
+                    "side": side,
+                    "commit": commit.stdout.strip() if side == "new" else args.before_commit,
+                }
+                row.update(pool=pool, eval_images=eval_images, reference_hashes=20 * eval_images, round=round_)
+                row.update(threshold=args.threshold, **result)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+                with open(args.csv, "w", newline="") as f:  # rewritten after each row: a partial run is kept
+                    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    writer.writeheader()
+                    writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
