@@ -77,8 +77,8 @@ def config_problem(config) -> str | None:
     for name in ("text_config", "vision_config"):
         tower = getattr(config, name)
         for field in TOWER_SIZES + (("vocab_size", "max_position_embeddings") if name == "text_config" else ()):
-            value = getattr(tower, field, None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            value = getattr(tower, field, 1)  # a field the config class has not is not checked
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 return f"{name}.{field} {value!r}: give a positive whole number"
         if tower.hidden_size % tower.num_attention_heads:
             return (
@@ -91,11 +91,11 @@ def config_problem(config) -> str | None:
         return f"vision_config.patch_size {patch!r}: give a positive whole number"
     if config.model_type != "siglip2" and (not isinstance(image, int) or image < patch):
         return f"vision_config.image_size {image!r}: give a whole number at least the patch size {patch}"
-    projection = getattr(config, "projection_dim", None)
-    if projection is not None and (not isinstance(projection, int) or projection < 1):
+    projection = getattr(config, "projection_dim", 1)
+    if isinstance(projection, bool) or not isinstance(projection, int) or projection < 1:
         return f"projection_dim {projection!r}: give a positive whole number"
     for field in ("logit_scale_init_value", "logit_scale", "logit_bias"):
-        value = getattr(config, field, None)
-        if isinstance(value, (int, float)) and not math.isfinite(value):
+        value = getattr(config, field, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return f"{field} {value!r}: give a finite number"
     return None
