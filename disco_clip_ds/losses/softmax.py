@@ -62,12 +62,12 @@ _BAND = 48.0
 _NEXT = math.exp(-_BAND)  # the weight of the band below the top one
 
 
-def _to_bands(shifted: torch.Tensor) -> torch.Tensor:
-    """Given S - a (<= 0 up to rounding), in place: each value minus its band's top k W; returns the bands k.
-    The subtraction is exact (Sterbenz: S - a and k W lie within a factor 2 of each other, or k = 0)."""
-    band = torch.mul(shifted, 1 / _BAND).ceil_()
-    shifted.sub_(band, alpha=_BAND)
-    return band
+def _to_bands(shifted: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Given S - a (<= 0 up to rounding), in place: each value minus its band's top k W; returns the bands k (in
+    `out`). The subtraction is exact (Sterbenz: S - a and k W lie within a factor 2 of each other, or k = 0)."""
+    bands = torch.mul(shifted, 1 / _BAND, out=out).ceil_()
+    shifted.sub_(bands, alpha=_BAND)
+    return bands
 
 
 def _band_of(shifted: torch.Tensor) -> torch.Tensor:
@@ -75,15 +75,16 @@ def _band_of(shifted: torch.Tensor) -> torch.Tensor:
     return torch.mul(shifted, 1 / _BAND).ceil_()
 
 
-def _band_weights(bands: torch.Tensor, top: torch.Tensor, dim: int) -> torch.Tensor:
+def _band_weights(bands: torch.Tensor, top: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
     """Weights of a tile's exponentials for the rows (dim 1) or columns (dim 0) whose top bands are `top`: 1 in the
-    top band, e^-W in the one below, 0 further down; float arithmetic only (no masks: they are slow on CPU)."""
-    return (bands - (top - 1).unsqueeze(dim)).add_(_NEXT).clamp_(0.0, 1.0)
+    top band, e^-W in the one below, 0 further down; float arithmetic only (masks are slower on CPU). `out` may be
+    `bands` itself."""
+    return torch.sub(bands, (top - 1).unsqueeze(dim), out=out).add_(_NEXT).clamp_(0.0, 1.0)
 
 
-def _band_sums(exps, bands, top, dim) -> torch.Tensor:
-    """sum over `dim` of the exponentials, in units of exp(a + top W): the reduction _band_weights describes."""
-    return _band_weights(bands, top, dim).mul_(exps).sum(dim)
+def _workspace(chunk: int, total: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 tiles of `chunk` x `total`, reused by every tile of a pass (the last one takes their first rows)."""
+    return tuple(like.new_empty((chunk, total), dtype=torch.float32) for _ in range(2))
 
 
 class _OneBlockLogSumExps(torch.autograd.Function):
@@ -115,6 +116,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         row_lse = images.new_empty(b, dtype=torch.float32)
         col_lse = texts32.new_full((total,), -torch.inf)
         kept = []
+        work = _workspace(min(chunk, b), total, texts32)
         for rows in tiles(b, chunk):
             logits = (images[rows].float() * scale) @ texts32.T
             row_max, col_max = logits.amax(1), logits.amax(0)
@@ -122,10 +124,12 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             shifted = logits - top if keep else logits.sub_(top)  # kept logits stay
             if keep:
                 kept.append(logits)
-            bands = _to_bands(shifted)
+            n = shifted.shape[0]
+            bands = _to_bands(shifted, work[0][:n])
             exps = shifted.exp_()
             row_top, col_top = _band_of(row_max.sub_(top)), _band_of(col_max.sub_(top))
-            row_sum, col_sum = _band_sums(exps, bands, row_top, 1), _band_sums(exps, bands, col_top, 0)
+            row_sum = _band_weights(bands, row_top, 1, work[1][:n]).mul_(exps).sum(1)
+            col_sum = _band_weights(bands, col_top, 0, bands).mul_(exps).sum(0)
             del exps, bands, shifted
             row_lse[rows] = row_sum.log_().add_(row_top.mul_(_BAND).add_(top))
             torch.logaddexp(col_lse, col_sum.log_().add_(col_top.mul_(_BAND).add_(top)), out=col_lse)
@@ -159,6 +163,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
         grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
         grad_s = torch.zeros((), dtype=torch.float32, device=images.device)
+        work = _workspace(min(chunk, images.shape[0]), texts.shape[0], texts32)
         for k, rows in enumerate(tiles(images.shape[0], chunk)):
             q = images[rows].float()
             q_scaled = q * scale
@@ -168,7 +173,7 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             else:
                 # S - a, S's rounding as in pass 1 (the same product (s q) T^T)
                 shifted = torch.addmm(top.expand(1, 1), q_scaled, texts32.T, beta=-1)
-            grad = _gradient_tile(shifted, top, row_lse[rows], col_lse, g, g_col)
+            grad = _gradient_tile(shifted, top, row_lse[rows], col_lse, g, g_col, work)
             add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
@@ -181,17 +186,19 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         )
 
 
-def _gradient_tile(shifted, top, row_lse, col_lse, g, g_col) -> torch.Tensor:
-    """G = g exp(S - rowlse) + g_col exp(S - collse) from S - top (consumed), with one exponential per logit."""
-    bands = _to_bands(shifted)
+def _gradient_tile(shifted, top, row_lse, col_lse, g, g_col, work) -> torch.Tensor:
+    """G = g exp(S - rowlse) + g_col exp(S - collse) from S - top (consumed), with one exponential per logit; the
+    result lies in work[1]."""
+    n = shifted.shape[0]
+    bands = _to_bands(shifted, work[0][:n])
     exps = shifted.exp_()
     # The lse's band, or a logit's if the recompute rounded it over a band's edge above its lse: weights need k <= K.
     row_top = torch.maximum(_band_of(row_lse - top), bands.amax(1))
     col_top = torch.maximum(_band_of(col_lse - top), bands.amax(0))
     alpha = (top - row_lse).add_(row_top, alpha=_BAND).exp_().mul_(g)  # exact shift (Sterbenz); in [1, e^W) g
     beta = (top - col_lse).add_(col_top, alpha=_BAND).exp_().mul_(g_col)
-    grad = _band_weights(bands, row_top, 1).mul_(alpha[:, None])
-    grad.add_(_band_weights(bands, col_top, 0).mul_(beta))
+    grad = _band_weights(bands, row_top, 1, work[1][:n]).mul_(alpha[:, None])
+    grad.add_(_band_weights(bands, col_top, 0, bands).mul_(beta))
     return grad.mul_(exps)
 
 
