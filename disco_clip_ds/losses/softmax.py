@@ -198,8 +198,7 @@ def _gradient_tile(shifted, top, row_lse, col_lse, g, g_col, work) -> torch.Tens
     alpha = (top - row_lse).add_(row_top, alpha=_BAND).exp_().mul_(g)  # exact shift (Sterbenz); in [1, e^W) g
     beta = (top - col_lse).add_(col_top, alpha=_BAND).exp_().mul_(g_col)
     grad = _band_weights(bands, row_top, 1, work[1][:n]).mul_(alpha[:, None])
-    grad.add_(_band_weights(bands, col_top, 0, bands).mul_(beta))
-    return grad.mul_(exps)
+    return grad.addcmul_(_band_weights(bands, col_top, 0, bands), beta).mul_(exps)
 
 
 def _direction_terms(queries, keys, scale) -> torch.Tensor:
