@@ -27,6 +27,8 @@ Two implementations of the per-rank term:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,31 +51,58 @@ IMPLS = tuple(impl for impl in LOSS_IMPLS if impl != "local")  # the global-batc
 DEFAULT_KEEP_BYTES = DEFAULT_TILE_ELEMENTS * 4
 default_chunk_size = tile_rows  # rows per tile against the B columns of the global batch
 
-# Below these, a shortcut's shared shift can have lost terms to fp32 underflow (exp(-87) is fp32's smallest normal):
-# a tile's row or column sum of exp(S - tile max) under e^-46 (its significant terms may be under e^-78), and a
-# column whose log-sum-exp lies more than 50 below the rank's largest row log-sum-exp (the backward's rescaling).
-_TINY_SUM = 1e-20
-_MAX_LSE_GAP = 50.0
+# One exponential per logit serves both a row's and a column's log-sum-exp through bands: a tile's logits are
+# measured down from an anchor a in bands of _BAND nats, band k <= 0 holding a + (k - 1) W < S <= a + k W, and each
+# logit is exponentiated once against its own band's top, E = exp(S - a - k W), in (e^-W, 1]. A row (or column)
+# whose maximum lies in band K sums its band-K terms with weight 1 and its band-(K - 1) terms with weight e^-W: its
+# terms more than 2 bands down lie over W below its maximum, under B e^-48 of its sum. No term underflows (E >
+# e^-48) nor overflows (a sum <= B), whatever the logits' span: there is no shortcut to fall back from. W = 48
+# keeps a weighted next-band term that matters (within 17 + ln B nats of the maximum) a normal fp32 up to B = 2^24.
+_BAND = 48.0
+_NEXT = math.exp(-_BAND)  # the weight of the band below the top one
+
+
+def _to_bands(shifted: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Given S - a (<= 0 up to rounding), in place: each value minus its band's top k W; returns the bands k (in
+    `out`). The subtraction is exact (Sterbenz: S - a and k W lie within a factor 2 of each other, or k = 0)."""
+    bands = torch.mul(shifted, 1 / _BAND, out=out).ceil_()
+    shifted.sub_(bands, alpha=_BAND)
+    return bands
+
+
+def _band_of(shifted: torch.Tensor) -> torch.Tensor:
+    """The band of each value of S - a, computed as _to_bands computes an element's (the same fp32 operations)."""
+    return torch.mul(shifted, 1 / _BAND).ceil_()
+
+
+def _band_weights(bands: torch.Tensor, top: torch.Tensor, dim: int, out: torch.Tensor) -> torch.Tensor:
+    """Weights of a tile's exponentials for the rows (dim 1) or columns (dim 0) whose top bands are `top`: 1 in the
+    top band, e^-W in the one below, 0 further down; float arithmetic only (masks are slower on CPU). `out` may be
+    `bands` itself."""
+    return torch.sub(bands, (top - 1).unsqueeze(dim), out=out).add_(_NEXT).clamp_(0.0, 1.0)
+
+
+def _workspace(chunk: int, total: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 tiles of `chunk` x `total`, reused by every tile of a pass (the last one takes their first rows)."""
+    return tuple(like.new_empty((chunk, total), dtype=torch.float32) for _ in range(2))
 
 
 class _OneBlockLogSumExps(torch.autograd.Function):
     """sum_{i local} lse_j S_ij + sum_{j local} lse_i S_ij from this rank's block S_r = s I_r T_all^T alone.
 
-    Pass 1 walks row tiles of S_r once. One exponential per logit, E = exp(S - tile max), gives both the row sums
-    (row log-sum-exps: complete, a row lies in one rank's block) and the column sums (this rank's partial column
-    log-sum-exps), which two all-reduces of B floats (max, then sum of exp(x - max)) combine into the global
-    column log-sum-exps. A row or column whose sum in a tile falls below _TINY_SUM sits so far below the tile's
-    maximum that its terms may have underflowed: it takes the log-sum-exp of its own logits (shifted by its own
-    maximum), which every tile computes beside the shortcut so that no host sync has to pick those rows, so a
-    column whose logits are all far below their rows' maxima does not underflow to log(0).
-    Pass 2 (backward) recomputes each tile's logits into P = exp(S - rowlse) (one exponential per logit again)
-    and the gradient tile
-        G_ij = g_r P_ij + g_owner(j) exp(S_ij - collse_j) = P_ij (g_r + a_i c_j),
-        a_i = exp(rowlse_i - m), c_j = g_owner(j) exp(m - collse_j), m = max_i rowlse_i,
-    whose column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j), so
-    the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says.
-    Columns with m - collse_j > _MAX_LSE_GAP would overflow c_j while P_ij underflows: they take their column
-    term from the logits directly (computed on every tile and chosen per column, again without a host sync). When
+    Pass 1 walks row tiles of S_r once. One exponential per logit, E = exp(S - a - k W) in bands under the tile's
+    maximum a (see _BAND), gives both the row sums (row log-sum-exps: complete, a row lies in one rank's block) and
+    the column sums (this rank's partial column log-sum-exps), which two all-reduces of B floats (max, then sum of
+    exp(x - max)) combine into the global column log-sum-exps. Exact for any span of the logits: a column whose
+    logits all lie far below their rows' maxima is summed in its own band, without a host sync or a second pass.
+    Pass 2 (backward) recomputes each tile's logits into E = exp(S - a - k W) again, a the tile's largest row lse
+    (one exponential per logit), and the gradient tile
+        G_ij = g_r exp(S_ij - rowlse_i) + g_owner(j) exp(S_ij - collse_j)
+             = E_ij (g_r alpha_i w_ij + g_owner(j) beta_j v_ij),
+        alpha_i = exp(a + K_i W - rowlse_i), beta_j = exp(a + K'_j W - collse_j),
+    K_i, K'_j the bands of the row's and column's lse, w, v the band weights: each probability to an absolute
+    e^-48. The column term carries the upstream gradient of the rank that owns text j (its loss holds collse_j), so
+    the summed reduce-scatter of dT_all gives every rank d(sum_r g_r l_r)/d(its texts), as the contract says. When
     the whole b x B block fits `keep_bytes`, pass 1 keeps its logits and pass 2 skips the recompute.
     """
 
@@ -86,23 +115,24 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         keep = need_grad and b * total * 4 <= keep_bytes
         row_lse = images.new_empty(b, dtype=torch.float32)
         col_lse = texts32.new_full((total,), -torch.inf)
-        exact_col_lse = texts32.new_full((total,), -torch.inf)  # from each column's own maximum, for low columns
-        low_cols = torch.zeros(total, dtype=torch.bool, device=images.device)
         kept = []
+        work = _workspace(min(chunk, b), total, texts32)
         for rows in tiles(b, chunk):
             logits = (images[rows].float() * scale) @ texts32.T
-            exact_rows = torch.logsumexp(logits, dim=1)
-            torch.logaddexp(exact_col_lse, torch.logsumexp(logits, dim=0), out=exact_col_lse)
-            top = logits.max()
-            exps = (logits - top if keep else logits.sub_(top)).exp_()  # kept logits stay; else exp in place
+            row_max, col_max = logits.amax(1), logits.amax(0)
+            top = row_max.max()
+            shifted = logits - top if keep else logits.sub_(top)  # kept logits stay
             if keep:
                 kept.append(logits)
-            row_sum, col_sum = exps.sum(1), exps.sum(0)
-            del exps
-            low_cols |= col_sum < _TINY_SUM
-            row_lse[rows] = torch.where(row_sum < _TINY_SUM, exact_rows, row_sum.log_().add_(top))
-            torch.logaddexp(col_lse, col_sum.log_().add_(top), out=col_lse)
-        col_lse = torch.where(low_cols, exact_col_lse, col_lse)
+            n = shifted.shape[0]
+            bands = _to_bands(shifted, work[0][:n])
+            exps = shifted.exp_()
+            row_top, col_top = _band_of(row_max.sub_(top)), _band_of(col_max.sub_(top))
+            row_sum = _band_weights(bands, row_top, 1, work[1][:n]).mul_(exps).sum(1)
+            col_sum = _band_weights(bands, col_top, 0, bands).mul_(exps).sum(0)
+            del exps, bands, shifted
+            row_lse[rows] = row_sum.log_().add_(row_top.mul_(_BAND).add_(top))
+            torch.logaddexp(col_lse, col_sum.log_().add_(col_top.mul_(_BAND).add_(top)), out=col_lse)
         if world > 1:
             col_max = col_lse.clone()  # finite: every column has a row somewhere
             dist.all_reduce(col_max, op=dist.ReduceOp.MAX, group=group)
@@ -133,23 +163,17 @@ class _OneBlockLogSumExps(torch.autograd.Function):
         grad_i = torch.empty(images.shape, dtype=torch.float32, device=images.device) if need_i else None
         grad_t = torch.zeros(texts.shape, dtype=torch.float32, device=texts.device) if need_t else None
         grad_s = torch.zeros((), dtype=torch.float32, device=images.device)
-        m = row_lse.max() if row_lse.numel() else row_lse.new_zeros(())
-        gap = m - col_lse
-        direct = gap > _MAX_LSE_GAP  # chosen per column on the device: no host sync
-        col_w = gap.clamp_(max=_MAX_LSE_GAP).exp_().mul_(g_col).masked_fill_(direct, 0.0)
-        row_w = (row_lse - m).exp_()
+        work = _workspace(min(chunk, images.shape[0]), texts.shape[0], texts32)
         for k, rows in enumerate(tiles(images.shape[0], chunk)):
             q = images[rows].float()
             q_scaled = q * scale
+            top = row_lse[rows].max()  # >= every logit of these rows
             if ctx.kept is not None:
-                shifted, ctx.kept[k] = ctx.kept[k].sub_(row_lse[rows, None]), None  # consumed in place
+                shifted, ctx.kept[k] = ctx.kept[k].sub_(top), None  # consumed in place
             else:
-                # S - rowlse, S's rounding as in pass 1 (the same product (s q) T^T)
-                shifted = torch.addmm(row_lse[rows, None], q_scaled, texts32.T, beta=-1)
-            direct_term = (shifted + row_lse[rows, None]).sub_(col_lse).exp_().mul_(g_col)
-            grad = shifted.exp_().mul_(torch.addr(g, row_w[rows], col_w))
-            torch.where(direct, direct_term.add_(grad), grad, out=grad)
-            del direct_term
+                # S - a, S's rounding as in pass 1 (the same product (s q) T^T)
+                shifted = torch.addmm(top.expand(1, 1), q_scaled, texts32.T, beta=-1)
+            grad = _gradient_tile(shifted, top, row_lse[rows], col_lse, g, g_col, work)
             add_tile_gradient(grad, rows, q, q_scaled, texts32, scale, grad_i, grad_t, grad_s if need_s else None)
         return (
             grad_i.to(images.dtype) if need_i else None,
@@ -160,6 +184,21 @@ class _OneBlockLogSumExps(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _gradient_tile(shifted, top, row_lse, col_lse, g, g_col, work) -> torch.Tensor:
+    """G = g exp(S - rowlse) + g_col exp(S - collse) from S - top (consumed), with one exponential per logit; the
+    result lies in work[1]."""
+    n = shifted.shape[0]
+    bands = _to_bands(shifted, work[0][:n])
+    exps = shifted.exp_()
+    # The lse's band, or a logit's if the recompute rounded it over a band's edge above its lse: weights need k <= K.
+    row_top = torch.maximum(_band_of(row_lse - top), bands.amax(1))
+    col_top = torch.maximum(_band_of(col_lse - top), bands.amax(0))
+    alpha = (top - row_lse).add_(row_top, alpha=_BAND).exp_().mul_(g)  # exact shift (Sterbenz); in [1, e^W) g
+    beta = (top - col_lse).add_(col_top, alpha=_BAND).exp_().mul_(g_col)
+    grad = _band_weights(bands, row_top, 1, work[1][:n]).mul_(alpha[:, None])
+    return grad.addcmul_(_band_weights(bands, col_top, 0, bands), beta).mul_(exps)
 
 
 def _direction_terms(queries, keys, scale) -> torch.Tensor:

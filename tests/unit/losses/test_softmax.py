@@ -126,33 +126,74 @@ def mixed_far_features(n=10, seed=0):
     return F.normalize(x + noise(), dim=1).float(), F.normalize(y + noise(), dim=1).float()
 
 
+def band_edge_features():
+    """At scale 100: image e1 meets text e1 (the tile's maximum, 100); image e2 meets two texts at 52.5 and 51.5,
+    1 nat apart on either side of the edge 48 below that maximum, so that e2's row sums two bands (its top one and
+    the one below, both significant). With the roles swapped (texts as rows) the same holds for a column."""
+    e = torch.eye(DIM, dtype=torch.float64)
+    x = torch.stack([e[0], e[1], e[4]])
+    y = torch.stack(
+        [e[0], 0.525 * e[1] + math.sqrt(1 - 0.525**2) * e[2], 0.515 * e[1] + math.sqrt(1 - 0.515**2) * e[3]]
+    )
+    return x.float(), y.float()
+
+
+def _loss_and_grads(x, y, log_scale, **options):
+    xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
+    t = torch.tensor(log_scale, requires_grad=True)
+    loss = disco_clip_loss(xi, yi, t.exp(), **options)
+    loss.backward()
+    return loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()
+
+
+def _assert_matches(got, ref, rtol=1e-4):
+    loss, gx, gy, gt = got
+    assert loss == pytest.approx(ref[0], rel=rtol)
+    torch.testing.assert_close(gx, ref[1], rtol=rtol, atol=rtol / 10 * ref[1].abs().max().item())
+    torch.testing.assert_close(gy, ref[2], rtol=rtol, atol=rtol / 10 * ref[2].abs().max().item())
+    assert gt == pytest.approx(ref[3], rel=rtol, abs=rtol / 10)
+
+
+FAR_CASES = {  # name: (features, log scale, chunk_size); each spans over 100 nats within a tile
+    "far rows and columns": (mixed_far_features, math.log(100.0), 4),
+    "band edge, rows": (band_edge_features, math.log(100.0), None),
+    "band edge, columns": (lambda: band_edge_features()[::-1], math.log(100.0), None),
+    "spans 2000 nats": (lambda: mixed_far_features(30, seed=1), math.log(1000.0), 7),
+}
+
+
 @pytest.mark.parametrize("keep", [0, 1 << 30])
-def test_exact_paths_for_far_rows_and_columns(monkeypatch, keep):
-    """The one-exponential shortcuts' exact fallbacks, checked against float64 autograd; turning either off
-    breaks the result, so this case does reach both of them."""
+@pytest.mark.parametrize("case", FAR_CASES)
+def test_far_logits_exact_in_bands(case, keep):
+    """The one exponential per logit in bands (softmax._BAND) against float64 autograd, values and gradients, where
+    a tile's logits span 100 to 2000 nats: rows and columns far below the tile's maximum, and a row or column whose
+    significant terms straddle a band edge."""
+    features, log_scale, chunk = FAR_CASES[case]
+    x, y = features()
+    _assert_matches(_loss_and_grads(x, y, log_scale, chunk_size=chunk, keep_bytes=keep), reference(x, y, log_scale))
+
+
+@pytest.mark.parametrize(
+    "case, name, off",
+    [
+        ("far rows and columns", "_BAND", 1e30),  # one band: exp(S - tile max) underflows the far rows and columns
+        ("band edge, rows", "_NEXT", 0.0),  # the band below the top one dropped: the row loses its second term
+        ("band edge, columns", "_NEXT", 0.0),
+    ],
+)
+def test_the_far_cases_need_the_bands(monkeypatch, case, name, off):
+    """Turning each part of the bands off breaks its case (the band edges: the forward's loss value already), so
+    the cases above do reach them."""
     from disco_clip_ds.losses import softmax as L
 
-    x, y = mixed_far_features()
-    ref_loss, ref_gx, ref_gy, ref_gt = reference(x, y, math.log(100.0))
-
-    def run():
-        xi, yi = x.clone().requires_grad_(), y.clone().requires_grad_()
-        t = torch.tensor(math.log(100.0), requires_grad=True)
-        loss = disco_clip_loss(xi, yi, t.exp(), chunk_size=4, keep_bytes=keep)
-        loss.backward()
-        return loss.item(), xi.grad.double(), yi.grad.double(), t.grad.item()
-
-    loss, gx, gy, gt = run()
-    assert loss == pytest.approx(ref_loss, rel=1e-4)
-    torch.testing.assert_close(gx, ref_gx, rtol=1e-4, atol=1e-5 * ref_gx.abs().max().item())
-    torch.testing.assert_close(gy, ref_gy, rtol=1e-4, atol=1e-5 * ref_gy.abs().max().item())
-    assert gt == pytest.approx(ref_gt, rel=1e-4, abs=1e-5)
-    for name, off in (("_TINY_SUM", 0.0), ("_MAX_LSE_GAP", math.inf)):
-        with monkeypatch.context() as patch:
-            patch.setattr(L, name, off)
-            loss, gx, gy, gt = run()
-        wrong = not math.isclose(loss, ref_loss, rel_tol=1e-4) or not torch.allclose(gy, ref_gy, rtol=1e-3, atol=1e-5)
-        assert wrong, f"{name} = {off} still matched: the case does not reach that fallback"
+    features, log_scale, chunk = FAR_CASES[case]
+    x, y = features()
+    ref = reference(x, y, log_scale)
+    monkeypatch.setattr(L, name, off)
+    loss, _, gy, _ = _loss_and_grads(x, y, log_scale, chunk_size=chunk)
+    assert not torch.allclose(gy, ref[2], rtol=1e-3, atol=1e-5), f"{name} = {off} still matched"
+    if name == "_NEXT":
+        assert not math.isclose(loss, ref[0], rel_tol=1e-3), f"{name} = {off}: the forward still matched"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
