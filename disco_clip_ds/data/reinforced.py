@@ -14,9 +14,10 @@ FORMAT = "3"  # the metadata "format" written: the second layout, with a checksu
 WHOLE_FILE_FORMAT = "2"  # the second layout as first written: one checksum of the whole file
 SECOND_LAYOUT = (WHOLE_FILE_FORMAT, FORMAT)  # the formats of several teachers, augmentations and captions
 LEGACY_CAPTION_KEY = "txt"  # the caption key a first-layout sidecar's one text embedding is read under
-# a block of rows is what a reader verifies (and keeps) at once: about this many bytes of every tensor's rows, and at
-# most BLOCK_ROWS rows, so that a reader of one sample reads ~1 MiB at DataCompDR's rows and little of a small shard
-BLOCK_BYTES = 1 << 20
+# a block of rows is what a reader verifies (and keeps) at once: about BLOCK_BYTES of every tensor's rows together, at
+# least one row and at most BLOCK_ROWS; a sample of DataCompDR's shape (111 kB) is a block of its own, so that a
+# sample read at random reads its own bytes alone, while small rows are read and verified some 64 kB at a time
+BLOCK_BYTES = 1 << 16
 BLOCK_ROWS = 64
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # what a sidecar records of its shard: its identity, size and (a resharded shard's) sha256

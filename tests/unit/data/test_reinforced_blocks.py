@@ -207,12 +207,14 @@ def test_data_embed_writes_an_older_formats_sidecar_again():
 
 def test_the_row_bytes_and_the_memory_bound_by_hand():
     """DataCompDR's row: K = 30, two 768-wide teachers, 6 captions, float16: (30 + 6) x 1536 x 2 + 30 x 16 = 111072
-    bytes; blocks of 1 MiB // 111072 = 9 rows. 8 sources: 16 blocks kept + 1 read = 17 x 9 x 111072 = 16994016; 16
-    open sidecars of 10,000 keys x 256 + 1112 block checksums x 96 = 2666752 each; one row as float32 2 x 111072."""
+    bytes, over 64 kB: a block of its own. 8 sources: 16 blocks kept + 1 read = 17 x 111072; 16 open sidecars of
+    10,000 keys x 256 and 10,000 block checksums x 96 = 3520000 each; one row as float32, 2 x 111072. Rows of 1000
+    bytes: 64 rows a block (65536 // 1000 = 65, at most 64), 157 blocks a shard of 10,000."""
     assert stored_row_bytes([768, 768], 30, 6, "float16") == 111072
     assert stored_row_bytes([512], 0, 1, "float32") == 4096  # the centre crop: one image row, no boxes
-    assert store_memory_bound(8, 111072) == 16994016 + 16 * 2666752 + 2 * 111072
-    assert store_memory_bound(1, 111072) == 5 * 9 * 111072 + 4 * 2666752 + 2 * 111072  # at least 4 kept
+    assert store_memory_bound(8, 111072) == 17 * 111072 + 16 * 3520000 + 2 * 111072
+    assert store_memory_bound(1, 111072) == 5 * 111072 + 4 * 3520000 + 2 * 111072  # at least 4 kept
+    assert store_memory_bound(2, 1000) == 5 * 64 * 1000 + 4 * (2560000 + 157 * 96) + 2000  # at most 64 rows a block
 
 
 def test_the_plan_counts_the_same_row():
@@ -224,11 +226,11 @@ def test_the_plan_counts_the_same_row():
 
 
 def test_an_open_sidecar_holds_less_than_the_bound_allows_per_key(tmp_path, monkeypatch):
-    """KEY_BYTES, the bound's allowance per sample key of an open sidecar, against Python's own count of what one
-    holds (64-character keys)."""
-    from disco_clip_ds.data.embeddings import KEY_BYTES
+    """KEY_BYTES and DIGEST_BYTES, the bound's allowance per sample key and block of an open sidecar, against
+    Python's own count of what one holds (64-character keys, a block per row)."""
+    from disco_clip_ds.data.embeddings import DIGEST_BYTES, KEY_BYTES
 
-    (url,), _ = _sidecars(tmp_path, monkeypatch, n=2)
+    (url,), _ = _sidecars(tmp_path, monkeypatch, n=2, rows=1)
     n = 3000
     stored = _stored(url, n)
     stored.keys = [f"{i:064d}" for i in range(n)]
@@ -240,4 +242,4 @@ def test_an_open_sidecar_holds_less_than_the_bound_allows_per_key(tmp_path, monk
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     sidecar.close()
-    assert held < n * KEY_BYTES, held / n
+    assert len(sidecar.digests) == n and held < n * (KEY_BYTES + DIGEST_BYTES), held / n
