@@ -7,20 +7,25 @@ DIGEST is 12 hex digits of the sha256 of the shard's identity (`shard_identity`:
 remote one's public description), so that shards of one file name in two sources (`a/00000.tar`, `b/00000.tar`) get
 two sidecars in one folder; moving the shards to another folder means embedding them again.
 
-Layout (metadata "format" 2, `write_reinforced`): for each teacher of fingerprint F (`teacher_fingerprint`), a tensor
+Layout (metadata "format" 3, `write_reinforced`): for each teacher of fingerprint F (`teacher_fingerprint`), a tensor
 "image/F" (n, K, d_F) and, for each caption key C, "text/F/C" (n, d_F), L2-normalised, in the stored dtype (float16,
 bfloat16 or float32; read back as float32); "boxes" (n, K, 4) int32, the crop (left, top, right, bottom, source
 pixels) of each augmentation (`transforms.crop_boxes`). K = 0 augmentations (the centre crop, as CLIPImageProcessor
 makes it) is stored as K = 1 without boxes. Metadata: "keys" (the sample keys, JSON, in row order), "teachers" (JSON:
 fingerprint, name, model_type, logit_scale, logit_bias of each, in the order given), "caption_keys" (JSON),
 "augmentations" (K), "dtype", "seed" (of the augmentations' draw), "shard" (its shard's identity) and "shard_bytes"
-(its size, for a local shard), "sha256" (of all the metadata and every tensor's name and bytes: a torn or altered
-file is found when read). A reader checks the teachers, the shard and its size (`sidecar_problem`) before it uses a
-row.
+(its size, for a local shard); "block_rows" (R: rows of a block, `reinforced.block_rows`, about 64 kB) and
+"block_xxh3" (JSON: per block of R rows, xxh3-128 of its rows' bytes of every tensor in name order); "sha256" (of
+the whole header, tensor table and metadata, without itself: `reinforced.header_digest`). What is verified when:
+the header (its checksum, every tensor's byte range, the file's length) when a reader opens the file, a block when
+it first reads it, before any of its rows is used (data/sidecar_file.py); a torn or altered file is refused with a
+DataError naming it. A reader checks the teachers, the shard and its size (`sidecar_problem`) before it uses a row.
 
-The first layout (no "format"; one teacher, the centre crop, one caption: fp32 "image" and "text" (n, d), metadata
-"teacher", "model_type", "logit_scale", "logit_bias", "sha256" of the keys and both tensors) is still read, as one
-teacher, K = 0 and the caption key "txt" (`read_reinforced`), and still written by `write_sidecar`.
+Format 2 (the same layout, no block checksums, "sha256" of all the metadata and every tensor's name and bytes) is
+still read, verified whole when first read. The first layout (no "format"; one teacher, the centre crop, one
+caption: fp32 "image" and "text" (n, d), metadata "teacher", "model_type", "logit_scale", "logit_bias", "sha256" of
+the keys and both tensors) is still read, verified whole when first read, as one teacher, K = 0 and the caption key
+"txt" (`read_reinforced`), and still written by `write_sidecar`.
 """
 
 from __future__ import annotations

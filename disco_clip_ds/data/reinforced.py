@@ -1,6 +1,7 @@
 """A shard's stored reinforcement in memory (`Reinforced`: the sample keys, each teacher's facts and embeddings, the
-crop boxes, the settings) and the checksum of its stored form; data/embeddings.py writes and reads it (the layout is
-described there)."""
+crop boxes, the settings), the settings a sidecar's header records, and the checksums of its stored form (format 3:
+one per block of rows and one of the header; format 2: one of the whole file); data/embeddings.py describes the
+layout, data/sidecar_io.py writes and reads it whole, data/sidecar_file.py by rows."""
 
 from __future__ import annotations
 
