@@ -261,7 +261,7 @@ class _Open:
         return [
             *self.images,
             *(n for by_key in self.texts for n in by_key.values()),
-            *([self.boxes] * bool(self.boxes)),
+            *([self.boxes] if self.boxes else []),
         ]
 
 
@@ -445,7 +445,7 @@ class EmbeddingStore:
             self._opened,
             [f"image/{f}" for f in self.fingerprints],
             texts,
-            "boxes" * ("boxes" in file.tensors) or None,
+            "boxes" if "boxes" in file.tensors else None,
         )
 
     def _check_settings(self, path: Path, stored: Reinforced) -> None:
