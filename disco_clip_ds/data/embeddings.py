@@ -7,40 +7,90 @@ DIGEST is 12 hex digits of the sha256 of the shard's identity (`shard_identity`:
 remote one's public description), so that shards of one file name in two sources (`a/00000.tar`, `b/00000.tar`) get
 two sidecars in one folder; moving the shards to another folder means embedding them again.
 
-Layout (metadata "format" 2, `write_reinforced`): for each teacher of fingerprint F (`teacher_fingerprint`), a tensor
+Layout (metadata "format" 3, `write_reinforced`): for each teacher of fingerprint F (`teacher_fingerprint`), a tensor
 "image/F" (n, K, d_F) and, for each caption key C, "text/F/C" (n, d_F), L2-normalised, in the stored dtype (float16,
 bfloat16 or float32; read back as float32); "boxes" (n, K, 4) int32, the crop (left, top, right, bottom, source
 pixels) of each augmentation (`transforms.crop_boxes`). K = 0 augmentations (the centre crop, as CLIPImageProcessor
 makes it) is stored as K = 1 without boxes. Metadata: "keys" (the sample keys, JSON, in row order), "teachers" (JSON:
 fingerprint, name, model_type, logit_scale, logit_bias of each, in the order given), "caption_keys" (JSON),
 "augmentations" (K), "dtype", "seed" (of the augmentations' draw), "shard" (its shard's identity) and "shard_bytes"
-(its size, for a local shard), "sha256" (of all the metadata and every tensor's name and bytes: a torn or altered
-file is found when read). A reader checks the teachers, the shard and its size (`sidecar_problem`) before it uses a
-row.
+(its size, for a local shard); "block_rows" (R: rows of a block, `reinforced.block_rows`, about 64 kB) and
+"block_xxh3" (JSON: per block of R rows, xxh3-128 of its rows' bytes of every tensor in name order); "sha256" (of
+the whole header, tensor table and metadata, without itself: `reinforced.header_digest`). What is verified when:
+the header (its checksum, every tensor's byte range, the file's length) when a reader opens the file, a block when
+it first reads it, before any of its rows is used (data/sidecar_file.py); a torn or altered file is refused with a
+DataError naming it. A reader checks the teachers, the shard and its size (`sidecar_problem`) before it uses a row.
 
-The first layout (no "format"; one teacher, the centre crop, one caption: fp32 "image" and "text" (n, d), metadata
-"teacher", "model_type", "logit_scale", "logit_bias", "sha256" of the keys and both tensors) is still read, as one
-teacher, K = 0 and the caption key "txt" (`read_reinforced`), and still written by `write_sidecar`.
+Format 2 (the same layout, no block checksums, "sha256" of all the metadata and every tensor's name and bytes) is
+still read, verified whole when first read. The first layout (no "format"; one teacher, the centre crop, one
+caption: fp32 "image" and "text" (n, d), metadata "teacher", "model_type", "logit_scale", "logit_bias", "sha256" of
+the keys and both tensors) is still read, verified whole when first read, as one teacher, K = 0 and the caption key
+"txt" (`read_reinforced`), and still written by `write_sidecar`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.reinforced import DTYPES, FORMAT, Reinforced, TeacherFacts, reinforced_checksum
+from disco_clip_ds.data.reinforced import (
+    DTYPES,
+    FORMAT,
+    LEGACY_CAPTION_KEY,
+    SECOND_LAYOUT,
+    WHOLE_FILE_FORMAT,
+    Reinforced,
+    TeacherFacts,
+    block_rows,
+    settings_of,
+    stored_fingerprints,
+    stored_settings,
+    with_first_teacher,
+)
 from disco_clip_ds.data.shards import is_url
+from disco_clip_ds.data.sidecar_file import ReadStats, SidecarFile, open_sidecar
+from disco_clip_ds.data.sidecar_io import (
+    raw_metadata,
+    read_metadata,
+    read_reinforced,
+    read_sidecar,
+    write_reinforced,
+    write_sidecar,
+)
 from disco_clip_ds.errors import DataError, UsageError
 
+# the sidecar's format and whole-file reading and writing live in data/reinforced.py and data/sidecar_io.py; they
+# are read from here, where sidecars are named, checked and looked up
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "EmbeddingStore",
+    "Reinforced",
+    "StoredSample",
+    "TeacherFacts",
+    "check_sidecars",
+    "open_sidecars",
+    "read_metadata",
+    "read_reinforced",
+    "read_sidecar",
+    "settings_of",
+    "shard_facts",
+    "shard_identity",
+    "sidecar_path",
+    "sidecar_problem",
+    "store_memory_bound",
+    "stored_row_bytes",
+    "write_reinforced",
+    "write_sidecar",
+]
+
 SUFFIX = ".teacher.safetensors"
-KEEP_SIDECARS = 4  # sidecars a DataLoader worker keeps loaded
-LEGACY_CAPTION_KEY = "txt"  # the caption key a first-layout sidecar's one text embedding is read under
 
 
 def shard_identity(shard: str) -> str:
@@ -69,13 +119,6 @@ def shard_facts(shard: str) -> dict:
 
 def _size(shard: str) -> str | None:
     return str(os.path.getsize(shard)) if not is_url(shard) and os.path.isfile(shard) else None
-
-
-def stored_fingerprints(meta: dict) -> list[str]:
-    """The fingerprints of the teachers a sidecar (its metadata) holds, in their stored order."""
-    if meta.get("format") == FORMAT:
-        return [t["fingerprint"] for t in json.loads(meta["teachers"])]
-    return [meta.get("teacher")]
 
 
 def sidecar_problem(meta: dict, shard: str, fingerprint: str | list[str]) -> str | None:
@@ -125,38 +168,6 @@ def check_sidecars(
             raise UsageError(f"--teacher_embeddings {folder}: {path.name} was {problem}: {embed}")
 
 
-def stored_settings(meta: dict) -> tuple[int, list[str]]:
-    """(K, caption keys) of a sidecar (its metadata): a first-layout one holds K = 0 and the caption key "txt"."""
-    if meta.get("format") != FORMAT:
-        return 0, [LEGACY_CAPTION_KEY]
-    return int(meta["augmentations"]), json.loads(meta["caption_keys"])
-
-
-def settings_of(meta: dict) -> Reinforced:
-    """The settings (teachers' facts, K, caption keys, dtype, seed) of a sidecar's header, without its tensors."""
-    if meta.get("format") != FORMAT:
-        teacher = TeacherFacts(
-            meta.get("teacher", ""),
-            meta.get("teacher_name", ""),
-            meta.get("model_type", ""),
-            float(meta["logit_scale"]) if meta.get("logit_scale") else None,
-            float(meta["logit_bias"]) if meta.get("logit_bias") else None,
-        )
-        return Reinforced([], [teacher], [], [], None, [LEGACY_CAPTION_KEY], meta=meta)
-    return Reinforced(
-        [],
-        [TeacherFacts.from_json(t) for t in json.loads(meta["teachers"])],
-        [],
-        [],
-        None,
-        json.loads(meta["caption_keys"]),
-        int(meta["augmentations"]),
-        meta["dtype"],
-        int(meta["seed"]) if meta.get("seed") else None,
-        meta,
-    )
-
-
 def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | None:
     stored, keys = stored_settings(meta)
     if stored < augmentations:
@@ -168,129 +179,37 @@ def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | Non
     return None
 
 
-def _checksum(keys: list[str], image: torch.Tensor, text: torch.Tensor) -> str:
-    digest = hashlib.sha256(json.dumps(keys).encode())
-    for tensor in (image, text):
-        digest.update(tensor.contiguous().numpy().tobytes())
-    return digest.hexdigest()
+# --- reading by sample, in training ---
+
+MIN_OPEN = 4  # sidecars a store keeps open, and blocks it keeps, at the least (a shuffle block spans a few shards)
+KEY_BYTES = 256  # an open sidecar's row map, per sample: the key as a str (up to ~100 characters), its row, its slot
+DIGEST_BYTES = 96  # an open sidecar's checksum of one block (a str of 32 hex digits in a list)
 
 
-def write_sidecar(path: Path, keys: list[str], image: torch.Tensor, text: torch.Tensor, meta: dict) -> None:
-    """Write a shard's embeddings to PATH atomically (a temporary file renamed): a kill leaves the old file or none.
-    The same embeddings and metadata give the same bytes (`_canonical`)."""
-    from safetensors.torch import save
-
-    image, text = image.float().contiguous(), text.float().contiguous()
-    metadata = {
-        **{k: str(v) for k, v in meta.items()},
-        "keys": json.dumps(keys),
-        "sha256": _checksum(keys, image, text),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(_canonical(save({"image": image, "text": text}, metadata=metadata)))
-    os.replace(tmp, path)
+def open_sidecars(sources: int) -> int:
+    """The sidecars (and verified blocks) a store reading a run of `sources` sources keeps: each source's reader is
+    in one shard, or at the turn from one to the next, at a time."""
+    return max(MIN_OPEN, 2 * sources)
 
 
-def _canonical(data: bytes) -> bytes:
-    """A safetensors file with its JSON header's keys sorted: safetensors writes the metadata map in an order that
-    changes from one write to the next (a Rust HashMap), which would make two writes of one sidecar differ. The
-    header stays what the format says: its length (8 bytes, little-endian), the JSON padded with spaces to a multiple
-    of 8, then the tensors' bytes, unchanged."""
-    length = int.from_bytes(data[:8], "little")
-    header = json.dumps(json.loads(data[8 : 8 + length]), sort_keys=True, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header + data[8 + length :]
+def stored_row_bytes(widths: list[int], augmentations: int, captions: int, dtype: str) -> int:
+    """The bytes of one sample's stored rows (every tensor of a sidecar; its key, in the header, aside): per teacher
+    of width d, max(K, 1) image and `captions` text embeddings of d values at `dtype`; 16 K bytes of int32 boxes."""
+    values = (max(augmentations, 1) + captions) * sum(widths)
+    return values * DTYPES[dtype].itemsize + (16 * augmentations if augmentations else 0)
 
 
-def read_metadata(path: Path) -> dict:
-    """A sidecar's metadata (its header alone); a DataError naming the file when it cannot be read. Of a sidecar of
-    the second layout it also holds "teacher", "teacher_name", "model_type", "logit_scale" and "logit_bias" of its
-    first teacher, where a reader of the first layout finds them (not stored twice: derived here)."""
-    meta = _raw_metadata(path)
-    if meta.get("format") == FORMAT:
-        first = json.loads(meta["teachers"])[0]
-        meta = {**meta, "teacher": first["fingerprint"], "model_type": first.get("model_type") or ""}
-        meta["teacher_name"] = first.get("name") or ""
-        meta["logit_scale"] = repr(first["logit_scale"]) if first.get("logit_scale") is not None else ""
-        meta["logit_bias"] = repr(first["logit_bias"]) if first.get("logit_bias") is not None else ""
-    return meta
-
-
-def _raw_metadata(path: Path) -> dict:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            return f.metadata() or {}
-    except Exception as error:
-        raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-
-
-def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor, dict]:
-    """({key: row}, image, text, metadata) of a sidecar, once its checksum verifies; else a DataError naming it. Of a
-    sidecar of several teachers, augmentations or captions: the first teacher's image embedding of the first
-    augmentation and its text embedding of the first caption key, as float32 (what curation and resharding read)."""
-    if _raw_metadata(path).get("format") == FORMAT:
-        stored = read_reinforced(path)
-        image, text = stored.images[0][:, 0].float(), stored.texts[0][stored.caption_keys[0]].float()
-        return stored.rows(), image, text, read_metadata(path)
-    from safetensors.torch import load_file
-
-    meta = read_metadata(path)
-    try:
-        tensors, keys = load_file(str(path)), json.loads(meta["keys"])
-    except Exception as error:
-        raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-    if _checksum(keys, tensors["image"], tensors["text"]) != meta.get("sha256"):
-        raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
-    return {k: i for i, k in enumerate(keys)}, tensors["image"], tensors["text"], meta
-
-
-def write_reinforced(path: Path, stored: Reinforced) -> None:
-    """Write a shard's reinforcement to PATH atomically (a temporary file renamed): a kill leaves the old file or none.
-    The embeddings are cast to `stored.dtype`; the same contents give the same bytes (`_canonical`)."""
-    from safetensors.torch import save
-
-    if stored.dtype not in DTYPES:
-        raise UsageError(f"--embedding_dtype {stored.dtype}: give one of {', '.join(DTYPES)}")
-    dtype = DTYPES[stored.dtype]
-    tensors = {
-        name: (t.to(torch.int32) if name == "boxes" else t.to(dtype)).contiguous()
-        for name, t in stored.tensors().items()
-    }
-    header = stored.header()
-    header["sha256"] = reinforced_checksum(header, tensors)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(_canonical(save(tensors, metadata=header)))
-    os.replace(tmp, path)
-
-
-def read_reinforced(path: Path) -> Reinforced:
-    """A sidecar's reinforcement, once its checksum verifies (either layout; a first-layout one as one teacher,
-    K = 0 and the caption key "txt"), in the stored dtype; else a DataError naming it."""
-    from safetensors.torch import load_file
-
-    meta = _raw_metadata(path)
-    if meta.get("format") != FORMAT:
-        rows, image, text, meta = read_sidecar(path)
-        return replace(settings_of(meta), keys=list(rows), images=[image[:, None]], texts=[{LEGACY_CAPTION_KEY: text}])
-    try:
-        tensors, stored = load_file(str(path)), settings_of(meta)
-        keys = json.loads(meta["keys"])
-    except Exception as error:
-        raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-    if reinforced_checksum(meta, tensors) != meta.get("sha256"):
-        raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
-    prints = [t.fingerprint for t in stored.teachers]
-    return replace(
-        stored,
-        keys=keys,
-        images=[tensors[f"image/{f}"] for f in prints],
-        texts=[{key: tensors[f"text/{f}/{key}"] for key in stored.caption_keys} for f in prints],
-        boxes=tensors.get("boxes"),
-    )
+def store_memory_bound(sources: int, row_bytes: int, shard_samples: int = 10_000) -> int:
+    """The most host bytes one DataLoader worker's EmbeddingStore holds (format 3 sidecars), reading a run mixing
+    `sources` sources whose stored sample row is `row_bytes` bytes (`stored_row_bytes`), of `shard_samples` samples a
+    shard (DataCompDR's 10,000 by default): `open_sidecars(sources)` verified blocks kept and one more being read,
+    each of `block_rows(row_bytes)` rows; per open sidecar its row map and block checksums; one sample converted to
+    float32 (at most twice its stored bytes). The whole file of an older format is read once when first used, beyond
+    this bound."""
+    rows = block_rows(row_bytes)
+    kept = open_sidecars(sources)
+    per_file = shard_samples * KEY_BYTES + -(-shard_samples // rows) * DIGEST_BYTES
+    return (kept + 1) * rows * row_bytes + kept * per_file + 2 * row_bytes
 
 
 @dataclass
@@ -304,21 +223,70 @@ class StoredSample:
     boxes: torch.Tensor | None
 
 
+@dataclass
+class _Open:
+    """An open sidecar of the store: the file, its number (the key of its blocks in the block cache) and the names
+    of the tensors of each teacher asked for (in `fingerprints`' order): images, {caption key: texts}, boxes."""
+
+    file: SidecarFile
+    number: int
+    images: list[str]
+    texts: list[dict[str, str]]
+    boxes: str | None
+
+    def names(self) -> list[str]:
+        return [
+            *self.images,
+            *(n for by_key in self.texts for n in by_key.values()),
+            *([self.boxes] if self.boxes else []),
+        ]
+
+
 class EmbeddingStore:
     """The sidecars in FOLDER holding the teachers of `fingerprints` (one fingerprint, or a list: an ensemble, in the
-    order its embeddings are to be returned), looked up by (shard, sample key). Each DataLoader worker loads a
-    shard's sidecar once, when its first sample is asked for, as float32. Every sidecar read must agree with the
-    first on the augmentations, caption keys and seed (a DataError otherwise: a folder embedded twice with other
-    settings). `shards`: the run's shards; the store's facts (`augmentations`, `caption_keys`, `teachers`) are read
-    from the header of the first one's sidecar (else of the first sidecar looked up)."""
+    order its embeddings are to be returned), looked up by (shard, sample key). A lookup reads the block of rows that
+    holds the sample (verified against its checksum when first read) from the open sidecar, never the whole file, and
+    converts that sample to float32. Each DataLoader worker keeps `open_sidecars(sources)` sidecars open and as many
+    verified blocks, least recently used first out (`store_memory_bound`); `stats` counts what it read. Every sidecar
+    read must agree with the first on the augmentations, caption keys and seed (a DataError otherwise: a folder
+    embedded twice with other settings). `shards`: the run's shards; the store's facts (`augmentations`,
+    `caption_keys`, `teachers`) are read from the header of the first one's sidecar (else of the first sidecar looked
+    up). `sources`: the sources the run mixes (1 without a mixture)."""
 
-    def __init__(self, folder: str | Path, fingerprints: str | list[str], shards: list[str] | None = None):
+    def __init__(
+        self, folder: str | Path, fingerprints: str | list[str], shards: list[str] | None = None, sources: int = 1
+    ):
         self.folder = Path(folder)
         self.fingerprints = [fingerprints] if isinstance(fingerprints, str) else list(fingerprints)
         self.fingerprint = self.fingerprints[0]  # the single teacher's, as the first layout's readers know it
-        self._loaded: dict[str, tuple] = {}
+        self.capacity = open_sidecars(sources)
         self._facts: Reinforced | None = None  # the settings of the first sidecar read, without its tensors
         self._reference = shards[0] if shards else None
+        self._empty()
+
+    def _empty(self) -> None:
+        self.stats = ReadStats()
+        self._files: OrderedDict[str, _Open] = OrderedDict()  # by shard, least recently used first
+        self._blocks: OrderedDict[tuple[int, int], dict] = OrderedDict()  # by (file number, block)
+        self._opened = 0
+
+    def __getstate__(self) -> dict:
+        # a store goes to each DataLoader worker with nothing open: each opens the sidecars it reads
+        state = dict(self.__dict__)
+        for name in ("stats", "_files", "_blocks", "_opened"):
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._empty()
+
+    def close(self) -> None:
+        """Close every open sidecar and drop the kept blocks."""
+        for entry in self._files.values():
+            entry.file.close()
+        self._files.clear()
+        self._blocks.clear()
 
     # --- the facts of the stored run ---
 
@@ -348,10 +316,10 @@ class EmbeddingStore:
         sidecar in the folder (by name) that holds every teacher asked for, from its header alone."""
         if self._facts is None:
             if self._reference is not None:
-                self._load(self._reference)
+                self._open(self._reference)
                 return self._facts
             for path in sorted(self.folder.glob("*" + SUFFIX)):
-                meta = _raw_metadata(path)
+                meta = raw_metadata(path)
                 if all(f in stored_fingerprints(meta) for f in self.fingerprints):
                     return settings_of(meta)
             raise DataError(f"{self.folder}: no sidecar holds the teachers {', '.join(self.fingerprints)}")
@@ -361,18 +329,21 @@ class EmbeddingStore:
 
     def lookup(self, shard: str, key: str) -> StoredSample:
         """Sample `key` of `shard`: a DataError naming both when the sidecar or the key is missing, or the sidecar
-        may not serve this shard (`sidecar_problem`) or does not verify."""
-        rows, images, texts, boxes = self._load(shard, key)
-        row = rows.get(key)
+        may not serve this shard (`sidecar_problem`), or its header or the block of the sample's row does not
+        verify."""
+        entry = self._open(shard, key)
+        row = entry.file.rows.get(key)
         if row is None:
             raise DataError(
                 f"no teacher embedding for sample {key} of shard {describe_source(shard)} in "
                 f"{sidecar_path(self.folder, shard)}"
             )
+        values = self._row(entry, row)
+        as_float = lambda name: values[name].to(torch.float32, copy=True)  # never a view of a kept block
         return StoredSample(
-            [image[row] for image in images],
-            [{name: text[row] for name, text in by_key.items()} for by_key in texts],
-            None if boxes is None else boxes[row],
+            [as_float(name).reshape(-1, values[name].shape[-1]) for name in entry.images],
+            [{caption: as_float(name) for caption, name in by_key.items()} for by_key in entry.texts],
+            None if entry.boxes is None else values[entry.boxes].clone(),
         )
 
     def pair(self, shard: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,28 +352,82 @@ class EmbeddingStore:
         sample = self.lookup(shard, key)
         return sample.images[0][0], sample.texts[0][self.caption_keys[0]]
 
-    def _load(self, shard: str, key: str | None = None) -> tuple:
-        if shard not in self._loaded:
-            path = sidecar_path(self.folder, shard)
-            if not path.is_file():
-                sample = f" (sample {key})" if key is not None else ""
-                raise DataError(f"no teacher embeddings for shard {describe_source(shard)}{sample}: {path} is missing")
-            stored = read_reinforced(path)
-            problem = sidecar_problem(read_metadata(path), shard, self.fingerprints)
-            if problem:
-                raise DataError(f"{path}: {problem}: run `disco-clip data embed` for these shards again")
-            self._check_settings(path, stored)
-            order = [[t.fingerprint for t in stored.teachers].index(f) for f in self.fingerprints]
-            images = [stored.images[i].float() for i in order]
-            texts = [{k: v.float() for k, v in stored.texts[i].items()} for i in order]
-            if len(self._loaded) >= KEEP_SIDECARS:  # a shuffle block may span a few shards; older ones are done
-                self._loaded.pop(next(iter(self._loaded)))
-            self._loaded[shard] = (stored.rows(), images, texts, stored.boxes)
-        return self._loaded[shard]
+    def _row(self, entry: _Open, row: int) -> dict[str, torch.Tensor]:
+        """The tensors' row `row`: from a kept block, else from its block read (and verified) now, else (the block
+        verified and no longer kept) the row alone, read again; an older format's file verified whole first."""
+        file = entry.file
+        if not file.blockwise:
+            if not file.verified:
+                self._verify_whole(file)
+            return file.read_row(row, entry.names())
+        block = row // file.block_rows
+        rows = self._blocks.get((entry.number, block))
+        if rows is not None:
+            self._blocks.move_to_end((entry.number, block))
+        elif block in file.verified:
+            return file.read_row(row, entry.names())
+        else:
+            rows = file.read_block(block, entry.names())
+            while len(self._blocks) >= self.capacity:
+                self._blocks.popitem(last=False)
+            self._blocks[(entry.number, block)] = rows
+        return {name: tensor[row - block * file.block_rows] for name, tensor in rows.items()}
+
+    def _verify_whole(self, file: SidecarFile) -> None:
+        """An older format's sidecar (one checksum of the whole file): read whole by its path and verified, once."""
+        (read_reinforced if file.meta.get("format") == WHOLE_FILE_FORMAT else read_sidecar)(file.path)
+        if not file.unchanged():
+            raise DataError(f"{file.path}: written again while read: run again once `disco-clip data embed` is done")
+        file.verified.add(0)
+        file.stats.blocks += 1
+        file.stats.bytes += file.identity[2]
+
+    def _open(self, shard: str, key: str | None = None) -> _Open:
+        entry = self._files.get(shard)
+        if entry is not None:
+            self._files.move_to_end(shard)
+            return entry
+        path = sidecar_path(self.folder, shard)
+        if not path.is_file():
+            sample = f" (sample {key})" if key is not None else ""
+            raise DataError(f"no teacher embeddings for shard {describe_source(shard)}{sample}: {path} is missing")
+        file = open_sidecar(path, self.stats)
+        try:
+            entry = self._entry(file, shard)
+        except BaseException:
+            file.close()
+            raise
+        while len(self._files) >= self.capacity:
+            _, old = self._files.popitem(last=False)
+            old.file.close()
+            for block in [b for b in self._blocks if b[0] == old.number]:
+                del self._blocks[block]
+        self._files[shard] = entry
+        return entry
+
+    def _entry(self, file: SidecarFile, shard: str) -> _Open:
+        """A sidecar just opened, checked (`sidecar_problem`, the first one's settings), with its tensors' names."""
+        meta = with_first_teacher(file.meta)
+        problem = sidecar_problem(meta, shard, self.fingerprints)
+        if problem:
+            raise DataError(f"{file.path}: {problem}: run `disco-clip data embed` for these shards again")
+        self._check_settings(file.path, settings_of(meta))
+        self._opened += 1
+        if meta.get("format") not in SECOND_LAYOUT:
+            return _Open(file, self._opened, ["image"], [{LEGACY_CAPTION_KEY: "text"}], None)
+        keys = self._settings().caption_keys
+        texts = [{c: f"text/{f}/{c}" for c in keys} for f in self.fingerprints]
+        return _Open(
+            file,
+            self._opened,
+            [f"image/{f}" for f in self.fingerprints],
+            texts,
+            "boxes" if "boxes" in file.tensors else None,
+        )
 
     def _check_settings(self, path: Path, stored: Reinforced) -> None:
         if self._facts is None:
-            self._facts = replace(stored, keys=[], images=[], texts=[], boxes=None)
+            self._facts = stored
             return
         first, this = self._facts, stored
         for name in ("augmentations", "caption_keys", "seed"):

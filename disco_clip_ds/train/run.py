@@ -237,7 +237,11 @@ def _reinforcement(model_args: ModelArguments, checked: CheckedRun) -> Reinforce
     return Reinforcement(
         # a store of its own, with nothing loaded yet: the DataLoader's workers each load the sidecars they read, and
         # none starts with a copy of the one the checks read their settings from
-        EmbeddingStore(checked_store.folder, checked_store.fingerprints),
+        EmbeddingStore(
+            checked_store.folder,
+            checked_store.fingerprints,
+            sources=1 if checked.mixture is None else len(checked.mixture.sources),  # the sidecars it keeps open
+        ),
         augmentations,
         model_args.augmentation_pool,
         model_args.synthetic_caption_ratio or 0.0,

@@ -27,6 +27,7 @@ import torch
 from disco_clip_ds import faults
 from disco_clip_ds.data.embeddings import (
     DTYPES,
+    FORMAT,
     Reinforced,
     TeacherFacts,
     read_metadata,
@@ -98,8 +99,8 @@ class Settings:
     def matches(self, stored: dict, fingerprints: list[str]) -> str | None:
         """Why a sidecar's header `stored` was made with other settings than these (teachers of `fingerprints`);
         None when it was made with these."""
-        if stored.get("format") != "2":
-            return "made by an older version (one teacher, the centre crop, one caption)"
+        if stored.get("format") != FORMAT:  # an older format is read, but data embed writes the current one
+            return f"made by an older version (format {stored.get('format', 1)}, not {FORMAT})"
         got = {
             "teachers": [t["fingerprint"] for t in json.loads(stored["teachers"])],
             "augmentations": int(stored["augmentations"]),
