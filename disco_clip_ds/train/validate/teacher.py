@@ -4,14 +4,17 @@ that teacher."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
 from disco_clip_ds.distributed.ranks import decided_on_rank0
-from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
+
+logger = logging.getLogger("disco_clip_ds.train")
 
 # W without --distill_weight: loss = (1 - W) contrastive + W distillation
 DEFAULT_DISTILL_WEIGHT = 0.5
@@ -116,7 +119,7 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
         raise UsageError("--teacher_embeddings are stored per shard: train from --train_shards")
     if not Path(folder).is_dir():
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
-    fingerprints = teacher_fingerprints(model_args)
+    fingerprints = teacher_fingerprints(model_args, urls)
     check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
     store = EmbeddingStore(folder, fingerprints, shards=urls)
     try:
@@ -126,20 +129,54 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
     return store
 
 
-def teacher_fingerprints(model_args: ModelArguments) -> list[str]:
+def teacher_fingerprints(model_args: ModelArguments, urls: list[str] = ()) -> list[str]:
     """Each teacher's fingerprint (`data.teacher_id`), made on rank 0 and handed to every rank, so that a run reads a
     folder's weights once at most, and not at all while the fingerprint cache holds them (`--verify_teacher_weights`:
-    read them all the same); an error there is raised on every rank."""
-    from disco_clip_ds.data.teacher_id import teacher_fingerprint
+    read them all the same); an error there is raised on every rank. A run from stored embeddings without
+    `--live_teacher` (`urls`: its shards) reads no weight byte unless asked: a folder this node's cache has never
+    seen takes the fingerprint its first shard's sidecar records for a teacher given by that very path (a warning
+    says the weights were not hashed); a folder whose files changed since it was cached is hashed."""
+    from disco_clip_ds.data.teacher_id import cache_entry, teacher_fingerprint
+
+    trust_sidecar = bool(urls) and not model_args.live_teacher and not model_args.verify_teacher_weights
 
     def on_rank0():
         fingerprints = []
         for name in teachers(model_args):
+            folder = Path(name).expanduser()
+            recorded = None
+            # no cache entry at all: a node that never hashed this folder (a changed folder has a stale entry: hashed)
+            if trust_sidecar and folder.is_dir() and not cache_entry(folder).is_file():
+                recorded = _recorded_fingerprint(model_args.teacher_embeddings, urls[0], folder)
+            if recorded is not None:
+                logger.warning(
+                    "--teacher %s: its weights were not hashed (no fingerprint cached for the folder): the stored "
+                    "embeddings' own record of it (%s) is used; pass --verify_teacher_weights true to hash them",
+                    name,
+                    recorded,
+                )
+                fingerprints.append(recorded)
+                continue
             with usage_error(f"--teacher {name}: "):
                 fingerprints.append(teacher_fingerprint(name, verify=model_args.verify_teacher_weights))
         return fingerprints
 
     return decided_on_rank0(on_rank0)
+
+
+def _recorded_fingerprint(embeddings: str, shard: str, folder: Path) -> str | None:
+    """The fingerprint the sidecar of `shard` records for the teacher embedded from `folder` (by its resolved path);
+    None when it has none (or cannot be read: the sidecar checks then say why)."""
+    from disco_clip_ds.data.embeddings import read_metadata, settings_of, sidecar_path
+
+    try:
+        stored = settings_of(read_metadata(sidecar_path(embeddings, shard))).teachers
+    except (DiscoClipError, OSError, ValueError, KeyError):
+        return None
+    for facts in stored:
+        if facts.name and Path(facts.name).expanduser().resolve() == folder.resolve():
+            return facts.fingerprint
+    return None
 
 
 def teachers(model_args: ModelArguments) -> list[str]:

@@ -210,3 +210,37 @@ def test_one_rank_reads_the_teacher_and_every_rank_gets_its_fingerprint_or_its_e
     (teacher / "config.json").unlink()
     said = [got for got, _ in run_ranks(_fingerprint_rank, 2, str(teacher), env=env, timeout=90)]
     assert said[0] == said[1] and "no config.json: not a model folder" in said[0]
+
+
+def test_a_node_that_never_hashed_the_teacher_takes_the_sidecars_record_and_reads_no_weight(
+    bad_arguments_setup, tmp_path, monkeypatch, caplog
+):
+    """A training node whose fingerprint cache never saw the folder (not the machine `data embed` ran on): the
+    sidecar's record of the teacher given by that path is used, no weight file is opened, a warning says so;
+    --verify_teacher_weights hashes them (and, other weights, refuses)."""
+    import torch
+
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_reinforced
+    from disco_clip_ds.data.reinforced import Reinforced, TeacherFacts
+    from disco_clip_ds.data.shards import expand_shards
+    from disco_clip_ds.testing.file_opens import recorded_opens
+
+    monkeypatch.setenv("DISCO_CLIP_CACHE", str(tmp_path / "fresh_cache"))
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text((REPO / MODEL[1]).read_text())
+    (teacher / "model.safetensors").write_bytes(b"\1" * 4096)
+    recorded = "0123456789abcdef"  # not these weights' hash: only --verify_teacher_weights can tell
+    for url in expand_shards(bad_arguments_setup["data"]):
+        stored = Reinforced(
+            ["k"], [TeacherFacts(recorded, str(teacher), "clip", 100.0)], [torch.zeros(1, 1, 8)],
+            [{"txt": torch.zeros(1, 8)}], None, ["txt"], 0, "float32", 0, shard_facts(url),
+        )  # fmt: skip
+        write_reinforced(sidecar_path(tmp_path / "emb", url), stored)
+    with recorded_opens() as opened, caplog.at_level("WARNING", logger="disco_clip_ds.train"):
+        checked = _validate(tmp_path, bad_arguments_setup["data"], teacher)
+    assert checked.teacher_store.fingerprints == [recorded]
+    assert str(teacher / "model.safetensors") not in opened
+    assert "its weights were not hashed" in caplog.text and "--verify_teacher_weights" in caplog.text
+    with pytest.raises(UsageError, match="made by another teacher"):
+        _validate(tmp_path, bad_arguments_setup["data"], teacher, "--verify_teacher_weights")
