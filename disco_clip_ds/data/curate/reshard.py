@@ -100,7 +100,7 @@ def _kept_samples(url: str, wanted: list[int], members: Members | None):
     headers alone)."""
     if not len(wanted):
         return
-    members = members or sample_members(url)
+    members = sample_members(url) if members is None else members
     if members is None:
         yield from _read_samples(url, wanted)
         return
@@ -108,7 +108,7 @@ def _kept_samples(url: str, wanted: list[int], members: Members | None):
     try:
         for index in np.asarray(wanted).tolist():
             if index >= len(members):
-                raise DataError(f"{url}: {len(members)} samples, fewer than its scan counted: it changed since")
+                raise DataError(f"{url}: fewer samples than when it was scanned: run the filter again (it scans again)")
             data = [
                 (ext, source.read(at, size)) for ext, at, size in members.members(index) if not ext.startswith("__")
             ]

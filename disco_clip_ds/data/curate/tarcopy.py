@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import tarfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import numpy as np
 from webdataset.tariterators import base_plus_ext
 
 from disco_clip_ds.data.streams.tar_samples import is_metadata
+from disco_clip_ds.errors import DataError
 
 BLOCK = tarfile.BLOCKSIZE
 _ZERO = bytes(BLOCK)
@@ -121,14 +123,9 @@ def _members(mm) -> tuple[list[tuple[str, int, int]], list[tuple[int, int]]]:
 
 def _header(block: bytes) -> tuple[bytes, str, int, int]:
     """(type, name, size, stored checksum) of a ustar header block, as tarfile's `TarInfo.frombuf` reads them."""
-    try:
-        stored = int(block[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
-        size_field = block[124:136]
-        if size_field[0] in (0o200, 0o377):  # base-256: left to tarfile
-            raise _NotPlain
-        size = int(size_field.split(b"\0", 1)[0].strip() or b"0", 8)
-    except ValueError:
-        raise _NotPlain from None
+    if block[124] in (0o200, 0o377):  # a base-256 size: left to tarfile
+        raise _NotPlain
+    stored, size = _octal(block, 148, 156), _octal(block, 124, 136)
     kind = block[156:157]
     if kind == tarfile.XHDTYPE:  # its own name is not used
         return kind, "", size, stored
@@ -138,13 +135,27 @@ def _header(block: bytes) -> tuple[bytes, str, int, int]:
     return kind, name, size, stored
 
 
+def _octal(block: bytes, start: int, stop: int) -> int:
+    """A number field as tarfile's `nti` reads it (up to the first NUL, spaces stripped, octal); tarfile writes its
+    digits and a NUL (and a space after a checksum's), read here without splitting the field first."""
+    field = block[start:stop]
+    try:
+        if field[-1] == 0 and 0 not in field[:-1]:
+            return int(field[:-1], 8)
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        raise _NotPlain from None
+
+
 def _check_sums(mm, headers: list[tuple[int, int]]) -> None:
     """_NotPlain unless every header's stored checksum is its unsigned sum (tarfile's check, which also accepts a
     signed sum: such a shard is left to it), summed with numpy over all the headers at once."""
     if not headers:
         return
     offsets, stored = np.array(headers, np.int64).T
-    blocks = np.frombuffer(mm, np.uint8)[offsets[:, None] + np.arange(BLOCK)]
+    whole = np.frombuffer(mm, np.uint8, count=len(mm) // BLOCK * BLOCK).reshape(-1, BLOCK)  # headers start at blocks
+    blocks = whole[offsets // BLOCK]
+    del whole  # the map's buffer is released before the map is closed
     sums = blocks.sum(axis=1, dtype=np.int64) - blocks[:, 148:156].sum(axis=1, dtype=np.int64) + 256
     if not np.array_equal(sums, stored):
         raise _NotPlain
@@ -210,18 +221,20 @@ def _padded(size: int) -> int:
 
 
 class SharedBytes:
-    """A local shard's bytes, memory-mapped: `read(offset, size)` gives a member's data."""
+    """A local shard open for `read(offset, size)`: a member's data, read where it lies (one pread: cheaper than
+    faulting a memory map's pages in)."""
 
     def __init__(self, url: str):
-        self._file = open(url, "rb")
-        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self.url, self._fd = url, os.open(url, os.O_RDONLY)
 
     def read(self, offset: int, size: int) -> bytes:
-        return self._map[offset : offset + size]
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise DataError(f"{self.url}: cut short since it was scanned: run the filter again (it scans it again)")
+        return data
 
     def close(self) -> None:
-        self._map.close()
-        self._file.close()
+        os.close(self._fd)
 
 
 def _template() -> bytes:
@@ -237,13 +250,13 @@ class TarWriter:
     _TEMPLATE = _template()
     _SUM = sum(_TEMPLATE) - sum(_TEMPLATE[148:156]) + 256  # the template's checksum, its name and size fields empty
 
-    def __init__(self, path: Path, buffer: int = 1 << 22):
-        self._file = open(path, "wb", buffering=buffer)
+    def __init__(self, path: Path):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._digest, self._offset = hashlib.sha256(), 0
 
     def add(self, name: str, data: bytes) -> None:
-        pad = -len(data) % BLOCK
-        self._write(b"".join((self._header(name, len(data)), data, _ZERO[:pad])))
+        """Add a regular member NAME holding `data`."""
+        self._write([self._header(name, len(data)), data, _ZERO[: -len(data) % BLOCK]])
 
     def _header(self, name: str, size: int) -> bytes:
         encoded = name.encode("ascii", "replace")
@@ -256,18 +269,22 @@ class TarWriter:
         t = self._TEMPLATE
         return b"".join((encoded.ljust(100, b"\0"), t[100:124], size_field, t[136:148], b"%06o\0 " % checksum, t[156:]))
 
-    def _write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._digest.update(data)
-        self._offset += len(data)
+    def _write(self, pieces: list) -> None:
+        """Write `pieces` with one call (a member's header, data and padding: no copy into a buffer), then hash them."""
+        total = sum(len(p) for p in pieces)
+        done = os.writev(self._fd, pieces)
+        while done < total:  # a short write (rare, e.g. a signal): the rest, joined
+            done += os.write(self._fd, b"".join(bytes(p) for p in pieces)[done:])
+        for piece in pieces:
+            self._digest.update(piece)
+        self._offset += total
 
     def close(self) -> str:
         """End the archive as tarfile does (two zero blocks, then zeros to a 10240-byte record); its sha256."""
-        self._write(bytes(2 * BLOCK))
-        if self._offset % tarfile.RECORDSIZE:
-            self._write(bytes(tarfile.RECORDSIZE - self._offset % tarfile.RECORDSIZE))
-        self._file.close()
+        end = bytes(2 * BLOCK) + bytes(-(self._offset + 2 * BLOCK) % tarfile.RECORDSIZE)
+        self._write([end])
+        os.close(self._fd)
         return self._digest.hexdigest()
 
     def abort(self) -> None:
-        self._file.close()
+        os.close(self._fd)
