@@ -160,13 +160,14 @@ def main() -> None:
     parser.add_argument("--base", help="a worktree of the base commit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", nargs="+", choices=["embed", "filter"], default=["embed", "filter"])
-    parser.add_argument("--workers", type=int, default=2, help="this tree's data embed --num_workers")
+    parser.add_argument("--workers", type=int, help="this tree's data embed --num_workers (default 2)")
     parser.add_argument("--child", choices=["embed", "filter"], help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
+    args.workers = 2 if args.workers is None else args.workers
     from disco_clip_ds.testing.bench_record import write_rows
 
     make_data()
