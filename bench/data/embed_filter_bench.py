@@ -92,14 +92,29 @@ def child(args) -> None:
     import disco_clip_ds
 
     main(warm)
+    if args.profile_to:  # the measured call under cProfile: its functions by cumulative time, then by own time
+        import cProfile
+        import io
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.runcall(main, run)
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text).strip_dirs()
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        Path(args.profile_to).write_text(text.getvalue())
+        print(json.dumps({"wall": 0.0, "cpu": 0.0, "package": disco_clip_ds.__file__}))
+        return
     wall, cpu = time.perf_counter(), time.process_time()
     main(run)
     times = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
     print(json.dumps({**times, "package": disco_clip_ds.__file__}))
 
 
-def run_side(step: str, root: Path, workers: int | None) -> tuple[dict, str]:
-    """(the child's times, a digest of its output files) for `step` with ROOT's package."""
+def run_side(step: str, root: Path, workers: int | None, profile: Path | None = None) -> tuple[dict, str]:
+    """(the child's times, a digest of its output files) for `step` with ROOT's package; with `profile`, its
+    cProfile into that file instead of times."""
     out = OUT / "run" / step
     for folder in (out, Path(str(out) + "_warm")):
         shutil.rmtree(folder, ignore_errors=True)
@@ -107,6 +122,7 @@ def run_side(step: str, root: Path, workers: int | None) -> tuple[dict, str]:
     env["TOKENIZERS_PARALLELISM"] = "false"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", step, "--output", str(out)]
     command += ["--workers", str(workers)] if workers is not None else []
+    command += ["--profile_to", str(profile)] if profile else []
     done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{step} with {root} failed: {done.stderr[-3000:]}")
@@ -163,6 +179,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, help="this tree's data embed --num_workers (default 2)")
     parser.add_argument("--child", choices=["embed", "filter"], help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
+    parser.add_argument("--profile_to", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile", action="store_true", help="instead: cProfile one filter run per side into results/filter_profile_*"
+    )
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -171,6 +191,10 @@ def main() -> None:
     from disco_clip_ds.testing.bench_record import write_rows
 
     make_data()
+    if args.profile:
+        for side, root in {"base": Path(args.base).resolve(), "this": REPO}.items():
+            run_side("filter", root, None, HERE / "results" / f"filter_profile_{side}.txt")
+        return
     rows = compare(args)
     write_rows(HERE / "results" / "embed_filter.csv", rows)
 
