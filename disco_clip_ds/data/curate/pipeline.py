@@ -28,10 +28,10 @@ from disco_clip_ds import faults
 from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate import inputs, reshard, scores
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
-from disco_clip_ds.data.curate.tarcopy import Members, sample_members
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import Members, sample_members
 from disco_clip_ds.errors import DataError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.curate")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from disco_clip_ds.data.curate.tarcopy import Members, SharedBytes, TarWriter, sample_members
 from disco_clip_ds.data.embeddings import read_metadata, read_reinforced, shard_facts, sidecar_path, write_reinforced
 from disco_clip_ds.data.reinforced import joined_rows
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import Members, SharedBytes, TarWriter, sample_members
 from disco_clip_ds.errors import DataError
 
 

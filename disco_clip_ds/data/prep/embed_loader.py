@@ -5,8 +5,8 @@ already decoded.
 The unit of work is a batch: each shard's samples in order, `batch_size` at a time (the last of a shard shorter; a
 shard without samples gives one empty batch), so that the forward sees exactly the batches one process would make and
 the stored embeddings do not depend on the number of workers. Batch i of the whole sequence (every shard's, in turn)
-is decoded by worker i % W: every worker reads every shard's members (cheap beside decoding) to keep count, and
-decodes only its own batches. The DataLoader asks its workers in turn and returns their items in that order, so the
+is decoded by worker i % W: every worker walks every shard's tar headers to keep count (data/tarcopy.py; a shard
+that is not a plain tar is read whole, by tarfile), and reads and decodes only its own batches. The DataLoader asks its workers in turn and returns their items in that order, so the
 batches come back in sequence order, whatever W (0: decoded in the embedding process, the same code).
 
 A sample missing an image, a caption key or a decodable image is skipped and counted (as training skips it); a
@@ -14,6 +14,7 @@ damaged shard (cut short, not a tar) becomes a DataError naming it, raised where
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tarfile
@@ -25,6 +26,7 @@ from disco_clip_ds.data.prep.teachers import Teacher
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import Members, SharedBytes, sample_members
 from disco_clip_ds.data.transforms import crop_boxes
 from disco_clip_ds.errors import DataError
 
@@ -69,8 +71,9 @@ class DecodedBatches(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         position = itertools.count()  # the batch's place in the whole sequence
         for index, url in self.jobs:
-            for samples, last, error in _raw_batches(url, self.batch_size):
+            for read, last, error in _raw_batches(url, self.batch_size):
                 if next(position) % workers == worker:
+                    samples = read()
                     yield self._decoded(Batch(index, url, len(samples), last, error=error), samples)
 
     def _decoded(self, batch: Batch, samples: list[dict]) -> Batch:
@@ -96,14 +99,39 @@ class DecodedBatches(torch.utils.data.IterableDataset):
 
 
 def _raw_batches(url: str, size: int):
-    """(samples, last, error) for each batch of shard `url`: at least one (empty for a shard without samples); a
-    damaged shard ends with an empty batch holding the DataError."""
+    """(read, last, error) for each batch of shard `url`, `read()` giving its samples: at least one batch (empty for a
+    shard without samples); a damaged shard ends with an empty batch holding the DataError. A plain shard's samples
+    are located by its headers (data/tarcopy.py), so that a worker reads only its own batches' bytes; another is read
+    by `raw_samples`, whole, by every worker."""
+    located = sample_members(url)
+    if located is None:
+        yield from _read_batches(url, size)
+        return
+    source = SharedBytes(url)
+    try:
+        for start in range(0, max(len(located), 1), size):
+            stop = min(start + size, len(located))
+            yield functools.partial(_located_samples, located, source, start, stop), stop == len(located), None
+    finally:
+        source.close()
+
+
+def _located_samples(located: Members, source: SharedBytes, start: int, stop: int) -> list[dict]:
+    samples = []
+    for index in range(start, stop):
+        sample = {"__key__": located.keys[index], "__url__": source.url}
+        sample.update((ext, source.read(offset, size)) for ext, offset, size in located.members(index))
+        samples.append(sample)
+    return samples
+
+
+def _read_batches(url: str, size: int):
     samples = raw_samples(url)
     try:
         batch = list(itertools.islice(samples, size))
         while True:
             following = list(itertools.islice(samples, size)) if len(batch) == size else []
-            yield batch, not following, None
+            yield (lambda batch=batch: batch), not following, None
             if not following:
                 return
             batch = following
@@ -113,7 +141,7 @@ def _raw_batches(url: str, size: int):
             f"shard {describe_source(url)} is damaged ({said}): check it with `disco-clip data verify`, then fetch it "
             "again or leave it out of --shards"
         )
-        yield [], True, damaged
+        yield list, True, damaged
 
 
 def sample_image(sample: dict) -> bytes | None:

@@ -92,7 +92,25 @@ def _odd_shards(folder) -> str:
     write_samples(folder, samples[:5], per_shard=5)
     write_samples(folder / "b", samples[5:9], per_shard=4)
     write_samples(folder / "c", samples[9:], per_shard=5)
+    _as_gnu_tar(folder / "c" / "00000.tar")  # a tar the header walk leaves to tarfile: read whole by every worker
     return f"{folder}/00000.tar::{folder}/b/00000.tar::{folder}/c/00000.tar"
+
+
+def _as_gnu_tar(path) -> None:
+    """The same samples in a GNU tar with a long-named member without extension (passed over by every reader)."""
+    import io
+    import tarfile
+
+    from disco_clip_ds.data.tarcopy import sample_members
+
+    with tarfile.open(path) as tar:
+        members = [(info, tar.extractfile(info).read()) for info in tar.getmembers()]
+    members.insert(1, (tarfile.TarInfo("z" * 120), b"passed over"))
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in members:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert sample_members(str(path)) is None
 
 
 def test_the_sidecars_do_not_depend_on_the_number_of_decoding_workers(tmp_path, tiny_teacher, capsys):

@@ -1,4 +1,4 @@
-"""The filter's copy path (data/curate/tarcopy.py) against Python's tarfile, its reference: headers built from the
+"""The filter's copy path (data/tarcopy.py) against Python's tarfile, its reference: headers built from the
 template are tarfile's own, a written shard is the bytes tarfile's writer gives the same members, the samples located
 by the headers are the ones `raw_samples` (tarfile) reads, and a shard the fast path does not follow (GNU long names,
 damage) is left to tarfile, so that `write_output_shard` gives the reference bytes either way."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from disco_clip_ds.data.curate.reshard import write_output_shard
-from disco_clip_ds.data.curate.tarcopy import SharedBytes, TarWriter, sample_members
 from disco_clip_ds.data.embeddings import read_metadata, sidecar_path
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import SharedBytes, TarWriter, sample_members
 
 from unit.data.curate.shardsets import embedded_shards
 

@@ -1,5 +1,6 @@
 """`data filter`'s copy path: a shard's samples located by their tar headers alone (where each member's bytes lie),
-and the kept members written into a new tar byte for byte, with the headers Python's tarfile writes for them.
+and the kept members written into a new tar byte for byte, with the headers Python's tarfile writes for them. `data
+embed`'s decoding workers locate samples the same way, each reading only the bytes of its own batches.
 
 Python's tarfile spends most of a score-only filter's time: it parses each header field by field (twice per member,
 as webdataset's shards give each member a pax header) and builds each output header the same way, about 100 us a
