@@ -6,8 +6,10 @@ The unit of work is a batch: each shard's samples in order, `batch_size` at a ti
 shard without samples gives one empty batch), so that the forward sees exactly the batches one process would make and
 the stored embeddings do not depend on the number of workers. Batch i of the whole sequence (every shard's, in turn)
 is decoded by worker i % W: every worker walks every shard's tar headers to keep count (data/tarcopy.py; a shard
-that is not a plain tar is read whole, by tarfile), and reads and decodes only its own batches. The DataLoader asks its workers in turn and returns their items in that order, so the
-batches come back in sequence order, whatever W (0: decoded in the embedding process, the same code).
+that is not a plain tar is read whole, by tarfile), and reads and decodes only its own batches. The DataLoader asks
+its workers in turn and returns their items in that order, so the batches come back in sequence order, whatever W
+(0: decoded in the embedding process, the same code). A worker dies with the embedding process (a kill leaves none
+running).
 
 A sample missing an image, a caption key or a decodable image is skipped and counted (as training skips it); a
 damaged shard (cut short, not a tar) becomes a DataError naming it, raised where its batch comes back in sequence."""
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import signal
 import tarfile
 from dataclasses import dataclass, field, replace
 
@@ -179,7 +182,20 @@ def sample_views(teachers: list[Teacher], settings, sample: dict) -> tuple[list,
 def decoded_batches(jobs: list[tuple[int, str]], views: list[Teacher], settings, batch_size: int, workers: int):
     """The `DecodedBatches` of `jobs`, decoded by `workers` DataLoader workers (0: here), in sequence order."""
     dataset = DecodedBatches(jobs, views, settings, batch_size)
-    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_as_is)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=workers, collate_fn=_as_is, worker_init_fn=_die_with_parent
+    )
+
+
+def _die_with_parent(_worker: int) -> None:
+    """A worker killed with the embedding process (Linux's PR_SET_PDEATHSIG): left to notice its parent gone, it
+    would run on for seconds holding the process's stdout and stderr, keeping whoever reads them waiting."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: DataLoader's own check of its parent ends the worker
+        return
 
 
 def _as_is(batch: Batch) -> Batch:
