@@ -5,7 +5,8 @@ every other round), each side in its own process with its own `disco_clip_ds` on
 
 - embed: `data embed` of 1,000 samples with the quickstart's tiny teacher (random weights, 64 px input, so the
   decode and crop dominate, which is what decoding in workers overlaps); this tree with `--num_workers 2`, the base
-  as it runs (decoding in its one process). Wall-clock samples/s (the workers' CPU time is not the process's).
+  as it runs (decoding in its one process). Wall-clock samples/s, and the CPU milliseconds a sample of the
+  embedding process alone (`main`: what cannot overlap) and with its workers (`all`: the work, wherever done).
 - filter: `data filter --keep_fraction 0.7 --samples_per_shard 1000` over 5 shards of 1,000 samples with sidecars
   (random unit embeddings of width 512), `--processes 1`: samples/s of wall-clock time and of the process's CPU time
   (user + system: what one process does on a core of its own; the machine's other load slows the wall clock).
@@ -106,9 +107,15 @@ def child(args) -> None:
         Path(args.profile_to).write_text(text.getvalue())
         print(json.dumps({"wall": 0.0, "cpu": 0.0, "package": disco_clip_ds.__file__}))
         return
-    wall, cpu = time.perf_counter(), time.process_time()
+    import resource
+
+    def children() -> float:  # the CPU time of the reaped children: data embed's decoding workers
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    wall, cpu, workers = time.perf_counter(), time.process_time(), children()
     main(run)
-    times = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
+    times = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "workers": children() - workers}
     print(json.dumps({**times, "package": disco_clip_ds.__file__}))
 
 
@@ -147,7 +154,7 @@ def compare(args) -> list[dict]:
     samples = {"embed": 1000, "filter": 5000}
     rows = []
     for step in args.steps:
-        rates = {side: {"wall": [], "cpu": []} for side in sides}
+        rates = {side: {"wall": [], "cpu": [], "cpu_ms_main": [], "cpu_ms_all": []} for side in sides}
         digests = {side: set() for side in sides}
         for round_ in range(args.rounds):
             order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
@@ -157,14 +164,19 @@ def compare(args) -> list[dict]:
                 digests[side].add(digest)
                 for clock in ("wall", "cpu"):
                     rates[side][clock].append(samples[step] / times[clock])
+                rates[side]["cpu_ms_main"].append(1000 * times["cpu"] / samples[step])
+                rates[side]["cpu_ms_all"].append(1000 * (times["cpu"] + times["workers"]) / samples[step])
                 print(step, side, {k: round(v[-1], 1) for k, v in rates[side].items()}, flush=True)
         clocks = ("wall",) if step == "embed" else ("wall", "cpu")
         identical = digests["this"] == digests["base"] and len(digests["base"]) == 1
+        suffix = f"_{args.tag}" if args.tag else ""
         for side in sides:
-            settings = {"step": step, "side": side, "samples": samples[step], "threads": 1}
+            settings = {"step": step + suffix, "side": side, "samples": samples[step], "threads": 1}
             settings["workers"] = args.workers if (step == "embed" and side == "this") else 0
             settings["identical_to_base"] = identical if side == "this" else ""
             measured = {f"samples_per_s_{clock}": rates[side][clock] for clock in clocks}
+            if step == "embed":  # CPU ms a sample: the embedding process's, and with its workers'
+                measured |= {f"cpu_ms_per_sample_{part}": rates[side][f"cpu_ms_{part}"] for part in ("main", "all")}
             if side == "this":
                 measured |= {f"speedup_{clock}": ratios(rates["this"][clock], rates["base"][clock]) for clock in clocks}
             rows.append(bench_row(settings, measured, 2))
@@ -180,6 +192,7 @@ def main() -> None:
     parser.add_argument("--child", choices=["embed", "filter"], help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     parser.add_argument("--profile_to", help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help="a suffix to the step names, and the result file's: results/embed_filter_TAG.csv")
     parser.add_argument(
         "--profile", action="store_true", help="instead: cProfile one filter run per side into results/filter_profile_*"
     )
@@ -196,7 +209,7 @@ def main() -> None:
             run_side("filter", root, None, HERE / "results" / f"filter_profile_{side}.txt")
         return
     rows = compare(args)
-    write_rows(HERE / "results" / "embed_filter.csv", rows)
+    write_rows(HERE / "results" / f"embed_filter{'_' + args.tag if args.tag else ''}.csv", rows)
 
 
 if __name__ == "__main__":
