@@ -1,7 +1,8 @@
 """`disco-clip data filter`: scan -> decide -> write.
 
-1. Scan, a task per input shard (`--processes` of them at once): its keys (from the tar's headers), each sample's
-   CLIP score (from its sidecar) and, for the dedup rules, its image fingerprint (the one step that decodes images).
+1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
+   headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
+   rules, its image fingerprint (the one step that decodes images).
    The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written under a temporary name and renamed); a
    re-run keeps a saved scan whose sidecar and shard are unchanged.
 2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
