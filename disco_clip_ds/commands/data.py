@@ -145,6 +145,19 @@ def embed_parser() -> argparse.ArgumentParser:
         "syn0.txt (the member KEY.syn0.txt), ...; a sample lacking one is skipped and counted",
     )
     p.add_argument("--embedding_dtype", default="float32", help="stored dtype: float16, bfloat16 or float32")
+    p.add_argument(
+        "--num_workers",
+        type=int,
+        help="DataLoader workers per rank reading and decoding the shards while the teachers run (0: in the "
+        "embedding process; the sidecars are the same whatever the number; default: the CPUs the rank may use, up "
+        "to 4)",
+    )
+    p.add_argument(
+        "--precision",
+        default="auto",
+        help="the teachers' forward: auto (bfloat16 autocast on a GPU, float32 on the CPU), float32, bfloat16 or "
+        "float16 (autocast: GPU only); the embeddings are stored at --embedding_dtype either way",
+    )
     return p
 
 
@@ -167,7 +180,15 @@ def embed_main(argv: list[str] | None = None) -> int:
     urls = local_shards(args.shards, "data embed")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
-    summary, rank = embed_launched(settings.teachers, urls, args.output, args.batch_size, settings=settings)
+    summary, rank = embed_launched(
+        settings.teachers,
+        urls,
+        args.output,
+        args.batch_size,
+        settings=settings,
+        num_workers=args.num_workers,
+        precision=args.precision,
+    )
     if rank == 0:
         lacking = ", ".join(f"{n} without {key}" for key, n in sorted(summary["missing_captions"].items()))
         print(

@@ -1,7 +1,8 @@
 """`disco-clip data filter`: scan -> decide -> write.
 
-1. Scan, a task per input shard (`--processes` of them at once): its keys (from the tar's headers), each sample's
-   CLIP score (from its sidecar) and, for the dedup rules, its image fingerprint (the one step that decodes images).
+1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
+   headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
+   rules, its image fingerprint (the one step that decodes images).
    The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written under a temporary name and renamed); a
    re-run keeps a saved scan whose sidecar and shard are unchanged.
 2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
@@ -31,6 +32,7 @@ from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import Members, sample_members
 from disco_clip_ds.errors import DataError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.curate")
@@ -223,7 +225,9 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     rows_of, image, text, _ = read_sidecar(sidecar)
     embedded_scores = scores.clip_scores(image.numpy(), text.numpy())
     keys, rows, prints = [], [], []
-    for sample in raw_samples(url, read=with_fingerprints):
+    located = None if with_fingerprints else sample_members(url)  # where each sample lies, kept for the write
+    samples = ({"__key__": key} for key in located.keys) if located else raw_samples(url, read=with_fingerprints)
+    for sample in samples:
         keys.append(sample["__key__"])
         rows.append(rows_of.get(sample["__key__"], -1))
         if with_fingerprints:
@@ -240,6 +244,8 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     arrays = {"keys": _key_blob(keys), "scores": values, "rows": rows.astype(np.int32), "stamp": stamp}
     if with_fingerprints:
         arrays.update(_stack_fingerprints(prints))
+    if located:
+        arrays.update(located.arrays())
     _save_npz(scan, arrays)
 
 
@@ -256,13 +262,14 @@ def assign_shard(task: tuple[Path, Path, np.ndarray]) -> np.ndarray:
 def write_shard(task) -> tuple[str, int]:
     """Write output shard `path` from its pieces, unless it is complete and verifies; (its name, its samples)."""
     path, pieces, fingerprint = task
-    keys = []
-    for _, _, scan, rows in pieces:
+    keys, located = [], []
+    for url, sidecar, scan, rows in pieces:
         with np.load(scan) as saved:
             names = _keys(saved)
+            located.append((url, sidecar, rows, Members.from_arrays(names, saved)))
         keys += [names[i] for i in rows]
     if not reshard.is_complete(path, keys, fingerprint):
-        reshard.write_output_shard(path, [(url, sidecar, rows) for url, sidecar, _, rows in pieces])
+        reshard.write_output_shard(path, located)
     return path.name, len(keys)
 
 

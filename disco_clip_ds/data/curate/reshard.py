@@ -11,10 +11,8 @@ names, 0644), so that the same kept samples give the same bytes.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ import numpy as np
 from disco_clip_ds.data.embeddings import read_metadata, read_reinforced, shard_facts, sidecar_path, write_reinforced
 from disco_clip_ds.data.reinforced import joined_rows
 from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.tarcopy import Members, SharedBytes, TarWriter, sample_members
 from disco_clip_ds.errors import DataError
 
 
@@ -57,18 +56,19 @@ def is_complete(path: Path, keys: list[str], fingerprint: str) -> bool:
     )
 
 
-def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) -> int:
+def write_output_shard(path: Path, pieces: list[tuple]) -> int:
     """Write output shard `path` from `pieces`: (input shard, its sidecar, the sorted in-shard indices of its kept
-    samples), in order; then its sidecar beside it (every teacher, augmentation and caption of the input sidecars'
-    rows; a DataError when the inputs were embedded with other settings). Returns the number of samples written."""
+    samples[, where its samples lie (`Members`), when the scan kept that]), in order; then its sidecar beside it
+    (every teacher, augmentation and caption of the input sidecars' rows; a DataError when the inputs were embedded
+    with other settings). Returns the number of samples written."""
     keys, seen, chosen = [], set(), []
     tmp = path.with_name(f".{path.name}.tmp")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for url, sidecar, wanted in pieces:
+    tar = TarWriter(tmp)
+    try:
+        for url, sidecar, wanted, *members in pieces:
             stored = read_reinforced(sidecar)
             rows, picked = stored.rows(), []
-            for sample in _kept_samples(url, wanted):
-                key = sample["__key__"]
+            for key, data in _kept_samples(url, wanted, members[0] if members else None):
                 if key in seen:
                     raise DataError(
                         f"sample key {key} appears twice among the kept samples of output shard {path.name} (again in "
@@ -77,38 +77,53 @@ def write_output_shard(path: Path, pieces: list[tuple[str, Path, list[int]]]) ->
                 keys.append(key)
                 seen.add(key)
                 picked.append(rows[key])
-                for ext, data in sample.items():
-                    if not ext.startswith("__"):
-                        _add_member(tar, f"{key}.{ext}", data)
+                for ext, member in data:
+                    tar.add(f"{key}.{ext}", member)
             chosen.append((stored, picked))
+    except BaseException:
+        tar.abort()
+        raise
+    sha256 = tar.close()
     os.replace(tmp, path)
     try:
-        joined = joined_rows(chosen, {**shard_facts(str(path)), "shard_sha256": file_sha256(path)})
+        joined = joined_rows(chosen, {**shard_facts(str(path)), "shard_sha256": sha256})
     except ValueError as error:
         raise DataError(f"output shard {path.name}: its input sidecars were {error}: embed them alike") from error
     write_reinforced(sidecar_path(path.parent, str(path)), joined)
     return len(keys)
 
 
-def _kept_samples(url: str, wanted: list[int]):
-    """The samples of `url` at the in-shard indices `wanted` (sorted), reading from the first one on (a local shard
-    passes the members before it by their headers alone)."""
+def _kept_samples(url: str, wanted: list[int], members: Members | None):
+    """(key, [(extension, bytes), ...]) of the samples of `url` at the in-shard indices `wanted` (sorted), their
+    members in shard order: read where `members` (or the tar's headers, tarcopy.py) locate them, or by `raw_samples`
+    from the first one on when the shard is not a plain one (a local shard passes the members before it by their
+    headers alone)."""
     if not len(wanted):
         return
+    members = sample_members(url) if members is None else members
+    if members is None:
+        yield from _read_samples(url, wanted)
+        return
+    source = SharedBytes(url)
+    try:
+        for index in np.asarray(wanted).tolist():
+            if index >= len(members):
+                raise DataError(f"{url}: fewer samples than when it was scanned: run the filter again (it scans again)")
+            data = [
+                (ext, source.read(at, size)) for ext, at, size in members.members(index) if not ext.startswith("__")
+            ]
+            yield members.keys[index], data
+    finally:
+        source.close()
+
+
+def _read_samples(url: str, wanted: list[int]):
     want, first, last = set(np.asarray(wanted).tolist()), int(wanted[0]), int(wanted[-1])
     for index, sample in enumerate(raw_samples(url, start=first), start=first):
         if index in want:
-            yield sample
+            yield sample["__key__"], [(ext, data) for ext, data in sample.items() if not ext.startswith("__")]
         if index >= last:
             return
-
-
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
 
 
 def plan_shards(kept: np.ndarray, offsets: np.ndarray, per_shard: int) -> list[list[tuple[int, np.ndarray]]]:

@@ -9,12 +9,15 @@ one made for another shard is refused. The teachers are checked before any model
 The augmentations are the training pipeline's own random resized crop (no flip, no RandAugment: the pipeline has
 neither), drawn per sample from (seed, key, a) (`transforms.crop_boxes`); each teacher sees each box resized to its
 own image size, with its own normalisation. A sample missing an image, a caption key or a decodable image is skipped
-and counted, as the training stream skips it."""
+and counted, as the training stream skips it.
+
+The shards are read and decoded in DataLoader workers while this process runs the teachers (embed_loader.py), in the
+batches one process would make, so the sidecars do not depend on the number of workers. On a GPU the forward runs
+under bfloat16 autocast by default (`autocast_dtype`); on the CPU in float32."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -38,19 +41,26 @@ from disco_clip_ds.data.embeddings import (
     sidecar_problem,
     write_reinforced,
 )
+from disco_clip_ds.data.prep.embed_loader import Batch, decoded_batches, default_workers, sample_captions, sample_image
 from disco_clip_ds.data.prep.teachers import Teacher, checked_fingerprint, load_teacher
 from disco_clip_ds.data.redact import describe_source
-from disco_clip_ds.data.shards import IMAGE_EXTS, is_url, shard_sizes
-from disco_clip_ds.data.streams.tar_samples import raw_samples
-from disco_clip_ds.data.transforms import crop_boxes
+from disco_clip_ds.data.shards import is_url, shard_sizes
 from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
-TEXT_KEYS = ("txt", "text", "caption")  # the members the caption key "txt" is read from, first found (as training)
 DEFAULT_CAPTION_KEYS = ("txt",)
 
-__all__ = ["Settings", "embed_launched", "embed_shards", "load_teacher", "sample_image", "sample_captions"]
+__all__ = [
+    "PRECISIONS",
+    "Settings",
+    "autocast_dtype",
+    "embed_launched",
+    "embed_shards",
+    "load_teacher",
+    "sample_captions",
+    "sample_image",
+]
 
 
 @dataclass
@@ -135,26 +145,6 @@ def _distinct(teachers: list[str], fingerprints: list[str]) -> list[str]:
     return fingerprints
 
 
-def sample_image(sample: dict) -> bytes | None:
-    """The encoded image of a webdataset sample (its first image extension), None when it has none."""
-    return next((sample[k] for k in IMAGE_EXTS if k in sample), None)
-
-
-def sample_captions(sample: dict, caption_keys: list[str]) -> dict[str, str]:
-    """{caption key: text} of a webdataset sample: key "txt" is the first of its txt, text, caption members (the
-    caption the training stream reads), any other key the member of that extension (`syn0.txt`: KEY.syn0.txt). A
-    KeyError naming the first key the sample lacks (or whose text is empty)."""
-    captions = {}
-    for key in caption_keys:
-        names = TEXT_KEYS if key == "txt" else (key,)
-        raw = next((sample[n] for n in names if n in sample), None)
-        text = raw.decode("utf-8").strip() if raw is not None else ""
-        if not text:
-            raise KeyError(key)
-        captions[key] = text
-    return captions
-
-
 def embed_shards(
     teacher: str | list[str],
     urls: list[str],
@@ -165,6 +155,8 @@ def embed_shards(
     world: int = 1,
     device: str | torch.device = "cpu",
     settings: Settings | None = None,
+    num_workers: int | None = None,
+    precision: str = "auto",
 ) -> dict:
     """Embed every sample of the local shards `urls` with `teacher` (a CLIPModel or SiglipModel folder or hub id, or
     a list of them: an ensemble) into sidecars in OUT (default: beside each shard), with `settings` (default: the
@@ -172,9 +164,15 @@ def embed_shards(
     "missing_captions": {key: n}}: shards written, shards whose sidecar already verified with these settings,
     samples skipped (no image, undecodable, or a caption key missing: those counted per key too).
 
+    The shards are read and decoded by `num_workers` DataLoader workers (None: `default_workers()`; 0: in this
+    process) while this process runs the teachers; the sidecars are the same whatever their number (embed_loader.py).
+    `precision` is the forward's (`autocast_dtype`); the embeddings are stored at `settings.dtype` either way.
+
     Rank `rank` of `world` embeds shards rank, rank + world, ... of `urls` (`embed_launched` runs every rank) and
     shows a progress bar when it is rank 0."""
     settings = settings or Settings(teacher, tokenizer_name)
+    workers = default_workers() if num_workers is None else check_workers(num_workers)
+    autocast = autocast_dtype(precision, torch.device(device))
     remote = [u for u in urls if is_url(u)]
     if remote:
         raise UsageError(f"data embed reads local shards only, not {describe_source(remote[0])}")
@@ -184,94 +182,117 @@ def embed_shards(
     fingerprints = _distinct(settings.teachers, [t.fingerprint for t in loaded])
     summary = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}}
     with _progress(urls, rank, world) as bar:
+        jobs = []
         for index, (url, path) in enumerate(zip(urls, paths)):
             if path.is_file() and _verifies(path, url, fingerprints, settings):
                 summary["kept"].append(str(path))
                 bar.update(_recorded_size(url))
-                continue
-            skipped, missing = _embed_shard(loaded, settings, url, path, batch_size, bar)
-            summary["skipped"] += skipped
-            for key, n in missing.items():
-                summary["missing_captions"][key] = summary["missing_captions"].get(key, 0) + n
-            summary["embedded"].append(str(path))
-            faults.after_sidecar(rank + index * world)
+            else:
+                jobs.append((index, url))
+        shard = None
+        for batch in decoded_batches(jobs, loaded, settings, batch_size, workers) if jobs else ():
+            shard = shard or _Shard(loaded, settings)
+            shard.add(batch, autocast)
+            bar.update(batch.read)
+            if batch.last:
+                path = paths[batch.index]
+                shard.write(batch.url, path, summary)
+                faults.after_sidecar(rank + batch.index * world)
+                shard = None
     return summary
 
 
-def _embed_shard(
-    loaded: list[Teacher], settings: Settings, url: str, path: Path, batch_size: int, bar
-) -> tuple[int, Counter]:
-    """Write shard `url`'s sidecar at PATH; returns (samples skipped, {caption key: samples skipped for lacking it})."""
-    keys, all_boxes, skipped, missing = [], [], 0, Counter()
-    images = [[] for _ in loaded]
-    texts = [{k: [] for k in settings.caption_keys} for _ in loaded]
-    samples = raw_samples(url)
-    while batch := list(itertools.islice(samples, batch_size)):
-        crops, captions = [[] for _ in loaded], []
-        for sample in batch:
-            try:
-                views, boxes, caption = _sample_views(loaded, settings, sample)
-            except KeyError as error:  # a caption key the sample lacks: skipped and counted, as data errors are
-                skipped, missing[error.args[0]] = skipped + 1, missing[error.args[0]] + 1
-                where = f"{sample['__key__']} of {describe_source(url)}"
-                logger.warning("skipping sample %s: no caption %s", where, error)
-                continue
-            except Exception as error:  # as the training stream: skipped, counted, said
-                skipped += 1
-                logger.warning("skipping sample %s of %s: %s", sample["__key__"], describe_source(url), error)
-                continue
-            for teacher_crops, view in zip(crops, views):
-                teacher_crops.extend(view)
-            captions.append(caption)
-            keys.append(sample["__key__"])
-            all_boxes.append(boxes)
-        bar.update(len(batch))
-        if captions:
-            for t, teacher in enumerate(loaded):
-                image, text = _forward(teacher, crops[t], captions, settings.caption_keys)
-                images[t].append(image.view(len(captions), -1, image.shape[-1]))
-                for key in settings.caption_keys:
-                    texts[t][key].append(text[key])
-    if not keys:
-        raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
-    stored = Reinforced(
-        keys,
-        [_facts(t) for t in loaded],
-        [torch.cat(i) for i in images],
-        [{k: torch.cat(v) for k, v in by_key.items()} for by_key in texts],
-        torch.tensor(all_boxes, dtype=torch.int32) if settings.augmentations else None,
-        settings.caption_keys,
-        settings.augmentations,
-        settings.dtype,
-        settings.seed if settings.augmentations else None,
-        shard_facts(url),
-    )
-    write_reinforced(path, stored)
-    logger.info("%s: %d samples embedded", path, len(keys))
-    return skipped, missing
+def check_workers(workers: int) -> int:
+    """`--num_workers` checked: 0 (decode in this process) or more; a UsageError in one line otherwise."""
+    if workers < 0:
+        raise UsageError(f"--num_workers {workers}: give 0 (decode in the embedding process) or more")
+    return workers
 
 
-def _sample_views(loaded: list[Teacher], settings: Settings, sample: dict) -> tuple[list, list, dict]:
-    """(each teacher's uint8 crops of the sample's augmentations, the boxes, its captions); KeyError for a missing
-    caption key, ValueError (or PIL's) for a missing or undecodable image."""
-    captions = sample_captions(sample, settings.caption_keys)
-    image = sample_image(sample)
-    if image is None:
-        raise ValueError("no image")
-    boxes = crop_boxes(image, settings.augmentations, settings.seed, sample["__key__"])
-    decoded = {}  # the image decoded once per draft scale, for every teacher
-    return [teacher.crops(image, boxes, decoded) for teacher in loaded], boxes, captions
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
-def _forward(teacher: Teacher, crops: list, captions: list[dict], caption_keys: list[str]) -> tuple:
-    """The teacher's L2-normalised image embeddings of `crops` and text embeddings {key: (n, d)} of `captions`, in
-    float32 on the CPU."""
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the teachers' forward autocasts to on `device` (None: float32, no autocast): `auto` is bfloat16 on a
+    GPU and float32 on the CPU; bfloat16 and float16 autocast on a GPU only (a UsageError in one line on the CPU,
+    where data embed computes in float32: its tested, exact path)."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision}: give one of {', '.join(PRECISIONS)}")
+    if precision == "float32" or (precision == "auto" and device.type != "cuda"):
+        return None
+    if device.type != "cuda":
+        raise UsageError(
+            f"--precision {precision}: autocast runs on a GPU only; on the CPU data embed computes in float32 "
+            "(give --precision auto or float32)"
+        )
+    return torch.bfloat16 if precision in ("auto", "bfloat16") else torch.float16
+
+
+class _Shard:
+    """A shard's embeddings as its batches come back: the keys, boxes and each teacher's image and text embeddings;
+    then its sidecar."""
+
+    def __init__(self, loaded: list[Teacher], settings: Settings):
+        self.loaded, self.settings = loaded, settings
+        self.keys, self.boxes, self.skipped, self.missing = [], [], 0, Counter()
+        self.images = [[] for _ in loaded]
+        self.texts = [{k: [] for k in settings.caption_keys} for _ in loaded]
+
+    def add(self, batch: Batch, autocast: torch.dtype | None) -> None:
+        """Count and say the batch's skipped samples, run each teacher on its embedded ones; a damaged shard's
+        DataError is raised here."""
+        for key, missing, why in batch.skips:
+            self.skipped += 1
+            if missing is not None:
+                self.missing[missing] += 1
+            logger.warning("skipping sample %s of %s: %s", key, describe_source(batch.url), why)
+        if batch.error is not None:
+            raise batch.error
+        if not batch.keys:
+            return
+        self.keys += batch.keys
+        self.boxes += batch.boxes
+        for t, teacher in enumerate(self.loaded):
+            image, text = _forward(teacher, batch.crops[t], batch.captions, self.settings.caption_keys, autocast)
+            self.images[t].append(image.view(len(batch.keys), -1, image.shape[-1]))
+            for key in self.settings.caption_keys:
+                self.texts[t][key].append(text[key])
+
+    def write(self, url: str, path: Path, summary: dict) -> None:
+        """Write the sidecar at PATH and add the shard to `summary`; a DataError when no sample was embedded."""
+        if not self.keys:
+            raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
+        settings = self.settings
+        stored = Reinforced(
+            self.keys,
+            [_facts(t) for t in self.loaded],
+            [torch.cat(i) for i in self.images],
+            [{k: torch.cat(v) for k, v in by_key.items()} for by_key in self.texts],
+            torch.tensor(self.boxes, dtype=torch.int32) if settings.augmentations else None,
+            settings.caption_keys,
+            settings.augmentations,
+            settings.dtype,
+            settings.seed if settings.augmentations else None,
+            shard_facts(url),
+        )
+        write_reinforced(path, stored)
+        logger.info("%s: %d samples embedded", path, len(self.keys))
+        summary["embedded"].append(str(path))
+        summary["skipped"] += self.skipped
+        for key, n in self.missing.items():
+            summary["missing_captions"][key] = summary["missing_captions"].get(key, 0) + n
+
+
+def _forward(teacher: Teacher, crops: torch.Tensor, captions: list[dict], caption_keys: list[str], autocast) -> tuple:
+    """The teacher's L2-normalised image embeddings of `crops` (uint8, n, 3, size, size) and text embeddings
+    {key: (n, d)} of `captions`, in float32 on the CPU; the forward autocast to `autocast` (on a GPU) unless None."""
     device = next(teacher.model.parameters()).device
     texts = [caption[key] for key in caption_keys for caption in captions]  # key-major: one slice per key
     tokens = teacher.tokenizer(
         texts, padding="max_length", truncation=True, max_length=teacher.text_length, return_tensors="pt"
     )
-    with torch.no_grad():
+    cast = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with torch.no_grad(), cast:
         outputs = teacher.model(
             input_ids=tokens["input_ids"].to(device),
             attention_mask=tokens["attention_mask"].to(device) if "attention_mask" in tokens else None,
@@ -321,18 +342,26 @@ def embed_launched(
     batch_size: int = 64,
     tokenizer_name: str | list[str] | None = None,
     settings: Settings | None = None,
+    num_workers: int | None = None,
+    precision: str = "auto",
 ) -> tuple[dict, int]:
     """`embed_shards` on every rank of a torchrun launch (its RANK, WORLD_SIZE, LOCAL_RANK; one rank per GPU, on the
     GPU of its LOCAL_RANK; gloo ranks on CPU), or in this one process when not launched. Returns (every rank's
     summary merged, this rank). The teachers are checked and fetched on rank 0 first; an error on any rank is raised
-    on every rank, after all have finished (a rank that stopped early would leave the others waiting)."""
+    on every rank, after all have finished (a rank that stopped early would leave the others waiting). `num_workers`
+    and `precision`: each rank's, as `embed_shards` takes them."""
     settings = settings or Settings(teacher, tokenizer_name)
     rank, world, local = (int(os.environ.get(name, default)) for name, default in _LAUNCH)
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+    if num_workers is not None:  # refused before any teacher is checked or built, on every rank
+        check_workers(num_workers)
+    autocast_dtype(precision, device)
     with _process_group(world, device):
         decided_on_rank0(lambda: checked_fingerprints(settings.teachers))
         try:
-            summary = embed_shards(settings.teachers, urls, out, batch_size, None, rank, world, device, settings)
+            summary = embed_shards(
+                settings.teachers, urls, out, batch_size, None, rank, world, device, settings, num_workers, precision
+            )
             outcome = ("ok", summary)
         except DiscoClipError as error:
             outcome = ("error", error)

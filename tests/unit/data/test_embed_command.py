@@ -72,3 +72,126 @@ def test_a_siglip2_teacher_is_refused_in_one_line(tmp_path, capsys, no_model):
     assert _embed(["--teacher", str(tmp_path / "siglip2"), "--shards", str(tmp_path / "data")]) == 2
     err = capsys.readouterr().err
     assert "a SigLIP 2 model, whose NaFlex image input has no one image size" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory):
+    from disco_clip_ds.models.build import build_model
+
+    folder = tmp_path_factory.mktemp("teacher") / "teacher"
+    build_model(model_config=str(TINY_CONFIG), seed=0).save_pretrained(folder)
+    return folder
+
+
+def _odd_shards(folder) -> str:
+    """3 shards of 5, 4 and 5 samples (batches of 2 fall across workers unevenly), one without a caption and one
+    whose image does not decode."""
+    rng = np.random.default_rng(1)
+    samples = [{"jpg": noise_image_bytes(rng, "JPEG", 48), "txt": f"caption {i}"} for i in range(14)]
+    samples[3] = {"jpg": samples[3]["jpg"]}
+    samples[7] = {"jpg": b"not a jpeg", "txt": "broken"}
+    write_samples(folder, samples[:5], per_shard=5)
+    write_samples(folder / "b", samples[5:9], per_shard=4)
+    write_samples(folder / "c", samples[9:], per_shard=5)
+    _as_gnu_tar(folder / "c" / "00000.tar")  # a tar the header walk leaves to tarfile: read whole by every worker
+    return f"{folder}/00000.tar::{folder}/b/00000.tar::{folder}/c/00000.tar"
+
+
+def _as_gnu_tar(path) -> None:
+    """The same samples in a GNU tar with a long-named member without extension (passed over by every reader)."""
+    import io
+    import tarfile
+
+    from disco_clip_ds.data.tarcopy import sample_members
+
+    with tarfile.open(path) as tar:
+        members = [(info, tar.extractfile(info).read()) for info in tar.getmembers()]
+    members.insert(1, (tarfile.TarInfo("z" * 120), b"passed over"))
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in members:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert sample_members(str(path)) is None
+
+
+def test_the_sidecars_do_not_depend_on_the_number_of_decoding_workers(tmp_path, tiny_teacher, capsys):
+    """Batch i of the sequence is decoded by worker i % W and the DataLoader returns them in turn: a worker that
+    took another's batch, or a shard's batches out of order, would change the rows or the batches' forwards."""
+    shards = _odd_shards(tmp_path / "data")
+    base = ["--teacher", str(tiny_teacher), "--tokenizer_name", str(TOKENIZER_DIR), "--shards", shards]
+    base += ["--batch_size", "2", "--augmentations", "2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels in every run
+    try:
+        for workers in (0, 2, 3):
+            argv = [*base, "--num_workers", str(workers), "--output", str(tmp_path / f"w{workers}")]
+            assert _embed(argv) == 0
+            assert "3 shard(s) embedded, 0 already done, 2 sample(s) without image or caption skipped" in (
+                capsys.readouterr().out
+            )
+    finally:
+        torch.set_num_threads(threads)
+    files = sorted(p.name for p in (tmp_path / "w0").iterdir())
+    assert len(files) == 3
+    for workers in (2, 3):
+        assert sorted(p.name for p in (tmp_path / f"w{workers}").iterdir()) == files
+        for name in files:
+            assert (tmp_path / f"w{workers}" / name).read_bytes() == (tmp_path / "w0" / name).read_bytes(), name
+
+
+def test_a_damaged_shard_read_by_a_worker_is_one_line_naming_it_and_the_shards_before_it_are_kept(
+    tmp_path, tiny_teacher, capsys
+):
+    shards = _odd_shards(tmp_path / "data")
+    torn = tmp_path / "data" / "b" / "00000.tar"
+    torn.write_bytes(torn.read_bytes()[:3000])  # cut inside its second sample
+    argv = ["--teacher", str(tiny_teacher), "--tokenizer_name", str(TOKENIZER_DIR), "--shards", shards]
+    argv += ["--batch_size", "2", "--num_workers", "2", "--output", str(tmp_path / "emb")]
+    assert _embed(argv) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip data embed:")]
+    assert len(said) == 1 and "b/00000.tar is damaged (unexpected end of data)" in said[0], said
+    assert "`disco-clip data verify`" in said[0]
+    assert [p.name.split(".")[0] for p in (tmp_path / "emb").iterdir()] == ["00000"]  # the first shard's, written
+
+
+def test_a_negative_worker_count_or_an_autocast_on_the_cpu_is_refused_in_one_line(tmp_path, capsys, no_model):
+    write_shards(tmp_path / "data", num_shards=1, per_shard=2)
+    assert _embed(["--teacher", "t", "--shards", str(tmp_path / "data"), "--num_workers", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--num_workers -1: give 0" in err and len(err.splitlines()) == 1
+    if not torch.cuda.is_available():
+        assert _embed(["--teacher", "t", "--shards", str(tmp_path / "data"), "--precision", "bfloat16"]) == 2
+        err = capsys.readouterr().err
+        assert "--precision bfloat16: autocast runs on a GPU only" in err and len(err.splitlines()) == 1
+
+
+def test_the_forward_precision_autocasts_on_a_gpu_only():
+    from disco_clip_ds.data.prep.embed import autocast_dtype
+    from disco_clip_ds.errors import UsageError
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # a device object needs no GPU
+    assert autocast_dtype("auto", cpu) is None and autocast_dtype("float32", cpu) is None
+    assert autocast_dtype("auto", gpu) == torch.bfloat16 and autocast_dtype("bfloat16", gpu) == torch.bfloat16
+    assert autocast_dtype("float16", gpu) == torch.float16 and autocast_dtype("float32", gpu) is None
+    for precision in ("bfloat16", "float16"):
+        with pytest.raises(UsageError, match=f"--precision {precision}: autocast runs on a GPU only"):
+            autocast_dtype(precision, cpu)
+    with pytest.raises(UsageError, match="--precision half: give one of auto, float32, bfloat16, float16"):
+        autocast_dtype("half", gpu)
+
+
+def test_the_autocast_forward_runs_in_the_lower_precision_and_returns_float32(tiny_teacher):
+    """`_forward` under autocast, run on the CPU's bfloat16 autocast (the GPU's is the same context on another
+    device): float32 embeddings near the float32 forward's, not equal to them (the cast was applied)."""
+    from disco_clip_ds.data.prep.embed import _forward, load_teacher
+
+    teacher = load_teacher(str(tiny_teacher), str(TOKENIZER_DIR))
+    rng = np.random.default_rng(0)
+    crops = torch.from_numpy(rng.integers(0, 256, (3, 3, 64, 64), dtype=np.uint8))
+    captions = [{"txt": f"a photo of {i}"} for i in range(3)]
+    full = _forward(teacher, crops, captions, ["txt"], None)
+    low = _forward(teacher, crops, captions, ["txt"], torch.bfloat16)
+    for a, b in ((full[0], low[0]), (full[1]["txt"], low[1]["txt"])):
+        assert b.dtype == torch.float32 and a.shape == b.shape
+        assert not torch.equal(a, b)
+        assert torch.allclose(a, b, atol=0.05)
