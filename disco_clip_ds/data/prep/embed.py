@@ -13,7 +13,6 @@ and counted, as the training stream skips it."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -42,7 +41,7 @@ from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, is_url, shard_sizes
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.transforms import crop_boxes
-from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0
+from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0, launched, process_group
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
@@ -326,9 +325,9 @@ def embed_launched(
     summary merged, this rank). The teachers are checked and fetched on rank 0 first; an error on any rank is raised
     on every rank, after all have finished (a rank that stopped early would leave the others waiting)."""
     settings = settings or Settings(teacher, tokenizer_name)
-    rank, world, local = (int(os.environ.get(name, default)) for name, default in _LAUNCH)
+    rank, world, local = launched()
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
-    with _process_group(world, device):
+    with process_group(world, device):
         decided_on_rank0(lambda: checked_fingerprints(settings.teachers))
         try:
             summary = embed_shards(settings.teachers, urls, out, batch_size, None, rank, world, device, settings)
@@ -346,26 +345,6 @@ def embed_launched(
         for key, n in summary["missing_captions"].items():
             merged["missing_captions"][key] = merged["missing_captions"].get(key, 0) + n
     return merged, rank
-
-
-_LAUNCH = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))  # torchrun's variables, and their values alone
-
-
-@contextlib.contextmanager
-def _process_group(world: int, device: torch.device):
-    """A process group of `world` ranks for the duration (NCCL on GPUs, gloo on CPU); nothing for one rank."""
-    import torch.distributed as dist
-
-    if world <= 1 or dist.is_initialized():
-        yield
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sidecar_paths(urls: list[str], out: str | None) -> list[Path]:

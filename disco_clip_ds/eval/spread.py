@@ -1,0 +1,67 @@
+"""The evaluation's work split across ranks: each rank encodes every N-th batch of a set, and every rank gets all
+the outputs back in the set's order. In one process (no process group, or a group of one) everything runs here.
+
+The batches are the set's own, cut over its global order at fixed `batch_size` boundaries whatever the number of
+ranks: a batch is encoded with the same samples in the same shape on whichever rank owns it, so the features, and
+every metric computed from them, are the same bits on N ranks as on one (at the same torch threads per rank).
+
+Under ZeRO-3 a forward is a collective that every rank must join, so the work runs in rounds of N batches, one per
+rank: a rank without a batch of its own in the last round encodes the round's first batch again and drops it, and
+before each round's forward the ranks hear whether every one of them could read and decode its batch. A batch that
+fails (a damaged image) stops the set on every rank, with that batch's error, before anyone waits in a forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
+
+from disco_clip_ds.distributed.ranks import all_gathered, rank, world_size
+from disco_clip_ds.errors import DiscoClipError
+
+
+def interleaved(per_rank: Sequence[Sequence], n: int) -> list:
+    """Items 0..n-1 in order from `per_rank[r]`, which holds items r, r + N, r + 2N, ... (N ranks)."""
+    world = len(per_rank)
+    return [per_rank[i % world][i // world] for i in range(n)]
+
+
+def across_ranks(work: Callable, items: Sequence) -> list:
+    """[work(item) for item in items], rank r computing items r, r + N, ...: the results on every rank, in order.
+    For work without collectives inside (a probe's trainings); an error is raised where it happened."""
+    world, here = world_size(), rank()
+    mine = [work(item) for item in items[here::world]]
+    return interleaved(all_gathered(mine), len(items)) if world > 1 else mine
+
+
+def spread(items: Iterable, prepare: Callable, forward: Callable) -> list:
+    """[forward(prepare(item)) for item in items], each rank doing every N-th item (rank r: items r, r + N, ...),
+    in rounds (module docstring); the results, picklable, on every rank in the items' order.
+
+    `items` must be the same sequence on every rank (each rank reads the set whole; reading is cheap, `prepare`,
+    the decoding, is done for this rank's items only). `prepare` may raise a DiscoClipError or an OSError: it is then
+    raised on every rank (the other ranks' own, where they have one), before that round's forwards."""
+    world, here = world_size(), rank()
+    items = iter(items)
+    mine, count = [], 0
+    while chunk := list(islice(items, world)):
+        count += len(chunk)
+        own = here < len(chunk)
+        inputs, error = None, None
+        try:
+            inputs = prepare(chunk[here] if own else chunk[0])  # no item of its own: the round's first, dropped
+        except (DiscoClipError, OSError) as e:
+            error = e
+        _raise_any(error)
+        result = forward(inputs)
+        if own:
+            mine.append(result)
+    return interleaved(all_gathered(mine), count) if world > 1 else mine
+
+
+def _raise_any(error: BaseException | None) -> None:
+    """Raise this rank's error, else another rank's, on every rank; nothing when no rank has one."""
+    errors = all_gathered(error) if world_size() > 1 else [error]
+    first = error or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
