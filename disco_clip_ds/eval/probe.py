@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, random_split
 
+from disco_clip_ds.distributed.ranks import world_size
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.spread import across_ranks
 
@@ -114,7 +115,7 @@ def linear_probe(
         weight_decay = 0.0
         if val is not None:
             score = functools.partial(fit.val_acc1, shots, val)
-            weight_decay = choose_weight_decay(score, weight_decays, across_ranks)
+            weight_decay = choose_weight_decay(score, weight_decays, in_turn())
         final_data = shots if fewshot_k > 0 or val is None else _concat(shots, val)
         logits = fit.logits(fit.train(final_data, weight_decay), test[0])
     metrics = classification_metrics_topk(logits, test[1])
@@ -165,6 +166,21 @@ def choose_weight_decay(
         peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)])
         span //= 2
     return grid[peak]
+
+
+def in_turn() -> Callable[[Callable, list], list]:
+    """A `score_all` that trains each step's candidates across ranks (eval/spread.py's `across_ranks`), dealing on
+    from the rank after the last one used: a step with one new candidate (the peak at the grid's edge) goes to the
+    next rank, not always to rank 0."""
+    dealt = 0
+
+    def score_all(score: Callable, values: list) -> list:
+        nonlocal dealt
+        scores = across_ranks(score, values, first=dealt % world_size())
+        dealt += len(values)
+        return scores
+
+    return score_all
 
 
 def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

@@ -26,12 +26,17 @@ def interleaved(per_rank: Sequence[Sequence], n: int) -> list:
     return [per_rank[i % world][i // world] for i in range(n)]
 
 
-def across_ranks(work: Callable, items: Sequence) -> list:
-    """[work(item) for item in items], rank r computing items r, r + N, ...: the results on every rank, in order.
-    For work without collectives inside (a probe's trainings); an error is raised where it happened."""
+def across_ranks(work: Callable, items: Sequence, first: int = 0) -> list:
+    """[work(item) for item in items], dealt out in turn from rank `first`: rank (first + j) % N computes item j. The
+    results on every rank, in order. For work without collectives inside (a probe's trainings); an error is raised
+    where it happened."""
     world, here = world_size(), rank()
-    mine = [work(item) for item in items[here::world]]
-    return interleaved(all_gathered(mine), len(items)) if world > 1 else mine
+    if world == 1:
+        return [work(item) for item in items]
+    owners = [(first + j) % world for j in range(len(items))]
+    per_rank = all_gathered([work(item) for item, owner in zip(items, owners) if owner == here])
+    taken = [iter(results) for results in per_rank]
+    return [next(taken[owner]) for owner in owners]
 
 
 def spread(items: Iterable, prepare: Callable, forward: Callable) -> list:
