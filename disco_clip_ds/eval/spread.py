@@ -6,9 +6,10 @@ ranks: a batch is encoded with the same samples in the same shape on whichever r
 every metric computed from them, are the same bits on N ranks as on one (at the same torch threads per rank).
 
 Under ZeRO-3 a forward is a collective that every rank must join, so the work runs in rounds of N batches, one per
-rank: a rank without a batch of its own in the last round encodes the round's first batch again and drops it, and
-before each round's forward the ranks hear whether every one of them could read and decode its batch. A batch that
-fails (a damaged image) stops the set on every rank, with that batch's error, before anyone waits in a forward.
+rank: a rank without a batch of its own in the last round encodes the round's first batch again and drops it. A
+batch that fails to decode (a damaged image) does not leave the others waiting in a forward: its rank goes on
+forwarding a stand-in (its last decoded batch) to the end of the set, and then every rank raises that batch's error.
+There is no other collective than the forwards' until the set's end, where one all-gather brings the outputs.
 """
 
 from __future__ import annotations
@@ -44,29 +45,46 @@ def spread(items: Iterable, prepare: Callable, forward: Callable) -> list:
     in rounds (module docstring); the results, picklable, on every rank in the items' order.
 
     `items` must be the same sequence on every rank (each rank reads the set whole; reading is cheap, `prepare`,
-    the decoding, is done for this rank's items only). `prepare` may raise a DiscoClipError or an OSError: it is then
-    raised on every rank (the other ranks' own, where they have one), before that round's forwards."""
+    the decoding, is done for this rank's items only). `prepare` may raise a DiscoClipError or an OSError: it is
+    raised on every rank at the end of the set (this rank's own, else the first other rank's)."""
     world, here = world_size(), rank()
     items = iter(items)
-    mine, count = [], 0
+    mine, count, stand_in, error = [], 0, None, None
     while chunk := list(islice(items, world)):
         count += len(chunk)
         own = here < len(chunk)
-        inputs, error = None, None
-        try:
-            inputs = prepare(chunk[here] if own else chunk[0])  # no item of its own: the round's first, dropped
-        except (DiscoClipError, OSError) as e:
-            error = e
-        _raise_any(error)
-        result = forward(inputs)
+        if error is None:
+            try:
+                inputs = prepare(chunk[here] if own else chunk[0])  # no item of its own: the round's first, dropped
+            except (DiscoClipError, OSError) as e:
+                if world == 1:
+                    raise
+                error, inputs = e, stand_in if stand_in is not None else _first_prepared(chunk, prepare, e)
+            stand_in = inputs
+        result = forward(stand_in)  # every rank forwards in every round (ZeRO-3), a failed rank on a stand-in
         if own:
             mine.append(result)
-    return interleaved(all_gathered(mine), count) if world > 1 else mine
+    if world == 1:
+        return mine
+    gathered = all_gathered((None if error else mine, error))
+    _raise_any(error, [e for _, e in gathered])
+    return interleaved([results for results, _ in gathered], count)
 
 
-def _raise_any(error: BaseException | None) -> None:
-    """Raise this rank's error, else another rank's, on every rank; nothing when no rank has one."""
-    errors = all_gathered(error) if world_size() > 1 else [error]
+def _first_prepared(chunk: list, prepare: Callable, error: BaseException):
+    """A stand-in input for a rank whose own item failed before any succeeded: the round's first item that
+    prepares. Decoding is deterministic, so when none does, every rank's own item of this round failed too and
+    every rank raises here, together."""
+    for item in chunk:
+        try:
+            return prepare(item)
+        except (DiscoClipError, OSError):
+            continue
+    raise error
+
+
+def _raise_any(error: BaseException | None, errors: list) -> None:
+    """Raise this rank's error, else another rank's; nothing when no rank has one."""
     first = error or next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
