@@ -135,6 +135,7 @@ def _metrics(folder) -> tuple[list, list]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, model_dir):
     from disco_clip_ds.testing.ranks import run_ranks
 
