@@ -80,8 +80,6 @@ def side(args, tasks_file: Path) -> None:
 def compare_ranks(args) -> None:
     """Each rank count of `args.ranks` for each code, interleaved in every round (each side a fresh process: the
     code is its PYTHONPATH); the first rank count is the reference of the ratios and of the records."""
-    from disco_clip_ds.testing.bench_record import ratios
-
     codes = dict(code.split("=", 1) for code in args.code) or {"this": str(REPO)}
     seconds = {(label, n): [] for label in codes for n in args.ranks}
     equal = {label: True for label in codes}
@@ -96,6 +94,12 @@ def compare_ranks(args) -> None:
                 reference = reference or got["records"][0]
                 equal[label] &= all(records == reference for records in got["records"])
                 print(f"round {round_}: {label} ({got['package']}), {n} ranks: {got['seconds']:.2f} s", flush=True)
+        _write_ranks(args, codes, seconds, equal)  # after every round: a stopped run keeps the rounds it made
+
+
+def _write_ranks(args, codes: dict, seconds: dict, equal: dict) -> None:
+    from disco_clip_ds.testing.bench_record import ratios
+
     rows = []
     for label in codes:
         for n in args.ranks:
