@@ -1,6 +1,7 @@
 """`disco-clip eval`: zero-shot classification or retrieval of a model on one set (`--data`), printed (and written) as
 CLIP_benchmark's result record, or a whole task list (`--tasks`, eval/suite.py) with its summary table. The arguments
-are `EvalArguments` (HfArgumentParser); the work is eval/."""
+are `EvalArguments` (HfArgumentParser); the work is eval/. Under torchrun the ranks split the work and rank 0 prints
+and writes (`main`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state
 from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.shards import write_json
+from disco_clip_ds.distributed.ranks import launched, process_group, rank
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
@@ -200,8 +202,8 @@ def run_tasks(args: EvalArguments) -> tuple[list, list[dict]]:
     if args.max_num_patches is not None:
         set_budget(model, image_processor, args.max_num_patches)
     results = run_suite(tasks, model, tokenizer, image_processor, batch_size=args.batch_size, model_name=args.model)
-    rows = write_suite(results, args.output) if args.output else summary_rows(results)
-    if args.run_dir:
+    rows = write_suite(results, args.output) if args.output and rank() == 0 else summary_rows(results)
+    if args.run_dir and rank() == 0:
         log_tensorboard(results, args.run_dir, _step_of(args.model))
     return results, rows
 
@@ -218,7 +220,8 @@ def suite_main(args: EvalArguments) -> int:
     from disco_clip_ds.eval.suite import markdown
 
     results, rows = run_tasks(args)
-    print(markdown(rows), end="")
+    if rank() == 0:
+        print(markdown(rows), end="")
     failed = [r for r in results if r.error is not None]
     if failed:
         first = failed[0].error
@@ -230,8 +233,16 @@ def suite_main(args: EvalArguments) -> int:
     return 0
 
 
+def launched_device(device: str) -> str:
+    """Under torchrun, each rank's device: `cuda` is the GPU of its LOCAL_RANK."""
+    _, world, local = launched()
+    return f"cuda:{local}" if world > 1 and device == "cuda" else device
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`disco-clip eval`: print (and optionally write) the result record, or a task list's table."""
+    """`disco-clip eval`: print (and optionally write) the result record, or a task list's table. Under torchrun
+    the ranks join one process group and split the work (eval/spread.py); rank 0 prints and writes."""
+    import torch
     from transformers import HfArgumentParser
 
     try:
@@ -239,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # HfArgumentParser's word for argument names it does not know
         raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
-    if args.tasks:
-        return suite_main(args)
-    record = run_eval(args)
-    print(json.dumps(record, indent=2))
-    if args.output:
-        write_json(args.output, record)
+    args.device = launched_device(args.device)
+    with process_group(launched()[1], torch.device(args.device)):
+        if args.tasks:
+            return suite_main(args)
+        record = run_eval(args)
+        if rank() == 0:
+            print(json.dumps(record, indent=2))
+            if args.output:
+                write_json(args.output, record)
     return 0

@@ -3,6 +3,9 @@ verdict. In a single process (no process group, or a group of one) each function
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +20,36 @@ def is_distributed() -> bool:
 def rank() -> int:
     """This process's rank (0 outside a process group)."""
     return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 outside a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+LAUNCH = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))  # torchrun's variables, and their values alone
+
+
+def launched() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as a launcher (torchrun) set them; (0, 1, 0) when not launched."""
+    rank_, world, local = (int(os.environ.get(name, default)) for name, default in LAUNCH)
+    return rank_, world, local
+
+
+@contextlib.contextmanager
+def process_group(world: int, device: torch.device):
+    """A process group of `world` ranks for the duration (NCCL on GPUs, gloo on CPU), joined from the launcher's
+    environment; nothing for one rank, or where a group is up already."""
+    if world <= 1 or dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def from_rank0(value):

@@ -2,8 +2,9 @@
 (`SuiteCallback`).
 
 Both run on every rank together, as the Trainer calls them (ZeRO-3 forwards are collectives): each rank reads the
-same sets whole and does the same work, so no rank waits on another at the next collective for longer than their
-skew, far within --ddp_timeout as long as the evaluation itself is."""
+same sets whole and encodes its share of their batches, in rounds of one forward per rank (eval/spread.py), and every
+rank gets the same metrics; no rank waits on another at the next collective for longer than their skew, far within
+--ddp_timeout as long as the evaluation itself is."""
 
 from __future__ import annotations
 

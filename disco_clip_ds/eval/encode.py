@@ -2,7 +2,7 @@
 embeddings, the zero-shot classifier of class names x templates, eval mode for the duration.
 
 Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so these must run on every rank
-over the same data.
+over the same data; `encode_texts` deals its batches out across the ranks (eval/spread.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from disco_clip_ds.eval.spread import spread
 
 
 def unwrap(model):
@@ -38,25 +40,25 @@ def encode_images(model, pixel_values: torch.Tensor | dict[str, torch.Tensor]) -
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 256) -> torch.Tensor:
-    """L2-normalised float32 text embeddings of `texts`, in batches. SigLIP's text is padded to its fixed length,
-    as it was trained (its text tower pools the last position); CLIP's to the longest in the batch."""
+    """L2-normalised float32 text embeddings of `texts`, in batches of `batch_size` over their order, dealt out
+    across ranks (eval/spread.py; call it on every rank with the same texts). SigLIP's text is padded to its fixed
+    length, as it was trained (its text tower pools the last position); CLIP's to the longest in the batch."""
     model = unwrap(model)
     device = _first_param(model).device
     max_length = model.config.text_config.max_position_embeddings
     padding = "max_length" if model.config.model_type in ("siglip", "siglip2") else True
-    chunks = []
-    for start in range(0, len(texts), batch_size):
-        tokens = tokenizer(
-            list(texts[start : start + batch_size]),
-            padding=padding,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        ).to(device)
-        out = model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
-        out = out.pooler_output  # transformers 5: a model output whose pooler_output is the projected embedding
-        chunks.append(F.normalize(out.float(), dim=-1).cpu())
-    return torch.cat(chunks)
+
+    def tokens(chunk):
+        return tokenizer(chunk, padding=padding, truncation=True, max_length=max_length, return_tensors="pt")
+
+    def forward(batch):
+        batch = batch.to(device)
+        out = model.get_text_features(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.normalize(out.pooler_output.float(), dim=-1).cpu()  # transformers 5: pooler_output, projected
+
+    chunks = (list(texts[start : start + batch_size]) for start in range(0, len(texts), batch_size))
+    embeddings = spread(chunks, tokens, forward)
+    return torch.cat(embeddings) if embeddings else torch.empty(0, 0)  # no texts: no rows
 
 
 def zeroshot_classifier(

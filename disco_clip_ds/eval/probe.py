@@ -17,6 +17,11 @@ The protocol, step by step, all randomness drawn from `seed`:
    alone (few-shot: adding the validation set would give more shots than asked), and evaluated on the test split:
    acc1, acc5 (NaN when the test labels stay below 5) and the mean per-class recall.
 
+On N ranks (a process group: the suite on N ranks) the sweep's candidates of each step are trained on different ranks
+and their scores gathered (`choose_weight_decay`'s `score_all`); a training is deterministic, so the choice is the
+one rank's. The layer trains on `device` (the suite passes the model's: a GPU where there is one), the features
+moved there once and each batch indexed there, in the order CLIP_benchmark's DataLoader draws.
+
 The seed is applied as CLIP_benchmark's CLI applies it: `torch.manual_seed(seed)` before the split and the few-shot
 draw, and again before each training. Its CLI also builds the model between its seed and its split, which draws from
 the same generator, so equal seeds give the same protocol but not the CLI's own split; on features it is handed
@@ -27,15 +32,18 @@ random state is left as it was.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset, random_split
+from torch.utils.data import DataLoader, random_split
 
+from disco_clip_ds.distributed.ranks import world_size
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.eval.spread import across_ranks
 
 # CLIP_benchmark's CLI defaults (--batch_size, --fewshot_epochs, --fewshot_lr, --seed, --normalize, --fewshot_k)
 BATCH_SIZE = 64
@@ -106,7 +114,8 @@ def linear_probe(
     with torch.random.fork_rng(devices=[]):  # the trainings reseed torch's global generator; the caller keeps theirs
         weight_decay = 0.0
         if val is not None:
-            weight_decay = choose_weight_decay(lambda wd: fit.val_acc1(shots, val, wd), weight_decays)
+            score = functools.partial(fit.val_acc1, shots, val)
+            weight_decay = choose_weight_decay(score, weight_decays, in_turn())
         final_data = shots if fewshot_k > 0 or val is None else _concat(shots, val)
         logits = fit.logits(fit.train(final_data, weight_decay), test[0])
     metrics = classification_metrics_topk(logits, test[1])
@@ -127,19 +136,26 @@ def fewshot_indices(labels: torch.Tensor, fewshot_k: int, order: torch.Tensor) -
     return chosen
 
 
-def choose_weight_decay(val_acc1: Callable[[float], float], weight_decays: Sequence[float] | None = None) -> float:
+def choose_weight_decay(
+    val_acc1: Callable[[float], float],
+    weight_decays: Sequence[float] | None = None,
+    score_all: Callable[[Callable, list], list] | None = None,
+) -> float:
     """The weight decay whose layer scores the best validation top-1 (`val_acc1`), the first one on ties.
 
     Without `weight_decays`, CLIP_benchmark's search over its grid (see `weight_decay_grid`); with them, each one
-    is tried. As there, the first candidate of the list stands unless another scores above 0."""
+    is tried. As there, the first candidate of the list stands unless another scores above 0. `score_all(val_acc1,
+    candidates)`: their scores in order, however computed (`across_ranks`: the candidates of a step split across
+    ranks); default one after the other."""
     grid, first = (list(weight_decays), range(len(weight_decays))) if weight_decays else weight_decay_grid()
+    score_all = score_all or (lambda score, values: [score(value) for value in values])
     scores: dict[int, float] = {}  # training is deterministic: a candidate tried twice gives the same score
 
     def best(indices) -> int:
+        new = [i for i in dict.fromkeys(indices) if i not in scores]  # a step's untried candidates, trained together
+        scores.update(zip(new, score_all(val_acc1, [grid[i] for i in new])))
         best_index, best_acc = 0, 0.0
         for i in indices:
-            if i not in scores:
-                scores[i] = val_acc1(grid[i])
             if scores[i] > best_acc:
                 best_index, best_acc = i, scores[i]
         return best_index
@@ -150,6 +166,21 @@ def choose_weight_decay(val_acc1: Callable[[float], float], weight_decays: Seque
         peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)])
         span //= 2
     return grid[peak]
+
+
+def in_turn() -> Callable[[Callable, list], list]:
+    """A `score_all` that trains each step's candidates across ranks (eval/spread.py's `across_ranks`), dealing on
+    from the rank after the last one used: a step with one new candidate (the peak at the grid's edge) goes to the
+    next rank, not always to rank 0."""
+    dealt = 0
+
+    def score_all(score: Callable, values: list) -> list:
+        nonlocal dealt
+        scores = across_ranks(score, values, first=dealt % world_size())
+        dealt += len(values)
+        return scores
+
+    return score_all
 
 
 def classification_metrics_topk(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -186,26 +217,29 @@ class _Trainer:
         torch.manual_seed(self.seed)  # the same initial layer and batch order for every weight decay
         layer = torch.nn.Linear(data[0].shape[1], self.n_classes).to(self.device)
         optimizer = torch.optim.AdamW(layer.parameters(), lr=self.lr, weight_decay=weight_decay)
-        # the loader draws its shuffling seeds from torch's global generator, reseeded above
-        loader = DataLoader(TensorDataset(*data), batch_size=self.batch_size, shuffle=True)
+        features, labels = (t.to(self.device) for t in data)  # moved once; each batch is indexed where they are
+        # CLIP_benchmark's DataLoader(TensorDataset, shuffle=True) draws its order from torch's global generator,
+        # reseeded above: a loader over the sample indices draws the same, and yields the same batches
+        loader = DataLoader(range(len(labels)), batch_size=self.batch_size, shuffle=True)
         total = self.epochs * len(loader)
-        for step, (x, y) in enumerate(batch for _ in range(self.epochs) for batch in loader):
+        for step, rows in enumerate(batch for _ in range(self.epochs) for batch in loader):
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(self.lr, step, total)
+            rows = rows.to(self.device)
             optimizer.zero_grad()
             with self._autocast():
-                loss = F.cross_entropy(layer(x.to(self.device)), y.to(self.device))
+                loss = F.cross_entropy(layer(features[rows]), labels[rows])
             loss.backward()
             optimizer.step()
         return layer
 
     @torch.no_grad()
     def logits(self, layer: torch.nn.Linear, features: torch.Tensor) -> torch.Tensor:
-        outputs = []
+        features, outputs = features.to(self.device), []
         for start in range(0, len(features), self.batch_size):  # CLIP_benchmark's inference batches
             with self._autocast():
-                outputs.append(layer(features[start : start + self.batch_size].to(self.device)).cpu())
-        return torch.cat(outputs)
+                outputs.append(layer(features[start : start + self.batch_size]))
+        return torch.cat(outputs).cpu()
 
     def val_acc1(self, shots, val, weight_decay: float) -> float:
         logits = self.logits(self.train(shots, weight_decay), val[0]).float()

@@ -7,15 +7,17 @@ A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as
 image column and a `ClassLabel` column (class names from the feature) for classification, or an image column and a
 caption column (a string or a list of strings per image) for retrieval.
 
-Evaluation reads every shard on every rank, never split: under ZeRO-3 all ranks must run the same forwards.
+Every rank reads a set whole (the shards' bytes, a dataset's rows: cheap) and decodes only the batches it encodes
+(`as_raw_batches`, then `decode_batch`; eval/spread.py deals them out).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,12 +115,14 @@ def _read(url: str, read: bool = True) -> Iterator[dict]:
 
 
 def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
-    """(pixel_values, [class index or caption list]) batches read in order from the shards, every shard on every
-    rank (under ZeRO-3 all ranks must run the same forwards), through the one shard reader.
+    """(pixel_values, [class index or caption list]) batches read in order from the shards, through the one shard
+    reader. `fields` is "cls" or "txt"."""
+    return map(functools.partial(decode_batch, image_processor), raw_shard_batches(shards, fields, batch_size))
 
-    `fields` is "cls" or "txt"."""
-    from PIL import Image
 
+def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[list[bytes], list]]:
+    """([encoded image], [class index or caption list]) batches read in order from the shards, the images not
+    decoded: every rank reads the set whole and decodes only its own batches (eval/spread.py)."""
     images, values = [], []
     for url in resolve_shards(shards):
         for sample in _read(url):
@@ -127,15 +131,31 @@ def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iter
                 raise DataError(
                     f"sample {sample['__key__']} of shard '{describe_source(url)}' has no image or no .{fields}"
                 )
-            opened = Image.open(io.BytesIO(image))  # as webdataset's "pil" decoder: loaded, left open for convert
-            opened.load()
-            images.append(opened)
+            images.append(image)
             values.append(_value(sample[fields], fields))
             if len(images) == batch_size:
-                yield pixels(image_processor, images), values
+                yield images, values
                 images, values = [], []
     if images:
-        yield pixels(image_processor, images), values
+        yield images, values
+
+
+def decode_batch(image_processor, batch: tuple[list, list]) -> tuple[torch.Tensor | dict, list]:
+    """(pixel_values, values) of a raw batch: its images (bytes, or datasets' {"bytes", "path"}) decoded and
+    processed by the model's image processor. A damaged image raises PIL's OSError."""
+    from PIL import Image
+
+    images = []
+    for image in batch[0]:
+        if isinstance(image, dict):  # datasets' undecoded Image value: its own decoder reads bytes or a path
+            from datasets import Image as ImageFeature
+
+            opened = ImageFeature().decode_example(image)
+        else:
+            opened = Image.open(io.BytesIO(image))  # as webdataset's "pil" decoder: loaded, left open for convert
+        opened.load()
+        images.append(opened)
+    return pixels(image_processor, images), batch[1]
 
 
 def _value(data: bytes, field: str):
@@ -156,6 +176,18 @@ def pixels(image_processor, images) -> torch.Tensor | dict[str, torch.Tensor]:
 def as_batches(data, image_processor, fields: str, batch_size: int):
     """Batches from a shard spec, a 🤗 datasets source (a DatasetSource, or a string naming one, opened with
     its columns detected) or, as given, an iterable of batches."""
+    raw, decode = as_raw_batches(data, image_processor, fields, batch_size)
+    return raw if decode is as_given else map(decode, raw)
+
+
+def as_given(batch):
+    """A batch that is decoded already (`as_raw_batches` of an iterable of batches)."""
+    return batch
+
+
+def as_raw_batches(data, image_processor, fields: str, batch_size: int) -> tuple[Iterable, Callable]:
+    """(batches with their images not decoded yet, the function that decodes one) of what `as_batches` reads; an
+    iterable of batches is returned as it is, with `as_given`: its batches are decoded already."""
     is_spec = isinstance(data, (str, os.PathLike)) or (
         isinstance(data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike))
     )
@@ -166,11 +198,12 @@ def as_batches(data, image_processor, fields: str, batch_size: int):
     if isinstance(data, (str, os.PathLike)) and hf_io.is_datasets_source(str(data)):
         task = "zeroshot_classification" if fields == "cls" else "zeroshot_retrieval"
         data = DatasetSource.open(str(data), task)
+    decode = functools.partial(decode_batch, image_processor)
     if isinstance(data, DatasetSource):
-        return data.batches(image_processor, batch_size)
+        return data.raw_batches(batch_size), decode
     if is_spec:
-        return shard_batches(data, image_processor, fields, batch_size)
-    return data
+        return raw_shard_batches(data, fields, batch_size), decode
+    return data, as_given
 
 
 @dataclass
@@ -213,11 +246,15 @@ class DatasetSource:
 
     def batches(self, image_processor, batch_size: int) -> Iterator[tuple[torch.Tensor, list]]:
         """(pixel_values, [class index or caption list]) batches, in the dataset's order."""
+        return map(functools.partial(decode_batch, image_processor), self.raw_batches(batch_size))
+
+    def raw_batches(self, batch_size: int) -> Iterator[tuple[list[dict], list]]:
+        """([image as datasets' {"bytes", "path"}], [class index or caption list]) batches, in the dataset's
+        order, the images not decoded yet (`decode_batch` decodes them)."""
         from datasets import Image
 
         dataset = self.dataset.select_columns([self.image_column, self.value_column])
-        if not isinstance(dataset.features[self.image_column], Image):
-            dataset = dataset.cast_column(self.image_column, Image())  # decode bytes or paths as an Image column
+        dataset = dataset.cast_column(self.image_column, Image(decode=False))  # bytes or paths, decoded by the owner
         row = 0
         for batch in dataset.iter(batch_size=batch_size):
             images, values = batch[self.image_column], batch[self.value_column]
@@ -227,7 +264,7 @@ class DatasetSource:
             if self.task == "zeroshot_retrieval":
                 values = [caption_list(caption) for caption in values]
             row += len(images)
-            yield pixels(image_processor, images), list(values)
+            yield list(images), list(values)
 
 
 def caption_list(value) -> list[str]:

@@ -22,9 +22,11 @@ main_metric: ...}`), or a list of such mappings each with a `key`. Fields:
 DataComp's descriptive fields (size, time, num_classes, random_score, tags) are accepted and shown nowhere; any
 other field is refused, so a misspelt one is not silently ignored.
 
-Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective: the suite runs on every rank
-over the same data (each task reads its sets whole on each rank), a linear probe's fit too (same features, same
-seed), so no rank waits on another for longer than their skew.
+On N ranks (`disco-clip eval` under torchrun, `--eval_tasks` in training) the suite runs on every rank together and
+the work is split: each task's batches are dealt out across the ranks and their outputs gathered back in order
+(eval/spread.py; under ZeRO-3 a forward is a collective, so every rank takes part in each round), and a linear
+probe's weight-decay candidates are trained on different ranks (eval/probe.py), on the model's device. Every rank
+ends with the same metrics, equal to one rank's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.eval.sources import as_batches, split_shards
+from disco_clip_ds.eval.sources import as_raw_batches, split_shards
+from disco_clip_ds.eval.spread import spread
 from disco_clip_ds.eval.tasks import (
     find_templates,
     open_eval_data,
@@ -269,22 +272,34 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
     def probe() -> dict:
         train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
         test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
+        device = next(unwrap(model).parameters()).device  # the model's GPU, where it has one
         return linear_probe(
-            train_x, train_y, test_x, test_y, fewshot_k=task.fewshot_k, val_proportion=task.val_proportion, seed=0
+            train_x,
+            train_y,
+            test_x,
+            test_y,
+            fewshot_k=task.fewshot_k,
+            val_proportion=task.val_proportion,
+            seed=0,
+            device=device,
         )
 
     return probe
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):
-    """(features, labels) of a classification set: the image tower's normalised embeddings and the class indices."""
-    features, labels = [], []
+    """(features, labels) of a classification set: the image tower's normalised embeddings and the class indices,
+    its batches dealt out across ranks (eval/spread.py), all of them on every rank."""
+    raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
+
+    def forward(batch):
+        return encode_images(model, batch[0]), torch.as_tensor(batch[1], dtype=torch.long)
+
     with EvalMode(unwrap(model)):
-        for pixel_values, classes in progress_bar(as_batches(data, image_processor, "cls", batch_size), desc, progress):
-            features.append(encode_images(model, pixel_values))
-            labels.append(torch.as_tensor(classes, dtype=torch.long))
-    if not features:
+        outputs = spread(progress_bar(raw, desc, progress), decode, forward)
+    if not outputs:
         raise UsageError(f"{desc}: the split holds no samples")
+    features, labels = zip(*outputs)
     return torch.cat(features), torch.cat(labels)
 
 

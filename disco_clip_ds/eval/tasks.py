@@ -8,8 +8,9 @@ dataset name (`cifar10`, `imagenet1k`, ...) are read from an installed clip_benc
 `open_eval_data` opens what `disco-clip eval --data`
 and the in-training callback name: shards or a 🤗 datasets source, its class names with it.
 
-Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so the functions here
-must run on every rank over the same data (they do: the data are read whole on each rank, never split).
+Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so the functions here must run
+on every rank over the same data: each rank reads the set whole, encodes every N-th batch of it (eval/spread.py) and
+gets every rank's features back, so the metrics are computed alike on every rank and equal those of one rank.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from disco_clip_ds.eval.encode import EvalMode, encode_images, encode_texts, unw
 from disco_clip_ds.eval.metrics import RECALL_KS, classification_metrics, retrieval_metrics
 from disco_clip_ds.eval.sources import (
     DatasetSource,
-    as_batches,
+    as_raw_batches,
     check_eval_shards,
     refuse_dataset_options,
     resolve_shards,
     split_shards,
 )
+from disco_clip_ds.eval.spread import spread
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
@@ -80,12 +82,16 @@ def zeroshot_classification(
     with EvalMode(unwrap(model)):
         if classifier is None:
             classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
-        logits, targets = [], []
-        for pixel_values, labels in progress_bar(as_batches(data, image_processor, "cls", batch_size), desc, progress):
-            logits.append(100.0 * encode_images(model, pixel_values) @ classifier.T)
-            targets.append(torch.as_tensor(labels, dtype=torch.long))
-    if not logits:
+
+        def forward(batch):
+            logits = 100.0 * encode_images(model, batch[0]) @ classifier.T
+            return logits, torch.as_tensor(batch[1], dtype=torch.long)
+
+        raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
+        outputs = spread(progress_bar(raw, desc, progress), decode, forward)
+    if not outputs:
         raise DataError("the evaluation data holds no samples")
+    logits, targets = zip(*outputs)
     targets = torch.cat(targets)
     if targets.min() < 0 or targets.max() >= len(classnames):
         raise UsageError(
@@ -111,23 +117,16 @@ def zeroshot_retrieval(
     `data` is a shard spec (then `image_processor` is needed) or an iterable of `(pixel_values, captions)`
     batches where `captions[i]` is the list of captions of image i.
     """
-    image_embeddings, text_embeddings, text_to_image = [], [], []
     with EvalMode(unwrap(model)):
-        for pixel_values, captions in progress_bar(
-            as_batches(data, image_processor, "txt", batch_size), desc, progress
-        ):
-            first = sum(len(e) for e in image_embeddings)
-            image_embeddings.append(encode_images(model, pixel_values))
-            texts = [text for caps in captions for text in caps]
-            text_to_image += [first + i for i, caps in enumerate(captions) for _ in caps]
-            text_embeddings.append(
-                encode_texts(model, tokenizer, texts, batch_size)
-                if texts
-                else torch.empty(0, image_embeddings[-1].shape[1])
-            )
-    if not image_embeddings or not text_to_image:
-        raise DataError("the evaluation data holds no image with a caption")
-    scores = torch.cat(text_embeddings) @ torch.cat(image_embeddings).T
+        raw, decode = as_raw_batches(data, image_processor, "txt", batch_size)
+        outputs = spread(progress_bar(raw, desc, progress), decode, lambda b: (encode_images(model, b[0]), b[1]))
+        captions = [caps for _, batch_captions in outputs for caps in batch_captions]
+        texts = [text for caps in captions for text in caps]
+        if not texts:
+            raise DataError("the evaluation data holds no image with a caption")
+        text_embeddings = encode_texts(model, tokenizer, texts, batch_size)
+    text_to_image = [i for i, caps in enumerate(captions) for _ in caps]
+    scores = text_embeddings @ torch.cat([images for images, _ in outputs]).T
     return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
 
 

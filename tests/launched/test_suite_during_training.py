@@ -1,7 +1,9 @@
 """The suite during training (`--eval_tasks FILE --eval_steps N`), 2 CPU ranks under ZeRO-3 (torchrun): every rank
-runs it together (a forward is a collective; a suite on one rank would hang the other), the tasks marked `train: true`
-at step 1, all of them at the last step; the final suite lands in the run folder, equals `disco-clip eval --tasks` of
-the saved model, and shows in the exported model card."""
+runs it together, each encoding its share of every set's batches (a forward is a collective: a rank left without a
+batch in a set's last round encodes one again; a suite on one rank would hang the other), and the probe's
+weight-decay candidates split between them; the tasks marked `train: true` at step 1, all of them at the last step;
+the final suite lands in the run folder, equals `disco-clip eval --tasks` of the saved model on 1 rank to the last
+printed digit, and shows in the exported model card."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ captions:
 probe:
   type: linear_probe
   path: probe
+  val_proportion: 0.25
 """
 
 
@@ -80,8 +83,13 @@ def test_the_saved_model_scores_the_same_and_its_card_shows_the_suite(run, tmp_p
     from disco_clip_ds.commands.eval import EvalArguments, run_tasks
     from disco_clip_ds.export.weights import export_checkpoint
 
-    results, rows = run_tasks(EvalArguments(model=str(run / "out"), tasks=str(run / "tasks" / "tasks.yml")))
+    results, rows = run_tasks(
+        EvalArguments(model=str(run / "out"), tasks=str(run / "tasks" / "tasks.yml"), batch_size=8)
+    )
     during = json.loads((run / "out" / "suite" / "suite.json").read_text())["rows"]
+    # 2 ZeRO-3 ranks, each with its share of the batches (the probe's 20 training images are 3 batches of 8: rank 1
+    # repeats one) against 1 rank: the same numbers to the last digit the table prints
+    assert [f"{row['value']:.4f}" for row in rows] == [f"{row['value']:.4f}" for row in during]
     assert [row["value"] for row in rows] == pytest.approx([row["value"] for row in during], abs=1e-6)
     exported = export_checkpoint(run / "out", tmp_path / "model")
     card = (exported / "README.md").read_text()

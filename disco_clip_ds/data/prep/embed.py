@@ -45,7 +45,7 @@ from disco_clip_ds.data.prep.embed_loader import Batch, decoded_batches, default
 from disco_clip_ds.data.prep.teachers import Teacher, checked_fingerprint, load_teacher
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import is_url, shard_sizes
-from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0
+from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0, launched, process_group
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
@@ -351,12 +351,12 @@ def embed_launched(
     on every rank, after all have finished (a rank that stopped early would leave the others waiting). `num_workers`
     and `precision`: each rank's, as `embed_shards` takes them."""
     settings = settings or Settings(teacher, tokenizer_name)
-    rank, world, local = (int(os.environ.get(name, default)) for name, default in _LAUNCH)
+    rank, world, local = launched()
     device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
     if num_workers is not None:  # refused before any teacher is checked or built, on every rank
         check_workers(num_workers)
     autocast_dtype(precision, device)
-    with _process_group(world, device):
+    with process_group(world, device):
         decided_on_rank0(lambda: checked_fingerprints(settings.teachers))
         try:
             summary = embed_shards(
@@ -376,26 +376,6 @@ def embed_launched(
         for key, n in summary["missing_captions"].items():
             merged["missing_captions"][key] = merged["missing_captions"].get(key, 0) + n
     return merged, rank
-
-
-_LAUNCH = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))  # torchrun's variables, and their values alone
-
-
-@contextlib.contextmanager
-def _process_group(world: int, device: torch.device):
-    """A process group of `world` ranks for the duration (NCCL on GPUs, gloo on CPU); nothing for one rank."""
-    import torch.distributed as dist
-
-    if world <= 1 or dist.is_initialized():
-        yield
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sidecar_paths(urls: list[str], out: str | None) -> list[Path]:

@@ -113,3 +113,13 @@ def test_a_siglip_model_loads_for_eval_without_token_id_warnings(tmp_path, monke
     loaded = []
     assert _token_id_warnings(lambda: loaded.extend(load_for_eval(str(folder)))) == []  # what `disco-clip eval` loads
     assert loaded[0].config.model_type == "siglip"
+
+
+def test_under_torchrun_each_rank_evaluates_on_the_gpu_of_its_local_rank(monkeypatch):
+    from disco_clip_ds.commands.eval import launched_device
+
+    assert launched_device("cuda") == "cuda" and launched_device("cpu") == "cpu"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert launched_device("cuda") == "cuda:1" and launched_device("cpu") == "cpu"
+    assert launched_device("cuda:0") == "cuda:0"  # a device the user named stands
