@@ -16,7 +16,6 @@ the process; decisions_sha is the SHA-256 of the decisions, equal for both sides
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import os
@@ -140,6 +139,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
+    from disco_clip_ds.testing.bench_record import write_rows
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     rows = []
     with tempfile.TemporaryDirectory() as before:
@@ -157,11 +158,7 @@ def main() -> None:
                 row.update(threshold=args.threshold, **result)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-                with open(args.csv, "w", newline="") as f:  # rewritten after each row: a partial run is kept
-                    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                    writer.writeheader()
-                    writer.writerows(rows)
+                write_rows(args.csv, rows, rounds=1)  # one row a round; rewritten after each: a partial run is kept
 
 
 if __name__ == "__main__":
