@@ -19,6 +19,7 @@ from disco_clip_ds.errors import DataError, UsageError, run_main
 def download_parser() -> argparse.ArgumentParser:
     """`disco-clip data download`'s arguments (the rest pass through to img2dataset.download)."""
     from disco_clip_ds.data.prep.download import PRESETS
+    from disco_clip_ds.data.prep.fetch import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
     p = argparse.ArgumentParser(
         formatter_class=DefaultsOnce,
@@ -54,6 +55,18 @@ def download_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10, help="seconds per socket operation")
     p.add_argument(
         "--max_download_seconds", type=float, default=60, help="wall-clock limit per image, trickling servers included"
+    )
+    p.add_argument(
+        "--max_image_bytes",
+        type=int,
+        default=MAX_IMAGE_BYTES,
+        help="bytes per image body: a larger one (or an endless one) fails as its own reason, unread",
+    )
+    p.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="pixels per image by its header (training's cap): a larger one fails as its own reason, undecoded",
     )
     return p
 
