@@ -83,7 +83,9 @@ def download_main(argv: list[str] | None = None) -> int:
     if summary["successes"] == 0:
         raise DataError("no sample was downloaded; see failures_by_reason in summary.json")
     if summary["shards_failed"]:
-        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed; re-run to retry")
+        aside = summary["shards_set_aside"]
+        moved = f" ({', '.join(aside)} cut short: set aside as .tar.partial)" if aside else ""
+        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed{moved}; re-run to retry")
     return 0
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disco_clip_ds import faults
-from disco_clip_ds.compat import img2dataset_fetch
+from disco_clip_ds.compat import end_img2dataset_logger, img2dataset_fetch
 from disco_clip_ds.data.prep.fetch import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -229,6 +229,7 @@ def download(cfg: DownloadConfig) -> dict:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             cause = next((line for line in lines if "Job aborted" in line), lines[0])
             print(f"error: the Spark job failed: {cause[:400]}", file=sys.stderr)
+            end_img2dataset_logger()  # before sizes.json is written: it reads every *.json of the folder
 
     summary, sizes = summarize(output, n_expected)
     write_json(output / "sizes.json", sizes)
