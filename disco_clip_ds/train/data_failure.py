@@ -76,10 +76,8 @@ class DataFailures:
 _WORKER_DIED = re.compile(
     r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: ([^.]+)|exited unexpectedly)"
 )
-_CAUSES = {
-    "Killed": "most often the kernel's out-of-memory killer (see `dmesg`)",
-    "Bus error": "most often out of shared memory (/dev/shm)",
-}
+_OOM = "most often by the kernel's out-of-memory killer (see `dmesg`)"
+_CAUSES = {None: _OOM, "Killed": _OOM, "Bus error": "most often out of shared memory (/dev/shm)"}
 
 
 def worker_lost(error: BaseException | None, process_index: int) -> DataError | None:
@@ -89,8 +87,10 @@ def worker_lost(error: BaseException | None, process_index: int) -> DataError | 
     if match is None:
         return None
     pids, signame = match.group(1).strip(), match.group(2)
-    died = f"was killed by signal {signame}" if signame else "exited unexpectedly"
-    cause = _CAUSES.get(signame, "its own error is lost with it (--dataloader_num_workers 0 would show it)")
+    # "exited unexpectedly" (found dead by the fetch) says no more: a worker that raised would have said why, so a
+    # kill is the likely cause there too
+    died = f"was killed by signal {signame}" if signame else "exited unexpectedly, killed"
+    cause = _CAUSES.get(signame, "a crash whose words are lost with it (--dataloader_num_workers 0 would show them)")
     return DataError(
         f"rank {process_index}: DataLoader worker (pid {pids}) {died}, {cause}: lower --dataloader_num_workers, "
         f"--shuffle_buffer or --per_device_train_batch_size, then {resume_command()}; the last complete checkpoint "

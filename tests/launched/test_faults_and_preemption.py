@@ -174,7 +174,8 @@ def test_a_killed_dataloader_worker_is_one_line_and_latest_resumes_exactly(full,
     rc, log = run(out, data, "--max_steps", str(STEPS), fault="kill_worker_at_step:step=3,rank=1")
     assert rc != 0, log[-3000:]
     said = [line for line in log.splitlines() if "DataLoader worker (pid" in line and "rank 1:" in line]
-    assert said and "was killed by signal Killed, most often the kernel's out-of-memory killer" in said[0], log[-3000:]
+    # torch's fetch finds it dead ("exited unexpectedly") or its SIGCHLD handler names the signal: either is a kill
+    assert said and "most often by the kernel's out-of-memory killer (see `dmesg`)" in said[0], log[-3000:]
     assert "then re-run the same command with --resume_from_checkpoint latest" in said[0]
     assert "Traceback" not in log and "stopping after this step" not in log, log[-3000:]
     assert complete_checkpoints(out)[-1] == "checkpoint-2"

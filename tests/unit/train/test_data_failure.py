@@ -59,7 +59,7 @@ def test_a_killed_worker_is_one_line_with_its_cause_and_the_resume_command(monke
     [
         (
             "DataLoader worker (pid 12) is killed by signal: Killed. ",
-            "was killed by signal Killed, most often the kernel's out-of-memory killer",
+            "was killed by signal Killed, most often by the kernel's out-of-memory killer",
         ),
         (
             "DataLoader worker (pid 12) is killed by signal: Bus error. It is possible",
@@ -67,7 +67,7 @@ def test_a_killed_worker_is_one_line_with_its_cause_and_the_resume_command(monke
         ),
         (
             "DataLoader worker (pid(s) 12, 13) exited unexpectedly",
-            "(pid 12, 13) exited unexpectedly, its own error is lost",
+            "(pid 12, 13) exited unexpectedly, killed, most often by the kernel's out-of-memory killer",
         ),
     ],
 )
@@ -75,4 +75,6 @@ def test_each_of_torchs_words_for_a_dead_worker_is_recognised(monkeypatch, text,
     monkeypatch.setattr("sys.argv", ["train", "--resume_from_checkpoint", "latest"])
     lost = str(worker_lost(RuntimeError(text), 0))
     assert said in lost and lost.endswith("then re-run the same command; the last complete checkpoint stays usable")
+    segv = str(worker_lost(RuntimeError("DataLoader worker (pid 9) is killed by signal: Segmentation fault. "), 0))
+    assert "Segmentation fault, a crash whose words are lost with it (--dataloader_num_workers 0" in segv
     assert worker_lost(RuntimeError("CUDA out of memory"), 0) is None and worker_lost(ValueError(text), 0) is None
