@@ -243,13 +243,13 @@ def _only_a_mixture_or_one_line(spec: str, **given) -> None:
     assert abs(math.fsum(mixture.weights) - 1) < 1e-12
 
 
-@settings(max_examples=80, derandomize=True, deadline=None)
+@settings(max_examples=50, derandomize=True, deadline=None)
 @given(weights=st.lists(_NUMBERS, max_size=4))
 def test_any_weights_give_a_mixture_or_one_line(sources, weights):
     _only_a_mixture_or_one_line("::".join(str(Path(s[0]).parent) for s in sources), train_data_weights=weights)
 
 
-@settings(max_examples=80, derandomize=True, deadline=None)
+@settings(max_examples=50, derandomize=True, deadline=None)
 @given(factors=st.lists(_WORDS, max_size=4))
 def test_any_upsampling_factors_give_a_mixture_or_one_line(sources, factors):
     spec = "::".join(str(Path(s[0]).parent) for s in sources)
