@@ -177,7 +177,7 @@ def test_a_killed_dataloader_worker_is_one_line_and_latest_resumes_exactly(full,
     # torch's fetch finds it dead ("exited unexpectedly") or its SIGCHLD handler names the signal: either is a kill
     assert said and "most often by the kernel's out-of-memory killer (see `dmesg`)" in said[0], log[-3000:]
     assert "then re-run the same command with --resume_from_checkpoint latest" in said[0]
-    assert "Traceback" not in log and "stopping after this step" not in log, log[-3000:]
+    assert "Traceback" not in log and "saving a checkpoint" not in log, log[-3000:]  # no rank promised one
     assert complete_checkpoints(out)[-1] == "checkpoint-2"
     rc, log = run(out, data, "--max_steps", str(STEPS), "--resume_from_checkpoint", "latest", launcher=QUICK)
     assert rc == 0, log[-3000:]

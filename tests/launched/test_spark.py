@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -227,6 +228,9 @@ def test_crashed_executor_fails_the_run_with_exit_1_and_a_rerun_completes(spark,
     out_text, err = capfd.readouterr()  # the file descriptors: img2dataset's logger is a process of its own
     assert "error: the Spark job failed" in err and "shard(s) failed; re-run to retry" in err
     # its logger, left running by img2dataset after the failure, read sizes.json as a stats file: a traceback
+    from img2dataset.logger import LoggerProcess  # ended before sizes.json was written, not left to read it
+
+    assert not [p for p in multiprocessing.active_children() if isinstance(p, LoggerProcess)]
     said = out_text + err
     assert "invalid literal for int()" not in said and "logger error" not in said, said[-3000:]
     summary = json.loads((out / "summary.json").read_text())
