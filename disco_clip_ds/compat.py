@@ -267,6 +267,29 @@ def _wrap_downloader(original, fetch, run, **kwargs):
     return _SwappedFetchDownloader(original(**kwargs), fetch, run)
 
 
+def end_img2dataset_logger(timeout_s: float = 30.0) -> None:
+    """End img2dataset's logger process, which `img2dataset.download` leaves running when its distributor raises
+    (it joins the logger only after a distributor that returned). That process reads every `*.json` of the output
+    folder as `NNNNN_stats.json` every few seconds: left running, it prints a traceback (`invalid literal for int()`)
+    once our sizes.json is there. It is asked to stop after a last read, as its own `join` asks; one that does not
+    end is terminated. Gate: img2dataset 1.45-1.47's `img2dataset.logger.LoggerProcess` and its stop queue `q` (none
+    found: nothing to end)."""
+    import multiprocessing
+    from multiprocessing.process import BaseProcess
+
+    try:
+        from img2dataset.logger import LoggerProcess
+    except ImportError:
+        return
+    for child in multiprocessing.active_children():
+        if isinstance(child, LoggerProcess):
+            if hasattr(child, "q"):
+                child.q.put("stop")  # what its own join sends, which then waits without a timeout
+            BaseProcess.join(child, timeout_s)
+            if child.is_alive():
+                child.terminate()
+
+
 # --- accelerate: a launched CPU world counted as one process --------------------------------------------------------
 def use_cpu_without_gpu(args) -> None:
     """accelerate (1.x) on a machine without a GPU counts one process while the launcher (deepspeed, torchrun,

@@ -30,6 +30,8 @@ During start-up, at stage S (`distributed/startup.py`; no stage: the first, 0):
 At the end of a training step (`distributed/preemption.py`):
     signal_at_step[=SIG]:step=N[,rank=R]        SIGTERM (or SIG) to this rank
     signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it
+    kill_worker_at_step:step=N[,rank=R]         SIGKILL to this rank's first DataLoader worker, as the kernel's
+                                                out-of-memory killer sends it
 In the download worker of shard K (`data/prep/download.py`):
     exit_before:shard=K                 the worker process ends (exit code 3) before the shard starts, as a crashed
                                         executor would
@@ -133,7 +135,13 @@ def forced_free_bytes(step: int) -> int | None:
 
 
 def at_step_end(step: int) -> None:
-    """The point at the end of a training step: signal_at_step, signal_group_at_step."""
+    """The point at the end of a training step: signal_at_step, signal_group_at_step, kill_worker_at_step."""
+    if fault("kill_worker_at_step", step=step):
+        import multiprocessing
+
+        workers = multiprocessing.active_children()  # a rank's children are its DataLoader workers
+        logger.warning("%s: killing DataLoader worker %s of rank %d at step %d", ENV, workers[0].pid, _rank(), step)
+        os.kill(workers[0].pid, signal.SIGKILL)
     for action, send in (
         ("signal_at_step", lambda s: os.kill(os.getpid(), s)),
         ("signal_group_at_step", lambda s: os.killpg(os.getpgid(0), s)),

@@ -19,6 +19,7 @@ from disco_clip_ds.errors import DataError, UsageError, run_main
 def download_parser() -> argparse.ArgumentParser:
     """`disco-clip data download`'s arguments (the rest pass through to img2dataset.download)."""
     from disco_clip_ds.data.prep.download import PRESETS
+    from disco_clip_ds.data.prep.fetch import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
     p = argparse.ArgumentParser(
         formatter_class=DefaultsOnce,
@@ -55,6 +56,18 @@ def download_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max_download_seconds", type=float, default=60, help="wall-clock limit per image, trickling servers included"
     )
+    p.add_argument(
+        "--max_image_bytes",
+        type=int,
+        default=MAX_IMAGE_BYTES,
+        help="bytes per image body: a larger one (or an endless one) fails as its own reason, unread",
+    )
+    p.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="pixels per image by its header (training's cap): a larger one fails as its own reason, undecoded",
+    )
     return p
 
 
@@ -70,7 +83,9 @@ def download_main(argv: list[str] | None = None) -> int:
     if summary["successes"] == 0:
         raise DataError("no sample was downloaded; see failures_by_reason in summary.json")
     if summary["shards_failed"]:
-        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed; re-run to retry")
+        aside = summary["shards_set_aside"]
+        moved = f" ({', '.join(aside)} cut short: set aside as .tar.partial)" if aside else ""
+        raise DataError(f"{len(summary['shards_failed'])} shard(s) failed{moved}; re-run to retry")
     return 0
 
 

@@ -32,9 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc_per_node", type=int, default=1, help="ranks per node (GPUs per node)")
     parser.add_argument(
         "--master_port",
-        type=int,
-        default=int(os.environ.get("MASTER_PORT", 29500)),
-        help="the rendezvous port (default: $MASTER_PORT, else 29500)",
+        default=os.environ.get("MASTER_PORT") or "29500",
+        help="the rendezvous port, 1 to 65535 (default: $MASTER_PORT, else 29500)",
     )
     args, rest = parser.parse_known_args(ours)
     train_args = rest if train_args is None else [*rest, *train_args]

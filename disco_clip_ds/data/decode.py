@@ -18,6 +18,15 @@ from PIL import Image
 JPEG_START = b"\xff\xd8\xff"  # what PIL's JPEG plugin accepts a file by
 TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")  # those libjpeg-turbo turns into RGB as PIL's convert("RGB") does
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # the modes PIL opens 16-bit grayscale images in
+# Images above this many pixels are skipped unread, in training and in a download: a small file can hold a huge flat
+# image (a decompression bomb) whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
+MAX_IMAGE_PIXELS = 50_000_000
+
+
+def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """A ValueError for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
+    if size[0] * size[1] > max_pixels:
+        raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")
 
 
 def eight_bit(image: Image.Image) -> Image.Image:

@@ -34,15 +34,45 @@ class Mixture:
     weights: tuple[float, ...]
 
     def __post_init__(self):
-        total = math.fsum(self.weights)
-        object.__setattr__(self, "weights", tuple(w / total for w in self.weights))
+        object.__setattr__(self, "weights", normalised(self.weights))
 
 
-def upsampling_weights(factors: list[float], num_shards: list[int]) -> list[float]:
+def normalised(weights) -> tuple[float, ...]:
+    """`weights` scaled to sum 1; ValueError unless each is a positive finite number and each share stays positive
+    and finite once normalised. Scaled by the largest first, so that huge weights (1e308 1e308) do not overflow
+    their sum; a weight so small beside another that its share underflows to 0 is refused (that source would never
+    be drawn) rather than left out in silence."""
+    weights = tuple(map(_number, weights))
+    if not weights or not all(math.isfinite(w) and w > 0 for w in weights):
+        given = " ".join(f"{w:g}" for w in weights)
+        raise ValueError(f"data weights {given}: each must be a positive finite number")
+    top = max(weights)
+    scaled = [w / top for w in weights]  # each in (0, 1]: their sum is at most len(weights)
+    total = math.fsum(scaled)
+    shares = tuple(w / total for w in scaled)
+    if not all(math.isfinite(w) and w > 0 for w in shares):
+        small = min(range(len(weights)), key=lambda i: shares[i])
+        raise ValueError(
+            f"data weights {' '.join(f'{w:g}' for w in weights)}: source {small}'s share underflows to 0 beside the "
+            "largest; give weights within a range a float can divide"
+        )
+    return shares
+
+
+def _number(weight) -> float:
+    """A weight as a float; nan (refused) for what is none, or an integer beyond a float's range."""
+    try:
+        return float(weight)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
+def upsampling_weights(factors: list[float], num_shards: list[int]) -> tuple[float, ...]:
     """open_clip's `--train-data-upsampling-factors` as source weights: open_clip gives each shard its source's
     factor and draws shards with probability proportional to it, so a source's share of the samples is
-    factor x its shards (shards of equal size), normalised."""
-    return [f * n for f, n in zip(factors, num_shards)]
+    factor x its shards (shards of equal size), normalised. The factors are normalised first, so that a huge
+    factor times a shard count does not overflow (1e308 x 2 shards is inf); ValueError as `normalised`."""
+    return normalised([f * n for f, n in zip(normalised(factors), num_shards)])
 
 
 def draw_source(seed: int, reader: int, index: int, cumulative: list[float]) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from disco_clip_ds.data.decode import EncodedImage, to_rgb
+from disco_clip_ds.data.decode import EncodedImage, check_pixels, to_rgb
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, Normalize, random_resized_crop_box
 
 MAX_SCALE = 100.0  # the processor's largest scale (its bisection's upper end)
@@ -133,11 +133,11 @@ class NaflexTransform:
         """Encoded image -> patch grid; ValueError above `max_pixels` pixels (before decoding)."""
         if not self.train:
             with Image.open(io.BytesIO(data)) as image:
-                _check_pixels(image.size, max_pixels)
+                check_pixels(image.size, max_pixels)
                 image.load()
                 return self._eval_grid(to_rgb(image))
         encoded = EncodedImage(data)
-        _check_pixels(encoded.size, max_pixels)
+        check_pixels(encoded.size, max_pixels)
         return self._train_grid(encoded.decode(1), encoded.size, rng)
 
     def _train_grid(self, pixels: np.ndarray, size: tuple[int, int], rng: random.Random) -> torch.Tensor:
@@ -151,8 +151,3 @@ class NaflexTransform:
         height, width = naflex_size(image.height, image.width, self.patch_size, self.max_num_patches)
         resized = image.resize((width, height), Image.BILINEAR)
         return patchify(torch.from_numpy(np.array(resized)).permute(2, 0, 1).contiguous(), self.patch_size)
-
-
-def _check_pixels(size: tuple[int, int], max_pixels: int) -> None:
-    if size[0] * size[1] > max_pixels:
-        raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")

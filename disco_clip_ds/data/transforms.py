@@ -19,12 +19,9 @@ import torch
 from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from disco_clip_ds.data.decode import EncodedImage, to_rgb
+from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, EncodedImage, check_pixels, to_rgb
 from disco_clip_ds.data.resize import resized_crop
 
-# Images above this many pixels are skipped unread: a small file can hold a huge flat image (a decompression bomb)
-# whose decoding alone would take gigabytes; img2dataset's resized shards are far below it.
-MAX_IMAGE_PIXELS = 50_000_000
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
 DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
@@ -198,9 +195,3 @@ class ImageTransform:
         left, top = (image.width - size) // 2, (image.height - size) // 2
         image = image.crop((left, top, left + size, top + size))
         return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # a writable copy, as torch wants
-
-
-def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
-    """A ValueError for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
-    if size[0] * size[1] > max_pixels:
-        raise ValueError(f"{size[0]} x {size[1]} pixels, above {max_pixels}")

@@ -63,9 +63,10 @@ class StopOnSignal(TrainerCallback):
             atexit.register(self.stop_watching)  # whatever ends the run: no thread of ours left at exit
 
     def _on_signal(self, signum, frame):
+        # Nothing said yet: a step whose peer died never ends (the launcher then kills this rank), so a promise of a
+        # checkpoint here could be false. `stop` says it once the step ended and every rank agreed to stop.
         if self.received is None:
             self.received = signum
-            say(f"[rank {rank()}] {signal.Signals(signum).name}: stopping after this step, with a checkpoint")
 
     def _signal_seen(self) -> bool:
         if self.received is not None:
@@ -118,6 +119,8 @@ class StopOnSignal(TrainerCallback):
             return False
         self.stopped = self.received or "a signal on another rank"
         control.should_save = control.should_training_stop = True
+        if self.received is not None:  # the rank that got it says so, now that it is what happens
+            say(f"[rank {rank()}] {self.describe()}: stopping at step {state.global_step}, saving a checkpoint")
         return True
 
     def _stop_requested(self) -> bool:
@@ -161,12 +164,17 @@ def finished_message(step: int | None, max_steps: int, checkpoint: str | os.Path
 
 def resume_hint(output_dir: str, signame: str, step: int) -> str:
     """What a run stopped by `signame` saved, and the command that resumes it."""
-    argv = " ".join(a for a in sys.argv[1:])
-    again = "" if "--resume_from_checkpoint" in argv else " --resume_from_checkpoint latest"
     return (
-        f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: re-run the same "
-        f"command{again and ' with' + again} (exit code {Preempted.exit_code})"
+        f"stopped by {signame} at step {step}: checkpoint-{step} saved in {output_dir}; resumable: "
+        f"{resume_command()} (exit code {Preempted.exit_code})"
     )
+
+
+def resume_command() -> str:
+    """How to resume this command's run from its newest complete checkpoint: 're-run the same command', with
+    --resume_from_checkpoint latest when it has no --resume_from_checkpoint."""
+    again = "" if "--resume_from_checkpoint" in " ".join(sys.argv[1:]) else " with --resume_from_checkpoint latest"
+    return f"re-run the same command{again}"
 
 
 # --- a launched rank's exit ---

@@ -16,6 +16,7 @@ range) or a wait without end (torchrun: a --node_rank out of range waits for a n
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -28,6 +29,7 @@ LAUNCHERS = ("torchrun", "deepspeed")
 # torchrun with restarts across nodes: the shared rendezvous store hangs the restarted workers (nodes.check_elastic)
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # deepspeed 0.19's rule (launcher/runner.py _parse_hostfile)
+HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")  # RFC 1123, and '_' as /etc/hosts allows
 
 
 def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
@@ -35,9 +37,13 @@ def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
     blank lines skipped, a host once); UsageError naming the line that breaks it. Not deepspeed's parser itself:
     importing deepspeed to read two columns costs seconds and prints its accelerator banner."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise UsageError(f"--hostfile {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise UsageError(
+            f"--hostfile {path}: not UTF-8 text (byte {error.start}): write one node per line, 'HOST slots=GPUS'"
+        ) from None
     hosts: dict[str, int] = {}
     for number, line in enumerate(lines, 1):
         line = line.strip()
@@ -48,6 +54,11 @@ def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
             raise UsageError(f"--hostfile {path} line {number} {line!r}: write one node per line, 'HOST slots=GPUS'")
         if match.group(1) in hosts:
             raise UsageError(f"--hostfile {path} line {number}: {match.group(1)} is listed twice; one line per node")
+        if int(match.group(2)) < 1:
+            raise UsageError(
+                f"--hostfile {path} line {number}: {match.group(1)} slots={match.group(2)} would start no rank; give "
+                "its GPUs (at least 1), or leave the node out"
+            )
         hosts[match.group(1)] = int(match.group(2))
     if not hosts:
         raise UsageError(f"--hostfile {path} names no node: write one node per line, 'HOST slots=GPUS'")
@@ -79,13 +90,43 @@ def slurm_nodes(env=os.environ) -> tuple[list[str], int]:
         hosts = hostlist.expand_hostlist(env["SLURM_JOB_NODELIST"])
     except hostlist.BadHostlist as e:
         raise UsageError(f"SLURM_JOB_NODELIST {env['SLURM_JOB_NODELIST']!r} is not a host list: {e}") from None
-    count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
-    if count is not None and int(count) != len(hosts):
-        raise UsageError(f"SLURM_JOB_NUM_NODES {count} but SLURM_JOB_NODELIST names {len(hosts)} hosts: {hosts}")
-    node = int(env["SLURM_NODEID"])
+    bad = [host for host in hosts if not is_host(host)]
+    if bad:
+        raise UsageError(f"SLURM_JOB_NODELIST {env['SLURM_JOB_NODELIST']!r} names {bad[0]!r}, not a host name")
+    name = "SLURM_JOB_NUM_NODES" if env.get("SLURM_JOB_NUM_NODES") else "SLURM_NNODES"
+    count = env.get(name)
+    if count and (number := _number(name, count)) != len(hosts):
+        raise UsageError(f"{name} {number} but SLURM_JOB_NODELIST names {len(hosts)} hosts: {hosts}")
+    node = _number("SLURM_NODEID", env["SLURM_NODEID"])
     if not 0 <= node < len(hosts):
         raise UsageError(f"SLURM_NODEID {node} is out of range for {len(hosts)} nodes ({', '.join(hosts)})")
     return hosts, node
+
+
+def _number(name: str, value: str) -> int:
+    """A SLURM variable's whole number; UsageError naming it otherwise."""
+    text = value.strip()
+    if not text.isascii() or not text.isdigit():
+        raise UsageError(f"{name} {value!r} is not a whole number: run this under srun inside a SLURM job")
+    return int(text)
+
+
+def is_host(name: str) -> bool:
+    """Whether `name` is a host name (labels of letters, digits, '-' and '_', none starting or ending with '-', at
+    most 253 characters) or an IP address: what torchrun and deepspeed can reach as --master_addr."""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return len(name) <= 253 and all(HOST_LABEL.fullmatch(label) for label in name.split("."))
+
+
+def check_port(port) -> int:
+    """A rendezvous port (1 to 65535) from --master_port or $MASTER_PORT; UsageError naming it otherwise."""
+    text = str(port).strip()
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= 65535):
+        raise UsageError(f"--master_port / MASTER_PORT {port!r}: give a TCP port, 1 to 65535")
+    return int(text)
 
 
 def launch_command(
@@ -93,11 +134,12 @@ def launch_command(
     env=os.environ,
     launcher: str = "torchrun",
     nproc_per_node: int = 1,
-    master_port: int = 29500,
+    master_port: int | str = 29500,
     python: str = sys.executable,
 ) -> list[str]:
     """The command that starts this node's ranks of `disco-clip train TRAIN_ARGS` across the job's nodes."""
     hosts, node = slurm_nodes(env)
+    master_port = check_port(master_port)
     if nproc_per_node < 1:
         raise UsageError(f"--nproc_per_node {nproc_per_node}: give the ranks (GPUs) per node, at least 1")
     bin_dir = Path(python).parent

@@ -19,6 +19,24 @@ def image_bytes(fmt: str = "JPEG", mode: str = "RGB", size: tuple[int, int] = (4
     return buf.getvalue()
 
 
+def declaring_size(fmt: str, size: tuple[int, int]) -> bytes:
+    """A small PNG or JPEG whose header declares `size` (width, height), far beyond its pixel data: a decompression
+    bomb's header, without the bomb. Made from a 16 x 16 image with its header's dimensions rewritten (PNG: IHDR and
+    its CRC; JPEG: the SOF0 segment)."""
+    import struct
+    import zlib
+
+    data = bytearray(image_bytes(fmt, "L", (16, 16), 0))
+    width, height = size
+    if fmt == "PNG":  # signature (8), IHDR length + type (8), then width, height (4 bytes each), and the CRC after
+        data[16:24] = struct.pack(">II", width, height)
+        data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    else:  # SOF0: FF C0, length (2), precision (1), then height, width (2 bytes each)
+        sof = data.index(b"\xff\xc0")
+        data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
 def noise_image_bytes(rng, fmt: str = "PNG", size: int = 40) -> bytes:
     """A size x size RGB image of uniform noise from the numpy Generator `rng`."""
     import numpy as np

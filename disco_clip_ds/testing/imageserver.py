@@ -8,6 +8,9 @@ files.
         server.add("/slow.jpg", body=data, trickle=0.2)             # one body byte every 0.2 s
         server.add("/slower.jpg", body=data, trickle_headers=0.2)   # even the status line, byte by byte
         server.add("/late.jpg", body=data, delay=0.1)               # answers after 0.1 s
+        server.add("/huge.jpg", body=data, content_length=2**31)    # declares 2 GiB, sends DATA, closes
+        server.add("/endless.jpg", body=data, endless=True)         # DATA over and over, no Content-Length
+        server.add("/local.jpg", redirect="file:///etc/passwd")     # 302 to another URL
 
 Unknown paths get 404. `server.hits` counts requests per path.
 """
@@ -24,7 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 @dataclass
 class Route:
     """What the server answers on one path: BODY with STATUS and CONTENT_TYPE, or it hangs, trickles the body (or
-    the headers) a byte at a time every so many seconds, or answers after DELAY seconds."""
+    the headers) a byte at a time every so many seconds, or answers after DELAY seconds; a CONTENT_LENGTH other than
+    the body's (a hostile server's), a body sent ENDLESSly (until the client hangs up), or a 302 REDIRECT."""
 
     body: bytes = b""
     status: int = 200
@@ -33,6 +37,9 @@ class Route:
     trickle: float = 0.0
     trickle_headers: float = 0.0
     delay: float = 0.0
+    content_length: int | None = None
+    endless: bool = False
+    redirect: str | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -62,12 +69,22 @@ class _Handler(BaseHTTPRequestHandler):
             except ConnectionError:
                 pass
             return
+        if route.redirect:
+            self.send_response(302)
+            self.send_header("Location", route.redirect)
+            self.end_headers()
+            return
         self.send_response(route.status)
         self.send_header("Content-Type", route.content_type)
-        self.send_header("Content-Length", str(len(route.body)))
+        if not route.endless:
+            length = len(route.body) if route.content_length is None else route.content_length
+            self.send_header("Content-Length", str(length))
         self.end_headers()
         try:
-            if route.trickle:
+            if route.endless:
+                while not server.stopping.is_set():
+                    self.wfile.write(route.body)
+            elif route.trickle:
                 for i in range(len(route.body)):
                     if server.stopping.wait(route.trickle):
                         return

@@ -54,6 +54,7 @@ from disco_clip_ds.models.patch_dropout import patch_counts
 from disco_clip_ds.models.processor import pin_processor
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
+from disco_clip_ds.train.data_failure import worker_lost
 from disco_clip_ds.train.distill import load_teacher, stored_teacher, teacher_inputs
 from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
@@ -158,7 +159,13 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         # 8. Train, with run.json written first (a resume adds a segment to it).
         if trainer.is_world_process_zero():
             _write_run_file(args, model_args, data_args, checked, resume_from, split)
-        result = trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            result = trainer.train(resume_from_checkpoint=resume_from)
+        except RuntimeError as error:  # a DataLoader worker that died outside the fetch (torch's SIGCHLD handler)
+            lost = worker_lost(error, args.process_index)
+            if lost is None:
+                raise
+            raise lost from error
         if trainer.stopper.stopped:
             raise Preempted(resume_hint(args.output_dir, trainer.stopper.describe(), trainer.state.global_step))
 

@@ -24,9 +24,10 @@ from disco_clip_ds.commands.data import (
     download_main,
     verify_main,
 )
+from disco_clip_ds.data.prep.fetch import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 from disco_clip_ds.errors import run_main
 from disco_clip_ds.testing.download import download_args, write_url_list
-from disco_clip_ds.testing.images import image_bytes
+from disco_clip_ds.testing.images import declaring_size, image_bytes
 from disco_clip_ds.testing.imageserver import ImageServer
 
 SIZE = 32
@@ -53,6 +54,9 @@ GOOD = [
 TRICKLE_BODY = image_bytes("JPEG", "RGB", (300, 300), (1, 2, 3))
 
 
+LOCAL_REASON = "(scheme 'file'): only http and https are fetched"
+TOO_MANY_BYTES = f"image above --max_image_bytes {MAX_IMAGE_BYTES}"
+
 # path, server behaviour, caption, status, reason (img2dataset's error text; None: checked apart)
 BAD = [
     ("/missing1.jpg", dict(status=404), "gone", "failed_to_download", "HTTP Error 404: Not Found"),
@@ -74,11 +78,24 @@ BAD = [
         "Image decoding error",
     ),
     ("/empty.jpg", dict(body=b""), "empty file", "failed_to_resize", None),
+    # hostile metadata: a local file, a 2 GiB Content-Length, an endless body, a decompression bomb's header
+    ("/local.jpg", dict(local=True), "a local file", "failed_to_download", f"not an http(s) URL {LOCAL_REASON}"),
+    ("/2gib.jpg", dict(body=b"x" * 100, content_length=2**31), "huge", "failed_to_download", TOO_MANY_BYTES),
+    ("/endless.jpg", dict(body=b"x" * 65536, endless=True), "endless", "failed_to_download", TOO_MANY_BYTES),
+    (
+        "/bomb.png",
+        dict(body=declaring_size("PNG", (30000, 30000)), content_type="image/png"),
+        "30000 x 30000 in 70 bytes",
+        "failed_to_download",
+        f"image above --max_image_pixels {MAX_IMAGE_PIXELS}",
+    ),
 ]
 
 
-def serve_all(server: ImageServer) -> list[tuple[str, str | None]]:
-    """Register every route; return the (url, caption) rows, good and bad interleaved."""
+def serve_all(server: ImageServer, local: Path) -> list[tuple[str, str | None]]:
+    """Register every route; return the (url, caption) rows, good and bad interleaved (a `local=True` row: the URL
+    file:// of the image LOCAL, which a download must not read)."""
+    local.write_bytes(image_bytes("JPEG", "RGB", (40, 40), (1, 2, 3)))
     rows = []
     for i in range(max(len(GOOD), len(BAD))):
         if i < len(GOOD):
@@ -87,7 +104,8 @@ def serve_all(server: ImageServer) -> list[tuple[str, str | None]]:
             rows.append((server.add(path, body=image_bytes(fmt, mode, size, color), content_type=ctype), caption))
         if i < len(BAD):
             path, behaviour, caption, _, _ = BAD[i]
-            rows.append((server.add(path, **behaviour), caption))
+            url = local.as_uri() if behaviour.get("local") else server.add(path, **behaviour)
+            rows.append((url, caption))
     return rows
 
 
@@ -107,7 +125,7 @@ def adversarial(tmp_path_factory):
     """One CLI download of the good-and-bad URL list; returns (output dir, rc, seconds, rows)."""
     tmp = tmp_path_factory.mktemp("adversarial")
     with ImageServer() as server:
-        rows = serve_all(server)
+        rows = serve_all(server, tmp / "local.jpg")
         url_list = write_url_list(tmp / "urls.parquet", rows)
         options = dict(image_size=SIZE, processes=2, threads=8, samples_per_shard=6, timeout=2)
         argv = download_args(url_list, tmp / "out", **options, max_download_seconds=DEADLINE, encode_quality=90)

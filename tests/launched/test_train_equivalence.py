@@ -46,7 +46,7 @@ def shards(tmp_path_factory):
         seed=1,
         bad={0: "corrupt", 24: "no_text", 48: "corrupt", 72: "gray", 73: "rgba"},
     )
-    return f"{folder}/{{00000..00003}}.tar::{folder}/missing.tar"
+    return f"{folder}/{{00000..00004}}.tar"  # 00004.tar is missing
 
 
 @pytest.fixture(scope="module")

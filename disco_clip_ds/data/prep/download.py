@@ -27,8 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disco_clip_ds import faults
-from disco_clip_ds.compat import img2dataset_fetch
-from disco_clip_ds.data.prep.fetch import bypass_proxy_for_loopback, download_image_with_deadline
+from disco_clip_ds.compat import end_img2dataset_logger, img2dataset_fetch
+from disco_clip_ds.data.prep.fetch import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    bypass_proxy_for_loopback,
+    download_image_with_deadline,
+)
 from disco_clip_ds.data.prep.inputs import expected_shards, input_columns, input_files
 from disco_clip_ds.data.prep.outputs import (
     canonicalize_tar,
@@ -103,6 +108,8 @@ class DownloadConfig:
     spark_master: str | None = None
     timeout: float = 10
     max_download_seconds: float = 60
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
     extra: dict = field(default_factory=dict)
 
 
@@ -158,8 +165,10 @@ def download(cfg: DownloadConfig) -> dict:
     cfg.input_format = cfg.input_format or preset.input_format
     if cfg.samples_per_shard < 1 or cfg.processes < 1 or cfg.threads < 1:
         raise UsageError("--samples_per_shard, --processes and --threads must be positive")
-    if cfg.max_download_seconds <= 0 or cfg.timeout <= 0:
+    if not (cfg.max_download_seconds > 0 and cfg.timeout > 0):  # nan too
         raise UsageError("--timeout and --max_download_seconds must be positive")
+    if cfg.max_image_bytes < 1 or cfg.max_image_pixels < 1:
+        raise UsageError("--max_image_bytes and --max_image_pixels must be positive")
     if cfg.distributor == "pyspark":
         check_spark(cfg.spark_master)
     elif cfg.spark_master:
@@ -202,7 +211,12 @@ def download(cfg: DownloadConfig) -> dict:
     kwargs.update(cfg.extra)
     spark = cfg.distributor == "pyspark"
     session = spark_session(cfg.spark_master, cfg.processes) if spark else contextlib.nullcontext()
-    fetch = functools.partial(download_image_with_deadline, deadline_s=cfg.max_download_seconds)
+    fetch = functools.partial(
+        download_image_with_deadline,
+        deadline_s=cfg.max_download_seconds,
+        max_bytes=cfg.max_image_bytes,
+        max_pixels=cfg.max_image_pixels,
+    )
     with img2dataset_fetch(fetch, run=_download_shard), session as active:
         try:
             with jobs_drained_on_failure(active) if spark else contextlib.nullcontext():
@@ -215,6 +229,7 @@ def download(cfg: DownloadConfig) -> dict:
             lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
             cause = next((line for line in lines if "Job aborted" in line), lines[0])
             print(f"error: the Spark job failed: {cause[:400]}", file=sys.stderr)
+            end_img2dataset_logger()  # before sizes.json is written: it reads every *.json of the folder
 
     summary, sizes = summarize(output, n_expected)
     write_json(output / "sizes.json", sizes)

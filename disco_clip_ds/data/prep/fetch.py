@@ -1,6 +1,12 @@
 """The HTTP side of a download: a wall-clock deadline per image (img2dataset's `timeout` bounds single socket
 operations, so a server that trickles bytes would hold a worker for as long as it trickles), the fetch that
-img2dataset's workers run in its place, and the process environment the workers inherit (proxies)."""
+img2dataset's workers run in its place, and the process environment the workers inherit (proxies).
+
+The metadata is untrusted input. Only http(s) URLs are fetched (urllib's default opener would read a `file://` URL
+from the local disk into shards that may be published, and follow a redirect to `ftp://`); a body is read up to a
+byte limit per image (`--max_image_bytes`: a 2 GiB Content-Length or an endless body is not held in memory); and an
+image whose header declares more pixels than training reads (`--max_image_pixels`, data/decode.py) is not decoded
+by img2dataset's resizer (OpenCV's own cap is 2^30 pixels). Each is a failure reason of its own in summary.json."""
 
 from __future__ import annotations
 
@@ -9,7 +15,15 @@ import io
 import os
 import socket
 import threading
+import urllib.parse
 import urllib.request
+
+from PIL import Image
+
+from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, EncodedImage, check_pixels
+
+SCHEMES = ("http", "https")
+MAX_IMAGE_BYTES = 16 * 2**20  # far above a web image; x threads x processes bounds a download's memory for bodies
 
 
 class _RecordingHandlerMixin:
@@ -54,15 +68,55 @@ def _shutdown_sockets(sockets: list) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-def fetch_with_deadline(url: str, timeout: float, deadline_s: float, headers: dict | None = None):
-    """GET `url` and return `(response_headers, body)`, raising TimeoutError after `deadline_s` in all.
+def check_url(url) -> None:
+    """A ValueError (its text the failure reason) for a URL that is not http(s): `file://`, `ftp://`, `data:`, a
+    bare path, or no text at all."""
+    scheme = urllib.parse.urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    if scheme not in SCHEMES:
+        raise ValueError(f"not an http(s) URL (scheme {scheme or 'none'!r}): only http and https are fetched")
+
+
+def _opener(sockets: list) -> urllib.request.OpenerDirector:
+    """urllib's opener with the http(s) handlers alone (build_opener adds file, ftp and data ones): a redirect to
+    another scheme ends as 'unknown url type'."""
+    opener = urllib.request.OpenerDirector()
+    handlers = (
+        urllib.request.ProxyHandler(),
+        urllib.request.UnknownHandler(),
+        urllib.request.HTTPDefaultErrorHandler(),
+    )
+    handlers += (urllib.request.HTTPRedirectHandler(), urllib.request.HTTPErrorProcessor())
+    for handler in (*handlers, _RecordingHTTPHandler(sockets), _RecordingHTTPSHandler(sockets)):
+        opener.add_handler(handler)
+    return opener
+
+
+def _read_body(response, max_bytes: int) -> bytes:
+    """The body, refused (ValueError) past `max_bytes`: at once when the Content-Length says so, else after reading
+    `max_bytes + 1` bytes at most (an endless or chunked body)."""
+    too_large = f"image above --max_image_bytes {max_bytes}"
+    length = (response.headers.get("Content-Length") or "").strip()
+    if length.isdigit() and int(length) > max_bytes:
+        raise ValueError(too_large)
+    body = response.read(max_bytes + 1)
+    if len(body) > max_bytes:
+        raise ValueError(too_large)
+    return body
+
+
+def fetch_with_deadline(
+    url: str, timeout: float, deadline_s: float, headers: dict | None = None, max_bytes: int = MAX_IMAGE_BYTES
+):
+    """GET `url` (http or https only: `check_url`) and return `(response_headers, body)`, raising TimeoutError
+    after `deadline_s` in all and ValueError for a body above `max_bytes`.
 
     `timeout` still bounds each socket operation; a watchdog shuts the socket down at the deadline,
     which unblocks a read that the server keeps alive by trickling bytes (in headers or body).
     """
+    check_url(url)
     sockets: list = []
     expired = threading.Event()
-    opener = urllib.request.build_opener(_RecordingHTTPHandler(sockets), _RecordingHTTPSHandler(sockets))
+    opener = _opener(sockets)
 
     def expire():
         expired.set()
@@ -73,7 +127,7 @@ def fetch_with_deadline(url: str, timeout: float, deadline_s: float, headers: di
     watchdog.start()
     try:
         with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as response:
-            body = response.read()
+            body = _read_body(response, max_bytes)
             response_headers = response.headers
     except Exception:
         if expired.is_set():
@@ -86,21 +140,51 @@ def fetch_with_deadline(url: str, timeout: float, deadline_s: float, headers: di
     return response_headers, body
 
 
-def download_image_with_deadline(row, timeout, user_agent_token, disallowed_header_directives, deadline_s):
-    """img2dataset's `downloader.download_image`, same contract and headers, with a total deadline."""
-    from img2dataset.downloader import is_disallowed
+def check_image_pixels(body: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+    """A ValueError (the failure reason) for an image whose header declares more than `max_pixels` pixels, as
+    training skips it (data/decode.py); a body whose header does not read is left to img2dataset's decoder."""
+    too_large = f"image above --max_image_pixels {max_pixels}"
+    try:
+        size = EncodedImage(body).size
+    except Image.DecompressionBombError:  # PIL's own refusal, at twice its limit
+        raise ValueError(too_large) from None
+    except Exception:  # not an image PIL knows: img2dataset says why
+        return
+    try:
+        check_pixels(size, max_pixels)
+    except ValueError:
+        raise ValueError(too_large) from None
 
+
+def download_image_with_deadline(
+    row,
+    timeout,
+    user_agent_token,
+    disallowed_header_directives,
+    deadline_s,
+    max_bytes: int = MAX_IMAGE_BYTES,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+):
+    """img2dataset's `downloader.download_image`, same contract and headers, with a total deadline, http(s) only,
+    a byte limit and the training pixel cap."""
     key, url = row
     user_agent = "Mozilla/5.0 (X11; Ubuntu; Linux x86_64; rv:72.0) Gecko/20100101 Firefox/72.0"
     if user_agent_token:
         user_agent += f" (compatible; {user_agent_token}; +https://github.com/rom1504/img2dataset)"
     try:
-        headers, body = fetch_with_deadline(url, timeout, deadline_s, {"User-Agent": user_agent})
-        if disallowed_header_directives and is_disallowed(headers, user_agent_token, disallowed_header_directives):
+        headers, body = fetch_with_deadline(url, timeout, deadline_s, {"User-Agent": user_agent}, max_bytes)
+        if disallowed_header_directives and _disallowed(headers, user_agent_token, disallowed_header_directives):
             return key, None, "Use of image disallowed by X-Robots-Tag directive"
+        check_image_pixels(body, max_pixels)
         return key, io.BytesIO(body), None
-    except Exception as err:  # img2dataset records str(err) as the failure reason
-        return key, None, str(err)
+    except Exception as err:  # img2dataset records str(err) as the failure reason: never an empty one
+        return key, None, str(err) or type(err).__name__
+
+
+def _disallowed(headers, user_agent_token, directives) -> bool:
+    from img2dataset.downloader import is_disallowed  # imported where it is needed: img2dataset takes seconds
+
+    return is_disallowed(headers, user_agent_token, directives)
 
 
 def bypass_proxy_for_loopback() -> None:

@@ -13,6 +13,8 @@ from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import UsageError
 
 _STATS_RE = re.compile(r"^(\d+)_stats\.json$")
+_TAR_RE = re.compile(r"^(\d+)\.tar$")
+PARTIAL = ".partial"  # the suffix of a shard's tar set aside: cut short by a crash, or found damaged
 _OUR_JSON = ("sizes.json", "summary.json")
 _CANONICAL_MTIME = 0
 
@@ -93,7 +95,7 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
         else:
             problem = f"tar holds {samples} samples, its stats say {stats['successes']}"
         if samples != stats["successes"]:  # a damaged shard: drop its stats so that a re-run redoes it
-            print(f"shard {shard_name(shard_id)}: {problem}; it will be downloaded again on the next run")
+            print(f"shard {shard_name(shard_id)}: {problem}; set aside, it will be downloaded again on the next run")
             (output / f"{shard_name(shard_id)}_stats.json").unlink()
             del done[shard_id]
             continue
@@ -104,6 +106,7 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
             if reason != "success":
                 reasons[reason.strip()] += n
     failed = [shard_name(i) for i in range(n_expected) if i not in done]
+    aside = set_aside_unfinished(output, done)
     summary = {
         "shards": n_expected,
         "shards_done": len(done),
@@ -113,8 +116,24 @@ def summarize(output: Path, n_expected: int) -> tuple[dict, dict]:
         "failed_to_download": totals["failed_to_download"],
         "failed_to_resize": totals["failed_to_resize"],
         "failures_by_reason": dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "shards_set_aside": aside,
     }
     return summary, sizes
+
+
+def set_aside_unfinished(output: Path, done: dict[int, dict]) -> list[str]:
+    """Rename the tar of each shard that is not done (a worker that crashed in it, a damaged one) to NNNNN.tar.partial,
+    so that a folder of shards holds finished ones only (training reads `*.tar`); the re-run writes the shard anew.
+    A done shard's stale .partial goes. Returns the shards set aside, by name."""
+    aside = []
+    for tar in sorted(output.glob("*.tar")):
+        match = _TAR_RE.match(tar.name)
+        if match and int(match.group(1)) not in done:
+            os.replace(tar, tar.with_name(tar.name + PARTIAL))
+            aside.append(tar.stem)
+    for shard_id in done:
+        (output / f"{shard_name(shard_id)}.tar{PARTIAL}").unlink(missing_ok=True)
+    return aside
 
 
 def print_summary(summary: dict, output: Path) -> None:
@@ -126,3 +145,5 @@ def print_summary(summary: dict, output: Path) -> None:
         print(f"  {n:>8}  {reason}")
     if summary["shards_failed"]:
         print(f"  shards failed for good: {', '.join(summary['shards_failed'])} (re-run the same command to retry)")
+    if summary["shards_set_aside"]:
+        print(f"  cut short, set aside as NNNNN.tar{PARTIAL}: {', '.join(summary['shards_set_aside'])}")

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from disco_clip_ds.data.hf_io import HFData
 from disco_clip_ds.data.mix import Mixture
-from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments, usage_error
 from disco_clip_ds.train.validate import batch, data, model, reinforced, teacher, training
@@ -81,8 +80,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     hf, urls = data.check_source(data_args, args), []
     with usage_error():  # unreadable shard lists and counts: the messages name the fix
         if hf is None:
-            urls = expand_shards(data_args.train_shards)
-            data.check_shards_exist(data_args.train_shards, urls)
+            urls = data.checked_shards(data_args.train_shards)
         max_steps, num_samples = steps_and_samples(data_args, args, urls, hf)
         mixture = data.check_mixture(data_args, args)
         if hf is None and mixture is None:

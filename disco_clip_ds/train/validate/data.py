@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
-from disco_clip_ds.data.mix import Mixture, upsampling_weights
+from disco_clip_ds.data.mix import Mixture, normalised, upsampling_weights
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import (
     count_samples,
@@ -46,18 +47,27 @@ def check_source(data_args: DataArguments, args: DiscoTrainingArguments) -> HFDa
     return load_training_dataset(data_args, readers(args))
 
 
-def check_shards_exist(spec: str, urls: list[str]) -> None:
-    """Local shards that are missing: all of them is a mistake in the spec (one line); some of them is what an
-    img2dataset run leaves where a shard failed to download, so, as webdataset's and open_clip's readers do, those are
-    skipped and counted while training, and said once here."""
-    missing = [url for url in urls if not is_url(url) and not Path(url).is_file()]
-    if missing and len(missing) == len(urls):
+def checked_shards(spec: str) -> list[str]:
+    """The shards of --train_shards SPEC, each '::' source checked on its own (at every start, a resume included):
+    a source none of whose shards exists is a mistake in the spec (one line naming it), as is a shard named twice
+    (`a::a` would read it twice over, in silence); some shards of a source missing is what an img2dataset run leaves
+    where a shard failed to download, so, as webdataset's and open_clip's readers do, those are skipped and counted
+    while training, and said once here."""
+    specs, sources = source_specs(spec), expand_sources(spec)
+    for i, (written, urls) in enumerate(zip(specs, sources)):
+        missing = [url for url in urls if not is_url(url) and not Path(url).is_file()]
+        if not missing or len(missing) < len(urls):
+            continue
+        where = f"--train_shards {spec}" if len(sources) == 1 else f"--train_shards source {i} ({written})"
         raise UsageError(
-            f"--train_shards {spec}: no such file or folder"
+            f"{where}: no such file or folder"
             if len(urls) == 1
-            else f"--train_shards {spec}: none of the {len(urls)} shards exists, e.g. '{missing[0]}': give a folder of "
-            ".tar shards or a brace pattern"
+            else f"{where}: none of the {len(urls)} shards exists, e.g. '{missing[0]}': give a folder of .tar shards "
+            "or a brace pattern"
         )
+    urls = [url for source in sources for url in source]
+    _refuse_twice(urls)
+    missing = [url for url in urls if not is_url(url) and not Path(url).is_file()]
     if missing:
         logger.warning(
             "--train_shards: %d of %d shards not found, e.g. '%s': they are skipped and counted as bad samples",
@@ -65,6 +75,22 @@ def check_shards_exist(spec: str, urls: list[str]) -> None:
             len(urls),
             missing[0],
         )
+    return urls
+
+
+def _refuse_twice(urls: list[str]) -> None:
+    """A shard named twice (`a::a`, overlapping brace patterns, one file by two paths): `data embed` refuses it too.
+    A source meant to count more is weighted (--train_data_weights), not repeated."""
+    seen: dict[str, str] = {}
+    for url in urls:
+        key = url if is_url(url) else os.path.realpath(url)
+        if key in seen:
+            spellings = f" (as {describe_source(seen[key])} and {describe_source(url)})" if seen[key] != url else ""
+            raise UsageError(
+                f"--train_shards names the shard {describe_source(url)} twice{spellings}: name each shard once; to "
+                "read a source more often, weight it with --train_data_weights"
+            )
+        seen[key] = url
 
 
 def check_readers(args: DiscoTrainingArguments, urls: list[str], resampled: bool = False) -> None:
@@ -115,15 +141,19 @@ def check_mixture(data_args: DataArguments, args: DiscoTrainingArguments) -> Mix
         raise UsageError(
             f"{len(weights)} data weight(s) for {len(sources)} '::'-joined --train_shards sources: give one each"
         )
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise UsageError(f"data weights {' '.join(f'{w:g}' for w in weights)}: each must be a positive finite number")
+    try:  # the given numbers, then their normalised shares (huge ones overflow a sum; tiny ones underflow to 0)
+        weights = list(
+            upsampling_weights(weights, [len(urls) for urls in sources])
+            if data_args.train_data_upsampling_factors
+            else normalised(weights)
+        )
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from None
     for i, (spec, urls) in enumerate(zip(specs, sources)):
         try:
             check_readers(args, urls, data_args.dataset_resampled)
         except (UsageError, ValueError) as error:
             raise UsageError(f"--train_shards source {i} ({describe_source(spec)}): {error}") from error
-    if data_args.train_data_upsampling_factors:
-        weights = upsampling_weights(weights, [len(urls) for urls in sources])
     return Mixture(tuple(map(tuple, sources)), tuple(map(describe_source, specs)), tuple(weights))
 
 

@@ -19,6 +19,8 @@ HOSTFILES = {
     "no slots": "node1\n",
     "twice": "node1 slots=8\nnode1 slots=4\n",
     "empty": "# nothing\n\n",
+    "zero slots": "node1 slots=8\nnode2 slots=0\n",
+    "latin-1": b"# n\xe9ud\nnode1 slots=8\n",  # 'nœud' as Latin-1 writes it
 }
 
 
@@ -33,12 +35,14 @@ HOSTFILES = {
         (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is out of range for --nnodes 2: give 0 to 1"),
         (["--nnodes", "2", "--node_rank", "-1"], "--node_rank -1 is out of range for --nnodes 2"),
         (["--nnodes", "0"], "--nnodes 0: give the number of nodes"),
+        (["--hostfile", "zero slots"], "line 2: node2 slots=0 would start no rank; give its GPUs (at least 1)"),
+        (["--hostfile", "latin-1"], "latin-1: not UTF-8 text (byte 3): write one node per line"),
     ],
 )
 def test_a_bad_hostfile_or_node_rank_is_one_line(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     for name, text in HOSTFILES.items():
-        Path(name).write_text(text)
+        Path(name).write_bytes(text if isinstance(text, bytes) else text.encode())
     assert run_main(node_check_main, argv, "disco-clip node-check") == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err

@@ -3,12 +3,15 @@ multinomial they define) and depend on (seed, reader, index) alone; each sample 
 index, named by its shard; a restored 3-source mixture continues as the uninterrupted one does; resampled passes draw
 shards with replacement from all of them; and every refusal. (Launched runs: tests/launched/test_mixture_runs.py.)"""
 
+import math
 import random
 from itertools import islice
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from disco_clip_ds.data.mix import Mixture, MixtureStream, cumulative_weights, draw_source, upsampling_weights
@@ -182,6 +185,75 @@ def test_check_mixture_refusals_are_one_line(sources, given, message):
     with pytest.raises(UsageError) as error:
         check_mixture(DataArguments(train_shards=spec, **given), _args(workers))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_huge_weights_and_factors_are_normalised_without_overflow(sources):
+    """1e308 1e308 overflows a plain sum (an OverflowError from math.fsum), and factor 1e308 x 4 shards is inf (the
+    weights became nan, 0: every sample from the second source): the shares are those of the ratios, by hand."""
+    spec = "::".join(str(Path(s[0]).parent) for s in sources)
+    huge = check_mixture(DataArguments(train_shards=spec, train_data_weights=[1e308, 1e308, 1e308]), _args())
+    assert huge.weights == pytest.approx([1 / 3, 1 / 3, 1 / 3], rel=1e-15)
+    factors = DataArguments(train_shards=spec, train_data_upsampling_factors=["1e308::1e308::5e307"])
+    # 4, 2 and 2 shards x factors 1, 1, 1/2 (after scaling by the largest): 4 : 2 : 1
+    assert check_mixture(factors, _args()).weights == pytest.approx([4 / 7, 2 / 7, 1 / 7], rel=1e-15)
+    assert Mixture((("x",), ("y",)), ("a", "b"), (1e308, 1e308)).weights == (0.5, 0.5)
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"train_data_weights": [1e308, 1e-308, 1]}, "source 1's share underflows to 0"),
+        ({"train_data_upsampling_factors": ["1e308::1e-308::1"]}, "source 1's share underflows to 0"),
+        ({"train_data_upsampling_factors": ["1e400::1::1"]}, "data weights inf 1 1: each must be a positive finite"),
+        ({"train_data_weights": [float("nan"), 1, 1]}, "data weights nan 1 1: each must be a positive finite"),
+    ],
+)
+def test_weights_whose_shares_are_not_finite_and_positive_are_refused(sources, given, message):
+    spec = "::".join(str(Path(s[0]).parent) for s in sources)
+    with pytest.raises(UsageError) as error:
+        check_mixture(DataArguments(train_shards=spec, **given), _args())
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+_NUMBERS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),  # nan, inf, -0.0, subnormals, 1.8e308 ...
+    st.sampled_from([0.0, -1.0, 1e308, 1.7976931348623157e308, 5e-324, 1e-308, 1.0]),
+    st.integers(min_value=-(10**400), max_value=10**400),  # beyond what a float holds
+)
+_WORDS = st.one_of(
+    st.text(max_size=12),  # empty, whitespace, '::', any Unicode
+    st.text(st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF), min_size=1, max_size=4),  # non-UTF-8 argv
+    st.sampled_from(["1e400", "-1e400", "nan", "inf", "1e-400", "1_0", "0x10", "../etc/passwd", "1::", "::", " "]),
+    _NUMBERS.map(repr),
+)
+
+
+def _only_a_mixture_or_one_line(spec: str, **given) -> None:
+    """The property: a Mixture whose shares are positive, finite and sum to 1 (None for no weights), or one
+    UsageError line."""
+    try:
+        mixture = check_mixture(DataArguments(train_shards=spec, **given), _args())
+    except UsageError as error:
+        assert "\n" not in str(error) and str(error)
+        return
+    if not any(given.values()):  # no weights given: the sources are concatenated
+        assert mixture is None
+        return
+    assert len(mixture.weights) == 3 and all(0 < w <= 1 for w in mixture.weights)
+    assert abs(math.fsum(mixture.weights) - 1) < 1e-12
+
+
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(weights=st.lists(_NUMBERS, max_size=4))
+def test_any_weights_give_a_mixture_or_one_line(sources, weights):
+    _only_a_mixture_or_one_line("::".join(str(Path(s[0]).parent) for s in sources), train_data_weights=weights)
+
+
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(factors=st.lists(_WORDS, max_size=4))
+def test_any_upsampling_factors_give_a_mixture_or_one_line(sources, factors):
+    spec = "::".join(str(Path(s[0]).parent) for s in sources)
+    _only_a_mixture_or_one_line(spec, train_data_upsampling_factors=factors)
 
 
 def test_a_bad_weight_count_stops_disco_clip_train_with_one_line_and_exit_2(sources, tmp_path, capsys):

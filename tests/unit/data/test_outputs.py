@@ -51,8 +51,12 @@ def test_summarize_aggregates_stats_and_names_failed_shards(tmp_path):
         "failed_to_download": 1,
         "failed_to_resize": 1,
         "failures_by_reason": {"HTTP Error 404: Not Found": 1, "Image decoding error": 1},
+        "shards_set_aside": ["00003"],
     }
     assert sizes == {"00000.tar": 2, "00002.tar": 3}
+    # the damaged shard's tar is out of the shards a folder spec reads, until the re-run writes it anew
+    assert sorted(p.name for p in tmp_path.glob("*.tar")) == ["00000.tar", "00002.tar"]
+    assert (tmp_path / "00003.tar.partial").is_file()
     with tarfile.open(tmp_path / "00000.tar") as tar:
         assert tar.getnames() == ["k0.jpg", "k0.txt", "k1.jpg", "k1.txt"]
         assert {m.mtime for m in tar.getmembers()} == {0}
@@ -69,3 +73,20 @@ def test_resume_preparation_redoes_a_missing_tar_and_refuses_stray_json(tmp_path
     (tmp_path / "notes.json").write_text("{}")
     with pytest.raises(UsageError, match="notes.json"):
         prepare_output_for_resume(tmp_path)
+
+
+def test_a_shard_cut_short_by_a_crash_is_set_aside_until_a_rerun_finishes_it(tmp_path):
+    """A worker that crashed inside shard 1 left its tar, without stats: it stayed among the outputs, broken."""
+    done = dict(count=1, successes=1, failed_to_download=0, failed_to_resize=0, status_dict={"success": 1})
+    (tmp_path / "00000_stats.json").write_text(json.dumps(done))
+    _write_tar(tmp_path / "00000.tar", ["a.jpg"])
+    (tmp_path / "00001.tar").write_bytes(b"\0" * 700)  # half a header: what a killed writer leaves
+    summary, sizes = summarize(tmp_path, n_expected=2)
+    assert summary["shards_failed"] == ["00001"] and summary["shards_set_aside"] == ["00001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.tar", "00000_stats.json", "00001.tar.partial"]
+    # the re-run finished it: the stale .partial goes
+    (tmp_path / "00001_stats.json").write_text(json.dumps(done))
+    _write_tar(tmp_path / "00001.tar", ["b.jpg"])
+    summary, sizes = summarize(tmp_path, n_expected=2)
+    assert summary["shards_set_aside"] == [] and not (tmp_path / "00001.tar.partial").exists()
+    assert sizes == {"00000.tar": 1, "00001.tar": 1}

@@ -4,6 +4,7 @@ test_checkpoints.py; 10 stops in a row: test_exits.py.)"""
 
 import json
 import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,3 +45,18 @@ def test_the_launcher_watch_ends_with_training(monkeypatch):
     assert stopper._watch.is_alive()
     stopper.on_train_end(None, None, None)
     assert not stopper._watch.is_alive()
+
+
+def test_a_signal_is_announced_only_once_the_stop_is_decided(capsys):
+    """A rank whose peer died gets the launcher's SIGTERM inside a step that never ends, and is killed without a
+    checkpoint: it said "stopping after this step, with a checkpoint" at once. Now it says nothing until the step
+    ended and the ranks agreed to stop, and then what it does."""
+    stopper = StopOnSignal((), watch_launcher=False)
+    stopper._on_signal(signal.SIGTERM, None)
+    assert capsys.readouterr().err == ""  # the handler promises nothing
+    state, control = SimpleNamespace(global_step=7, max_steps=10), SimpleNamespace()
+    assert stopper.stop(state, control, signalled=True)
+    assert capsys.readouterr().err == "[rank 0] SIGTERM: stopping at step 7, saving a checkpoint\n"
+    assert control.should_save and control.should_training_stop
+    other = StopOnSignal((), watch_launcher=False)  # stopped by another rank's signal: that rank says so
+    assert other.stop(state, SimpleNamespace(), signalled=True) and capsys.readouterr().err == ""

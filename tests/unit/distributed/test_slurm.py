@@ -4,8 +4,17 @@ node rank) read by DeepSpeed's own rule."""
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from disco_clip_ds.distributed.slurm import check_node_launch, launch_command, read_hostfile, slurm_nodes
+from disco_clip_ds.distributed.slurm import (
+    check_node_launch,
+    check_port,
+    is_host,
+    launch_command,
+    read_hostfile,
+    slurm_nodes,
+)
 from disco_clip_ds.errors import UsageError
 
 SLURM = {"SLURM_JOB_NODELIST": "gpu[07-08],cpu3", "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "1"}
@@ -65,3 +74,59 @@ def test_hostfiles_are_read_by_deepspeeds_own_rule(tmp_path):
         except UsageError:
             ours = None
         assert ours == theirs, name
+
+
+# --- property tests: hostile SLURM variables, hostfiles and ports give a result or one UsageError line ---
+
+_TEXT = st.one_of(
+    st.text(max_size=16),  # empty, whitespace, newlines, any Unicode
+    st.text(st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF), min_size=1, max_size=4),  # non-UTF-8 bytes
+    st.integers(-(2**70), 2**70).map(str),
+    st.sampled_from(["gpu[01-04,07]", "n[1-99999999]", "a,,b", "[]", "-x", "x" * 70, "1e3", " 2 ", "٣", "../etc"]),
+)
+_PROPERTY = settings(max_examples=80, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _one_line(error: UsageError) -> None:
+    assert str(error) and "\n" not in str(error), str(error)
+
+
+@_PROPERTY
+@given(
+    env=st.fixed_dictionaries(
+        {},
+        optional={n: _TEXT for n in ("SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")},
+    )
+)
+def test_any_slurm_environment_gives_this_nodes_place_or_one_line(env):
+    try:
+        hosts, node = slurm_nodes(env)
+    except UsageError as error:
+        _one_line(error)
+        return
+    assert 0 <= node < len(hosts) and all(is_host(h) for h in hosts)
+    assert node == int(env["SLURM_NODEID"])
+
+
+@_PROPERTY
+@given(text=st.binary(max_size=80) | st.text(max_size=60).map(str.encode))
+def test_any_hostfile_gives_its_nodes_or_one_line(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("hostfile") / "hosts"
+    path.write_bytes(text)
+    try:
+        nodes = read_hostfile(path)
+    except UsageError as error:
+        _one_line(error)
+        return
+    assert nodes and all(slots >= 1 for _, slots in nodes) and len({h for h, _ in nodes}) == len(nodes)
+
+
+@_PROPERTY
+@given(port=st.one_of(_TEXT, st.integers(-(2**40), 2**40)))
+def test_any_master_port_is_a_tcp_port_or_one_line(port):
+    try:
+        number = check_port(port)
+    except UsageError as error:
+        _one_line(error)
+        return
+    assert 1 <= number <= 65535 and number == int(str(port))

@@ -24,6 +24,21 @@ SIGLIP2 = ["--model_config", str(REPO / "recipes/models/siglip2_tiny.json")]
 BAD_ARGUMENTS = {
     "missing shards": (["{tmp}/nowhere", *MODEL, *TOK], "nowhere: no such file or folder"),
     "no shard of a pattern": (["{tmp}/{{0..3}}.tar", *MODEL, *TOK], "none of the 4 shards exists, e.g."),
+    "a missing source of a mixture": (["{data}::{tmp}/nosuch", *MODEL, *TOK], "--train_shards source 1 (/"),
+    "a missing source of a weighted mixture": (
+        ["{data}::{tmp}/nosuch", *MODEL, *TOK, "--train_data_weights", "1", "1", "--train_num_samples", "8"],
+        "/nosuch): no such file or folder",
+    ),
+    "no shard of one source": (
+        ["{tmp}/{{0..3}}.tar::{data}", *MODEL, *TOK],
+        "/{0..3}.tar): none of the 4 shards exists",
+    ),
+    "a source twice": (["{data}::{data}", *MODEL, *TOK], "names the shard data/00000.tar twice: name each shard once"),
+    "a shard in two sources": (["{data}::{data}/00001.tar", *MODEL, *TOK], "data/00001.tar twice: name each"),
+    "a weight that underflows": (
+        ["{data}/00000.tar::{data}/00001.tar", *MODEL, *TOK, "--train_data_weights", "1e308", "1e-308"],
+        "--train_data_weights: data weights 1e+308 1e-308: source 1's share underflows to 0",
+    ),
     "config a list": (["{data}", "--model_config", "{list_json}", *TOK], "list.json holds a JSON list, not a config"),
     "siglip sizes differ": (
         ["{data}", "--model_config", "{siglip_32}", *TOK],
