@@ -189,7 +189,7 @@ SINGLE_SET_FLAGS = ("data", "split", "dataset_config_name", "image_column", "lab
 def run_tasks(args: EvalArguments) -> tuple[list, list[dict]]:
     """Evaluate a task list as the CLI does: the model and processor loaded once, every task run (a failing one
     recorded in its row), the table written to --output and the scalars to --run_dir. Returns (results, rows)."""
-    from disco_clip_ds.eval.suite import load_tasks, log_tensorboard, run_suite, summary_rows, write_suite
+    from disco_clip_ds.eval.suite import check_output, load_tasks, log_tensorboard, run_suite, summary_rows, write_suite
 
     if args.batch_size <= 0:
         raise UsageError(f"--batch_size must be positive, got {args.batch_size}")
@@ -198,6 +198,8 @@ def run_tasks(args: EvalArguments) -> tuple[list, list[dict]]:
         raise UsageError(f"--tasks FILE: {', '.join(given)} belong to a single set; name them in the task list")
     check_model_path(args.model)
     tasks = load_tasks(args.tasks)  # a malformed list is refused before the model loads
+    if args.output:
+        check_output(args.output)
     model, tokenizer, image_processor = load_for_eval(args.model, args.device)
     if args.max_num_patches is not None:
         set_budget(model, image_processor, args.max_num_patches)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from disco_clip_ds.data.redact import public_text
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
@@ -134,7 +135,29 @@ def load_tasks(path: str | Path, flag: str = "--tasks") -> list[Task]:
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
         raise UsageError(f"{where}: task {repeated[0]} is listed twice")
+    files: dict[str, str] = {}
+    for key in keys:  # one record file per task, and none that the summary's own files would overwrite
+        name = record_file(key)
+        if name in SUMMARY_FILES:
+            raise UsageError(f"{where}: task {key} would write {name}, the summary's own file: rename the task")
+        if name in files:
+            raise UsageError(f"{where}: tasks {files[name]} and {key} would both write {name}: rename one")
+        files[name] = key
     return tasks
+
+
+SUMMARY_FILES = ("suite.md", "suite.csv", "suite.json")
+
+
+def record_file(key: str) -> str:
+    """The file name of a task's CLIP_benchmark record in the suite's output folder (its key, / as _)."""
+    return f"{key.replace('/', '_')}.json"
+
+
+def check_output(output: str | Path, flag: str = "--output") -> None:
+    """Refuse, before any work, an output folder that is an existing file."""
+    if Path(output).exists() and not Path(output).is_dir():
+        raise UsageError(f"{flag} {output} is a file: name a folder for the tasks' records and the summary")
 
 
 def _task(entry: dict, base: Path, where: str) -> Task:
@@ -354,9 +377,8 @@ def markdown(rows: Sequence[dict]) -> str:
     lines = ["| task | type | main metric | value | seconds | error |", "|---|---|---|---|---|---|"]
     for row in rows:
         value = _shown(row["value"]) if row["type"] else f"**{row['value']:.4f}**"
-        lines.append(
-            f"| {row['task']} | {row['type']} | {row['main_metric']} | {value} | {row['seconds']} | {row['error']} |"
-        )
+        cells = [public_text(row[k]) for k in ("task", "type", "main_metric")]  # escaped, no local path or secret
+        lines.append(f"| {' | '.join(cells)} | {value} | {row['seconds']} | {public_text(row['error'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -366,8 +388,11 @@ def write_suite(results: Sequence[TaskResult], output_dir: str | Path) -> list[d
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for result in results:
+        record = out / record_file(result.task.key)
         if result.record is not None:
-            write_json(out / f"{result.task.key.replace('/', '_')}.json", result.record)
+            write_json(record, result.record)
+        else:  # a failed task's record of an earlier run would stand beside a summary saying it failed
+            record.unlink(missing_ok=True)
     rows = summary_rows(results)
     (out / "suite.md").write_text(markdown(rows))
     buffer = io.StringIO()
@@ -375,7 +400,8 @@ def write_suite(results: Sequence[TaskResult], output_dir: str | Path) -> list[d
     writer.writeheader()
     writer.writerows(rows)
     (out / "suite.csv").write_text(buffer.getvalue())
-    write_json(out / "suite.json", {"rows": rows, "records": [r.record for r in results if r.record]})
+    strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()} for row in rows]
+    write_json(out / "suite.json", {"rows": strict, "records": [r.record for r in results if r.record]})  # no NaN
     return rows
 
 

@@ -106,6 +106,8 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("a: [unclosed", "not valid YAML"),
         ("just text", "give a mapping of task keys"),
         ("a: 3", "give a mapping of task keys"),
+        ("a/b: {path: x}\na_b: {path: y}", "tasks a/b and a_b would both write a_b.json: rename one"),
+        ("suite: {path: x}", "task suite would write suite.json, the summary's own file: rename the task"),
     ],
 )
 def test_malformed_task_lists_are_one_line_usage_errors(tmp_path, text, message):
@@ -342,3 +344,29 @@ def test_two_ranks_agree_on_which_tasks_run(sets):
     assert [(key, value) for key, value, _ in rank0] == [(key, value) for key, value, _ in rank1]
     assert rank0[1] == ("b", None, "task b failed on another rank: skipped on every rank")
     assert "no such folder" in rank1[1][2] and rank0[0][1] is not None and rank0[2][1] is not None
+
+
+def test_a_rerun_removes_a_failed_tasks_old_record_writes_strict_json_and_escapes_the_table(tmp_path, suite_run):
+    """A task that failed this time leaves no record of an earlier run beside the summary; suite.json holds no NaN
+    (strict JSON readers refuse it: null instead); suite.md shows a key with a pipe, markup or a local path as one
+    escaped cell."""
+    import dataclasses
+    import math
+
+    from disco_clip_ds.eval.suite import TaskResult, check_output
+
+    results, _ = suite_run
+    (tmp_path / "gone.json").write_text("{}")  # as an earlier run that succeeded wrote it
+    write_suite(results, tmp_path)
+    assert not (tmp_path / "gone.json").exists()
+    failed = [r for r in results if r.value is None]
+    hostile = dataclasses.replace(failed[0].task, key="x|<b>y</b> /home/alice/private/set")
+    rows = write_suite([TaskResult(hostile, None, failed[0].error, 0.0)], tmp_path / "all_failed")
+    assert math.isnan(rows[-1]["value"])
+    text = (tmp_path / "all_failed" / "suite.json").read_text()
+    assert "NaN" not in text and json.loads(text)["rows"][-1]["value"] is None
+    table = (tmp_path / "all_failed" / "suite.md").read_text()
+    assert "<b>" not in table and "/home/alice" not in table and "x\\|&lt;b&gt;y&lt;/b&gt; set" in table
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UsageError, match="--output .*a_file is a file: name a folder"):
+        check_output(tmp_path / "a_file")
