@@ -1,0 +1,347 @@
+"""The scale benchmark (issue 49): the same measurements at a commit before and at the commit after, interleaved, on
+synthetic data of DataCompDR's shapes (bench/scale/synthetic.py; scaled where this machine forbids, as the README
+states).
+
+    python bench/scale/scale_bench.py --before 9b87829 [--after /tmp/scale_after] [--rounds 2] [--quick]
+
+`--before COMMIT` is checked out into a temporary git worktree; `--after` is a tree (default: this checkout). Each
+measurement runs as a subprocess (bench/scale/probes.py, the CLI, torchrun) with PYTHONPATH set to one side's tree,
+before and after alternately (the side that goes first swaps every round). Per row: the metric, each side's
+min/median/max over the rounds, the per-round ratio after / before, both commits.
+
+Rows: per DataLoader worker reading stored embeddings from 1, 4 and 8 mixed sources: peak RSS, private (anonymous)
+peak, sidecar opens per 1,000 samples (strace), sidecar bytes read from storage per 1,000 samples (/proc/self/io
+read_bytes, the sidecars evicted from the page cache first: each page counts once); a training start-up with stored
+embeddings: opens of the teachers' weight files and the bytes read() from them, per run (strace); the eval suite's
+wall time on 1 and on 2 ranks (torchrun); `copies_within` at two sizes (the before side capped: --dedup_cap); `data
+filter` (CLIP score only) and `data embed` samples/s; the imports' RSS of one rank (the planner's baseline).
+Writes bench/scale/results/scale.csv (scale_quick.csv with --quick) and a markdown table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import bench_row, command_line, write_rows  # first: the commit at start
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from synthetic import CAPTION_KEYS, SOURCES, build, source_shards  # noqa: E402
+
+SIZES = {
+    "default": {"samples": 256, "eval_images": 400, "stream_samples": 400, "dedup": (250_000, 1_000_000), "cap": 240},
+    "quick": {"samples": 24, "eval_images": 40, "stream_samples": 40, "dedup": (5_000, 20_000), "cap": 60},
+}
+STREAM_SOURCES = (1, 4, 8)
+DATACOMPDR_SHARD = 10_000  # samples in a DataCompDR shard (the scaling's reference)
+MiB = 2**20
+
+
+@dataclass
+class Side:
+    name: str
+    tree: Path
+    commit: str
+
+    def env(self) -> dict:
+        return {
+            **os.environ,
+            "PYTHONPATH": str(self.tree),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+
+
+def tree_commit(tree: Path) -> str:
+    git = ["git", "-C", str(tree)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def run(side: Side, argv: list[str], timeout: float, log: Path) -> tuple[dict | None, float]:
+    """ARGV under SIDE's tree: (its last JSON line, or None, and its wall seconds); None too when it timed out. The
+    output is appended to LOG; a failure is raised with its tail."""
+    start = time.perf_counter()
+    with open(log, "a") as out:
+        out.write(f"\n$ [{side.name}] {' '.join(map(str, argv))}\n")
+        out.flush()
+        proc = subprocess.Popen(
+            [str(a) for a in argv], cwd=REPO, env=side.env(), stdout=subprocess.PIPE, stderr=out, text=True
+        )
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out.write(f"(stopped after {timeout:.0f} s)\n")
+            return None, time.perf_counter() - start
+        out.write(stdout)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"[{side.name}] {' '.join(map(str, argv[:6]))} ... failed ({proc.returncode}); see {log}")
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return (json.loads(lines[-1]) if lines else None), seconds
+
+
+def probe(*args) -> list[str]:
+    return [sys.executable, str(HERE / "probes.py"), *map(str, args)]
+
+
+def traced(trace: Path, calls: str, argv: list[str]) -> list[str]:
+    """ARGV under strace: every process and thread (-ff: a file each), successful calls, file descriptors as paths."""
+    return ["strace", "-ff", "-qq", "-y", "-e", f"trace={calls}", "-e", "status=successful", "-o", str(trace), *argv]
+
+
+def trace_lines(trace: Path):
+    for path in trace.parent.glob(trace.name + ".*"):
+        yield from path.read_text(errors="replace").splitlines()
+
+
+def file_reads(trace: Path, folders: list[Path], suffix: str) -> tuple[int, int]:
+    """(opens, bytes read()) of the files under FOLDERS whose name ends with SUFFIX, from the strace files."""
+    opens = nbytes = 0
+    marks = [str(f.resolve()) + "/" for f in folders]
+    for line in trace_lines(trace):
+        name, _, rest = line.partition("(")
+        if not any(m in rest for m in marks) or suffix not in rest:
+            continue
+        if name.endswith("openat"):
+            opens += 1
+        elif name.endswith(("read", "pread64")) and " = " in line:
+            nbytes += int(line.rsplit(" = ", 1)[1].split()[0])
+    return opens, nbytes
+
+
+class Bench:
+    def __init__(self, args, sides: list[Side], data: Path, work: Path):
+        self.args, self.sides, self.data, self.work = args, sides, data, work
+        self.sizes = SIZES["quick" if args.quick else "default"]
+        self.values: dict[str, dict[str, list]] = {}  # metric -> side -> per-round values
+        self.capped: dict[str, str] = {}  # metric -> why the before side has no value
+        self.log = work / "bench.log"
+        self.teachers = [data / "teachers" / t for t in ("t0", "t1")]
+
+    def record(self, metric: str, side: Side, value: float) -> None:
+        self.values.setdefault(metric, {}).setdefault(side.name, []).append(value)
+
+    def sidecars(self, side: Side) -> Path:
+        return self.work / f"sidecars_{side.name}"
+
+    def embed_argv(self, shards: str, output: Path) -> list[str]:
+        return [
+            "data",
+            "embed",
+            "--teacher",
+            *map(str, self.teachers),
+            "--shards",
+            shards,
+            "--output",
+            str(output),
+            "--augmentations",
+            "30",
+            "--caption_keys",
+            ",".join(CAPTION_KEYS),
+            "--embedding_dtype",
+            "float16",
+            "--tokenizer_name",
+            str(REPO / "recipes/tokenizer"),
+        ]
+
+    def all_shards(self) -> str:
+        return "::".join(str(self.data / "shards" / f"src{s}") for s in range(SOURCES))
+
+    def prepare(self) -> None:
+        """Each side's sidecars of every shard, written by its own `data embed` (its own format)."""
+        for side in self.sides:
+            run(side, probe("cli", "--", *self.embed_argv(self.all_shards(), self.sidecars(side))), 3600, self.log)
+
+    # --- the measurements: each takes a side and records its values ---
+
+    def imports(self, side: Side) -> None:
+        result, _ = run(side, probe("imports"), 300, self.log)
+        self.record("rank process RSS after imports (MiB)", side, result["peak_rss"] / MiB)
+
+    def stream(self, side: Side, sources: int) -> None:
+        samples = self.sizes["stream_samples"]
+        buffer = max(8, 1000 * self.sizes["samples"] // DATACOMPDR_SHARD)  # training's 1,000 of 10,000, scaled
+        trace = self.work / "trace" / f"stream_{side.name}_{sources}"
+        shutil.rmtree(trace.parent, ignore_errors=True)
+        trace.parent.mkdir(parents=True)
+        argv = probe("stream", "--data", self.data, "--sidecars", self.sidecars(side), "--sources", sources)
+        argv += ["--samples", samples, "--shuffle_buffer", buffer]
+        result, _ = run(side, traced(trace, "openat", argv), 1800, self.log)
+        opens, _ = file_reads(trace, [self.sidecars(side)], ".teacher.safetensors")
+        per_k = 1000 / samples
+        label = f"{sources} source{'s' if sources > 1 else ''}"
+        self.record(f"worker peak RSS, {label} (MiB)", side, result["peak_rss"] / MiB)
+        self.record(f"worker private peak (RssAnon), {label} (MiB)", side, result["peak_anon"] / MiB)
+        self.record(f"sidecar opens per 1,000 samples, {label}", side, opens * per_k)
+        self.record(f"sidecar MB read from storage per 1,000 samples, {label}", side, result["read_bytes"] * per_k / 1e6)
+
+    def startup(self, side: Side) -> None:
+        """`disco-clip train` with stored embeddings for one step (one process, one DataLoader worker)."""
+        trace = self.work / "trace" / f"startup_{side.name}"
+        shutil.rmtree(trace.parent, ignore_errors=True)
+        trace.parent.mkdir(parents=True)
+        output = self.work / f"run_{side.name}"
+        shutil.rmtree(output, ignore_errors=True)
+        shards = str(self.data / "shards" / "src0" / "{00000..00001}.tar")
+        argv = [sys.executable, "-m", "disco_clip_ds.train", "--model_name_or_path", self.data / "student"]
+        argv += ["--tokenizer_name", REPO / "recipes/tokenizer", "--train_shards", shards, "--output_dir", output]
+        argv += ["--teacher", *self.teachers, "--teacher_embeddings", self.sidecars(side), "--augmentation_pool"]
+        argv += ["--synthetic_caption_ratio", "0.5", "--max_steps", "1", "--per_device_train_batch_size", "8"]
+        argv += ["--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--report_to", "none"]
+        argv += ["--disable_tqdm", "true", "--save_steps", "1000", "--optim", "sgd", "--learning_rate", "0.1"]
+        _, seconds = run(side, traced(trace, "openat,read,pread64", argv), 900, self.log)
+        opens, nbytes = file_reads(trace, self.teachers, ".safetensors")
+        weights = sum(p.stat().st_size for t in self.teachers for p in t.glob("*.safetensors"))
+        self.record("teacher weight file opens per training start-up", side, opens)
+        self.record("teacher weights read() per training start-up (x their size)", side, nbytes / weights)
+        self.record("training start-up to 1 step, under strace (s)", side, seconds)
+
+    def suite(self, side: Side, ranks: int) -> None:
+        from disco_clip_ds.testing.ranks import free_port
+
+        eval_root = self.data / "eval"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", ranks, "--master_port", free_port()]
+        argv += ["-m", "disco_clip_ds.cli", "eval", "--model", eval_root / "model", "--tasks", eval_root / "tasks.yml"]
+        _, seconds = run(side, argv, 900, self.log)
+        self.record(f"eval suite wall time, {ranks} rank{'s' if ranks > 1 else ''} (s)", side, seconds)
+
+    def dedup(self, side: Side, n: int) -> None:
+        metric = f"dedup (copies_within) of {n:,} fingerprints (s)"
+        if metric in self.capped and side.name == "before":
+            return
+        cap = self.sizes["cap"] if side.name == "before" else 3600
+        result, seconds = run(side, probe("dedup", "--n", n), cap, self.log)
+        if result is None:
+            self.capped[metric] = f"not done within {cap} s (capped)"
+            return
+        self.record(metric, side, result["seconds"])
+        self.record(f"dedup of {n:,}: samples dropped", side, result["dropped"])
+
+    def filter(self, side: Side) -> None:
+        output = self.work / f"filtered_{side.name}"
+        shutil.rmtree(output, ignore_errors=True)
+        argv = ["data", "filter", "--shards", self.all_shards(), "--embeddings", self.sidecars(side)]
+        result, _ = run(side, probe("cli", "--", *argv, "--output", output, "--clip_score_min", "0.0"), 1800, self.log)
+        samples = SOURCES * 2 * self.sizes["samples"]
+        self.record("data filter --clip_score_min samples/s", side, samples / result["seconds"])
+
+    def embed(self, side: Side) -> None:
+        output = self.work / f"embedded_{side.name}"
+        shutil.rmtree(output, ignore_errors=True)
+        shards = str(self.data / "shards" / "src0")
+        result, _ = run(side, probe("cli", "--", *self.embed_argv(shards, output)), 1800, self.log)
+        samples = len(source_shards(self.data, 0)) * self.sizes["samples"]
+        self.record("data embed samples/s (K = 30, 2 teachers, 6 captions)", side, samples / result["seconds"])
+
+    def measurements(self):
+        yield self.imports
+        for sources in STREAM_SOURCES:
+            yield lambda side, s=sources: self.stream(side, s)
+        yield self.startup
+        for ranks in (1, 2):
+            yield lambda side, r=ranks: self.suite(side, r)
+        for n in self.sizes["dedup"]:
+            yield lambda side, n=n: self.dedup(side, n)
+        yield self.filter
+        yield self.embed
+
+    def run_rounds(self) -> None:
+        for r in range(self.args.rounds):
+            order = self.sides if r % 2 == 0 else self.sides[::-1]
+            for measure in self.measurements():
+                for side in order:
+                    measure(side)
+            print(f"round {r + 1} of {self.args.rounds} done", flush=True)
+
+
+def rows(bench: Bench, scale: str) -> list[dict]:
+    before, after = bench.sides
+    out = []
+    for metric, by_side in bench.values.items():
+        settings = {"metric": metric, "before_commit": before.commit, "after_commit": after.commit, "scale": scale}
+        if "before" not in by_side:
+            settings["before_note"] = bench.capped.get(metric.replace(": samples dropped", " (s)"), "")
+            out.append(bench_row(settings, {"after": by_side["after"]}))
+            continue
+        pairs = list(zip(by_side["before"], by_side["after"]))
+        ratio = [a / b if b else float("nan") for b, a in pairs]
+        samples = {"before": [b for b, _ in pairs], "after": [a for _, a in pairs]}
+        if all(r == r for r in ratio):
+            samples["ratio"] = ratio
+        out.append(bench_row(settings, samples))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """The README's table: median (min to max) of each side and the ratio."""
+
+    def cell(row, name):
+        if f"{name}_median" not in row:
+            return row.get("before_note", "") if name == "before" else ""
+        lo, mid, hi = (row[f"{name}_{s}"] for s in ("min", "median", "max"))
+        return f"{mid:.4g} ({lo:.4g} to {hi:.4g})" if lo != hi else f"{mid:.4g}"
+
+    lines = ["| metric | before | after | after / before |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['metric']} | {cell(r, 'before')} | {cell(r, 'after')} | {cell(r, 'ratio')} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def before_tree(commit: str, work: Path) -> Path:
+    tree = work / "before"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit], check=True)
+    return tree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the commit before (checked out into a temporary worktree)")
+    parser.add_argument("--after", default=str(REPO), help="the tree after (default: this checkout)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="every measurement at small sizes (a smoke run)")
+    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "scale_bench_data"))
+    parser.add_argument("--csv", help="default: bench/scale/results/scale.csv (scale_quick.csv with --quick)")
+    args = parser.parse_args()
+    sizes = SIZES["quick" if args.quick else "default"]
+    data = Path(args.data) / ("quick" if args.quick else "default")
+    build(data, sizes["samples"], sizes["eval_images"])
+    work = Path(tempfile.mkdtemp(prefix="scale_bench_"))
+    tree = before_tree(args.before, work)
+    try:
+        after = Path(args.after).resolve()
+        sides = [Side("before", tree, tree_commit(tree)), Side("after", after, tree_commit(after))]
+        bench = Bench(args, sides, data, work)
+        print(f"log: {bench.log}", flush=True)
+        bench.prepare()
+        bench.run_rounds()
+        scale = f"{sizes['samples']} samples a shard (DataCompDR: {DATACOMPDR_SHARD:,})"
+        result = rows(bench, scale)
+        name = "scale_quick" if args.quick else "scale"
+        csv = Path(args.csv or HERE / "results" / f"{name}.csv")
+        write_rows(csv, result, command=command_line())
+        csv.with_suffix(".md").write_text(table(result))
+        print(table(result))
+        print(f"wrote {csv}")
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+        if (work / "bench.log").exists():  # kept for a look at what each command printed
+            shutil.copy(work / "bench.log", Path(tempfile.gettempdir()) / "scale_bench_last.log")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
