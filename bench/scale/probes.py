@@ -5,6 +5,7 @@ line. Only interfaces both commits have are used: the CLI commands, the training
 
     python bench/scale/probes.py imports
     python bench/scale/probes.py stream --data DIR --sidecars DIR --sources S --samples N --shuffle_buffer B
+    python bench/scale/probes.py sidecars --data DIR --output DIR --tokenizer DIR
     python bench/scale/probes.py dedup --n N
     python bench/scale/probes.py cli -- data filter ...      (the command's own time, imports paid before)
 """
@@ -160,6 +161,48 @@ def stream(args) -> None:
     )
 
 
+def sidecars(args) -> None:
+    """Every source shard's sidecar in this tree's format: `data embed` (this tree's) embeds the template shard, and
+    each shard's sidecar copies its settings (teachers, K, captions, dtype, seed) and the crop boxes of its first
+    sample (every image is 256 x 256), with random unit embeddings of DataCompDR's shapes: `data embed` itself runs
+    a few samples a second here (what `data embed samples/s` measures), too slow for thousands of samples."""
+    import tarfile
+    from dataclasses import replace
+
+    import torch
+
+    from disco_clip_ds.cli import main as cli_main
+    from disco_clip_ds.data.embeddings import read_reinforced, shard_facts, sidecar_path, write_reinforced
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synthetic import CAPTION_KEYS, SOURCES, source_shards
+
+    root, out = Path(args.data), Path(args.output)
+    template_shard = root / "shards" / "template" / "00000.tar"
+    teachers = [str(root / "teachers" / t) for t in ("t0", "t1")]
+    argv = ["data", "embed", "--teacher", *teachers, "--shards", str(template_shard), "--output", str(out)]
+    argv += ["--augmentations", "30", "--caption_keys", ",".join(CAPTION_KEYS), "--embedding_dtype", "float16"]
+    if cli_main([*argv, "--tokenizer_name", args.tokenizer]) != 0:
+        raise SystemExit("data embed of the template shard failed")
+    template = read_reinforced(sidecar_path(out, str(template_shard)))
+    g = torch.Generator().manual_seed(0)
+    unit = lambda *shape: torch.nn.functional.normalize(torch.randn(*shape, generator=g), dim=-1)
+    for shard in (u for s in range(SOURCES) for u in source_shards(root, s)):
+        with tarfile.open(shard) as tar:
+            keys = sorted({m.name.split(".", 1)[0] for m in tar.getmembers()})
+        n, width = len(keys), template.images[0].shape[-1]
+        stored = replace(
+            template,
+            keys=keys,
+            images=[unit(n, 30, width) for _ in template.teachers],
+            texts=[{c: unit(n, width) for c in template.caption_keys} for _ in template.teachers],
+            boxes=template.boxes[:1].expand(n, -1, -1).clone(),
+            meta=shard_facts(shard),
+        )
+        write_reinforced(sidecar_path(out, shard), stored)
+    emit(sidecars=len(list(out.glob("*.teacher.safetensors"))))
+
+
 def fingerprint_set(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
     """`n` 64-bit fingerprints (image and mirror hash, (n, 2, 8) uint8) and 32-byte digests, as `data filter --dedup`
     makes them: random hashes, 1 % exact duplicates of an earlier sample and 2 % near copies (an earlier hash with
@@ -217,12 +260,16 @@ def main() -> None:
     s.add_argument("--image_size", type=int, default=64)
     d = sub.add_parser("dedup")
     d.add_argument("--n", type=int, required=True)
+    w = sub.add_parser("sidecars")
+    w.add_argument("--data", required=True)
+    w.add_argument("--output", required=True)
+    w.add_argument("--tokenizer", required=True)
     c = sub.add_parser("cli")
     c.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.probe == "cli" and args.argv[:1] == ["--"]:
         args.argv = args.argv[1:]
-    {"imports": imports, "stream": stream, "dedup": dedup, "cli": cli}[args.probe](args)
+    {"imports": imports, "stream": stream, "sidecars": sidecars, "dedup": dedup, "cli": cli}[args.probe](args)
 
 
 if __name__ == "__main__":

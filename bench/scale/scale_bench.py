@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,11 +37,25 @@ from disco_clip_ds.testing.bench_record import bench_row, command_line, write_ro
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from synthetic import CAPTION_KEYS, SOURCES, build, source_shards  # noqa: E402
+from synthetic import CAPTION_KEYS, SOURCES, build  # noqa: E402
 
 SIZES = {
-    "default": {"samples": 256, "eval_images": 400, "stream_samples": 400, "dedup": (250_000, 1_000_000), "cap": 240},
-    "quick": {"samples": 24, "eval_images": 40, "stream_samples": 40, "dedup": (5_000, 20_000), "cap": 60},
+    "default": {
+        "samples": 256,
+        "eval_images": 400,
+        "embed_samples": 48,
+        "stream_samples": 400,
+        "dedup": (250_000, 1_000_000),
+        "cap": 240,
+    },
+    "quick": {
+        "samples": 24,
+        "eval_images": 40,
+        "embed_samples": 6,
+        "stream_samples": 40,
+        "dedup": (5_000, 20_000),
+        "cap": 60,
+    },
 }
 STREAM_SOURCES = (1, 4, 8)
 DATACOMPDR_SHARD = 10_000  # samples in a DataCompDR shard (the scaling's reference)
@@ -78,13 +93,21 @@ def run(side: Side, argv: list[str], timeout: float, log: Path) -> tuple[dict | 
         out.write(f"\n$ [{side.name}] {' '.join(map(str, argv))}\n")
         out.flush()
         proc = subprocess.Popen(
-            [str(a) for a in argv], cwd=REPO, env=side.env(), stdout=subprocess.PIPE, stderr=out, text=True
+            [str(a) for a in argv],
+            cwd=REPO,
+            env=side.env(),
+            stdout=subprocess.PIPE,
+            stderr=out,
+            text=True,
+            start_new_session=True,  # its own process group: torchrun's ranks and strace's child end with it
         )
         try:
             stdout, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        except BaseException as error:
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            if not isinstance(error, subprocess.TimeoutExpired):
+                raise
             out.write(f"(stopped after {timeout:.0f} s)\n")
             return None, time.perf_counter() - start
         out.write(stdout)
@@ -163,9 +186,10 @@ class Bench:
         return "::".join(str(self.data / "shards" / f"src{s}") for s in range(SOURCES))
 
     def prepare(self) -> None:
-        """Each side's sidecars of every shard, written by its own `data embed` (its own format)."""
+        """Each side's sidecars of every shard, in its own format (probes.py `sidecars`)."""
         for side in self.sides:
-            run(side, probe("cli", "--", *self.embed_argv(self.all_shards(), self.sidecars(side))), 3600, self.log)
+            argv = probe("sidecars", "--data", self.data, "--output", self.sidecars(side))
+            run(side, [*argv, "--tokenizer", REPO / "recipes/tokenizer"], 1800, self.log)
 
     # --- the measurements: each takes a side and records its values ---
 
@@ -188,7 +212,8 @@ class Bench:
         self.record(f"worker peak RSS, {label} (MiB)", side, result["peak_rss"] / MiB)
         self.record(f"worker private peak (RssAnon), {label} (MiB)", side, result["peak_anon"] / MiB)
         self.record(f"sidecar opens per 1,000 samples, {label}", side, opens * per_k)
-        self.record(f"sidecar MB read from storage per 1,000 samples, {label}", side, result["read_bytes"] * per_k / 1e6)
+        megabytes = result["read_bytes"] * per_k / 1e6
+        self.record(f"sidecar MB read from storage per 1,000 samples, {label}", side, megabytes)
 
     def startup(self, side: Side) -> None:
         """`disco-clip train` with stored embeddings for one step (one process, one DataLoader worker)."""
@@ -243,9 +268,9 @@ class Bench:
     def embed(self, side: Side) -> None:
         output = self.work / f"embedded_{side.name}"
         shutil.rmtree(output, ignore_errors=True)
-        shards = str(self.data / "shards" / "src0")
+        shards = str(self.data / "shards" / "embed" / "00000.tar")
         result, _ = run(side, probe("cli", "--", *self.embed_argv(shards, output)), 1800, self.log)
-        samples = len(source_shards(self.data, 0)) * self.sizes["samples"]
+        samples = self.sizes["embed_samples"]
         self.record("data embed samples/s (K = 30, 2 teachers, 6 captions)", side, samples / result["seconds"])
 
     def measurements(self):
@@ -318,8 +343,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = SIZES["quick" if args.quick else "default"]
     data = Path(args.data) / ("quick" if args.quick else "default")
-    build(data, sizes["samples"], sizes["eval_images"])
+    build(data, sizes["samples"], sizes["eval_images"], sizes["embed_samples"])
     work = Path(tempfile.mkdtemp(prefix="scale_bench_"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the worktree is removed on a kill too
     tree = before_tree(args.before, work)
     try:
         after = Path(args.after).resolve()

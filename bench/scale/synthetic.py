@@ -4,6 +4,8 @@
   a shard; scaled), each sample a 256 x 256 JPEG (quality 90, smooth colour fields with a few boxes: what
   img2dataset's 256 px resize writes, in size), its caption `txt` and 5 synthetic ones `syn0.txt` .. `syn4.txt`
   (DataCompDR's real caption and 5 CoCa captions), and sizes.json;
+- `shards/template/00000.tar` (2 samples): what each side's `data embed` embeds for a sidecar to copy the settings
+  of (probes.py `sidecars`); `shards/embed/00000.tar` (`embed_samples` samples): what `data embed` is timed on;
 - `teachers/t0`, `teachers/t1`: two CLIP teachers whose embeddings are 768 wide (DataCompDR's ViT-L/14 ensemble
   width) on the tiny model's towers (recipes/models/tiny.json: 64 px, 32 tokens), so that embedding stays cheap;
 - `student`: the tiny CLIP every training start-up starts from;
@@ -56,19 +58,19 @@ def source_shards(root: Path, source: int) -> list[str]:
     return [str(root / "shards" / f"src{source}" / f"{s:05d}.tar") for s in range(SHARDS_PER_SOURCE)]
 
 
-def write_source(folder: Path, source: int, samples: int) -> None:
+def write_source(folder: Path, source: int, samples: int, shards: int = SHARDS_PER_SOURCE) -> None:
     import webdataset as wds
 
     rng = np.random.default_rng(1000 + source)
     folder.mkdir(parents=True, exist_ok=True)
-    for s in range(SHARDS_PER_SOURCE):
+    for s in range(shards):
         with wds.TarWriter(str(folder / f"{s:05d}.tar")) as sink:
             for i in range(samples):
                 key = f"{source:02d}{s:03d}{i:05d}"
                 sample = {"__key__": key, "jpg": jpeg(rng), "json": json.dumps({"key": key}).encode()}
                 sample.update({name: caption(rng) for name in CAPTION_KEYS})
                 sink.write(sample)
-    (folder / "sizes.json").write_text(json.dumps({f"{s:05d}.tar": samples for s in range(SHARDS_PER_SOURCE)}))
+    (folder / "sizes.json").write_text(json.dumps({f"{s:05d}.tar": samples for s in range(shards)}))
 
 
 def save_teacher(folder: Path, seed: int) -> None:
@@ -111,9 +113,9 @@ def write_eval(root: Path, images: int) -> Path:
     return root / "tasks.yml"
 
 
-def build(root: Path, samples: int, eval_images: int) -> dict:
+def build(root: Path, samples: int, eval_images: int, embed_samples: int) -> dict:
     """Build (or keep, when built with these sizes) the data under ROOT; returns its record."""
-    record = {"samples_per_shard": samples, "eval_images": eval_images, "sources": SOURCES, "format": 1}
+    record = {"samples_per_shard": samples, "eval_images": eval_images, "embed_samples": embed_samples, "format": 2}
     done = root / "built.json"
     if done.is_file() and json.loads(done.read_text()) == record:
         return record
@@ -121,6 +123,8 @@ def build(root: Path, samples: int, eval_images: int) -> dict:
         shutil.rmtree(root)
     for source in range(SOURCES):
         write_source(root / "shards" / f"src{source}", source, samples)
+    write_source(root / "shards" / "template", 98, 2, shards=1)
+    write_source(root / "shards" / "embed", 99, embed_samples, shards=1)
     for seed in (0, 1):
         save_teacher(root / "teachers" / f"t{seed}", 21 + seed)
     save_initial_model(root / "student", 11)
