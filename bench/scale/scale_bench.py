@@ -160,7 +160,10 @@ class Bench:
         self.values.setdefault(metric, {}).setdefault(side.name, []).append(value)
 
     def sidecars(self, side: Side) -> Path:
-        return self.work / f"sidecars_{side.name}"
+        """The side's sidecars, kept with the data for its commit (a dirty tree's are made afresh)."""
+        if side.commit.endswith("+dirty"):
+            return self.work / f"sidecars_{side.name}"
+        return self.data / "sidecars" / side.commit
 
     def embed_argv(self, shards: str, output: Path) -> list[str]:
         return [
@@ -188,8 +191,13 @@ class Bench:
     def prepare(self) -> None:
         """Each side's sidecars of every shard, in its own format (probes.py `sidecars`)."""
         for side in self.sides:
+            done = self.sidecars(side) / "done"
+            if done.is_file():
+                continue
+            shutil.rmtree(self.sidecars(side), ignore_errors=True)
             argv = probe("sidecars", "--data", self.data, "--output", self.sidecars(side))
             run(side, [*argv, "--tokenizer", REPO / "recipes/tokenizer"], 1800, self.log)
+            done.write_text(side.commit)
 
     # --- the measurements: each takes a side and records its values ---
 

@@ -12,10 +12,12 @@ Per node, with R ranks on the node, W DataLoader workers per rank, P the prefetc
                                                            holds for S mixed sources of stored rows of `row` bytes)
     shuffle buffers   R x W x S x shuffle_buffer x sample (the block shuffle holds `shuffle_buffer` raw, encoded
                                                            samples per source: data/streams/shards.py, data/mix.py)
-    batches in flight R x W x P x batch                   (uint8 images, token ids and mask, stored targets)
-    pinned copies     R x W x P x 2^ceil(log2 batch)      (with pin_memory: the pin thread's page-locked copies,
-                                                           kept by torch's caching host allocator in blocks
-                                                           rounded up to a power of two)
+    batches in flight R x W x P x size                    (uint8 images, token ids and mask, stored targets: each
+                                                           batch handed over is held once, in shared memory, or once
+                                                           pinned (with pin_memory) in torch's caching host allocator,
+                                                           whose blocks are a power of two: size = 2^ceil(log2 batch);
+                                                           size = batch without pin_memory; W = 0: one, P = 1)
+    batches built     R x W x batch                       (the batch each worker is collating)
 
 The two baselines are round allowances, stated in every report; bench/scale measures a process's and a worker's
 peak RSS against them (bench/scale/README.md).
@@ -134,7 +136,9 @@ def host_memory_plan(
     that run live (0 with stored embeddings read instead); compared with `node_bytes` when given."""
     ranks, readers = host.ranks_per_node, host.ranks_per_node * max(1, host.workers)
     store = store_bound(host.sources, host.stored_row_bytes)
-    in_flight = host.ranks_per_node * max(1, host.workers) * host.prefetch_factor * host.batch_bytes()
+    batch = host.batch_bytes()
+    held = _power_of_two(batch) if host.pin_memory else batch
+    prefetched = host.prefetch_factor if host.workers else 1
     terms = {
         "processes": ranks * PROCESS_BASELINE,
         "model states": float(model_states),
@@ -142,8 +146,8 @@ def host_memory_plan(
         "workers": host.ranks_per_node * host.workers * WORKER_BASELINE,
         "embedding stores": readers * store,
         "shuffle buffers": readers * host.sources * host.shuffle_buffer * host.sample_bytes,
-        "batches in flight": in_flight,
-        "pinned copies": in_flight // host.batch_bytes() * _power_of_two(host.batch_bytes()) if host.pin_memory else 0,
+        "batches in flight": readers * prefetched * held,
+        "batches built": readers * batch,
     }
     return HostPlan(terms, float(sum(terms.values())), node_bytes, store)
 

@@ -62,8 +62,8 @@ def test_every_term_against_hand_computed_bytes(fake_store):
         "workers": 12 * H.WORKER_BASELINE,
         "embedding stores": 12 * 1000 * 2 * 700,
         "shuffle buffers": 12 * 2 * 100 * 5000,
-        "batches in flight": 12 * 2 * batch,
-        "pinned copies": 12 * 2 * 262144,  # 138240 rounded up to 2^18
+        "batches in flight": 12 * 2 * 262144,  # pinned: 138240 rounded up to 2^18
+        "batches built": 12 * batch,
     }
     assert fake_store == [(2, 700)]
     assert plan.total == sum(plan.terms.values()) and plan.fits is True and plan.store_per_worker == 1_400_000
@@ -73,6 +73,8 @@ def test_no_workers_reads_in_the_rank_itself(fake_store):
     host = H.HostSettings(ranks_per_node=2, workers=0, micro_batch=1, image_elements=1, stored_row_bytes=10)
     plan = H.host_memory_plan(host, 0)
     assert plan.terms["workers"] == 0
+    batch = 1 + 16 * 77  # no prefetch: one batch pinned per rank (1233 bytes, a 2048-byte block), one being built
+    assert plan.terms["batches in flight"] == 2 * 2048 and plan.terms["batches built"] == 2 * batch
     assert plan.terms["embedding stores"] == 2 * 1000 * 10 and plan.terms["shuffle buffers"] == 2 * 1000 * 40_000
 
 
@@ -143,6 +145,7 @@ def test_plan_defaults(tmp_path, capsys):
         (["--gpus_per_node", "4"], "ranks_per_node", 4, "processes", 0.5),
         (["--dataloader_num_workers", "4"], "workers", 4, "shuffle buffers", 2.0),
         (["--dataloader_prefetch_factor", "4"], "prefetch_factor", 4, "batches in flight", 2.0),
+        (["--dataloader_num_workers", "4"], "workers", 4, "batches built", 2.0),
         (["--shuffle_buffer", "500"], "shuffle_buffer", 500, "shuffle buffers", 0.5),
         (["--train_sources", "3"], "sources", 3, "shuffle buffers", 3.0),
         (["--sample_bytes", "80000"], "sample_bytes", 80_000, "shuffle buffers", 2.0),
@@ -154,9 +157,12 @@ def test_each_flag_moves_its_term(tmp_path, flags, field, value, term, ratio):
     assert flagged["plan"]["terms"][term] == pytest.approx(ratio * base["plan"]["terms"][term])
 
 
-def test_no_pin_memory_drops_the_pinned_copies(tmp_path):
-    host = plan_json(tmp_path, "--no_dataloader_pin_memory")
-    assert host["settings"]["pin_memory"] is False and host["plan"]["terms"]["pinned copies"] == 0
+def test_no_pin_memory_holds_batches_at_their_size(tmp_path):
+    pinned, plain = plan_json(tmp_path), plan_json(tmp_path, "--no_dataloader_pin_memory")
+    batch = 8 * (3 * 64 * 64 + 16 * 32)  # 102400 bytes: a 131072-byte pinned block
+    assert plain["settings"]["pin_memory"] is False and pinned["settings"]["pin_memory"] is True
+    assert plain["plan"]["terms"]["batches in flight"] == 8 * 2 * 2 * batch
+    assert pinned["plan"]["terms"]["batches in flight"] == 8 * 2 * 2 * 131072
 
 
 def test_node_memory_is_compared_with_a_warning_line(tmp_path, capsys):
