@@ -142,7 +142,7 @@ def stream(args) -> None:
         data = MixtureStream(mixture, args.image_size, **options)
     torch.set_num_threads(1)
     drop_from_page_cache(sidecars)
-    before, rss_before = io_counters(), status_kib("VmRSS") * 1024
+    before, rss_before, anon_before = io_counters(), status_kib("VmRSS") * 1024, status_kib("RssAnon") * 1024
     start = time.perf_counter()
     with AnonPeak() as anon:
         for n, _ in enumerate(data, 1):
@@ -154,7 +154,9 @@ def stream(args) -> None:
         seconds=seconds,
         peak_rss=peak_rss_bytes(),
         rss_before=rss_before,
+        anon_before=anon_before,
         peak_anon=anon.peak * 1024,
+        planned=planned_worker_bytes(args, urls),
         read_bytes=after["read_bytes"] - before["read_bytes"],
         rchar=after["rchar"] - before["rchar"],
         sidecar_bytes=sum(p.stat().st_size for p in sidecars),
@@ -201,6 +203,19 @@ def sidecars(args) -> None:
         )
         write_reinforced(sidecar_path(out, shard), stored)
     emit(sidecars=len(list(out.glob("*.teacher.safetensors"))))
+
+
+def planned_worker_bytes(args, urls: list[str]) -> int | None:
+    """What the planner counts for this worker (plan/host.py): the store's bound at these shards' samples, and the
+    shuffle buffers (a block of raw samples per source); None where this tree has no bound."""
+    try:
+        from disco_clip_ds.data.embeddings import store_memory_bound, stored_row_bytes
+    except ImportError:
+        return None
+    samples = args.shard_samples
+    row = stored_row_bytes([768, 768], 30, 6, "float16")
+    sample_bytes = sum(os.path.getsize(u) for u in urls) // (samples * len(urls))
+    return store_memory_bound(args.sources, row, samples) + args.sources * args.shuffle_buffer * sample_bytes
 
 
 def fingerprint_set(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
@@ -258,6 +273,7 @@ def main() -> None:
     s.add_argument("--samples", type=int, required=True)
     s.add_argument("--shuffle_buffer", type=int, required=True)
     s.add_argument("--image_size", type=int, default=64)
+    s.add_argument("--shard_samples", type=int, required=True)
     d = sub.add_parser("dedup")
     d.add_argument("--n", type=int, required=True)
     w = sub.add_parser("sidecars")

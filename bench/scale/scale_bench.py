@@ -94,7 +94,7 @@ def run(side: Side, argv: list[str], timeout: float, log: Path) -> tuple[dict | 
         out.flush()
         proc = subprocess.Popen(
             [str(a) for a in argv],
-            cwd=REPO,
+            cwd=side.tree,  # `python -m` puts the working folder first on sys.path: the side's tree
             env=side.env(),
             stdout=subprocess.PIPE,
             stderr=out,
@@ -212,13 +212,17 @@ class Bench:
         shutil.rmtree(trace.parent, ignore_errors=True)
         trace.parent.mkdir(parents=True)
         argv = probe("stream", "--data", self.data, "--sidecars", self.sidecars(side), "--sources", sources)
-        argv += ["--samples", samples, "--shuffle_buffer", buffer]
+        argv += ["--samples", samples, "--shuffle_buffer", buffer, "--shard_samples", self.sizes["samples"]]
         result, _ = run(side, traced(trace, "openat", argv), 1800, self.log)
         opens, _ = file_reads(trace, [self.sidecars(side)], ".teacher.safetensors")
         per_k = 1000 / samples
         label = f"{sources} source{'s' if sources > 1 else ''}"
         self.record(f"worker peak RSS, {label} (MiB)", side, result["peak_rss"] / MiB)
         self.record(f"worker private peak (RssAnon), {label} (MiB)", side, result["peak_anon"] / MiB)
+        growth = (result["peak_anon"] - result["anon_before"]) / MiB
+        self.record(f"worker private growth while reading, {label} (MiB)", side, growth)
+        if result["planned"] is not None:  # the planner's store bound and shuffle buffers, where the side has them
+            self.record(f"planner: store bound + shuffle buffers, {label} (MiB)", side, result["planned"] / MiB)
         self.record(f"sidecar opens per 1,000 samples, {label}", side, opens * per_k)
         megabytes = result["read_bytes"] * per_k / 1e6
         self.record(f"sidecar MB read from storage per 1,000 samples, {label}", side, megabytes)
