@@ -114,8 +114,19 @@ def run(side: Side, argv: list[str], timeout: float, log: Path) -> tuple[dict | 
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"[{side.name}] {' '.join(map(str, argv[:6]))} ... failed ({proc.returncode}); see {log}")
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    return (json.loads(lines[-1]) if lines else None), seconds
+    return last_json(stdout), seconds
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of TEXT that is a JSON object (a probe's result; training prints dicts of its own)."""
+    for line in reversed(text.splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
 
 
 def probe(*args) -> list[str]:
