@@ -45,19 +45,20 @@ SIZES = {
         "eval_images": 400,
         "embed_samples": 48,
         "stream_samples": 400,
-        "dedup": (250_000, 1_000_000),
-        "cap": 240,
+        "dedup": (50_000, 250_000, 1_000_000),
+        "cap": 180,
     },
     "quick": {
         "samples": 24,
         "eval_images": 40,
         "embed_samples": 6,
         "stream_samples": 40,
-        "dedup": (5_000, 20_000),
+        "dedup": (2_000, 5_000, 20_000),
         "cap": 60,
     },
 }
 STREAM_SOURCES = (1, 4, 8)
+MEASURES = ("imports", "stream", "startup", "suite", "dedup", "filter", "embed")
 DATACOMPDR_SHARD = 10_000  # samples in a DataCompDR shard (the scaling's reference)
 MiB = 2**20
 
@@ -270,7 +271,8 @@ class Bench:
 
     def dedup(self, side: Side, n: int) -> None:
         metric = f"dedup (copies_within) of {n:,} fingerprints (s)"
-        if metric in self.capped and side.name == "before":
+        if side.name == "before" and any(int(m.split()[3].replace(",", "")) <= n for m in self.capped):
+            self.capped.setdefault(metric, "not run: a smaller size did not finish within the cap")
             return
         cap = self.sizes["cap"] if side.name == "before" else 3600
         result, seconds = run(side, probe("dedup", "--n", n), cap, self.log)
@@ -278,7 +280,7 @@ class Bench:
             self.capped[metric] = f"not done within {cap} s (capped)"
             return
         self.record(metric, side, result["seconds"])
-        self.record(f"dedup of {n:,}: samples dropped", side, result["dropped"])
+        self.record(metric.replace(" (s)", ": samples dropped"), side, result["dropped"])
 
     def filter(self, side: Side) -> None:
         output = self.work / f"filtered_{side.name}"
@@ -297,21 +299,24 @@ class Bench:
         self.record("data embed samples/s (K = 30, 2 teachers, 6 captions)", side, samples / result["seconds"])
 
     def measurements(self):
-        yield self.imports
+        """(name, measure) in order; --only keeps the named ones."""
+        yield "imports", self.imports
         for sources in STREAM_SOURCES:
-            yield lambda side, s=sources: self.stream(side, s)
-        yield self.startup
+            yield "stream", lambda side, s=sources: self.stream(side, s)
+        yield "startup", self.startup
         for ranks in (1, 2):
-            yield lambda side, r=ranks: self.suite(side, r)
+            yield "suite", lambda side, r=ranks: self.suite(side, r)
         for n in self.sizes["dedup"]:
-            yield lambda side, n=n: self.dedup(side, n)
-        yield self.filter
-        yield self.embed
+            yield "dedup", lambda side, n=n: self.dedup(side, n)
+        yield "filter", self.filter
+        yield "embed", self.embed
 
     def run_rounds(self) -> None:
         for r in range(self.args.rounds):
             order = self.sides if r % 2 == 0 else self.sides[::-1]
-            for measure in self.measurements():
+            for name, measure in self.measurements():
+                if self.args.only and name not in self.args.only:
+                    continue
                 for side in order:
                     measure(side)
             print(f"round {r + 1} of {self.args.rounds} done", flush=True)
@@ -323,7 +328,7 @@ def rows(bench: Bench, scale: str) -> list[dict]:
     for metric, by_side in bench.values.items():
         settings = {"metric": metric, "before_commit": before.commit, "after_commit": after.commit, "scale": scale}
         if "before" not in by_side:
-            settings["before_note"] = bench.capped.get(metric.replace(": samples dropped", " (s)"), "")
+            settings["before_note"] = bench.capped.get(metric.replace(": samples dropped", " (s)"), "not measured")
             out.append(bench_row(settings, {"after": by_side["after"]}))
             continue
         pairs = list(zip(by_side["before"], by_side["after"]))
@@ -362,6 +367,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="every measurement at small sizes (a smoke run)")
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "scale_bench_data"))
+    parser.add_argument("--only", type=lambda s: s.split(","), help="comma-separated: " + ", ".join(MEASURES))
     parser.add_argument("--csv", help="default: bench/scale/results/scale.csv (scale_quick.csv with --quick)")
     args = parser.parse_args()
     sizes = SIZES["quick" if args.quick else "default"]
