@@ -42,7 +42,7 @@ from synthetic import CAPTION_KEYS, SOURCES, build  # noqa: E402
 SIZES = {
     "default": {
         "samples": 256,
-        "eval_images": 400,
+        "eval_images": 800,
         "embed_samples": 48,
         "stream_samples": 400,
         "dedup": (50_000, 250_000, 1_000_000),

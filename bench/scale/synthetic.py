@@ -10,7 +10,8 @@
   width) on the tiny model's towers (recipes/models/tiny.json: 64 px, 32 tokens), so that embedding stays cheap;
 - `student`: the tiny CLIP every training start-up starts from;
 - `eval/`: a task list (`tasks.yml`) of two zero-shot classification sets and one retrieval set, `eval_images`
-  64 px images each, and `eval/model`: the tiny CLIP saved with its tokenizer and image processor.
+  64 px images each, and `eval/model`: recipes/models/small.json's CLIP (96 px, 4 layers of 256 a tower) saved with
+  its tokenizer and image processor.
 
 Every file is a function of the sizes alone (seeded): `built.json` records them, and a folder built with other
 sizes is built again.
@@ -32,6 +33,7 @@ from disco_clip_ds.testing.runs import save_initial_model
 SOURCES, SHARDS_PER_SOURCE = 8, 2
 CAPTION_KEYS = ["txt"] + [f"syn{i}.txt" for i in range(5)]
 TEACHER_WIDTH, IMAGE_PIXELS = 768, 256
+SMALL_CONFIG = Path(TINY_CONFIG).with_name("small.json")
 WORDS = "a photo of the red blue green dog cat car tree house on in with near small large old new".split()
 
 
@@ -106,16 +108,16 @@ def write_eval(root: Path, images: int) -> Path:
     import yaml
 
     (root / "tasks.yml").write_text(yaml.safe_dump(tasks))
-    model = save_initial_model(root / "model", 3)
+    model = save_initial_model(root / "model", 3, SMALL_CONFIG)
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
-    processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    processor = CLIPImageProcessor(size={"shortest_edge": 96}, crop_size={"height": 96, "width": 96})
     CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(str(model))
     return root / "tasks.yml"
 
 
 def build(root: Path, samples: int, eval_images: int, embed_samples: int) -> dict:
     """Build (or keep, when built with these sizes) the data under ROOT; returns its record."""
-    record = {"samples_per_shard": samples, "eval_images": eval_images, "embed_samples": embed_samples, "format": 2}
+    record = {"samples_per_shard": samples, "eval_images": eval_images, "embed_samples": embed_samples, "format": 3}
     done = root / "built.json"
     if done.is_file() and json.loads(done.read_text()) == record:
         return record
