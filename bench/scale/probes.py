@@ -219,9 +219,9 @@ def planned_worker_bytes(args, urls: list[str]) -> int | None:
 
 
 def fingerprint_set(n: int, seed: int = 0) -> tuple[list[bytes], np.ndarray]:
-    """`n` 64-bit fingerprints (image and mirror hash, (n, 2, 8) uint8) and digests, as `data filter --dedup`
-    makes them (16-byte digests): random hashes, 1 % exact duplicates of an earlier sample and 2 % near copies (an earlier hash with
-    1 to 6 bits flipped)."""
+    """`n` 64-bit fingerprints (image and mirror hash, (n, 2, 8) uint8) and 16-byte digests, as `data filter
+    --dedup` makes them: random hashes, 1 % exact duplicates of an earlier sample and 2 % near copies (an earlier
+    hash with 1 to 6 bits flipped)."""
     rng = np.random.default_rng(seed)
     hashes = rng.integers(0, 256, (n, 2, 8), dtype=np.uint8)
     digests = rng.integers(0, 256, (n, 16), dtype=np.uint8)  # blake2b-128, as image_fingerprint
