@@ -232,7 +232,8 @@ class Bench:
         self.record(f"worker peak RSS, {label} (MiB)", side, result["peak_rss"] / MiB)
         self.record(f"worker private peak (RssAnon), {label} (MiB)", side, result["peak_anon"] / MiB)
         if sources == 1:  # what a forked worker could add at most beyond its parent's pages: the planner's allowance
-            self.record("reader private memory (RssAnon) before its first sample (MiB)", side, result["anon_before"] / MiB)
+            before = result["anon_before"] / MiB
+            self.record("reader private memory (RssAnon) before its first sample (MiB)", side, before)
         growth = (result["peak_anon"] - result["anon_before"]) / MiB
         self.record(f"worker private growth while reading, {label} (MiB)", side, growth)
         if result["planned"] is not None:  # the planner's store bound and shuffle buffers, where the side has them
