@@ -144,9 +144,10 @@ def trace_lines(trace: Path):
         yield from path.read_text(errors="replace").splitlines()
 
 
-def file_reads(trace: Path, folders: list[Path], suffix: str) -> tuple[int, int]:
-    """(opens, bytes read()) of the files under FOLDERS whose name ends with SUFFIX, from the strace files."""
-    opens = nbytes = 0
+def file_reads(trace: Path, folders: list[Path], suffix: str) -> tuple[int, int, int]:
+    """(opens, bytes read(), bytes mapped) of the files under FOLDERS whose name ends with SUFFIX, from the strace
+    files (a mapping counts its whole length: what is touched of it is not seen)."""
+    opens = nbytes = mapped = 0
     marks = [str(f.resolve()) + "/" for f in folders]
     for line in trace_lines(trace):
         name, _, rest = line.partition("(")
@@ -156,7 +157,9 @@ def file_reads(trace: Path, folders: list[Path], suffix: str) -> tuple[int, int]
             opens += 1
         elif name.endswith(("read", "pread64")) and " = " in line:
             nbytes += int(line.rsplit(" = ", 1)[1].split()[0])
-    return opens, nbytes
+        elif name.endswith("mmap"):
+            mapped += int(rest.split(", ")[1])
+    return opens, nbytes, mapped
 
 
 class Bench:
@@ -225,8 +228,8 @@ class Bench:
         trace.parent.mkdir(parents=True)
         argv = probe("stream", "--data", self.data, "--sidecars", self.sidecars(side), "--sources", sources)
         argv += ["--samples", samples, "--shuffle_buffer", buffer, "--shard_samples", self.sizes["samples"]]
-        result, _ = run(side, traced(trace, "openat", argv), 1800, self.log)
-        opens, _ = file_reads(trace, [self.sidecars(side)], ".teacher.safetensors")
+        result, _ = run(side, traced(trace, "openat,read,pread64,mmap", argv), 1800, self.log)
+        opens, nbytes, mapped = file_reads(trace, [self.sidecars(side)], ".teacher.safetensors")
         per_k = 1000 / samples
         label = f"{sources} source{'s' if sources > 1 else ''}"
         self.record(f"worker peak RSS, {label} (MiB)", side, result["peak_rss"] / MiB)
@@ -239,6 +242,7 @@ class Bench:
         if result["planned"] is not None:  # the planner's store bound and shuffle buffers, where the side has them
             self.record(f"planner: store bound + shuffle buffers, {label} (MiB)", side, result["planned"] / MiB)
         self.record(f"sidecar opens per 1,000 samples, {label}", side, opens * per_k)
+        self.record(f"sidecar MB read() or mapped per 1,000 samples, {label}", side, (nbytes + mapped) * per_k / 1e6)
         megabytes = result["read_bytes"] * per_k / 1e6
         self.record(f"sidecar MB read from storage per 1,000 samples, {label}", side, megabytes)
 
@@ -257,7 +261,7 @@ class Bench:
         argv += ["--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--report_to", "none"]
         argv += ["--disable_tqdm", "true", "--save_steps", "1000", "--optim", "sgd", "--learning_rate", "0.1"]
         _, seconds = run(side, traced(trace, "openat,read,pread64", argv), 900, self.log)
-        opens, nbytes = file_reads(trace, self.teachers, ".safetensors")
+        opens, nbytes, _ = file_reads(trace, self.teachers, ".safetensors")
         weights = sum(p.stat().st_size for t in self.teachers for p in t.glob("*.safetensors"))
         self.record("teacher weight file opens per training start-up", side, opens)
         self.record("teacher weights read() per training start-up (x their size)", side, nbytes / weights)
