@@ -318,7 +318,8 @@ class Bench:
         yield "filter", self.filter
         yield "embed", self.embed
 
-    def run_rounds(self) -> None:
+    def run_rounds(self, done) -> None:
+        """Every round; `done(rounds)` after each (the CSV is written then: a run stopped later keeps those rows)."""
         for r in range(self.args.rounds):
             order = self.sides if r % 2 == 0 else self.sides[::-1]
             for name, measure in self.measurements():
@@ -327,6 +328,7 @@ class Bench:
                 for side in order:
                     measure(side)
             print(f"round {r + 1} of {self.args.rounds} done", flush=True)
+            done(r + 1)
 
 
 def rows(bench: Bench, scale: str) -> list[dict]:
@@ -389,15 +391,16 @@ def main() -> None:
         bench = Bench(args, sides, data, work)
         print(f"log: {bench.log}", flush=True)
         bench.prepare()
-        bench.run_rounds()
         scale = f"{sizes['samples']} samples a shard (DataCompDR: {DATACOMPDR_SHARD:,})"
-        result = rows(bench, scale)
-        name = "scale_quick" if args.quick else "scale"
-        csv = Path(args.csv or HERE / "results" / f"{name}.csv")
-        write_rows(csv, result, command=command_line())
-        csv.with_suffix(".md").write_text(table(result))
-        print(table(result))
-        print(f"wrote {csv}")
+        csv = Path(args.csv or HERE / "results" / f"{'scale_quick' if args.quick else 'scale'}.csv")
+
+        def write(rounds: int) -> None:
+            result = rows(bench, scale)
+            write_rows(csv, result, command=command_line())
+            csv.with_suffix(".md").write_text(table(result))
+            print(table(result), f"wrote {csv} ({rounds} of {args.rounds} rounds)", sep="\n", flush=True)
+
+        bench.run_rounds(write)
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
         if (work / "bench.log").exists():  # kept for a look at what each command printed
