@@ -288,3 +288,24 @@ def test_startup_warns_on_rank_0_only_when_it_passes(tmp_path, monkeypatch, capl
     with caplog.at_level(logging.INFO, logger=host_memory.__name__):
         assert host_memory.log_host_memory(args, data_args, checked, model, None, on_device=True)["plan"]["fits"]
     assert [r.levelno for r in caplog.records] == [logging.INFO] and "host memory per node" in caplog.text
+
+
+def test_startup_reads_the_stored_row_from_the_sidecars(tmp_path, monkeypatch, fake_store):
+    import torch
+    from safetensors.torch import save_file
+
+    args, data_args, checked = run_facts(tmp_path)
+    folder = tmp_path / "sidecars"
+    folder.mkdir()
+    save_file({"x": torch.zeros(1)}, str(embeddings.sidecar_path(folder, checked.urls[0])), {"dtype": "bfloat16"})
+    seen = []
+    monkeypatch.setattr(
+        embeddings, "stored_row_bytes", lambda *a: seen.append(a) or 4321, raising=False
+    )  # records what the run asks for
+    checked.teacher_store = SimpleNamespace(folder=folder, augmentations=30, caption_keys=["txt", "syn0.txt"])
+    clip = SimpleNamespace(model_type="clip", projection_dim=768)
+    siglip = SimpleNamespace(model_type="siglip", text_config=SimpleNamespace(projection_size=1152))
+    checked.teacher_config = [clip, siglip]
+    host = host_memory.host_settings(args, data_args, checked, on_device=True, image_elements=100)
+    assert seen == [([768, 1152], 30, 2, "bfloat16")]
+    assert host.stored_row_bytes == 4321 and host.target_width == 768 + 1152
