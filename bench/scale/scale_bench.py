@@ -155,7 +155,7 @@ def file_reads(trace: Path, folders: list[Path], suffix: str) -> tuple[int, int,
             continue
         if name.endswith("openat"):
             opens += 1
-        elif name.endswith(("read", "pread64")) and " = " in line:
+        elif name.endswith(("read", "pread64", "readv", "preadv", "preadv2")) and " = " in line:
             nbytes += int(line.rsplit(" = ", 1)[1].split()[0])
         elif name.endswith("mmap"):
             mapped += int(rest.split(", ")[1])
@@ -228,7 +228,7 @@ class Bench:
         trace.parent.mkdir(parents=True)
         argv = probe("stream", "--data", self.data, "--sidecars", self.sidecars(side), "--sources", sources)
         argv += ["--samples", samples, "--shuffle_buffer", buffer, "--shard_samples", self.sizes["samples"]]
-        result, _ = run(side, traced(trace, "openat,read,pread64,mmap", argv), 1800, self.log)
+        result, _ = run(side, traced(trace, "openat,read,pread64,readv,preadv,preadv2,mmap", argv), 1800, self.log)
         opens, nbytes, mapped = file_reads(trace, [self.sidecars(side)], ".teacher.safetensors")
         per_k = 1000 / samples
         label = f"{sources} source{'s' if sources > 1 else ''}"
@@ -260,7 +260,7 @@ class Bench:
         argv += ["--synthetic_caption_ratio", "0.5", "--max_steps", "1", "--per_device_train_batch_size", "8"]
         argv += ["--dataloader_num_workers", "1", "--shuffle_buffer", "8", "--report_to", "none"]
         argv += ["--disable_tqdm", "true", "--save_steps", "1000", "--optim", "sgd", "--learning_rate", "0.1"]
-        _, seconds = run(side, traced(trace, "openat,read,pread64", argv), 900, self.log)
+        _, seconds = run(side, traced(trace, "openat,read,pread64,readv,preadv,preadv2", argv), 900, self.log)
         opens, nbytes, _ = file_reads(trace, self.teachers, ".safetensors")
         weights = sum(p.stat().st_size for t in self.teachers for p in t.glob("*.safetensors"))
         self.record("teacher weight file opens per training start-up", side, opens)
