@@ -11,6 +11,7 @@ from pathlib import Path
 
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.plan.host import DEFAULT_SAMPLE_BYTES, HostOptions
 from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
 from disco_clip_ds.plan.report import format_report, plan
 from disco_clip_ds.plan.trainable import LOCK_ARGUMENTS
@@ -67,6 +68,7 @@ def _parse(argv):
         help="plan for `disco-clip train --ema_decay D`: an fp32 EMA of the trainable weights, sharded like them",
     )
     _lock_arguments(p)
+    _host_arguments(p)
     p.add_argument("--json", help="also write the plan as JSON to this path")
     return p.parse_args(argv)
 
@@ -85,6 +87,59 @@ def _lock_arguments(p) -> None:
         "--lock_image_tower_freeze_norm",
         action="store_true",
         help="with --lock_image_tower_unlocked_layers: the vision tower's LayerNorms stay frozen, as in training",
+    )
+
+
+def _host_arguments(p) -> None:
+    """Host memory per node (plan/host.py): the ranks, DataLoader workers, shuffle buffers and stored embeddings."""
+    p.add_argument("--gpus_per_node", type=int, help="ranks on one node (default: --gpus, at most 8)")
+    p.add_argument("--node_memory_gb", type=float, help="a node's memory in GiB, to compare the host memory with")
+    p.add_argument("--dataloader_num_workers", type=int, default=2, help="as `disco-clip train`: workers per rank")
+    p.add_argument("--dataloader_prefetch_factor", type=int, default=2, help="batches each worker prepares ahead")
+    p.add_argument(
+        "--no_dataloader_pin_memory",
+        dest="pin_memory",
+        action="store_false",
+        help="plan for `train --dataloader_pin_memory false`: no page-locked copy of the batches in flight",
+    )
+    p.add_argument("--shuffle_buffer", type=int, default=1000, help="as `disco-clip train`: raw samples per block")
+    p.add_argument("--train_sources", type=int, default=1, help="'::' sources of --train_shards (a shuffle each)")
+    p.add_argument(
+        "--sample_bytes", type=int, default=DEFAULT_SAMPLE_BYTES, help="a raw sample's bytes in the shards (JPEG, text)"
+    )
+    p.add_argument(
+        "--teacher_embeddings",
+        action="store_true",
+        help="plan for `train --teacher_embeddings DIR`: the stored embeddings are read (each worker's store at its "
+        "bound), no teacher weights",
+    )
+    p.add_argument("--augmentations", type=int, default=0, help="with --teacher_embeddings: K stored per sample")
+    p.add_argument("--caption_keys", type=int, default=1, help="with --teacher_embeddings: captions stored per sample")
+    p.add_argument("--embedding_dtype", default="float32", help="with --teacher_embeddings: the stored dtype")
+    p.add_argument(
+        "--teacher_widths",
+        type=int,
+        nargs="+",
+        default=(),
+        help="with --teacher_embeddings: each stored teacher's embedding width (default: --teacher's projection)",
+    )
+
+
+def _host_options(args) -> HostOptions:
+    return HostOptions(
+        gpus_per_node=args.gpus_per_node,
+        node_memory_gb=args.node_memory_gb,
+        workers=args.dataloader_num_workers,
+        prefetch_factor=args.dataloader_prefetch_factor,
+        pin_memory=args.pin_memory,
+        shuffle_buffer=args.shuffle_buffer,
+        sources=args.train_sources,
+        sample_bytes=args.sample_bytes,
+        teacher_embeddings=args.teacher_embeddings,
+        augmentations=args.augmentations,
+        caption_keys=args.caption_keys,
+        embedding_dtype=args.embedding_dtype,
+        teacher_widths=tuple(args.teacher_widths),
     )
 
 
@@ -109,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         args.teacher,
         args.max_num_patches,
         args.ema,
+        _host_options(args),
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

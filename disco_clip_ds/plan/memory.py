@@ -108,7 +108,7 @@ class ModelShape:
         else:
             patches = (v.image_size // v.patch_size) ** 2
             image = (v.num_channels, v.image_size, v.image_size)
-        embed_dim = config.projection_dim if model_type == "clip" else t.projection_size
+        embed_dim = embedding_width(config)
         towers = {
             "vision": {
                 "layers": v.num_hidden_layers,
@@ -209,6 +209,11 @@ class ModelShape:
         return self.activation_elements_from(self.features(), fit, checkpointing) * elem_bytes + self.input_bytes(
             elem_bytes
         )
+
+
+def embedding_width(config) -> int:
+    """The width of a CLIPConfig's or SiglipConfig's embeddings (what a teacher stores per image and caption)."""
+    return config.projection_dim if config.model_type == "clip" else config.text_config.projection_size
 
 
 def load_fit(path=FIT_FILE) -> dict:

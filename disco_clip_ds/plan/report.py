@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.checks import read_deepspeed_json, validate_config
+from disco_clip_ds.plan.host import HostOptions, format_host, plan_host
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
     FAMILY_IMPLS,
@@ -58,10 +59,11 @@ def plan(
     teacher_path=None,
     max_num_patches: int | None = None,
     ema: bool = False,
+    host: HostOptions | None = None,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
-    gradients and no optimizer state."""
+    gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions())."""
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
@@ -99,6 +101,7 @@ def plan(
         "max_micro_batch": {},
         "max_contrastive_steps": {},
         "traffic": traffic_bytes(shape, settings, loss_impls),
+        "host": plan_host(shape, settings, teacher, host or HostOptions()),
     }
     for impl in loss_impls:
         if teacher is not None and impl == "local":
@@ -180,4 +183,6 @@ def format_report(result: dict, config_path, model_path) -> str:
         lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{batch:>14}" for _, batch in cells))
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
     lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
+    if "host" in result:
+        lines += ["", *format_host(result["host"])]
     return "\n".join(lines)

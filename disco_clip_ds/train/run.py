@@ -56,6 +56,7 @@ from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, Mode
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
 from disco_clip_ds.train.data_failure import worker_lost
 from disco_clip_ds.train.distill import load_teacher, stored_teacher, teacher_inputs
+from disco_clip_ds.train.host_memory import log_host_memory
 from disco_clip_ds.train.locking import lock_towers
 from disco_clip_ds.train.node_facts import node_facts
 from disco_clip_ds.train.trainer import DiscoTrainer
@@ -155,6 +156,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         if data_args.eval_tasks:
             _attach_suite(trainer, data_args, processor)
         _log_plan(args, checked, trainer, model)
+        log_host_memory(args, data_args, checked, model, teacher, on_device)  # warns when it passes MemTotal
 
         # 8. Train, with run.json written first (a resume adds a segment to it).
         if trainer.is_world_process_zero():
