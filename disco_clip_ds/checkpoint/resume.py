@@ -35,6 +35,7 @@ import logging
 import os
 from pathlib import Path
 
+from disco_clip_ds.checkpoint.data_identity import data_stat_digest, shards_digest  # noqa: F401 (resume.*)
 from disco_clip_ds.checkpoint.ema import saved_settings
 from disco_clip_ds.checkpoint.layout import is_zero3, saved_ranks
 from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
@@ -102,31 +103,6 @@ def architecture(config: dict) -> dict:
         for key in keys:
             found[f"{part}.{key}" if part else key] = section.get(key)
     return found
-
-
-def shards_digest(urls: list[str]) -> str:
-    """A short fingerprint of the shard list: a long list is not stored, and respelling it (a folder for its
-    tars, a brace range for a list) keeps it."""
-    return hashlib.sha256("\n".join(urls).encode()).hexdigest()[:16]
-
-
-def data_stat_digest(urls: list[str], data_args=None) -> str | None:
-    """A short fingerprint of the sizes and modification times of the run's local data files: its local shards, or
-    the files of a local `datasets` source (`data_args.train_file` / `dataset_name`); None when none is local. Data
-    rewritten under its names (a shard's samples reordered, a dataset shrunk) changes it, and a billion samples in
-    100,000 shards cost 100,000 stat calls, not a read. Remote shards (URLs, `pipe:`) and hub datasets are not
-    compared."""
-    from disco_clip_ds.data.shards import is_url
-
-    files = [url for url in urls if not is_url(url) and os.path.isfile(url)]
-    source = None if urls or data_args is None else (data_args.train_file or data_args.dataset_name)
-    if source and os.path.exists(source):
-        files = [str(p) for p in sorted(Path(source).rglob("*")) if p.is_file()] if os.path.isdir(source) else [source]
-    digest = hashlib.sha256()
-    for path in files:
-        stat = os.stat(path)
-        digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()[:16] if files else None
 
 
 # The per-tower optimizer flags (train/optim.py) and their defaults: the optimizer state holds one group per tower
@@ -306,7 +282,7 @@ def recorded_facts(checkpoint: Path, step: int) -> dict:
 # --- the comparison ---
 
 
-def _ranks(n: int) -> str:
+def describe_ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
@@ -317,7 +293,7 @@ def _stage(stage: int | None) -> str:
 def _batch(facts: dict) -> str:
     k = facts["gradient_accumulation_steps"]
     mode = " contrastive" if facts.get("contrastive_accumulation") and k > 1 else ""
-    return f"{facts['micro_batch_per_rank']} per rank x {_ranks(facts['world_size'])} x K {k}{mode}"
+    return f"{facts['micro_batch_per_rank']} per rank x {describe_ranks(facts['world_size'])} x K {k}{mode}"
 
 
 def _batch_advice(old: dict, new: dict) -> str:
@@ -333,7 +309,7 @@ def _batch_advice(old: dict, new: dict) -> str:
                 f"pass --per_device_train_batch_size {old['micro_batch_per_rank']} --gradient_accumulation_steps "
                 + (f"{old['gradient_accumulation_steps']} --contrastive_accumulation false")
             )
-        return f"resume on {_ranks(old['world_size'])} with the run's batch flags"
+        return f"resume on {describe_ranks(old['world_size'])} with the run's batch flags"
     if target % (micro * world) == 0:
         k = target // (micro * world)
         return f"pass --gradient_accumulation_steps {k}" + (" --contrastive_accumulation true" if k > 1 else "")
@@ -414,7 +390,7 @@ def resume_problems(old: dict, new: dict, ignore_data_skip: bool = False) -> lis
         if not converts_world_size(old, new):
             problems.append(
                 f"world size {old['world_size']} -> {new['world_size']}: only DeepSpeed ZeRO checkpoints move to "
-                f"another number of ranks; resume on {_ranks(old['world_size'])}"
+                f"another number of ranks; resume on {describe_ranks(old['world_size'])}"
             )
     if old.get("ema_decay") is not None and new.get("ema_decay") is None and not new.get("drop_ema"):
         problems.append(
@@ -514,14 +490,3 @@ def with_resume(run: dict | None, step: int, new: dict, universal: bool, ignore_
         segment["data_restarted"] = True
     run["resumes"] = [s for s in run.get("resumes", []) if s["from_step"] < step] + [segment]
     return run
-
-
-def describe_resumes(run: dict) -> str | None:
-    """The resumes in run.json, for the model card: where each started and what it trained with."""
-    parts = []
-    for s in run.get("resumes", []):
-        moved = [f"{_ranks(s['world_size'])} x K {s['gradient_accumulation_steps']}"] if "world_size" in s else []
-        if s.get("data_restarted"):
-            moved.append("data stream restarted")
-        parts.append(f"step {s['from_step']}" + (f" ({', '.join(moved)})" if moved else ""))
-    return "; ".join(parts) or None

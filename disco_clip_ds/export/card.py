@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, trainer_state
-from disco_clip_ds.checkpoint.resume import describe_resumes
+from disco_clip_ds.checkpoint.resume import describe_ranks
 from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
 from disco_clip_ds.data.redact import describe_data, public_text
 
@@ -37,6 +37,19 @@ def describe_run(checkpoint: Path) -> dict:
     if isinstance(info.get("data"), str):  # run.json of an older version holds the source as given, secrets included
         info["data"] = describe_data(info["data"])
     return {k: v for k, v in info.items() if v is not None}
+
+
+def describe_resumes(run: dict) -> str | None:
+    """The resumes in run.json, for the model card: where each started and what it trained with."""
+    parts = []
+    for s in run.get("resumes", []):
+        moved = (
+            [f"{describe_ranks(s['world_size'])} x K {s['gradient_accumulation_steps']}"] if "world_size" in s else []
+        )
+        if s.get("data_restarted"):
+            moved.append("data stream restarted")
+        parts.append(f"step {s['from_step']}" + (f" ({', '.join(moved)})" if moved else ""))
+    return "; ".join(parts) or None
 
 
 SUITE_FILE = "suite/suite.json"  # eval/callback.py writes it at the last step

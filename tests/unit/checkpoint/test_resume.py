@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from disco_clip_ds.checkpoint.resume import (
-    describe_resumes,
     facts_at,
     resume_problems,
     with_resume,
 )
+from disco_clip_ds.export.card import describe_resumes
 from disco_clip_ds.testing.images import write_shards
 
 STEPS, SAVE, PER_RANK = 6, 3, 4  # as the launched resume
