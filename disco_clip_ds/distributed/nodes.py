@@ -22,7 +22,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0, from_rank0, is_distributed, rank
+from disco_clip_ds.distributed.ranks import (
+    all_gathered,
+    decided_on_rank0,
+    from_rank0,
+    is_distributed,
+    rank,
+    ranks_per_node,
+)
 from disco_clip_ds.errors import UsageError
 
 logger = logging.getLogger("disco_clip_ds.distributed.nodes")
@@ -84,7 +91,7 @@ def check_elastic(env=os.environ) -> None:
 
 def _node() -> dict:
     """This rank's place: its rank, node (torchrun's GROUP_RANK, deepspeed's CROSS_RANK) and host."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    local = ranks_per_node()
     node = os.environ.get("GROUP_RANK") or os.environ.get("CROSS_RANK") or str(rank() // max(1, local))
     return {"rank": rank(), "node": int(node), "host": socket.gethostname()}
 

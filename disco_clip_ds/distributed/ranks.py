@@ -90,6 +90,11 @@ def barrier() -> None:
         dist.barrier()
 
 
+def ranks_per_node() -> int:
+    """This node's ranks, as the launcher says (torchrun's LOCAL_WORLD_SIZE, deepspeed's LOCAL_SIZE); 1 without one."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+
+
 def decided_on_rank0(compute):
     """compute() on rank 0, its result on every rank. A DiscoClipError raised there is raised on every rank (the
     other ranks would otherwise wait for the result until the process group times out)."""

@@ -9,6 +9,7 @@ import os
 
 from disco_clip_ds.data.embeddings import read_metadata, sidecar_path
 from disco_clip_ds.data.shards import is_url
+from disco_clip_ds.distributed.ranks import ranks_per_node
 from disco_clip_ds.plan.host import (
     DEFAULT_SAMPLE_BYTES,
     HostSettings,
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 def host_settings(args, data_args, checked, on_device: bool, image_elements: int) -> HostSettings:
     """The run's HostSettings: this node's ranks (the launcher's LOCAL_WORLD_SIZE), its DataLoader settings, the
     mean bytes of a sample in its local shards, and the stored embeddings' row (with --teacher_embeddings)."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    ranks = ranks_per_node()
     row, width = stored_row(checked)
     return HostSettings(
         ranks_per_node=ranks,

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from disco_clip_ds.distributed.ranks import ranks_per_node
 
 PACKAGES = ("disco-clip-ds", "torch", "transformers", "deepspeed", "accelerate")
 PER_PROCESS = ("local_rank",)  # training arguments that differ between the ranks of one run by design
@@ -35,7 +36,7 @@ def node_facts(model_args, data_args, args) -> dict:
 
     arguments = {f"--{k}": v for k, v in {**asdict(model_args), **asdict(data_args), **args.to_dict()}.items()}
     facts = {name: _plain(value) for name, value in arguments.items() if name[2:] not in PER_PROCESS}
-    facts["ranks per node"] = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    facts["ranks per node"] = ranks_per_node()
     facts["world size"] = args.world_size
     if args.deepspeed_json is not None:  # read by parse_args, which refuses an unreadable file
         facts["the DeepSpeed config file"] = args.deepspeed_json

@@ -78,13 +78,15 @@ def check_fits_host(config, deepspeed: dict | None, host_bytes: int | None = Non
     builds the whole model before DeepSpeed partitions it (ZeRO-3 builds its 1/world share: zero.Init). The planner's
     parameter count (plan.memory.ModelShape, counted on the meta device); `host_bytes`: the node's (default: the
     machine's physical memory)."""
+    from disco_clip_ds.distributed.ranks import ranks_per_node
+    from disco_clip_ds.plan.host import node_memory_bytes
     from disco_clip_ds.plan.memory import ModelShape
 
-    host = host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_bytes or node_memory_bytes()
     params = ModelShape.from_config(config).params
     zero3 = ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3
     world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = ranks_per_node()
     per_rank = 4 * params / (world if zero3 else 1)
     if per_rank * local > host:
         raise UsageError(
