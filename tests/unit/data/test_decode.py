@@ -2,13 +2,13 @@
 simplejpeg gives PIL's pixels bit for bit (full size and DCT-scaled, colour, gray, progressive), odd files go to PIL
 (CMYK, PNG, corrupt: PIL's error), and torch's uint8 bicubic resize stays within a stated bound of PIL's."""
 
+import importlib.util
 import io
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-import sklearn.datasets
 import torch
 from PIL import Image
 
@@ -17,7 +17,8 @@ from disco_clip_ds.data.decode import EncodedImage, to_rgb
 from disco_clip_ds.data.resize import resized_crop
 from disco_clip_ds.data.transforms import random_resized_crop_box
 
-PHOTO = Path(sklearn.datasets.__file__).parent / "images" / "china.jpg"  # 640 x 427, 4:4:4
+SKLEARN = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])  # found, not imported (seconds)
+PHOTO = SKLEARN / "datasets" / "images" / "china.jpg"  # 640 x 427, 4:4:4
 
 
 def encoded(mode: str = "RGB", fmt: str = "JPEG", size=(640, 427), **save) -> bytes:

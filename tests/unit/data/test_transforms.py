@@ -3,13 +3,13 @@
 against the paths written out below: PIL's crop as training computed it before (bit for bit for the eval crop, within
 a stated bound for the training crop), and per-sample float normalisation (bit for bit)."""
 
+import importlib.util
 import io
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-import sklearn.datasets
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -22,7 +22,8 @@ from disco_clip_ds.data.transforms import ImageTransform, draft_scale, random_re
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
 SIGLIP = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
-PHOTO = Path(sklearn.datasets.__file__).parent / "images" / "china.jpg"  # a 640 x 427 photograph, JPEG
+SKLEARN = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])  # found, not imported (seconds)
+PHOTO = SKLEARN / "datasets" / "images" / "china.jpg"  # a 640 x 427 photograph, JPEG
 
 
 def pil_crop(data: bytes, size: int, train: bool, rng: random.Random) -> torch.Tensor:
