@@ -11,6 +11,7 @@ root's forward, so its hooks never run.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -32,10 +33,9 @@ def gathered(model):
     collective: call it on every rank), sharded again on leaving it (`reshard`), so that the encoders' methods run on
     the full weights; any other model as it is. The root's parameters are unsharded once for a whole evaluation,
     not per batch: its token embedding alone is a large all-gather."""
-    from torch.distributed.fsdp import FSDPModule
-
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no model is FSDP's (and importing it costs)
     root = unwrap(model)
-    if not isinstance(root, FSDPModule):
+    if fsdp is None or not isinstance(root, fsdp.FSDPModule):
         yield
         return
     root.unshard()
