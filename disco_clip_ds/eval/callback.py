@@ -152,10 +152,11 @@ class SuiteCallback(LoggingCallback):
     last step's suite, the final model's, is written to the run folder (`output_dir/suite/`: each task's
     CLIP_benchmark JSON, suite.md, suite.csv, suite.json), from where the model card takes it.
 
-    A task that fails is logged as a warning with its error and left out of the average; training goes on (and a
-    failure of the whole suite is logged as the module docstring says). Its files are opened on every rank before its first forward, and a task that fails to open on any rank is skipped on
-    all (`run_suite`'s `agree`), so that no rank waits for the others in a ZeRO-3 forward. The task
-    list is read when the callback is made, before training: a malformed one is a UsageError on every rank.
+    A task that fails is logged as a warning with its error and left out of the average; training goes on (a
+    failure of the whole suite is logged as the module docstring says). Its files are opened on every rank before
+    its first forward, and a task that fails to open on any rank is skipped on all (`run_suite`'s `agree`), so that
+    no rank waits for the others in a ZeRO-3 or FSDP2 forward. The task list is read when the callback is made,
+    before training: a malformed one is a UsageError on every rank.
     `image_processor` is the one the run trains with, as for `ZeroShotCallback`."""
 
     def __init__(self, tasks_file, tokenizer, image_processor, every_n_steps: int, batch_size: int = 64):
