@@ -128,11 +128,14 @@ def checkpoint_problem(folder: str | os.PathLike, checksums: bool = True) -> str
 def model_folder_problem(folder: str | os.PathLike) -> str | None:
     """Why the model in `folder` cannot be trusted (None when it can), checked as `disco-clip export` checks what it
     exports: a Trainer checkpoint (DeepSpeed's `latest`, the Trainer's RNG states) must pass `checkpoint_problem`; a
-    folder with a manifest (a run's final model, an export) must match it, checksums included; a folder with
-    neither (save_pretrained's, a hub download) has nothing to be checked against."""
+    folder with a manifest (a run's final model, an export) must match it, checksums included, and a run folder's
+    final model must have one (the final save writes it last); a folder of weights with no manifest and no
+    checkpoints (save_pretrained's, a hub download) has nothing to be checked against."""
     folder = Path(folder)
     if deepspeed_tag(folder) is not None or saved_ranks(folder):
         return checkpoint_problem(folder)
+    if checkpoint_folders(folder) and not (folder / MANIFEST).is_file():
+        return f"no {MANIFEST}: the final save did not complete"
     if (folder / MANIFEST).is_file():
         return manifest_problem(folder)
     return None

@@ -155,8 +155,9 @@ def test_an_explicit_checkpoint_that_does_not_verify_is_refused_naming_the_newes
 
 def test_a_model_folder_is_checked_as_export_checks_it(tmp_path):
     """`model_folder_problem` / `verify_model_folder`, what every reader of weights calls: a checkpoint by
-    `checkpoint_problem`, a run's final model (or an export) by its manifest, save_pretrained's folder not at all; a
-    damaged final model names the newest checkpoint in its run that verifies."""
+    `checkpoint_problem`, a run's final model (or an export) by its manifest, which a run's final model must have,
+    save_pretrained's folder not at all; a damaged final model names the newest checkpoint in its run that
+    verifies."""
     run = tmp_path / "run"
     published(run / "checkpoint-1", 1)
     published(run / "checkpoint-2", 2)
@@ -173,6 +174,8 @@ def test_a_model_folder_is_checked_as_export_checks_it(tmp_path):
         f"--model {run} does not verify: model.safetensors does not match its checksum in the manifest; the newest "
         f"checkpoint in it that verifies is {run / 'checkpoint-1'}"
     )
+    (run / MANIFEST).unlink()  # a final save cut short: its weights are there, its manifest not
+    assert layout.model_folder_problem(run) == f"no {MANIFEST}: the final save did not complete"
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "model.safetensors").write_bytes(b"anything")  # nothing to check it against
