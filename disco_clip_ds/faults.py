@@ -32,6 +32,9 @@ At the end of a training step (`distributed/preemption.py`):
     signal_group_at_step[=SIG]:step=N[,rank=R]  the same to this rank's process group, as SLURM sends it
     kill_worker_at_step:step=N[,rank=R]         SIGKILL to this rank's first DataLoader worker, as the kernel's
                                                 out-of-memory killer sends it
+At the end of each in-training evaluation (`eval/callback.py`: the zero-shot set, its EMA, the suite), after its
+forwards, before the ranks agree on whether it succeeded:
+    fail_in_eval:step=N[,rank=R]        a RuntimeError on this rank (with rank=R: on that rank alone)
 In the download worker of shard K (`data/prep/download.py`):
     exit_before:shard=K                 the worker process ends (exit code 3) before the shard starts, as a crashed
                                         executor would
@@ -150,6 +153,12 @@ def at_step_end(step: int) -> None:
         if spec:
             name = (spec.value or "SIGTERM").upper()
             send(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+
+
+def after_eval(step: int) -> None:
+    """The point at the end of an in-training evaluation: fail_in_eval."""
+    if fault("fail_in_eval", step=step):
+        raise RuntimeError(f"{ENV}: fail_in_eval at step {step} on rank {_rank()}")
 
 
 def before_shard(shard: int) -> None:

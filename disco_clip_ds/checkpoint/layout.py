@@ -125,6 +125,43 @@ def checkpoint_problem(folder: str | os.PathLike, checksums: bool = True) -> str
     return manifest_problem(folder, checksums) or save_problem(folder)
 
 
+def model_folder_problem(folder: str | os.PathLike) -> str | None:
+    """Why the model in `folder` cannot be trusted (None when it can), checked as `disco-clip export` checks what it
+    exports: a Trainer checkpoint (DeepSpeed's `latest`, the Trainer's RNG states) must pass `checkpoint_problem`; a
+    folder with a manifest (a run's final model, an export) must match it, checksums included, and a run folder's
+    final model must have one (the final save writes it last); a folder of weights with no manifest and no
+    checkpoints (save_pretrained's, a hub download) has nothing to be checked against."""
+    folder = Path(folder)
+    if deepspeed_tag(folder) is not None or saved_ranks(folder):
+        return checkpoint_problem(folder)
+    if checkpoint_folders(folder) and not (folder / MANIFEST).is_file():
+        return f"no {MANIFEST}: the final save did not complete"
+    if (folder / MANIFEST).is_file():
+        return manifest_problem(folder)
+    return None
+
+
+def verify_model_folder(source: str, flag: str) -> None:
+    """Refuse on every rank (CheckpointError; checked on rank 0) a model folder `source` whose files do not verify
+    (`model_folder_problem`), naming a checkpoint that does; `flag` names the argument in the message. A hub id, or
+    anything else that is not a folder, is left to its loader."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        decided_on_rank0(lambda: _refuse_model(folder, f"{flag} {source}"))
+
+
+def _refuse_model(folder: Path, named: str) -> None:
+    problem = model_folder_problem(folder)
+    if problem is None:
+        return
+    if checkpoint_folders(folder):  # a run folder whose final model is damaged
+        good, where = newest_complete(folder, warn=False), "in it"
+    else:
+        good, where = newest_complete_before(folder), "beside it"
+    instead = f"the newest checkpoint {where} that verifies is {good}" if good else f"no checkpoint {where} verifies"
+    raise CheckpointError(f"{named} does not verify: {problem}; {instead}")
+
+
 # --- the checkpoints of a run ---
 
 

@@ -178,6 +178,7 @@ def embed_parser() -> argparse.ArgumentParser:
 
 def embed_main(argv: list[str] | None = None) -> int:
     """`disco-clip data embed --teacher MODEL [MODEL ...] --shards SPEC`: see `embed_parser`."""
+    from disco_clip_ds.checkpoint.layout import verify_model_folder
     from disco_clip_ds.data.prep.embed import Settings, embed_launched
     from disco_clip_ds.data.shards import local_shards
 
@@ -192,6 +193,8 @@ def embed_main(argv: list[str] | None = None) -> int:
         args.embedding_dtype,
         args.seed,
     )
+    for teacher in settings.teachers:  # a teacher's weights verified as `disco-clip export` verifies a model
+        verify_model_folder(teacher, "--teacher")
     urls = local_shards(args.shards, "data embed")
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disco_clip_ds import compat
-from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state
+from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state, verify_model_folder
 from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.distributed.ranks import launched, process_group, rank
-from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
+from disco_clip_ds.errors import CheckpointError, DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
 
@@ -86,7 +86,11 @@ class EvalArguments:
 
 def load_for_eval(model_id: str, device: str = "cpu"):
     """(CLIPModel or SiglipModel, tokenizer, image processor) from a folder or hub id, with transformers alone. A
-    folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead."""
+    folder without full weights, or one transformers cannot read, is a UsageError saying what to pass instead; a
+    checkpoint, final or exported model whose files do not match its manifest is refused as `disco-clip export`
+    refuses it (a CheckpointError naming a checkpoint that verifies), and weights that safetensors cannot read
+    (cut short, with no manifest to say so first) are a CheckpointError too."""
+    from safetensors import SafetensorError
     from transformers import AutoImageProcessor, AutoModel
 
     compat.quiet_default_config_warnings()  # from_pretrained logs the config: SigLIP's would warn about default ids
@@ -97,11 +101,14 @@ def load_for_eval(model_id: str, device: str = "cpu"):
         raise UsageError(
             f"no model weights in '{folder}' ({hint}run `disco-clip export {folder} OUT_DIR` and evaluate OUT_DIR)"
         )
+    verify_model_folder(model_id, "--model")
     try:
         model = AutoModel.from_pretrained(model_id).to(device)
         return model, _tokenizer(model_id), AutoImageProcessor.from_pretrained(model_id)
     except OSError as e:  # no such folder or hub id, or one without the config / processor files
         raise UsageError(f"--model {model_id}: {e}") from e
+    except SafetensorError as e:
+        raise CheckpointError(f"--model {model_id}: its weights cannot be read ({e}): a damaged or partial copy") from e
 
 
 def _tokenizer(model_id: str):

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from disco_clip_ds.distributed.ranks import all_true
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds import faults
+from disco_clip_ds.distributed.ranks import all_true, rank
+from disco_clip_ds.errors import DiscoClipError, UsageError
+from disco_clip_ds.eval.encode import gathered
 from disco_clip_ds.eval.suite import error_line, load_tasks, run_suite, scalars, training_tasks, write_suite
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification
 
@@ -45,6 +48,32 @@ class LoggingCallback(TrainerCallback):
         should_log = control.should_log
         self.trainer.log(metrics)
         control.should_log = should_log
+
+    def evaluated(self, args, step: int, what: str, model, evaluate: Callable):
+        """`evaluate()` run on every rank (under FSDP2 with `model`'s root parameters gathered), or None on every rank
+        when it raised on any: each rank that failed logs its error, rank 0 logs a failure elsewhere, and training
+        goes on (the module docstring)."""
+        error = None
+        try:
+            with gathered(model):
+                result = evaluate()
+            faults.after_eval(step)
+        except Exception as e:  # anything: an in-training evaluation must not end the run (nor lose its checkpoint)
+            error, result = e, None
+        if all_true(error is None, getattr(args, "device", None)):
+            return result
+        if error is not None:
+            logger.warning("step %d: %s failed on rank %d: %s; training goes on", step, what, rank(), _line(error))
+        elif rank() == 0:
+            logger.warning("step %d: %s failed on another rank (its own line says why); training goes on", step, what)
+        return None
+
+
+def _line(error: BaseException) -> str:
+    """An error in one line: a project error's own message, any other with its type (a UnicodeDecodeError's text
+    does not say what it is)."""
+    line = error_line(error)
+    return line if isinstance(error, DiscoClipError) else f"{type(error).__name__}: {line}"
 
 
 class ZeroShotCallback(LoggingCallback):
@@ -105,12 +134,15 @@ class ZeroShotCallback(LoggingCallback):
             batch_size=self.batch_size,
             progress=False,
         )
-        metrics = evaluate()
+        step = state.global_step
+        metrics = self.evaluated(args, step, "the zero-shot eval", model, evaluate) or {}
         ema = getattr(self.trainer, "ema", None)
         if ema is not None and getattr(args, "eval_ema", False):  # --eval_ema: the EMA's figures beside the weights'
-            with ema.swapped():
-                metrics.update({f"ema_{name}": value for name, value in evaluate().items()})
-        self.log(control, {f"zeroshot_{name}": value for name, value in metrics.items()})
+            with ema.swapped():  # the EMA into the shards first, then (FSDP2) gathered from them
+                averaged = self.evaluated(args, step, "the zero-shot eval of the EMA", model, evaluate) or {}
+            metrics.update({f"ema_{name}": value for name, value in averaged.items()})
+        if metrics:
+            self.log(control, {f"zeroshot_{name}": value for name, value in metrics.items()})
 
 
 class SuiteCallback(LoggingCallback):
@@ -120,10 +152,11 @@ class SuiteCallback(LoggingCallback):
     last step's suite, the final model's, is written to the run folder (`output_dir/suite/`: each task's
     CLIP_benchmark JSON, suite.md, suite.csv, suite.json), from where the model card takes it.
 
-    A task that fails is logged as a warning with its error and left out of the average; training goes on. Its
-    files are opened on every rank before its first forward, and a task that fails to open on any rank is skipped on
-    all (`run_suite`'s `agree`), so that no rank waits for the others in a ZeRO-3 forward. The task
-    list is read when the callback is made, before training: a malformed one is a UsageError on every rank.
+    A task that fails is logged as a warning with its error and left out of the average; training goes on (a
+    failure of the whole suite is logged as the module docstring says). Its files are opened on every rank before
+    its first forward, and a task that fails to open on any rank is skipped on all (`run_suite`'s `agree`), so that
+    no rank waits for the others in a ZeRO-3 or FSDP2 forward. The task list is read when the callback is made,
+    before training: a malformed one is a UsageError on every rank.
     `image_processor` is the one the run trains with, as for `ZeroShotCallback`."""
 
     def __init__(self, tasks_file, tokenizer, image_processor, every_n_steps: int, batch_size: int = 64):
@@ -138,7 +171,8 @@ class SuiteCallback(LoggingCallback):
         if not last and (not self.every_n_steps or state.global_step % self.every_n_steps):
             return
         tasks = self.tasks if last else training_tasks(self.tasks)
-        results = run_suite(
+        evaluate = functools.partial(
+            run_suite,
             tasks,
             model,
             self.tokenizer,
@@ -147,6 +181,9 @@ class SuiteCallback(LoggingCallback):
             progress=False,
             agree=lambda opened: all_true(opened, args.device),  # a task runs on every rank or on none
         )
+        results = self.evaluated(args, state.global_step, "the suite", model, evaluate)
+        if results is None:
+            return
         for result in results:
             if result.error is not None and state.is_world_process_zero:
                 step, key = state.global_step, result.task.key

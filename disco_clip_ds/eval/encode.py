@@ -2,11 +2,16 @@
 embeddings, the zero-shot classifier of class names x templates, eval mode for the duration.
 
 Under ZeRO-3 every rank holds a slice of the weights and a forward is a collective, so these must run on every rank
-over the same data; `encode_texts` deals its batches out across the ranks (eval/spread.py).
+over the same data; `encode_texts` deals its batches out across the ranks (eval/spread.py). Under FSDP2 the same
+holds once `gathered` has all-gathered the root's own parameters (the embeddings, final norms, projections): each
+sharded layer gathers its own in its forward hooks, but `get_text_features` / `get_image_features` are not the
+root's forward, so its hooks never run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +25,24 @@ def unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "get_image_features"):
         model = model.module
     return model
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """For the length of the block, an FSDP2-sharded model's root parameters whole on every rank (`unshard`, a
+    collective: call it on every rank), sharded again on leaving it (`reshard`), so that the encoders' methods run on
+    the full weights; any other model as it is. The root's parameters are unsharded once for a whole evaluation,
+    not per batch: its token embedding alone is a large all-gather."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no model is FSDP's (and importing it costs)
+    root = unwrap(model)
+    if fsdp is None or not isinstance(root, fsdp.FSDPModule):
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()  # the optimizer and the EMA work on the shards: leave none of the root's gathered
 
 
 def _first_param(model) -> torch.Tensor:

@@ -23,14 +23,13 @@ from disco_clip_ds.checkpoint.final_model import final_model_problem
 from disco_clip_ds.checkpoint.layout import (
     WEIGHT_FILES,
     checkpoint_folders,
-    checkpoint_problem,
     deepspeed_tag,
     has_weights,
+    model_folder_problem,
     newest_complete,
     newest_complete_before,
-    saved_ranks,
 )
-from disco_clip_ds.checkpoint.manifest import MANIFEST, manifest_problem
+from disco_clip_ds.checkpoint.manifest import MANIFEST
 from disco_clip_ds.errors import CheckpointError, ExportError, UsageError
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 from disco_clip_ds.models.processor import load_saved_tokenizer, pin_tokenizer
@@ -63,10 +62,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             f"'{path}' holds neither model weights ({', '.join(WEIGHT_FILES)}), a DeepSpeed checkpoint ('latest' "
             "file) nor complete checkpoint-N folders"
         )
-    if deepspeed_tag(path) is not None or saved_ranks(path):  # the Trainer's resume state: a checkpoint
-        problem = checkpoint_problem(path)
-    else:  # a folder of weights: an exported or final model (manifest), or one saved by save_pretrained
-        problem = manifest_problem(path) if (path / MANIFEST).is_file() else None
+    problem = model_folder_problem(path)  # a checkpoint, or an exported or final model against its manifest
     if problem:
         good = newest_complete_before(path)
         instead = f"the newest checkpoint beside it that verifies is {good}" if good else "none beside it verifies"

@@ -2,7 +2,11 @@
 - after each step the saved EMA equals a float64 recomputation, with timm ModelEmaV3's rule written out here, from the
   weights the same checkpoint saved, under ZeRO-2, ZeRO-3 and FSDP2; each rank saved only its shard of it;
 - --eval_ema logs the EMA's zero-shot figures, which `disco-clip export --ema` and `disco-clip eval` reproduce, and
-  hands the model its own weights back exactly (ZeRO-2, ZeRO-3; the in-training eval does not run under FSDP2);
+  hands the model its own weights back exactly (ZeRO-2, ZeRO-3);
+- under FSDP2 the in-training evals run (the zero-shot set, its EMA, a suite) and log what `disco-clip eval` gives for
+  the same weights; an evaluation that fails on one rank (DISCO_FAULT fail_in_eval on rank 1) is skipped on both and
+  training goes on, and so does a suite holding a task whose class-name file is not UTF-8: every step's checkpoint is
+  saved and verifies, and the final model is written;
 - a resume from step 2 on 2 ranks ends with the uninterrupted run's EMA and weights bit for bit, and on 1 rank x K=2
   (a universal checkpoint under ZeRO-2, the EMA re-partitioned from its per-rank files) within the float noise of the
   other reduction order.
@@ -12,13 +16,17 @@ the re-partitioning in one process: unit/train/test_ema.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from disco_clip_ds.checkpoint.consolidate import load_state_dict
 from disco_clip_ds.checkpoint.ema import ema_files, read_ema_state_dict
+from disco_clip_ds.checkpoint.layout import checkpoint_problem
+from disco_clip_ds.data.prep.fetch import environ
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import REPO, launch
 from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
@@ -70,7 +78,8 @@ def runs(tmp_path_factory):
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
     (root / "zero3.json").write_text(json.dumps(zero3))
     launch("torchrun", 2, root / "zero3", *common, *evaluated, ds_config=str(root / "zero3.json"))
-    launch("accelerate", 2, root / "fsdp", *common, ds_config=None)
+    with environ(DISCO_FAULT=f"fail_in_eval:step={EVAL_AT},rank=1"):  # every eval of step 3 fails on rank 1
+        launch("accelerate", 2, root / "fsdp", *common, *evaluated, *_suite(root), ds_config=None)
     for name in ("resumed", "one_rank"):  # the reference as it stood at step 2
         shutil.copytree(root / "zero2" / "checkpoint-2", root / name / "checkpoint-2")
         shutil.copy(root / "zero2" / "run.json", root / name / "run.json")
@@ -79,6 +88,17 @@ def runs(tmp_path_factory):
     one_rank = ["--gradient_accumulation_steps", "2", "--dataloader_num_workers", "2"]  # 2 readers, as 2 ranks x 1
     launch("torchrun", 1, root / "one_rank", *common, *resume, *one_rank)  # its log: one_rank.log
     return root
+
+
+SUITE_AT = 2  # the suite's training tasks at step 2, all of them at the last
+
+
+def _suite(root: Path) -> list[str]:
+    """A suite of the eval set (a training task) and a task whose class-name file is Latin-1, not UTF-8."""
+    (root / "latin1.txt").write_bytes("z\xe9ro\nun\n".encode("latin-1"))
+    tasks = f"digits:\n  path: eval\n  train: true\nbroken:\n  path: eval\n  classnames: {root / 'latin1.txt'}\n"
+    (root / "tasks.yml").write_text(tasks)
+    return ["--eval_tasks", str(root / "tasks.yml"), "--eval_steps", str(SUITE_AT)]
 
 
 def _float64(state: dict) -> dict:
@@ -134,6 +154,42 @@ def test_eval_ema_logs_the_ema_that_export_writes_and_leaves_the_weights_as_they
     metrics = run_eval(EvalArguments(model=str(out), data=str(runs / "eval")))["metrics"]
     logged = {k.removeprefix("zeroshot_ema_"): v for k, v in during[STEPS].items() if k.startswith("zeroshot_ema_")}
     assert metrics == pytest.approx(logged, abs=1e-6)
+
+
+def test_under_fsdp2_the_evals_log_what_eval_gives_and_no_failure_stops_training(runs, tmp_path):
+    from disco_clip_ds.commands import export as export_command
+    from disco_clip_ds.commands.eval import EvalArguments, run_eval
+    from disco_clip_ds.errors import run_main
+
+    run = runs / "fsdp"
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+    zeroshot = {e["step"]: e for e in history if "zeroshot_acc1" in e}
+    suite = {e["step"]: e for e in history if any(k.startswith("suite/") for k in e)}
+    # step 3's evaluations failed on rank 1 alone and were skipped on both ranks; the suite ran at steps 2 and 4
+    assert sorted(zeroshot) == [STEPS] and "zeroshot_ema_acc1" in zeroshot[STEPS]
+    assert SUITE_AT in suite and all("suite/broken" not in e for e in history)
+    log = (runs / "fsdp.log").read_text()
+    for what in ("the zero-shot eval", "the zero-shot eval of the EMA"):
+        assert f"step {EVAL_AT}: {what} failed on rank 1: RuntimeError: DISCO_FAULT: fail_in_eval" in log
+        assert f"step {EVAL_AT}: {what} failed on another rank" in log
+    assert re.search(rf"step {STEPS}: (task broken|the suite) failed", log)  # the Latin-1 task, logged
+    assert "Traceback" not in log
+    for step in range(1, STEPS + 1):  # the checkpoint of every step, an evaluation's included, complete
+        assert checkpoint_problem(run / f"checkpoint-{step}") is None
+    # training's figures are `disco-clip eval`'s of the same weights: the suite's at step 2 of that checkpoint's,
+    # the last step's of the final model and of `export --ema`'s folder
+    exported = run_main(export_command.main, [str(run / f"checkpoint-{SUITE_AT}"), str(tmp_path / "w2")], "export")
+    assert exported == 0
+    at_2 = run_eval(EvalArguments(model=str(tmp_path / "w2"), data=str(runs / "eval")))["metrics"]
+    assert suite[SUITE_AT]["suite/digits"] == pytest.approx(at_2["acc1"], abs=1e-6)
+    final = run_eval(EvalArguments(model=str(run), data=str(runs / "eval")))["metrics"]
+    assert {k: zeroshot[STEPS][f"zeroshot_{k}"] for k in final} == pytest.approx(final, abs=1e-6)
+    assert run_main(export_command.main, [str(run), str(tmp_path / "ema"), "--ema"], "export") == 0
+    ema = run_eval(EvalArguments(model=str(tmp_path / "ema"), data=str(runs / "eval")))["metrics"]
+    assert {k: zeroshot[STEPS][f"zeroshot_ema_{k}"] for k in ema} == pytest.approx(ema, abs=1e-6)
+    # and the evaluations (the EMA swapped in and out, the root gathered and resharded) left training as it was: the
+    # weights of the ZeRO-2 run, which evaluated at step 3 without a failure
+    assert_same_training(run, runs / "zero2", weights(runs / "tiny"), STEPS)
 
 
 def test_a_resume_on_the_same_ranks_ends_with_the_uninterrupted_ema_bit_for_bit(runs):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from disco_clip_ds.checkpoint.layout import verify_model_folder
 from disco_clip_ds.data.naflex import DEFAULT_MAX_NUM_PATCHES
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.models.configs import MODEL_TYPES, load_config
@@ -59,6 +60,8 @@ def check_model_source(model_args: ModelArguments) -> dict | None:
     ):
         if value and is_path(value) and not Path(value).expanduser().exists():
             raise UsageError(f"{flag} {value}: no such folder")
+    if model_args.model_name_or_path:  # weights read as `disco-clip export` reads them: verified first
+        verify_model_folder(model_args.model_name_or_path, "--model_name_or_path")
     return written
 
 

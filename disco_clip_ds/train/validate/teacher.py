@@ -8,6 +8,7 @@ import logging
 import math
 from pathlib import Path
 
+from disco_clip_ds.checkpoint.layout import verify_model_folder
 from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.models.configs import load_config
@@ -91,7 +92,8 @@ def _family_config(teacher: str, student):
 
 
 def check_teacher_weights(teacher: str) -> None:
-    """A teacher folder must hold a model's weights (transformers' file names, whole or sharded): a DeepSpeed
+    """A teacher folder must hold a model's weights (transformers' file names, whole or sharded), verified as
+    `disco-clip export` verifies a model (`verify_model_folder`): a DeepSpeed
     checkpoint's folder holds ZeRO shards (and no weights under ZeRO-3) that `from_pretrained` cannot read, and
     would fail only once the student is built. (A hub id is left to the hub.)"""
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
@@ -103,6 +105,7 @@ def check_teacher_weights(teacher: str) -> None:
             f"--teacher {teacher}: no model weights in the folder ({SAFE_WEIGHTS_NAME} or {WEIGHTS_NAME}); for a "
             "training checkpoint, give the folder `disco-clip export CHECKPOINT DIR` makes of it"
         )
+    verify_model_folder(teacher, "--teacher")  # a final or exported model against its manifest
 
 
 def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):

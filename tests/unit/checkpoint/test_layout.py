@@ -151,3 +151,33 @@ def test_an_explicit_checkpoint_that_does_not_verify_is_refused_naming_the_newes
         layout.verify_resumable(bad)
     with pytest.raises(UsageError, match="checkpoint-9: no such folder"):  # a typo is bad usage (exit 2)
         layout.verify_resumable(run / "checkpoint-9")
+
+
+def test_a_model_folder_is_checked_as_export_checks_it(tmp_path):
+    """`model_folder_problem` / `verify_model_folder`, what every reader of weights calls: a checkpoint by
+    `checkpoint_problem`, a run's final model (or an export) by its manifest, which a run's final model must have,
+    save_pretrained's folder not at all; a damaged final model names the newest checkpoint in its run that
+    verifies."""
+    run = tmp_path / "run"
+    published(run / "checkpoint-1", 1)
+    published(run / "checkpoint-2", 2)
+    (run / "checkpoint-2" / "latest").write_text("global_step9")  # the same size, another tag
+    (run / "model.safetensors").write_bytes(b"final")
+    write_manifest(run, ["model.safetensors"])
+    assert layout.model_folder_problem(run) is None
+    assert layout.model_folder_problem(run / "checkpoint-1") is None
+    assert layout.model_folder_problem(run / "checkpoint-2") == "latest does not match its checksum in the manifest"
+    (run / "model.safetensors").write_bytes(b"fin4l")
+    with pytest.raises(CheckpointError) as refused:
+        layout.verify_model_folder(str(run), "--model")
+    assert str(refused.value) == (
+        f"--model {run} does not verify: model.safetensors does not match its checksum in the manifest; the newest "
+        f"checkpoint in it that verifies is {run / 'checkpoint-1'}"
+    )
+    (run / MANIFEST).unlink()  # a final save cut short: its weights are there, its manifest not
+    assert layout.model_folder_problem(run) == f"no {MANIFEST}: the final save did not complete"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes(b"anything")  # nothing to check it against
+    assert layout.model_folder_problem(plain) is None
+    layout.verify_model_folder("org/hub-id", "--model")  # not a folder: the hub's

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from disco_clip_ds.commands.eval import load_for_eval
+from disco_clip_ds.errors import CheckpointError
 from disco_clip_ds.eval.tasks import zeroshot_classification
 
 from unit.eval.sets import CLASSNAMES, TEMPLATES, eval_main, tiny_clip
@@ -123,3 +124,68 @@ def test_under_torchrun_each_rank_evaluates_on_the_gpu_of_its_local_rank(monkeyp
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert launched_device("cuda") == "cuda:1" and launched_device("cpu") == "cpu"
     assert launched_device("cuda:0") == "cuda:0"  # a device the user named stands
+
+
+# --- a checkpoint is verified before it is read, as export verifies it ---
+
+
+def _damaged_copy(model_dir, folder, how: str):
+    """A copy of `model_dir` in `folder` with a manifest, then its model.safetensors damaged: one byte flipped in the
+    tensors (same size: only the checksum shows it), cut to half, or ("none") left whole."""
+    import shutil
+
+    from disco_clip_ds.checkpoint.manifest import write_manifest
+
+    shutil.copytree(model_dir, folder)
+    write_manifest(folder)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if how == "flipped":
+        data[-100] ^= 0xFF
+    if how != "none":
+        weights.write_bytes(bytes(data) if how == "flipped" else bytes(data[: len(data) // 2]))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "how, problem",
+    [
+        ("flipped", "model.safetensors does not match its checksum in the manifest"),
+        ("truncated", "model.safetensors is "),
+    ],
+)
+def test_eval_refuses_a_model_that_fails_its_manifest_as_export_does(
+    model_dir, cls_set, tmp_path, capsys, how, problem
+):
+    from disco_clip_ds.commands import export as export_command
+    from disco_clip_ds.errors import run_main
+
+    folder = _damaged_copy(model_dir, tmp_path / "model", how)
+    assert eval_main(["--model", str(folder), "--data", str(cls_set[0])]) == 1  # was 0 (flipped), a traceback (cut)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"disco-clip eval: --model {folder} does not verify: {problem}")
+    assert run_main(export_command.main, [str(folder), str(tmp_path / "out")], "disco-clip export") == 1
+    assert f"'{folder}' does not verify: {problem}" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_one_beside_it_that_verifies(model_dir, tmp_path, capsys):
+    """Trainer checkpoints (trainer state, RNG state, manifest): the damaged checkpoint-2 is refused, naming
+    checkpoint-1; weights without a manifest that safetensors cannot read are one line too."""
+    from disco_clip_ds.checkpoint.manifest import write_manifest
+
+    for step in (1, 2):
+        checkpoint = _damaged_copy(model_dir, tmp_path / "run" / f"checkpoint-{step}", "none")
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        (checkpoint / "rng_state.pth").write_bytes(b"rng")
+        write_manifest(checkpoint)
+    weights = tmp_path / "run" / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="the newest checkpoint beside it that verifies is .*checkpoint-1$"):
+        load_for_eval(str(weights.parent))
+    (tmp_path / "run" / "checkpoint-1" / "manifest.json").unlink()  # no manifest: an incomplete save
+    with pytest.raises(CheckpointError, match="no manifest.json: the save did not complete; no checkpoint beside"):
+        load_for_eval(str(tmp_path / "run" / "checkpoint-1"))
+    cut = _damaged_copy(model_dir, tmp_path / "cut", "truncated")
+    (cut / "manifest.json").unlink()  # save_pretrained's folder: nothing to check against, safetensors' error
+    with pytest.raises(CheckpointError, match=r"^--model .*cut: its weights cannot be read \(.*\): a damaged"):
+        load_for_eval(str(cut))

@@ -63,6 +63,25 @@ def test_a_missing_relative_teacher_folder_is_one_line(tmp_path, capsys, monkeyp
         assert err.startswith(f"disco-clip data embed: --teacher {teacher}: {said}") and len(err.splitlines()) == 1
 
 
+def test_a_teacher_whose_weights_fail_their_manifest_is_refused_in_one_line(tmp_path, capsys, no_model):
+    """A teacher folder (an exported model) whose model.safetensors no longer matches its manifest is refused as
+    `disco-clip export` refuses it, before any shard is read or model built."""
+    from disco_clip_ds.checkpoint.manifest import write_manifest
+    from disco_clip_ds.models.build import load_config
+
+    teacher = tmp_path / "teacher"
+    load_config(model_config=str(TINY_CONFIG)).save_pretrained(teacher)
+    (teacher / "model.safetensors").write_bytes(b"weights")
+    write_manifest(teacher)
+    (teacher / "model.safetensors").write_bytes(b"weigh")
+    assert _embed(["--teacher", str(teacher), "--shards", str(tmp_path / "nowhere")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"disco-clip data embed: --teacher {teacher} does not verify: model.safetensors is 5 bytes, the manifest says "
+        "7; no checkpoint beside it verifies"
+    )
+
+
 def test_a_siglip2_teacher_is_refused_in_one_line(tmp_path, capsys, no_model):
     """D5: AttributeError: 'Siglip2VisionConfig' object has no attribute 'image_size'."""
     from disco_clip_ds.models.build import load_config

@@ -418,3 +418,28 @@ def test_max_image_pixels_is_checked_for_a_datasets_source_too(tmp_path, train_m
     argv += ["--max_steps", "1", "--per_device_train_batch_size", "2", "--dataloader_num_workers", "0"]
     assert train_main(*argv, "--max_image_pixels", "0") == 2
     assert "--max_image_pixels 0: give a positive number of pixels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--teacher"])
+def test_weights_that_fail_their_manifest_are_refused_as_export_refuses_them(
+    flag, bad_inputs, train_main, tmp_path, capsys
+):
+    """Initial weights or a teacher (a final or exported model) whose model.safetensors no longer matches its
+    manifest: one line, exit 1, before any work (the weights were read as they were)."""
+    import shutil
+
+    from disco_clip_ds.checkpoint.manifest import write_manifest
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(bad_inputs["clip_teacher"], folder)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    write_manifest(folder)
+    (folder / "model.safetensors").write_bytes(b"weightz")  # the same size: only the checksum shows it
+    model = [*MODEL] if flag == "--teacher" else []
+    assert train_main("--train_shards", bad_inputs["data"], *model, *TOK, flag, str(folder)) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip train: ")]
+    assert said == [
+        f"disco-clip train: {flag} {folder} does not verify: model.safetensors does not match its checksum in the "
+        "manifest; no checkpoint beside it verifies"
+    ]
+    assert not (tmp_path / "out").exists()
