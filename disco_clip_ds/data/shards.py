@@ -11,6 +11,7 @@ from pathlib import Path
 
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
+from disco_clip_ds.atomic import write_json  # noqa: F401  (the data modules' JSON writer: atomic.py's, named here)
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.errors import UsageError
 
@@ -21,15 +22,6 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
 def is_url(spec: str) -> bool:
     """Whether a shard spec is remote (`scheme://...`) or a webdataset `pipe:` command rather than a local path."""
     return bool(_URL.match(spec)) or spec.startswith("pipe:")
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON through a temporary file and a rename, so an interruption never leaves a truncated file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def expand_shards(spec: str) -> list[str]:

@@ -11,6 +11,7 @@ from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, sidecar_p
 from disco_clip_ds.data.shards import local_shards as _local_shards
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.data.teacher_id import teacher_fingerprint
+from disco_clip_ds.distributed.runlock import WRITER_LOCK
 from disco_clip_ds.errors import DataError, UsageError
 
 ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resume with other ones is refused
@@ -101,6 +102,6 @@ def claim_output(output: Path, arguments: dict) -> None:
                 "--output, or re-run with the same arguments to resume"
             )
         return
-    if output.is_dir() and any(output.iterdir()):
+    if output.is_dir() and any(p.name != WRITER_LOCK for p in output.iterdir()):
         raise UsageError(f"--output {output}: holds files that are not a filter's output: give a new or empty folder")
     write_json(record, arguments)
