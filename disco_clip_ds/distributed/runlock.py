@@ -34,7 +34,7 @@ from pathlib import Path
 from disco_clip_ds import atomic
 from disco_clip_ds.distributed import startup
 from disco_clip_ds.distributed.ranks import decided_on_rank0
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.distributed.runlock")
 
@@ -186,8 +186,12 @@ class _WriterLock:
         if not self.beside and folder.exists() and not folder.is_dir():
             raise UsageError(f"{self.flag} {folder} is a file: give a folder")
         self.made_folder = not folder.exists()
-        folder.mkdir(parents=True, exist_ok=True)
-        self.fd, _, holder = _taken(self.path, self._refusal)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.fd, _, holder = _taken(self.path, self._refusal)
+        except OSError as error:  # a read-only or full disk: one line (and on every rank, see decided_on_rank0)
+            reason = error.strerror or error
+            raise DiscoClipError(f"cannot write '{self.target}': {reason}: choose a writable folder") from error
         if holder:  # its holder was killed (a writer that ends removes its lock file)
             logger.warning(
                 "%s %s: taking over the lock of a writer that is no longer running (%s)", self.flag, self.target, holder

@@ -108,10 +108,11 @@ def test_the_same_inputs_give_byte_identical_output_and_a_resume_redoes_only_wha
     shutil.rmtree(out)
     assert _filter(*argv) == 0
     assert _hashes(out) == first
-    # a run killed while writing the second shard: its sidecar not yet written, a torn temporary file, no report
+    # a run killed while writing the second shard: its sidecar not yet written, a torn temporary file (removed by
+    # the next writer, which holds the folder's lock), no report
     untouched = (out / "00000.tar").stat().st_mtime_ns
     sidecar_path(out, str(out / "00001.tar")).unlink()
-    (out / ".00002.tar.tmp").write_bytes(b"torn")
+    (out / ".00002.tar.x1b2c3d4.tmp").write_bytes(b"torn")
     (out / "00002.tar").unlink()
     (out / "filter.parquet").unlink()
     assert _filter(*argv) == 0
