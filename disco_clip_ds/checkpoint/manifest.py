@@ -43,7 +43,7 @@ def write_manifest(folder: str | os.PathLike, names: list[str] | None = None) ->
         name: {"size": size, "xxh3_128": digest}
         for name, size, digest in zip(names, sizes, file_checksums(folder, names), strict=True)
     }
-    write_text(folder / MANIFEST, json.dumps({"files": files}, indent=1))
+    write_text(folder / MANIFEST, json.dumps({"files": files}, indent=1), durable=True)  # the mark of a whole folder
 
 
 def manifest_problem(folder: str | os.PathLike, checksums: bool = True) -> str | None:

@@ -78,3 +78,20 @@ def test_a_written_file_has_a_plain_files_mode_and_its_temporary_name_is_recogni
     assert atomic.is_leftover(stage.tmp.name) and stage.tmp.name.startswith(".00001.tar.")
     stage.discard()
     assert not any(atomic.is_leftover(n) for n in ("00001.tar", ".00001.tar.tmp", "a.tmp", ".filter"))
+
+
+def test_only_a_durable_write_is_synced_to_the_disk_before_its_rename(tmp_path, monkeypatch):
+    """A checkpoint's manifest (the mark that the folder is whole) is synced before it is renamed into place, so a
+    power loss cannot leave the name on empty blocks; other writes are not (their readers check their checksums)."""
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    atomic.write_text(tmp_path / "sizes.json", "{}")
+    assert synced == []
+    atomic.write_text(tmp_path / "manifest.json", "{}", durable=True)
+    assert len(synced) == 1 and atomic.is_leftover(os.path.basename(synced[0]))  # the temporary file, before
+    from disco_clip_ds.checkpoint.manifest import write_manifest
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"w")
+    write_manifest(tmp_path / "ckpt")
+    assert len(synced) == 2 and ".manifest.json." in synced[1]
