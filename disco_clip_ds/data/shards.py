@@ -57,6 +57,25 @@ def source_specs(spec: str) -> list[str]:
     return [s.strip() for s in spec.split("::") if s.strip()]
 
 
+def repeated_shard(urls: list[str]) -> tuple[str, str] | None:
+    """The first shard of `urls` named a second time (`a::a`, overlapping brace patterns, one file by two paths), as
+    (its first spelling, its second); None when each is named once. Local shards are compared as the files they
+    resolve to, URLs as written."""
+    seen: dict[str, str] = {}
+    for url in urls:
+        key = url if is_url(url) else os.path.realpath(url)
+        if key in seen:
+            return seen[key], url
+        seen[key] = url
+    return None
+
+
+def twice_text(first: str, second: str) -> str:
+    """'the shard S twice (as A and B)' of `repeated_shard`'s pair, for a refusal."""
+    spellings = f" (as {describe_source(first)} and {describe_source(second)})" if first != second else ""
+    return f"the shard {describe_source(second)} twice{spellings}"
+
+
 def missing_shards(urls: list[str]) -> list[str]:
     """The local shards of `urls` that are not files (a remote one is found missing only when it is read). Training
     skips them, as webdataset's and open_clip's readers do; an evaluation refuses them (eval/sources.py)."""

@@ -142,6 +142,8 @@ def _refusal_setup(tmp_path, case) -> list:
         base[1] = f"{shards}::{tmp_path / 'other'}"
     elif case == "named_teacher":
         base += ["--teacher", _teacher(tmp_path)]
+    elif case == "shard_twice":  # `a::a`: every sample kept twice
+        base[1] = f"{shards}::{shards}"
     elif case == "shard_changed":
         write_shards(shards, 2, 40, seed=1)  # the shards written again: other sizes than their sidecars record
     elif case == "stale_sidecar":  # the shards written again, of one size (tar pads to 10 KiB records), other keys
@@ -192,6 +194,7 @@ REFUSALS = {
         ["--clip_score_min", 0],
         "1 shard(s) without teacher embeddings, e.g. {in}/00001.tar (no 00001.",
     ),
+    "shard_twice": (["--clip_score_min", 0], "--shards names the shard in/00000.tar twice: give each shard once"),
     "mixed_teachers": (
         ["--clip_score_min", 0],
         "sidecars of 2 teachers (fingerprints 0123456789abcdef, f00dfeedf00dfeed)",
