@@ -8,6 +8,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from disco_clip_ds.atomic import write_text
+
 MANIFEST = "manifest.json"
 
 
@@ -41,12 +43,7 @@ def write_manifest(folder: str | os.PathLike, names: list[str] | None = None) ->
         name: {"size": size, "xxh3_128": digest}
         for name, size, digest in zip(names, sizes, file_checksums(folder, names), strict=True)
     }
-    tmp = folder / f"{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    write_text(folder / MANIFEST, json.dumps({"files": files}, indent=1), durable=True)  # the mark of a whole folder
 
 
 def manifest_problem(folder: str | os.PathLike, checksums: bool = True) -> str | None:

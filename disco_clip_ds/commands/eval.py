@@ -5,6 +5,7 @@ and writes (`main`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_
 from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.distributed.ranks import launched, process_group, rank
+from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import CheckpointError, DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
@@ -207,14 +209,23 @@ def run_tasks(args: EvalArguments) -> tuple[list, list[dict]]:
     tasks = load_tasks(args.tasks)  # a malformed list is refused before the model loads
     if args.output:
         check_output(args.output)
-    model, tokenizer, image_processor = load_for_eval(args.model, args.device)
-    if args.max_num_patches is not None:
-        set_budget(model, image_processor, args.max_num_patches)
-    results = run_suite(tasks, model, tokenizer, image_processor, batch_size=args.batch_size, model_name=args.model)
-    rows = write_suite(results, args.output) if args.output and rank() == 0 else summary_rows(results)
+    with output_lock(args.output, beside=False):  # one writer of the folder, before the model loads
+        model, tokenizer, image_processor = load_for_eval(args.model, args.device)
+        if args.max_num_patches is not None:
+            set_budget(model, image_processor, args.max_num_patches)
+        results = run_suite(tasks, model, tokenizer, image_processor, batch_size=args.batch_size, model_name=args.model)
+        rows = write_suite(results, args.output) if args.output and rank() == 0 else summary_rows(results)
     if args.run_dir and rank() == 0:
         log_tensorboard(results, args.run_dir, _step_of(args.model))
     return results, rows
+
+
+def output_lock(output: str | None, beside: bool):
+    """The lock on --output for the block (every rank enters it; rank 0 holds it): the suite's folder, or (`beside`)
+    the single set's record file, locked by a file beside it; nothing without --output."""
+    if not output:
+        return contextlib.nullcontext()
+    return writer_lock(output, "--output", "disco-clip eval", beside=beside, every_rank=True)
 
 
 def _step_of(model_id: str) -> int:
@@ -263,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     with process_group(launched()[1], torch.device(args.device)):
         if args.tasks:
             return suite_main(args)
-        record = run_eval(args)
-        if rank() == 0:
-            print(json.dumps(record, indent=2))
-            if args.output:
-                write_json(args.output, record)
+        with output_lock(args.output, beside=True):
+            record = run_eval(args)
+            if rank() == 0:
+                print(json.dumps(record, indent=2))
+                if args.output:
+                    write_json(args.output, record)
     return 0

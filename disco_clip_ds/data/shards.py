@@ -11,6 +11,7 @@ from pathlib import Path
 
 from braceexpand import braceexpand  # webdataset's own dependency, the same expansion its ShardList does
 
+from disco_clip_ds.atomic import write_json  # noqa: F401  (the data modules' JSON writer: atomic.py's, named here)
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.errors import UsageError
 
@@ -21,15 +22,6 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.I)
 def is_url(spec: str) -> bool:
     """Whether a shard spec is remote (`scheme://...`) or a webdataset `pipe:` command rather than a local path."""
     return bool(_URL.match(spec)) or spec.startswith("pipe:")
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write JSON through a temporary file and a rename, so an interruption never leaves a truncated file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
 
 
 def expand_shards(spec: str) -> list[str]:
@@ -63,6 +55,25 @@ def expand_sources(spec: str) -> list[list[str]]:
 def source_specs(spec: str) -> list[str]:
     """The '::'-joined sources of `spec` as written (one per `expand_sources` entry)."""
     return [s.strip() for s in spec.split("::") if s.strip()]
+
+
+def repeated_shard(urls: list[str]) -> tuple[str, str] | None:
+    """The first shard of `urls` named a second time (`a::a`, overlapping brace patterns, one file by two paths), as
+    (its first spelling, its second); None when each is named once. Local shards are compared as the files they
+    resolve to, URLs as written."""
+    seen: dict[str, str] = {}
+    for url in urls:
+        key = url if is_url(url) else os.path.realpath(url)
+        if key in seen:
+            return seen[key], url
+        seen[key] = url
+    return None
+
+
+def twice_text(first: str, second: str) -> str:
+    """'the shard S twice (as A and B)' of `repeated_shard`'s pair, for a refusal."""
+    spellings = f" (as {describe_source(first)} and {describe_source(second)})" if first != second else ""
+    return f"the shard {describe_source(second)} twice{spellings}"
 
 
 def missing_shards(urls: list[str]) -> list[str]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from disco_clip_ds.atomic import write_bytes
 from disco_clip_ds.data.reinforced import (
     DTYPES,
     FORMAT,
@@ -47,14 +47,7 @@ def write_sidecar(path: Path, keys: list[str], image: torch.Tensor, text: torch.
         "keys": json.dumps(keys),
         "sha256": _checksum(keys, image, text),
     }
-    _replace(path, _canonical(save({"image": image, "text": text}, metadata=metadata)))
-
-
-def _replace(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_bytes(path, _canonical(save({"image": image, "text": text}, metadata=metadata)))
 
 
 def _canonical(data: bytes, signed: bool = False) -> bytes:
@@ -123,7 +116,7 @@ def write_reinforced(path: Path, stored: Reinforced) -> None:
     }
     rows = block_rows(sum(t[:1].nbytes for t in tensors.values()))
     header = {**stored.header(), "block_rows": str(rows), "block_xxh3": json.dumps(block_digests(tensors, rows))}
-    _replace(path, _canonical(save(tensors, metadata=header), signed=True))
+    write_bytes(path, _canonical(save(tensors, metadata=header), signed=True))
 
 
 def read_reinforced(path: Path) -> Reinforced:

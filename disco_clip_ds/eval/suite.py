@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
+from disco_clip_ds.atomic import write_json, write_text
 from disco_clip_ds.data.redact import public_text
-from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
@@ -394,12 +394,12 @@ def write_suite(results: Sequence[TaskResult], output_dir: str | Path) -> list[d
         else:  # a failed task's record of an earlier run would stand beside a summary saying it failed
             record.unlink(missing_ok=True)
     rows = summary_rows(results)
-    (out / "suite.md").write_text(markdown(rows))
+    write_text(out / "suite.md", markdown(rows))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-    (out / "suite.csv").write_text(buffer.getvalue())
+    write_text(out / "suite.csv", buffer.getvalue())
     strict = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()} for row in rows]
     write_json(out / "suite.json", {"rows": strict, "records": [r.record for r in results if r.record]})  # no NaN
     return rows

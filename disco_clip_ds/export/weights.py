@@ -30,6 +30,7 @@ from disco_clip_ds.checkpoint.layout import (
     newest_complete_before,
 )
 from disco_clip_ds.checkpoint.manifest import MANIFEST
+from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import CheckpointError, ExportError, UsageError
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 from disco_clip_ds.models.processor import load_saved_tokenizer, pin_tokenizer
@@ -211,6 +212,13 @@ def export_checkpoint(checkpoint_dir, output_dir, eval_metrics=None, processor_f
     """
     checkpoint = _ema_checkpoint(checkpoint_dir) if ema else resolve_checkpoint(checkpoint_dir)
     output_dir = Path(output_dir)
+    # one export at a time writes OUTPUT_DIR (the lock beside it: the folder itself must stay empty until the rename)
+    with writer_lock(output_dir, "OUTPUT_DIR", "disco-clip export", beside=True):
+        return _export_into(output_dir, checkpoint, eval_metrics, processor_from, ema)
+
+
+def _export_into(output_dir: Path, checkpoint: Path, eval_metrics, processor_from, ema: bool) -> Path:
+    """`export_checkpoint`'s work, the lock held."""
     staging = _staging_for(output_dir)
     try:
         processor_source = _processor_source(checkpoint, processor_from)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from disco_clip_ds.data.embeddings import read_metadata, sidecar_path, sidecar_problem
 from disco_clip_ds.data.shards import local_shards as _local_shards
-from disco_clip_ds.data.shards import write_json
+from disco_clip_ds.data.shards import repeated_shard, twice_text, write_json
 from disco_clip_ds.data.teacher_id import teacher_fingerprint
+from disco_clip_ds.distributed.runlock import WRITER_LOCK
 from disco_clip_ds.errors import DataError, UsageError
 
 ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resume with other ones is refused
@@ -19,9 +20,9 @@ ARGUMENTS_FILE = "filter.json"  # the arguments an output was made with: a resum
 def local_shards(spec: str) -> list[str]:
     """The shards of SPEC ('::'-joined sources, brace patterns, folders), each an existing local file, named once."""
     urls = _local_shards(spec, "data filter")
-    resolved = [str(Path(u).resolve()) for u in urls]
-    if len(set(resolved)) != len(resolved):
-        raise UsageError("--shards names one shard twice: give each shard once")
+    repeated = repeated_shard(urls)
+    if repeated:
+        raise UsageError(f"--shards names {twice_text(*repeated)}: give each shard once")
     return urls
 
 
@@ -101,6 +102,6 @@ def claim_output(output: Path, arguments: dict) -> None:
                 "--output, or re-run with the same arguments to resume"
             )
         return
-    if output.is_dir() and any(output.iterdir()):
+    if output.is_dir() and any(p.name != WRITER_LOCK for p in output.iterdir()):
         raise UsageError(f"--output {output}: holds files that are not a filter's output: give a new or empty folder")
     write_json(record, arguments)

@@ -3,7 +3,7 @@
 1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
    headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
    rules, its image fingerprint (the one step that decodes images).
-   The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written under a temporary name and renamed); a
+   The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written atomically: atomic.py); a
    re-run keeps a saved scan whose sidecar and shard are unchanged.
 2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
    a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from disco_clip_ds import faults
+from disco_clip_ds.atomic import write_bytes
 from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate import inputs, reshard, scores
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
@@ -33,6 +34,7 @@ from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.tarcopy import Members, sample_members
+from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import DataError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.curate")
@@ -106,7 +108,13 @@ def run_filter(cfg: FilterConfig) -> dict:
     for folder in cfg.dedup_against:
         inputs.check_reference(folder)
     output = Path(cfg.output)
-    inputs.claim_output(output, cfg.arguments())
+    with writer_lock(output, "--output", "disco-clip data filter"):  # one filter at a time writes an output folder
+        inputs.claim_output(output, cfg.arguments())
+        return _filter_into(output, cfg, urls, sidecars, fingerprint, targets)
+
+
+def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: str, targets) -> dict:
+    """Steps 2 to 5 of `run_filter`, into the claimed `output`."""
     state = output / STATE
     (state / "scan").mkdir(parents=True, exist_ok=True)
     scans = [state / "scan" / f"{i:05d}.npz" for i in range(len(urls))]
@@ -118,6 +126,7 @@ def run_filter(cfg: FilterConfig) -> dict:
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
         reason = first_rule(drops, len(loaded["scores"]))
+        _refuse_repeated_keys(urls, scans, loaded, reason < 0)
         # 4. Write the output shards
         plan = reshard.plan_shards(np.flatnonzero(reason < 0), loaded["offsets"], cfg.samples_per_shard)
         writes = [
@@ -273,6 +282,28 @@ def write_shard(task) -> tuple[str, int]:
     return path.name, len(keys)
 
 
+def _refuse_repeated_keys(urls: list[str], scans: list[Path], loaded: dict, kept: np.ndarray) -> None:
+    """A key kept from two samples (the same data under two names, `a::a_copy`; two downloads numbering their keys
+    alike) is refused before any output shard is written, whatever --samples_per_shard, naming the key and both
+    shards (copies of one image are dropped by --dedup first, so they pass)."""
+
+    def kept_keys(i: int) -> list[str]:
+        with np.load(scans[i]) as saved:
+            keys = _keys(saved)
+        start = loaded["offsets"][i]
+        return [keys[j] for j in np.flatnonzero(kept[start : start + loaded["counts"][i]]).tolist()]
+
+    repeated = reshard.first_repeated_key(urls, kept_keys)
+    if repeated:
+        key, first, second = repeated
+        where = f"twice from {first}" if first == second else f"from both {first} and {second}"
+        raise UsageError(
+            f"--shards: sample key {key} is kept {where}: an output's keys must be unique (a shard's sidecar finds "
+            "a sample by its key); filter those sources into separate --output folders (training reads them "
+            "together, '::'-joined)"
+        )
+
+
 def _fingerprint(sample: dict, url: str):
     from disco_clip_ds.data.curate.copies import image_fingerprint
 
@@ -358,19 +389,13 @@ def _scan_rows(scan: Path) -> np.ndarray:
 def _save_npz(path: Path, arrays: dict) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    _atomic_write(path, buffer.getvalue())
+    write_bytes(path, buffer.getvalue())
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array)
-    _atomic_write(path, buffer.getvalue())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_bytes(path, buffer.getvalue())
 
 
 class _Serial:

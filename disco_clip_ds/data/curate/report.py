@@ -8,10 +8,11 @@ null when kept). One row group per input shard, rows in shard order.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+
+from disco_clip_ds.atomic import Stage
 
 # the rules in the order `dropped_by` names the first that drops a sample
 RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup")
@@ -29,16 +30,16 @@ def first_rule(drops: dict[str, np.ndarray], n: int) -> np.ndarray:
 
 
 class ReportWriter:
-    """Writes the parquet one input shard at a time (a row group each), to a temporary name renamed by `close`."""
+    """Writes the parquet one input shard at a time (a row group each), to a temporary file renamed by `close`."""
 
     def __init__(self, path: Path):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.stage = Stage(path)
         fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCHEMA_FIELDS]
         self.schema = pa.schema([*fields, pa.field("dropped_by", pa.string())])
-        self.writer = pq.ParquetWriter(str(self.tmp), self.schema)
+        self.writer = pq.ParquetWriter(str(self.stage.tmp), self.schema)
 
     def add(self, shard: str, keys: list[str], scores: np.ndarray, clusters: np.ndarray | None, reason: np.ndarray):
         """Append an input shard's rows: its keys, scores (NaN: not embedded), clusters, first-rule codes."""
@@ -56,7 +57,7 @@ class ReportWriter:
 
     def close(self) -> None:
         self.writer.close()
-        os.replace(self.tmp, self.path)
+        self.stage.commit()
 
 
 def summarize(reason: np.ndarray) -> dict:

@@ -2,21 +2,21 @@
 no re-encoding), in input order, `--samples_per_shard` a shard, each with its teacher sidecar (data/embeddings.py's
 writer, its rows copied from the input sidecars) so that training can distil from the output without embedding again.
 
-A shard is written to a temporary name and renamed, then its sidecar, which records the shard's size and sha256: the
-sidecar is the shard's completion mark, so a run killed anywhere leaves each output shard complete (both files,
-matching) or to be written again. Tar headers carry no time, owner or mode of this machine (mtime 0, uid/gid 0, no
-names, 0644), so that the same kept samples give the same bytes.
+A shard is written to a temporary file of its own and renamed (atomic.py), then its sidecar, which records the
+shard's size and sha256: the sidecar is the shard's completion mark, so a run killed anywhere leaves each output shard
+complete (both files, matching) or to be written again. Tar headers carry no time, owner or mode of this machine
+(mtime 0, uid/gid 0, no names, 0644), so that the same kept samples give the same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from disco_clip_ds.atomic import staged
 from disco_clip_ds.data.embeddings import read_metadata, read_reinforced, shard_facts, sidecar_path, write_reinforced
 from disco_clip_ds.data.reinforced import joined_rows
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -60,37 +60,31 @@ def write_output_shard(path: Path, pieces: list[tuple]) -> int:
     """Write output shard `path` from `pieces`: (input shard, its sidecar, the sorted in-shard indices of its kept
     samples[, where its samples lie (`Members`), when the scan kept that]), in order; then its sidecar beside it
     (every teacher, augmentation and caption of the input sidecars' rows; a DataError when the inputs were embedded
-    with other settings). Returns the number of samples written."""
-    keys, seen, chosen = [], set(), []
-    tmp = path.with_name(f".{path.name}.tmp")
-    tar = TarWriter(tmp)
-    try:
-        for url, sidecar, wanted, *members in pieces:
-            stored = read_reinforced(sidecar)
-            rows, picked = stored.rows(), []
-            for key, data in _kept_samples(url, wanted, members[0] if members else None):
-                if key in seen:
-                    raise DataError(
-                        f"sample key {key} appears twice among the kept samples of output shard {path.name} (again in "
-                        f"{url}): the output's keys must be unique; filter the sources apart"
-                    )
-                keys.append(key)
-                seen.add(key)
-                picked.append(rows[key])
-                for ext, member in data:
-                    tar.add(f"{key}.{ext}", member)
-            chosen.append((stored, picked))
-    except BaseException:
-        tar.abort()
-        raise
-    sha256 = tar.close()
-    os.replace(tmp, path)
+    with other settings). The kept keys are unique (the filter checks them before any shard is written,
+    pipeline.py). Returns the number of samples written."""
+    written, chosen = 0, []
+    with staged(path) as tmp:
+        tar = TarWriter(tmp)
+        try:
+            for url, sidecar, wanted, *members in pieces:
+                stored = read_reinforced(sidecar)
+                rows, picked = stored.rows(), []
+                for key, data in _kept_samples(url, wanted, members[0] if members else None):
+                    written += 1
+                    picked.append(rows[key])
+                    for ext, member in data:
+                        tar.add(f"{key}.{ext}", member)
+                chosen.append((stored, picked))
+        except BaseException:
+            tar.abort()
+            raise
+        sha256 = tar.close()
     try:
         joined = joined_rows(chosen, {**shard_facts(str(path)), "shard_sha256": sha256})
     except ValueError as error:
         raise DataError(f"output shard {path.name}: its input sidecars were {error}: embed them alike") from error
     write_reinforced(sidecar_path(path.parent, str(path)), joined)
-    return len(keys)
+    return written
 
 
 def _kept_samples(url: str, wanted: list[int], members: Members | None):
@@ -124,6 +118,41 @@ def _read_samples(url: str, wanted: list[int]):
             yield sample["__key__"], [(ext, data) for ext, data in sample.items() if not ext.startswith("__")]
         if index >= last:
             return
+
+
+def first_repeated_key(urls: list[str], kept_keys) -> tuple[str, str, str] | None:
+    """The first kept key, in input order, that an earlier kept sample also has, with the input shards of the two
+    (key, first's shard, its shard); None when every kept key is unique. `kept_keys(i)`: the kept keys of input shard
+    i, in order (called twice per shard at most). An output shard's sidecar finds a sample's rows by its key, and two
+    output shards with one key would hand training one sample twice, so the whole output must have unique keys,
+    whatever the shard size. Held in memory: a 64-bit hash per kept sample (their collisions are then compared as
+    keys)."""
+    hashes = np.concatenate([np.zeros(0, np.uint64), *(key_hashes(kept_keys(i)) for i in range(len(urls)))])
+    hashes.sort()
+    suspects = np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
+    del hashes
+    first: dict[str, str] = {}
+    for i, url in enumerate(urls if len(suspects) else []):
+        keys = kept_keys(i)
+        for j in np.flatnonzero(np.isin(key_hashes(keys), suspects)).tolist():
+            if keys[j] in first:
+                return keys[j], first[keys[j]], url
+            first[keys[j]] = url
+    return None
+
+
+_PRIME = np.uint64(0x100000001B3)  # FNV's 64-bit prime: an odd multiplier that mixes each byte into the high bits
+
+
+def key_hashes(keys: list[str]) -> np.ndarray:
+    """A 64-bit hash of each key (uint64): the polynomial sum of its UTF-8 bytes times powers of _PRIME, modulo 2**64,
+    vectorised over the keys (equal keys, equal hashes; unequal ones may collide, so equal hashes are only suspects)."""
+    if not keys:
+        return np.zeros(0, np.uint64)
+    fixed = np.array([key.encode() for key in keys])  # zero-padded to the longest: a zero byte adds nothing
+    codes = fixed.view(np.uint8).reshape(len(keys), fixed.dtype.itemsize).astype(np.uint64)
+    powers = np.cumprod(np.full(fixed.dtype.itemsize, _PRIME, np.uint64))  # wraps modulo 2**64, as wanted
+    return (codes * powers).sum(axis=1, dtype=np.uint64)
 
 
 def plan_shards(kept: np.ndarray, offsets: np.ndarray, per_shard: int) -> list[list[tuple[int, np.ndarray]]]:

@@ -41,7 +41,6 @@ import copy
 import io
 import json
 import math
-import os
 import threading
 import urllib.parse
 import warnings
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from disco_clip_ds.atomic import staged
 from disco_clip_ds.data.prep import download as prep
 from disco_clip_ds.data.prep.fetch import environ
 from disco_clip_ds.data.prep.outputs import canonicalize_tar, shard_name
@@ -146,16 +146,15 @@ def add_synthetic_captions(tar_path: Path) -> None:
                 extra.append((f"{key}.{syn}", caption.encode()))
     if not extra:
         return
-    tmp = tar_path.with_name(tar_path.name + ".syn")
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
-        for member, data in members:
-            out.addfile(member, io.BytesIO(data))
-        for name, data in extra:
-            info = copy.copy(members[0][0])  # the download's owner, mode and mtime, so that the shard stays uniform
-            info.name, info.size = name, len(data)
-            out.addfile(info, io.BytesIO(data))
-    canonicalize_tar(tmp)
-    os.replace(tmp, tar_path)
+    with staged(tar_path) as tmp:
+        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
+            for member, data in members:
+                out.addfile(member, io.BytesIO(data))
+            for name, data in extra:
+                info = copy.copy(members[0][0])  # the download's owner, mode and mtime, so that the shard stays uniform
+                info.name, info.size = name, len(data)
+                out.addfile(info, io.BytesIO(data))
+        canonicalize_tar(tmp)
 
 
 def split_indices(labels: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -251,9 +250,8 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
     key_digits = max(1, math.ceil(math.log10(per_shard)))  # img2dataset's key layout: shard id, then position
     for shard, start in enumerate(range(0, len(indices), per_shard)):
         name = f"{shard_name(shard)}.tar"
-        tmp = folder / (name + ".tmp")
         chunk = indices[start : start + per_shard]
-        with wds.TarWriter(str(tmp), mtime=0) as sink:
+        with staged(folder / name) as tmp, wds.TarWriter(str(tmp), mtime=0) as sink:
             for pos, i in enumerate(chunk):
                 label = int(labels[i])
                 sink.write(
@@ -265,7 +263,6 @@ def write_eval_shards(folder: Path, indices, pngs, labels, captions, image_size:
                         "json": {"label": label, "source_index": int(i)},
                     }
                 )
-        os.replace(tmp, folder / name)
         sizes[name] = len(chunk)
     (folder / "classnames.txt").write_text("\n".join(DIGITS) + "\n")
     write_templates(folder)
@@ -304,8 +301,8 @@ def write_parquet_split(folder: Path, split: str, indices, jpgs: dict, labels, c
             "source_index": chunk,
         }
         path = folder / f"{split}-{shard:05d}-of-{len(starts):05d}.parquet"
-        Dataset.from_dict(rows, features=features).to_parquet(str(path) + ".tmp")
-        os.replace(str(path) + ".tmp", path)
+        with staged(path) as tmp:
+            Dataset.from_dict(rows, features=features).to_parquet(str(tmp))
     if shown:
         enable_progress_bar()
     return [len(indices[start : start + per_shard]) for start in starts]
@@ -438,11 +435,9 @@ def write_wds_split(folder: Path, indices, jpgs: dict, field: str, values: dict,
     folder.mkdir(parents=True, exist_ok=True)
     starts = range(0, len(indices), per_shard)
     for shard, start in enumerate(starts):
-        tmp = folder / f"{shard}.tar.tmp"
-        with wds.TarWriter(str(tmp), mtime=0) as sink:
+        with staged(folder / f"{shard}.tar") as tmp, wds.TarWriter(str(tmp), mtime=0) as sink:
             for i in indices[start : start + per_shard]:
                 sink.write({"__key__": f"s{int(i):05d}", "jpg": jpgs[int(i)], field: values[int(i)]})
-        os.replace(tmp, folder / f"{shard}.tar")
     (folder / "nshards.txt").write_text(f"{len(starts)}\n")
 
 

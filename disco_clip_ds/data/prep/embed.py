@@ -46,6 +46,7 @@ from disco_clip_ds.data.prep.teachers import Teacher, checked_fingerprint, load_
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import is_url, shard_sizes
 from disco_clip_ds.distributed.ranks import all_gathered, decided_on_rank0, launched, process_group
+from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 
 logger = logging.getLogger("disco_clip_ds.data.embed")
@@ -356,7 +357,7 @@ def embed_launched(
     if num_workers is not None:  # refused before any teacher is checked or built, on every rank
         check_workers(num_workers)
     autocast_dtype(precision, device)
-    with process_group(world, device):
+    with process_group(world, device), _locked_outputs(urls, out):
         decided_on_rank0(lambda: checked_fingerprints(settings.teachers))
         try:
             summary = embed_shards(
@@ -365,7 +366,7 @@ def embed_launched(
             outcome = ("ok", summary)
         except DiscoClipError as error:
             outcome = ("error", error)
-        outcomes = all_gathered(outcome)
+        outcomes = all_gathered(outcome)  # every rank done: the folders' locks may go
     errors = [value for kind, value in outcomes if kind == "error"]
     if errors:
         raise errors[0]
@@ -376,6 +377,18 @@ def embed_launched(
         for key, n in summary["missing_captions"].items():
             merged["missing_captions"][key] = merged["missing_captions"].get(key, 0) + n
     return merged, rank
+
+
+@contextlib.contextmanager
+def _locked_outputs(urls: list[str], out: str | None):
+    """Rank 0 holds the lock of each folder the sidecars go to (OUT, else each shard's folder) while every rank embeds:
+    a second `data embed` into one of them is refused on all its ranks, naming the holder."""
+    folders = [Path(out)] if out else sorted({Path(url).parent for url in urls if not is_url(url)})
+    flag, instead = ("--output", None) if out else ("the shards' folder", "give --output")
+    with contextlib.ExitStack() as stack:
+        for folder in folders:
+            stack.enter_context(writer_lock(folder, flag, "disco-clip data embed", every_rank=True, instead=instead))
+        yield
 
 
 def _sidecar_paths(urls: list[str], out: str | None) -> list[Path]:

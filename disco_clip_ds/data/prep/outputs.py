@@ -9,6 +9,7 @@ import tarfile
 from collections import Counter
 from pathlib import Path
 
+from disco_clip_ds.atomic import staged
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import UsageError
 
@@ -71,12 +72,10 @@ def canonicalize_tar(path: Path) -> int:
         members = tar.getmembers()
         names = [m.name for m in members]
         if names != sorted(names) or any(m.mtime != _CANONICAL_MTIME for m in members):
-            tmp = path.with_suffix(".tar.tmp")
-            with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
+            with staged(path) as tmp, tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as out:
                 for member in sorted(members, key=lambda m: m.name):
                     member.mtime = _CANONICAL_MTIME
                     out.addfile(member, tar.extractfile(member))
-            os.replace(tmp, path)
     return sum(1 for _ in raw_samples(str(path), read=False))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 from disco_clip_ds.data.hf_io import HFData, load_training_dataset
@@ -17,8 +16,10 @@ from disco_clip_ds.data.shards import (
     empty_reader,
     expand_sources,
     is_url,
+    repeated_shard,
     shards_for_reader,
     source_specs,
+    twice_text,
 )
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments
@@ -81,16 +82,12 @@ def checked_shards(spec: str) -> list[str]:
 def _refuse_twice(urls: list[str]) -> None:
     """A shard named twice (`a::a`, overlapping brace patterns, one file by two paths): `data embed` refuses it too.
     A source meant to count more is weighted (--train_data_weights), not repeated."""
-    seen: dict[str, str] = {}
-    for url in urls:
-        key = url if is_url(url) else os.path.realpath(url)
-        if key in seen:
-            spellings = f" (as {describe_source(seen[key])} and {describe_source(url)})" if seen[key] != url else ""
-            raise UsageError(
-                f"--train_shards names the shard {describe_source(url)} twice{spellings}: name each shard once; to "
-                "read a source more often, weight it with --train_data_weights"
-            )
-        seen[key] = url
+    repeated = repeated_shard(urls)
+    if repeated:
+        raise UsageError(
+            f"--train_shards names {twice_text(*repeated)}: name each shard once; to read a source more often, weight "
+            "it with --train_data_weights"
+        )
 
 
 def check_readers(args: DiscoTrainingArguments, urls: list[str], resampled: bool = False) -> None:

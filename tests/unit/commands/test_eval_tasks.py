@@ -89,3 +89,24 @@ def test_a_malformed_task_list_is_refused_before_the_model_loads(tmp_path, capsy
 def test_neither_data_nor_tasks(model_dir, capsys):
     assert eval_main(["--model", str(model_dir)]) == EXIT_USAGE
     assert "give --data (one set) or --tasks FILE" in capsys.readouterr().err
+
+
+def test_an_output_being_written_is_refused_before_the_model_loads(task_list, model_dir, cls_set, tmp_path, capsys):
+    """A suite's folder, or a single set's record file (locked beside it): one line naming the writer's host and pid,
+    exit 2; the holder here is a forked process holding the lock, as a running `disco-clip eval` does."""
+    import socket
+
+    from disco_clip_ds.distributed.runlock import writer_lock
+    from disco_clip_ds.testing.writers import held_elsewhere
+
+    suite, single = tmp_path / "out", tmp_path / "records" / "plain.json"
+    for output, argv, beside in (
+        (suite, ["--tasks", str(task_list)], False),
+        (single, ["--data", str(cls_set[0])], True),
+    ):
+        with held_elsewhere(writer_lock(output, "--output", "disco-clip eval", beside=beside)) as pid:
+            assert eval_main(["--model", str(model_dir), *argv, "--output", str(output)]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        holder = f"(disco-clip eval: host {socket.gethostname()}, pid {pid}, since "
+        assert err.startswith(f"disco-clip eval: --output {output}: being written by another process {holder}")
+        assert err.count("\n") == 1 and not output.exists()

@@ -214,3 +214,25 @@ def test_the_autocast_forward_runs_in_the_lower_precision_and_returns_float32(ti
         assert b.dtype == torch.float32 and a.shape == b.shape
         assert not torch.equal(a, b)
         assert torch.allclose(a, b, atol=0.05)
+
+
+def test_a_second_embed_into_a_folder_being_written_is_refused_naming_the_writer(tmp_path, capsys):
+    """Into --output, or beside the shards without it: refused in one line naming the holder's host and pid, before
+    any teacher is read (`t` does not exist); the holder here is a forked process holding the folder's lock, as a
+    running `data embed` does. (Every rank of a launched embed gets the line: test_runlock.py.)"""
+    import socket
+
+    from disco_clip_ds.distributed.runlock import writer_lock
+    from disco_clip_ds.testing.writers import held_elsewhere
+
+    write_shards(tmp_path / "data", num_shards=1, per_shard=2)
+    for output, flag, instead in ((tmp_path / "emb", "--output", "give another --output"), (None, "", "give --output")):
+        folder, flag = (output, flag) if output else (tmp_path / "data", "the shards' folder")
+        argv = ["--teacher", "t", "--shards", str(tmp_path / "data")] + (["--output", str(output)] if output else [])
+        with held_elsewhere(writer_lock(folder, flag, "disco-clip data embed")) as pid:
+            assert _embed(argv) == 2
+        holder = f"disco-clip data embed: host {socket.gethostname()}, pid {pid}, since "
+        err = capsys.readouterr().err
+        assert err.startswith(f"disco-clip data embed: {flag} {folder}: being written by another process ({holder}")
+        assert err.endswith(f"): wait for it to end, or {instead}\n") and err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["00000.tar", "sizes.json"]

@@ -2,12 +2,14 @@
 `disco-clip train`, is in test_checkpoints.py.)"""
 
 import os
+import socket
 
 import pytest
 
 from disco_clip_ds.checkpoint import layout as checkpoints
 from disco_clip_ds.distributed import runlock
-from disco_clip_ds.errors import UsageError
+from disco_clip_ds.errors import DiscoClipError, UsageError
+from disco_clip_ds.testing.writers import held_elsewhere, kill
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, caplog):
@@ -112,8 +114,8 @@ def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again_on_the_new_one(
     locked = runlock._locked
     calls = []
 
-    def removed_after_locking(path):
-        fd, created, holder = locked(path)
+    def removed_after_locking(path, refusal):
+        fd, created, holder = locked(path, refusal)
         calls.append(created)
         if len(calls) == 1:  # the stopped run's removal, between our open and our check
             path.unlink()
@@ -125,3 +127,97 @@ def test_a_lock_taken_on_a_file_removed_meanwhile_is_taken_again_on_the_new_one(
         assert calls == [True, True] and os.fstat(runlock._lock_fd).st_ino == (out / runlock.LOCK_FILE).stat().st_ino
     finally:
         runlock.release_run_lock()
+
+
+# --- a verb's lock on the folder it writes (writer_lock): data filter, data embed, eval --output, export ---
+
+
+def _filter_lock(out, **kwargs):
+    return runlock.writer_lock(out, "--output", "disco-clip data filter", **kwargs)
+
+
+def test_a_second_writer_is_refused_in_one_line_naming_the_holders_host_and_pid(tmp_path):
+    out = tmp_path / "out"
+    with held_elsewhere(_filter_lock(out)) as pid:
+        with pytest.raises(UsageError) as refused, _filter_lock(out):
+            pass
+        said = str(refused.value)
+        holder = f"disco-clip data filter: host {socket.gethostname()}, pid {pid}, since "
+        assert said.startswith(f"--output {out}: being written by another process ({holder}") and "\n" not in said
+        assert said.endswith("): wait for it to end, or give another --output")
+    assert not out.exists()  # the holder ended: its lock file went, and the folder made for it
+    with _filter_lock(out):  # and the folder is free again, without a word of a dead holder
+        assert (out / runlock.WRITER_LOCK).read_text().endswith(f"pid {os.getpid()}, since " + _since(out))
+
+
+def _since(out) -> str:
+    return (out / runlock.WRITER_LOCK).read_text().rsplit("since ", 1)[1]
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over_with_a_warning(tmp_path, caplog):
+    out = tmp_path / "out"
+    with held_elsewhere(_filter_lock(out)) as pid:
+        kill(pid)  # kill -9: no `finally` ran, its lock file names it
+        assert f"pid {pid}" in (out / runlock.WRITER_LOCK).read_text()
+        with _filter_lock(out):
+            assert f"pid {os.getpid()}" in (out / runlock.WRITER_LOCK).read_text()
+    taken = f"--output {out}: taking over the lock of a writer that is no longer running (disco-clip data filter: host "
+    assert taken in caplog.text and f"pid {pid}, since" in caplog.text
+    assert not (out / runlock.WRITER_LOCK).exists()
+
+
+def test_a_target_that_appears_whole_is_locked_beside_it_and_a_folder_made_for_the_lock_is_removed(tmp_path):
+    """export's folder (new or empty until its rename) and eval's record file are locked by .NAME.lock beside them."""
+    record = tmp_path / "new" / "record.json"
+    lock = runlock.writer_lock(record, "--output", "disco-clip eval", beside=True)
+    with held_elsewhere(lock) as pid:
+        assert (tmp_path / "new" / ".record.json.lock").is_file() and not record.exists()
+        with pytest.raises(UsageError, match=f"--output {record}: being written by another process .*pid {pid}"):
+            with runlock.writer_lock(record, "--output", "disco-clip eval", beside=True):
+                pass
+    assert sorted(tmp_path.iterdir()) == []  # the folder the lock made, empty again: removed
+
+
+def test_the_holder_of_a_folders_lock_removes_the_temporary_files_killed_writers_left(tmp_path):
+    from disco_clip_ds.atomic import Stage
+
+    out = tmp_path / "out"
+    out.mkdir()
+    torn = Stage(out / "00002.tar").tmp  # a writer killed before its rename
+    (out / ".filter").mkdir()
+    (out / "00001.tar").write_bytes(b"kept")
+    with _filter_lock(out):
+        assert sorted(p.name for p in out.iterdir()) == [runlock.WRITER_LOCK, ".filter", "00001.tar"]
+    assert not torn.exists()
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with (
+        pytest.raises(UsageError, match=r"^--output .*file is a file: give a folder$"),
+        _filter_lock(tmp_path / "file"),
+    ):
+        pass
+    with pytest.raises(DiscoClipError, match=r"^cannot write '.*file/out': Not a directory: choose a writable folder$"):
+        with _filter_lock(tmp_path / "file" / "out"):
+            pass
+
+
+def _refused_on_this_rank(rank: int, world: int, out: str) -> str:
+    try:
+        with runlock.writer_lock(out, "--output", "disco-clip data embed", every_rank=True):
+            return "not refused"
+    except UsageError as error:
+        return str(error)
+
+
+@pytest.mark.slow  # spawned ranks
+def test_every_rank_is_refused_with_the_same_line_while_another_process_holds_the_folder(tmp_path):
+    """`data embed` and `eval` under torchrun: rank 0 asks for the lock, every rank gets the refusal (no rank waits
+    for the others in a collective)."""
+    from disco_clip_ds.testing.ranks import run_ranks
+
+    out = tmp_path / "sidecars"
+    with held_elsewhere(runlock.writer_lock(out, "--output", "disco-clip data embed")) as pid:
+        said = run_ranks(_refused_on_this_rank, 2, str(out), timeout=60)
+    assert said[0] == said[1] and f"pid {pid}, since" in said[0] and said[0].startswith(f"--output {out}: being")

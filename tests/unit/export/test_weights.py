@@ -101,3 +101,23 @@ def test_an_unwritable_output_is_one_line(tmp_path, read_only_folder, capsys):
         err = capsys.readouterr().err
         assert err == f"disco-clip export: cannot write '{out}': Read-only file system: choose a writable folder\n"
     assert list(read_only_folder.iterdir()) == []
+
+
+def test_a_second_export_into_one_folder_is_refused_naming_the_first(tmp_path, capsys):
+    """The lock is beside OUTPUT_DIR (.NAME.lock: the folder stays empty until its rename); the holder here is a
+    forked process holding it, as a running export does."""
+    import socket
+
+    from disco_clip_ds.distributed.runlock import writer_lock
+    from disco_clip_ds.testing.writers import held_elsewhere
+
+    checkpoint = plain_checkpoint(tmp_path / "checkpoint-1")
+    out = tmp_path / "model"
+    capsys.readouterr()
+    with held_elsewhere(writer_lock(out, "OUTPUT_DIR", "disco-clip export", beside=True)) as pid:
+        assert export_main([str(checkpoint), str(out)]) == 2
+    holder = f"(disco-clip export: host {socket.gethostname()}, pid {pid}, since "
+    err = capsys.readouterr().err
+    assert err.startswith(f"disco-clip export: OUTPUT_DIR {out}: being written by another process {holder}")
+    assert err.endswith("wait for it to end, or give another OUTPUT_DIR\n") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # nothing written, no lock left

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
 import tarfile
 
 import numpy as np
@@ -108,10 +110,11 @@ def test_the_same_inputs_give_byte_identical_output_and_a_resume_redoes_only_wha
     shutil.rmtree(out)
     assert _filter(*argv) == 0
     assert _hashes(out) == first
-    # a run killed while writing the second shard: its sidecar not yet written, a torn temporary file, no report
+    # a run killed while writing the second shard: its sidecar not yet written, a torn temporary file (removed by
+    # the next writer, which holds the folder's lock), no report
     untouched = (out / "00000.tar").stat().st_mtime_ns
     sidecar_path(out, str(out / "00001.tar")).unlink()
-    (out / ".00002.tar.tmp").write_bytes(b"torn")
+    (out / ".00002.tar.x1b2c3d4.tmp").write_bytes(b"torn")
     (out / "00002.tar").unlink()
     (out / "filter.parquet").unlink()
     assert _filter(*argv) == 0
@@ -139,6 +142,8 @@ def _refusal_setup(tmp_path, case) -> list:
         base[1] = f"{shards}::{tmp_path / 'other'}"
     elif case == "named_teacher":
         base += ["--teacher", _teacher(tmp_path)]
+    elif case == "shard_twice":  # `a::a`: every sample kept twice
+        base[1] = f"{shards}::{shards}"
     elif case == "shard_changed":
         write_shards(shards, 2, 40, seed=1)  # the shards written again: other sizes than their sidecars record
     elif case == "stale_sidecar":  # the shards written again, of one size (tar pads to 10 KiB records), other keys
@@ -189,6 +194,7 @@ REFUSALS = {
         ["--clip_score_min", 0],
         "1 shard(s) without teacher embeddings, e.g. {in}/00001.tar (no 00001.",
     ),
+    "shard_twice": (["--clip_score_min", 0], "--shards names the shard in/00000.tar twice: give each shard once"),
     "mixed_teachers": (
         ["--clip_score_min", 0],
         "sidecars of 2 teachers (fingerprints 0123456789abcdef, f00dfeedf00dfeed)",
@@ -382,3 +388,59 @@ def test_a_real_teacher_embed_then_filter_with_a_class_name_target(tmp_path):
     kept = [i for i, d in enumerate(table["dropped_by"]) if d is None]
     assert kept == sorted(best & by_target) and set(table["cluster"]) <= {0, 1, 2}
     assert sum(json.loads((out / "sizes.json").read_text()).values()) == len(kept)
+
+
+def test_a_second_filter_into_one_output_is_refused_naming_the_first_which_finishes_untouched(
+    shards, tmp_path, monkeypatch
+):
+    """The second filter is another process started at a named point of the first (output shard 0 complete, the
+    others not): refused in one line naming the first's host and pid; the first's output is byte for byte a lone
+    run's. (Before: a `FileNotFoundError` traceback, the two renaming each other's temporary files away.)"""
+    from disco_clip_ds import faults
+    from disco_clip_ds.testing.writers import in_another_process
+
+    out = tmp_path / "out"
+    argv = ["--shards", shards, "--output", out, "--clip_score_min", 0.0, "--samples_per_shard", 3]
+    assert _filter(*argv) == 0
+    alone = _hashes(out)
+    shutil.rmtree(out)
+    said = []
+    after_output_shard = faults.after_output_shard
+
+    def second_filter_at(shard: int) -> None:
+        if shard == 0:
+            said.append(in_another_process(lambda: filter_main([str(a) for a in argv])))
+        after_output_shard(shard)
+
+    monkeypatch.setattr(faults, "after_output_shard", second_filter_at)
+    assert _filter(*argv) == 0
+    holder = f"(disco-clip data filter: host {socket.gethostname()}, pid {os.getpid()}, since "
+    assert len(said) == 1 and said[0].startswith(
+        f"UsageError: --output {out}: being written by another process {holder}"
+    )
+    assert said[0].endswith("wait for it to end, or give another --output") and "\n" not in said[0]
+    assert _hashes(out) == alone
+
+
+@pytest.mark.parametrize("per_shard", [2000, 3])
+def test_a_key_kept_from_two_sources_is_refused_before_any_shard_whatever_the_shard_size(per_shard, tmp_path, capsys):
+    """`a::a_copy`: the same keys in two sources. Refused before writing, naming the first repeated key and both
+    shards, whether the copies would meet in one output shard (2000; before: refused mid-write, a temporary file
+    left) or not (3; before: exit 0, keys repeated across output shards). A source whose copies a rule drops passes."""
+    a, copy, other = (str(tmp_path / name) for name in ("a", "a_copy", "other"))
+    embedded_shards(tmp_path / "a", 2, 5, cosines=COSINES)
+    embedded_shards(tmp_path / "a_copy", 2, 5, cosines=COSINES)  # the same keys (and samples)
+    out = tmp_path / "out"
+    argv = ["--output", out, "--clip_score_min", 0.28, "--samples_per_shard", per_shard]
+    capsys.readouterr()
+    assert _filter("--shards", f"{a}::{copy}", *argv) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == [
+        f"disco-clip data filter: --shards: sample key 000000000 is kept from both {a}/00000.tar and {copy}/00000.tar: "
+        "an output's keys must be unique (a shard's sidecar finds a sample by its key); filter those sources into "
+        "separate --output folders (training reads them together, '::'-joined)"
+    ]
+    assert not list(out.glob("*.tar")) and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    embedded_shards(tmp_path / "other", 2, 5, cosines=[0.0] * 10)  # the same keys, every sample below 0.28
+    assert _filter("--shards", f"{a}::{other}", *[a if a != out else tmp_path / "out2" for a in argv]) == 0
+    assert sum(len(_keys(p)) for p in (tmp_path / "out2").glob("*.tar")) == 6
