@@ -38,6 +38,7 @@ from disco_clip_ds.eval.sources import (
     split_shards,
 )
 from disco_clip_ds.eval.spread import spread
+from disco_clip_ds.texts import read_lines
 
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
@@ -130,12 +131,6 @@ def zeroshot_retrieval(
     return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
 
 
-def read_lines(path: str | os.PathLike) -> list[str]:
-    """Non-empty lines of a text file (class names, templates)."""
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
-
-
 def _beside(data: str, name: str) -> Path | None:
     """`name` beside the shards: in the folder `data` names, in the shards' folder, or in its parent (CLIP_benchmark
     keeps classnames.txt beside `test/`)."""
@@ -188,7 +183,7 @@ def find_classnames(data: str, classnames: str | None) -> list[str]:
             )
     if not Path(path).is_file():
         raise UsageError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
-    return read_lines(path)
+    return _non_empty(read_lines(path, "class names file"), f"class names file {path}", "a class name")
 
 
 def find_templates(data: str, templates: str | None) -> list[str]:
@@ -203,9 +198,18 @@ def find_templates(data: str, templates: str | None) -> list[str]:
             path = _beside(data, TEMPLATES_FILE) or NAMED_TEMPLATES["openai_imagenet"]
         if not Path(path).is_file():
             raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
-        lines = read_lines(path)
+        lines = read_lines(path, "templates file")
+    _non_empty(lines, f"templates {path}", "a template, such as 'a photo of a {c}.'")
     if not all("{c}" in line for line in lines):
         raise UsageError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
+    return lines
+
+
+def _non_empty(lines: list[str], where: str, what: str) -> list[str]:
+    """`lines`, refused when there are none: the one check of `--data` and a suite's tasks alike (an empty list
+    would otherwise reach the text tower as an empty batch)."""
+    if not lines:
+        raise UsageError(f"{where} holds no lines: give {what} per line")
     return lines
 
 
