@@ -9,7 +9,6 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments
 
