@@ -35,6 +35,7 @@ from disco_clip_ds.eval.tasklist import Task, record_file
 from disco_clip_ds.eval.tasklist import load_tasks as load_tasks
 from disco_clip_ds.eval.tasklist import training_tasks as training_tasks
 from disco_clip_ds.eval.tasks import (
+    check_class_indices,
     find_templates,
     open_eval_data,
     progress_bar,
@@ -153,12 +154,15 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
             f"task {task.key}: a linear probe reads a {task.train_split}/ and a test/ split folder in "
             f"'{task.source}' (CLIP_benchmark's layout)"
         )
-    train, _ = open_eval_data(task.source, task.type, **{**task.columns, "split": task.train_split})
-    test, _ = open_eval_data(task.source, task.type, **task.columns)
+    columns = {**task.columns, "split": task.train_split}
+    train, classnames = open_eval_data(task.source, task.type, task.classnames, **columns)
+    test, _ = open_eval_data(task.source, task.type, task.classnames, **task.columns)
 
     def probe() -> dict:
         train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
         test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
+        if classnames is not None:  # the probe needs no names, but names it is given must fit its labels
+            check_class_names(task, classnames, train_y, test_y)
         device = next(unwrap(model).parameters()).device  # the model's GPU, where it has one
         return linear_probe(
             train_x,
@@ -172,6 +176,19 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
         )
 
     return probe
+
+
+def check_class_names(task: Task, classnames: list[str], train_y: torch.Tensor, test_y: torch.Tensor) -> None:
+    """A linear probe's class names fit its labels: every index names one, and the task's own list (its
+    `classnames` field) has one name per class of the train split, which sizes the probe (CLIP_benchmark's rule)."""
+    for split, labels in ((task.train_split, train_y), ("test", test_y)):
+        check_class_indices(labels, classnames, f"task {task.key}, {split} split: ")
+    n_classes = int(train_y.max()) + 1
+    if task.classnames and len(classnames) != n_classes:
+        raise UsageError(
+            f"task {task.key}: {len(classnames)} class names ({task.classnames}) for the {n_classes} classes of its "
+            f"{task.train_split} split (labels 0..{n_classes - 1}): give one name per class, or none"
+        )
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from disco_clip_ds.eval.sources import (
 from disco_clip_ds.eval.spread import spread
 from disco_clip_ds.texts import read_lines
 
+logger = logging.getLogger(__name__)
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
 NAMED_TEMPLATES = {"openai_imagenet": RESOURCES / "openai_imagenet_templates.txt"}
@@ -94,12 +96,17 @@ def zeroshot_classification(
         raise DataError("the evaluation data holds no samples")
     logits, targets = zip(*outputs)
     targets = torch.cat(targets)
-    if targets.min() < 0 or targets.max() >= len(classnames):
-        raise UsageError(
-            f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} "
-            "class names"
-        )
+    check_class_indices(targets, classnames)
     return classification_metrics(torch.cat(logits), targets)
+
+
+def check_class_indices(targets: torch.Tensor, classnames: Sequence[str], where: str = "") -> None:
+    """Every class index names one of `classnames` (zero-shot classification and a linear probe given names)."""
+    if len(targets) and (targets.min() < 0 or targets.max() >= len(classnames)):
+        raise UsageError(
+            f"{where}class indices run {targets.min().item()}..{targets.max().item()} but there are "
+            f"{len(classnames)} class names: give one name per class, in the order of the indices"
+        )
 
 
 def zeroshot_retrieval(
@@ -116,7 +123,9 @@ def zeroshot_retrieval(
     """Image-text retrieval: image_retrieval_recall@k and text_retrieval_recall@k for k in `ks`.
 
     `data` is a shard spec (then `image_processor` is needed) or an iterable of `(pixel_values, captions)`
-    batches where `captions[i]` is the list of captions of image i.
+    batches where `captions[i]` is the list of captions of image i. Images without a caption stay in text
+    retrieval's denominator as misses (CLIP_benchmark's count); their number is `images_without_caption`, present
+    when some are, and a warning says so.
     """
     with EvalMode(unwrap(model)):
         raw, decode = as_raw_batches(data, image_processor, "txt", batch_size)
@@ -128,7 +137,21 @@ def zeroshot_retrieval(
         text_embeddings = encode_texts(model, tokenizer, texts, batch_size)
     text_to_image = [i for i, caps in enumerate(captions) for _ in caps]
     scores = text_embeddings @ torch.cat([images for images, _ in outputs]).T
-    return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
+    metrics = retrieval_metrics(scores, torch.tensor(text_to_image), ks)
+    blank = sum(not caps for caps in captions)
+    if (
+        blank and int(os.environ.get("RANK", "0")) == 0
+    ):  # kept as misses, as CLIP_benchmark counts them
+        logger.warning(
+            "%s: %d of %d images have no caption (blank .txt or caption): they count as misses of "
+            "text_retrieval_recall@k, as CLIP_benchmark counts them (images_without_caption in the record)",
+            desc,
+            blank,
+            len(captions),
+        )
+    if blank:
+        metrics["images_without_caption"] = blank
+    return metrics
 
 
 def _beside(data: str, name: str) -> Path | None:
@@ -231,7 +254,7 @@ def open_eval_data(
     and columns). A folder in CLIP_benchmark's layout is read from its split folder (`split`, default test); the
     other columns name a datasets dataset's, and with shards they are refused. `classnames`: a file, a shipped or
     CLIP_benchmark name, else those beside the shards or the dataset's ClassLabel names."""
-    classify = task == "zeroshot_classification"
+    classify = task == "zeroshot_classification" or (task == "linear_probe" and bool(classnames))
     if is_datasets_source(data):
         names = find_classnames(data, classnames) if task != "zeroshot_retrieval" and classnames else None
         source = DatasetSource.open(data, task, classnames=names, **columns)
