@@ -185,7 +185,8 @@ def _entries(entries, where: str) -> list[dict]:
 
 def _fields(entry: dict, where: str) -> TaskFields:
     """`entry` checked against the schema; the first problem as one line naming the task and the field."""
-    task = f"task {_named(entry.get('key') or entry.get('name'))}"
+    key = entry.get("key") or entry.get("name")
+    task = f"task {_named(key)}" if key else "a task without a key"
     for name in entry:
         if not isinstance(name, str):
             raise UsageError(

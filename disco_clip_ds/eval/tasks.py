@@ -139,9 +139,7 @@ def zeroshot_retrieval(
     scores = text_embeddings @ torch.cat([images for images, _ in outputs]).T
     metrics = retrieval_metrics(scores, torch.tensor(text_to_image), ks)
     blank = sum(not caps for caps in captions)
-    if (
-        blank and int(os.environ.get("RANK", "0")) == 0
-    ):  # kept as misses, as CLIP_benchmark counts them
+    if blank and int(os.environ.get("RANK", "0")) == 0:  # kept as misses, as CLIP_benchmark counts them
         logger.warning(
             "%s: %d of %d images have no caption (blank .txt or caption): they count as misses of "
             "text_retrieval_recall@k, as CLIP_benchmark counts them (images_without_caption in the record)",
