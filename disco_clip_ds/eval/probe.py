@@ -299,8 +299,9 @@ def _check_labels_seen(train_labels: torch.Tensor, where: str, **splits) -> None
         if unseen:
             listed = ", ".join(map(str, unseen[:5])) + (" ..." if len(unseen) > 5 else "")
             raise UsageError(
-                f"{name} labels include class {listed}, which no sample of {where} has ({len(unseen)} such "
-                "classes): the probe cannot predict a class it never saw; give every class train samples"
+                f"{name} labels include class {listed}, which no sample of {where} has ({len(unseen)} "
+                f"class{'es' if len(unseen) > 1 else ''} unseen): the probe cannot predict a class it never saw; give "
+                "every class train samples"
             )
 
 

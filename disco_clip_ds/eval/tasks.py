@@ -220,7 +220,7 @@ def find_templates(data: str, templates: str | None) -> list[str]:
         if not Path(path).is_file():
             raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
         lines = read_lines(path, "templates file")
-    _non_empty(lines, f"templates {path}", "a template, such as 'a photo of a {c}.'")
+    _non_empty(lines, f"templates {path}", "a template such as 'a photo of a {c}.'")
     if not all("{c}" in line for line in lines):
         raise UsageError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
     return lines
@@ -230,7 +230,7 @@ def _non_empty(lines: list[str], where: str, what: str) -> list[str]:
     """`lines`, refused when there are none: the one check of `--data` and a suite's tasks alike (an empty list
     would otherwise reach the text tower as an empty batch)."""
     if not lines:
-        raise UsageError(f"{where} holds no lines: give {what} per line")
+        raise UsageError(f"{where} holds no lines: give {what}, one per line")
     return lines
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.encode import zeroshot_classifier
 from disco_clip_ds.eval.tasks import find_classnames, find_templates, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
@@ -162,3 +163,12 @@ def test_images_without_a_caption_are_counted_kept_as_misses_and_warned(tmp_path
     for k in (1, 5, 10):
         assert every[f"text_retrieval_recall@{k}"] == pytest.approx(captioned[f"text_retrieval_recall@{k}"] * 4 / 6)
     assert "2 of 6 images have no caption" in caplog.text
+
+
+def test_a_class_name_or_template_file_without_a_line_is_refused_where_both_paths_read_it(tmp_path):
+    """--data and a suite's task both take their lists from find_classnames / find_templates: one check there."""
+    (tmp_path / "blank.txt").write_text("\n \t\n")
+    with pytest.raises(UsageError, match=r"^class names file .*blank.txt holds no lines: give a class name, one per"):
+        find_classnames(str(tmp_path), str(tmp_path / "blank.txt"))
+    with pytest.raises(UsageError, match=r"^templates .*blank.txt holds no lines: give a template such as"):
+        find_templates(str(tmp_path), str(tmp_path / "blank.txt"))
