@@ -161,12 +161,20 @@ def load_tasks(path: str | Path, flag: str = "--tasks") -> list[Task]:
     except _DuplicateKey as e:
         raise UsageError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
-        raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from e
+        raise UsageError(f"{where}: not valid YAML ({_yaml_problem(e)})") from None
     except (ValueError, OverflowError, RecursionError) as e:  # a scalar the safe loader cannot build (a bad date)
         raise UsageError(f"{where}: not valid YAML ({type(e).__name__}: {_shown(str(e))})") from e
     tasks = [_task(entry, path.parent, where) for entry in _entries(entries, where)]
     _check_unique(tasks, where)
     return tasks
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What YAML's parser says is wrong, and where, in one line."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _entries(entries, where: str) -> list[dict]:
@@ -235,9 +243,9 @@ def _task(entry: dict, base: Path, where: str) -> Task:
     if fields.val_proportion is not None and not 0 < fields.val_proportion < 1:
         raise UsageError(f"{where}: task {key}: val_proportion {fields.val_proportion} must be a fraction, e.g. 0.2")
     texts = {name: value for name, value in fields.model_dump().items() if isinstance(value, str)}
-    bad = next((name for name, value in texts.items() if "\0" in value), None)
+    bad = next((name for name, value in texts.items() if "\0" in value or not _encodes(value)), None)
     if bad:
-        raise UsageError(f"{where}: task {key}: {bad} holds a NUL character")
+        raise UsageError(f"{where}: task {key}: {bad} holds a NUL character or an escaped surrogate: not a name")
     columns = {name: getattr(fields, name) for name in SOURCE_FIELDS if getattr(fields, name) and name != "train_split"}
     return Task(
         key=key,
@@ -254,6 +262,15 @@ def _task(entry: dict, base: Path, where: str) -> Task:
         train=fields.train,
         is_path=not fields.dataset,
     )
+
+
+def _encodes(text: str) -> bool:
+    """Whether `text` is UTF-8 text (YAML's escapes can write a lone surrogate, which no file name holds)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def record_file(key: str) -> str:

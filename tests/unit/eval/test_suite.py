@@ -127,6 +127,8 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("1: {path: x}", "task key 1 is not text: quote it"),
         ('"a\\nb": {path: x}', "task key 'a\\nb' must be printable text"),
         ('a: {path: "x\\0y"}', "task a: path holds a NUL character"),
+        ('a: {classnames: "\\ud800.txt"}', "task a: classnames holds a NUL character or an escaped surrogate"),
+        ("a: {path: x\n b: 1", "not valid YAML (expected ',' or '}', but got ':' at line 2, column 3)"),
     ],
 )
 def test_malformed_task_lists_are_one_line_usage_errors(tmp_path, text, message):
