@@ -33,7 +33,8 @@ def decode_text(data: bytes, where: str, error: type[DiscoClipError] = UsageErro
 def read_text(path: str | os.PathLike, what: str = "", error: type[DiscoClipError] = UsageError) -> str:
     """The text of the file at `path` (`decode_text`); a missing or unreadable file is `error` too. `what` prefixes
     the file in the message: the flag or field that named it (`--tasks`, `class names file`)."""
-    where = f"{what} {path}".strip()
+    shown = str(path) if str(path).isprintable() else repr(str(path))  # a newline in a name would break the line
+    where = f"{what} {shown}".strip()
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:

@@ -243,9 +243,12 @@ def _task(entry: dict, base: Path, where: str) -> Task:
     if fields.val_proportion is not None and not 0 < fields.val_proportion < 1:
         raise UsageError(f"{where}: task {key}: val_proportion {fields.val_proportion} must be a fraction, e.g. 0.2")
     texts = {name: value for name, value in fields.model_dump().items() if isinstance(value, str)}
-    bad = next((name for name, value in texts.items() if "\0" in value or not _encodes(value)), None)
+    bad = next((name for name, value in texts.items() if name != "name" and not _is_name(value)), None)
     if bad:
-        raise UsageError(f"{where}: task {key}: {bad} holds a NUL character or an escaped surrogate: not a name")
+        raise UsageError(
+            f"{where}: task {key}: {bad} {_shown(texts[bad])} holds a character that is not printable (a control "
+            "character, NUL or an escaped surrogate): it names a file, a dataset or a column"
+        )
     columns = {name: getattr(fields, name) for name in SOURCE_FIELDS if getattr(fields, name) and name != "train_split"}
     return Task(
         key=key,
@@ -264,13 +267,10 @@ def _task(entry: dict, base: Path, where: str) -> Task:
     )
 
 
-def _encodes(text: str) -> bool:
-    """Whether `text` is UTF-8 text (YAML's escapes can write a lone surrogate, which no file name holds)."""
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
+def _is_name(text: str) -> bool:
+    """Whether `text` can name a file, a dataset or a column: printable (no newline, NUL, or a lone surrogate that
+    YAML's escapes can write and no file name holds)."""
+    return text.isprintable()
 
 
 def record_file(key: str) -> str:

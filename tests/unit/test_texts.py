@@ -40,6 +40,9 @@ def test_missing_folder_and_unreadable_files_are_one_line(tmp_path):
         read_text(tmp_path / "none.yml", "--tasks")
     with pytest.raises(UsageError, match=r": a folder, not a text file$"):
         read_lines(tmp_path)
+    with pytest.raises(UsageError) as caught:  # a newline in the name would break the one line: shown escaped
+        read_text(tmp_path / "a\nb<i>.txt", "--templates")
+    assert str(caught.value) == f"--templates {str(tmp_path / 'a') + chr(10) + 'b<i>.txt'!r}: no such file"
     with pytest.raises(DataError, match=r"^sample s1, its .txt: line 1 is not UTF-8"):  # text inside data
         decode_text(b"\x80", "sample s1, its .txt", DataError)
 

@@ -126,8 +126,9 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("a: {path: x, path: y}", "path is given twice in one mapping (lines 1 and 1): give it once"),
         ("1: {path: x}", "task key 1 is not text: quote it"),
         ('"a\\nb": {path: x}', "task key 'a\\nb' must be printable text"),
-        ('a: {path: "x\\0y"}', "task a: path holds a NUL character"),
-        ('a: {classnames: "\\ud800.txt"}', "task a: classnames holds a NUL character or an escaped surrogate"),
+        ('a: {path: "x\\0y"}', "task a: path 'x\\x00y' holds a character that is not printable"),
+        ('a: {classnames: "\\ud800.txt"}', "task a: classnames '\\ud800.txt' holds a character that is not printable"),
+        ('a: {templates: "a\\nb"}', "task a: templates 'a\\nb' holds a character that is not printable"),
         ("a: {path: x\n b: 1", "not valid YAML (expected ',' or '}', but got ':' at line 2, column 3)"),
     ],
 )
