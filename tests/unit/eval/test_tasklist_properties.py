@@ -69,7 +69,7 @@ def _check(task: Task) -> None:
     assert task.val_proportion is None or (math.isfinite(task.val_proportion) and 0 < task.val_proportion < 1)
 
 
-@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_documents())
 def test_any_task_list_gives_typed_tasks_or_one_line(tmp_path, document):
     path = tmp_path / "tasks.yml"
