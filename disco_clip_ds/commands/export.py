@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.texts import read_text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _read_eval_results(path: str) -> dict:
+    text = read_text(path, "--eval_results")
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
+        return json.loads(text)
+    except ValueError as error:
         raise UsageError(f"--eval_results {path} is not a readable JSON file: {error}") from error

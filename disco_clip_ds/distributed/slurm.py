@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.texts import read_text
 
 LAUNCHERS = ("torchrun", "deepspeed")
 # torchrun with restarts across nodes: the shared rendezvous store hangs the restarted workers (nodes.check_elastic)
@@ -36,14 +37,7 @@ def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
     """The (host, slots) lines of a DeepSpeed hostfile, by DeepSpeed's own rule (`HOSTFILE_LINE`, '#' comments and
     blank lines skipped, a host once); UsageError naming the line that breaks it. Not deepspeed's parser itself:
     importing deepspeed to read two columns costs seconds and prints its accelerator banner."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UsageError(f"--hostfile {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise UsageError(
-            f"--hostfile {path}: not UTF-8 text (byte {error.start}): write one node per line, 'HOST slots=GPUS'"
-        ) from None
+    lines = read_text(path, "--hostfile").splitlines()  # the one reader: a missing file, text that is not UTF-8
     hosts: dict[str, int] = {}
     for number, line in enumerate(lines, 1):
         line = line.strip()

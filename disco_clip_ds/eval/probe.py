@@ -103,9 +103,9 @@ def linear_probe(
     if val_proportion is not None:
         train, val = _split_off_validation(train, val_proportion, generator)
     n_classes = int(train[1].max()) + 1  # CLIP_benchmark sizes the layer by the train part's labels
-    _check_labels_known(n_classes, test=test, val=val)
+    where = "the train part left by val_proportion" if val_proportion is not None else "the train split"
+    _check_labels_seen(train[1], where, test=test, val=val)
     if fewshot_k > 0:
-        where = "the train part left by val_proportion" if val_proportion is not None else "the train split"
         _check_fewshot_counts(train[1], fewshot_k, where)
     chosen = fewshot_indices(train[1], fewshot_k, torch.randperm(len(train[1]), generator=generator))
     shots = (train[0][chosen], train[1][chosen])
@@ -290,12 +290,18 @@ def _check_dims(train, test, val) -> None:
             )
 
 
-def _check_labels_known(n_classes: int, **splits) -> None:
+def _check_labels_seen(train_labels: torch.Tensor, where: str, **splits) -> None:
+    """Every class of the test (and validation) labels has a sample in `train_labels`: the sets compared, not their
+    largest labels, since a class missing in between is just as unlearnable."""
+    seen = set(train_labels.unique().tolist())
     for name, split in splits.items():
-        if split is not None and int(split[1].max()) >= n_classes:
+        unseen = [] if split is None else sorted(set(split[1].unique().tolist()) - seen)
+        if unseen:
+            listed = ", ".join(map(str, unseen[:5])) + (" ..." if len(unseen) > 5 else "")
             raise UsageError(
-                f"{name} labels include class {int(split[1].max())}, above every training label "
-                f"(max {n_classes - 1}): the probe cannot predict a class it never saw"
+                f"{name} labels include class {listed}, which no sample of {where} has ({len(unseen)} "
+                f"class{'es' if len(unseen) > 1 else ''} unseen): the probe cannot predict a class it never saw; give "
+                "every class train samples"
             )
 
 

@@ -29,6 +29,7 @@ from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing_shards
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.texts import decode_text, read_text
 
 TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt", "linear_probe": "cls"}
 NSHARDS_FILE = "nshards.txt"  # CLIP_benchmark's count of a split's shards, named 0.tar .. N-1.tar
@@ -43,10 +44,13 @@ def split_shards(data: str, split: str = "test") -> str | None:
         return None
     count = folder / NSHARDS_FILE
     if count.is_file():
+        text = read_text(count)
         try:
-            n = int(count.read_text().strip())
+            n = int(text.strip())
         except ValueError as e:
             raise UsageError(f"'{count}' must hold the number of shards of the split, e.g. 4") from e
+        if n < 1:
+            raise UsageError(f"'{count}' says the split has {n} shards: give the number of its shards, e.g. 4")
         return str(folder / (f"{{0..{n - 1}}}.tar" if n > 1 else "0.tar"))
     return str(folder)
 
@@ -132,7 +136,8 @@ def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[li
                     f"sample {sample['__key__']} of shard '{describe_source(url)}' has no image or no .{fields}"
                 )
             images.append(image)
-            values.append(_value(sample[fields], fields))
+            where = f"sample {sample['__key__']} of shard '{describe_source(url)}'"
+            values.append(_value(sample[fields], fields, where))
             if len(images) == batch_size:
                 yield images, values
                 images, values = [], []
@@ -158,11 +163,16 @@ def decode_batch(image_processor, batch: tuple[list, list]) -> tuple[torch.Tenso
     return pixels(image_processor, images), batch[1]
 
 
-def _value(data: bytes, field: str):
-    """A class index (webdataset's decoder reads .cls as int(data)) or the captions of a .txt, one per line."""
+def _value(data: bytes, field: str, where: str):
+    """A class index (webdataset's decoder reads .cls as int(data)) or the captions of a .txt, one per line (UTF-8,
+    by the one reader of text); `where` names the sample in the DataError of either that cannot be read."""
     if field == "cls":
-        return int(data)
-    return [line.strip() for line in data.decode("utf-8").splitlines() if line.strip()]
+        try:
+            return int(data)
+        except ValueError:
+            raise DataError(f"{where}: its .cls is not a class index ({data[:20]!r}): re-create the shard") from None
+    text = decode_text(data, f"{where}, its .txt", DataError)
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def pixels(image_processor, images) -> torch.Tensor | dict[str, torch.Tensor]:

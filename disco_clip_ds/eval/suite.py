@@ -1,26 +1,8 @@
 """A benchmark suite: a task list in DataComp's `tasklist.yml` form over CLIP_benchmark-format sets, every task in
 one process, each task's main metric and their average as DataComp reports it.
 
-The task list is YAML: a mapping from each task's key to its fields, as DataComp's (`vtab/cifar100: {name: ...,
-main_metric: ...}`), or a list of such mappings each with a `key`. Fields:
-
-    name           the task's name in the table (default: its key)
-    type           zeroshot_classification (default), zeroshot_retrieval (or retrieval; the default for a key
-                   under retrieval/, as DataComp's), linear_probe
-    main_metric    the metric in the table and the average (default: acc1; mean_recall@1 for retrieval, the mean of
-                   image and text recall@1, as DataComp's)
-    path           a folder in CLIP_benchmark's wds layout (DIR/test/, DIR/train/ for linear_probe) or shards;
-                   relative to the task list's folder; default: the task list's folder / key
-    dataset        a 🤗 datasets source instead (id or folder), with split, train_split, config, image_column,
-                   label_column, caption_column
-    classnames, templates   as `disco-clip eval` takes them (files, shipped or CLIP_benchmark names)
-    fewshot_k      linear_probe: training samples per class (-1: all)
-    val_proportion linear_probe: the share of the train split held out to choose the weight decay (CLIP_benchmark's
-                   --val_proportion; default none: no sweep, weight decay 0, as its default)
-    train          true: run during training by `--eval_tasks` (when no task is marked, all are)
-
-DataComp's descriptive fields (size, time, num_classes, random_score, tags) are accepted and shown nowhere; any
-other field is refused, so a misspelt one is not silently ignored.
+The task list (its YAML form, fields and schema) is read and checked by eval/tasklist.py, before any model
+loads; `load_tasks` and `training_tasks` are imported from here too.
 
 On N ranks (`disco-clip eval` under torchrun, `--eval_tasks` in training) the suite runs on every rank together and
 the work is split: each task's batches are dealt out across the ranks and their outputs gathered back in order
@@ -36,7 +18,7 @@ import io
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,49 +31,17 @@ from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
 from disco_clip_ds.eval.sources import as_raw_batches, split_shards
 from disco_clip_ds.eval.spread import spread
+from disco_clip_ds.eval.tasklist import Task, record_file
+from disco_clip_ds.eval.tasklist import load_tasks as load_tasks
+from disco_clip_ds.eval.tasklist import training_tasks as training_tasks
 from disco_clip_ds.eval.tasks import (
+    check_class_indices,
     find_templates,
     open_eval_data,
     progress_bar,
     zeroshot_classification,
     zeroshot_retrieval,
 )
-
-TYPES = {"zeroshot_classification", "zeroshot_retrieval", "linear_probe"}
-TYPE_ALIASES = {"retrieval": "zeroshot_retrieval", "classification": "zeroshot_classification"}
-CLASSIFICATION_METRICS = {"acc1", "acc5", "mean_per_class_recall"}
-RETRIEVAL_METRICS = {f"{side}_retrieval_recall@{k}" for side in ("image", "text") for k in (1, 5, 10)} | {
-    "mean_recall@1"
-}
-METRICS = {
-    "zeroshot_classification": CLASSIFICATION_METRICS,
-    "zeroshot_retrieval": RETRIEVAL_METRICS,
-    "linear_probe": CLASSIFICATION_METRICS,
-}
-DEFAULT_METRIC = {"zeroshot_classification": "acc1", "zeroshot_retrieval": "mean_recall@1", "linear_probe": "acc1"}
-SOURCE_FIELDS = ("split", "train_split", "config", "image_column", "label_column", "caption_column")
-FIELDS = {"key", "name", "type", "main_metric", "path", "dataset", "classnames", "templates", "train", *SOURCE_FIELDS}
-FIELDS |= {"fewshot_k", "val_proportion"}
-DATACOMP_FIELDS = {"size", "time", "num_classes", "random_score", "tags"}  # descriptive: accepted, not used
-
-
-@dataclass(frozen=True)
-class Task:
-    """One entry of the task list, its fields checked and its path resolved (`load_tasks`)."""
-
-    key: str
-    name: str
-    type: str
-    main_metric: str
-    source: str  # a folder / shard spec, or a datasets source
-    columns: dict = field(default_factory=dict)  # split, config and columns of a datasets source (or a wds split)
-    train_split: str = "train"
-    classnames: str | None = None
-    templates: str | None = None
-    fewshot_k: int = -1
-    val_proportion: float | None = None
-    train: bool = False
-    is_path: bool = True  # `source` is the task's path (else a datasets source)
 
 
 @dataclass
@@ -115,95 +65,10 @@ def record_metric(kind: str, metric: str) -> str:
     return PROBE_NAMES.get(metric, metric) if kind == "linear_probe" else metric
 
 
-def load_tasks(path: str | Path, flag: str = "--tasks") -> list[Task]:
-    """The tasks of a task list (see the module docstring); every problem is a one-line UsageError naming `flag`."""
-    import yaml
-
-    path, where = Path(path), f"{flag} {path}"
-    if not path.is_file():
-        raise UsageError(f"{where}: no such file (a YAML task list in DataComp's tasklist.yml form)")
-    try:
-        entries = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UsageError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from e
-    if isinstance(entries, dict) and all(isinstance(fields, (dict, type(None))) for fields in entries.values()):
-        entries = [{"key": key, **(fields or {})} for key, fields in entries.items()]
-    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-        raise UsageError(f"{where}: give a mapping of task keys to their fields, or a list of tasks")
-    tasks = [_task(entry, path.parent, where) for entry in entries]
-    keys = [task.key for task in tasks]
-    repeated = sorted({key for key in keys if keys.count(key) > 1})
-    if repeated:
-        raise UsageError(f"{where}: task {repeated[0]} is listed twice")
-    files: dict[str, str] = {}
-    for key in keys:  # one record file per task, and none that the summary's own files would overwrite
-        name = record_file(key)
-        if name in SUMMARY_FILES:
-            raise UsageError(f"{where}: task {key} would write {name}, the summary's own file: rename the task")
-        if name in files:
-            raise UsageError(f"{where}: tasks {files[name]} and {key} would both write {name}: rename one")
-        files[name] = key
-    return tasks
-
-
-SUMMARY_FILES = ("suite.md", "suite.csv", "suite.json")
-
-
-def record_file(key: str) -> str:
-    """The file name of a task's CLIP_benchmark record in the suite's output folder (its key, / as _)."""
-    return f"{key.replace('/', '_')}.json"
-
-
 def check_output(output: str | Path, flag: str = "--output") -> None:
     """Refuse, before any work, an output folder that is an existing file."""
     if Path(output).exists() and not Path(output).is_dir():
         raise UsageError(f"{flag} {output} is a file: name a folder for the tasks' records and the summary")
-
-
-def _task(entry: dict, base: Path, where: str) -> Task:
-    key = str(entry.get("key") or entry.get("name") or "")
-    if not key:
-        raise UsageError(f"{where}: a task without a key or name")
-    unknown = sorted(set(entry) - FIELDS - DATACOMP_FIELDS)
-    if unknown:
-        raise UsageError(f"{where}: task {key} has unknown field '{unknown[0]}' (fields: {', '.join(sorted(FIELDS))})")
-    default_type = "zeroshot_retrieval" if key.startswith("retrieval/") else "zeroshot_classification"
-    kind = TYPE_ALIASES.get(entry.get("type"), entry.get("type") or default_type)
-    if kind not in TYPES:
-        raise UsageError(f"{where}: task {key} has type '{kind}' (types: {', '.join(sorted(TYPES))}, retrieval)")
-    metric = entry.get("main_metric") or DEFAULT_METRIC[kind]
-    if metric not in METRICS[kind]:
-        raise UsageError(f"{where}: task {key}: {kind} has no metric '{metric}' ({', '.join(sorted(METRICS[kind]))})")
-    if entry.get("path") and entry.get("dataset"):
-        raise UsageError(f"{where}: task {key} names both a path and a dataset: give one")
-    source = entry.get("dataset") or str(base / str(entry.get("path") or key))
-    fewshot_k = entry.get("fewshot_k", -1)
-    if not isinstance(fewshot_k, int) or fewshot_k == 0 or fewshot_k < -1:
-        raise UsageError(f"{where}: task {key}: fewshot_k {fewshot_k} must be -1 (all) or a positive count")
-    val_proportion = entry.get("val_proportion")
-    if val_proportion is not None and not (isinstance(val_proportion, float) and 0 < val_proportion < 1):
-        raise UsageError(f"{where}: task {key}: val_proportion {val_proportion} must be a fraction, e.g. 0.2")
-    columns = {name: entry[name] for name in SOURCE_FIELDS if entry.get(name) and name != "train_split"}
-    return Task(
-        key=key,
-        name=str(entry.get("name") or key),
-        type=kind,
-        main_metric=metric,
-        source=source,
-        columns=columns,
-        train_split=entry.get("train_split") or "train",
-        classnames=entry.get("classnames"),
-        templates=entry.get("templates"),
-        fewshot_k=fewshot_k,
-        val_proportion=val_proportion,
-        train=bool(entry.get("train", False)),
-        is_path=not entry.get("dataset"),
-    )
-
-
-def training_tasks(tasks: Sequence[Task]) -> list[Task]:
-    """The tasks marked `train: true`, or all of them when none is."""
-    return [task for task in tasks if task.train] or list(tasks)
 
 
 def run_suite(
@@ -289,12 +154,15 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
             f"task {task.key}: a linear probe reads a {task.train_split}/ and a test/ split folder in "
             f"'{task.source}' (CLIP_benchmark's layout)"
         )
-    train, _ = open_eval_data(task.source, task.type, **{**task.columns, "split": task.train_split})
-    test, _ = open_eval_data(task.source, task.type, **task.columns)
+    columns = {**task.columns, "split": task.train_split}
+    train, classnames = open_eval_data(task.source, task.type, task.classnames, **columns)
+    test, _ = open_eval_data(task.source, task.type, task.classnames, **task.columns)
 
     def probe() -> dict:
         train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
         test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
+        if classnames is not None:  # the probe needs no names, but names it is given must fit its labels
+            check_class_names(task, classnames, train_y, test_y)
         device = next(unwrap(model).parameters()).device  # the model's GPU, where it has one
         return linear_probe(
             train_x,
@@ -308,6 +176,19 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
         )
 
     return probe
+
+
+def check_class_names(task: Task, classnames: list[str], train_y: torch.Tensor, test_y: torch.Tensor) -> None:
+    """A linear probe's class names fit its labels: every index names one, and the task's own list (its
+    `classnames` field) has one name per class of the train split, which sizes the probe (CLIP_benchmark's rule)."""
+    for split, labels in ((task.train_split, train_y), ("test", test_y)):
+        check_class_indices(labels, classnames, f"task {task.key}, {split} split: ")
+    n_classes = int(train_y.max()) + 1
+    if task.classnames and len(classnames) != n_classes:
+        raise UsageError(
+            f"task {task.key}: {len(classnames)} class names ({task.classnames}) for the {n_classes} classes of its "
+            f"{task.train_split} split (labels 0..{n_classes - 1}): give one name per class, or none"
+        )
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -38,7 +39,9 @@ from disco_clip_ds.eval.sources import (
     split_shards,
 )
 from disco_clip_ds.eval.spread import spread
+from disco_clip_ds.texts import read_lines
 
+logger = logging.getLogger(__name__)
 RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 NAMED_CLASSNAMES = {"imagenet1k": RESOURCES / "imagenet1k_classnames.txt"}
 NAMED_TEMPLATES = {"openai_imagenet": RESOURCES / "openai_imagenet_templates.txt"}
@@ -93,12 +96,17 @@ def zeroshot_classification(
         raise DataError("the evaluation data holds no samples")
     logits, targets = zip(*outputs)
     targets = torch.cat(targets)
-    if targets.min() < 0 or targets.max() >= len(classnames):
-        raise UsageError(
-            f"class indices run {targets.min().item()}..{targets.max().item()} but there are {len(classnames)} "
-            "class names"
-        )
+    check_class_indices(targets, classnames)
     return classification_metrics(torch.cat(logits), targets)
+
+
+def check_class_indices(targets: torch.Tensor, classnames: Sequence[str], where: str = "") -> None:
+    """Every class index names one of `classnames` (zero-shot classification and a linear probe given names)."""
+    if len(targets) and (targets.min() < 0 or targets.max() >= len(classnames)):
+        raise UsageError(
+            f"{where}class indices run {targets.min().item()}..{targets.max().item()} but there are "
+            f"{len(classnames)} class names: give one name per class, in the order of the indices"
+        )
 
 
 def zeroshot_retrieval(
@@ -115,7 +123,9 @@ def zeroshot_retrieval(
     """Image-text retrieval: image_retrieval_recall@k and text_retrieval_recall@k for k in `ks`.
 
     `data` is a shard spec (then `image_processor` is needed) or an iterable of `(pixel_values, captions)`
-    batches where `captions[i]` is the list of captions of image i.
+    batches where `captions[i]` is the list of captions of image i. Images without a caption stay in text
+    retrieval's denominator as misses (CLIP_benchmark's count); their number is `images_without_caption`, present
+    when some are, and a warning says so.
     """
     with EvalMode(unwrap(model)):
         raw, decode = as_raw_batches(data, image_processor, "txt", batch_size)
@@ -127,13 +137,19 @@ def zeroshot_retrieval(
         text_embeddings = encode_texts(model, tokenizer, texts, batch_size)
     text_to_image = [i for i, caps in enumerate(captions) for _ in caps]
     scores = text_embeddings @ torch.cat([images for images, _ in outputs]).T
-    return retrieval_metrics(scores, torch.tensor(text_to_image), ks)
-
-
-def read_lines(path: str | os.PathLike) -> list[str]:
-    """Non-empty lines of a text file (class names, templates)."""
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
+    metrics = retrieval_metrics(scores, torch.tensor(text_to_image), ks)
+    blank = sum(not caps for caps in captions)
+    if blank and int(os.environ.get("RANK", "0")) == 0:  # kept as misses, as CLIP_benchmark counts them
+        logger.warning(
+            "%s: %d of %d images have no caption (blank .txt or caption): they count as misses of "
+            "text_retrieval_recall@k, as CLIP_benchmark counts them (images_without_caption in the record)",
+            desc,
+            blank,
+            len(captions),
+        )
+    if blank:
+        metrics["images_without_caption"] = blank
+    return metrics
 
 
 def _beside(data: str, name: str) -> Path | None:
@@ -188,7 +204,7 @@ def find_classnames(data: str, classnames: str | None) -> list[str]:
             )
     if not Path(path).is_file():
         raise UsageError(f"class names file '{path}' not found (shipped lists: {', '.join(NAMED_CLASSNAMES)})")
-    return read_lines(path)
+    return _non_empty(read_lines(path, "class names file"), f"class names file {path}", "a class name")
 
 
 def find_templates(data: str, templates: str | None) -> list[str]:
@@ -203,9 +219,18 @@ def find_templates(data: str, templates: str | None) -> list[str]:
             path = _beside(data, TEMPLATES_FILE) or NAMED_TEMPLATES["openai_imagenet"]
         if not Path(path).is_file():
             raise UsageError(f"templates file '{path}' not found (shipped: {', '.join(NAMED_TEMPLATES)})")
-        lines = read_lines(path)
+        lines = read_lines(path, "templates file")
+    _non_empty(lines, f"templates {path}", "a template such as 'a photo of a {c}.'")
     if not all("{c}" in line for line in lines):
         raise UsageError(f"every template in '{path}' must contain '{{c}}' where the class name goes")
+    return lines
+
+
+def _non_empty(lines: list[str], where: str, what: str) -> list[str]:
+    """`lines`, refused when there are none: the one check of `--data` and a suite's tasks alike (an empty list
+    would otherwise reach the text tower as an empty batch)."""
+    if not lines:
+        raise UsageError(f"{where} holds no lines: give {what}, one per line")
     return lines
 
 
@@ -227,7 +252,7 @@ def open_eval_data(
     and columns). A folder in CLIP_benchmark's layout is read from its split folder (`split`, default test); the
     other columns name a datasets dataset's, and with shards they are refused. `classnames`: a file, a shipped or
     CLIP_benchmark name, else those beside the shards or the dataset's ClassLabel names."""
-    classify = task == "zeroshot_classification"
+    classify = task == "zeroshot_classification" or (task == "linear_probe" and bool(classnames))
     if is_datasets_source(data):
         names = find_classnames(data, classnames) if task != "zeroshot_retrieval" and classnames else None
         source = DatasetSource.open(data, task, classnames=names, **columns)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from disco_clip_ds.texts import read_text
+
 # model_type -> (the transformers config class, the plain transformers model class)
 MODEL_TYPES = {
     "clip": ("CLIPConfig", "CLIPModel"),
@@ -47,7 +49,7 @@ def load_config(model_name_or_path: str | None = None, model_config: str | None 
         path = Path(model_config)
         if not path.is_file():
             raise FileNotFoundError(f"model config {path} not found (e.g. recipes/models/tiny.json)")
-        model_type = json.loads(path.read_text()).get("model_type", "clip")
+        model_type = json.loads(read_text(path, "model config")).get("model_type", "clip")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"{path}: model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
         try:

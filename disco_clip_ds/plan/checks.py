@@ -9,6 +9,7 @@ from pathlib import Path
 
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.memory import PRECISION_BYTES, Settings
+from disco_clip_ds.texts import read_text
 
 # Top-level keys DeepSpeed 0.16-0.19 reads (its config docs and deepspeed/runtime/config.py). DeepSpeed itself
 # silently ignores any other key, so a typo such as "train_micro_batch_size" would go unnoticed until OOM.
@@ -95,10 +96,9 @@ def read_deepspeed_json(path, flag: str = "--deepspeed") -> dict:
     path = Path(path)
     if not path.is_file():
         raise PlanConfigError(f"{flag} {path}: no such file")
+    text = read_text(path, flag, PlanConfigError)  # the one reader of the user's text: one line naming the line
     try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanConfigError(f"{flag} {path}: not readable ({e})") from None
+        config = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanConfigError(f"{flag} {path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(config, dict):

@@ -9,7 +9,6 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -19,6 +18,7 @@ from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.distributed import peers
 from disco_clip_ds.errors import EXIT_PREEMPTED, DiscoClipError, UsageError
 from disco_clip_ds.plan import checks
+from disco_clip_ds.texts import read_text
 
 
 @dataclass
@@ -430,11 +430,12 @@ def read_deepspeed_json(deepspeed) -> dict | None:
 def _read_arguments_file(path: str) -> dict:
     import yaml
 
+    text = read_text(path, "arguments file")  # a missing file or text that is not UTF-8: one line naming it
     try:
-        text = Path(path).read_text()
         values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as error:
-        raise UsageError(f"{path} is not a readable arguments file: {error}") from error
+    except (ValueError, yaml.YAMLError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__  # YAML's run over several lines
+        raise UsageError(f"{path} is not a readable arguments file: {first}") from error
     if not isinstance(values, dict):
         raise UsageError(f"{path} holds no argument names and values")
     return values
@@ -442,9 +443,10 @@ def _read_arguments_file(path: str) -> dict:
 
 def read_json(flag: str, path: str) -> dict:
     """The JSON file a flag names, or a UsageError naming the flag and the file."""
+    text = read_text(path, flag)
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
+        return json.loads(text)
+    except ValueError as error:
         raise UsageError(f"{flag} {path} is not a readable JSON file: {error}") from error
 
 

@@ -25,6 +25,7 @@ from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.texts import read_lines
 
 CLASS_TEMPLATE = "a photo of a {name}."
 
@@ -123,10 +124,7 @@ def _class_name_embeddings(path: Path, teacher: str, tokenizer_name: str | None,
 
     if path.suffix in (".tar", ".safetensors", ".parquet", ".npy"):
         raise UsageError(f"--target {path}: a {path.suffix} file, not a text file of class names: give its folder")
-    try:
-        names = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError as error:
-        raise UsageError(f"--target {path}: not a text file of class names ({error})") from error
+    names = read_lines(path, "--target")
     if not names:
         raise UsageError(f"--target {path}: no class names in it (one per line)")
     loaded = load_teacher(teacher, tokenizer_name)

@@ -30,13 +30,13 @@ HOSTFILES = {
         (["--hostfile", "bad slots"], "line 2 'node2 slots eight': write one node per line, 'HOST slots=GPUS'"),
         (["--hostfile", "twice"], "line 2: node1 is listed twice; one line per node"),
         (["--hostfile", "empty"], "names no node"),
-        (["--hostfile", "missing"], "missing: No such file or directory"),
+        (["--hostfile", "missing"], "--hostfile missing: no such file"),
         (["--hostfile", "good", "--node_rank", "2"], "--node_rank 2 is out of range for the 2 nodes of --hostfile"),
         (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is out of range for --nnodes 2: give 0 to 1"),
         (["--nnodes", "2", "--node_rank", "-1"], "--node_rank -1 is out of range for --nnodes 2"),
         (["--nnodes", "0"], "--nnodes 0: give the number of nodes"),
         (["--hostfile", "zero slots"], "line 2: node2 slots=0 would start no rank; give its GPUs (at least 1)"),
-        (["--hostfile", "latin-1"], "latin-1: not UTF-8 text (byte 3): write one node per line"),
+        (["--hostfile", "latin-1"], "latin-1: line 1 is not UTF-8 text (byte 0xe9 at column 4): save it as UTF-8"),
     ],
 )
 def test_a_bad_hostfile_or_node_rank_is_one_line(argv, message, tmp_path, monkeypatch, capsys):

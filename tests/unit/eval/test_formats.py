@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -88,6 +89,21 @@ def test_wds_layout_refuses_a_shard_that_nshards_names_but_is_missing(wds_cls, t
     (root / "test" / "nshards.txt").write_text("3\n")
     with pytest.raises(UsageError, match="1 of 3 shards not found"):
         open_eval_data(str(root), "zeroshot_classification", classnames=str(wds_cls[0] / "classnames.txt"))
+
+
+@pytest.mark.parametrize(
+    "count, message",
+    [
+        (b"0\n", "nshards.txt' says the split has 0 shards"),  # before: '{0..-1}.tar', an empty brace pattern
+        (b"two\n", "nshards.txt' must hold the number of shards of the split"),
+        (b"\xff2\n", "nshards.txt: line 1 is not UTF-8 text (byte 0xff at column 1)"),
+    ],
+)
+def test_an_unreadable_nshards_is_one_line(tmp_path, count, message):
+    os.makedirs(tmp_path / "test")
+    (tmp_path / "test" / "nshards.txt").write_bytes(count)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        open_eval_data(str(tmp_path), "zeroshot_retrieval")
 
 
 def test_retrieval_with_several_captions_per_image_equals_a_float64_recount(tmp_path):

@@ -100,6 +100,12 @@ def test_features_are_normalised_and_the_callers_random_state_is_kept():
     assert linear_probe(x * scale, y, x, y, epochs=2, normalize=False) != a
 
 
+def _relabelled(missing: int) -> torch.Tensor:
+    """_clusters' 24 labels (classes 0..5) with class `missing` relabelled 0: a train split without that class."""
+    labels = torch.arange(6).repeat(4)
+    return labels.masked_fill(labels == missing, 0)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -108,7 +114,10 @@ def test_features_are_normalised_and_the_callers_random_state_is_kept():
         ({"test_features": torch.zeros(24, 3)}, "test features have dimension 3, train features 8"),
         ({"fewshot_k": 0}, "fewshot_k must be a number of samples per class"),
         ({"train_labels": torch.zeros(24)}, "train labels must be integer class ids"),
-        ({"test_labels": torch.full((24,), 9)}, "test labels include class 9"),
+        ({"test_labels": torch.full((24,), 9)}, "test labels include class 9, which no sample of the train split"),
+        # issue 54: a class missing from train/ below the highest label was probed and reported without a word
+        ({"train_labels": _relabelled(3)}, "test labels include class 3, which no sample of the train split has"),
+        ({"train_labels": _relabelled(5)}, "test labels include class 5, which no sample of the train split has"),
         (
             {"val_proportion": 0.5, "val_features": torch.zeros(2, 8), "val_labels": torch.zeros(2, dtype=torch.long)},
             "not both",

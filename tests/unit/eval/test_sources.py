@@ -171,3 +171,27 @@ def test_datasets_int_labels_with_classnames_and_a_config(cls_set, bad_hf, model
     configs = ["--model", str(model_dir), "--data", str(bad_hf / "two_configs"), *templates]
     assert record([*configs, "--dataset_config_name", "a"], capsys)["metrics"] == shards
     assert record([*configs, "--dataset_config_name", "b"], capsys)["metrics"] != shards
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("cls", b"three", "sample s00001 of shard '{name}/00000.tar': its .cls is not a class index (b'three')"),
+        (
+            "txt",
+            b"ok\ncaf\xe9",
+            "sample s00001 of shard '{name}/00000.tar', its .txt: line 2 is not UTF-8 text (byte 0xe9",
+        ),
+    ],
+)
+def test_a_label_or_caption_that_cannot_be_read_is_a_data_error_naming_the_sample(tmp_path, field, value, message):
+    """Before: a ValueError or UnicodeDecodeError traceback from the batch reader, which ended a whole suite."""
+    from disco_clip_ds.errors import DataError
+    from disco_clip_ds.eval.sources import raw_shard_batches
+
+    good = b"0" if field == "cls" else b"a caption"
+    samples = [{"jpg": b"not read here", field: data} for data in (good, value)]
+    write_samples(tmp_path, samples, per_shard=2)
+    with pytest.raises(DataError) as caught:
+        list(raw_shard_batches(str(tmp_path), field, batch_size=4))
+    assert str(caught.value).startswith(message.format(name=tmp_path.name)) and "\n" not in str(caught.value)

@@ -68,6 +68,11 @@ def sets(tmp_path_factory, cls_set):
     (root / "bad").mkdir()
     (root / "bad" / "00000.tar").write_bytes(b"this is not a tar file" * 40)
     (root / "tasks.yml").write_text(DATACOMP_FORM)
+    (root / "latin1_classnames.txt").write_bytes("zero\ncafé\n".encode("latin-1"))
+    (root / "blank_templates.txt").write_text("\n  \n")
+    (root / "seven_names.txt").write_text("\n".join(CLASSNAMES + ["six"]))
+    latin1 = [{"jpg": noise_image_bytes(rng, "JPEG"), "txt": text.encode("latin-1")} for text in ("a", "b\ncafé")]
+    write_samples(root / "ret_latin1", latin1, per_shard=4)
     return root
 
 
@@ -100,7 +105,8 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("a: {type: detection}", "task a has type 'detection'"),
         ("a: {main_metric: recall@1}", "zeroshot_classification has no metric 'recall@1'"),
         ("a: {type: linear_probe, fewshot_k: 0}", "fewshot_k 0 must be -1 (all) or a positive count"),
-        ("a: {type: linear_probe, val_proportion: 2}", "val_proportion 2 must be a fraction"),
+        ("a: {type: linear_probe, val_proportion: 2}", "val_proportion 2.0 must be a fraction"),
+        ("a: {type: linear_probe, val_proportion: .nan}", "val_proportion nan must be a fraction"),
         ("a: {path: x, dataset: y}", "names both a path and a dataset"),
         ("- {key: a}\n- {key: a}", "task a is listed twice"),
         ("a: [unclosed", "not valid YAML"),
@@ -108,6 +114,22 @@ def test_datacomp_form_fields_and_defaults(sets):
         ("a: 3", "give a mapping of task keys"),
         ("a/b: {path: x}\na_b: {path: y}", "tasks a/b and a_b would both write a_b.json: rename one"),
         ("suite: {path: x}", "task suite would write suite.json, the summary's own file: rename the task"),
+        # issue 54: each was a TypeError traceback (some after the model loaded), read as true, or kept silently
+        ("a: {type: [a, b]}", "task a: type must be text (quote it), not ['a', 'b']"),
+        ("a: {main_metric: {x: 1}}", "task a: main_metric must be text (quote it), not {'x': 1}"),
+        ("a: {dataset: 123}", "task a: dataset must be text (quote it), not 123"),
+        ("a: {classnames: 5}", "task a: classnames must be text (quote it), not 5"),
+        ("a: {split: [a]}", "task a: split must be text (quote it), not ['a']"),
+        ('a: {train: "false"}', "task a: train must be true or false, not 'false'"),
+        ("a: {fewshot_k: 1.5}", "task a: fewshot_k must be an integer, not 1.5"),
+        ("a: {path: x}\nb: {}\na: {path: y}", "task a is listed twice (lines 1 and 3): give it once"),
+        ("a: {path: x, path: y}", "path is given twice in one mapping (lines 1 and 1): give it once"),
+        ("1: {path: x}", "task key 1 is not text: quote it"),
+        ('"a\\nb": {path: x}', "task key 'a\\nb' must be printable text"),
+        ('a: {path: "x\\0y"}', "task a: path 'x\\x00y' holds a character that is not printable"),
+        ('a: {classnames: "\\ud800.txt"}', "task a: classnames '\\ud800.txt' holds a character that is not printable"),
+        ('a: {templates: "a\\nb"}', "task a: templates 'a\\nb' holds a character that is not printable"),
+        ("a: {path: x\n b: 1", "not valid YAML (expected ',' or '}', but got ':' at line 2, column 3)"),
     ],
 )
 def test_malformed_task_lists_are_one_line_usage_errors(tmp_path, text, message):
@@ -123,12 +145,23 @@ def test_missing_task_list_is_a_usage_error(tmp_path):
         load_tasks(tmp_path / "none.yml")
 
 
+# issue 54: text that is not UTF-8, empty lists, a probe's class names that do not fit its labels (the first four
+# tracebacks that ended the whole suite, the last said nothing); `sets` writes the files they name
+HOSTILE_TEXTS = """
+latin1_names: {{path: cls, classnames: '{root}/latin1_classnames.txt'}}
+no_templates: {{path: cls, templates: '{root}/blank_templates.txt'}}
+no_names: {{path: cls, classnames: '{root}/blank_templates.txt'}}
+retrieval/latin1_caption: {{path: ret_latin1}}
+probe_names: {{type: linear_probe, path: probe, classnames: '{root}/seven_names.txt'}}
+"""
+
+
 @pytest.fixture(scope="module")
 def suite_run(sets):
     """The task list plus a missing folder and an unreadable shard, run with one tiny CLIP."""
     (sets / "with_failures.yml").write_text(
         DATACOMP_FORM + "gone: {path: nowhere}\nbroken: {path: bad, classnames: cls/classnames.txt}\n"
-        "flat_probe: {type: linear_probe, path: cls}\n"
+        "flat_probe: {type: linear_probe, path: cls}\n" + HOSTILE_TEXTS.format(root=sets)
     )
     model, tokenizer, processor = tiny_clip()
     tasks = load_tasks(sets / "with_failures.yml")
@@ -147,11 +180,33 @@ def test_each_task_equals_its_own_evaluation_and_failures_stay_in_their_rows(set
     assert got["mean_recall@1"] == pytest.approx((ret["image_retrieval_recall@1"] + ret["text_retrieval_recall@1"]) / 2)
     assert isinstance(by_key["gone"].error, UsageError) and "no such folder" in str(by_key["gone"].error)
     assert isinstance(by_key["broken"].error, DataError) and "not a tar" in str(by_key["broken"].error)
-    assert [r.value is None for r in results] == [False, False, False, True, True, True]
+    assert [r.value is None for r in results] == [False, False, False] + [True] * 8
     assert "a linear probe reads a train/ and a test/ split folder in" in str(by_key["flat_probe"].error)
     record = by_key["cifar_like"].record
     assert set(record) == {"dataset", "model", "pretrained", "task", "metrics", "language"}
     assert (record["dataset"], record["model"], record["task"]) == ("cifar_like", "tiny", "zeroshot_classification")
+
+
+def test_text_that_is_not_utf8_empty_lists_and_misfit_class_names_fail_their_task_alone(sets, suite_run):
+    """Each is its task's one-line error; the tasks before and after them ran (the test above)."""
+    errors = {r.task.key: (type(r.error), str(r.error)) for r in suite_run[0] if r.error is not None}
+    assert errors["latin1_names"] == (
+        UsageError,
+        f"class names file {sets}/latin1_classnames.txt: line 2 is not UTF-8 text (byte 0xe9 at column 4): "
+        "save it as UTF-8",
+    )
+    assert errors["no_templates"][0] is UsageError and "holds no lines: give a template" in errors["no_templates"][1]
+    assert errors["no_names"][0] is UsageError and "holds no lines: give a class name" in errors["no_names"][1]
+    kind, text = errors["retrieval/latin1_caption"]
+    assert kind is DataError and text.endswith(
+        "its .txt: line 2 is not UTF-8 text (byte 0xe9 at column 4): save it as UTF-8"
+    )
+    assert errors["probe_names"] == (
+        UsageError,
+        f"task probe_names: 7 class names ({sets}/seven_names.txt) for the 6 classes "
+        "of its train split (labels 0..5): give one name per class, or none",
+    )
+    assert all("\n" not in text for _, text in errors.values())
 
 
 def test_linear_probe_task_takes_the_image_features_of_both_splits(sets, suite_run, monkeypatch):
@@ -192,11 +247,11 @@ def test_table_csv_json_and_average(tmp_path, suite_run):
     results, _ = suite_run
     rows = write_suite(results, tmp_path)
     values = [r.value for r in results if r.value is not None]
-    assert rows[-1]["task"] == "average (3 of 6 tasks)"
+    assert rows[-1]["task"] == "average (3 of 11 tasks)"
     assert rows[-1]["value"] == pytest.approx(sum(values) / 3)  # DataComp's average, of the tasks that ran
     with open(tmp_path / "suite.csv") as f:
         table = list(csv.DictReader(f))
-    assert [row["task"] for row in table] == [r.task.key for r in results] + ["average (3 of 6 tasks)"]
+    assert [row["task"] for row in table] == [r.task.key for r in results] + ["average (3 of 11 tasks)"]
     assert float(table[0]["value"]) == pytest.approx(results[0].value) and table[3]["error"].startswith("task gone:")
     assert json.loads((tmp_path / "cifar_like.json").read_text()) == results[0].record
     assert (tmp_path / "retrieval_captions.json").is_file() and not (tmp_path / "gone.json").exists()
@@ -268,7 +323,7 @@ def test_model_card_shows_the_final_suite(tmp_path, suite_run):
     assert f"| cifar_like | zeroshot_classification | acc1 | {results[0].value:.4f} |" in section
     assert any(line.startswith("| gone | zeroshot_classification | acc1 | failed: task gone:") for line in section)
     average = [r.value for r in results if r.value is not None]
-    assert f"| average (3 of 6 tasks) |  |  | {sum(average) / 3:.4f} |" in section
+    assert f"| average (3 of 11 tasks) |  |  | {sum(average) / 3:.4f} |" in section
     assert "## Benchmark suite" not in str(model_card(describe_run(tmp_path / "suite"), [], "a test"))
 
 

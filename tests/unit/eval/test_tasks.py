@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from disco_clip_ds.errors import UsageError
 from disco_clip_ds.eval.encode import zeroshot_classifier
 from disco_clip_ds.eval.tasks import find_classnames, find_templates, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
@@ -142,3 +143,32 @@ def test_shipped_resources():
     templates = find_templates("/nonexistent", None)  # no templates beside the shards -> OpenAI's 80
     assert len(names) == 1000 and names[0] == "tench" and names[-1] == "toilet paper"
     assert len(templates) == 80 and templates[0] == "a bad photo of a {c}." and all("{c}" in t for t in templates)
+
+
+def test_images_without_a_caption_are_counted_kept_as_misses_and_warned(tmp_path, caplog):
+    """Issue 54: an image whose captions are blank stayed in text retrieval's denominator without a word. It still
+    counts as a miss (CLIP_benchmark's rule), so text recall@k = (the captioned images' recall@k) x captioned / all,
+    and the record and a warning give the count."""
+    rng = np.random.default_rng(5)
+    captions = ["a red square", "  \n ", "two cats\nthe sea", "night", "\n", "tree"]
+    samples = [{"png": noise_image_bytes(rng), "txt": text} for text in captions]
+    write_samples(tmp_path / "all", samples, per_shard=4)
+    write_samples(tmp_path / "captioned", [s for s in samples if s["txt"].strip()], per_shard=4)
+    model, tokenizer, processor = tiny_clip(seed=1)
+    run = {"image_processor": processor, "batch_size": 4, "progress": False}
+    with caplog.at_level("WARNING", logger="disco_clip_ds.eval.tasks"):
+        every = zeroshot_retrieval(model, tokenizer, str(tmp_path / "all"), **run)
+    captioned = zeroshot_retrieval(model, tokenizer, str(tmp_path / "captioned"), **run)
+    assert every["images_without_caption"] == 2 and "images_without_caption" not in captioned
+    for k in (1, 5, 10):
+        assert every[f"text_retrieval_recall@{k}"] == pytest.approx(captioned[f"text_retrieval_recall@{k}"] * 4 / 6)
+    assert "2 of 6 images have no caption" in caplog.text
+
+
+def test_a_class_name_or_template_file_without_a_line_is_refused_where_both_paths_read_it(tmp_path):
+    """--data and a suite's task both take their lists from find_classnames / find_templates: one check there."""
+    (tmp_path / "blank.txt").write_text("\n \t\n")
+    with pytest.raises(UsageError, match=r"^class names file .*blank.txt holds no lines: give a class name, one per"):
+        find_classnames(str(tmp_path), str(tmp_path / "blank.txt"))
+    with pytest.raises(UsageError, match=r"^templates .*blank.txt holds no lines: give a template such as"):
+        find_templates(str(tmp_path), str(tmp_path / "blank.txt"))
