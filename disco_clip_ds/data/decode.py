@@ -41,6 +41,7 @@ PREMULTIPLIED = {"La": "LA", "RGBa": "RGBA"}  # alpha-premultiplied modes, which
 MAX_IMAGE_PIXELS = 50_000_000
 # A whole image resized as a whole is cut to at most this long side : short side, around its centre, first.
 MAX_ASPECT = 20
+DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
 REASON_CHARS = 200  # a reason is one line of at most this many characters
 
 
@@ -48,9 +49,15 @@ class BadImage(DataError, ValueError):
     """An image that a reader skips and counts; the message is the reason, one line."""
 
 
+class AboveCap(BadImage):
+    """An image whose header declares more pixels than the cap (or than PIL's own limit): refused undecoded."""
+
+
 def reason(error: BaseException) -> str:
-    """One line saying why `error` stopped a decode: its type and the first line of its message (a MemoryError has
-    none)."""
+    """One line saying why `error` stopped a decode: a BadImage's message, else the error's type and the first line
+    of its message (a MemoryError has none)."""
+    if isinstance(error, BadImage):
+        return str(error)
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     line = f"{type(error).__name__}: {text}" if text else type(error).__name__
     return line[:REASON_CHARS]
@@ -59,7 +66,7 @@ def reason(error: BaseException) -> str:
 def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
     """A BadImage for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
     if size[0] * size[1] > max_pixels:
-        raise BadImage(f"{size[0]} x {size[1]} pixels, above the cap of {max_pixels} (a decompression bomb?)")
+        raise AboveCap(f"{size[0]} x {size[1]} pixels, above the cap of {max_pixels} (a decompression bomb?)")
 
 
 def eight_bit(image: Image.Image) -> Image.Image:
@@ -105,6 +112,8 @@ class EncodedImage:
             try:
                 with Image.open(io.BytesIO(data)) as image:  # reads the header only
                     self.size = image.size
+            except Image.DecompressionBombError as error:  # PIL's own refusal, at twice its limit
+                raise AboveCap(reason(error)) from None
             except Exception as error:  # PIL raises many kinds for bytes it cannot identify, bombs included
                 raise BadImage(f"not a readable image ({reason(error)})") from None
         check_pixels(self.size, max_pixels)

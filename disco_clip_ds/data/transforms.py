@@ -1,11 +1,11 @@
 """Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
 
 Every image is decoded by data/decode.py (the pixel cap, the conversions, the reasons for a skip); training crops are
-resized by torch's uint8 bicubic kernel (resize.py), the eval transform by PIL's, as CLIPImageProcessor computes it. The per-sample work stays on uint8; the float
-batch is made in one place
-(`Normalize`), with the same float32 operations as normalising each crop alone, so the batch is bit-identical to
-the per-sample float path: by the collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the
-device, from the uint8 batch the collator then hands over.
+resized by torch's uint8 bicubic kernel (resize.py), the eval transform by PIL's, as CLIPImageProcessor computes it.
+The per-sample work stays on uint8; the float batch is made in one place (`Normalize`), with the same float32
+operations as normalising each crop alone, so the batch is bit-identical to the per-sample float path: by the
+collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the device, from the uint8 batch the
+collator then hands over.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import torch
 from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, EncodedImage, centred_aspect, to_rgb
+from disco_clip_ds.data.decode import DRAFT_SCALES, MAX_IMAGE_PIXELS, EncodedImage, centred_aspect, to_rgb
 from disco_clip_ds.data.resize import resized_crop
 
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
-DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
