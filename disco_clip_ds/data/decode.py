@@ -26,6 +26,7 @@ PIL reads despite libjpeg's warnings is read as it was.
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import simplejpeg
@@ -42,7 +43,8 @@ MAX_IMAGE_PIXELS = 50_000_000
 # A whole image resized as a whole is cut to at most this long side : short side, around its centre, first.
 MAX_ASPECT = 20
 DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
-REASON_CHARS = 200  # a reason is one line of at most this many characters
+REASON_CHARS = 200
+BOMB = "pixels, above the cap of {cap} (a decompression bomb?)"  # the reason for an image above the cap  # a reason is one line of at most this many characters
 
 
 class BadImage(DataError, ValueError):
@@ -66,7 +68,7 @@ def reason(error: BaseException) -> str:
 def check_pixels(size: tuple[int, int], max_pixels: int = MAX_IMAGE_PIXELS) -> None:
     """A BadImage for an image of more than `max_pixels` pixels (its (width, height) read from its header)."""
     if size[0] * size[1] > max_pixels:
-        raise AboveCap(f"{size[0]} x {size[1]} pixels, above the cap of {max_pixels} (a decompression bomb?)")
+        raise AboveCap(f"{size[0]} x {size[1]} {BOMB.format(cap=max_pixels)}")
 
 
 def eight_bit(image: Image.Image) -> Image.Image:
@@ -113,8 +115,12 @@ class EncodedImage:
                 with Image.open(io.BytesIO(data)) as image:  # reads the header only
                     self.size = image.size
             except Image.DecompressionBombError as error:  # PIL's own refusal, at twice its limit
-                raise AboveCap(reason(error)) from None
-            except Exception as error:  # PIL raises many kinds for bytes it cannot identify, bombs included
+                declared = re.search(r"\((\d+) pixels\)", str(error))
+                cap = min(max_pixels, 2 * (Image.MAX_IMAGE_PIXELS or max_pixels))
+                raise AboveCap(f"{declared[1] if declared else 'more'} {BOMB.format(cap=cap)}") from None
+            except Image.UnidentifiedImageError:  # its message names the BytesIO object: say what it means
+                raise BadImage(f"not an image (none of PIL's formats recognises its {len(data)} bytes)") from None
+            except Exception as error:  # PIL raises many kinds for a header it cannot read
                 raise BadImage(f"not a readable image ({reason(error)})") from None
         check_pixels(self.size, max_pixels)
 
@@ -150,7 +156,8 @@ class EncodedImage:
             if image.size != self.size:  # a header that reads differently the second time
                 raise BadImage(f"the image's size changed between reads ({self.size} then {image.size})")
             if scale > 1:
-                image.draft(None, (image.width // scale, image.height // scale))  # a no-op for formats but JPEG
+                # a no-op for formats but JPEG; PIL divides by the requested size, so never 0
+                image.draft(None, (max(1, image.width // scale), max(1, image.height // scale)))
             image.load()  # the first frame of an animated image
             return np.array(to_rgb(image))  # a writable copy, as torch wants
 
