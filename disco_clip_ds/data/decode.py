@@ -43,8 +43,8 @@ MAX_IMAGE_PIXELS = 50_000_000
 # A whole image resized as a whole is cut to at most this long side : short side, around its centre, first.
 MAX_ASPECT = 20
 DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
-REASON_CHARS = 200
-BOMB = "pixels, above the cap of {cap} (a decompression bomb?)"  # the reason for an image above the cap  # a reason is one line of at most this many characters
+REASON_CHARS = 200  # a reason is one line of at most this many characters
+BOMB = "pixels, above the cap of {cap} (a decompression bomb?)"  # the reason for an image above the cap
 
 
 class BadImage(DataError, ValueError):

@@ -168,7 +168,8 @@ def skipped_of(batch) -> list[str]:
 def decode_batch(image_processor, batch: tuple[list, list]) -> DecodedBatch:
     """The `DecodedBatch` of a raw batch: its images (bytes, or datasets' {"bytes", "path"}) decoded (data/decode.py)
     and processed by the model's image processor, with the values of those that decoded; the one-line reason of each
-    image that did not, each also logged. A batch whose every image is skipped gives pixel_values of 0 rows."""
+    image that did not, each also logged. A batch whose every image is skipped holds one blank image and no values:
+    under ZeRO-3 its rank must still forward, and a model takes no empty batch; `kept` drops its row."""
     images, values, skipped = [], [], []
     for image, value in zip(*batch):
         try:
@@ -181,12 +182,17 @@ def decode_batch(image_processor, batch: tuple[list, list]) -> DecodedBatch:
             values.append(value)
             continue
         logger.warning("skipping an eval image: %s", skipped[-1])
-    if images:
-        return DecodedBatch(pixels(image_processor, images), values, skipped)
-    from PIL import Image
+    if not images:
+        from PIL import Image
 
-    empty = pixels(image_processor, [Image.new("RGB", (1, 1), (255, 255, 255))])  # the processor's shapes, 0 rows
-    return DecodedBatch({k: v[:0] for k, v in empty.items()} if isinstance(empty, dict) else empty[:0], [], skipped)
+        images = [Image.new("RGB", (1, 1), (255, 255, 255))]
+    return DecodedBatch(pixels(image_processor, images), values, skipped)
+
+
+def kept(rows: torch.Tensor, batch) -> torch.Tensor:
+    """The rows of a batch's outputs that belong to its values: all of them, but none for a batch whose every image
+    was skipped (`decode_batch`: it forwards a blank image)."""
+    return rows[: len(batch[1])]
 
 
 def _image_bytes(image) -> bytes:

@@ -47,7 +47,7 @@ from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.eval.sources import as_raw_batches, skipped_of, split_shards
+from disco_clip_ds.eval.sources import as_raw_batches, kept, skipped_of, split_shards
 from disco_clip_ds.eval.spread import spread
 from disco_clip_ds.eval.tasks import (
     find_templates,
@@ -320,7 +320,8 @@ def image_features(model, data, image_processor, batch_size: int, progress: bool
     raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
 
     def forward(batch):
-        return encode_images(model, batch[0]), torch.as_tensor(batch[1], dtype=torch.long), len(skipped_of(batch))
+        features = kept(encode_images(model, batch[0]), batch)
+        return features, torch.as_tensor(batch[1], dtype=torch.long), len(skipped_of(batch))
 
     with EvalMode(unwrap(model)):
         outputs = spread(progress_bar(raw, desc, progress), decode, forward)

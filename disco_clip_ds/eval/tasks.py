@@ -33,6 +33,7 @@ from disco_clip_ds.eval.sources import (
     DatasetSource,
     as_raw_batches,
     check_eval_shards,
+    kept,
     refuse_dataset_options,
     resolve_shards,
     skipped_of,
@@ -85,7 +86,7 @@ def zeroshot_classification(
             classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
 
         def forward(batch):
-            logits = 100.0 * encode_images(model, batch[0]) @ classifier.T
+            logits = 100.0 * kept(encode_images(model, batch[0]), batch) @ classifier.T
             return logits, torch.as_tensor(batch[1], dtype=torch.long), len(skipped_of(batch))
 
         raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
@@ -136,7 +137,7 @@ def zeroshot_retrieval(
         outputs = spread(
             progress_bar(raw, desc, progress),
             decode,
-            lambda b: (encode_images(model, b[0]), b[1], len(skipped_of(b))),
+            lambda b: (kept(encode_images(model, b[0]), b), b[1], len(skipped_of(b))),
         )
         captions = [caps for _, batch_captions, _ in outputs for caps in batch_captions]
         texts = [text for caps in captions for text in caps]

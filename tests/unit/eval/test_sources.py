@@ -171,3 +171,40 @@ def test_datasets_int_labels_with_classnames_and_a_config(cls_set, bad_hf, model
     configs = ["--model", str(model_dir), "--data", str(bad_hf / "two_configs"), *templates]
     assert record([*configs, "--dataset_config_name", "a"], capsys)["metrics"] == shards
     assert record([*configs, "--dataset_config_name", "b"], capsys)["metrics"] != shards
+
+
+def test_a_hostile_image_is_skipped_and_counted_not_fatal(cls_set, model_dir, tmp_path, capsys, caplog):
+    """`disco-clip eval --data` on a set holding a truncated JPEG and a decompression bomb died with a traceback,
+    from shards and from a datasets source alike: both are skipped, each with its reason in the log, and counted in
+    the record; the metrics are those of the set without them."""
+    from disco_clip_ds.testing.images import hostile_images
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    shards = tmp_path / "with_bad"
+    samples = [{"jpg": data, "cls": str(y)} for data, y in zip(images + bad, labels + [0, 1])]
+    write_samples(shards, samples, per_shard=4)
+    cls_dataset(images + bad, labels + [0, 1]).save_to_disk(str(tmp_path / "disk"))
+    args = ["--model", str(model_dir), "--batch_size", "4", "--classnames", str(folder / "classnames.txt")]
+    args += ["--templates", str(folder / "zeroshot_classification_templates.txt")]
+    clean = record([*args, "--data", str(folder)], capsys)["metrics"]
+    for data in (shards, tmp_path / "disk"):
+        caplog.clear()
+        got = record([*args, "--data", str(data)], capsys)["metrics"]
+        assert got.pop("skipped_images") == 2 and got == clean, data
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping an eval image: ")]
+        assert len(said) == 2 and "truncated" in said[0].lower(), said
+        assert said[1] == "skipping an eval image: 900000000 pixels, above the cap of 50000000 (a decompression bomb?)"
+
+
+def test_a_set_whose_every_image_is_skipped_says_so(model_dir, tmp_path, capsys):
+    from disco_clip_ds.testing.images import hostile_images
+
+    bad = hostile_images()["png bomb header"]
+    write_samples(tmp_path, [{"png": bad, "cls": "0"}, {"png": bad, "cls": "1"}], per_shard=2)
+    (tmp_path / "classnames.txt").write_text("zero\none\n")
+    (tmp_path / "zeroshot_classification_templates.txt").write_text("{c}\n")
+    assert eval_main(["--model", str(model_dir), "--data", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith("holds no samples that decode (2 image(s) skipped: see the warnings above)"), err
