@@ -136,54 +136,65 @@ class EncodedImage:
         """The RGB pixels (height, width, 3), uint8, of the image reduced `scale` (1, 2, 4 or 8) times by libjpeg in
         the DCT domain: ceil(width / scale) x ceil(height / scale), as PIL's `draft` gives; other formats ignore
         `scale`. A BadImage with the decoder's reason for data that cannot be decoded."""
-        if self._turbo:
-            width, height = self.size
-            try:
-                return simplejpeg.decode_jpeg(
-                    self.data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale)
-                )
-            except ValueError:  # corrupt, or a warning in strict mode: PIL decides, as it did before
-                pass
+        pixels = self._turbo_pixels(scale)
+        return pixels if pixels is not None else np.array(self._guarded(self._pil, scale))  # writable, as torch wants
+
+    def whole(self, max_aspect: float = MAX_ASPECT, scale: int = 1) -> Image.Image:
+        """The image as `decode(scale)` gives it, as an RGB PIL image cut around its centre to at most `max_aspect`
+        times as long as wide (`centred_aspect`): what a resize of the whole image may read. No numpy copy on the
+        way: a whole-image reader holds the decoded mode and its RGB conversion, nothing more."""
+        pixels = self._turbo_pixels(scale)
+        image = Image.fromarray(pixels) if pixels is not None else self._guarded(self._pil, scale)
+        return centred_aspect(image, max_aspect)
+
+    def _turbo_pixels(self, scale: int) -> np.ndarray | None:
+        if not self._turbo:
+            return None
+        width, height = self.size
         try:
-            return self._pil(scale)
+            return simplejpeg.decode_jpeg(
+                self.data, "RGB", min_height=-(-height // scale), min_width=-(-width // scale)
+            )
+        except ValueError:  # corrupt, or a warning in strict mode: PIL decides, as it did before
+            return None
+
+    @staticmethod
+    def _guarded(decode, scale: int):
+        try:
+            return decode(scale)
         except BadImage:
             raise
         except Exception as error:  # truncated, corrupt, out of memory: skipped with the reason, never a traceback
             raise BadImage(f"unreadable image ({reason(error)})") from None
 
-    def _pil(self, scale: int) -> np.ndarray:
-        with Image.open(io.BytesIO(self.data)) as image:
-            if image.size != self.size:  # a header that reads differently the second time
-                raise BadImage(f"the image's size changed between reads ({self.size} then {image.size})")
-            if scale > 1:
-                # a no-op for formats but JPEG; PIL divides by the requested size, so never 0
-                image.draft(None, (max(1, image.width // scale), max(1, image.height // scale)))
-            image.load()  # the first frame of an animated image
-            return np.array(to_rgb(image))  # a writable copy, as torch wants
-
-    def whole(self, max_aspect: float = MAX_ASPECT, scale: int = 1) -> np.ndarray:
-        """The decoded pixels (`decode(scale)`) cut around their centre to at most `max_aspect` times as long as
-        wide (`centred_aspect`): what a resize of the whole image may read."""
-        return centred_aspect(self.decode(scale), max_aspect)
+    def _pil(self, scale: int) -> Image.Image:
+        image = Image.open(io.BytesIO(self.data))  # not closed: a loaded image keeps its pixels, and RGB is returned
+        if image.size != self.size:  # a header that reads differently the second time
+            raise BadImage(f"the image's size changed between reads ({self.size} then {image.size})")
+        if scale > 1:
+            # a no-op for formats but JPEG; PIL divides by the requested size, so never 0
+            image.draft(None, (max(1, image.width // scale), max(1, image.height // scale)))
+        image.load()  # the first frame of an animated image
+        return to_rgb(image)
 
 
-def centred_aspect(pixels: np.ndarray, max_aspect: float = MAX_ASPECT) -> np.ndarray:
-    """The middle of `pixels` (height, width, ...), its long side cut to at most `max_aspect` times its short one
-    (round down, at least 1 pixel); the pixels themselves (a view, no copy) when they are within the bound."""
-    height, width = pixels.shape[:2]
+def centred_aspect(image: Image.Image, max_aspect: float = MAX_ASPECT) -> Image.Image:
+    """The middle of `image`, its long side cut to at most `max_aspect` times its short one (round down, at least 1
+    pixel); the image itself when it is within the bound."""
+    width, height = image.size
     if width > max_aspect * height:
         keep = max(1, int(max_aspect * height))
         left = (width - keep) // 2
-        return pixels[:, left : left + keep]
+        return image.crop((left, 0, left + keep, height))
     if height > max_aspect * width:
         keep = max(1, int(max_aspect * width))
         top = (height - keep) // 2
-        return pixels[top : top + keep]
-    return pixels
+        return image.crop((0, top, width, top + keep))
+    return image
 
 
 def whole_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect: float = MAX_ASPECT) -> Image.Image:
     """The whole image of encoded `data` as an RGB PIL image, cut to `max_aspect` (`EncodedImage.whole`): what
-    evaluation hands the model's image processor, and what the eval transforms and fingerprints resize. A BadImage
-    (the one-line reason) for anything that is not an image within the cap."""
-    return Image.fromarray(np.ascontiguousarray(EncodedImage(data, max_pixels).whole(max_aspect)))
+    evaluation hands the model's image processor. A BadImage (the one-line reason) for anything that is not an image
+    within the cap."""
+    return EncodedImage(data, max_pixels).whole(max_aspect)

@@ -125,7 +125,7 @@ class NaflexTransform:
         """The patch grid of a PIL image."""
         image = to_rgb(image)
         if not self.train:
-            return self._eval_grid(Image.fromarray(np.ascontiguousarray(centred_aspect(np.asarray(image)))))
+            return self._eval_grid(centred_aspect(image))
         return self._train_grid(np.array(image), image.size, rng or random.Random())
 
     def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
@@ -133,7 +133,7 @@ class NaflexTransform:
         `max_pixels` pixels (before decoding)."""
         encoded = EncodedImage(data, max_pixels)
         if not self.train:
-            return self._eval_grid(Image.fromarray(np.ascontiguousarray(encoded.whole())))
+            return self._eval_grid(encoded.whole())
         return self._train_grid(encoded.decode(1), encoded.size, rng)
 
     def _train_grid(self, pixels: np.ndarray, size: tuple[int, int], rng: random.Random) -> torch.Tensor:

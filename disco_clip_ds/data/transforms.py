@@ -139,7 +139,7 @@ class ImageTransform:
         """The crop of a PIL image as a uint8 tensor (3, size, size), before normalisation."""
         image = to_rgb(image)
         if not self.train:
-            return self._eval_crop(centred_aspect(np.asarray(image)))
+            return self._eval_crop(centred_aspect(image))
         box = random_resized_crop_box(*image.size, rng or random.Random())
         return resized_crop(np.array(image), box, image.size, self.image_size)
 
@@ -180,11 +180,9 @@ class ImageTransform:
             crops.append(resized_crop(decoded[scale], box, encoded.size, self.image_size))
         return crops
 
-    def _eval_crop(self, pixels: np.ndarray) -> torch.Tensor:
-        """Resize the short side of RGB `pixels` (height, width, 3) to size, then the central size x size:
-        CLIPImageProcessor's steps, with PIL. The caller has cut the pixels to data/decode.py's MAX_ASPECT, which
-        bounds what the resize makes."""
-        image = Image.fromarray(np.ascontiguousarray(pixels))
+    def _eval_crop(self, image: Image.Image) -> torch.Tensor:
+        """Resize the short side of an RGB image to size, then the central size x size: CLIPImageProcessor's steps,
+        with PIL. The caller has cut the image to data/decode.py's MAX_ASPECT, which bounds what the resize makes."""
         size = self.image_size
         scale = size / min(image.size)
         new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))

@@ -51,11 +51,11 @@ def image_fingerprint(data: bytes, *, windows: bool = False, hash_size: int = HA
     (the pixel cap, RGB by the same conversions, then gray; a JPEG decoded at the largest DCT reduction that keeps
     `8 * hash_size` pixels a side); a BadImage (a DataError) with the reason when it cannot be."""
     import imagehash
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
 
     encoded = EncodedImage(data)
     scale = next((s for s in DRAFT_SCALES if min(encoded.size) // s >= 8 * hash_size), 1)
-    grey = Image.fromarray(np.ascontiguousarray(encoded.whole(scale=scale))).convert("L")
+    grey = encoded.whole(scale=scale).convert("L")
     w, h = grey.size
     views = [grey] + [
         grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))
