@@ -173,6 +173,7 @@ def test_datasets_int_labels_with_classnames_and_a_config(cls_set, bad_hf, model
     assert record([*configs, "--dataset_config_name", "b"], capsys)["metrics"] != shards
 
 
+@pytest.mark.slow  # three `disco-clip eval` runs, each loading the model; the fast test below calls the task
 def test_a_hostile_image_is_skipped_and_counted_not_fatal(cls_set, model_dir, tmp_path, capsys, caplog):
     """`disco-clip eval --data` on a set holding a truncated JPEG and a decompression bomb died with a traceback,
     from shards and from a datasets source alike: both are skipped, each with its reason in the log, and counted in
@@ -208,3 +209,55 @@ def test_a_set_whose_every_image_is_skipped_says_so(model_dir, tmp_path, capsys)
     assert eval_main(["--model", str(model_dir), "--data", str(tmp_path)]) == 1
     err = capsys.readouterr().err.splitlines()
     assert err[-1].endswith("holds no samples that decode (2 image(s) skipped: see the warnings above)"), err
+
+
+@pytest.mark.slow  # trains 3 steps with two in-training evals
+def test_training_zeroshot_data_skips_and_counts_a_hostile_image(cls_set, tmp_path):
+    """Training's `--zeroshot_data` died at its eval step with a truncated JPEG or a bomb in the set (no checkpoint
+    of that step): it reads through the same decode, so training goes on, and the step logs the count."""
+    import shutil
+
+    from disco_clip_ds.eval.callback import ZeroShotCallback
+    from disco_clip_ds.testing.images import hostile_images
+
+    from unit.eval.sets import tiny_clip, tiny_trainer
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    data = tmp_path / "zeroshot"
+    write_samples(data, [{"jpg": d, "cls": str(y)} for d, y in zip(images + bad, labels + [0, 1])], per_shard=4)
+    for name in ("classnames.txt", "zeroshot_classification_templates.txt"):
+        shutil.copy(folder / name, data / name)
+    model, tokenizer, processor = tiny_clip()
+    trainer = tiny_trainer(model, tokenizer, processor, images, tmp_path / "run")
+    ZeroShotCallback(data, tokenizer, processor, every_n_steps=2, batch_size=4).attach(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "zeroshot_acc1" in e]
+    assert [e["step"] for e in logged] == [2, 3] and all(e["zeroshot_skipped_images"] == 2 for e in logged), logged
+
+
+def test_zeroshot_classification_skips_and_counts_hostile_images(cls_set, tmp_path):
+    """The task itself, in this process: a truncated JPEG and a bomb among the shards or the rows of a datasets
+    dataset are skipped and counted (`skipped_images`), and the metrics equal those of the set without them."""
+    from disco_clip_ds.eval.tasks import zeroshot_classification
+    from disco_clip_ds.testing.images import hostile_images
+
+    from unit.eval.sets import TEMPLATES, tiny_clip
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    write_samples(tmp_path / "shards", [{"jpg": d, "cls": str(y)} for d, y in zip(images + bad, labels + [0, 1])], 4)
+    cls_dataset(images + bad, labels + [0, 1]).save_to_disk(str(tmp_path / "disk"))
+    model, tokenizer, processor = tiny_clip()
+
+    def metrics(data):
+        return zeroshot_classification(
+            model, tokenizer, str(data), CLASSNAMES, TEMPLATES, image_processor=processor, batch_size=4, progress=False
+        )
+
+    clean = metrics(folder)
+    for data in (tmp_path / "shards", tmp_path / "disk"):
+        got = metrics(data)
+        assert got.pop("skipped_images") == 2 and got == clean, data
