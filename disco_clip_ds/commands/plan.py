@@ -7,10 +7,12 @@ the plan as JSON on request; exit 0 when every requested loss fits, 1 when one d
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from disco_clip_ds import LOSS_IMPLS
 from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.errors import UsageError
 from disco_clip_ds.plan.host import DEFAULT_SAMPLE_BYTES, HostOptions
 from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
 from disco_clip_ds.plan.report import format_report, plan
@@ -125,6 +127,20 @@ def _host_arguments(p) -> None:
     )
 
 
+def _check_arguments(args) -> None:
+    """A one-line UsageError for an --overhead_gb that is not finite or is negative (NaN would print NaN totals),
+    and for a --json path that is a folder or lies in a folder that does not exist. (--node_memory_gb is checked
+    with the host's other figures, plan/host.py.)"""
+    if not (math.isfinite(args.overhead_gb) and args.overhead_gb >= 0):
+        raise UsageError(f"--overhead_gb {args.overhead_gb}: give a finite number of GiB, 0 or more")
+    if args.json:
+        path = Path(args.json)
+        if path.is_dir():
+            raise UsageError(f"--json {args.json}: a folder; give the path of the JSON file to write, e.g. plan.json")
+        if not path.parent.is_dir():
+            raise UsageError(f"--json {args.json}: the folder {path.parent} does not exist")
+
+
 def _host_options(args) -> HostOptions:
     return HostOptions(
         gpus_per_node=args.gpus_per_node,
@@ -145,8 +161,9 @@ def _host_options(args) -> HostOptions:
 
 def main(argv: list[str] | None = None) -> int:
     """`disco-clip plan`: 0 when every requested loss fits, 1 when one does not; a bad config raises
-    PlanConfigError."""
+    PlanConfigError, a bad flag a UsageError, before any planning."""
     args = _parse(argv)
+    _check_arguments(args)
     result = plan(
         args.deepspeed,
         args.model,
@@ -168,5 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        try:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as error:  # the checks above cannot foresee every one (permissions, a full disk)
+            raise UsageError(f"--json {args.json}: cannot write the plan there ({error.strerror})") from None
     return 0 if all(m["fits"] for m in result["memory"].values()) else 1

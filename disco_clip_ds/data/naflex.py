@@ -19,7 +19,6 @@ returns normalised floats):
 
 from __future__ import annotations
 
-import io
 import random
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from disco_clip_ds.data.decode import EncodedImage, check_pixels, to_rgb
+from disco_clip_ds.data.decode import EncodedImage, centred_aspect, to_rgb
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, Normalize, random_resized_crop_box
 
 MAX_SCALE = 100.0  # the processor's largest scale (its bisection's upper end)
@@ -126,18 +125,15 @@ class NaflexTransform:
         """The patch grid of a PIL image."""
         image = to_rgb(image)
         if not self.train:
-            return self._eval_grid(image)
+            return self._eval_grid(centred_aspect(image))
         return self._train_grid(np.array(image), image.size, rng or random.Random())
 
     def from_bytes(self, data: bytes, rng: random.Random, max_pixels: int = MAX_IMAGE_PIXELS) -> torch.Tensor:
-        """Encoded image -> patch grid; ValueError above `max_pixels` pixels (before decoding)."""
+        """Encoded image -> patch grid; a BadImage (data/decode.py) for data that is not an image or an image above
+        `max_pixels` pixels (before decoding)."""
+        encoded = EncodedImage(data, max_pixels)
         if not self.train:
-            with Image.open(io.BytesIO(data)) as image:
-                check_pixels(image.size, max_pixels)
-                image.load()
-                return self._eval_grid(to_rgb(image))
-        encoded = EncodedImage(data)
-        check_pixels(encoded.size, max_pixels)
+            return self._eval_grid(encoded.whole())
         return self._train_grid(encoded.decode(1), encoded.size, rng)
 
     def _train_grid(self, pixels: np.ndarray, size: tuple[int, int], rng: random.Random) -> torch.Tensor:

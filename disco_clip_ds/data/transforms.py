@@ -1,16 +1,15 @@
 """Image bytes -> uint8 crop -> normalised batch: decode (at reduced size where a JPEG allows), augment, normalise.
 
-Training crops are decoded by libjpeg-turbo (decode.py) and resized by torch's uint8 bicubic kernel (resize.py);
-the eval transform stays PIL's, as CLIPImageProcessor computes it. The per-sample work stays on uint8; the float
-batch is made in one place
-(`Normalize`), with the same float32 operations as normalising each crop alone, so the batch is bit-identical to
-the per-sample float path: by the collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the
-device, from the uint8 batch the collator then hands over.
+Every image is decoded by data/decode.py (the pixel cap, the conversions, the reasons for a skip); training crops are
+resized by torch's uint8 bicubic kernel (resize.py), the eval transform by PIL's, as CLIPImageProcessor computes it.
+The per-sample work stays on uint8; the float batch is made in one place (`Normalize`), with the same float32
+operations as normalising each crop alone, so the batch is bit-identical to the per-sample float path: by the
+collator in the DataLoader worker, or (`Normalize.batch`) by the trainer on the device, from the uint8 batch the
+collator then hands over.
 """
 
 from __future__ import annotations
 
-import io
 import random
 from collections.abc import Sequence
 
@@ -19,12 +18,11 @@ import torch
 from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, EncodedImage, check_pixels, to_rgb
+from disco_clip_ds.data.decode import DRAFT_SCALES, MAX_IMAGE_PIXELS, EncodedImage, centred_aspect, to_rgb
 from disco_clip_ds.data.resize import resized_crop
 
 CROP_SCALE = (0.9, 1.0)  # OpenCLIP's RandomResizedCrop scale for CLIP training
 CROP_RATIO = (3 / 4, 4 / 3)
-DRAFT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes to directly (in the DCT domain), largest first
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
@@ -141,7 +139,7 @@ class ImageTransform:
         """The crop of a PIL image as a uint8 tensor (3, size, size), before normalisation."""
         image = to_rgb(image)
         if not self.train:
-            return self._eval_crop(image)
+            return self._eval_crop(centred_aspect(image))
         box = random_resized_crop_box(*image.size, rng or random.Random())
         return resized_crop(np.array(image), box, image.size, self.image_size)
 
@@ -155,16 +153,12 @@ class ImageTransform:
         """Encoded image -> uint8 crop (3, size, size), as `pixels` of the decoded image, but decoded at reduced
         size when `draft` allows it. With `box` (left, top, right, bottom, in source pixels; e.g. a stored
         augmentation's) the crop is that box instead of one drawn from `rng`, train or not: the same decode (draft
-        rule included) and resize as the drawn path gives for that box, bit for bit. Raises ValueError for images of
-        more than `max_pixels` pixels, before decoding them, and for a box outside the image; PIL's errors for
-        corrupt data."""
+        rule included) and resize as the drawn path gives for that box, bit for bit. A BadImage (data/decode.py: its
+        one-line reason) for data that is not an image or an image of more than `max_pixels` pixels (refused before
+        decoding); a ValueError for a box outside the image."""
+        encoded = EncodedImage(data, max_pixels)
         if box is None and not self.train:
-            with Image.open(io.BytesIO(data)) as image:  # reads the header only
-                check_pixels(image.size, max_pixels)
-                image.load()
-                return self._eval_crop(to_rgb(image))
-        encoded = EncodedImage(data)
-        check_pixels(encoded.size, max_pixels)
+            return self._eval_crop(encoded.whole())
         if box is None:
             box = random_resized_crop_box(*encoded.size, rng)
         return self.box_crops(encoded, [box])[0]
@@ -175,7 +169,7 @@ class ImageTransform:
         """The uint8 crops (3, size, size) of several boxes of one image (its header read: `EncodedImage`), each as
         `from_bytes(data, None, box=box)` gives it, bit for bit, the image decoded once per draft scale: `decoded`
         ({scale: pixels}) keeps the decodes, and may be shared by transforms of other sizes (several teachers).
-        The caller checks the image's pixel count (`from_bytes` does). A ValueError for a box outside the image."""
+        `EncodedImage` has checked the image's pixel count. A ValueError for a box outside the image."""
         decoded = {} if decoded is None else decoded
         crops = []
         for box in boxes:
@@ -187,7 +181,8 @@ class ImageTransform:
         return crops
 
     def _eval_crop(self, image: Image.Image) -> torch.Tensor:
-        """Resize the short side to size, then the central size x size: CLIPImageProcessor's steps, with PIL."""
+        """Resize the short side of an RGB image to size, then the central size x size: CLIPImageProcessor's steps,
+        with PIL. The caller has cut the image to data/decode.py's MAX_ASPECT, which bounds what the resize makes."""
         size = self.image_size
         scale = size / min(image.size)
         new_size = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))

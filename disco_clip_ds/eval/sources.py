@@ -8,13 +8,17 @@ image column and a `ClassLabel` column (class names from the feature) for classi
 caption column (a string or a list of strings per image) for retrieval.
 
 Every rank reads a set whole (the shards' bytes, a dataset's rows: cheap) and decodes only the batches it encodes
-(`as_raw_batches`, then `decode_batch`; eval/spread.py deals them out).
+(`as_raw_batches`, then `decode_batch`; eval/spread.py deals them out). Images are decoded as training decodes them
+(data/decode.py: the pixel cap, the aspect bound, the conversions to RGB); an image that cannot be (truncated, a
+decompression bomb, not an image) is skipped with its reason, logged, and counted: a decoded batch (`DecodedBatch`)
+is (pixel_values, values) of the images that decoded, with the reasons of those skipped beside, and the tasks report
+the count as `skipped_images`.
 """
 
 from __future__ import annotations
 
 import functools
-import io
+import logging
 import os
 import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,7 +28,7 @@ from pathlib import Path
 import torch
 
 from disco_clip_ds.data import hf_io
-from disco_clip_ds.data.decode import eight_bit
+from disco_clip_ds.data.decode import BadImage, reason, whole_image
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing_shards
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -33,6 +37,7 @@ from disco_clip_ds.texts import decode_text, read_text
 
 TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt", "linear_probe": "cls"}
 NSHARDS_FILE = "nshards.txt"  # CLIP_benchmark's count of a split's shards, named 0.tar .. N-1.tar
+logger = logging.getLogger(__name__)
 
 
 def split_shards(data: str, split: str = "test") -> str | None:
@@ -145,22 +150,70 @@ def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[li
         yield images, values
 
 
-def decode_batch(image_processor, batch: tuple[list, list]) -> tuple[torch.Tensor | dict, list]:
-    """(pixel_values, values) of a raw batch: its images (bytes, or datasets' {"bytes", "path"}) decoded and
-    processed by the model's image processor. A damaged image raises PIL's OSError."""
-    from PIL import Image
+class DecodedBatch(tuple):
+    """(pixel_values, values): a pair, as the batches a caller hands the tasks are; `skipped` beside it: the one-line
+    reason of each image of the raw batch that did not decode."""
 
-    images = []
-    for image in batch[0]:
-        if isinstance(image, dict):  # datasets' undecoded Image value: its own decoder reads bytes or a path
-            from datasets import Image as ImageFeature
+    skipped: list[str]
 
-            opened = ImageFeature().decode_example(image)
+    def __new__(cls, pixel_values, values: list, skipped=()):
+        batch = super().__new__(cls, (pixel_values, values))
+        batch.skipped = list(skipped)
+        return batch
+
+    def __getnewargs__(self):
+        return (*self, self.skipped)
+
+
+def skipped_of(batch) -> list[str]:
+    """The reasons of the images skipped in `batch`: a `DecodedBatch`'s, none for a batch decoded elsewhere."""
+    return getattr(batch, "skipped", [])
+
+
+def decode_batch(image_processor, batch: tuple[list, list]) -> DecodedBatch:
+    """The `DecodedBatch` of a raw batch: its images (bytes, or datasets' {"bytes", "path"}) decoded (data/decode.py)
+    and processed by the model's image processor, with the values of those that decoded; the one-line reason of each
+    image that did not, each also logged. A batch whose every image is skipped holds one blank image and no values:
+    under ZeRO-3 its rank must still forward, and a model takes no empty batch; `kept` drops its row."""
+    images, values, skipped = [], [], []
+    for image, value in zip(*batch):
+        try:
+            images.append(whole_image(_image_bytes(image)))
+        except BadImage as error:
+            skipped.append(str(error))
+        except OSError as error:  # a datasets path that cannot be read
+            skipped.append(f"unreadable image file ({reason(error)})")
         else:
-            opened = Image.open(io.BytesIO(image))  # as webdataset's "pil" decoder: loaded, left open for convert
-        opened.load()
-        images.append(opened)
-    return pixels(image_processor, images), batch[1]
+            values.append(value)
+            continue
+        logger.warning("skipping an eval image: %s", skipped[-1])
+    if not images:
+        from PIL import Image
+
+        images = [Image.new("RGB", (1, 1), (255, 255, 255))]
+    return DecodedBatch(pixels(image_processor, images), values, skipped)
+
+
+def kept(rows: torch.Tensor, batch) -> torch.Tensor:
+    """The rows of a batch's outputs that belong to its values: all of them, but none for a batch whose every image
+    was skipped (`decode_batch`: it forwards a blank image)."""
+    return rows[: len(batch[1])]
+
+
+def _image_bytes(image) -> bytes:
+    """The encoded bytes of a shard's image or of datasets' undecoded Image value ({"bytes", "path"}: a path is
+    read, through datasets' own opener where it is remote)."""
+    if not isinstance(image, dict):
+        return image
+    if image.get("bytes") is not None:
+        return image["bytes"]
+    path = image.get("path")
+    if not path:
+        raise BadImage("a datasets image with neither bytes nor a path")
+    from datasets.utils.file_utils import xopen
+
+    with xopen(path, "rb") as f:
+        return f.read()
 
 
 def _value(data: bytes, field: str, where: str):
@@ -176,10 +229,9 @@ def _value(data: bytes, field: str, where: str):
 
 
 def pixels(image_processor, images) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The model's pixel_values of PIL `images` (converted to RGB), by its own image processor; for SigLIP 2's
-    (NaFlex) the whole image input, pixel_attention_mask and spatial_shapes with them, as a dict. A 16-bit image is
-    scaled to 8 bits first (data/decode.py), rather than clipped by PIL's convert."""
-    inputs = image_processor(images=[eight_bit(image).convert("RGB") for image in images], return_tensors="pt")
+    """The model's pixel_values of RGB PIL `images` (data/decode.py's), by its own image processor; for SigLIP 2's
+    (NaFlex) the whole image input, pixel_attention_mask and spatial_shapes with them, as a dict."""
+    inputs = image_processor(images=images, return_tensors="pt")
     return dict(inputs) if "spatial_shapes" in inputs else inputs["pixel_values"]
 
 

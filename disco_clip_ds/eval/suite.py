@@ -29,7 +29,7 @@ from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.eval.sources import as_raw_batches, split_shards
+from disco_clip_ds.eval.sources import as_raw_batches, kept, skipped_of, split_shards
 from disco_clip_ds.eval.spread import spread
 from disco_clip_ds.eval.tasklist import Task, record_file
 from disco_clip_ds.eval.tasklist import load_tasks as load_tasks
@@ -39,6 +39,8 @@ from disco_clip_ds.eval.tasks import (
     find_templates,
     open_eval_data,
     progress_bar,
+    skipped_note,
+    with_skipped,
     zeroshot_classification,
     zeroshot_retrieval,
 )
@@ -159,12 +161,12 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
     test, _ = open_eval_data(task.source, task.type, task.classnames, **task.columns)
 
     def probe() -> dict:
-        train_x, train_y = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
-        test_x, test_y = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
+        train_x, train_y, skipped = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
+        test_x, test_y, more = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
         if classnames is not None:  # the probe needs no names, but names it is given must fit its labels
             check_class_names(task, classnames, train_y, test_y)
         device = next(unwrap(model).parameters()).device  # the model's GPU, where it has one
-        return linear_probe(
+        metrics = linear_probe(
             train_x,
             train_y,
             test_x,
@@ -174,6 +176,7 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
             seed=0,
             device=device,
         )
+        return with_skipped(metrics, skipped + more)
 
     return probe
 
@@ -192,19 +195,21 @@ def check_class_names(task: Task, classnames: list[str], train_y: torch.Tensor, 
 
 
 def image_features(model, data, image_processor, batch_size: int, progress: bool, desc: str):
-    """(features, labels) of a classification set: the image tower's normalised embeddings and the class indices,
-    its batches dealt out across ranks (eval/spread.py), all of them on every rank."""
+    """(features, labels, images skipped) of a classification set: the image tower's normalised embeddings and the
+    class indices of the images that decode, their batches dealt out across ranks (eval/spread.py), all of them on
+    every rank, and the count of those that did not (each logged with its reason)."""
     raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
 
     def forward(batch):
-        return encode_images(model, batch[0]), torch.as_tensor(batch[1], dtype=torch.long)
+        features = kept(encode_images(model, batch[0]), batch)
+        return features, torch.as_tensor(batch[1], dtype=torch.long), len(skipped_of(batch))
 
     with EvalMode(unwrap(model)):
         outputs = spread(progress_bar(raw, desc, progress), decode, forward)
-    if not outputs:
-        raise UsageError(f"{desc}: the split holds no samples")
-    features, labels = zip(*outputs)
-    return torch.cat(features), torch.cat(labels)
+    features, labels, skipped = zip(*outputs) if outputs else ((), (), ())
+    if sum(len(y) for y in labels) == 0:
+        raise UsageError(f"{desc}: the split holds no samples" + skipped_note(sum(skipped)))
+    return torch.cat(features), torch.cat(labels), sum(skipped)
 
 
 def clip_benchmark_record(task: Task, metrics: dict, model_name: str) -> dict:

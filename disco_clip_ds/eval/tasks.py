@@ -34,8 +34,10 @@ from disco_clip_ds.eval.sources import (
     DatasetSource,
     as_raw_batches,
     check_eval_shards,
+    kept,
     refuse_dataset_options,
     resolve_shards,
+    skipped_of,
     split_shards,
 )
 from disco_clip_ds.eval.spread import spread
@@ -87,17 +89,30 @@ def zeroshot_classification(
             classifier = zeroshot_classifier(model, tokenizer, classnames, templates, batch_size=max(batch_size, 64))
 
         def forward(batch):
-            logits = 100.0 * encode_images(model, batch[0]) @ classifier.T
-            return logits, torch.as_tensor(batch[1], dtype=torch.long)
+            logits = 100.0 * kept(encode_images(model, batch[0]), batch) @ classifier.T
+            return logits, torch.as_tensor(batch[1], dtype=torch.long), len(skipped_of(batch))
 
         raw, decode = as_raw_batches(data, image_processor, "cls", batch_size)
         outputs = spread(progress_bar(raw, desc, progress), decode, forward)
-    if not outputs:
-        raise DataError("the evaluation data holds no samples")
-    logits, targets = zip(*outputs)
+    logits, targets, skipped = zip(*outputs) if outputs else ((), (), ())
+    if not outputs or sum(len(t) for t in targets) == 0:
+        raise DataError("the evaluation data holds no samples" + skipped_note(sum(skipped)))
     targets = torch.cat(targets)
     check_class_indices(targets, classnames)
-    return classification_metrics(torch.cat(logits), targets)
+    return with_skipped(classification_metrics(torch.cat(logits), targets), sum(skipped))
+
+
+def skipped_note(skipped: int) -> str:
+    """What a set that yields nothing says of its skipped images."""
+    return f" that decode ({skipped} image(s) skipped: see the warnings above)" if skipped else ""
+
+
+def with_skipped(metrics: dict, skipped: int) -> dict:
+    """`metrics` with `skipped_images`, the count of images that did not decode (each logged with its reason), when
+    there were any: training's `skipped_samples`, for an evaluation."""
+    if skipped:
+        metrics["skipped_images"] = skipped
+    return metrics
 
 
 def check_class_indices(targets: torch.Tensor, classnames: Sequence[str], where: str = "") -> None:
@@ -129,14 +144,19 @@ def zeroshot_retrieval(
     """
     with EvalMode(unwrap(model)):
         raw, decode = as_raw_batches(data, image_processor, "txt", batch_size)
-        outputs = spread(progress_bar(raw, desc, progress), decode, lambda b: (encode_images(model, b[0]), b[1]))
-        captions = [caps for _, batch_captions in outputs for caps in batch_captions]
+        outputs = spread(
+            progress_bar(raw, desc, progress),
+            decode,
+            lambda b: (kept(encode_images(model, b[0]), b), b[1], len(skipped_of(b))),
+        )
+        captions = [caps for _, batch_captions, _ in outputs for caps in batch_captions]
         texts = [text for caps in captions for text in caps]
+        skipped = sum(n for _, _, n in outputs)
         if not texts:
-            raise DataError("the evaluation data holds no image with a caption")
+            raise DataError("the evaluation data holds no image with a caption" + skipped_note(skipped))
         text_embeddings = encode_texts(model, tokenizer, texts, batch_size)
     text_to_image = [i for i, caps in enumerate(captions) for _ in caps]
-    scores = text_embeddings @ torch.cat([images for images, _ in outputs]).T
+    scores = text_embeddings @ torch.cat([images for images, _, _ in outputs]).T
     metrics = retrieval_metrics(scores, torch.tensor(text_to_image), ks)
     blank = sum(not caps for caps in captions)
     if blank and int(os.environ.get("RANK", "0")) == 0:  # kept as misses, as CLIP_benchmark counts them
@@ -149,7 +169,7 @@ def zeroshot_retrieval(
         )
     if blank:
         metrics["images_without_caption"] = blank
-    return metrics
+    return with_skipped(metrics, skipped)
 
 
 def _beside(data: str, name: str) -> Path | None:

@@ -189,8 +189,9 @@ class HostOptions:
         ranks = self.gpus_per_node
         if ranks is not None and not (1 <= ranks <= world and world % ranks == 0):
             found.append(f"--gpus_per_node {ranks}: give a divisor of --gpus {world} (the ranks on one node)")
-        if self.node_memory_gb is not None and not self.node_memory_gb > 0:
-            found.append(f"--node_memory_gb {self.node_memory_gb:g}: give a node's memory in GiB, more than 0")
+        memory = self.node_memory_gb
+        if memory is not None and not (math.isfinite(memory) and memory > 0):
+            found.append(f"--node_memory_gb {memory:g}: give a node's memory in GiB, finite and more than 0")
         if self.teacher_embeddings and self.embedding_dtype not in DTYPE_BYTES:
             found.append(f"--embedding_dtype {self.embedding_dtype}: give one of {', '.join(DTYPE_BYTES)}")
         if any(w < 1 for w in self.teacher_widths):

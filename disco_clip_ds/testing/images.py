@@ -155,3 +155,44 @@ def add_synthetic_captions(url: str, skip: set[str] = frozenset(), seed: int = 0
                 info = tarfile.TarInfo(name)
                 info.size = len(content)
                 tar.addfile(info, io.BytesIO(content))
+
+
+def thin_png(length: int = 200_000) -> bytes:
+    """A 1 x `length` gray PNG (under a kilobyte at the default): a tiny file whose short side, scaled to a model's
+    image size, would make an image `length` times as long."""
+    return image_bytes("PNG", "L", (length, 1), 128, optimize=True)
+
+
+def hostile_images() -> dict[str, bytes]:
+    """Named images every reader must either decode to RGB within the pixel cap or skip with a one-line reason:
+    damaged bytes, decompression-bomb headers, extreme aspect ratios, the odd modes (CMYK, LAB, 16-bit, palette
+    with transparency, animated), and formats under another name. All small: a test can run each through every
+    reader."""
+    from PIL import Image
+
+    def saved(image, fmt: str, **save) -> bytes:
+        buf = io.BytesIO()
+        image.save(buf, fmt, **save)
+        return buf.getvalue()
+
+    jpeg = image_bytes("JPEG", "RGB", (64, 48), (200, 30, 30))
+    palette = Image.new("P", (24, 16), 1)
+    palette.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    frames = [Image.new("P", (20, 20), i) for i in range(3)]
+    return {
+        "truncated jpeg": jpeg[: len(jpeg) // 2],
+        "truncated png": image_bytes("PNG", "RGB", (64, 48), (1, 2, 3))[:60],
+        "not an image": b"<html>404 not found</html>",
+        "empty": b"",
+        "png bomb header": declaring_size("PNG", (30000, 30000)),
+        "jpeg bomb header": declaring_size("JPEG", (8000, 8000)),
+        "thin png 1 x 200000": thin_png(),
+        "tall png 3000 x 1": image_bytes("PNG", "RGB", (1, 3000), (9, 9, 9)),
+        "cmyk jpeg": image_bytes("JPEG", "CMYK", (32, 32), (0, 255, 0, 0)),
+        "lab tiff": image_bytes("TIFF", "LAB", (32, 32), (50, 10, 10)),
+        "16-bit png": image_bytes("PNG", "I;16", (32, 32), 40000),
+        "palette png with transparency": saved(palette, "PNG", transparency=0),
+        "animated gif": saved(frames[0], "GIF", save_all=True, append_images=frames[1:]),
+        "webp named jpg": image_bytes("WEBP", "RGB", (32, 32), (0, 0, 255)),
+        "rgba png": image_bytes("PNG", "RGBA", (32, 32), (0, 0, 0, 0)),
+    }

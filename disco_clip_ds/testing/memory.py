@@ -48,3 +48,42 @@ def peak_extra_mib(work, device=None) -> float:
     base = reset_peak_rss()
     work()
     return rss_mib("VmHWM") - base
+
+
+def forked_peak_mib(work, limit_mib: float = 2048) -> tuple[str, float]:
+    """Run `work()` in a forked child whose address space may grow by at most `limit_mib` (RLIMIT_AS, so that a
+    runaway allocation fails there with a MemoryError instead of taking the machine's memory); return (its outcome,
+    its peak resident memory above the level at the fork, in MiB). The outcome is "ok", the one-line message of a
+    DiscoClipError (a skip's reason), or "Name: message" of any other exception (e.g. "MemoryError: "). Linux only:
+    the child resets its peak through /proc/self/clear_refs, as `peak_extra_mib` does."""
+    import json
+    import os
+    import resource
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, report through the pipe, exit without running the parent's cleanup
+        os.close(read)
+        outcome, extra = "ok", float("nan")
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (int((rss_mib("VmSize") + limit_mib) * 2**20),) * 2)
+            base = reset_peak_rss()
+            try:
+                work()
+            except Exception as error:  # the outcome is what is measured
+                from disco_clip_ds.errors import DiscoClipError
+
+                name = "" if isinstance(error, DiscoClipError) else f"{type(error).__name__}: "
+                outcome = f"{name}{error}".splitlines()[0] if f"{name}{error}" else type(error).__name__
+            extra = rss_mib("VmHWM") - base
+        finally:
+            os.write(write, json.dumps([outcome, extra]).encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        report = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not report:
+        raise RuntimeError(f"the measured child died without a report (wait status {status})")
+    outcome, extra = json.loads(report)
+    return outcome, extra

@@ -13,12 +13,12 @@ embeddings, and how the default was measured.
 from __future__ import annotations
 
 import hashlib
-import io
 from collections.abc import Iterable
 
 import numpy as np
 
 from disco_clip_ds.data.curate.index import hamming_pairs
+from disco_clip_ds.data.decode import DRAFT_SCALES, EncodedImage
 from disco_clip_ds.errors import DataError, UsageError
 
 HASH_SIZE = 8  # imagehash's default: an 8 x 8 block of the DCT, 64 bits
@@ -47,17 +47,15 @@ def image_fingerprint(data: bytes, *, windows: bool = False, hash_size: int = HA
     """(content digest of the encoded bytes, perceptual hashes as a uint8 array): the hashes of the image and of its
     horizontal mirror, (2, 8) by default; with `windows`, then those of the WINDOWS crops of the image and their
     mirrors, (2 + 2 * len(WINDOWS), 8): a reference image's, so that a slightly cropped copy matches one of them.
-    `hash_size` 16 makes 256-bit hashes (32 bytes each). Raises DataError when the bytes are not an image PIL can
-    decode."""
+    `hash_size` 16 makes 256-bit hashes (32 bytes each). The image is read by data/decode.py, as training reads it
+    (the pixel cap, RGB by the same conversions, then gray; a JPEG decoded at the largest DCT reduction that keeps
+    `8 * hash_size` pixels a side); a BadImage (a DataError) with the reason when it cannot be."""
     import imagehash
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
 
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.draft("L", (8 * hash_size, 8 * hash_size))  # JPEG: decode at a scale of at least 2x phash's own input
-        grey = image.convert("L")
-    except Exception as error:  # PIL raises many kinds for bad bytes
-        raise DataError(f"not a readable image ({type(error).__name__}: {error})") from None
+    encoded = EncodedImage(data)
+    scale = next((s for s in DRAFT_SCALES if min(encoded.size) // s >= 8 * hash_size), 1)
+    grey = encoded.whole(scale=scale).convert("L")
     w, h = grey.size
     views = [grey] + [
         grey.crop((x * w, y * h, (x + 1 - WINDOW_CUT) * w, (y + 1 - WINDOW_CUT) * h))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from disco_clip_ds import faults
 from disco_clip_ds.compat import end_img2dataset_logger, img2dataset_fetch
+from disco_clip_ds.data.decode import MAX_ASPECT
 from disco_clip_ds.data.prep.fetch import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -45,6 +46,9 @@ from disco_clip_ds.data.prep.outputs import (
 from disco_clip_ds.data.prep.spark import check_spark, is_spark_failure, jobs_drained_on_failure, spark_session
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
+
+# img2dataset's resize modes that scale the short side to --image_size: the long side follows, unbounded
+SHORT_SIDE_MODES = ("keep_ratio", "center_crop")
 
 # Importing img2dataset pulls in albumentations, which phones home for updates unless told not to.
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -216,6 +220,7 @@ def download(cfg: DownloadConfig) -> dict:
         deadline_s=cfg.max_download_seconds,
         max_bytes=cfg.max_image_bytes,
         max_pixels=cfg.max_image_pixels,
+        max_aspect=MAX_ASPECT if kwargs["resize_mode"] in SHORT_SIDE_MODES else None,
     )
     with img2dataset_fetch(fetch, run=_download_shard), session as active:
         try:

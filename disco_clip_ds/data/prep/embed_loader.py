@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from disco_clip_ds.data.decode import reason
 from disco_clip_ds.data.prep.teachers import Teacher
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS
@@ -88,8 +89,8 @@ class DecodedBatches(torch.utils.data.IterableDataset):
             except KeyError as error:  # a caption key the sample lacks
                 batch.skips.append((key, error.args[0], f"no caption {error}"))
                 continue
-            except Exception as error:  # as the training stream: skipped, counted, said
-                batch.skips.append((key, None, str(error)))
+            except Exception as error:  # as the training stream: skipped, counted, said (a MemoryError says nothing)
+                batch.skips.append((key, None, reason(error)))
                 continue
             for teacher_crops, view in zip(crops, views):
                 teacher_crops.extend(view)

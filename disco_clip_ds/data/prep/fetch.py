@@ -6,7 +6,9 @@ The metadata is untrusted input. Only http(s) URLs are fetched (urllib's default
 from the local disk into shards that may be published, and follow a redirect to `ftp://`); a body is read up to a
 byte limit per image (`--max_image_bytes`: a 2 GiB Content-Length or an endless body is not held in memory); and an
 image whose header declares more pixels than training reads (`--max_image_pixels`, data/decode.py) is not decoded
-by img2dataset's resizer (OpenCV's own cap is 2^30 pixels). Each is a failure reason of its own in summary.json."""
+by img2dataset's resizer (OpenCV's own cap is 2^30 pixels); with a resize mode that scales the short side
+(keep_ratio, center_crop), neither is an image more than data/decode.py's MAX_ASPECT times as long as wide, whose
+resized long side would be unbounded. Each is a failure reason of its own in summary.json."""
 
 from __future__ import annotations
 
@@ -18,9 +20,7 @@ import threading
 import urllib.parse
 import urllib.request
 
-from PIL import Image
-
-from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, EncodedImage, check_pixels
+from disco_clip_ds.data.decode import MAX_IMAGE_PIXELS, AboveCap, BadImage, EncodedImage
 
 SCHEMES = ("http", "https")
 MAX_IMAGE_BYTES = 16 * 2**20  # far above a web image; x threads x processes bounds a download's memory for bodies
@@ -140,20 +140,22 @@ def fetch_with_deadline(
     return response_headers, body
 
 
-def check_image_pixels(body: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+def check_image_pixels(body: bytes, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect: float | None = None) -> None:
     """A ValueError (the failure reason) for an image whose header declares more than `max_pixels` pixels, as
-    training skips it (data/decode.py); a body whose header does not read is left to img2dataset's decoder."""
-    too_large = f"image above --max_image_pixels {max_pixels}"
+    every reader refuses it (data/decode.py), and, with `max_aspect` (for a resize mode that scales the short side:
+    its long side would be unbounded), for one more than `max_aspect` times as long as wide; a body whose header
+    does not read is left to img2dataset's decoder, which says why."""
     try:
-        size = EncodedImage(body).size
-    except Image.DecompressionBombError:  # PIL's own refusal, at twice its limit
-        raise ValueError(too_large) from None
-    except Exception:  # not an image PIL knows: img2dataset says why
+        width, height = EncodedImage(body, max_pixels).size
+    except AboveCap:
+        raise ValueError(f"image above --max_image_pixels {max_pixels}") from None
+    except BadImage:  # not an image PIL knows: img2dataset says why
         return
-    try:
-        check_pixels(size, max_pixels)
-    except ValueError:
-        raise ValueError(too_large) from None
+    if max_aspect is not None and max(width, height) > max_aspect * min(width, height):
+        raise ValueError(
+            f"image of {width} x {height} pixels, more than {max_aspect:g} times as long as wide: its resize would "
+            "be unbounded"
+        )
 
 
 def download_image_with_deadline(
@@ -164,9 +166,10 @@ def download_image_with_deadline(
     deadline_s,
     max_bytes: int = MAX_IMAGE_BYTES,
     max_pixels: int = MAX_IMAGE_PIXELS,
+    max_aspect: float | None = None,
 ):
     """img2dataset's `downloader.download_image`, same contract and headers, with a total deadline, http(s) only,
-    a byte limit and the training pixel cap."""
+    a byte limit, the training pixel cap and, with `max_aspect`, a bound on the aspect ratio."""
     key, url = row
     user_agent = "Mozilla/5.0 (X11; Ubuntu; Linux x86_64; rv:72.0) Gecko/20100101 Firefox/72.0"
     if user_agent_token:
@@ -175,7 +178,7 @@ def download_image_with_deadline(
         headers, body = fetch_with_deadline(url, timeout, deadline_s, {"User-Agent": user_agent}, max_bytes)
         if disallowed_header_directives and _disallowed(headers, user_agent_token, disallowed_header_directives):
             return key, None, "Use of image disallowed by X-Robots-Tag directive"
-        check_image_pixels(body, max_pixels)
+        check_image_pixels(body, max_pixels, max_aspect)
         return key, io.BytesIO(body), None
     except Exception as err:  # img2dataset records str(err) as the failure reason: never an empty one
         return key, None, str(err) or type(err).__name__

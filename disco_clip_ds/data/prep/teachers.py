@@ -11,7 +11,7 @@ import torch
 
 from disco_clip_ds.data.decode import EncodedImage
 from disco_clip_ds.data.teacher_id import teacher_fingerprint
-from disco_clip_ds.data.transforms import ImageTransform, Normalize, check_pixels
+from disco_clip_ds.data.transforms import ImageTransform, Normalize
 from disco_clip_ds.errors import UsageError
 
 MODEL_TYPES = ("clip", "siglip")  # teachers with one image size, whose crops data embed stores
@@ -89,8 +89,7 @@ class Teacher:
             return [self.transform.from_bytes(data, None)]
         if self._box_transform is None:
             self._box_transform = ImageTransform(self.transform.image_size, train=True)
-        encoded = EncodedImage(data)
-        check_pixels(encoded.size)
+        encoded = EncodedImage(data)  # the pixel cap checked, as every reader's
         return self._box_transform.box_crops(encoded, boxes, decoded)
 
     _box_transform: ImageTransform | None = field(default=None, init=False, repr=False)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import re
 import statistics
 import tarfile
 from pathlib import Path
 
+from disco_clip_ds.data.decode import BadImage, EncodedImage
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.errors import DataError
@@ -18,10 +18,8 @@ _SHARD_RE = re.compile(r"^(\d+)\.tar$")
 def inspect_shard(path: Path, decode_limit: int) -> dict:
     """Read a tar to its end through the one shard reader (data/streams/tar_samples.py), so that its count is the
     training stream's and webdataset's (samples keyed at the first dot of a member's base name) and a shard cut short
-    anywhere, at a member boundary included, is found; decode up to `decode_limit` images, collect caption
-    lengths."""
-    from PIL import Image
-
+    anywhere, at a member boundary included, is found; decode up to `decode_limit` images as training does
+    (data/decode.py: what it would skip is reported with the reason it would give), collect caption lengths."""
     samples, caption_words, decoded, errors = 0, [], 0, []
     try:
         for sample in raw_samples(str(path)):
@@ -29,10 +27,9 @@ def inspect_shard(path: Path, decode_limit: int) -> dict:
             image = next((ext for ext in IMAGE_EXTS if ext in sample), None)
             if image is not None and decoded < decode_limit:
                 try:
-                    with Image.open(io.BytesIO(sample[image])) as img:
-                        img.load()
+                    EncodedImage(sample[image]).decode()
                     decoded += 1
-                except Exception as err:  # report which sample is undecodable, go on
+                except BadImage as err:  # report which sample is undecodable, go on
                     errors.append(f"{sample['__key__']}.{image}: cannot decode ({err})")
             if "txt" in sample:
                 caption_words.append(len(sample["txt"].decode("utf-8", errors="replace").split()))

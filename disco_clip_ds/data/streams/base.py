@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from disco_clip_ds.data.decode import reason
 from disco_clip_ds.data.naflex import NaflexTransform
 from disco_clip_ds.data.streams.state import positions_to_restore, write_stream_state
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, ImageTransform
@@ -219,7 +220,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
             return
         with self.skipped.get_lock():
             self.skipped.value += 1
-        logger.warning("skipping %s: %s", what, error)
+        logger.warning("skipping %s: %s", what, reason(error) if isinstance(error, BaseException) else error)
 
     def _reader(self) -> tuple[int, int, int]:
         """(reader, readers in all, workers per rank) of this DataLoader worker (or of the main process)."""

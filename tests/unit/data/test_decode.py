@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from disco_clip_ds.data import decode
-from disco_clip_ds.data.decode import EncodedImage, to_rgb
+from disco_clip_ds.data.decode import BadImage, EncodedImage, to_rgb
 from disco_clip_ds.data.resize import resized_crop
 from disco_clip_ds.data.transforms import random_resized_crop_box
 
@@ -68,11 +68,11 @@ def test_other_images_go_to_pil_as_before(data, monkeypatch):
     assert np.array_equal(image.decode(2), pil_rgb(data, 2))
 
 
-def test_a_corrupt_jpeg_raises_pils_error_and_a_pil_readable_one_decodes():
+def test_a_corrupt_jpeg_is_refused_with_pils_reason_and_a_pil_readable_one_decodes():
     data = PHOTO.read_bytes()
-    with pytest.raises(OSError, match="truncated"):
+    with pytest.raises(BadImage, match=r"^unreadable image \(OSError: image file is truncated"):
         EncodedImage(data[: len(data) // 3]).decode()
-    with pytest.raises(Image.UnidentifiedImageError):
+    with pytest.raises(BadImage, match=r"^not an image \(none of PIL's formats recognises its 21 bytes\)$"):
         EncodedImage(b"\xff\xd8\xff not a jpeg at all")
     # cut short but closed by an end marker: libjpeg warns (simplejpeg refuses in strict mode), PIL reads it
     cut = data[: len(data) // 2] + b"\xff\xd9"

@@ -211,8 +211,8 @@ def test_training_crops_stay_within_a_stated_bound_of_pils_crop_of_the_same_box(
 @pytest.mark.parametrize("processor", ["clip", "siglip"])
 def test_eval_reads_pixels_as_before_and_only_training_takes_the_new_path(images, processor, tmp_path, monkeypatch):
     """Evaluation's pixels are the model's image processor's, on PIL's decode, bit for bit (what the exported
-    model's processor computes); the eval transform is PIL's crop; the new decoder and resizer serve train=True only
-    (made to fail here, they fail only the training crop)."""
+    model's processor computes; data/decode.py's one decode gives PIL's pixels); the eval transform is PIL's crop;
+    the torch resizer serves train=True only (made to fail here, it fails only the training crop)."""
     from transformers import CLIPImageProcessor, SiglipImageProcessor
 
     from disco_clip_ds.data import transforms
@@ -222,12 +222,11 @@ def test_eval_reads_pixels_as_before_and_only_training_takes_the_new_path(images
     def refused(*a, **k):
         raise AssertionError("the training path")
 
-    monkeypatch.setattr(transforms, "EncodedImage", refused)
     monkeypatch.setattr(transforms, "resized_crop", refused)
     made = CLIPImageProcessor(size={"shortest_edge": 224}) if processor == "clip" else SiglipImageProcessor()
     jpegs = [data for data in images if data.startswith(b"\xff\xd8")]
     write_samples(tmp_path, [{"jpg": data, "cls": str(i)} for i, data in enumerate(jpegs)], per_shard=4)
-    pixels = torch.cat([batch for batch, _ in shard_batches(str(tmp_path), made, "cls", 3)])
+    pixels = torch.cat([batch for batch, _ in shard_batches(str(tmp_path), made, "cls", 3)])  # DecodedBatch: a pair
     decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in jpegs]
     assert torch.equal(pixels, made(images=decoded, return_tensors="pt")["pixel_values"])
     for i, data in enumerate(images):

@@ -195,3 +195,93 @@ def test_a_label_or_caption_that_cannot_be_read_is_a_data_error_naming_the_sampl
     with pytest.raises(DataError) as caught:
         list(raw_shard_batches(str(tmp_path), field, batch_size=4))
     assert str(caught.value).startswith(message.format(name=tmp_path.name)) and "\n" not in str(caught.value)
+
+
+@pytest.mark.slow  # three `disco-clip eval` runs, each loading the model; the fast test below calls the task
+def test_a_hostile_image_is_skipped_and_counted_not_fatal(cls_set, model_dir, tmp_path, capsys, caplog):
+    """`disco-clip eval --data` on a set holding a truncated JPEG and a decompression bomb died with a traceback,
+    from shards and from a datasets source alike: both are skipped, each with its reason in the log, and counted in
+    the record; the metrics are those of the set without them."""
+    from disco_clip_ds.testing.images import hostile_images
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    shards = tmp_path / "with_bad"
+    samples = [{"jpg": data, "cls": str(y)} for data, y in zip(images + bad, labels + [0, 1])]
+    write_samples(shards, samples, per_shard=4)
+    cls_dataset(images + bad, labels + [0, 1]).save_to_disk(str(tmp_path / "disk"))
+    args = ["--model", str(model_dir), "--batch_size", "4", "--classnames", str(folder / "classnames.txt")]
+    args += ["--templates", str(folder / "zeroshot_classification_templates.txt")]
+    clean = record([*args, "--data", str(folder)], capsys)["metrics"]
+    for data in (shards, tmp_path / "disk"):
+        caplog.clear()
+        got = record([*args, "--data", str(data)], capsys)["metrics"]
+        assert got.pop("skipped_images") == 2 and got == clean, data
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping an eval image: ")]
+        assert len(said) == 2 and "truncated" in said[0].lower(), said
+        assert said[1] == "skipping an eval image: 900000000 pixels, above the cap of 50000000 (a decompression bomb?)"
+
+
+def test_a_set_whose_every_image_is_skipped_says_so(model_dir, tmp_path, capsys):
+    from disco_clip_ds.testing.images import hostile_images
+
+    bad = hostile_images()["png bomb header"]
+    write_samples(tmp_path, [{"png": bad, "cls": "0"}, {"png": bad, "cls": "1"}], per_shard=2)
+    (tmp_path / "classnames.txt").write_text("zero\none\n")
+    (tmp_path / "zeroshot_classification_templates.txt").write_text("{c}\n")
+    assert eval_main(["--model", str(model_dir), "--data", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith("holds no samples that decode (2 image(s) skipped: see the warnings above)"), err
+
+
+@pytest.mark.slow  # trains 3 steps with two in-training evals
+def test_training_zeroshot_data_skips_and_counts_a_hostile_image(cls_set, tmp_path):
+    """Training's `--zeroshot_data` died at its eval step with a truncated JPEG or a bomb in the set (no checkpoint
+    of that step): it reads through the same decode, so training goes on, and the step logs the count."""
+    import shutil
+
+    from disco_clip_ds.eval.callback import ZeroShotCallback
+    from disco_clip_ds.testing.images import hostile_images
+
+    from unit.eval.sets import tiny_clip, tiny_trainer
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    data = tmp_path / "zeroshot"
+    write_samples(data, [{"jpg": d, "cls": str(y)} for d, y in zip(images + bad, labels + [0, 1])], per_shard=4)
+    for name in ("classnames.txt", "zeroshot_classification_templates.txt"):
+        shutil.copy(folder / name, data / name)
+    model, tokenizer, processor = tiny_clip()
+    trainer = tiny_trainer(model, tokenizer, processor, images, tmp_path / "run")
+    ZeroShotCallback(data, tokenizer, processor, every_n_steps=2, batch_size=4).attach(trainer)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "zeroshot_acc1" in e]
+    assert [e["step"] for e in logged] == [2, 3] and all(e["zeroshot_skipped_images"] == 2 for e in logged), logged
+
+
+def test_zeroshot_classification_skips_and_counts_hostile_images(cls_set, tmp_path):
+    """The task itself, in this process: a truncated JPEG and a bomb among the shards or the rows of a datasets
+    dataset are skipped and counted (`skipped_images`), and the metrics equal those of the set without them."""
+    from disco_clip_ds.eval.tasks import zeroshot_classification
+    from disco_clip_ds.testing.images import hostile_images
+
+    from unit.eval.sets import TEMPLATES, tiny_clip
+
+    folder, images, labels = cls_set
+    hostile = hostile_images()
+    bad = [hostile["truncated jpeg"], hostile["png bomb header"]]
+    write_samples(tmp_path / "shards", [{"jpg": d, "cls": str(y)} for d, y in zip(images + bad, labels + [0, 1])], 4)
+    cls_dataset(images + bad, labels + [0, 1]).save_to_disk(str(tmp_path / "disk"))
+    model, tokenizer, processor = tiny_clip()
+
+    def metrics(data):
+        return zeroshot_classification(
+            model, tokenizer, str(data), CLASSNAMES, TEMPLATES, image_processor=processor, batch_size=4, progress=False
+        )
+
+    clean = metrics(folder)
+    for data in (tmp_path / "shards", tmp_path / "disk"):
+        got = metrics(data)
+        assert got.pop("skipped_images") == 2 and got == clean, data

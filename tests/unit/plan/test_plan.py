@@ -142,12 +142,18 @@ def test_bad_files_are_reported(tmp_path):
         ("--gpu_memory", "0GB", "a GPU's memory is more than 0"),
         ("--model", "[1, 2]", "its top level is not a JSON object"),
         ("--patch_dropout", "1", "--patch_dropout 1: give a fraction at least 0 and below 1"),
+        ("--overhead_gb", "nan", "--overhead_gb nan: give a finite number of GiB, 0 or more"),
+        ("--overhead_gb", "-1", "--overhead_gb -1.0: give a finite number of GiB, 0 or more"),
+        ("--node_memory_gb", "inf", "--node_memory_gb inf: give a node's memory in GiB, finite and more than 0"),
+        ("--json", "DIR", "--json DIR: a folder; give the path of the JSON file to write"),
+        ("--json", "DIR/no/plan.json", "--json DIR/no/plan.json: the folder DIR/no does not exist"),
     ],
 )
 def test_bad_planner_inputs_are_one_line_with_exit_2(flag, value, message, tmp_path, capsys):
     if flag == "--model":
         (tmp_path / "list.json").write_text(value)
         value = str(tmp_path / "list.json")
+    value, message = value.replace("DIR", str(tmp_path)), message.replace("DIR", str(tmp_path))
     argv = ["--deepspeed", str(CFG_32K), "--model", str(VIT), "--gpus", "8", "--gpu_memory", "40GB", flag, value]
     assert run_main(plan_command.main, argv, "disco-clip plan") == 2
     err = capsys.readouterr().err
