@@ -95,6 +95,7 @@ def _batch(n=4):
     return {"input_ids": ids, "pixel_values": torch.randn(n, 3, 64, 64, generator=g)}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_model_without_the_workaround_is_clip_itself(monkeypatch, tmp_path):
     """Gate off (a deepspeed without the bug): CLIP's 0-dim parameter, CLIP's loss, and a save/load round trip."""
     monkeypatch.setattr(compat, "LOGIT_SCALE_AS_VECTOR", False)
@@ -196,6 +197,7 @@ def _fsdp_launch_env(*launcher_args: str) -> dict[str, str]:
     ],
     ids=["clip", "siglip", "siglip2"],
 )
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_accelerate_trains_an_fsdp_launch_on_cpu_as_ddp_unless_the_state_is_completed(
     monkeypatch, config, launcher_args
 ):

@@ -303,6 +303,7 @@ def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_
     assert len(keys) == len(set(keys)) == STEPS * 2 * PER_RANK  # no sample twice in the run
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("workers", [1, 2])
 def test_four_ranks_with_half_the_batch_read_the_two_ranks_samples_step_by_step(tmp_path, workers):
     """2 ranks x W workers x 4 pairs resumed on 4 ranks x W workers x 2 pairs (split=2): ranks 2k and 2k+1 read rank

@@ -16,6 +16,7 @@ from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.testing.download import download_args, write_url_list
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_download_arguments_are_checked_before_any_work(tmp_path):
     url_list = write_url_list(tmp_path / "urls.parquet", [("http://127.0.0.1:9/x.jpg", "x")])
     base = download_args(url_list, tmp_path / "out")

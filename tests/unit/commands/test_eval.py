@@ -13,6 +13,7 @@ from disco_clip_ds.eval.tasks import zeroshot_classification
 from unit.eval.sets import CLASSNAMES, TEMPLATES, eval_main, tiny_clip
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
     folder, images, labels = cls_set
     out = tmp_path / "res" / "zeroshot.json"

@@ -27,6 +27,7 @@ def task_list(cls_set, tmp_path):
     return tmp_path / "tasks.yml"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_tasks_write_each_record_as_the_single_set_form_and_the_table(task_list, model_dir, cls_set, tmp_path, capsys):
     out, runs = tmp_path / "out", tmp_path / "tb"
     argv = ["--model", str(model_dir), "--tasks", str(task_list), "--output", str(out), "--run_dir", str(runs)]
@@ -45,6 +46,7 @@ def test_tasks_write_each_record_as_the_single_set_form_and_the_table(task_list,
     assert list(runs.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_failed_task_is_in_its_row_the_others_run_and_the_exit_code_says_so(task_list, model_dir, tmp_path, capsys):
     """A missing folder: exit 2 (a usage error, errors.py's map), an unreadable shard: exit 1 (a data error); the
     other task's record is written either way, and the message names the failed tasks."""

@@ -133,6 +133,7 @@ def _as_gnu_tar(path) -> None:
     assert sample_members(str(path)) is None
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_sidecars_do_not_depend_on_the_number_of_decoding_workers(tmp_path, tiny_teacher, capsys):
     """Batch i of the sequence is decoded by worker i % W and the DataLoader returns them in turn: a worker that
     took another's batch, or a shard's batches out of order, would change the rows or the batches' forwards."""
@@ -158,6 +159,7 @@ def test_the_sidecars_do_not_depend_on_the_number_of_decoding_workers(tmp_path, 
             assert (tmp_path / f"w{workers}" / name).read_bytes() == (tmp_path / "w0" / name).read_bytes(), name
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_damaged_shard_read_by_a_worker_is_one_line_naming_it_and_the_shards_before_it_are_kept(
     tmp_path, tiny_teacher, capsys
 ):

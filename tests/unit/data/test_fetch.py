@@ -54,6 +54,7 @@ def test_only_http_and_https_urls_are_fetched(tmp_path, url, scheme):
     assert reason == f"not an http(s) URL (scheme {scheme}): only http and https are fetched"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("target", ["file:///etc/hostname", "ftp://127.0.0.1/x.jpg"])
 def test_a_redirect_to_another_scheme_is_not_followed(image_server, target):
     url = image_server.add("/away.jpg", redirect=target)
@@ -62,6 +63,7 @@ def test_a_redirect_to_another_scheme_is_not_followed(image_server, target):
     assert image_server.hits["/away.jpg"] == 1
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_body_past_the_byte_limit_fails_as_its_own_reason_unread(image_server):
     """A 2 GiB Content-Length is refused on its header; an endless body after max_bytes + 1 bytes; the limit is
     inclusive. (Before: both were read whole into memory, and a MemoryError was recorded as an empty reason.)"""
@@ -81,6 +83,7 @@ def test_a_body_past_the_byte_limit_fails_as_its_own_reason_unread(image_server)
     [("PNG", (30000, 30000), MAX_IMAGE_PIXELS, False), ("JPEG", (8000, 8000), MAX_IMAGE_PIXELS, False)]
     + [("PNG", (100, 100), 100 * 100, True), ("JPEG", (101, 100), 100 * 100, False)],
 )
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_image_above_the_training_pixel_cap_fails_undecoded(image_server, fmt, size, max_pixels, passes):
     """A 70-byte PNG declaring 30000 x 30000 passed the download (OpenCV's cap is 2^30 pixels) and would be decoded
     to gigabytes; the cap is training's (data/decode.py), inclusive."""
@@ -117,7 +120,7 @@ _URLS = st.one_of(
 )
 
 
-@settings(max_examples=60, derandomize=True, deadline=None)
+@settings(max_examples=25, derandomize=True, deadline=None)
 @given(url=_URLS)
 def test_any_url_is_http_or_refused_in_one_line(url):
     """`check_url` of anything: None for an http(s) URL, else a one-line ValueError; nothing else raises."""

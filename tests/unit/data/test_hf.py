@@ -108,6 +108,7 @@ def test_a_reader_with_nothing_readable_raises_one_data_error(tmp_path, streamin
     assert len(list(itertools.islice(HFStream(data, SIZE, rank=0, world_size=2), 5))) == 5  # the other reader is fine
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("source", ["saved", "saved-streaming", "parquet-streaming"])
 @pytest.mark.parametrize("block", [1, 4, 9])
 def test_a_restored_datasets_stream_yields_what_the_uninterrupted_one_does_next(folders, source, block):
@@ -144,6 +145,7 @@ def test_a_restored_datasets_stream_yields_what_the_uninterrupted_one_does_next(
         assert [hf_sample(item) for item in again] == keys[n + 10 : n + 15], n
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_restored_datasets_dataloader_with_workers_continues_the_uninterrupted_batches(folders, streaming, tmp_path):
     """Rank 0 of 2 with two workers, as the trainer folds and saves positions: after c batches the next comes from

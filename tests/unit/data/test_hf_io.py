@@ -86,6 +86,7 @@ def _refused(tmp_path, capsys, *source: str) -> str:
     return err[0].removeprefix("disco-clip train: ")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_bad_sources_and_columns_are_refused_in_one_line(folders, tmp_path, capsys):
     saved = str(folders / "saved")
     say = lambda *a: _refused(tmp_path, capsys, *a)  # noqa: E731

@@ -24,6 +24,7 @@ def _keys_seen(stream: ShardStream, n: int, workers: int = 0) -> list[tuple]:
     return out
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_ranks_and_workers_read_disjoint_shards_and_resample(tmp_path):
     urls = write_shards(tmp_path, num_shards=4, per_shard=5)
     per_rank = [
@@ -147,6 +148,7 @@ def _masks_seen(stream: ShardStream, n: int, workers: int = 0) -> dict:
     return seen
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_samples_kept_patches_are_its_own_on_any_rank_or_worker_and_crops_stay_as_without(tmp_path):
     """Patch dropout's mask is drawn from (seed, pass, sample key): one reader and 2 ranks x 2 workers give each
     sample the same mask (and the same crop as a stream without patch dropout); another seed draws other masks."""

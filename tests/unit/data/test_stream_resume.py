@@ -69,6 +69,7 @@ def test_a_restored_stream_yields_what_the_uninterrupted_one_does_next(shards, b
         assert stream.decoded.value == 10  # only what it yielded: nothing before the position is decoded
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(shards):
     """Two workers per rank hand out batches in turn; after c batches the next comes from worker c mod 2, so the
     fresh loader's worker 0 takes that worker's place. Positions are folded as the trainer folds them."""

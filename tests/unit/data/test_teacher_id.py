@@ -165,6 +165,7 @@ class _Hub(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_hub_id_online_is_fingerprinted_without_fetching_weights(tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
 

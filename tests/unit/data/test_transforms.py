@@ -88,6 +88,7 @@ def images() -> list[bytes]:
     return out + [textured(rng, (150, 120))]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("mean_std", [(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), SIGLIP], ids=["clip", "siglip"])
 def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(images, train, mean_std):
@@ -108,6 +109,7 @@ def test_uint8_crops_normalised_per_batch_equal_the_float_path_bit_for_bit(image
 ON_DEVICE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("device", ON_DEVICE)
 @pytest.mark.parametrize("mean_std", [(OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), SIGLIP], ids=["clip", "siglip"])
 def test_a_uint8_batch_normalised_on_the_device_equals_the_worker_normalised_one_bit_for_bit(images, mean_std, device):
@@ -141,6 +143,7 @@ def test_normalisation_is_the_correctly_rounded_float32_of_the_exact_value():
     assert (got - exact).abs().max() < 1e-6  # three float32 roundings on values of magnitude < 2.2
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_stream_and_collator_give_the_expected_tensors_for_every_sample(tmp_path, images):
     """Through ShardStream (key-seeded crops, draft decoding on) and ClipCollator, as training gets them."""
     import webdataset as wds
@@ -165,6 +168,7 @@ def test_stream_and_collator_give_the_expected_tensors_for_every_sample(tmp_path
         )
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_close():
     """A 640 x 427 photograph cropped to 128 px: every crop spans >= 2 x 128 pixels, so it decodes at half size.
     Bound: the normalised tensors differ by at most 0.25 on average and 2.0 at worst (the normalised range is
@@ -188,6 +192,7 @@ def test_draft_decoding_fires_only_when_the_crop_is_twice_the_size_and_stays_clo
     )
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_training_crops_stay_within_a_stated_bound_of_pils_crop_of_the_same_box(images):
     """The new training crop against PIL's on the same box, on img2dataset-like images and the odd ones (gray,
     RGBA PNG, CMYK, upscaled), in uint8 levels. Against PIL's crop, then bicubic resize (torchvision's
@@ -208,6 +213,7 @@ def test_training_crops_stay_within_a_stated_bound_of_pils_crop_of_the_same_box(
     assert old.mean() < 0.15 and old.max() <= 32
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("processor", ["clip", "siglip"])
 def test_eval_reads_pixels_as_before_and_only_training_takes_the_new_path(images, processor, tmp_path, monkeypatch):
     """Evaluation's pixels are the model's image processor's, on PIL's decode, bit for bit (what the exported

@@ -12,6 +12,7 @@ from disco_clip_ds.eval.tasks import zeroshot_classification
 from unit.eval.sets import CLASSNAMES, TEMPLATES, tiny_clip, tiny_tokenizer, tiny_trainer
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("source", ["shards", "datasets"])
 def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp_path, source):
     """Logged every 2 steps and at the last, equal to an eval of the final model on the shards: from the shards
@@ -36,6 +37,7 @@ def test_callback_logs_zeroshot_metrics_through_the_trainer(cls_set, hf_cls, tmp
     assert {k: logged[3][f"zeroshot_{k}"] for k in final} == pytest.approx(final)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_in_training_zeroshot_of_a_siglip_uses_its_own_processor_and_equals_the_final_eval(cls_set, tmp_path):
     """train/run.py's `_attach_zeroshot` driven as the Trainer drives the callback: a pretrained SigLIP (image
     processor mean/std 0.5) is evaluated during training on the images it trains on, normalised as its own processor

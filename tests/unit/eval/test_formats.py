@@ -66,6 +66,7 @@ def wds_cls(tmp_path_factory, cls_set):
     return root, flat, labels
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_wds_layout_reads_the_test_split_with_names_beside_it(wds_cls):
     root, flat, labels = wds_cls
     shards, names = open_eval_data(str(root), "zeroshot_classification")
@@ -106,6 +107,7 @@ def test_an_unreadable_nshards_is_one_line(tmp_path, count, message):
         open_eval_data(str(tmp_path), "zeroshot_retrieval")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_retrieval_with_several_captions_per_image_equals_a_float64_recount(tmp_path):
     """Each image's .txt holds 2 or 3 captions, one per line (CLIP_benchmark's `str.splitlines`): every caption is a
     query of its own image, and the recalls equal a float64 recount by loops over the same embeddings."""
@@ -190,6 +192,7 @@ def test_names_read_from_an_installed_clip_benchmark(clip_benchmark_wheel):
     assert got["unknown"].startswith("--classnames no_such_set: CLIP_benchmark has no classnames for 'no_such_set'")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_demo_suite_tasks_in_clip_benchmark_layout(tmp_path):
     """`write_suite_tasks` (disco-clip data demo): three sets in the wds layout and a task list that loads them."""
     from disco_clip_ds.data.prep.demo import CAPTIONS_PER_IMAGE, DIGITS, digit_images, write_suite_tasks

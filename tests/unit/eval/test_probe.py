@@ -73,6 +73,7 @@ def test_weight_decay_search_follows_clip_benchmark_grid_search():
     assert choose_weight_decay(lambda wd: 0.0) == grid[0]  # nothing above 0: CLIP_benchmark keeps index 0
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_given_weight_decays_are_tried_one_by_one():
     assert choose_weight_decay(lambda wd: {0.5: 0.2, 0.1: 0.9, 0.01: 0.9}[wd], [0.5, 0.1, 0.01]) == 0.1
     x, y = _clusters(seed=2, n=48)
@@ -88,6 +89,7 @@ def test_fewshot_with_validation_trains_on_the_shots_alone():
     assert result["n_train"] == 12
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_features_are_normalised_and_the_callers_random_state_is_kept():
     x, y = _clusters(seed=5, n=36)
     scale = torch.linspace(0.5, 3, len(y))[:, None]

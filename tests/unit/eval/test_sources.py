@@ -26,6 +26,7 @@ def test_damaged_shard_is_named_before_the_model_loads(cls_set, model_dir, tmp_p
     assert "shard 'cls/00001.tar' is truncated or not a tar" in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
     rng = np.random.default_rng(1)
     write_samples(
@@ -37,6 +38,7 @@ def test_shards_without_labels_point_to_retrieval(model_dir, tmp_path, capsys):
     assert eval_main(["--model", str(model_dir), "--data", str(tmp_path), "--task", "zeroshot_retrieval"]) == 0
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("form", ["disk", "parquet", "file"])
 def test_datasets_classification_equals_shards(cls_set, hf_cls, model_dir, form, capsys):
     """The same 11 images and labels as shards and as a datasets dataset: the same metrics, to the last bit.
@@ -49,6 +51,7 @@ def test_datasets_classification_equals_shards(cls_set, hf_cls, model_dir, form,
     assert again["metrics"] == shards["metrics"]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_imagefolder_classification_equals_shards(cls_set, model_dir, tmp_path, capsys):
     """An `imagefolder` (one subfolder per class, labels a ClassLabel of the folder names): with the class names
     given (they win over the folder names), the shards' metrics."""
@@ -86,6 +89,7 @@ def retrieval_sets(tmp_path_factory):
     return sets
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("kind", ["lists", "strings"])
 def test_datasets_retrieval_equals_shards(retrieval_sets, model_dir, kind, capsys):
     shards, hf = retrieval_sets[kind]
@@ -159,6 +163,7 @@ def test_datasets_bad_input_is_one_line(cls_set, hf_cls, bad_hf, model_dir, caps
     assert message.replace("DATA", data) in err and "\n" not in err, err
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_datasets_int_labels_with_classnames_and_a_config(cls_set, bad_hf, model_dir, tmp_path, capsys):
     """Plain integer labels read with --classnames; of a dataset with two configs, --dataset_config_name picks
     one: both give the shards' metrics (config b holds only the first 5 rows: other metrics)."""

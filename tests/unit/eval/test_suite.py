@@ -169,6 +169,7 @@ def suite_run(sets):
     return results, (model, tokenizer, processor)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_each_task_equals_its_own_evaluation_and_failures_stay_in_their_rows(sets, suite_run):
     results, (model, tokenizer, processor) = suite_run
     by_key = {r.task.key: r for r in results}
@@ -209,6 +210,7 @@ def test_text_that_is_not_utf8_empty_lists_and_misfit_class_names_fail_their_tas
     assert all("\n" not in text for _, text in errors.values())
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_linear_probe_task_takes_the_image_features_of_both_splits(sets, suite_run, monkeypatch):
     """The probe gets the image tower's normalised features of train/ and test/ with their labels, and its
     few-shot k; its metrics land in the record under CLIP_benchmark's lp_ names."""
@@ -232,6 +234,7 @@ def test_linear_probe_task_takes_the_image_features_of_both_splits(sets, suite_r
     assert seen["settings"]["fewshot_k"] == 1 and result.value == 0.25
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_tasks_of_the_same_classes_share_one_classifier(sets, monkeypatch):
     """The text tower runs once per (class names, templates): two tasks over the same classes, one classifier."""
     calls = []
@@ -275,6 +278,7 @@ def test_tensorboard_scalars(tmp_path, suite_run):
     assert logged["suite/average"][0].value == pytest.approx(sum(values) / 3, abs=1e-6)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_suite_callback_logs_training_tasks_then_all_and_writes_the_final_suite(sets, tmp_path, cls_set):
     """Every 2 steps the tasks marked train (retrieval/captions), at the last step all of them; the last step's
     values equal a suite run of the final weights, and its table lands in OUTPUT_DIR/suite."""

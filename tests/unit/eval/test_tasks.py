@@ -49,6 +49,7 @@ def _reference_metrics(logits: np.ndarray, labels) -> dict:
     return {"acc1": acc1, "acc5": acc5, "mean_per_class_recall": np.mean(recalls)}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_zeroshot_classification_matches_float64_reference(cls_set):
     folder, images, labels = cls_set
     model, tokenizer, processor = tiny_clip()
@@ -74,6 +75,7 @@ def test_zeroshot_classification_matches_float64_reference(cls_set):
     assert model.training
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_zeroshot_classification_accepts_a_dataloader(cls_set):
     folder, images, labels = cls_set
     model, tokenizer, processor = tiny_clip()
@@ -88,6 +90,7 @@ def test_zeroshot_classification_accepts_a_dataloader(cls_set):
     assert from_loader == pytest.approx(from_shards)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_zeroshot_retrieval_matches_float64_reference(tmp_path):
     rng = np.random.default_rng(3)
     captions = [
@@ -145,6 +148,7 @@ def test_shipped_resources():
     assert len(templates) == 80 and templates[0] == "a bad photo of a {c}." and all("{c}" in t for t in templates)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_images_without_a_caption_are_counted_kept_as_misses_and_warned(tmp_path, caplog):
     """Issue 54: an image whose captions are blank stayed in text retrieval's denominator without a word. It still
     counts as a miss (CLIP_benchmark's rule), so text recall@k = (the captioned images' recall@k) x captioned / all,

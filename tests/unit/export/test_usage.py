@@ -59,6 +59,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("model_type, tokenizer", CASES)
 def test_the_cards_usage_on_an_export_gives_our_eval(tmp_path, model_type, tokenizer):
     source = TOKENIZER_DIR if tokenizer == "quickstart" else family_tokenizer(model_type, tmp_path / "tokenizer")

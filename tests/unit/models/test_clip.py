@@ -38,6 +38,7 @@ def reference_loss_and_grads(model: DiscoCLIPModel, inputs) -> tuple[float, dict
     return loss, {n: p.grad.clone().reshape(-1) for n, p in ref.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("impl", ["tiled", "disco", "local"])
 def test_single_process_loss_and_grads_equal_clip(impl):
     model, inputs = tiny_model(impl), batch()
@@ -101,6 +102,7 @@ def test_local_loss_on_two_ranks_is_the_per_device_loss(two_rank_results):
     assert [loss for loss, _ in results] == pytest.approx(halves, rel=1e-10)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("impl", ["tiled", "disco"])
 def test_loss_under_bf16_autocast_matches_fp32(impl):
     # the Trainer's --bf16 without DeepSpeed runs forward under autocast
@@ -113,6 +115,7 @@ def test_loss_under_bf16_autocast_matches_fp32(impl):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_logit_scale_is_clamped_at_100():
     model, inputs = tiny_model(), batch()
     with torch.no_grad():
@@ -257,6 +260,7 @@ def assert_clip_init(model, config, names=None):
     assert not missed, f"no rule checked {sorted(missed)}"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("widths", [(64, 2, 64, 2), (128, 6, 96, 3)])
 def test_fresh_model_gets_clip_init(widths):
     config = _config(*widths, patch=8, image=32) if widths[0] == 128 else CLIPConfig.from_json_file(str(TINY))

@@ -62,6 +62,7 @@ def reference_image_embeds(model, pixels: torch.Tensor, keep: torch.Tensor) -> t
     return nn.functional.normalize(torch.cat(out), dim=-1)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_the_tower_sees_the_kept_tokens_only(kind):
     model, inputs = tiny(kind), batch()

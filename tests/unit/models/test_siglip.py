@@ -33,6 +33,7 @@ def siglip_reference(model, inputs) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone().reshape(-1) for n, p in ref.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("impl", ["tiled", "local"])
 def test_siglip_single_process_loss_and_grads_equal_siglipmodel(impl):
     model, inputs = tiny_siglip(impl), batch()

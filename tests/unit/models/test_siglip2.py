@@ -39,6 +39,7 @@ def test_the_tiny_config_builds_a_siglip2_whose_grid_holds_the_default_budget():
     assert model.config.vision_config.num_patches == 256 and model.config.vision_config.patch_size == 4
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("impl", ["tiled", "local"])
 def test_siglip2_single_process_loss_and_grads_equal_siglip2model(impl):
     model, inputs = tiny_siglip2(impl), naflex_batch()
@@ -52,6 +53,7 @@ def test_siglip2_single_process_loss_and_grads_equal_siglip2model(impl):
         assert_grad_close(p.grad.reshape(-1), ref_grads[name], name)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_padding_patches_do_not_change_an_images_embedding():
     model, inputs = tiny_siglip2(dtype=torch.float64), naflex_batch()
     noisy = dict(inputs, pixel_values=inputs["pixel_values"] + 5 * (1 - inputs["pixel_attention_mask"][..., None]))
@@ -102,6 +104,7 @@ def test_fresh_siglip2_gets_the_papers_logit_init_and_transformers_init_elsewher
             assert torch.equal(ours[key], theirs[key]), key
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_siglip2_saves_as_a_plain_siglip2model(tmp_path):
     from transformers import Siglip2Model
 
@@ -134,6 +137,7 @@ def test_a_square_image_model_refuses_naflex_inputs():
         tiny_siglip(dtype=torch.float32)(**inputs, spatial_shapes=torch.ones(6, 2, dtype=torch.long))
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_above_its_position_grid_siglip2_equals_transformers_pipeline_in_float64():
     """A 16 x 16 position grid evaluated at 576 patches per image (SigLIP 2's NaFlex, the grid resized to each
     image's patch rows and columns): the project's path (data/naflex.py's eval transform, padding and normalisation,

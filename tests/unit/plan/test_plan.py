@@ -387,6 +387,7 @@ def test_siglip_b16_32k_plan_verdict(capsys):
         plan_command.main([*argv, "--gpu_memory", "80GB", "--loss_impl", "disco"])
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_distillation_teacher_is_counted(tmp_path):
     """--teacher: its weights in the training dtype (1/N of them under ZeRO-3, its own inference engine), its no-grad
     forward where it exceeds the student's activations (which it precedes), and its fp32 embeddings (K micro-batches

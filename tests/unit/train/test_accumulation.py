@@ -92,6 +92,7 @@ def _cached_gradient_step(model, batches, replay: bool = True):
     return loss, _grads(model)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     model = _tiny_model()
     batches = _micro_batches(model, k=4, b=3)
@@ -106,6 +107,7 @@ def test_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     assert_same_grads(got, expected)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_siglip_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     """The same for the sigmoid loss, whose bias is a second logit parameter with its own cached gradient."""
     from disco_clip_ds.models.build import build_model
@@ -129,6 +131,7 @@ def test_siglip_cached_gradients_equal_autograd_over_the_whole_batch_float64():
     assert expected["logit_bias"].abs().item() > 1e-6
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_dropout_is_replayed_between_the_two_passes_float64():
     model = _tiny_model(dropout=0.2)
     batches = _micro_batches(model, k=3, b=4)
@@ -152,6 +155,7 @@ def test_dropout_is_replayed_between_the_two_passes_float64():
     assert gap > 1e-4, "dropout had no effect: the replay check above proves nothing"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_bf16_model_accumulates_as_exactly_as_one_bf16_batch():
     """DeepSpeed's bf16 runs the model in bf16 (the 196K-on-8-GPU recipe): K cached micro-batches must give the
     global-batch gradient to bf16 accuracy, no less exact than one bf16 backward over all pairs."""

@@ -159,6 +159,7 @@ def test_the_settings_are_taken_from_the_trainer():
         (["--torch_compile_backend", "aot_eager", "--torch_compile_mode", "max-autotune"], "is inductor's"),
     ],
 )
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_unknown_backend_or_mode_is_refused_in_one_line(flags, message, train_main, tmp_path, capsys):
     from disco_clip_ds.testing.images import write_shards
 

@@ -48,6 +48,7 @@ def batch(seed=0, rows=6):
     return split_inputs(inputs)[1]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_load_teacher_of_a_list(two_teachers):
     names, ensemble = two_teachers
     assert isinstance(ensemble, Ensemble) and [type(m) for m in ensemble.members] == [Teacher, Teacher]
@@ -61,6 +62,7 @@ def test_each_member_reads_its_own_inputs():
     assert member_inputs(inputs, 2) == {"input_ids": 1, "attention_mask": 2, "pixel_values": 3}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("weight", [1.0, 0.3])
 def test_ensemble_loss_matches_float64_formula_of_each_members_forward(two_teachers, weight):
     """Each member's forward on its own inputs, in float64 by hand: target per direction = the mean of the members'
@@ -144,6 +146,7 @@ def test_run_json_names_every_teacher_without_its_path(tmp_path):
     assert public_distillation(f"from {tmp_path}/a + {tmp_path}/b, weight 1, x") == "from a + b, weight 1, x"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_siglip_ensemble_matches_float64_mean_of_sigmoids(tmp_path):
     """Two SigLIP teachers (each its own scale and bias, set apart): the target of each pair is the mean of their
     sigmoids, in the per-pair cross-entropy of the student's sigmoid, / B."""

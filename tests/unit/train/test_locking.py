@@ -51,6 +51,7 @@ def tower_params(every: set[str], tower: str) -> set[str]:
     return {n for n in every if n.startswith((f"{tower}_model.", PROJECTION[tower]))}
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("config", [CLIP, SIGLIP], ids=["clip", "siglip"])
 def test_a_locked_tower_trains_its_last_n_layers_and_what_follows_them(config):
     every = trainable(config)  # nothing locked

@@ -70,6 +70,7 @@ def test_an_unbuildable_model_config_is_one_line_in_plan_and_train(case, train_m
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_model_whose_weights_exceed_the_node_is_refused_with_the_planners_figures(tmp_path):
     """A config of ~10 trillion parameters is sized on the meta device and refused before any allocation; the
     arithmetic is the planner's parameter count x 4 bytes, checked here by hand for the tiny model."""
