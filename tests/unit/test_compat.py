@@ -239,6 +239,7 @@ def test_accelerate_trains_an_fsdp_launch_on_cpu_as_ddp_unless_the_state_is_comp
 # --- img2dataset: no hook for the fetch function ---
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_img2dataset_takes_no_fetch_function_and_the_wrapped_downloader_is_there():
     import img2dataset
 

@@ -33,6 +33,7 @@ def zero_layout(folder, optim_states) -> None:
     torch.save(optim_states, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_planted_pickle_in_an_optimizer_partition_is_refused_unrun(tmp_path, capsys):
     """DeepSpeed's zero_to_fp32 loads partitions with weights_only=False: the planted code would run."""
     marker = tmp_path / "planted-code-ran"

@@ -290,6 +290,7 @@ def _keys_and_positions(batch: list) -> list[tuple[str, list[int]]]:
     return [(key, position.tolist()) for key, _, position in batch]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_one_rank_with_two_workers_reads_the_two_ranks_samples_step_by_step(tmp_path):
     urls = write_shards(tmp_path / "shards", num_shards=4, per_shard=24, seed=1)
     # 2 ranks x 1 worker x K=1: step s contrasts rank 0's batch s with rank 1's

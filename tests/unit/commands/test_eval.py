@@ -41,6 +41,7 @@ def test_cli_writes_clip_benchmark_record(cls_set, model_dir, tmp_path, capsys):
         (["--model", "./gone", "--data", "/nonexistent/shards"], "--model ./gone: no such folder"),  # before the data
     ],
 )
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_cli_errors_are_clear(cls_set, model_dir, tmp_path, capsys, extra, message):
     folder, _, _ = cls_set
     (tmp_path / "TPL").write_text("no placeholder here\n")
@@ -61,6 +62,7 @@ def test_weightless_checkpoint_points_to_export(cls_set, model_dir, tmp_path, ca
     assert "run `disco-clip export" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_class_index_beyond_classnames_is_reported(cls_set, model_dir, tmp_path, capsys):
     folder, _, _ = cls_set
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
@@ -89,6 +91,7 @@ def _token_id_warnings(call) -> list[str]:
     return [m for m in seen if "must be `None` or an integer within the vocabulary" in m]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_siglip_model_loads_for_eval_without_token_id_warnings(tmp_path, monkeypatch):
     """A SigLIP run warned "bos_token_id must be None or an integer within the vocabulary ... got 49406" at its start,
     its eval and its export: about SiglipTextConfig's own defaults, which transformers builds to diff each save and

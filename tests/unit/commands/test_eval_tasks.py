@@ -93,6 +93,7 @@ def test_neither_data_nor_tasks(model_dir, capsys):
     assert "give --data (one set) or --tasks FILE" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_output_being_written_is_refused_before_the_model_loads(task_list, model_dir, cls_set, tmp_path, capsys):
     """A suite's folder, or a single set's record file (locked beside it): one line naming the writer's host and pid,
     exit 2; the holder here is a forked process holding the lock, as a running `disco-clip eval` does."""

@@ -201,6 +201,7 @@ def test_the_forward_precision_autocasts_on_a_gpu_only():
         autocast_dtype("half", gpu)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_autocast_forward_runs_in_the_lower_precision_and_returns_float32(tiny_teacher):
     """`_forward` under autocast, run on the CPU's bfloat16 autocast (the GPU's is the same context on another
     device): float32 embeddings near the float32 forward's, not equal to them (the cast was applied)."""

@@ -27,6 +27,7 @@ from unit.data.hfsets import (
 )
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("source", ["saved", "parquet", "saved-streaming", "parquet-streaming"])
 def test_readers_read_disjoint_rows_that_together_are_the_dataset(folders, source):
     name, _, mode = source.partition("-")
@@ -40,6 +41,7 @@ def test_readers_read_disjoint_rows_that_together_are_the_dataset(folders, sourc
         assert sorted(ids) == list(range(23)), (source, readers)  # each row once: disjoint, and all of them
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("streaming", [False, True])
 def test_dataloader_workers_are_the_readers_of_their_rank(folders, streaming):
     """Rank 1 of 2 with 2 DataLoader workers: its workers are readers 2 and 3 of 4 and read what those readers

@@ -14,6 +14,7 @@ from disco_clip_ds.testing.launch import LAUNCH_COMMON, TINY_CONFIG
 from unit.data.hfsets import SIZE, check_rows, hf_args, hf_dataset, hf_png, hf_rows, one_pass, saved_dataset
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_image_feature_bytes_and_paths_all_decode_to_their_row(tmp_path):
     import datasets
 
@@ -44,6 +45,7 @@ def test_an_image_feature_bytes_and_paths_all_decode_to_their_row(tmp_path):
             check_rows(data, 6)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_imagefolder_with_metadata_jsonl(tmp_path):
     folder = tmp_path / "pets"
     folder.mkdir()
@@ -57,6 +59,7 @@ def test_an_imagefolder_with_metadata_jsonl(tmp_path):
         check_rows(data, 5)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_config_and_a_split_of_a_folder_are_chosen_by_name(folders, tmp_path):
     """A local folder whose README.md declares two configurations (as hub datasets do), and a DatasetDict folder."""
     rows = hf_rows(9)
@@ -163,6 +166,7 @@ def test_a_large_list_caption_column_trains_and_evaluates_alike(tmp_path):
     assert [captions for _, batch in source.batches(processor, 4) for captions in batch] == rows["caption"]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_plain_bytes_path_struct_trains_and_evaluates_as_an_image_column_with_parquet_row_counts(tmp_path):
     """Parquet written without datasets' metadata (pyarrow, pandas) holds an image column as a plain
     {bytes, path} struct: training loads it as an Image column and eval finds it as the only one, each row decoding

@@ -51,6 +51,7 @@ def _source_of(item) -> str:
     return Path(item[2][0]).parent.name
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_draws_follow_the_weights():
     n, cumulative = 30_000, cumulative_weights(WEIGHTS)
     counts = [0, 0, 0]

@@ -23,6 +23,7 @@ from disco_clip_ds.testing.images import add_synthetic_captions, write_shards
 KEYS = [f"{i:09d}" for i in range(4000)]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_augmentation_is_uniform_over_the_pool_and_a_function_of_seed_pass_and_key():
     for k in (2, 5):
         counts = [0] * k
@@ -79,6 +80,7 @@ class FakeStore:
         return SimpleNamespace(images=images, texts=texts, boxes=boxes)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_stream_crops_from_the_chosen_stored_box_and_carries_its_targets(tmp_path):
     from disco_clip_ds.data.streams.shards import ShardStream
     from disco_clip_ds.data.transforms import ImageTransform

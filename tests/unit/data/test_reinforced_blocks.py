@@ -225,6 +225,7 @@ def test_the_plan_counts_the_same_row():
         assert stored_row_bytes(widths, k, c, dtype) == plan.images + plan.texts + plan.boxes
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_open_sidecar_holds_less_than_the_bound_allows_per_key(tmp_path, monkeypatch):
     """KEY_BYTES and DIGEST_BYTES, the bound's allowance per sample key and block of an open sidecar, against
     Python's own count of what one holds (64-character keys, a block per row)."""

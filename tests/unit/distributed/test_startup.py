@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from disco_clip_ds.testing.launch import REPO
 
 _PROGRAM = textwrap.dedent(
@@ -59,6 +61,7 @@ def _run(how: str, fault: str = "") -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_stop_signal_during_startup_is_one_line_and_exit_75():
     unwatched = _run("unwatched")
     assert unwatched.returncode == -signal.SIGTERM and unwatched.stderr == ""  # the default: killed without a word
@@ -97,6 +100,7 @@ def test_the_watch_runs_the_registered_cleanups_before_it_ends_the_process():
     assert lines[-1] == _one_line() and len(lines) == 2 and "failed: division by zero" in lines[0], done.stderr
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_stop_inside_the_deepspeed_section_lets_it_finish_then_ends_the_process():
     """DeepSpeed's comm set-up is such a section: a rank that ended inside it would leave its shm buffers named (or
     remove them under a peer that still maps them, which then spins forever): the watch waits for its end."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from disco_clip_ds.eval.metrics import classification_metrics, retrieval_metrics
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_classification_metrics_hand_computed():
     logits = torch.tensor(
         [

@@ -42,6 +42,7 @@ def test_fewshot_indices_keep_the_first_k_of_each_class_in_the_order():
     assert fewshot_indices(labels, -1, torch.arange(6, -1, -1)) == [6, 5, 4, 3, 2, 1, 0]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_fewshot_takes_k_per_class_drawn_by_the_seed():
     x, y = _clusters(seed=1, n=48)
     seeds = {}

@@ -154,6 +154,7 @@ def bad_hf(cls_set, tmp_path_factory):
         ("shards", ["--split", "test", "--image_column", "jpg"], "--split, --image_column: for a datasets dataset"),
     ],
 )
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_datasets_bad_input_is_one_line(cls_set, hf_cls, bad_hf, model_dir, capsys, data, extra, message):
     """Each wrong dataset or option: exit 2 and one line naming it (the columns or splits that are there)."""
     where = {"parquet": hf_cls["parquet"], "shards": cls_set[0]}.get(data, bad_hf / data)
@@ -228,6 +229,7 @@ def test_a_hostile_image_is_skipped_and_counted_not_fatal(cls_set, model_dir, tm
         assert said[1] == "skipping an eval image: 900000000 pixels, above the cap of 50000000 (a decompression bomb?)"
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_set_whose_every_image_is_skipped_says_so(model_dir, tmp_path, capsys):
     from disco_clip_ds.testing.images import hostile_images
 
@@ -266,6 +268,7 @@ def test_training_zeroshot_data_skips_and_counts_a_hostile_image(cls_set, tmp_pa
     assert [e["step"] for e in logged] == [2, 3] and all(e["zeroshot_skipped_images"] == 2 for e in logged), logged
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_zeroshot_classification_skips_and_counts_hostile_images(cls_set, tmp_path):
     """The task itself, in this process: a truncated JPEG and a bomb among the shards or the rows of a datasets
     dataset are skipped and counted (`skipped_images`), and the metrics equal those of the set without them."""

@@ -188,6 +188,7 @@ def test_each_task_equals_its_own_evaluation_and_failures_stay_in_their_rows(set
     assert (record["dataset"], record["model"], record["task"]) == ("cifar_like", "tiny", "zeroshot_classification")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_text_that_is_not_utf8_empty_lists_and_misfit_class_names_fail_their_task_alone(sets, suite_run):
     """Each is its task's one-line error; the tasks before and after them ran (the test above)."""
     errors = {r.task.key: (type(r.error), str(r.error)) for r in suite_run[0] if r.error is not None}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from disco_clip_ds.export.card import describe_run, eval_records, model_card
 
 
@@ -63,6 +65,7 @@ GATED = (
 )
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_an_export_publishes_no_credential_path_or_training_key(tmp_path):
     """A run that read gated shards through curl with a token, and a local folder: its export's card names the
     shards' host and path and the folder's name, nothing else of the sources; config.json is a plain model's."""

@@ -79,6 +79,7 @@ def test_push_without_token_fails_clearly(exported, tmp_path):
     assert "no Hugging Face token: set HF_TOKEN or run `hf auth login`" in result.stderr
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_push_refuses_raw_checkpoints(raw_checkpoint, capsys):
     assert push_main([str(raw_checkpoint), "--repo_id", "someone/x", "--dry_run"]) == 1
     assert "run `disco-clip export" in capsys.readouterr().err

@@ -79,6 +79,7 @@ def test_the_cards_usage_on_an_export_gives_our_eval(tmp_path, model_type, token
     torch.testing.assert_close(scope["probs"][0].detach(), expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_folder_saved_before_the_pin_exports_pinned(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-1"
     trained = saved_run(checkpoint, "siglip2", TOKENIZER_DIR, pin=False)
@@ -86,6 +87,7 @@ def test_a_folder_saved_before_the_pin_exports_pinned(tmp_path):
     assert_reloads_the_tokenizer(export, trained)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_card_and_run_json_name_the_teacher_without_its_absolute_paths(tmp_path):
     """D2: --teacher /abs/teacher --teacher_embeddings /abs/emb: run.json (distillation_setting) and the card show
     the folders' names, as --train_shards' local folders are shown; a run.json written before shows alike."""

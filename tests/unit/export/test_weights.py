@@ -22,6 +22,7 @@ def export_main(argv: list[str]) -> int:
     return run_main(export_command.main, argv, "disco-clip export")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_weights_not_finite_or_absurd_are_refused_naming_the_tensor(tmp_path, capsys):
     """A diverged run's weights (NaN, or 1e30: a dot product of two such rows overflows float32) are not exported."""
     from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
@@ -41,6 +42,7 @@ def test_weights_not_finite_or_absurd_are_refused_naming_the_tensor(tmp_path, ca
         assert err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_export_of_a_plain_sharded_checkpoint_keeps_every_weight(tmp_path):
     """A checkpoint without DeepSpeed state (DDP, or ZeRO-3 with gathered weights) in sharded safetensors."""
     from safetensors.torch import load_file

@@ -162,6 +162,7 @@ def test_per_rank_upstream_gradients_reach_the_owner_of_each_term():
         torch.testing.assert_close(torch.cat([r[which][1] for r in per_rank]), yr.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("weight", [1.0, 0.5, 0.0])
 def test_without_distributed_matches_reference_for_every_tile_size(weight):
     x, y, xt, yt = global_features([9], seed=3)

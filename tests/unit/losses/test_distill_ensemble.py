@@ -113,6 +113,7 @@ def assert_matches(got, ref, what, rtol=1e-4):
     assert got[3:] == pytest.approx(ref[3:], rel=rtol, abs=rtol / 10), what
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_one_teacher_as_a_list_is_todays_single_teacher_loss_exactly():
     student, teachers = features(7, 1, seed=0)
     (xt, yt), (s, b) = teachers[0], TEACHERS[0]
@@ -135,6 +136,7 @@ def test_one_teacher_as_a_list_is_todays_single_teacher_loss_exactly():
         assert_matches(listed, sigmoid_reference(student, teachers, weight), f"sigmoid W={weight}")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("teachers", [2, 3])
 @pytest.mark.parametrize("weight", [1.0, 0.5])
 def test_ensemble_matches_float64_reference_for_every_tile_size(teachers, weight):
@@ -145,6 +147,7 @@ def test_ensemble_matches_float64_reference_for_every_tile_size(teachers, weight
         assert_matches(run_sigmoid(student, members, chunk=chunk, weight=weight), sig, f"sigmoid chunk={chunk}")
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_ensemble_is_not_the_first_teacher_nor_the_mean_of_logits():
     """The reference itself must tell an ensemble from its parts: the mean of softmaxes differs from one teacher's
     softmax and from the softmax of the mean logits (a test that could not fail otherwise)."""

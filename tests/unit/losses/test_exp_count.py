@@ -51,6 +51,7 @@ def _count(batch, chunk, keep_bytes):
     return forward, backward
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("keep_bytes", [0, 1 << 30])
 def test_one_exponential_per_logit_each_pass(keep_bytes):
     """B x B logits in B / R tiles of R rows: each pass exponentiates every logit once; besides, the forward merges

@@ -162,6 +162,7 @@ FAR_CASES = {  # name: (features, log scale, chunk_size); each spans over 100 na
 }
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("keep", [0, 1 << 30])
 @pytest.mark.parametrize("case", FAR_CASES)
 def test_far_logits_exact_in_bands(case, keep):

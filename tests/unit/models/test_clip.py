@@ -127,6 +127,7 @@ def test_logit_scale_is_clamped_at_100():
     assert model.logit_scale.grad.abs().max().item() == 0.0
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("impl", ["tiled", "disco", "local"])
 def test_logits_are_built_for_inference_local_loss_or_on_request(impl):
     """A training forward with the distributed loss skips the unused b x b logits; CLIPModel's (inference, or
@@ -268,6 +269,7 @@ def test_fresh_model_gets_clip_init(widths):
     assert_clip_init(DiscoCLIPModel(config), config)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_fresh_model_is_drawn_from_the_seed_and_each_parameters_name_only():
     """Same seed: the same weights whatever the global generator's state or what it drew before; each random
     parameter is its rule's draw from a CPU generator seeded by sha256("SEED:NAME") (computed here by hand)."""

@@ -63,6 +63,7 @@ def assert_reloads_the_tokenizer(folder, trained):
         assert (type(tokenizer).__name__, ids(tokenizer)) == expected, name
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("model_type", ["clip", "siglip", "siglip2"])
 @pytest.mark.parametrize("tokenizer", ["quickstart", "family"])
 def test_a_saved_folder_reloads_the_tokenizer_it_trained_with(tmp_path, model_type, tokenizer):

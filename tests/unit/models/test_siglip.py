@@ -90,6 +90,7 @@ def test_fresh_siglip_gets_the_papers_logit_init_and_transformers_init_elsewhere
             assert torch.equal(ours[key], theirs[key]), key
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_fresh_siglip_is_drawn_from_the_seed_and_each_parameters_name_only():
     torch.manual_seed(1)
     first = build_model(model_config=str(SIGLIP_TINY), seed=4).state_dict()
@@ -103,6 +104,7 @@ def test_a_fresh_siglip_is_drawn_from_the_seed_and_each_parameters_name_only():
         assert torch.equal(other[name], value) != random, name
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_siglip_saves_as_a_plain_siglipmodel(tmp_path):
     from transformers import SiglipModel
 

@@ -293,6 +293,7 @@ def test_paper_runs_fit_on_40gb_with_disco_and_tiled(config, gpus, tmp_path):
     assert code == (0 if all(m["fits"] for m in memory.values()) else 1)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_local_loss_is_planned_per_micro_batch_under_accumulation():
     """CLIP's per-device loss contrasts each micro-batch alone (the trainer refuses to accumulate it contrastively):
     with K = 8 its loss term is the micro-batch's own, without cached embeddings, and it has no largest K."""
@@ -315,6 +316,7 @@ def test_without_checkpointing_the_paper_batch_does_not_fit():
     assert not result["memory"]["tiled"]["fits"] and result["max_micro_batch"]["tiled"] < 4096
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_plan_puts_the_196k_batch_on_8_gpus_by_accumulation(tmp_path):
     config, vit = CFG_196K_8GPU, VIT
     code, result = paper_plan(tmp_path, config, 8, "--loss_impl", "tiled")

@@ -98,6 +98,7 @@ def test_ensemble_loss_matches_float64_formula_of_each_members_forward(two_teach
     torch.testing.assert_close(xi.grad.double(), xr.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_micro_batches_concatenated_are_the_whole_batch(two_teachers):
     """Contrastive accumulation concatenates each micro-batch's teacher embeddings (train/accumulation.py): an
     ensemble's side-by-side embeddings of K = 2 micro-batches give the loss of the whole batch."""

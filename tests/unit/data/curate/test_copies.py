@@ -54,6 +54,7 @@ def _copies(image) -> list[bytes]:
     ]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_planted_copies_are_found_and_distinct_images_spared():
     rng = np.random.default_rng(0)
     originals = [_smooth_image(rng) for _ in range(20)]

@@ -257,6 +257,7 @@ def _grouped_rows(groups: list[int], dim: int = 8, seed: int = 0) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_image_rule_keeps_the_clusters_the_target_points_at_and_intersects_with_the_score(tmp_path):
     groups = [0, 1, 2, 1, 0, 2, 1, 1, 0, 2, 2, 1]
     cosines = [0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3, 0.3, 0.1, 0.3, 0.3, 0.3]
@@ -315,6 +316,7 @@ def test_sidecars_in_their_own_folder_and_a_named_teacher_give_the_same_filter(t
     assert [i for i, d in enumerate(table["dropped_by"]) if d is None] == [0, 2, 3, 6, 7, 9]
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_the_kmeans_sample_and_seed_give_faiss_own_clusters_of_that_sample(tmp_path):
     import faiss
 
@@ -390,6 +392,7 @@ def test_a_real_teacher_embed_then_filter_with_a_class_name_target(tmp_path):
     assert sum(json.loads((out / "sizes.json").read_text()).values()) == len(kept)
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_second_filter_into_one_output_is_refused_naming_the_first_which_finishes_untouched(
     shards, tmp_path, monkeypatch
 ):
@@ -422,6 +425,7 @@ def test_a_second_filter_into_one_output_is_refused_naming_the_first_which_finis
     assert _hashes(out) == alone
 
 
+@pytest.mark.slow  # beyond the fast tier's time budget
 @pytest.mark.parametrize("per_shard", [2000, 3])
 def test_a_key_kept_from_two_sources_is_refused_before_any_shard_whatever_the_shard_size(per_shard, tmp_path, capsys):
     """`a::a_copy`: the same keys in two sources. Refused before writing, naming the first repeated key and both
