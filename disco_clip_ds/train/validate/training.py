@@ -88,8 +88,10 @@ def check_torch_compile(args: DiscoTrainingArguments) -> None:
 
 def check_peak_tflops(args: DiscoTrainingArguments) -> None:
     """--peak_tflops, the device's dense peak that MFU is taken against, is a positive number of TFLOPs."""
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise UsageError(f"--peak_tflops {args.peak_tflops}: give one device's dense peak in TFLOPs, above 0")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise UsageError(
+            f"--peak_tflops {args.peak_tflops}: give one device's dense peak in TFLOPs, finite and above 0"
+        )
 
 
 def check_ema(args: DiscoTrainingArguments, zeroshot_steps: int) -> None:

@@ -70,7 +70,8 @@ def test_the_flag_is_parsed_and_a_peak_not_above_zero_refused(tmp_path):
         ["--output_dir", str(tmp_path), "--peak_tflops", "312", "--report_to", "none"]
     )
     assert tp.peak_tflops(args, torch.device("cpu")) == (312.0, "--peak_tflops")
-    with pytest.raises(UsageError, match=r"^--peak_tflops 0.0: give one device's dense peak in TFLOPs, above 0$"):
+    refusal = r"^--peak_tflops 0.0: give one device's dense peak in TFLOPs, finite and above 0$"
+    with pytest.raises(UsageError, match=refusal):
         check_peak_tflops(_args(peak_tflops=0.0))
 
 

@@ -137,7 +137,7 @@ BAD_ARGUMENTS = {
     ),
     "peak tflops not positive": (
         ["{data}", *MODEL, *TOK, "--peak_tflops", "0"],
-        "--peak_tflops 0.0: give one device's dense peak in TFLOPs, above 0",
+        "--peak_tflops 0.0: give one device's dense peak in TFLOPs, finite and above 0",
     ),
     "embeddings without a teacher": (
         ["{data}", *MODEL, *TOK, "--teacher_embeddings", "{tmp}"],
