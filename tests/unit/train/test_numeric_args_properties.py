@@ -65,7 +65,7 @@ def base_argv(tmp_path_factory):
 
 
 @settings(
-    max_examples=int(os.environ.get("NUMERIC_EXAMPLES", 30)),
+    max_examples=int(os.environ.get("NUMERIC_EXAMPLES", 15)),
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
