@@ -78,6 +78,9 @@ class FakeStore:
         ]
         return SimpleNamespace(images=images, texts=texts, boxes=boxes)
 
+    def check_order(self, shard: str, keys: list[str], after: int = -1) -> int:
+        return after
+
 
 def test_the_stream_crops_from_the_chosen_stored_box_and_carries_its_targets(tmp_path):
     from disco_clip_ds.data.streams.shards import ShardStream
