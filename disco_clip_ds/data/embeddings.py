@@ -146,12 +146,14 @@ def check_sidecars(
     teacher: str,
     augmentations: int = 0,
     caption_keys: list[str] = (),
-) -> None:
+) -> int:
     """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it for the teacher(s) of
     `fingerprint` (one or a list; `sidecar_problem`, from the headers alone; checksums are verified as each is read),
     holding at least `augmentations` augmentations per sample and every caption key of `caption_keys`; else a
-    UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them)."""
+    UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them). Returns the
+    samples of the shards that `data embed` skipped, as their sidecars record them (0 for sidecars that do not)."""
     embed = f"run `disco-clip data embed --teacher {teacher} --shards ... --output {folder}`"
+    skipped = 0
     for url in urls:
         path = sidecar_path(folder, url)
         if not path.is_file():
@@ -168,6 +170,8 @@ def check_sidecars(
         problem = sidecar_problem(meta, url, fingerprint) or _settings_problem(meta, augmentations, caption_keys)
         if problem:
             raise UsageError(f"--teacher_embeddings {folder}: {path.name} was {problem}: {embed}")
+        skipped += int(meta.get("skipped") or 0)
+    return skipped
 
 
 def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | None:

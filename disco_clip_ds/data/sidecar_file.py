@@ -291,7 +291,7 @@ def _tensors(header: dict, data_start: int, size: int) -> dict[str, _Tensor] | s
 
 def _tensor_entry(entry) -> tuple[tuple[int, int], _Tensor] | None:
     """((first, last) byte offsets, the tensor) of one entry of the tensor table, or None when it is malformed."""
-    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
         return None
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not (_naturals(shape) and shape and shape[0] >= 1 and _naturals(offsets) and len(offsets) == 2):

@@ -130,9 +130,22 @@ def write_reinforced(path: Path, stored: Reinforced) -> None:
         name: (t.to(torch.int32) if name == "boxes" else t.to(dtype)).contiguous()
         for name, t in stored.tensors().items()
     }
+    _check_finite(path, stored.keys, tensors)
     rows = block_rows(sum(t[:1].nbytes for t in tensors.values()))
     header = {**stored.header(), "block_rows": str(rows), "block_xxh3": json.dumps(block_digests(tensors, rows))}
     _replace(path, _canonical(save(tensors, metadata=header), signed=True))
+
+
+def _check_finite(path: Path, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Every stored embedding finite (after the cast to the stored dtype); else a DataError naming the first sample
+    that is not, with nothing written: a reader refuses such a row, so it is never stored."""
+    for name, tensor in sorted(tensors.items()):
+        bad = torch.nonzero(~torch.isfinite(tensor.reshape(len(tensor), -1)).all(dim=1)) if name != "boxes" else []
+        if len(bad):
+            raise DataError(
+                f"{path}: the embedding {name} of sample {keys[int(bad[0])]} is not finite (the teacher's forward "
+                "overflowed: embed with --precision float32): nothing written"
+            )
 
 
 def read_reinforced(path: Path) -> Reinforced:

@@ -88,10 +88,12 @@ class ShardStream(ReaderStream):
         """(place, item) from `start` = (epoch, shard, member, offset) on, pass after pass."""
         shards = self._reader_shards(reader, num_readers)
         epoch, shard, member, offset = start or (0, 0, 0, 0)
+        reread = bool(start)  # the block a resume starts in is read again
         for epoch in itertools.count(epoch):
             raw = self._raw_samples(self._pass_order(shards, epoch, reader), shard, member)
             order = (-1, -1)  # (shard index, its last stored row read) of the reinforced set
-            while block := list(itertools.islice(raw, self.block)):
+            while block := self._raw_block(raw, reread):
+                reread = False
                 order = self._stored_in_order(block, order)
                 first_shard, first_member, _ = block[0]
                 key = f"{self.seed}/block/{reader}/{epoch}/{first_shard}/{first_member}"
@@ -101,7 +103,16 @@ class ShardStream(ReaderStream):
                         yield (epoch, first_shard, first_member, done), item
                 offset = 0
             yield PASS_END
-            shard, member = 0, 0
+            shard, member, reread = 0, 0, False
+
+    def _raw_block(self, raw, reread: bool) -> list:
+        """The next block of raw samples. The skips its reading counts (an unreadable shard) are counted once: a
+        block read again on resume was counted, in the position resumed from, when it was first read."""
+        before = self.reader_skips[0]
+        block = list(itertools.islice(raw, self.block))
+        if reread:
+            self.reader_skips[0] = before
+        return block
 
     def _stored_in_order(self, block: list, order: tuple[int, int]) -> tuple[int, int]:
         """With a reinforced set: the stored rows of the block's samples (raw, in their shards' order) rise within each

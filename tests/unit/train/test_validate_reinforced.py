@@ -233,8 +233,8 @@ def test_a_node_that_never_hashed_the_teacher_takes_the_sidecars_record_and_read
     recorded = "0123456789abcdef"  # not these weights' hash: only --verify_teacher_weights can tell
     for url in expand_shards(bad_arguments_setup["data"]):
         stored = Reinforced(
-            ["k"], [TeacherFacts(recorded, str(teacher), "clip", 100.0)], [torch.zeros(1, 1, 8)],
-            [{"txt": torch.zeros(1, 8)}], None, ["txt"], 0, "float32", 0, shard_facts(url),
+            ["k"], [TeacherFacts(recorded, str(teacher), "clip", 100.0)], [torch.zeros(1, 1, 64)],
+            [{"txt": torch.zeros(1, 64)}], None, ["txt"], 0, "float32", 0, shard_facts(url),
         )  # fmt: skip
         write_reinforced(sidecar_path(tmp_path / "emb", url), stored)
     with recorded_opens() as opened, caplog.at_level("WARNING", logger="disco_clip_ds.train"):
