@@ -114,7 +114,8 @@ def positions_to_restore(
     positions = {}
     for reader, entry in state["readers"].items():
         if isinstance(entry, list):  # written before the one schema: the whole row, reader field first
-            entry = dict(zip(saved_fields, entry))
+            legacy = len(entry) == len(saved_fields) - 1 and "skipped" in saved_fields  # and before the skips
+            entry = dict(zip([f for f in saved_fields if f != "skipped"] if legacy else saved_fields, entry))
         values = [entry.get(name, 0) if name == "skipped" else entry[name] for name in fields[1:]]
         positions[int(reader)] = tuple(values + (extra(entry) if extra else []))
     return positions
