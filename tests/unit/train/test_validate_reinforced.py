@@ -120,7 +120,7 @@ def embedded(bad_arguments_setup, tmp_path, monkeypatch):
     fingerprint = teacher_fingerprint(str(teacher))
     for url in expand_shards(bad_arguments_setup["data"]):
         meta = {"teacher": fingerprint, **shard_facts(url)}
-        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 8), torch.zeros(1, 8), meta)
+        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 64), torch.zeros(1, 64), meta)
     return teacher, fingerprint
 
 
@@ -261,9 +261,10 @@ def test_stored_embeddings_of_another_width_than_the_teachers_are_refused(bad_ar
     (teacher / "config.json").write_text((REPO / MODEL[1]).read_text())
     (teacher / "model.safetensors").write_bytes(b"\1" * 4096)
     unit = torch.nn.functional.normalize(torch.ones(1, 32), dim=-1)
+    image = unit[:, None].clone()  # a tensor of its own (safetensors stores no shared memory)
     for url in expand_shards(bad_arguments_setup["data"]):
         stored = Reinforced(
-            ["k"], [TeacherFacts("0123456789abcdef", str(teacher), "clip", 100.0)], [unit[:, None]], [{"txt": unit}],
+            ["k"], [TeacherFacts("0123456789abcdef", str(teacher), "clip", 100.0)], [image], [{"txt": unit}],
             None, ["txt"], 0, "float32", 0, shard_facts(url),
         )  # fmt: skip
         write_reinforced(sidecar_path(tmp_path / "emb", url), stored)
