@@ -148,9 +148,9 @@ class SidecarFile:
             return
         values = torch.frombuffer(buffer, dtype=tensor.dtype).view(-1, tensor.shape[-1])
         norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
-        bad = torch.nonzero(~((norms - 1).abs() <= NORM_TOLERANCE))  # NaN compares False
-        if len(bad):
-            index = int(bad[0])
+        least, most = (float(v) for v in torch.aminmax(norms))  # NaN propagates, and compares False below
+        if not (1 - NORM_TOLERANCE <= least and most <= 1 + NORM_TOLERANCE):  # (the common case: few ops a tensor)
+            index = int(torch.nonzero(~((norms - 1).abs() <= NORM_TOLERANCE))[0])
             row = start + index // (len(values) // (len(buffer) // tensor.row_bytes))
             norm = float(norms[index])
             what = "a value that is not finite" if not torch.isfinite(values[index]).all() else f"norm {norm:.4g}"
