@@ -36,6 +36,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,8 +55,9 @@ def write_sidecars(root: Path, sources: int, shards: int, samples: int) -> None:
     from disco_clip_ds.data.embeddings import Reinforced, TeacherFacts, shard_facts, sidecar_path, write_reinforced
 
     gen = torch.Generator().manual_seed(0)
-    images = [torch.randn(samples, K, d, generator=gen).half() for d in WIDTHS]
-    texts = [{c: torch.randn(samples, d, generator=gen).half() for c in CAPTIONS} for d in WIDTHS]
+    unit = lambda *shape: torch.nn.functional.normalize(torch.randn(*shape, generator=gen), dim=-1).half()  # noqa: E731
+    images = [unit(samples, K, d) for d in WIDTHS]  # L2-normalised, as a teacher's: the reader checks it
+    texts = [{c: unit(samples, d) for c in CAPTIONS} for d in WIDTHS]
     boxes = torch.randint(0, 200, (samples, K, 4), generator=gen, dtype=torch.int32)
     teachers = [TeacherFacts("a" * 16, "A", "clip", 100.0), TeacherFacts("b" * 16, "B", "clip", 100.0)]
     for source in range(sources):
@@ -111,14 +113,15 @@ def child(args) -> None:
     if args.warmup:
         warm_up(root / "warmup", embeddings, extra)
     store = embeddings.EmbeddingStore(root / "emb", ["a" * 16, "b" * 16], **extra)
-    before = rss_bytes()
+    before, started = rss_bytes(), time.perf_counter()
     for shard, key in keys:
         store.lookup(shard, key)
+    seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     stats = getattr(store, "stats", None)
     if stats is not None:
         counted = {"opens": stats.opens, "bytes": stats.bytes}
-    print(json.dumps({**counted, "peak_rss_above_start": peak - before, "peak_rss": peak}))
+    print(json.dumps({**counted, "peak_rss_above_start": peak - before, "peak_rss": peak, "seconds": seconds}))
 
 
 def warm_up(folder: Path, embeddings, extra: dict) -> None:
@@ -195,7 +198,9 @@ def measure(args) -> None:
     rows = []
     for s in args.sources:
         per = {
-            side: {q: [m[q] for m in results[(side, s)]] for q in ("opens", "bytes", "peak_rss_above_start")}
+            side: {
+                q: [m.get(q) for m in results[(side, s)]] for q in ("opens", "bytes", "peak_rss_above_start", "seconds")
+            }
             for side in sides
         }
         scale = 1000 / args.samples
@@ -212,7 +217,9 @@ def measure(args) -> None:
             measured[f"{side}_opens_per_1000"] = [v * scale for v in per[side]["opens"]]
             measured[f"{side}_mb_read_per_1000"] = [v * scale / 1e6 for v in per[side]["bytes"]]
             measured[f"{side}_peak_rss_mb"] = [v / 1e6 for v in per[side]["peak_rss_above_start"]]
+            measured[f"{side}_lookup_s_per_1000"] = [v * scale for v in per[side]["seconds"]]
         if len(sides) == 2:
+            measured["time_ratio"] = ratios(measured["this_lookup_s_per_1000"], measured["base_lookup_s_per_1000"])
             measured["rss_ratio"] = ratios(measured["this_peak_rss_mb"], measured["base_peak_rss_mb"])
             measured["read_ratio"] = ratios(measured["this_mb_read_per_1000"], measured["base_mb_read_per_1000"])
         rows.append(bench_row({**settings, "warmup": args.warmup}, measured, digits=3))

@@ -45,16 +45,18 @@ from disco_clip_ds.data.reinforced import (
     LEGACY_CAPTION_KEY,
     SECOND_LAYOUT,
     WHOLE_FILE_FORMAT,
+    NotStored,
     Reinforced,
     TeacherFacts,
     block_rows,
     settings_of,
     stored_fingerprints,
     stored_settings,
+    stored_widths,
     with_first_teacher,
 )
 from disco_clip_ds.data.shards import is_url
-from disco_clip_ds.data.sidecar_file import ReadStats, SidecarFile, open_sidecar
+from disco_clip_ds.data.sidecar_file import AGAIN, ReadStats, SidecarFile, open_sidecar
 from disco_clip_ds.data.sidecar_io import (
     raw_metadata,
     read_metadata,
@@ -144,12 +146,14 @@ def check_sidecars(
     teacher: str,
     augmentations: int = 0,
     caption_keys: list[str] = (),
-) -> None:
+) -> int:
     """Before training: every shard of `urls` has a sidecar in FOLDER that may serve it for the teacher(s) of
     `fingerprint` (one or a list; `sidecar_problem`, from the headers alone; checksums are verified as each is read),
     holding at least `augmentations` augmentations per sample and every caption key of `caption_keys`; else a
-    UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them)."""
+    UsageError in one line saying what to run (`teacher`: the teacher names, as --teacher takes them). Returns the
+    samples of the shards that `data embed` skipped, as their sidecars record them (0 for sidecars that do not)."""
     embed = f"run `disco-clip data embed --teacher {teacher} --shards ... --output {folder}`"
+    skipped = 0
     for url in urls:
         path = sidecar_path(folder, url)
         if not path.is_file():
@@ -166,6 +170,8 @@ def check_sidecars(
         problem = sidecar_problem(meta, url, fingerprint) or _settings_problem(meta, augmentations, caption_keys)
         if problem:
             raise UsageError(f"--teacher_embeddings {folder}: {path.name} was {problem}: {embed}")
+        skipped += int(meta.get("skipped") or 0)
+    return skipped
 
 
 def _settings_problem(meta: dict, augmentations: int, caption_keys) -> str | None:
@@ -261,6 +267,7 @@ class EmbeddingStore:
         self.fingerprint = self.fingerprints[0]  # the single teacher's, as the first layout's readers know it
         self.capacity = open_sidecars(sources)
         self._facts: Reinforced | None = None  # the settings of the first sidecar read, without its tensors
+        self._widths: dict[str, int] = {}  # {fingerprint: width} of the first sidecar read
         self._reference = shards[0] if shards else None
         self._empty()
 
@@ -328,13 +335,13 @@ class EmbeddingStore:
     # --- lookups ---
 
     def lookup(self, shard: str, key: str) -> StoredSample:
-        """Sample `key` of `shard`: a DataError naming both when the sidecar or the key is missing, or the sidecar
-        may not serve this shard (`sidecar_problem`), or its header or the block of the sample's row does not
-        verify."""
+        """Sample `key` of `shard`: a NotStored (a DataError; the training stream skips and counts the sample)
+        naming both when the sidecar has no row of the key; a DataError naming them when the sidecar is missing, may
+        not serve this shard (`sidecar_problem`), or its header or the block of the sample's row does not verify."""
         entry = self._open(shard, key)
         row = entry.file.rows.get(key)
-        if row is None:
-            raise DataError(
+        if row is None:  # `data embed` skipped it (no image, undecodable, a caption key missing)
+            raise NotStored(
                 f"no teacher embedding for sample {key} of shard {describe_source(shard)} in "
                 f"{sidecar_path(self.folder, shard)}"
             )
@@ -345,6 +352,31 @@ class EmbeddingStore:
             [{caption: as_float(name) for caption, name in by_key.items()} for by_key in entry.texts],
             None if entry.boxes is None else values[entry.boxes].clone(),
         )
+
+    def check_order(self, shard: str, keys: list[str], after: int = -1) -> int:
+        """The row of the last of `keys` (samples of `shard` in the shard's own order) that has one, once their rows
+        rise in that order after row `after`: a sidecar's rows are its shard's samples in order (`data embed`, the
+        filter write them so), so keys that do not rise name other samples' rows (a key list shifted or reordered,
+        its checksum made anew); a DataError naming the sidecar then. Keys without a row are passed over."""
+        entry = self._open(shard, keys[0] if keys else None)
+        for key in keys:
+            row = entry.file.rows.get(key)
+            if row is None:
+                continue
+            if row <= after:
+                raise DataError(
+                    f"{entry.file.path}: its sample keys are not in its shard's order (sample {key} is row {row}, "
+                    f"after a sample of row {after}): its keys do not name their rows: {AGAIN}"
+                )
+            after = row
+        return after
+
+    @property
+    def widths(self) -> list[int]:
+        """The width of each teacher's stored embeddings, in the order of `fingerprints`: of the first sidecar read,
+        which every other one must match (None before any is read, for a store without `shards`)."""
+        self._settings()
+        return [self._widths.get(f) for f in self.fingerprints]
 
     def pair(self, shard: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The first teacher's (image, text) embeddings (d,) of sample `key`: of its first augmentation (the centre
@@ -412,6 +444,7 @@ class EmbeddingStore:
         if problem:
             raise DataError(f"{file.path}: {problem}: run `disco-clip data embed` for these shards again")
         self._check_settings(file.path, settings_of(meta))
+        self._check_widths(file.path, stored_widths(meta, {n: (t.code, t.shape) for n, t in file.tensors.items()}))
         self._opened += 1
         if meta.get("format") not in SECOND_LAYOUT:
             return _Open(file, self._opened, ["image"], [{LEGACY_CAPTION_KEY: "text"}], None)
@@ -424,6 +457,18 @@ class EmbeddingStore:
             texts,
             "boxes" if "boxes" in file.tensors else None,
         )
+
+    def _check_widths(self, path: Path, widths: dict[str, int]) -> None:
+        widths = {f: widths[f] for f in self.fingerprints}
+        if not self._widths:
+            self._widths = widths
+            return
+        for fingerprint, width in widths.items():
+            if width != self._widths[fingerprint]:
+                raise DataError(
+                    f"{path}: its embeddings of teacher {fingerprint} are {width} wide, other sidecars' of "
+                    f"{self.folder} {self._widths[fingerprint]}: embed every shard with one teacher"
+                )
 
     def _check_settings(self, path: Path, stored: Reinforced) -> None:
         if self._facts is None:

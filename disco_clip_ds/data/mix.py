@@ -112,8 +112,8 @@ class MixtureStream(ReaderStream):
             for urls in mixture.sources
         ]
         for source in self.sources:  # one skip counter for the mixture, shared with the DataLoader's workers
-            source.skipped = self.skipped
-        self.position_fields = ("reader", "count") + tuple(
+            source.skipped, source.reader_skips = self.skipped, self.reader_skips
+        self.position_fields = ("reader", "count", "skipped") + tuple(
             f"source{s}_{name}" for s in range(len(self.sources)) for name in SOURCE_FIELDS
         )
 
@@ -137,7 +137,8 @@ class MixtureStream(ReaderStream):
     def seen_per_source(self, rows: dict[int, list[int]]) -> list[int]:
         """Samples drawn from each source over the readers' position `rows` ({reader: row}, the newest each)."""
         width = len(SOURCE_FIELDS)
-        return [sum(row[2 + s * width] for row in rows.values()) for s in range(len(self.sources))]
+        first = len(self.position_fields) - width * len(self.sources)
+        return [sum(row[first + s * width] for row in rows.values()) for s in range(len(self.sources))]
 
     def _passes(self, reader: int, num_readers: int, start: list[int]):
         """(place, item) of the reader's samples, each from the source drawn for its index, from `start` (per source

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass
 
 import torch
+
+from disco_clip_ds.errors import DataError
 
 FORMAT = "3"  # the metadata "format" written: the second layout, with a checksum per block of rows
 WHOLE_FILE_FORMAT = "2"  # the second layout as first written: one checksum of the whole file
@@ -21,8 +25,15 @@ LEGACY_CAPTION_KEY = "txt"  # the caption key a first-layout sidecar's one text 
 BLOCK_BYTES = 1 << 16
 BLOCK_ROWS = 64
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# what a sidecar records of its shard: its identity, size and (a resharded shard's) sha256
-SHARD_META = ("shard", "shard_bytes", "shard_sha256")
+# what a sidecar records of its shard: its identity, size, (a resharded shard's) sha256, and how many of its samples
+# `data embed` skipped (no image, undecodable, a caption key missing: they have no row)
+SHARD_META = ("shard", "shard_bytes", "shard_sha256", "skipped")
+STORED_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}  # the safetensors dtype of each stored dtype
+# how far from 1 a stored embedding's L2 norm may be: the teachers' embeddings are L2-normalised in float32, then
+# rounded to the stored dtype (bfloat16's 8 bits move a norm by at most ~0.4%); a row scaled, or not normalised, is
+# further off
+NORM_TOLERANCE = 0.02
+_WHOLE = re.compile(r"-?[0-9]{1,18}")
 
 
 @dataclass(frozen=True)
@@ -123,6 +134,128 @@ def settings_of(meta: dict) -> Reinforced:
         int(meta["seed"]) if meta.get("seed") else None,
         meta,
     )
+
+
+class NotStored(DataError):
+    """A sample, or the caption chosen for it, has no stored embedding: the training stream skips and counts it, as
+    a sample without that caption member (data/streams/reinforced.py)."""
+
+
+def settings_problem(meta: dict) -> str | None:
+    """Why a sidecar's metadata cannot be read as its format's settings (a field missing, of the wrong type, or out of
+    range); None when every field the readers use (`settings_of`, `stored_fingerprints`, `with_first_teacher`)
+    is sound. Reads no key list: cheap enough for every sidecar at the start of a run."""
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        return "its metadata holds a value that is not text"
+    if "skipped" in meta and not _whole(meta["skipped"], 0):
+        return f"its count of skipped samples is {meta['skipped'][:40]!r}, not a whole number"
+    if meta.get("format") not in SECOND_LAYOUT:
+        bad = [k for k in ("logit_scale", "logit_bias") if meta.get(k) and not _finite(meta[k])]
+        return f"its {bad[0]} is {meta[bad[0]][:40]!r}, not a finite number" if bad else None
+    try:
+        teachers, captions = json.loads(meta["teachers"]), json.loads(meta["caption_keys"])
+        augmentations, dtype, seed = meta["augmentations"], meta["dtype"], meta.get("seed", "")
+    except KeyError as error:
+        return f"its metadata has no {error}"
+    except ValueError as error:
+        return f"its teachers or caption keys are not JSON ({error})"
+    return _teachers_problem(teachers) or _fields_problem(captions, augmentations, dtype, seed)
+
+
+def _teachers_problem(teachers) -> str | None:
+    facts = ("name", "model_type")
+    if not isinstance(teachers, list) or not teachers or not all(isinstance(t, dict) for t in teachers):
+        return "its teachers are not a list of teachers"
+    prints = [t.get("fingerprint") for t in teachers]
+    if not all(isinstance(f, str) and f for f in prints) or len(set(prints)) != len(prints):
+        return "its teachers' fingerprints are not distinct names"
+    for t in teachers:
+        numbers = [t.get(k) for k in ("logit_scale", "logit_bias")]
+        if not all(v is None or (type(v) in (int, float) and math.isfinite(v)) for v in numbers):
+            return f"teacher {t['fingerprint'][:40]}'s logit scale or bias is not a finite number"
+        if not all(t.get(k) is None or isinstance(t.get(k), str) for k in facts):
+            return f"teacher {t['fingerprint'][:40]}'s name or model type is not text"
+    return None
+
+
+def _fields_problem(captions, augmentations: str, dtype: str, seed: str) -> str | None:
+    if not isinstance(captions, list) or not captions or not all(isinstance(c, str) and c for c in captions):
+        return "its caption keys are not a list of names"
+    if len(set(captions)) != len(captions):
+        return "its caption keys name one key twice"
+    if not _whole(augmentations, 0):
+        return f"its augmentations are {augmentations[:40]!r}, not a whole number"
+    if dtype not in DTYPES:
+        return f"its dtype is {dtype[:40]!r}, not one of {', '.join(DTYPES)}"
+    if seed and not _whole(seed):
+        return f"its seed is {seed[:40]!r}, not a whole number"
+    return None
+
+
+def _whole(text: str, least: int | None = None) -> bool:
+    return bool(_WHOLE.fullmatch(text)) and (least is None or int(text) >= least)
+
+
+def _finite(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def layout_problem(meta: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+    """Why a sidecar's tensors (name: (safetensors dtype, shape), each of one row per sample) are not its format's
+    layout for its metadata (`settings_problem` passed): a tensor missing or unexpected, of another dtype, or
+    embeddings of one teacher of other widths (image against text) or shapes; None when they are."""
+    if meta.get("format") not in SECOND_LAYOUT:
+        want = {"image": ("F32", 2), "text": ("F32", 2)}
+    else:
+        captions, k, code = json.loads(meta["caption_keys"]), int(meta["augmentations"]), STORED_CODES[meta["dtype"]]
+        want = {}
+        for teacher in json.loads(meta["teachers"]):
+            want[f"image/{teacher['fingerprint']}"] = (code, 3)
+            want.update({f"text/{teacher['fingerprint']}/{c}": (code, 2) for c in captions})
+        if k:
+            want["boxes"] = ("I32", 3)
+    if set(shapes) != set(want):
+        odd = sorted(set(want) - set(shapes)) or sorted(set(shapes) - set(want))
+        what = "lacks" if set(want) - set(shapes) else "has the unexpected"
+        return f"its tensors do not fit its metadata: it {what} tensor {odd[0][:80]}"
+    for name, (code, dims) in want.items():
+        if shapes[name][0] != code or len(shapes[name][1]) != dims:
+            got = f"{shapes[name][0]} of {len(shapes[name][1])} dimensions"
+            return f"its tensor {name[:80]} is {got}, not {code} of {dims}"
+    return _widths_problem(meta, shapes)
+
+
+def _widths_problem(meta: dict, shapes: dict) -> str | None:
+    width = lambda name: shapes[name][1][-1]
+    if meta.get("format") not in SECOND_LAYOUT:
+        if width("image") != width("text") or width("image") < 1:
+            return f"its image embeddings are {width('image')} wide and its text embeddings {width('text')}"
+        return None
+    k = int(meta["augmentations"])
+    if k and shapes["boxes"][1][1:] != (k, 4):
+        return f"its crop boxes are of shape {list(shapes['boxes'][1][1:])} per sample, not [{k}, 4]"
+    for teacher in json.loads(meta["teachers"]):
+        image = f"image/{teacher['fingerprint']}"
+        if shapes[image][1][1] != max(k, 1) or width(image) < 1:
+            return f"its tensor {image[:80]} holds {shapes[image][1][1]} augmentations per sample, not {max(k, 1)}"
+        for caption in json.loads(meta["caption_keys"]):
+            text = f"text/{teacher['fingerprint']}/{caption}"
+            if width(text) != width(image):
+                return (
+                    f"teacher {teacher['fingerprint'][:40]}'s image embeddings are {width(image)} wide and its text "
+                    f"embeddings of {caption[:40]} {width(text)}"
+                )
+    return None
+
+
+def stored_widths(meta: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, int]:
+    """{fingerprint: width of its embeddings} of a sidecar whose layout passed `layout_problem`."""
+    if meta.get("format") not in SECOND_LAYOUT:
+        return {meta.get("teacher"): shapes["image"][1][-1]}
+    return {t["fingerprint"]: shapes[f"image/{t['fingerprint']}"][1][-1] for t in json.loads(meta["teachers"])}
 
 
 def with_first_teacher(meta: dict) -> dict:

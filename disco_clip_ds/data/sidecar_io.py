@@ -14,7 +14,6 @@ import torch
 from disco_clip_ds.atomic import write_bytes
 from disco_clip_ds.data.reinforced import (
     DTYPES,
-    FORMAT,
     LEGACY_CAPTION_KEY,
     SECOND_LAYOUT,
     Reinforced,
@@ -23,6 +22,7 @@ from disco_clip_ds.data.reinforced import (
     header_digest,
     reinforced_checksum,
     settings_of,
+    settings_problem,
     with_first_teacher,
 )
 from disco_clip_ds.data.sidecar_file import open_sidecar
@@ -72,13 +72,29 @@ def read_metadata(path: Path) -> dict:
 
 
 def raw_metadata(path: Path) -> dict:
+    """A sidecar's metadata as stored, once its settings read (`settings_problem`); else a DataError naming it."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            return f.metadata() or {}
+            meta = f.metadata() or {}
     except Exception as error:
         raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
+    problem = settings_problem(meta)
+    if problem:
+        raise DataError(f"{path}: {problem}: run `disco-clip data embed` for its shard again")
+    return meta
+
+
+def _read_whole(path: Path, matches) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """(the sample keys, every tensor) of a sidecar read whole through the one reader of its header and rows
+    (data/sidecar_file.py: the layout and every value checked; a format-3 file's blocks verified, an older one's
+    whole-file checksum by `matches(keys, tensors)`)."""
+    sidecar = open_sidecar(path)
+    try:
+        return sidecar.keys, sidecar.read_all(lambda tensors: matches(sidecar.keys, tensors))
+    finally:
+        sidecar.close()
 
 
 def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor, dict]:
@@ -89,15 +105,8 @@ def read_sidecar(path: Path) -> tuple[dict[str, int], torch.Tensor, torch.Tensor
         stored = read_reinforced(path)
         image, text = stored.images[0][:, 0].float(), stored.texts[0][stored.caption_keys[0]].float()
         return stored.rows(), image, text, read_metadata(path)
-    from safetensors.torch import load_file
-
     meta = read_metadata(path)
-    try:
-        tensors, keys = load_file(str(path)), json.loads(meta["keys"])
-    except Exception as error:
-        raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-    if _checksum(keys, tensors["image"], tensors["text"]) != meta.get("sha256"):
-        raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
+    keys, tensors = _read_whole(path, lambda keys, t: _checksum(keys, t["image"], t["text"]) == meta.get("sha256"))
     return {k: i for i, k in enumerate(keys)}, tensors["image"], tensors["text"], meta
 
 
@@ -114,37 +123,36 @@ def write_reinforced(path: Path, stored: Reinforced) -> None:
         name: (t.to(torch.int32) if name == "boxes" else t.to(dtype)).contiguous()
         for name, t in stored.tensors().items()
     }
+    _check_finite(path, stored.keys, tensors)
     rows = block_rows(sum(t[:1].nbytes for t in tensors.values()))
     header = {**stored.header(), "block_rows": str(rows), "block_xxh3": json.dumps(block_digests(tensors, rows))}
     write_bytes(path, _canonical(save(tensors, metadata=header), signed=True))
 
 
+def _check_finite(path: Path, keys: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Every stored embedding finite (after the cast to the stored dtype); else a DataError naming the first sample
+    that is not, with nothing written: a reader refuses such a row, so it is never stored."""
+    for name, tensor in sorted(tensors.items()):
+        bad = torch.nonzero(~torch.isfinite(tensor.reshape(len(tensor), -1)).all(dim=1)) if name != "boxes" else []
+        if len(bad):
+            raise DataError(
+                f"{path}: the embedding {name} of sample {keys[int(bad[0])]} is not finite (the teacher's forward "
+                "overflowed: embed with --precision float32): nothing written"
+            )
+
+
 def read_reinforced(path: Path) -> Reinforced:
     """A sidecar's reinforcement, once it verifies whole (any format; a first-layout one as one teacher, K = 0 and
     the caption key "txt"), in the stored dtype; else a DataError naming it."""
-    from safetensors.torch import load_file
-
     meta = raw_metadata(path)
     if meta.get("format") not in SECOND_LAYOUT:
         rows, image, text, meta = read_sidecar(path)
         return replace(settings_of(meta), keys=list(rows), images=[image[:, None]], texts=[{LEGACY_CAPTION_KEY: text}])
-    if meta.get("format") == FORMAT:
-        sidecar = open_sidecar(path)
-        try:
-            tensors = sidecar.read_all()
-        finally:
-            sidecar.close()
-    else:
-        try:
-            tensors = load_file(str(path))
-        except Exception as error:
-            raise DataError(f"{path}: not a readable teacher embeddings file: {error}") from error
-        if reinforced_checksum(meta, tensors) != meta.get("sha256"):
-            raise DataError(f"{path}: its checksum does not match its contents: run `disco-clip data embed` again")
+    keys, tensors = _read_whole(path, lambda keys, t: reinforced_checksum(meta, t) == meta.get("sha256"))
     stored, prints = settings_of(meta), [t.fingerprint for t in settings_of(meta).teachers]
     return replace(
         stored,
-        keys=json.loads(meta["keys"]),
+        keys=keys,
         images=[tensors[f"image/{f}"] for f in prints],
         texts=[{key: tensors[f"text/{f}/{key}"] for key in stored.caption_keys} for f in prints],
         boxes=tensors.get("boxes"),

@@ -379,10 +379,14 @@ def _resume_point(
 
 
 def _stream_totals(trainer: DiscoTrainer, stream: ReaderStream) -> tuple[int, int]:
-    """(skipped, decoded) samples over all ranks: decoded ~ steps x global batch, plus what was prefetched."""
-    local = torch.tensor([[float(stream.skipped.value), float(stream.decoded.value)]], device=trainer.args.device)
-    skipped, decoded = trainer.accelerator.gather(local).sum(dim=0).tolist()
-    return int(skipped), int(decoded)
+    """(skipped, decoded) samples over all ranks: skipped in the data trained on (the readers' newest positions
+    count it, across resumes: train/stream_state.py); decoded ~ steps x global batch, plus what was prefetched."""
+    local = torch.tensor([[float(stream.decoded.value)]], device=trainer.args.device)
+    decoded = trainer.accelerator.gather(local).sum().item()
+    figures = trainer.stream_state.figures(
+        stream, trainer.args.dataloader_num_workers, trainer.accelerator, trainer.args.device
+    )
+    return figures["skipped_samples"], int(decoded)
 
 
 def _attach_zeroshot(trainer, data_args: DataArguments, processor, image_size: int) -> None:

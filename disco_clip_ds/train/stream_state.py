@@ -10,7 +10,14 @@ import logging
 import torch
 
 from disco_clip_ds.data.streams.base import ReaderStream
-from disco_clip_ds.data.streams.state import POSITION_FIELDS, STATE_FILE, as_rows, note_positions, read_stream_state
+from disco_clip_ds.data.streams.state import (
+    POSITION_FIELDS,
+    STATE_FILE,
+    as_rows,
+    note_positions,
+    read_stream_state,
+    skipped_samples,
+)
 from disco_clip_ds.errors import CheckpointError
 
 logger = logging.getLogger("disco_clip_ds.train")
@@ -51,19 +58,20 @@ class StreamPositions:
         rows = as_rows(self.positions, max(1, num_workers), width)
         self.rows = accelerator.gather(rows.to(device)).cpu()
 
-    def per_source(self, stream, num_workers: int, accelerator, device) -> dict[str, int]:
-        """The samples trained on from each source of a weighted mixture ({"samples_seen_source{i}": n}, i the i-th
-        '::' source), over every rank's readers: each reader's newest position counts its draws per source
-        (data/mix.py), so the figure continues across a resume. {} for another stream. A collective: every rank
-        calls it at the same logging step."""
-        if not hasattr(stream, "seen_per_source"):
-            return {}
+    def figures(self, stream, num_workers: int, accelerator, device) -> dict[str, int]:
+        """{"skipped_samples": n} and, for a weighted mixture, the samples trained on from each source
+        ({"samples_seen_source{i}": n}, i the i-th '::' source), over every rank's readers: each reader's newest
+        position counts its skips and its draws per source (data/mix.py), so both continue across a resume and do not
+        depend on what the readers prefetched. A collective: every rank calls it at the same step."""
         self.fold()
-        width = len(stream.position_fields)
+        width = len(getattr(stream, "position_fields", POSITION_FIELDS))
         rows = accelerator.gather(as_rows(self.positions, max(1, num_workers), width).to(device)).cpu()
         newest: dict[int, list[int]] = {}
         note_positions(newest, rows[rows[:, 0] >= 0])  # a reader two split ranks share counts once
-        return {f"samples_seen_source{i}": n for i, n in enumerate(stream.seen_per_source(newest))}
+        figures = {"skipped_samples": skipped_samples(newest)}
+        if hasattr(stream, "seen_per_source"):
+            figures.update({f"samples_seen_source{i}": n for i, n in enumerate(stream.seen_per_source(newest))})
+        return figures
 
     def write(self, stream, output_dir: str, world_process_zero: bool) -> None:
         """stream_state.json in the checkpoint folder being saved (rank 0 writes what every rank gathered)."""

@@ -279,11 +279,9 @@ class DiscoTrainer(Trainer):
         steps = max(1, step - self.throughput.last[1])
         self.stream_state.fold()
         local = torch.tensor(
-            [self._data_time, _peak_memory_gib(self.args.device), self.train_dataset.skipped.value],
-            dtype=torch.float64,
-            device=self.args.device,
+            [self._data_time, _peak_memory_gib(self.args.device)], dtype=torch.float64, device=self.args.device
         )
-        per_rank = self.accelerator.gather(local[None]).reshape(world, 3).cpu()
+        per_rank = self.accelerator.gather(local[None]).reshape(world, 2).cpu()
         self._data_time = 0.0
         metrics = {
             "logit_scale": float(getattr(self.model, "last_logit_scale", float("nan"))),
@@ -291,8 +289,7 @@ class DiscoTrainer(Trainer):
             **self.throughput.figures(now, step, self._samples_per_step(), world),
             "data_time_s": per_rank[:, 0].max().item() / steps,
             "peak_mem_gib_max": per_rank[:, 1].max().item(),
-            "skipped_samples": int(per_rank[:, 2].sum().item()),
-            **self.stream_state.per_source(
+            **self.stream_state.figures(  # skipped_samples, and per source of a mixture
                 self.train_dataset, self.args.dataloader_num_workers, self.accelerator, self.args.device
             ),
         }

@@ -274,7 +274,7 @@ class _Shard:
             settings.augmentations,
             settings.dtype,
             settings.seed if settings.augmentations else None,
-            shard_facts(url),
+            {**shard_facts(url), "skipped": self.skipped},  # training says how many samples have no row
         )
         write_reinforced(path, stored)
         logger.info("%s: %d samples embedded", path, len(self.keys))

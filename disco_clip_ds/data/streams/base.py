@@ -2,8 +2,9 @@
 with skips counted, the error for a reader with nothing readable, and its stream_state.json (state.py's schema).
 
 A reader is rank * DataLoader workers + worker. A stream yields (uint8 pixels, caption, position row); the position
-row is (reader, samples it has produced, the stream's own place fields), so that a resumed run seeks to where each
-reader stood instead of reading and decoding the stream from its start.
+row is (reader, samples it has produced, samples it has skipped, the stream's own place fields), so that a resumed
+run seeks to where each reader stood instead of reading and decoding the stream from its start, and goes on counting
+its skips from there.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
         # sem.mp-* in /dev/shm (a spawn-context one waits for the resource tracker, killed with the run).
         context = multiprocessing.get_context()
         self.skipped, self.decoded = context.Value("q", 0), context.Value("q", 0)
+        # this reader's skips so far (in its worker's copy of the stream), carried in its position rows: a resume
+        # continues the count from the position it seeks to, so that a run's count does not depend on its stops
+        self.reader_skips = [0]
         self.workers = max(1, num_workers)
         self.start: dict[int, tuple[int, ...]] = {}  # reader -> its position past the reader field, to resume at
         self.worker_shift = 0
@@ -140,7 +144,8 @@ class ReaderStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         reader, num_readers, workers = self._reader()
-        count, *start = self.start.get(reader) or (0,)
+        count, skipped, *start = self.start.get(reader) or (0, 0)
+        self.reader_skips[0] = skipped  # in place: a mixture's sources share the list
         produced = self._counted(reader, count, self._checked(self._passes(reader, num_readers, start), start))
         yield from produced if self.split == 1 else self._my_share(produced)
 
@@ -216,6 +221,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
             return None
 
     def _count_skip(self, what: str, error: BaseException | str) -> None:
+        self.reader_skips[0] += 1  # every rank of a split reader, so that their position rows agree
         if self.share:  # one rank of a split reader counts its skips
             return
         with self.skipped.get_lock():
@@ -231,9 +237,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
 
     def _counted(self, reader: int, count: int, produced):
         """The (place, item) pairs of `produced` as yielded items: the item, then its position row (reader, count
-        of samples this reader has produced, place)."""
+        of samples this reader has produced, of samples it has skipped, place)."""
         for place, item in produced:
             count += 1
             with self.decoded.get_lock():
                 self.decoded.value += 1
-            yield (*item, torch.tensor([reader, count, *place], dtype=torch.int64))
+            yield (*item, torch.tensor([reader, count, self.reader_skips[0], *place], dtype=torch.int64))

@@ -34,8 +34,8 @@ from disco_clip_ds.errors import DataError
 # dict whose shape changes during iteration (e.g. RebatchedArrowExamplesIterable's previous_state goes from None to a
 # dict), so its integer leaves do not flatten into fixed fields; its JSON does, whatever datasets puts in it.
 STATE_INTS = 128
-MAP_FIELDS = ("reader", "count", "epoch", "offset")
-STREAM_FIELDS = ("reader", "count", "epoch", "block", "offset")
+MAP_FIELDS = ("reader", "count", "skipped", "epoch", "offset")
+STREAM_FIELDS = ("reader", "count", "skipped", "epoch", "block", "offset")
 
 
 class HFStream(ReaderStream):

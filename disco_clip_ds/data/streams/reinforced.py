@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disco_clip_ds.data.reinforced import NotStored
 from disco_clip_ds.errors import DataError
 
 REAL_CAPTION = "txt"  # the caption key of the real caption: the sample's KEY.txt member
@@ -40,7 +41,7 @@ def caption_choice(seed: int, epoch: int, key: str, ratio: float, synthetic: tup
     return synthetic[pick] if synthetic and draw < ratio else REAL_CAPTION
 
 
-class MissingCaption(DataError):
+class MissingCaption(NotStored):
     """A sample's chosen caption has no stored embedding: skipped and counted, as a sample without the caption."""
 
 
@@ -66,9 +67,10 @@ class Reinforcement:
 
     def lookup(self, shard: str, key: str, index: int, caption: str):
         """(crop box or None, targets or None) of the chosen augmentation and caption: the box when pooling, the
-        teachers' stored (image, text) embeddings, one pair per teacher, when `targets`. A MissingCaption (the
-        stream skips and counts the sample) when a teacher stored no embedding of the chosen caption; the store's
-        DataError (the run stops) when a sidecar is missing, torn or lacks the sample."""
+        teachers' stored (image, text) embeddings, one pair per teacher, when `targets`. A NotStored (the stream
+        skips and counts the sample) when the sidecar has no row of the sample (`data embed` skipped it) or a teacher
+        stored no embedding of the chosen caption (MissingCaption); the store's DataError (the run stops) when a
+        sidecar is missing, torn, or holds rows that are not its shard's samples' teacher embeddings."""
         stored = self.store.lookup(shard, key)
         box = None
         if self.pool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import itertools
 
 from disco_clip_ds.data.redact import describe_source
+from disco_clip_ds.data.reinforced import NotStored
 from disco_clip_ds.data.shards import IMAGE_EXTS, epoch_order, resampled_order, shards_for_reader
 from disco_clip_ds.data.streams.base import PASS_END, ReaderStream, shuffled
-from disco_clip_ds.data.streams.reinforced import MissingCaption, Reinforcement
+from disco_clip_ds.data.streams.reinforced import Reinforcement
 from disco_clip_ds.data.streams.state import POSITION_FIELDS
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 
@@ -87,9 +88,13 @@ class ShardStream(ReaderStream):
         """(place, item) from `start` = (epoch, shard, member, offset) on, pass after pass."""
         shards = self._reader_shards(reader, num_readers)
         epoch, shard, member, offset = start or (0, 0, 0, 0)
+        reread = bool(start)  # the block a resume starts in is read again
         for epoch in itertools.count(epoch):
             raw = self._raw_samples(self._pass_order(shards, epoch, reader), shard, member)
-            while block := list(itertools.islice(raw, self.block)):
+            order = (-1, -1)  # (shard index, its last stored row read) of the reinforced set
+            while block := self._raw_block(raw, reread):
+                reread = False
+                order = self._stored_in_order(block, order)
                 first_shard, first_member, _ = block[0]
                 key = f"{self.seed}/block/{reader}/{epoch}/{first_shard}/{first_member}"
                 for done, (_, _, sample) in shuffled(block, key, offset):
@@ -98,7 +103,29 @@ class ShardStream(ReaderStream):
                         yield (epoch, first_shard, first_member, done), item
                 offset = 0
             yield PASS_END
-            shard, member = 0, 0
+            shard, member, reread = 0, 0, False
+
+    def _raw_block(self, raw, reread: bool) -> list:
+        """The next block of raw samples. The skips its reading counts (an unreadable shard) are counted once: a
+        block read again on resume was counted, in the position resumed from, when it was first read."""
+        before = self.reader_skips[0]
+        block = list(itertools.islice(raw, self.block))
+        if reread:
+            self.reader_skips[0] = before
+        return block
+
+    def _stored_in_order(self, block: list, order: tuple[int, int]) -> tuple[int, int]:
+        """With a reinforced set: the stored rows of the block's samples (raw, in their shards' order) rise within each
+        shard (`EmbeddingStore.check_order`: else a DataError, the sidecar's keys naming other samples' rows);
+        `order` (shard index, last row) carries the check across blocks of one shard."""
+        if self.reinforcement is None:
+            return order
+        for index, group in itertools.groupby(block, key=lambda entry: entry[0]):
+            samples = [sample for _, _, sample in group]
+            after = order[1] if index == order[0] else -1
+            url = str(samples[0].get("__url__"))
+            order = (index, self.reinforcement.store.check_order(url, [s["__key__"] for s in samples], after))
+        return order
 
     def _raw_samples(self, order: list[str], shard: int, member: int):
         """(shard index in `order`, sample index in the shard, raw sample) from that shard and sample on."""
@@ -136,7 +163,7 @@ class ShardStream(ReaderStream):
             return None
         try:
             box, targets = self.reinforcement.lookup(str(sample.get("__url__")), key, index, caption)
-        except MissingCaption as error:  # skipped and counted, as a sample without that caption member
+        except NotStored as error:  # skipped and counted, as a sample without that caption member
             self._count_skip(what, error)
             return None
         item = self._decode_sample(

@@ -25,11 +25,13 @@ from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.errors import UsageError
 
 # A webdataset sample's place in its reader's stream: the reader (rank * workers + worker), the samples it has
-# produced so far, the pass over its shards, the block's first raw sample (the shard's index in that pass's order and
-# the sample's index in the shard), and how many entries of the block's permutation are done.
-POSITION_FIELDS = ("reader", "count", "epoch", "shard", "member", "offset")
+# produced so far, the samples it has skipped so far, the pass over its shards, the block's first raw sample (the
+# shard's index in that pass's order and the sample's index in the shard), and how many entries of the block's
+# permutation are done. Every stream's rows begin with (reader, count, skipped).
+POSITION_FIELDS = ("reader", "count", "skipped", "epoch", "shard", "member", "offset")
 STATE_FILE = "stream_state.json"
-_COUNT = POSITION_FIELDS.index("count")  # every stream's second field
+_COUNT = POSITION_FIELDS.index("count")
+_SKIPPED = POSITION_FIELDS.index("skipped")
 
 
 def note_positions(newest: dict[int, list[int]], rows: torch.Tensor | None) -> None:
@@ -40,6 +42,12 @@ def note_positions(newest: dict[int, list[int]], rows: torch.Tensor | None) -> N
         reader = row[0]
         if row[_COUNT] > newest.get(reader, [0] * (_COUNT + 1))[_COUNT]:
             newest[reader] = row
+
+
+def skipped_samples(newest: dict[int, list[int]]) -> int:
+    """The samples the readers skipped before the newest positions `newest` ({reader: row}): what a run skipped in the
+    data it trained on, the same however often it stopped and resumed."""
+    return sum(row[_SKIPPED] for row in newest.values())
 
 
 def as_rows(newest: dict[int, list[int]], num_rows: int, width: int = len(POSITION_FIELDS)) -> torch.Tensor:
@@ -100,11 +108,14 @@ def positions_to_restore(
             f"{checkpoint} was saved reading the data differently ({differ}): resume with the same, or pass "
             "--ignore_data_skip to start the data stream afresh"
         )
-    if state.get("fields", list(fields)) != list(fields):
+    saved_fields = state.get("fields", list(fields))
+    if saved_fields not in (list(fields), [f for f in fields if f != "skipped"]):  # the latter: saved before it
         raise UsageError(f"{checkpoint}/{STATE_FILE} has fields {state['fields']}, not {list(fields)}")
     positions = {}
     for reader, entry in state["readers"].items():
         if isinstance(entry, list):  # written before the one schema: the whole row, reader field first
-            entry = dict(zip(fields, entry))
-        positions[int(reader)] = tuple([entry[name] for name in fields[1:]] + (extra(entry) if extra else []))
+            legacy = len(entry) == len(saved_fields) - 1 and "skipped" in saved_fields  # and before the skips
+            entry = dict(zip([f for f in saved_fields if f != "skipped"] if legacy else saved_fields, entry))
+        values = [entry.get(name, 0) if name == "skipped" else entry[name] for name in fields[1:]]
+        positions[int(reader)] = tuple(values + (extra(entry) if extra else []))
     return positions

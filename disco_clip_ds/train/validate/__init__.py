@@ -92,7 +92,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     model.check_tower_locks(model_args, config)
     distill_weight, teacher_config = teacher.check_teacher(model_args, config)
     reinforced.check_reinforced_flags(model_args, naflex is not None)
-    store = teacher.check_teacher_embeddings(model_args, urls)
+    store = teacher.check_teacher_embeddings(model_args, urls, teacher_config)
     pool = None if store is None else reinforced.check_store(model_args, store)
     resolved = dataclasses.replace(
         model_args,

@@ -108,11 +108,13 @@ def check_teacher_weights(teacher: str) -> None:
     verify_model_folder(teacher, "--teacher")  # a final or exported model against its manifest
 
 
-def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
+def check_teacher_embeddings(model_args: ModelArguments, urls: list[str], configs: list | None = None):
     """The EmbeddingStore (data/embeddings.py) of the --teacher(s)' stored embeddings, once a sidecar is found for
     every training shard and every teacher, made by it (fingerprint) for that very shard (a sidecar of another
-    source's shard of the same name is refused): checked from the sidecars' headers before any work (their checksums
-    are verified as each is read). None without --teacher_embeddings."""
+    source's shard of the same name is refused), its embeddings as wide as each teacher's (`configs`, in --teacher's
+    order, when given): checked from the sidecars' headers before any work (their checksums and values are verified
+    as each block is read). Says how many samples `data embed` skipped (they are skipped and counted in training).
+    None without --teacher_embeddings."""
     folder = model_args.teacher_embeddings
     if folder is None:
         return None
@@ -123,13 +125,34 @@ def check_teacher_embeddings(model_args: ModelArguments, urls: list[str]):
     if not Path(folder).is_dir():
         raise UsageError(f"--teacher_embeddings {folder}: no such folder")
     fingerprints = teacher_fingerprints(model_args, urls)
-    check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
+    skipped = check_sidecars(folder, urls, fingerprints, " ".join(teachers(model_args)))
+    if skipped:
+        logger.warning(
+            "--teacher_embeddings %s: its sidecars have no row for %d samples of the training shards (`data embed` "
+            "skipped them: no image, undecodable, or a caption key missing): training skips and counts them",
+            folder,
+            skipped,
+        )
     store = EmbeddingStore(folder, fingerprints, shards=urls)
     try:
         store.teachers  # the settings, read from the first shard's sidecar (each of the others is checked as read)
     except DataError as error:
         raise UsageError(str(error)) from error
+    _check_widths(model_args, store, configs)
     return store
+
+
+def _check_widths(model_args: ModelArguments, store, configs: list | None) -> None:
+    """Each teacher's stored embeddings as wide as its model's (a sidecar of another model under its fingerprint
+    would otherwise be distilled from)."""
+    from disco_clip_ds.plan.memory import embedding_width
+
+    for name, config, width in zip(teachers(model_args), configs or [], store.widths):
+        if width is not None and width != embedding_width(config):
+            raise UsageError(
+                f"--teacher_embeddings {store.folder}: its embeddings of --teacher {name} are {width} wide, the "
+                f"teacher's are {embedding_width(config)}: embed the shards with this teacher again"
+            )
 
 
 def teacher_fingerprints(model_args: ModelArguments, urls: list[str] = ()) -> list[str]:

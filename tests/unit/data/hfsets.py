@@ -65,10 +65,10 @@ def hf_sample(item) -> tuple[str, tuple[int, ...]]:
 
 
 def one_pass(stream: HFStream) -> list:
-    """What a reader yields in its first pass (the pass field is position[2])."""
+    """What a reader yields in its first pass (the pass field is position[3])."""
     out = []
     for item in stream:
-        if item[2][2] > 0:
+        if item[2][3] > 0:
             return out
         out.append(item)
     return out

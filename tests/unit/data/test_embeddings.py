@@ -25,7 +25,7 @@ from disco_clip_ds.testing.launch import TINY_CONFIG, TOKENIZER_DIR
 
 def test_sidecar_round_trip_and_checksum(tmp_path):
     path = tmp_path / "00000.teacher.safetensors"
-    image, text = torch.randn(3, 4), torch.randn(3, 4)
+    image, text = F.normalize(torch.randn(3, 4), dim=1), F.normalize(torch.randn(3, 4), dim=1)
     write_sidecar(path, ["a", "b", "c"], image, text, {"teacher": "t1"})
     rows, got_image, got_text, meta = read_sidecar(path)
     assert rows == {"a": 0, "b": 1, "c": 2} and meta["teacher"] == "t1"
@@ -44,7 +44,7 @@ def test_store_errors_name_the_shard_and_the_key(tmp_path):
         (shards / name).write_bytes(b"x" * 10)
     first, second = str(shards / "00000.tar"), str(shards / "00001.tar")
     meta = {"teacher": "t1", **shard_facts(first)}
-    write_sidecar(sidecar_path(tmp_path, first), ["k0"], torch.zeros(1, 2), torch.zeros(1, 2), meta)
+    write_sidecar(sidecar_path(tmp_path, first), ["k0"], torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]]), meta)
     store = EmbeddingStore(tmp_path, "t1")
     assert store.pair(first, "k0")[0].shape == (2,)
     with pytest.raises(DataError, match="sample k9 of shard data/00000.tar"):

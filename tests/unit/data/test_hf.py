@@ -51,7 +51,7 @@ def test_dataloader_workers_are_the_readers_of_their_rank(folders, streaming):
     stream = HFStream(data, SIZE, rank=1, world_size=2, seed=3, shuffle_buffer=4, num_workers=2)
     got = {2: [], 3: []}
     for item in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2):
-        if item[2][2] == 0:
+        if item[2][3] == 0:
             got[int(item[2][0])].append(item)
         if sum(len(v) for v in got.values()) == sum(len(v) for v in alone.values()):
             break
@@ -123,7 +123,7 @@ def test_a_restored_datasets_stream_yields_what_the_uninterrupted_one_does_next(
 
     reference = list(itertools.islice(make(), 45))
     keys = [hf_sample(item) for item in reference]
-    per_pass = sum(1 for item in reference if item[2][2] == 0)
+    per_pass = sum(1 for item in reference if item[2][3] == 0)
     assert len(set(keys[:per_pass])) == per_pass and set(keys[per_pass : 2 * per_pass]) == set(keys[:per_pass])
     fields = 5 if data.streaming else 4  # past them, the state_dict: datasets may spell one place two ways
 

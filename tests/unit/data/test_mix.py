@@ -80,7 +80,7 @@ def test_each_sample_comes_from_the_source_drawn_for_its_index(sources):
     assert [row[1] for row in rows] == list(range(1, 61))  # the reader's count is its draw counter
     # each row's per-source counts are the samples drawn from that source so far
     seen = [sum(_source_of(item) == s for item in items) for s in "abc"]
-    assert [rows[-1][2 + 5 * s] for s in range(3)] == seen
+    assert [rows[-1][3 + 5 * s] for s in range(3)] == seen
 
 
 def test_a_one_source_view_reads_what_that_source_alone_reads(sources):

@@ -12,6 +12,7 @@ import tracemalloc
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from disco_clip_ds.data import reinforced
 from disco_clip_ds.data.embeddings import (
@@ -37,8 +38,8 @@ def _stored(shard: str, n: int, seed: int = 0, dtype: str = "float16") -> Reinfo
     return Reinforced(
         [f"k{i}" for i in range(n)],
         [TeacherFacts("a", "A", "clip", 100.0), TeacherFacts("b", "B", "siglip", 10.0, -10.0)],
-        [torch.randn(n, K, d, generator=gen) for d in WIDTHS],
-        [{c: torch.randn(n, d, generator=gen) for c in CAPTIONS} for d in WIDTHS],
+        [F.normalize(torch.randn(n, K, d, generator=gen), dim=-1) for d in WIDTHS],
+        [{c: F.normalize(torch.randn(n, d, generator=gen), dim=-1) for c in CAPTIONS} for d in WIDTHS],
         torch.randint(0, 99, (n, K, 4), generator=gen, dtype=torch.int32),
         CAPTIONS,
         K,

@@ -207,7 +207,7 @@ def test_a_centre_crop_sidecar_of_one_teacher_serves_todays_readers(tmp_path):
 def test_first_layout_sidecars_still_read(tmp_path):
     shard = tmp_path / "00000.tar"
     shard.write_bytes(b"x" * 10)
-    image, text = torch.randn(2, 4), torch.randn(2, 4)
+    image, text = F.normalize(torch.randn(2, 4), dim=1), F.normalize(torch.randn(2, 4), dim=1)
     meta = {"teacher": "t1", "model_type": "clip", "logit_scale": "100.0", "logit_bias": "", **shard_facts(str(shard))}
     write_sidecar(sidecar_path(tmp_path, str(shard)), ["a", "b"], image, text, meta)
     store = EmbeddingStore(tmp_path, ["t1"], shards=[str(shard)])
@@ -265,8 +265,8 @@ def test_a_folder_of_mixed_settings_is_refused_by_the_store(tmp_path):
         stored = Reinforced(
             ["a"],
             [TeacherFacts("t")],
-            [torch.zeros(1, k, 2)],
-            [{"txt": torch.zeros(1, 2)}],
+            [torch.full((1, k, 2), 0.5**0.5)],
+            [{"txt": torch.full((1, 2), 0.5**0.5)}],
             boxes,
             ["txt"],
             k,
@@ -381,8 +381,8 @@ def test_resharding_carries_every_teacher_augmentation_and_caption_of_the_kept_r
         stored = Reinforced(
             keys,
             [TeacherFacts("a", "A", "clip", 100.0), TeacherFacts("b", "B", "siglip", 10.0, -10.0)],
-            [torch.randn(3, 2, 4, generator=gen), torch.randn(3, 2, 6, generator=gen)],
-            [{k: torch.randn(3, d, generator=gen) for k in ("txt", "syn0.txt")} for d in (4, 6)],
+            [F.normalize(torch.randn(3, 2, d, generator=gen), dim=-1) for d in (4, 6)],
+            [{k: F.normalize(torch.randn(3, d, generator=gen), dim=-1) for k in ("txt", "syn0.txt")} for d in (4, 6)],
             torch.randint(0, 40, (3, 2, 4), generator=gen, dtype=torch.int32),
             ["txt", "syn0.txt"],
             2,
@@ -409,7 +409,7 @@ def test_resharding_carries_every_teacher_augmentation_and_caption_of_the_kept_r
             assert torch.equal(got.images[t][row], source.images[t][at])
             assert all(torch.equal(got.texts[t][k][row], source.texts[t][k][at]) for k in ("txt", "syn0.txt"))
     other = replace(inputs[1], augmentations=3, boxes=torch.zeros(3, 3, 4, dtype=torch.int32))
-    other.images = [torch.zeros(3, 3, 4), torch.zeros(3, 3, 6)]
+    other.images = [F.normalize(torch.ones(3, 3, d), dim=-1) for d in (4, 6)]
     write_reinforced(sidecar_path(tmp_path / "in", urls[1]), other)
     with pytest.raises(DataError, match="input sidecars were embedded with other settings"):
         write_output_shard(out, pieces)

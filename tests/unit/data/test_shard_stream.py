@@ -101,7 +101,7 @@ def test_a_stream_state_is_one_schema_and_an_old_one_still_resumes(tmp_path):
 
     urls = write_shards(tmp_path / "shards", num_shards=2, per_shard=2, seed=0)
     stream = ShardStream(urls, 16, world_size=2, seed=3, shuffle_buffer=8)
-    rows = torch.tensor([[0, 9, 1, 0, 4, 1], [1, 7, 0, 1, 0, 5], [-1] * 6])
+    rows = torch.tensor([[0, 9, 2, 1, 0, 4, 1], [1, 7, 0, 0, 1, 0, 5], [-1] * 7])
     stream.write_state(tmp_path, rows)
     state = read_stream_state(tmp_path)
     assert state == {
@@ -110,14 +110,19 @@ def test_a_stream_state_is_one_schema_and_an_old_one_still_resumes(tmp_path):
         "shuffle_buffer": 8,
         "fields": list(POSITION_FIELDS),
         "readers": {
-            "0": dict(zip(POSITION_FIELDS[1:], [9, 1, 0, 4, 1])),
-            "1": dict(zip(POSITION_FIELDS[1:], [7, 0, 1, 0, 5])),
+            "0": dict(zip(POSITION_FIELDS[1:], [9, 2, 1, 0, 4, 1])),
+            "1": dict(zip(POSITION_FIELDS[1:], [7, 0, 0, 1, 0, 5])),
         },
     }
-    expected = {0: (9, 1, 0, 4, 1), 1: (7, 0, 1, 0, 5)}
+    expected = {0: (9, 2, 1, 0, 4, 1), 1: (7, 0, 0, 1, 0, 5)}
     assert stream.positions_from(state, tmp_path) == expected
-    old = {**state, "readers": {"0": [0, 9, 1, 0, 4, 1], "1": [1, 7, 0, 1, 0, 5]}}
-    assert stream.positions_from(json.loads(json.dumps(old)), tmp_path) == expected
+    # before the one schema (each reader a whole row) and before the readers' skips were kept (counted from 0)
+    old = {k: v for k, v in state.items() if k != "fields"}
+    old["readers"] = {"0": [0, 9, 1, 0, 4, 1], "1": [1, 7, 0, 1, 0, 5]}
+    assert stream.positions_from(json.loads(json.dumps(old)), tmp_path) == {
+        0: (9, 0, 1, 0, 4, 1),
+        1: (7, 0, 0, 1, 0, 5),
+    }
     with pytest.raises(UsageError, match="saved reading the data differently .seed 3 -> 4.*--ignore_data_skip"):
         ShardStream(urls, 16, world_size=2, seed=4, shuffle_buffer=8).positions_from(state, tmp_path)
 

@@ -18,6 +18,7 @@ from disco_clip_ds.data.streams.state import (
     note_positions,
     positions_to_restore,
     read_stream_state,
+    skipped_samples,
     write_stream_state,
 )
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -106,20 +107,26 @@ def test_a_restored_dataloader_with_workers_continues_the_uninterrupted_batches(
 
 def test_positions_are_folded_per_reader_saved_and_checked(tmp_path):
     newest: dict = {}
-    note_positions(newest, torch.tensor([[2, 5, 0, 1, 0, 3], [2, 6, 0, 1, 0, 4]]))
-    note_positions(newest, torch.tensor([[0, 9, 1, 0, 4, 1], [2, 4, 0, 0, 4, 2]]))  # an older row of reader 2
-    assert newest == {0: [0, 9, 1, 0, 4, 1], 2: [2, 6, 0, 1, 0, 4]}
-    rows = torch.cat([as_rows(newest, 3), as_rows({2: [2, 7, 0, 1, 0, 5]}, 3)])  # as gathered from two ranks
+    note_positions(newest, torch.tensor([[2, 5, 1, 0, 1, 0, 3], [2, 6, 1, 0, 1, 0, 4]]))
+    note_positions(newest, torch.tensor([[0, 9, 2, 1, 0, 4, 1], [2, 4, 0, 0, 0, 4, 2]]))  # an older row of reader 2
+    assert newest == {0: [0, 9, 2, 1, 0, 4, 1], 2: [2, 6, 1, 0, 1, 0, 4]}
+    assert skipped_samples(newest) == 3  # each reader's skips at its newest position
+    rows = torch.cat([as_rows(newest, 3), as_rows({2: [2, 7, 1, 0, 1, 0, 5]}, 3)])  # as gathered from two ranks
     assert rows.shape == (6, len(POSITION_FIELDS)) and (rows[:, 0] == -1).sum() == 3
     facts = {"num_readers": 4, "seed": 3, "shuffle_buffer": 8}
     write_stream_state(tmp_path, rows, facts, POSITION_FIELDS)
     state = read_stream_state(tmp_path)
     named = lambda row: dict(zip(POSITION_FIELDS[1:], row))  # noqa: E731
-    assert state["readers"] == {"0": named([9, 1, 0, 4, 1]), "2": named([7, 0, 1, 0, 5])}
-    assert positions_to_restore(state, facts, POSITION_FIELDS, tmp_path) == {0: (9, 1, 0, 4, 1), 2: (7, 0, 1, 0, 5)}
+    assert state["readers"] == {"0": named([9, 2, 1, 0, 4, 1]), "2": named([7, 1, 0, 1, 0, 5])}
+    restored = {0: (9, 2, 1, 0, 4, 1), 2: (7, 1, 0, 1, 0, 5)}
+    assert positions_to_restore(state, facts, POSITION_FIELDS, tmp_path) == restored
     with pytest.raises(UsageError, match="saved reading the data differently .num_readers 4 -> 2.*--ignore_data_skip"):
         positions_to_restore(state, {**facts, "num_readers": 2}, POSITION_FIELDS, tmp_path)
     assert read_stream_state(tmp_path / "none") is None and read_stream_state(None) is None
+    # saved before the readers' skips were kept: resumed, counting them from 0
+    old = {**state, "fields": [f for f in POSITION_FIELDS if f != "skipped"]}
+    old["readers"] = {r: {k: v for k, v in e.items() if k != "skipped"} for r, e in state["readers"].items()}
+    assert positions_to_restore(old, facts, POSITION_FIELDS, tmp_path) == {0: (9, 0, 1, 0, 4, 1), 2: (7, 0, 0, 1, 0, 5)}
 
 
 def test_a_weighted_run_resumed_without_its_weights_is_told_the_sources_and_weights_differ(tmp_path):

@@ -120,7 +120,7 @@ def embedded(bad_arguments_setup, tmp_path, monkeypatch):
     fingerprint = teacher_fingerprint(str(teacher))
     for url in expand_shards(bad_arguments_setup["data"]):
         meta = {"teacher": fingerprint, **shard_facts(url)}
-        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 8), torch.zeros(1, 8), meta)
+        write_sidecar(sidecar_path(tmp_path / "emb", url), ["k"], torch.zeros(1, 64), torch.zeros(1, 64), meta)
     return teacher, fingerprint
 
 
@@ -233,8 +233,8 @@ def test_a_node_that_never_hashed_the_teacher_takes_the_sidecars_record_and_read
     recorded = "0123456789abcdef"  # not these weights' hash: only --verify_teacher_weights can tell
     for url in expand_shards(bad_arguments_setup["data"]):
         stored = Reinforced(
-            ["k"], [TeacherFacts(recorded, str(teacher), "clip", 100.0)], [torch.zeros(1, 1, 8)],
-            [{"txt": torch.zeros(1, 8)}], None, ["txt"], 0, "float32", 0, shard_facts(url),
+            ["k"], [TeacherFacts(recorded, str(teacher), "clip", 100.0)], [torch.zeros(1, 1, 64)],
+            [{"txt": torch.zeros(1, 64)}], None, ["txt"], 0, "float32", 0, shard_facts(url),
         )  # fmt: skip
         write_reinforced(sidecar_path(tmp_path / "emb", url), stored)
     with recorded_opens() as opened, caplog.at_level("WARNING", logger="disco_clip_ds.train"):
@@ -244,3 +244,30 @@ def test_a_node_that_never_hashed_the_teacher_takes_the_sidecars_record_and_read
     assert "its weights were not hashed" in caplog.text and "--verify_teacher_weights" in caplog.text
     with pytest.raises(UsageError, match="made by another teacher"):
         _validate(tmp_path, bad_arguments_setup["data"], teacher, "--verify_teacher_weights")
+
+
+def test_stored_embeddings_of_another_width_than_the_teachers_are_refused(bad_arguments_setup, tmp_path, monkeypatch):
+    """32-wide rows under the fingerprint of a teacher whose embeddings are 64 wide (recipes/models/tiny.json): before,
+    training distilled from them without a word."""
+    import torch
+
+    from disco_clip_ds.data.embeddings import shard_facts, sidecar_path, write_reinforced
+    from disco_clip_ds.data.reinforced import Reinforced, TeacherFacts
+    from disco_clip_ds.data.shards import expand_shards
+
+    monkeypatch.setenv("DISCO_CLIP_CACHE", str(tmp_path / "fresh_cache"))
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "config.json").write_text((REPO / MODEL[1]).read_text())
+    (teacher / "model.safetensors").write_bytes(b"\1" * 4096)
+    unit = torch.nn.functional.normalize(torch.ones(1, 32), dim=-1)
+    image = unit[:, None].clone()  # a tensor of its own (safetensors stores no shared memory)
+    for url in expand_shards(bad_arguments_setup["data"]):
+        stored = Reinforced(
+            ["k"], [TeacherFacts("0123456789abcdef", str(teacher), "clip", 100.0)], [image], [{"txt": unit}],
+            None, ["txt"], 0, "float32", 0, shard_facts(url),
+        )  # fmt: skip
+        write_reinforced(sidecar_path(tmp_path / "emb", url), stored)
+    said = f"--teacher_embeddings {tmp_path / 'emb'}: its embeddings of --teacher .* are 32 wide, the teacher's are 64"
+    with pytest.raises(UsageError, match=said):
+        _validate(tmp_path, bad_arguments_setup["data"], teacher)
