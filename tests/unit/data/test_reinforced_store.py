@@ -34,6 +34,7 @@ from disco_clip_ds.data.embeddings import (
 from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.teacher_id import teacher_fingerprint
 from disco_clip_ds.data.transforms import ImageTransform, augmentation_rng, crop_boxes, random_resized_crop_box
+from disco_clip_ds.distributed.runlock import WRITER_LOCK
 from disco_clip_ds.errors import DataError, UsageError, run_main
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 from disco_clip_ds.testing.launch import REPO, TINY_CONFIG, TOKENIZER_DIR, VENV_BIN, train_env
@@ -299,14 +300,15 @@ def test_a_kill_after_a_sidecar_resumes_from_the_next_shard(tmp_path):
         cmd, env=train_env(DISCO_FAULT="kill_after_sidecar:shard=1"), capture_output=True, text=True, timeout=120
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
-    done = sorted(p.name for p in (tmp_path / "emb").iterdir())
-    assert len(done) == 2 and not any(name.endswith(".tmp") for name in done)  # shards 0 and 1, whole
+    done = sorted(p.name for p in (tmp_path / "emb").iterdir() if p.name != WRITER_LOCK)  # the killed run's lock:
+    assert len(done) == 2 and not any(name.endswith(".tmp") for name in done)  # taken over below; shards 0, 1 whole
     first = (tmp_path / "emb" / done[0]).read_bytes()
     again = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "1 shard(s) embedded, 2 already done" in again.stdout
     assert (tmp_path / "emb" / done[0]).read_bytes() == first
-    assert all(int(read_metadata(p)["augmentations"]) == 2 for p in (tmp_path / "emb").iterdir())
+    assert all(int(read_metadata(p)["augmentations"]) == 2 for p in (tmp_path / "emb").glob("*.safetensors"))
+    assert not (tmp_path / "emb" / WRITER_LOCK).exists()  # released at the end
 
 
 # --- refusals ---
