@@ -22,8 +22,10 @@ reader says of one (a sample's `__url__`, an error, the command's exit status) n
 from __future__ import annotations
 
 import logging
+import lzma
 import re
 import tarfile
+import zlib
 from collections.abc import Iterator
 
 from webdataset.gopen import gopen
@@ -84,28 +86,35 @@ _META = re.compile(r"__[^/]*__($|/)")  # webdataset.tariterators.tar_file_iterat
 
 def _samples(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterator[dict]:
     try:
-        index, sample = -1, None
-        for info in tar:
-            tar.members = []  # as webdataset does: the member list would grow with the shard
-            if not info.isreg() or is_metadata(info.name):
-                continue
-            prefix, suffix = base_plus_ext(info.name)
-            if prefix is None:  # no extension: webdataset's group_by_keys passes it over
-                continue
-            suffix = suffix.lower()
-            if sample is None or prefix != sample["__key__"]:
-                if sample is not None and index >= start:
-                    yield sample
-                index, sample = index + 1, {"__key__": prefix, "__url__": name}
-            if suffix in sample:  # webdataset refuses it as well
-                raise ValueError(f"{info.name}: a second .{suffix} member in sample {prefix}")
-            if index >= start:  # the members before `start` are skipped unread
-                sample[suffix] = tar.extractfile(info).read() if read else None
-        _check_end(tar)
-        if sample is not None and index >= start:
-            yield sample
+        yield from _grouped(tar, name, start, read)
+    except (EOFError, zlib.error, lzma.LZMAError) as error:  # a compressed shard cut short or damaged (or a plain tar
+        # so damaged that tarfile took it for a compressed one): tarfile's own errors for the same are ReadErrors
+        raise tarfile.ReadError(f"damaged or cut-short compressed data: {error}") from None
     finally:
         tar.close()
+
+
+def _grouped(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterator[dict]:
+    index, sample = -1, None
+    for info in tar:
+        tar.members = []  # as webdataset does: the member list would grow with the shard
+        if not info.isreg() or is_metadata(info.name):
+            continue
+        prefix, suffix = base_plus_ext(info.name)
+        if prefix is None:  # no extension: webdataset's group_by_keys passes it over
+            continue
+        suffix = suffix.lower()
+        if sample is None or prefix != sample["__key__"]:
+            if sample is not None and index >= start:
+                yield sample
+            index, sample = index + 1, {"__key__": prefix, "__url__": name}
+        if suffix in sample:  # webdataset refuses it as well
+            raise ValueError(f"{info.name}: a second .{suffix} member in sample {prefix}")
+        if index >= start:  # the members before `start` are skipped unread
+            sample[suffix] = tar.extractfile(info).read() if read else None
+    _check_end(tar)
+    if sample is not None and index >= start:
+        yield sample
 
 
 class _Header(tarfile.TarInfo):
