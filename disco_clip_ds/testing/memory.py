@@ -56,11 +56,13 @@ def forked_peak_mib(work, limit_mib: float = 2048) -> tuple[str, float]:
     its peak resident memory above the level at the fork, in MiB). The outcome is "ok", the one-line message of a
     DiscoClipError (a skip's reason), or "Name: message" of any other exception (e.g. "MemoryError: "). Linux only:
     the child resets its peak through /proc/self/clear_refs, as `peak_extra_mib` does."""
+    import gc
     import json
     import os
     import resource
 
     read, write = os.pipe()
+    gc.freeze()  # the parent's objects out of the child's collections: a collection would touch (copy) their pages
     pid = os.fork()
     if pid == 0:  # the child: measure, report through the pipe, exit without running the parent's cleanup
         os.close(read)
@@ -79,6 +81,7 @@ def forked_peak_mib(work, limit_mib: float = 2048) -> tuple[str, float]:
         finally:
             os.write(write, json.dumps([outcome, extra]).encode())
             os._exit(0)
+    gc.unfreeze()
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
         report = pipe.read()

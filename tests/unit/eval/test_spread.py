@@ -157,8 +157,9 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     # final fit on each rank
     trainings, sweep = [r["counts"]["trainings"] for r in two], one["counts"]["trainings"] - 1
     assert sweep >= 7 and sorted(trainings) == [sweep // 2 + 1, (sweep + 1) // 2 + 1]
-    # the image of batch 1 that rank 1 decodes is damaged: both ranks stop that task with its error, the next runs
+    # the image of batch 1 that rank 1 decodes is damaged: skipped and counted (data/decode.py), the task's figure
+    # the same on both ranks and as on one rank, the next task runs
     assert two[0]["damaged"] == two[1]["damaged"]
-    (damaged, _, error), (digits, value, no_error) = two[0]["damaged"]
-    assert "cannot identify image file" in error and value is not None and no_error == ""
+    (damaged, damaged_value, error), (digits, value, no_error) = two[0]["damaged"]
+    assert error == "" and damaged_value is not None and value is not None and no_error == ""
     assert [(key, value) for key, value, _ in one["damaged"]] == [(key, value) for key, value, _ in two[0]["damaged"]]
