@@ -28,6 +28,4 @@ a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null 2>&
 fi
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
-# Two pytest workers (PYTEST_WORKERS=N for another count, `-n 0` for none), each taking whole files: a file's
-# module-scoped runs are made once, and a launch of 2 ranks overlaps the other worker's start-ups and waits.
-exec "$PY" -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$PY" -m pytest "$@"
