@@ -60,6 +60,7 @@ def forked_peak_mib(work, limit_mib: float = 2048) -> tuple[str, float]:
     import json
     import os
     import resource
+    import sys
 
     read, write = os.pipe()
     gc.freeze()  # the parent's objects out of the child's collections: a collection would touch (copy) their pages
@@ -68,6 +69,8 @@ def forked_peak_mib(work, limit_mib: float = 2048) -> tuple[str, float]:
         os.close(read)
         outcome, extra = "ok", float("nan")
         try:
+            if "torch" in sys.modules:  # OpenMP's thread team does not survive a fork: a parallel op in the child
+                sys.modules["torch"].set_num_threads(1)  # would wait at its barrier forever; one thread runs inline
             resource.setrlimit(resource.RLIMIT_AS, (int((rss_mib("VmSize") + limit_mib) * 2**20),) * 2)
             base = reset_peak_rss()
             try:
