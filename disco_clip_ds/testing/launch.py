@@ -6,6 +6,7 @@ in its own session (its process group is the launcher's pid), its output appende
 for it and for every process of its group, then kills what is left. Everything else is built on these two:
 
     run_training(command)              to its end, AssertionError with the log's tail if it failed
+    start_forked(command)              `start` on ranks forked with their imports done (testing/forked.py)
     launch(launcher, nproc, output)    the same with LAUNCH_COMMON, the DeepSpeed or accelerate config, OUTPUT.log
     start_run / run_to_end             a run that a test signals or kills, or whose exit code it checks
     start_nodes                        one launcher per node on 127.0.0.1 (`hostfile` for deepspeed's)
@@ -97,19 +98,34 @@ def finish(proc: subprocess.Popen, timeout: float, linger: float = 120) -> int:
     return proc.returncode
 
 
-def run_training(cmd: list, log: Path | None = None, timeout: float = 300, **env: str) -> str:
+def run_training(cmd: list, log: Path | None = None, timeout: float = 300, forked_nproc: int = 0, **env: str) -> str:
     """Run a training command to its end, its output written afresh to LOG (a temporary file when None); raises
-    AssertionError with the log's tail when it fails, so that a test shows why. The log's text."""
+    AssertionError with the log's tail when it fails, so that a test shows why. The log's text.
+    forked_nproc: a deepspeed command (`train_command`) run on that many forked ranks instead (`start_forked`)."""
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(log) if log is not None else Path(scratch) / "run.log"
         log.write_text("")
-        code = finish(start(cmd, log, **env), timeout)
+        proc = start_forked(cmd, forked_nproc, log, **env) if forked_nproc else start(cmd, log, **env)
+        code = finish(proc, timeout)
         text = log.read_text()
     if code != 0:
         raise AssertionError(f"{cmd[0]} run failed:\n" + text[-4000:])
     return text
 
 
+def start_forked(command: list, nproc: int, log: Path, **env: str):
+    """`start` a deepspeed COMMAND (`train_command("deepspeed", ...)` + arguments) as the `forked` launcher does:
+    NPROC ranks forked from a server that imported the training stack once (testing/forked.py); the deepspeed
+    command itself runs where the environment changes what the server imported under."""
+    from disco_clip_ds.testing import forked
+
+    split = command.index("--module")
+    port = int(command[command.index("--master_port") + 1])
+    return forked.start(nproc, command[split + 1], command[split + 2 :], log, train_env(**env), REPO, port, command)
+
+
+# The launcher of a test whose subject is not the launcher: forked ranks, their imports done (testing/forked.py).
+QUICK = "forked"
 LAUNCH_SEED = 7
 LAUNCH_COMMON = [
     "--tokenizer_name",
@@ -162,7 +178,8 @@ def launch(
     in OUTPUT.log.
 
     launcher: deepspeed | torchrun | accelerate (ds_config picks recipes/accelerate/deepspeed_zeroN.yaml, None
-    fsdp.yaml). The log's text."""
+    fsdp.yaml) | forked (deepspeed's, its ranks forked with their imports done: testing/forked.py; for tests whose
+    subject is not the launcher). The log's text."""
     train_args = [*LAUNCH_COMMON, "--output_dir", str(output), *args]
     if ds_config and launcher != "accelerate":
         train_args += ["--deepspeed", str(REPO / "ds_configs" / ds_config)]
@@ -170,10 +187,12 @@ def launch(
     if launcher == "accelerate":
         name = ds_config.replace("cpu_", "deepspeed_").replace(".json", ".yaml") if ds_config else "fsdp.yaml"
         yaml = REPO / "recipes/accelerate" / name
+    forked = launcher == "forked"
     return run_training(
-        train_command(launcher, nproc, yaml, launcher_args) + train_args,
+        train_command("deepspeed" if forked else launcher, nproc, yaml, launcher_args) + train_args,
         log=output.parent / f"{output.name}.log",
         timeout=timeout,
+        forked_nproc=nproc if forked else 0,
     )
 
 
@@ -184,8 +203,10 @@ def start_run(output: Path, train_args: list[str], launcher="deepspeed", fault: 
     """Start `disco-clip train TRAIN_ARGS` on NPROC ranks under LAUNCHER (`start`), with DISCO_FAULT=FAULT, output
     appended to OUTPUT.log. Under accelerate the ZeRO-2 yaml is the DeepSpeed config."""
     yaml = REPO / "recipes/accelerate/deepspeed_zero2.yaml" if launcher == "accelerate" else None
-    command = train_command(launcher, nproc, yaml) + train_args
-    return start(command, output.parent / f"{output.name}.log", DISCO_FAULT=fault, **env)
+    log = output.parent / f"{output.name}.log"
+    if launcher == "forked":
+        return start_forked(train_command("deepspeed", nproc) + train_args, nproc, log, DISCO_FAULT=fault, **env)
+    return start(train_command(launcher, nproc, yaml) + train_args, log, DISCO_FAULT=fault, **env)
 
 
 def run_to_end(output: Path, train_args: list[str], launcher="deepspeed", fault="", timeout=400, **kw):

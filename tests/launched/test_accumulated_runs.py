@@ -14,6 +14,7 @@ import pytest
 
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import (
+    QUICK,
     REPO,
     SGD,
     TINY_CONFIG,
@@ -178,17 +179,17 @@ def runs(tmp_path_factory, initial_model):
     )
     # the launchers themselves are test_train's subject: torchrun starts fastest, accelerate sets up FSDP
     sharded = [*same, *micro(MICRO, 2), *TOWERS, *PATCHES, *LOCK]
-    launch("torchrun", 2, root / "n2_k2_zero1", *sharded, ds_config=str(zero1))
-    launch("torchrun", 2, root / "n2_k2_zero2", *sharded)
+    launch(QUICK, 2, root / "n2_k2_zero1", *sharded, ds_config=str(zero1))
+    launch(QUICK, 2, root / "n2_k2_zero2", *sharded)
     launch("accelerate", 2, root / "n2_k2_zero3_gc", *sharded, *gc, ds_config="cpu_zero3.json")
     launch("accelerate", 2, root / "n2_k2_fsdp", *sharded, ds_config=None)
-    launch("torchrun", 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
+    launch(QUICK, 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
     # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
     # with patch dropout up to step 3, which the resumed part switches off as the uninterrupted run did
     own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2", *PATCHES, *UNTIL_3]
-    launch("torchrun", 2, root / "full", *own)
+    launch(QUICK, 2, root / "full", *own)
     shutil.copytree(root / "full" / "checkpoint-2", root / "resumed" / "checkpoint-2")
-    launch("torchrun", 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
+    launch(QUICK, 2, root / "resumed", *own, "--resume_from_checkpoint", "latest")
     return root
 
 

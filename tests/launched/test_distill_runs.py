@@ -15,7 +15,7 @@ from disco_clip_ds.commands import export as export_command
 from disco_clip_ds.data.prep.embed import embed_shards
 from disco_clip_ds.data.shards import expand_shards
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
+from disco_clip_ds.testing.launch import QUICK, REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
 from disco_clip_ds.testing.runs import assert_same_training, same_weights, save_initial_model, step_losses, weights
 
 STEPS = 2
@@ -90,11 +90,11 @@ def runs(tmp_path_factory):
             (root / "siglip_k2", [*siglip, *micro(16, 2)]),
         ]
     )
-    launch("torchrun", 2, root / "n2_k2_zero2", *common, *micro(8, 2), "--save_steps", "1")
+    launch(QUICK, 2, root / "n2_k2_zero2", *common, *micro(8, 2), "--save_steps", "1")
     # stopped after step 1 (its checkpoint) and resumed: the teacher is loaded again, nothing of it was saved
     shutil.copytree(root / "n2_k2_zero2" / "checkpoint-1", root / "resumed" / "checkpoint-1")
-    launch("torchrun", 2, root / "resumed", *common, *micro(8, 2), "--resume_from_checkpoint", "latest")
-    launch("torchrun", 2, root / "n2_k2_zero3", *common, *micro(8, 2), "--save_steps", "2", ds_config="cpu_zero3.json")
+    launch(QUICK, 2, root / "resumed", *common, *micro(8, 2), "--resume_from_checkpoint", "latest")
+    launch(QUICK, 2, root / "n2_k2_zero3", *common, *micro(8, 2), "--save_steps", "2", ds_config="cpu_zero3.json")
     return root, initial
 
 
@@ -198,7 +198,7 @@ def test_a_live_ensemble_trains_alike_on_two_ranks_and_one_rank_k2(tmp_path):
     launch_in_one_process(
         [(tmp_path / "n1_k2", [*common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"])]
     )
-    launch("torchrun", 2, tmp_path / "n2", *common, "--per_device_train_batch_size", "8")
+    launch(QUICK, 2, tmp_path / "n2", *common, "--per_device_train_batch_size", "8")
     assert_same_training(tmp_path / "n2", tmp_path / "n1_k2", weights(initial), steps=STEPS)
     facts = json.loads((tmp_path / "n2" / "run.json").read_text())
     assert facts["distillation"] == "from narrow + same, weight 1, the teacher's logit scale"

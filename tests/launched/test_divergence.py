@@ -14,7 +14,7 @@ import torch
 
 from disco_clip_ds.checkpoint.manifest import write_manifest
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, run_to_end
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, run_to_end
 from disco_clip_ds.testing.runs import complete_checkpoints, save_initial_model
 
 ARGS = [
@@ -46,7 +46,7 @@ def trained(tmp_path_factory):
     model = save_initial_model(root / "tiny", 7)
     shards = f"{root}/shards/{{00000..00001}}.tar"
     out = root / "run"
-    rc, log = run_to_end(out, _args(out, model, shards, 2), launcher="torchrun")  # the reference: starts sooner
+    rc, log = run_to_end(out, _args(out, model, shards, 2), launcher=QUICK)  # the reference: starts sooner
     assert rc == 0 and complete_checkpoints(out) == ["checkpoint-2"], log[-3000:]
     return out, model, shards
 

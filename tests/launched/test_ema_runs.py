@@ -28,7 +28,7 @@ from disco_clip_ds.checkpoint.ema import ema_files, read_ema_state_dict
 from disco_clip_ds.checkpoint.layout import checkpoint_problem
 from disco_clip_ds.data.prep.fetch import environ
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import REPO, launch
+from disco_clip_ds.testing.launch import QUICK, REPO, launch
 from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
 from disco_clip_ds.testing.zeroshot import write_eval_shards
 
@@ -71,22 +71,22 @@ def runs(tmp_path_factory):
     ]
     evaluated = ["--eval_ema", "true", "--zeroshot_data", str(write_eval_shards(root / "eval")), "--zeroshot_steps"]
     evaluated.append(str(EVAL_AT))  # and at the last step
-    launch("torchrun", 2, root / "zero2", *common, *evaluated)
+    launch(QUICK, 2, root / "zero2", *common, *evaluated)
     # ZeRO-3 keeping its small parameters (norms, biases, logit_scale) whole on every rank, the 64 x 64 partitioned:
     # the swap for --eval_ema must refresh both kinds
     zero3 = json.loads((REPO / "ds_configs/cpu_zero3.json").read_text())
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
     (root / "zero3.json").write_text(json.dumps(zero3))
-    launch("torchrun", 2, root / "zero3", *common, *evaluated, ds_config=str(root / "zero3.json"))
+    launch(QUICK, 2, root / "zero3", *common, *evaluated, ds_config=str(root / "zero3.json"))
     with environ(DISCO_FAULT=f"fail_in_eval:step={EVAL_AT},rank=1"):  # every eval of step 3 fails on rank 1
         launch("accelerate", 2, root / "fsdp", *common, *evaluated, *_suite(root), ds_config=None)
     for name in ("resumed", "one_rank"):  # the reference as it stood at step 2
         shutil.copytree(root / "zero2" / "checkpoint-2", root / name / "checkpoint-2")
         shutil.copy(root / "zero2" / "run.json", root / name / "run.json")
     resume = ["--resume_from_checkpoint", "latest"]
-    launch("torchrun", 2, root / "resumed", *common, *resume)  # no eval: the reference's eval must leave no trace
+    launch(QUICK, 2, root / "resumed", *common, *resume)  # no eval: the reference's eval must leave no trace
     one_rank = ["--gradient_accumulation_steps", "2", "--dataloader_num_workers", "2"]  # 2 readers, as 2 ranks x 1
-    launch("torchrun", 1, root / "one_rank", *common, *resume, *one_rank)  # its log: one_rank.log
+    launch(QUICK, 1, root / "one_rank", *common, *resume, *one_rank)  # its log: one_rank.log
     return root
 
 

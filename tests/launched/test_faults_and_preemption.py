@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, run_to_end, start_run, train_env
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, SGD, run_to_end, start_run, train_env
 from disco_clip_ds.testing.processes import alive, kill_group, ranks_of
 from disco_clip_ds.testing.runs import complete_checkpoints, run_and_data, same_weights, save_initial_model, step_losses
 
@@ -30,8 +30,7 @@ pytestmark = [
 STEPS, SAVE, PER_RANK = 10, 2, 8
 BAD_PER_PASS = 4  # two corrupt images, one sample without text, one missing shard (see `data`)
 # The faults run under the deepspeed launcher, whose signal handling and exit codes they check; the reference and
-# resumed runs, where the launcher plays no part, under torchrun, which starts sooner.
-QUICK = "torchrun"
+# resumed runs, where the launcher plays no part, under QUICK (forked ranks, their imports done).
 ARGS = [
     *LAUNCH_COMMON,  # tokenizer, logging, workers, shuffle buffer, seed; argparse keeps the last --save_steps
     "--train_num_samples",

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, run_to_end, start_run
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, SGD, run_to_end, start_run
 from disco_clip_ds.testing.processes import kill_group, wait_group
 from disco_clip_ds.testing.runs import complete_checkpoints, same_weights, save_initial_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 8
-QUICK = "torchrun"  # starts sooner; the deepspeed launcher where its exit codes matter (the full disk)
+# QUICK (forked ranks, imports done) starts sooner; the deepspeed launcher where its exit codes matter (full disk)
 ARGS = [
     *LAUNCH_COMMON,
     "--train_num_samples",

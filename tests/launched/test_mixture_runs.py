@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
+from disco_clip_ds.testing.launch import QUICK
 
 STEPS, SAVE, PER_RANK = 6, 3, 4
 WEIGHTS = ["0.6", "0.3", "0.1"]
@@ -57,7 +58,7 @@ def full(tmp_path_factory, data):
     from disco_clip_ds.testing.launch import run_to_end
 
     out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run_to_end(out, _args(out, data), launcher="torchrun")
+    rc, log = run_to_end(out, _args(out, data), launcher=QUICK)
     assert rc == 0, log[-3000:]
     return out
 
@@ -92,7 +93,7 @@ def test_a_stopped_mixture_resumes_exactly_and_a_resume_with_other_weights_is_re
     assert describe_run(full / f"checkpoint-{STEPS}")["data_weights"] == "0.6 a, 0.3 b, 0.1 c"
 
     out = _stopped_at_save(full, tmp_path / "resumed")
-    rc, log = run_to_end(out, _args(out, data, "--resume_from_checkpoint", "latest"), launcher="torchrun")
+    rc, log = run_to_end(out, _args(out, data, "--resume_from_checkpoint", "latest"), launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert "resume: the data stream seeks to where 2 readers stood" in log
     assert same_weights(out, full) == 0.0
@@ -116,7 +117,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_train_the_same_mixture(full, data
     out = _stopped_at_save(full, tmp_path / "run")
     resumed = ["--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2"]
     resumed += ["--contrastive_accumulation", "true", "--dataloader_num_workers", "2"]  # 2 readers, as 2 ranks x 1
-    rc, log = run_to_end(out, _args(out, data, *resumed), launcher="torchrun", nproc=1)
+    rc, log = run_to_end(out, _args(out, data, *resumed), launcher=QUICK, nproc=1)
     assert rc == 0, log[-3000:]
     assert f"checkpoint-{SAVE}, world size 2 -> 1: through a universal checkpoint" in log
     assert_same_training(out, full, weights(data["model"]), STEPS)

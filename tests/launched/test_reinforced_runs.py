@@ -7,7 +7,7 @@ tests/unit/data/test_reinforced.py; the refusals: tests/unit/train/test_validate
 import pytest
 
 from disco_clip_ds.testing.images import add_synthetic_captions, write_shards
-from disco_clip_ds.testing.launch import REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
+from disco_clip_ds.testing.launch import QUICK, REPO, SGD, TINY_CONFIG, TOKENIZER_DIR, launch, launch_in_one_process
 from disco_clip_ds.testing.runs import same_weights, save_initial_model, step_losses, weights
 
 STEPS = 2
@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
         torchrun.append((root / f"{family}_stored_n2", [*common, "--per_device_train_batch_size", "16"]))
     launch_in_one_process(plan)
     for output, args in torchrun:  # the same 32 pairs a step, as 2 ranks x 16 (every launch reads one stream)
-        launch("torchrun", 2, output, *args)
+        launch(QUICK, 2, output, *args)
     return root
 
 

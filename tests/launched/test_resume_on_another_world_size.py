@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, TINY_CONFIG, run_to_end
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, TINY_CONFIG, run_to_end
 from disco_clip_ds.testing.ranks import run_ranks
 from disco_clip_ds.testing.runs import assert_same_training, save_initial_model, weights
 
@@ -76,7 +76,7 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None,
 
 def _reference(tmp_path_factory, data, config: str) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config), launcher="torchrun", nproc=2)
+    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config), launcher=QUICK, nproc=2)
     assert rc == 0, log[-3000:]
     return out
 
@@ -129,7 +129,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
         "--dataloader_num_workers",  # 2 readers, as 2 ranks x 1 worker
         "2",
     ]
-    rc, log = run_to_end(out, _args(out, data, *resumed), launcher="torchrun", nproc=1)
+    rc, log = run_to_end(out, _args(out, data, *resumed), launcher=QUICK, nproc=1)
     assert rc == 0, log[-3000:]
     assert f"checkpoint-{SAVE}, world size 2 -> 1: through a universal checkpoint" in log
     # the steps after SAVE, the moments, the schedule and the step count carried over: the same losses and weights
@@ -159,7 +159,7 @@ def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterr
     full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
     out = _stopped_at_save(full, tmp_path / "run")
     resumed = ["--deepspeed", {2: ZERO2, 3: ZERO3}[stage], "--resume_from_checkpoint", "latest"]
-    rc, log = run_to_end(out, _args(out, data, *resumed, per_rank=PER_RANK // 2), launcher="torchrun", nproc=4)
+    rc, log = run_to_end(out, _args(out, data, *resumed, per_rank=PER_RANK // 2), launcher=QUICK, nproc=4)
     assert rc == 0, log[-3000:]
     assert f"checkpoint-{SAVE}, world size 2 -> 4: through a universal checkpoint" in log
     assert_same_training(out, full, weights(data["model"]), STEPS)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from disco_clip_ds.testing.images import empty_second_shard, write_shards
+from disco_clip_ds.testing.launch import QUICK
 
 STEPS, PER_RANK, ACCUM, WORKERS = 6, 4, 3, 2
 
@@ -75,7 +76,7 @@ def full(tmp_path_factory, data):
     from disco_clip_ds.testing.launch import run_to_end
 
     out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run_to_end(out, _launch_args(out, data), launcher="torchrun")
+    rc, log = run_to_end(out, _launch_args(out, data), launcher=QUICK)
     assert rc == 0, log[-3000:]
     return out
 
@@ -90,7 +91,7 @@ def _resume_from_copy(full: Path, step: int, out: Path, data: dict, drop_state: 
     if drop_state:  # a checkpoint as older versions saved it: no stream state, no manifest
         (out / f"checkpoint-{step}" / "stream_state.json").unlink()
         (out / f"checkpoint-{step}" / "manifest.json").unlink()
-    return run_to_end(out, _launch_args(out, data, "--resume_from_checkpoint", "latest"), launcher="torchrun")
+    return run_to_end(out, _launch_args(out, data, "--resume_from_checkpoint", "latest"), launcher=QUICK)
 
 
 @pytest.mark.slow
@@ -127,7 +128,7 @@ def test_normalising_on_the_device_trains_bit_identically(full, data, tmp_path):
     from disco_clip_ds.testing.runs import step_losses, weights
 
     out = tmp_path / "on_device"
-    rc, log = run_to_end(out, _launch_args(out, data, "--normalize_on_device", "true"), launcher="torchrun")
+    rc, log = run_to_end(out, _launch_args(out, data, "--normalize_on_device", "true"), launcher=QUICK)
     assert rc == 0, log[-3000:]
     assert "the DataLoader hands over uint8 batches, normalised on cpu" in log
     assert "hands over uint8" not in (full.parent / "run.log").read_text()
@@ -150,7 +151,7 @@ def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
     dispatch = ["--accelerator_config", '{"dispatch_batches": true}', "--dataloader_num_workers", "3"]
     dispatch += ["--gradient_accumulation_steps", "1", "--max_steps", "4"]
     full = tmp_path / "full"
-    rc, log = run_to_end(full, _launch_args(full, data, *dispatch), launcher="torchrun")
+    rc, log = run_to_end(full, _launch_args(full, data, *dispatch), launcher=QUICK)
     assert rc == 0, log[-3000:]
     on_device = ["--normalize_on_device", "true"]
     for source, step, out, extra in (
@@ -161,7 +162,7 @@ def test_resume_under_dispatch_batches_seeks_rank_0s_readers(data, tmp_path):
         shutil.copy(full / "run.json", out / "run.json")
         shutil.copytree(source / f"checkpoint-{step}", out / f"checkpoint-{step}")
         rc, log = run_to_end(
-            out, _launch_args(out, data, *dispatch, *extra, "--resume_from_checkpoint", "latest"), launcher="torchrun"
+            out, _launch_args(out, data, *dispatch, *extra, "--resume_from_checkpoint", "latest"), launcher=QUICK
         )
         assert rc == 0, log[-3000:]
         assert "resume: the data stream seeks to where 3 readers stood" in log

@@ -15,7 +15,7 @@ import pytest
 
 from disco_clip_ds.data.prep.demo import DIGITS
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples, write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, SGD, launch
 from disco_clip_ds.testing.zeroshot import write_eval_shards
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -56,7 +56,7 @@ def run(tmp_path_factory) -> Path:
         "--per_device_eval_batch_size",
         "8",
     ]
-    launch("torchrun", 2, root / "out", *common, *suite, ds_config="cpu_zero3.json")
+    launch(QUICK, 2, root / "out", *common, *suite, ds_config="cpu_zero3.json")
     assert "--save_steps" in LAUNCH_COMMON  # (the final model is saved whole: the card reads the run folder)
     return root
 

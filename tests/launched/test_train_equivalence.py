@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_SEED, REPO, SGD, launch
+from disco_clip_ds.testing.launch import LAUNCH_SEED, QUICK, REPO, SGD, launch
 from disco_clip_ds.testing.runs import assert_same_training, assert_trained_under_fsdp, save_initial_model, weights
 
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
@@ -64,7 +64,7 @@ def runs(tmp_path_factory, shards, initial_model):
         *SGD,
         *SAME_STREAM,
     ]
-    launch("torchrun", 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
+    launch(QUICK, 1, root / "n1_zero2_tiled", *common, "--per_device_train_batch_size", str(2 * PER_RANK))
     launch("torchrun", 2, root / "n2_zero2_tiled", *common, "--per_device_train_batch_size", str(PER_RANK))
     launch(
         "accelerate",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, launch, train_command, train_env
+from disco_clip_ds.testing.launch import LAUNCH_COMMON, QUICK, REPO, SGD, launch, train_command, train_env
 from disco_clip_ds.testing.runs import assert_same_training, assert_trained_under_fsdp, weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -41,17 +41,17 @@ def runs(tmp_path_factory, initial_model):
         "--accelerator_config", '{"dispatch_batches": true}',  # step t sees one global batch at any world size
     ]  # fmt: skip
     per_rank = ["--per_device_train_batch_size", str(PER_RANK)]
-    launch("torchrun", 2, root / "n2_zero2", *common, *per_rank)
+    launch(QUICK, 2, root / "n2_zero2", *common, *per_rank)
     launch("accelerate", 2, root / "n2_zero3", *common, *per_rank, ds_config="cpu_zero3.json")
     wrap = ["--fsdp_transformer_layer_cls_to_wrap", "SiglipEncoderLayer"]  # fsdp.yaml names CLIP's layer
     launch("accelerate", 2, root / "n2_fsdp", *common, *per_rank, ds_config=None, launcher_args=wrap)
-    launch("torchrun", 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
+    launch(QUICK, 1, root / "n1_k2", *common, *per_rank, "--gradient_accumulation_steps", "2")
     stopped = ["--save_steps", "2", *common, *per_rank]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
     command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it
     stop = subprocess.run(command, cwd=REPO, env=train_env(DISCO_FAULT="signal_at_step=SIGUSR1:step=2,rank=1"))
     assert stop.returncode != 0 and (root / "resumed" / "checkpoint-2").is_dir()  # stopped there with a checkpoint
-    launch("torchrun", 2, root / "resumed", *stopped, "--resume_from_checkpoint", "latest")
+    launch(QUICK, 2, root / "resumed", *stopped, "--resume_from_checkpoint", "latest")
     return root
 
 

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 from disco_clip_ds.testing.images import write_shards
-from disco_clip_ds.testing.launch import LAUNCH_COMMON, REPO, SGD, TOKENIZER_DIR, launch, train_command, train_env
+from disco_clip_ds.testing.launch import (
+    LAUNCH_COMMON,
+    QUICK,
+    REPO,
+    SGD,
+    TOKENIZER_DIR,
+    launch,
+    train_command,
+    train_env,
+)
 from disco_clip_ds.testing.runs import assert_same_training, weights
 from disco_clip_ds.testing.tokenizers import siglip2_tokenizer
 from disco_clip_ds.testing.zeroshot import assert_final_eval_is_the_last_zeroshot, write_eval_shards
@@ -49,21 +58,21 @@ def runs(tmp_path_factory, initial_model):
     ]  # fmt: skip
     # normalised on the device (uint8 batches handed over, the padding zeroed there); the resumed run in the workers
     on_device = ["--normalize_on_device", "true"]
-    launch("torchrun", 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2", *on_device)
+    launch(QUICK, 1, root / "n1_k2", *common, "--gradient_accumulation_steps", "2", *on_device)
     # 2 steps with the zero-shot eval during training (at the last step), as the quickstart runs it, with its tokenizer
     # and with SigLIP 2's own kind (Gemma's rules). Apart from the runs compared above: the in-training eval's log at
     # a logging step leaves that step's loss out of the log history.
     zeroshot = ["--zeroshot_data", str(write_eval_shards(root / "eval")), "--zeroshot_steps", "2", "--max_steps", "2"]
-    launch("torchrun", 1, root / "quickstart_tokenizer", *common, *zeroshot)
+    launch(QUICK, 1, root / "quickstart_tokenizer", *common, *zeroshot)
     own = ["--tokenizer_name", str(siglip2_tokenizer(root / "tokenizer"))]
-    launch("torchrun", 1, root / "own_tokenizer", *common, *zeroshot, *own)
+    launch(QUICK, 1, root / "own_tokenizer", *common, *zeroshot, *own)
     launch("accelerate", 2, root / "n2_zero3", *common, ds_config="cpu_zero3.json")
     stopped = ["--save_steps", "2", *common]
     command = train_command("torchrun", 2) + ["--output_dir", str(root / "resumed"), *LAUNCH_COMMON, *stopped]
     command += ["--deepspeed", str(REPO / "ds_configs/cpu_zero2.json")]  # as launch() passes it
     stop = subprocess.run(command, cwd=REPO, env=train_env(DISCO_FAULT="signal_at_step=SIGUSR1:step=2,rank=1"))
     assert stop.returncode != 0 and (root / "resumed" / "checkpoint-2").is_dir()  # stopped there with a checkpoint
-    launch("torchrun", 2, root / "resumed", *stopped, "--resume_from_checkpoint", "latest")
+    launch(QUICK, 2, root / "resumed", *stopped, "--resume_from_checkpoint", "latest")
     return root
 
 
