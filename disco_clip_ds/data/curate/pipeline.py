@@ -27,8 +27,8 @@ import numpy as np
 
 from disco_clip_ds import faults
 from disco_clip_ds.atomic import write_bytes
-from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate import basic, inputs, reshard, scores, uids
+from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, kept_by_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
