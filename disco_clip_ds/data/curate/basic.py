@@ -9,7 +9,8 @@ of more than 1 word and more than 5 characters (`caption_filter`), then clusters
 Each rule is a flag whose default is DataComp's value (`DATACOMP`): `--basic_filter` turns all five on, a flag alone
 turns its own rule on. The image's size comes from the sample's `.json` (img2dataset's original_width/height, else
 width/height), else from the image's header (decode.EncodedImage reads it without decoding a pixel); a sample whose
-size cannot be read fails both image rules, as a missing size fails DataComp's comparisons.
+size cannot be read (no size, a header that does not read, one above PIL's decompression-bomb limit, which training
+refuses too) fails both image rules, as a missing size fails DataComp's comparisons.
 """
 
 from __future__ import annotations
