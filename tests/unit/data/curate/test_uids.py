@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disco_clip_ds.data.curate import uids
 from disco_clip_ds.errors import DataError, UsageError
@@ -82,3 +84,13 @@ def test_a_shard_without_uids_is_named():
     uids.check_uids("a/00000.tar", np.ones(3, bool))
     with pytest.raises(DataError, match=r"shard a/00001.tar has 2 of 3 samples without a uid"):
         uids.check_uids("a/00001.tar", np.array([True, False, False]))
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(st.lists(st.integers(0, 2**128 - 1), max_size=8), st.binary(max_size=40))
+def test_any_uids_round_trip_as_datacomp_builds_them_and_hostile_json_reads_as_none(values, junk):
+    hexes = [f"{v:032x}" for v in values]
+    pairs = [uids.uid_of(json.dumps({"uid": h}).encode()) for h in hexes]
+    built = np.array([(int(u[:16], 16), int(u[16:32], 16)) for u in hexes], np.dtype("u8,u8"))
+    assert np.array_equal(uids.uid_arrays(pairs)["uid"], built) if hexes else not pairs
+    assert uids.uid_of(junk) is None or len(json.loads(junk)["uid"]) == 32
