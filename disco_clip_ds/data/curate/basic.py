@@ -132,6 +132,11 @@ def sample_facts(samples, captions: bool, sizes: bool) -> dict[str, np.ndarray]:
     return arrays
 
 
+def scanned(saved, captions: bool, sizes: bool) -> bool:
+    """Whether a saved scan holds the facts these rules need (a scan made before they were read has none)."""
+    return "has_uid" in saved and (not captions or "words" in saved) and (not sizes or "width" in saved)
+
+
 def _first(member, extensions) -> bytes | None:
     for ext in extensions:
         data = member(ext)

@@ -246,7 +246,7 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     stamp = np.array([read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))])
     if scan.is_file():
         with np.load(scan) as saved:
-            if saved["stamp"].tolist() == stamp.tolist():
+            if saved["stamp"].tolist() == stamp.tolist() and basic.scanned(saved, *facts):
                 return
     rows_of, image, text, _ = read_sidecar(sidecar)
     embedded_scores = scores.clip_scores(image.numpy(), text.numpy())

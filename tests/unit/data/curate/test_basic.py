@@ -153,3 +153,10 @@ def test_bad_thresholds_are_refused_in_one_line(given, said):
 def test_the_model_labels_176_languages():
     known = known_languages()
     assert len(known) == 176 and {"en", "de", "zh", "ja", "sw"} <= known
+
+
+def test_a_saved_scan_without_the_facts_is_scanned_again():
+    assert not basic.scanned({"keys": 0}, False, False)  # made before uids were read
+    assert basic.scanned({"has_uid": 0}, False, False) and not basic.scanned({"has_uid": 0}, True, False)
+    assert basic.scanned({"has_uid": 0, "words": 0, "width": 0}, True, True)
+    assert not basic.scanned({"has_uid": 0, "words": 0}, True, True)

@@ -124,3 +124,16 @@ def test_bad_input_is_one_line_before_anything_is_written(pool, tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and said in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_scans_again_a_shard_whose_saved_scan_lacks_the_facts(pool, tmp_path):
+    out = tmp_path / "out"
+    assert _filter("--shards", pool, "--output", out, "--basic_filter") == 0
+    first = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for scan in (out / ".filter" / "scan").glob("*.npz"):  # as a scan made before the basic rules were read
+        with np.load(scan) as saved:
+            kept = {k: saved[k] for k in saved.files if k not in ("has_uid", "uid", "words", "width")}
+        np.savez(scan, **kept)
+    (out / "summary.json").unlink()
+    assert _filter("--shards", pool, "--output", out, "--basic_filter") == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == first
