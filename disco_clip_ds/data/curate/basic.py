@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from disco_clip_ds.data.curate import language as lang
-from disco_clip_ds.data.curate.uids import uid_arrays, uid_of
+from disco_clip_ds.data.curate.uids import uid_arrays, uid_in
 from disco_clip_ds.data.shards import IMAGE_EXTS
 from disco_clip_ds.data.streams.shards import TEXT_KEYS
 from disco_clip_ds.errors import UsageError
@@ -108,8 +108,8 @@ def sample_facts(samples, captions: bool, sizes: bool) -> dict[str, np.ndarray]:
     the sample has none), so that an image is read only when its .json gives no size."""
     uids, languages, words, chars, widths, heights = [], [], [], [], [], []
     for member in samples:
-        raw = member("json")
-        uids.append(uid_of(raw))
+        meta = _meta(member("json"))
+        uids.append(uid_in(meta))
         if captions:
             text = _first(member, TEXT_KEYS)
             code, n_words, n_chars = caption_facts(None if text is None else text.decode("utf-8", "replace"))
@@ -117,14 +117,14 @@ def sample_facts(samples, captions: bool, sizes: bool) -> dict[str, np.ndarray]:
             words.append(n_words)
             chars.append(n_chars)
         if sizes:
-            meta = _meta(raw)
             width, height = image_size(meta, None if _json_size(meta) else _first(member, IMAGE_EXTS))
             widths.append(width)
             heights.append(height)
     arrays = uid_arrays(uids)
     if captions:
         table = sorted(set(languages))
-        arrays["language"] = np.array([table.index(c) for c in languages], np.uint8)
+        index = {code: i for i, code in enumerate(table)}
+        arrays["language"] = np.array([index[c] for c in languages], np.uint8)
         arrays["languages"] = np.frombuffer("\0".join(table).encode(), np.uint8)
         arrays["words"], arrays["chars"] = np.array(words, np.int32), np.array(chars, np.int32)
     if sizes:

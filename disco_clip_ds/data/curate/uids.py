@@ -25,9 +25,15 @@ def uid_of(meta: bytes | None) -> tuple[int, int] | None:
     if not meta:
         return None
     try:
-        uid = json.loads(meta).get("uid")
-    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
+        parsed = json.loads(meta)
+    except ValueError:
         return None
+    return uid_in(parsed) if isinstance(parsed, dict) else None
+
+
+def uid_in(meta: dict) -> tuple[int, int] | None:
+    """The uid pair of a parsed `.json` (`uid_of`)."""
+    uid = meta.get("uid")
     if not isinstance(uid, str) or len(uid) != 32:
         return None
     try:
