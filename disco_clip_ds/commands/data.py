@@ -281,7 +281,52 @@ def filter_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples_per_shard", metavar="N", type=int, default=10_000)
     p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
     p.add_argument("--seed", metavar="N", type=int, default=0, help="the k-means sample and initialisation")
+    _datacomp_arguments(p)
     return p
+
+
+def _datacomp_arguments(p: argparse.ArgumentParser) -> None:
+    """`data filter`'s DataComp rules: the basic filter's parts (data/curate/basic.py) and the uid lists."""
+    from disco_clip_ds.data.curate.basic import DATACOMP, PREFILTER
+
+    def flags(values: dict) -> str:
+        return " ".join(f"--{flag} {value}" for flag, value in values.items())
+
+    g = p.add_argument_group(
+        "DataComp's basic filter",
+        "--basic_filter turns on all five rules at DataComp's values; a flag alone turns on its own rule (over "
+        f"--basic_filter's value). --target also applies DataComp's caption pre-filter ({flags(PREFILTER)}).",
+    )
+    g.add_argument("--basic_filter", action="store_true", help=f"DataComp's basic filter: {flags(DATACOMP)}")
+    g.add_argument(
+        "--caption_language",
+        metavar="CODE",
+        help="keep captions fastText's lid.176 labels CODE (DataComp: en); 'any': no language rule",
+    )
+    g.add_argument(
+        "--caption_words_over", metavar="N", type=int, help="keep captions of more than N words (DataComp: 2)"
+    )
+    g.add_argument(
+        "--caption_chars_over", metavar="N", type=int, help="keep captions of more than N characters (DataComp: 5)"
+    )
+    g.add_argument(
+        "--min_image_side",
+        metavar="PX",
+        type=int,
+        help="keep images whose smaller side (before img2dataset resized it) is at least PX (DataComp: 200)",
+    )
+    g.add_argument(
+        "--max_aspect_ratio",
+        metavar="R",
+        type=float,
+        help="keep images whose longer side is at most R times the shorter (DataComp: 3)",
+    )
+    p.add_argument(
+        "--keep_uids",
+        metavar="FILE.npy",
+        help="keep only the samples whose .json uid is in this DataComp subset file (np.dtype('u8,u8')); every "
+        "run writes its kept uids as OUTPUT/kept_uids.npy in that format",
+    )
 
 
 def filter_main(argv: list[str] | None = None) -> int:

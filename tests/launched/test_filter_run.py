@@ -5,10 +5,13 @@ of a run never killed; and --processes 2 gives the output of --processes 1."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import signal
 import sys
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from disco_clip_ds.testing.launch import finish, start
@@ -28,6 +31,7 @@ def _outputs(folder) -> dict[str, str]:
 def _run(tmp_path, out, processes: int, fault: str = "") -> int:
     command = [sys.executable, "-m", "disco_clip_ds.commands.data", "filter", "--shards", str(tmp_path / "in")]
     command += ["--output", str(out), "--keep_fraction", "0.75", "--dedup", "--samples_per_shard", "5"]
+    command += ["--caption_words_over", "1", "--caption_language", "en"]  # DataComp's caption rules, in the scan
     command += ["--processes", str(processes)]
     return finish(start(command, tmp_path / "log.txt", DISCO_FAULT=fault), timeout=240, linger=10)
 
@@ -35,11 +39,22 @@ def _run(tmp_path, out, processes: int, fault: str = "") -> int:
 @pytest.mark.slow  # spawns the filter and its workers four times
 def test_a_filter_killed_between_shards_resumes_to_the_same_bytes_at_any_processes(tmp_path):
     images = [smooth_jpeg(i % 28) for i in range(32)]  # samples 28..31 repeat 0..3: exact copies for --dedup
-    embedded_shards(tmp_path / "in", 4, 8, images=images)
+    # each sample with a DataComp uid in its .json; samples 5 and 13 captioned in one word, 9 in German
+    captions = {5: "image", 13: "picture", 9: "ein Bild von einem Hund"}
+    samples = [
+        {"jpg": data, "txt": captions.get(i, f"an image of thing {i}"), "json": json.dumps({"uid": f"{i:032x}"})}
+        for i, data in enumerate(images)
+    ]
+    embedded_shards(tmp_path / "in", 4, 8, samples=samples)
     out = tmp_path / "out"
     assert _run(tmp_path, out, 1) == 0, (tmp_path / "log.txt").read_text()
     reference = _outputs(out)
-    assert sum(name.endswith(".tar") for name in reference) == 5  # 24 kept, then 0..3 copies among them dropped
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dropped"]["caption_language"] == 1 and summary["dropped"]["caption_words"] == 2
+    kept = pq.read_table(out / "filter.parquet").to_pydict()["dropped_by"]
+    uids = [(0, i) for i, reason in enumerate(kept) if reason is None]  # DataComp's pairs of the kept samples
+    assert np.load(out / "kept_uids.npy").tolist() == uids and "kept_uids.npy" in reference
+    assert sum(name.endswith(".tar") for name in reference) == -(-len(uids) // 5) == 4  # 19 kept
     shutil.rmtree(out)
     assert _run(tmp_path, out, 2) == 0, (tmp_path / "log.txt").read_text()
     assert _outputs(out) == reference

@@ -27,9 +27,9 @@ import numpy as np
 
 from disco_clip_ds import faults
 from disco_clip_ds.atomic import write_bytes
+from disco_clip_ds.data.curate import basic, inputs, reshard, scores, uids
 from disco_clip_ds.data.curate import clusters as cl
-from disco_clip_ds.data.curate import inputs, reshard, scores
-from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
+from disco_clip_ds.data.curate.report import ReportWriter, first_rule, kept_by_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
 from disco_clip_ds.data.streams.tar_samples import raw_samples
@@ -61,6 +61,13 @@ class FilterConfig:
     samples_per_shard: int = 10_000
     processes: int = 1
     seed: int = 0
+    basic_filter: bool = False  # DataComp's basic filter (basic.py): the five flags below at DataComp's values
+    caption_language: str | None = None
+    caption_words_over: int | None = None
+    caption_chars_over: int | None = None
+    min_image_side: int | None = None
+    max_aspect_ratio: float | None = None
+    keep_uids: str | None = None  # a DataComp subset file (uids.py)
 
     def arguments(self) -> dict:
         """What the output depends on (all but --processes), recorded in it to refuse a resume with other ones."""
@@ -75,10 +82,14 @@ def check_rules(cfg: FilterConfig) -> None:
     """Every rule in range and at least one given; a UsageError in one line otherwise."""
     if bool(cfg.target) != (cfg.clusters is not None):
         raise UsageError("--target and --clusters go together: the image-based rule needs both")
-    if cfg.clip_score_min is None and cfg.keep_fraction is None and not cfg.target and not cfg.fingerprints:
+    basic.check_thresholds(cfg)
+    if cfg.keep_uids is not None:
+        uids.check_uid_file(cfg.keep_uids)
+    given = cfg.clip_score_min, cfg.keep_fraction, cfg.keep_uids
+    if all(v is None for v in given) and not cfg.target and not cfg.fingerprints and not basic.thresholds(cfg):
         raise UsageError(
-            "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against or "
-            "--dedup"
+            "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against, "
+            "--dedup, --basic_filter (or one of its parts) or --keep_uids"
         )
     if cfg.clip_score_min is not None:
         scores.check_score_min(cfg.clip_score_min)
@@ -120,7 +131,8 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     scans = [state / "scan" / f"{i:05d}.npz" for i in range(len(urls))]
     with _pool(cfg.processes) as pool:
         # 2. Scan every input shard
-        tasks = [(u, s, p, cfg.fingerprints) for u, s, p in zip(urls, sidecars, scans)]
+        facts = basic.needs(basic.thresholds(cfg))
+        tasks = [(u, s, p, cfg.fingerprints, facts) for u, s, p in zip(urls, sidecars, scans)]
         list(pool.imap(scan_shard, tasks))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
@@ -144,7 +156,8 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     write_json(output / "sizes.json", sizes)
     # 5. The parquet of every input key and the summary
     _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
-    summary = {**summarize(reason), "output_shards": len(plan)}
+    uids.write_kept(output / uids.KEPT_UIDS, scans, reason < 0)
+    summary = {**summarize(reason), "kept_by_rule": kept_by_rule(drops), "output_shards": len(plan)}
     write_json(output / "summary.json", summary)
     return summary
 
@@ -153,6 +166,10 @@ def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.nd
     """{rule: mask of the samples it drops} and each sample's cluster (-1: not embedded; None without --target)."""
     embedded = loaded["embedded"]
     drops = {"no_embedding": ~embedded}
+    if cfg.keep_uids is not None:
+        drops["keep_uids"] = ~uids.kept_by_file(cfg.keep_uids, inputs.local_shards(cfg.shards), loaded["scans"])
+    rules = basic.thresholds(cfg)
+    drops.update(basic.drops(rules, basic.load_facts(loaded["scans"], rules)))
     values = loaded["scores"]
     if cfg.clip_score_min is not None:
         drops["clip_score_min"] = embedded & ~scores.above_min(values, cfg.clip_score_min)
@@ -225,11 +242,11 @@ def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path)
 def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     """Scan input shard `url` into `scan` (keys, scores, sidecar rows, fingerprints), unless a scan of the shard and
     sidecar as they are now is there already."""
-    url, sidecar, scan, with_fingerprints = task
+    url, sidecar, scan, with_fingerprints, facts = task
     stamp = np.array([read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))])
     if scan.is_file():
         with np.load(scan) as saved:
-            if saved["stamp"].tolist() == stamp.tolist():
+            if saved["stamp"].tolist() == stamp.tolist() and basic.scanned(saved, *facts):
                 return
     rows_of, image, text, _ = read_sidecar(sidecar)
     embedded_scores = scores.clip_scores(image.numpy(), text.numpy())
@@ -253,6 +270,7 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     arrays = {"keys": _key_blob(keys), "scores": values, "rows": rows.astype(np.int32), "stamp": stamp}
     if with_fingerprints:
         arrays.update(_stack_fingerprints(prints))
+    arrays.update(basic.sample_facts(basic.shard_samples(url, located), *facts))  # uids, captions, sizes
     if located:
         arrays.update(located.arrays())
     _save_npz(scan, arrays)

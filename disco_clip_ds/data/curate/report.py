@@ -15,7 +15,12 @@ import numpy as np
 from disco_clip_ds.atomic import Stage
 
 # the rules in the order `dropped_by` names the first that drops a sample
-RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup")
+RULES = (
+    "no_embedding",
+    "keep_uids",
+    *("caption_language", "caption_words", "caption_chars", "image_side", "aspect_ratio"),  # basic.py's
+    *("clip_score_min", "keep_fraction", "target", "dedup_against", "dedup"),
+)
 
 SCHEMA_FIELDS = (("shard", "string"), ("key", "string"), ("clip_score", "float32"), ("cluster", "int32"))
 
@@ -70,10 +75,17 @@ def summarize(reason: np.ndarray) -> dict:
     }
 
 
+def kept_by_rule(drops: dict[str, np.ndarray]) -> dict[str, int]:
+    """{rule: the samples it keeps on its own, of all samples}, in RULES order (a rule that reads the embeddings
+    leaves a sample without them to no_embedding, so counts it as kept)."""
+    return {rule: int((~drops[rule]).sum()) for rule in RULES if rule in drops}
+
+
 def summary_line(summary: dict) -> str:
     """The line `data filter` prints of its summary."""
     dropped = ", ".join(f"{n} by {rule}" for rule, n in summary["dropped"].items()) or "none"
+    alone = ", ".join(f"{n} by {rule}" for rule, n in summary.get("kept_by_rule", {}).items())
     return (
         f"{summary['kept']} of {summary['samples']} samples kept in {summary['output_shards']} shards; dropped: "
-        f"{dropped}"
+        f"{dropped}" + (f"; each rule alone keeps {alone}" if alone else "")
     )

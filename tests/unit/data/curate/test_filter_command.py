@@ -61,7 +61,9 @@ def test_the_score_threshold_keeps_the_hand_computed_samples(shards, tmp_path, c
     assert json.loads((out / "sizes.json").read_text()) == {"00000.tar": 4, "00001.tar": 2}
     report = verify(out)  # `data verify` reads the output as any shard set
     assert report["broken"] == {} and report["samples"] == 6
-    summary = {"samples": 10, "kept": 6, "dropped": {"no_embedding": 1, "clip_score_min": 3}, "output_shards": 2}
+    dropped = {"no_embedding": 1, "clip_score_min": 3}
+    alone = {"no_embedding": 9, "clip_score_min": 7}  # the score rule leaves sample 4 (no score) to no_embedding
+    summary = {"samples": 10, "kept": 6, "dropped": dropped, "kept_by_rule": alone, "output_shards": 2}
     assert json.loads((out / "summary.json").read_text()) == summary
     assert (
         "6 of 10 samples kept in 2 shards; dropped: 1 by no_embedding, 3 by clip_score_min" in capsys.readouterr().out
