@@ -27,8 +27,8 @@ import numpy as np
 
 from disco_clip_ds import faults
 from disco_clip_ds.atomic import write_bytes
+from disco_clip_ds.data.curate import balance, inputs, reshard, scores, semdedup
 from disco_clip_ds.data.curate import clusters as cl
-from disco_clip_ds.data.curate import inputs, reshard, scores
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
 from disco_clip_ds.data.shards import IMAGE_EXTS, write_json
@@ -58,6 +58,10 @@ class FilterConfig:
     dedup_against: list[str] = field(default_factory=list)
     dedup: bool = False
     dedup_threshold: int | None = None
+    metadata: str | None = None
+    balance_t: float | None = None
+    semdedup_eps: float | None = None
+    semdedup_clusters: int = 100
     samples_per_shard: int = 10_000
     processes: int = 1
     seed: int = 0
@@ -75,11 +79,14 @@ def check_rules(cfg: FilterConfig) -> None:
     """Every rule in range and at least one given; a UsageError in one line otherwise."""
     if bool(cfg.target) != (cfg.clusters is not None):
         raise UsageError("--target and --clusters go together: the image-based rule needs both")
-    if cfg.clip_score_min is None and cfg.keep_fraction is None and not cfg.target and not cfg.fingerprints:
+    others = cfg.fingerprints or (cfg.metadata, cfg.balance_t, cfg.semdedup_eps) != (None, None, None)
+    if cfg.clip_score_min is None and cfg.keep_fraction is None and not cfg.target and not others:
         raise UsageError(
-            "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against or "
-            "--dedup"
+            "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against, "
+            "--dedup, --semdedup_eps or --metadata (with --balance_t)"
         )
+    balance.check_balance(cfg.metadata, cfg.balance_t)
+    semdedup.check_semdedup(cfg.semdedup_eps, cfg.semdedup_clusters, cfg.kmeans_sample)
     if cfg.clip_score_min is not None:
         scores.check_score_min(cfg.clip_score_min)
     if cfg.keep_fraction is not None:
@@ -107,24 +114,26 @@ def run_filter(cfg: FilterConfig) -> dict:
     targets = _targets(cfg) if cfg.target else None  # before any scan: a target that cannot be embedded is refused
     for folder in cfg.dedup_against:
         inputs.check_reference(folder)
+    matching = balance.listing(cfg.metadata) if cfg.metadata else None  # the list read and checked before any work
     output = Path(cfg.output)
     with writer_lock(output, "--output", "disco-clip data filter"):  # one filter at a time writes an output folder
         inputs.claim_output(output, cfg.arguments())
-        return _filter_into(output, cfg, urls, sidecars, fingerprint, targets)
+        return _filter_into(output, cfg, urls, sidecars, fingerprint, targets, matching)
 
 
-def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: str, targets) -> dict:
+def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: str, targets, matching=None) -> dict:
     """Steps 2 to 5 of `run_filter`, into the claimed `output`."""
     state = output / STATE
     (state / "scan").mkdir(parents=True, exist_ok=True)
     scans = [state / "scan" / f"{i:05d}.npz" for i in range(len(urls))]
     with _pool(cfg.processes) as pool:
         # 2. Scan every input shard
-        tasks = [(u, s, p, cfg.fingerprints) for u, s, p in zip(urls, sidecars, scans)]
+        tasks = [(u, s, p, cfg.fingerprints, matching) for u, s, p in zip(urls, sidecars, scans)]
         list(pool.imap(scan_shard, tasks))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
+        _later_rules(cfg, sidecars, loaded, drops, matching)
         reason = first_rule(drops, len(loaded["scores"]))
         _refuse_repeated_keys(urls, scans, loaded, reason < 0)
         # 4. Write the output shards
@@ -190,6 +199,22 @@ def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
         drops["dedup"] = copy
 
 
+def _later_rules(cfg: FilterConfig, sidecars: list[Path], loaded: dict, drops: dict, matching) -> None:
+    """SemDeDup (semdedup.py), then MetaCLIP's balancing (balance.py), each among the samples every rule before it
+    keeps: the balance counts entries over the pool that reaches it, as MetaCLIP balances a pool already cleaned."""
+    if cfg.semdedup_eps is not None:
+        pool = ~np.logical_or.reduce(list(drops.values()))
+        rows = ((sidecar, _scan_rows(scan)) for sidecar, scan in zip(sidecars, loaded["scans"]))
+        embeddings = semdedup.pool_embeddings(rows, pool)
+        gone = semdedup.semdedup_drops(embeddings, cfg.semdedup_eps, cfg.semdedup_clusters, cfg.kmeans_sample, cfg.seed)
+        drops["semdedup"] = np.zeros(len(pool), bool)
+        drops["semdedup"][np.flatnonzero(pool)[gone]] = True
+    if matching:
+        pool = ~np.logical_or.reduce(list(drops.values()))
+        args = (loaded["scans"], loaded["offsets"], pool, cfg.balance_t, cfg.seed, matching.size)
+        drops["balance"] = balance.balance_drops(*args)
+
+
 def _targets(cfg: FilterConfig) -> np.ndarray:
     """The target sets' embeddings (targets.py), stacked."""
     from disco_clip_ds.data.curate.targets import target_embeddings
@@ -222,11 +247,12 @@ def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path)
 # --- the per-shard tasks (module level: a pool pickles them by name) ---
 
 
-def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
+def scan_shard(task: tuple[str, Path, Path, bool, balance.Listing | None]) -> None:
     """Scan input shard `url` into `scan` (keys, scores, sidecar rows, fingerprints), unless a scan of the shard and
     sidecar as they are now is there already."""
-    url, sidecar, scan, with_fingerprints = task
-    stamp = np.array([read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))])
+    url, sidecar, scan, with_fingerprints, matching = task
+    stamp = [read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))]
+    stamp = np.array(stamp + ([matching.digest] if matching else []))  # a scan matched against another list is redone
     if scan.is_file():
         with np.load(scan) as saved:
             if saved["stamp"].tolist() == stamp.tolist():
@@ -255,6 +281,8 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
         arrays.update(_stack_fingerprints(prints))
     if located:
         arrays.update(located.arrays())
+    if matching:  # the caption's metadata entries (balance.py)
+        arrays.update(balance.shard_matches(url, located, keys, rows, balance.matcher(matching)))
     _save_npz(scan, arrays)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from disco_clip_ds.atomic import Stage
 
 # the rules in the order `dropped_by` names the first that drops a sample
-RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup")
+RULES = ("no_embedding", "clip_score_min", "keep_fraction", "target", "dedup_against", "dedup", "semdedup", "balance")
 
 SCHEMA_FIELDS = (("shard", "string"), ("key", "string"), ("clip_score", "float32"), ("cluster", "int32"))
 
