@@ -161,11 +161,16 @@ def keep_probability(counts: np.ndarray, t: float) -> np.ndarray:
     return t / np.maximum(counts.astype(np.float64), t)
 
 
+def entry_hits(ids: np.ndarray, probability: np.ndarray, seed: int, shard: int) -> np.ndarray:
+    """Per matched pair of a shard (in sample order), whether its entry draws the sample: u < p[entry], u uniform
+    from a generator seeded with (seed, shard)."""
+    return np.random.default_rng([seed, shard]).random(len(ids)) < probability[ids]
+
+
 def draw_shard(ids: np.ndarray, starts: np.ndarray, probability: np.ndarray, seed: int, shard: int) -> np.ndarray:
     """The mask of a shard's samples that any of their entries draws: a uniform u per matched pair (in sample
     order, from a generator seeded with (seed, shard)), kept where u < p[entry]."""
-    draws = np.random.default_rng([seed, shard]).random(len(ids))
-    hits = draws < probability[ids]
+    hits = entry_hits(ids, probability, seed, shard)
     sample_of = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
     kept = np.zeros(len(starts) - 1, bool)
     kept[sample_of[hits]] = True
