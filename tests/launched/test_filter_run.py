@@ -1,10 +1,12 @@
 """Launched: `disco-clip data filter` as a user runs it (its own process, a pool of workers): killed with SIGKILL at
 a named point between output shards (DISCO_FAULT kill_after_output), then re-run, it gives byte for byte the output
-of a run never killed; and --processes 2 gives the output of --processes 1."""
+of a run never killed; and --processes 2 gives the output of --processes 1; with every rule, SemDeDup and MetaCLIP's
+balancing (matched in the workers' scans) included."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import signal
 import sys
@@ -28,6 +30,9 @@ def _outputs(folder) -> dict[str, str]:
 def _run(tmp_path, out, processes: int, fault: str = "") -> int:
     command = [sys.executable, "-m", "disco_clip_ds.commands.data", "filter", "--shards", str(tmp_path / "in")]
     command += ["--output", str(out), "--keep_fraction", "0.75", "--dedup", "--samples_per_shard", "5"]
+    # the later rules too: SemDeDup, and MetaCLIP's balancing (matched in the workers' scans, drawn in the decision)
+    command += ["--semdedup_eps", "0.5", "--semdedup_clusters", "2", "--metadata", str(tmp_path / "meta.txt")]
+    command += ["--balance_t", "2"]
     command += ["--processes", str(processes)]
     return finish(start(command, tmp_path / "log.txt", DISCO_FAULT=fault), timeout=240, linger=10)
 
@@ -35,11 +40,15 @@ def _run(tmp_path, out, processes: int, fault: str = "") -> int:
 @pytest.mark.slow  # spawns the filter and its workers four times
 def test_a_filter_killed_between_shards_resumes_to_the_same_bytes_at_any_processes(tmp_path):
     images = [smooth_jpeg(i % 28) for i in range(32)]  # samples 28..31 repeat 0..3: exact copies for --dedup
-    embedded_shards(tmp_path / "in", 4, 8, images=images)
+    captions = [f"image {i}" if i % 2 else f"photo {i}" for i in range(32)]
+    embedded_shards(tmp_path / "in", 4, 8, images=images, captions=captions)
+    (tmp_path / "meta.txt").write_text("image\nphoto\n0\n", encoding="utf-8")
     out = tmp_path / "out"
     assert _run(tmp_path, out, 1) == 0, (tmp_path / "log.txt").read_text()
     reference = _outputs(out)
-    assert sum(name.endswith(".tar") for name in reference) == 5  # 24 kept, then 0..3 copies among them dropped
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["samples"] == 32 and summary["dropped"]["keep_fraction"] == 8
+    assert summary["dropped"]["semdedup"] > 0 and summary["dropped"]["balance"] > 0  # each later rule drops some
     shutil.rmtree(out)
     assert _run(tmp_path, out, 2) == 0, (tmp_path / "log.txt").read_text()
     assert _outputs(out) == reference

@@ -2,11 +2,12 @@
 
 1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
    headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
-   rules, its image fingerprint (the one step that decodes images).
+   rules, its image fingerprint (the one step that decodes images); with --metadata, its caption's metadata entries.
    The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written atomically: atomic.py); a
    re-run keeps a saved scan whose sidecar and shard are unchanged.
-2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
-   a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
+2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected; then
+   SemDeDup (semdedup.py) and MetaCLIP's balancing (balance.py), each among the samples the rules before it keep. It
+   holds a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
 3. Write, a task per output shard: the kept samples, byte for byte, and their sidecar (reshard.py); a re-run keeps an
    output shard that is complete and verifies. Then sizes.json, the parquet of every input key and the summary.
 
