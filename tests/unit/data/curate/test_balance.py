@@ -106,6 +106,23 @@ def test_a_resume_with_the_list_changed_matches_again(tmp_path):
     assert dropped == ["balance", None, None]
 
 
+def test_captions_are_read_alike_from_a_plain_and_a_compressed_shard(tmp_path):
+    import gzip
+
+    from disco_clip_ds.testing.images import write_samples
+
+    samples = [{"txt": "a dog"}, {"caption": "a cat"}, {"text": "cat", "txt": "dog"}, {"cls": "3"}, {"txt": "cat"}]
+    write_samples(tmp_path, [{"jpg": b"x", **s} for s in samples], per_shard=5)
+    plain = tmp_path / "00000.tar"
+    (tmp_path / "00000.tar.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    keys, rows = [f"s{i:05d}" for i in range(5)], np.array([0, 1, 2, 3, -1])  # the last one not embedded
+    match = balance.Matcher(["dog", "cat"])
+    expected = {"meta_ids": [0, 1, 0], "meta_starts": [0, 1, 2, 3, 3, 3]}  # txt first, then text, then caption
+    for url in (plain, tmp_path / "00000.tar.gz"):  # located by its headers; read by tarfile
+        found = balance.shard_matches(str(url), None, keys, rows, match)
+        assert {k: v.tolist() for k, v in found.items()} == expected
+
+
 LISTS = {
     "empty": (b"", "no entries (the file is empty)"),
     "blank": (b"  \n\n", "no entries (the file is empty)"),
