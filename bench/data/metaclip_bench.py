@@ -17,7 +17,13 @@ and of the balanced pool (the draw at --t, the pool cut in shards of 10,000 as a
 expectation: the head flattened to t, the tail kept whole); and the kept samples that match the entry, which a
 head entry gains from the samples another of their entries keeps (a caption naming a tail entry is always kept).
 
+With --scan_captions N, instead: the first N captions of the pool written as webdataset shards of 10,000 (each
+sample a 1-byte .jpg and its .txt), and `balance.shard_matches` timed over them, --rounds rounds: what a filter's
+scan adds per sample with --metadata (each caption found among the members the scan located for the write, read,
+decoded and matched; the header walk itself is the scan's own cost, not timed), in `results/metaclip_scan.csv`.
+
     python bench/data/metaclip_bench.py --rounds 3
+    python bench/data/metaclip_bench.py --rounds 3 --scan_captions 50000
 """
 
 from __future__ import annotations
@@ -110,6 +116,33 @@ def plot(raw: np.ndarray, drawn: np.ndarray, kept: np.ndarray, t: float, out: Pa
     fig.savefig(out, dpi=110)
 
 
+def scan_bench(matcher, pool: list[str], args) -> None:
+    """Time `balance.shard_matches` over `pool` written as shards (see the module docstring)."""
+    import tempfile
+
+    from disco_clip_ds.data.curate.balance import shard_matches
+    from disco_clip_ds.data.tarcopy import sample_members
+    from disco_clip_ds.testing.images import write_samples
+
+    with tempfile.TemporaryDirectory() as folder:
+        write_samples(Path(folder), [{"jpg": b"x", "txt": c} for c in pool], SHARD)
+        urls = sorted(Path(folder).glob("*.tar"))
+        located = [sample_members(str(url)) for url in urls]  # the scan locates the members anyway, for the write
+        samples = {"scan_captions_per_s_wall": [], "scan_captions_per_s_cpu": []}
+        for _ in range(args.rounds):
+            wall, cpu = time.perf_counter(), time.process_time()
+            for shard, url in enumerate(urls):
+                count = min(SHARD, len(pool) - shard * SHARD)
+                keys = [f"s{i:05d}" for i in range(shard * SHARD, shard * SHARD + count)]
+                shard_matches(str(url), located[shard], keys, np.zeros(count, np.int64), matcher)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            samples["scan_captions_per_s_wall"].append(len(pool) / wall)
+            samples["scan_captions_per_s_cpu"].append(len(pool) / cpu)
+    settings = {"entries": args.entries, "captions": len(pool), "shards": len(urls), "zipf": args.zipf}
+    write_rows(RESULTS / "metaclip_scan.csv", [bench_row(settings, samples)])
+    print(settings, {k: np.median(v) for k, v in samples.items()})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--entries", type=int, default=500_000)
@@ -118,12 +151,16 @@ def main() -> None:
     p.add_argument("--t", type=float, default=200.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scan_captions", type=int, help="time the scan's caption path over this many captions instead")
     args = p.parse_args()
     from disco_clip_ds.data.curate.balance import Matcher
 
     rng = np.random.default_rng(args.seed)
     listed = entries(args.entries, rng)
     pool = captions(listed, args.captions, args.zipf, rng)
+    if args.scan_captions:
+        scan_bench(Matcher(listed), pool[: args.scan_captions], args)
+        return
     samples = {"build_s_wall": [], "build_s_cpu": [], "captions_per_s_wall": [], "captions_per_s_cpu": []}
     result = None
     for _ in range(args.rounds):

@@ -78,9 +78,11 @@ def spacing(text: str) -> str:
     """MetaCLIP's `spacing`: " text " with its punctuation wrapped in spaces and its tabs and line breaks spaces."""
     spaced = f" {text} "
     for mark in PUNCTUATION:
-        spaced = spaced.replace(mark, f" {mark} ")
+        if mark in spaced:  # a scan is cheaper than a replace that copies the caption unchanged
+            spaced = spaced.replace(mark, f" {mark} ")
     for blank in BLANKS:
-        spaced = spaced.replace(blank, " ")
+        if blank in spaced:
+            spaced = spaced.replace(blank, " ")
     return spaced
 
 
@@ -128,11 +130,23 @@ def _captions(url: str, located: Members | None):
         for sample in raw_samples(url):
             yield next((sample[k] for k in TEXT_KEYS if sample.get(k) is not None), b"")
         return
+    caption = _caption_members(located)
     with open(url, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for index in range(len(located)):
-            members = {ext: (offset, size) for ext, offset, size in located.members(index)}
-            where = next((members[k] for k in TEXT_KEYS if k in members), None)
-            yield b"" if where is None else mm[where[0] : where[0] + where[1]]
+        for j in caption.tolist():
+            yield b"" if j < 0 else mm[int(located.offsets[j]) : int(located.offsets[j]) + int(located.sizes[j])]
+
+
+def _caption_members(located: Members) -> np.ndarray:
+    """Each sample's caption member (an index into the shard's members; -1 for none): its first member of the
+    first of TEXT_KEYS it has."""
+    counts = np.diff(np.asarray(located.starts, np.int64))
+    sample_of = np.repeat(np.arange(len(counts)), counts)
+    caption = np.full(len(counts), -1, np.int64)
+    codes = [located.exts.index(key) for key in TEXT_KEYS if key in located.exts]
+    for code in reversed(codes):  # the first key written last wins
+        members = np.flatnonzero(np.asarray(located.ext) == code)[::-1]  # and of its members, the first
+        caption[sample_of[members]] = members
+    return caption
 
 
 def balance_drops(scans: list[Path], offsets, pool: np.ndarray, t: float, seed: int, size: int) -> np.ndarray:
