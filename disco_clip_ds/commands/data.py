@@ -283,7 +283,7 @@ def filter_parser() -> argparse.ArgumentParser:
         metavar="E",
         type=float,
         help="SemDeDup: drop a sample whose image embedding's cosine with one kept before it in its k-means cluster "
-        "is above 1 - E (SemDeDup: 0.07)",
+        "is above 1 - E",
     )
     p.add_argument("--semdedup_clusters", metavar="K", type=int, default=100, help="SemDeDup's k-means clusters")
     p.add_argument(

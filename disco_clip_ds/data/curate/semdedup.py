@@ -3,8 +3,9 @@ facebookresearch/SemDeDup): semantic near-copies found among the stored image em
 
 As SemDeDup's code does it (clustering/sort_clusters.py, semdedup.py, with its default `which_to_keep: hard`):
 
-1. k-means of the embeddings (faiss, seeded; data/curate/clusters.py, the one the image-based rule trains), each
-   sample assigned its nearest centre;
+1. k-means of the embeddings (faiss, seeded; data/curate/clusters.py, the one the image-based rule trains: L2 on
+   the unit embeddings, where SemDeDup's configuration runs faiss's spherical k-means), each sample assigned its
+   nearest centre;
 2. within a cluster, the samples ordered by cosine similarity to their centre, least similar first (SemDeDup sorts by
    distance to the centroid, descending; ties here by input order);
 3. a sample is removed when its cosine with any sample before it in that order is above 1 - eps (the column maximum
@@ -35,7 +36,7 @@ def check_semdedup(eps: float | None, clusters: int, kmeans_sample: int) -> None
     if eps is None:
         return
     if not 0 < eps < 1:
-        raise UsageError(f"--semdedup_eps {eps}: give a number between 0 and 1 (SemDeDup: 0.07 for LAION-440M)")
+        raise UsageError(f"--semdedup_eps {eps}: give a number between 0 and 1 (a pair above cosine 1 - E is a copy)")
     if clusters < 1:
         raise UsageError(f"--semdedup_clusters {clusters}: give a positive number of clusters")
     if kmeans_sample < clusters:
