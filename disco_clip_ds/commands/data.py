@@ -278,9 +278,30 @@ def filter_parser() -> argparse.ArgumentParser:
         type=int,
         help="how near counts as a copy (default: the detector's measured)",
     )
+    p.add_argument(
+        "--semdedup_eps",
+        metavar="E",
+        type=float,
+        help="SemDeDup: drop a sample whose image embedding's cosine with one kept before it in its k-means cluster "
+        "is above 1 - E",
+    )
+    p.add_argument("--semdedup_clusters", metavar="K", type=int, default=100, help="SemDeDup's k-means clusters")
+    p.add_argument(
+        "--metadata",
+        metavar="FILE",
+        help="MetaCLIP's balancing: a text file of entries, one a line, matched in the captions (with --balance_t)",
+    )
+    p.add_argument(
+        "--balance_t",
+        metavar="T",
+        type=float,
+        help="MetaCLIP's t: keep a sample of an entry matched n times with probability min(1, T / n) (20000)",
+    )
     p.add_argument("--samples_per_shard", metavar="N", type=int, default=10_000)
     p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
-    p.add_argument("--seed", metavar="N", type=int, default=0, help="the k-means sample and initialisation")
+    p.add_argument(
+        "--seed", metavar="N", type=int, default=0, help="the k-means sample and initialisation, the balance draw"
+    )
     _datacomp_arguments(p)
     return p
 

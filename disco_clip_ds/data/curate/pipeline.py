@@ -2,11 +2,12 @@
 
 1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
    headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
-   rules, its image fingerprint (the one step that decodes images).
+   rules, its image fingerprint (the one step that decodes images); with --metadata, its caption's metadata entries.
    The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written atomically: atomic.py); a
    re-run keeps a saved scan whose sidecar and shard are unchanged.
-2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected. It holds
-   a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
+2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected; then
+   SemDeDup (semdedup.py) and MetaCLIP's balancing (balance.py), each among the samples the rules before it keep. It
+   holds a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
 3. Write, a task per output shard: the kept samples, byte for byte, and their sidecar (reshard.py); a re-run keeps an
    output shard that is complete and verifies. Then sizes.json, the parquet of every input key and the summary.
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from disco_clip_ds import faults
 from disco_clip_ds.atomic import write_bytes
-from disco_clip_ds.data.curate import basic, inputs, reshard, scores, uids
+from disco_clip_ds.data.curate import balance, basic, inputs, reshard, scores, semdedup, uids
 from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, kept_by_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
@@ -58,6 +59,10 @@ class FilterConfig:
     dedup_against: list[str] = field(default_factory=list)
     dedup: bool = False
     dedup_threshold: int | None = None
+    metadata: str | None = None
+    balance_t: float | None = None
+    semdedup_eps: float | None = None
+    semdedup_clusters: int = 100
     samples_per_shard: int = 10_000
     processes: int = 1
     seed: int = 0
@@ -86,11 +91,15 @@ def check_rules(cfg: FilterConfig) -> None:
     if cfg.keep_uids is not None:
         uids.check_uid_file(cfg.keep_uids)
     given = cfg.clip_score_min, cfg.keep_fraction, cfg.keep_uids
-    if all(v is None for v in given) and not cfg.target and not cfg.fingerprints and not basic.thresholds(cfg):
+    others = cfg.fingerprints or (cfg.metadata, cfg.balance_t, cfg.semdedup_eps) != (None, None, None)
+    if all(v is None for v in given) and not cfg.target and not others and not basic.thresholds(cfg):
         raise UsageError(
             "no rule given: pass --clip_score_min, --keep_fraction, --target (with --clusters), --dedup_against, "
-            "--dedup, --basic_filter (or one of its parts) or --keep_uids"
+            "--dedup, --basic_filter (or one of its parts), --keep_uids, --semdedup_eps or --metadata (with "
+            "--balance_t)"
         )
+    balance.check_balance(cfg.metadata, cfg.balance_t)
+    semdedup.check_semdedup(cfg.semdedup_eps, cfg.semdedup_clusters, cfg.kmeans_sample)
     if cfg.clip_score_min is not None:
         scores.check_score_min(cfg.clip_score_min)
     if cfg.keep_fraction is not None:
@@ -118,13 +127,14 @@ def run_filter(cfg: FilterConfig) -> dict:
     targets = _targets(cfg) if cfg.target else None  # before any scan: a target that cannot be embedded is refused
     for folder in cfg.dedup_against:
         inputs.check_reference(folder)
+    matching = balance.listing(cfg.metadata) if cfg.metadata else None  # the list read and checked before any work
     output = Path(cfg.output)
     with writer_lock(output, "--output", "disco-clip data filter"):  # one filter at a time writes an output folder
         inputs.claim_output(output, cfg.arguments())
-        return _filter_into(output, cfg, urls, sidecars, fingerprint, targets)
+        return _filter_into(output, cfg, urls, sidecars, fingerprint, targets, matching)
 
 
-def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: str, targets) -> dict:
+def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: str, targets, matching=None) -> dict:
     """Steps 2 to 5 of `run_filter`, into the claimed `output`."""
     state = output / STATE
     (state / "scan").mkdir(parents=True, exist_ok=True)
@@ -132,11 +142,12 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     with _pool(cfg.processes) as pool:
         # 2. Scan every input shard
         facts = basic.needs(basic.thresholds(cfg))
-        tasks = [(u, s, p, cfg.fingerprints, facts) for u, s, p in zip(urls, sidecars, scans)]
+        tasks = [(u, s, p, cfg.fingerprints, facts, matching) for u, s, p in zip(urls, sidecars, scans)]
         list(pool.imap(scan_shard, tasks))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
+        _later_rules(cfg, sidecars, loaded, drops, matching)
         reason = first_rule(drops, len(loaded["scores"]))
         _refuse_repeated_keys(urls, scans, loaded, reason < 0)
         # 4. Write the output shards
@@ -207,6 +218,22 @@ def _dedup_rules(cfg: FilterConfig, loaded: dict, drops: dict) -> None:
         drops["dedup"] = copy
 
 
+def _later_rules(cfg: FilterConfig, sidecars: list[Path], loaded: dict, drops: dict, matching) -> None:
+    """SemDeDup (semdedup.py), then MetaCLIP's balancing (balance.py), each among the samples every rule before it
+    keeps: the balance counts entries over the pool that reaches it, as MetaCLIP balances a pool already cleaned."""
+    if cfg.semdedup_eps is not None:
+        pool = ~np.logical_or.reduce(list(drops.values()))
+        rows = ((sidecar, _scan_rows(scan)) for sidecar, scan in zip(sidecars, loaded["scans"]))
+        embeddings = semdedup.pool_embeddings(rows, pool)
+        gone = semdedup.semdedup_drops(embeddings, cfg.semdedup_eps, cfg.semdedup_clusters, cfg.kmeans_sample, cfg.seed)
+        drops["semdedup"] = np.zeros(len(pool), bool)
+        drops["semdedup"][np.flatnonzero(pool)[gone]] = True
+    if matching:
+        pool = ~np.logical_or.reduce(list(drops.values()))
+        args = (loaded["scans"], loaded["offsets"], pool, cfg.balance_t, cfg.seed, matching.size)
+        drops["balance"] = balance.balance_drops(*args)
+
+
 def _targets(cfg: FilterConfig) -> np.ndarray:
     """The target sets' embeddings (targets.py), stacked."""
     from disco_clip_ds.data.curate.targets import target_embeddings
@@ -239,11 +266,12 @@ def _centres(cfg: FilterConfig, sidecars: list[Path], loaded: dict, state: Path)
 # --- the per-shard tasks (module level: a pool pickles them by name) ---
 
 
-def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
+def scan_shard(task: tuple[str, Path, Path, bool, tuple, balance.Listing | None]) -> None:
     """Scan input shard `url` into `scan` (keys, scores, sidecar rows, fingerprints), unless a scan of the shard and
     sidecar as they are now is there already."""
-    url, sidecar, scan, with_fingerprints, facts = task
-    stamp = np.array([read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))])
+    url, sidecar, scan, with_fingerprints, facts, matching = task
+    stamp = [read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))]
+    stamp = np.array(stamp + ([matching.digest] if matching else []))  # a scan matched against another list is redone
     if scan.is_file():
         with np.load(scan) as saved:
             if saved["stamp"].tolist() == stamp.tolist() and basic.scanned(saved, *facts):
@@ -273,6 +301,8 @@ def scan_shard(task: tuple[str, Path, Path, bool]) -> None:
     arrays.update(basic.sample_facts(basic.shard_samples(url, located), *facts))  # uids, captions, sizes
     if located:
         arrays.update(located.arrays())
+    if matching:  # the caption's metadata entries (balance.py)
+        arrays.update(balance.shard_matches(url, located, keys, rows, balance.matcher(matching)))
     _save_npz(scan, arrays)
 
 

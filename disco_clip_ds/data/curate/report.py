@@ -19,7 +19,7 @@ RULES = (
     "no_embedding",
     "keep_uids",
     *("caption_language", "caption_words", "caption_chars", "image_side", "aspect_ratio"),  # basic.py's
-    *("clip_score_min", "keep_fraction", "target", "dedup_against", "dedup"),
+    *("clip_score_min", "keep_fraction", "target", "dedup_against", "dedup", "semdedup", "balance"),
 )
 
 SCHEMA_FIELDS = (("shard", "string"), ("key", "string"), ("clip_score", "float32"), ("cluster", "int32"))

@@ -51,17 +51,21 @@ def embedded_shards(
     skip: tuple[int, ...] = (),
     ties: bool = False,
     images: list[bytes] | None = None,
+    captions: list[str] | None = None,
     samples: list[dict] | None = None,
 ) -> list[str]:
     """`num_shards` shards in FOLDER with sidecars beside them; sample i (in input order) gets image row `image[i]`
     (default: random unit rows) and a text row at cosine `cosines[i]` (default: random in [-0.2, 0.5]). Samples whose
     global index is in `skip` get no row (as data embed skips a sample without caption). With `ties`, every image row
     is e1 and equal cosines give exactly equal scores. `images`: the samples' encoded JPEGs (CLIP_benchmark-style keys
-    s00000, ...), instead of flat colours; `samples`: the samples' members (dicts of webdataset fields), keys as
-    with `images`. Returns the shard paths."""
+    s00000, ...), instead of flat colours; `captions`: their captions (with smooth JPEGs when no `images`);
+    `samples`: the samples' members (dicts of webdataset fields), keys as with `images`. Returns the shard paths."""
     rng = np.random.default_rng(seed)
+    if captions is not None and images is None:
+        images = [smooth_jpeg(i, size=16) for i in range(len(captions))]
     if images is not None:
-        samples = [{"jpg": data, "txt": f"image {i}"} for i, data in enumerate(images)]
+        captions = captions or [f"image {i}" for i in range(len(images))]
+        samples = [{"jpg": data, "txt": text} for data, text in zip(images, captions)]
     if samples is None:
         urls = write_shards(folder, num_shards, per_shard, seed=seed)
     else:
