@@ -10,6 +10,7 @@
 # default the teacher's own logit scale; docs/distillation.md);
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
 # EMA_DECAY=0.99 keeps an EMA of the weights and evaluates it beside them (zeroshot_ema_*; docs/training.md, "EMA").
+# OPTIM=lamb LR=2e-3 trains with LAMB at Perception Encoder's rate (docs/training.md, "LAMB"; default AdamW at 1e-3).
 # CAPTION_NOISE=0.3 builds and trains on the demo with 30 % of its training captions naming another digit
 # (DATA=data/demo_noise0.3; noisy web captions, where a teacher has most to teach: docs/distillation.md).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
@@ -58,7 +59,7 @@ $VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --
   "${TRAIN_DATA[@]}" \
   --model_config "$MODEL" --tokenizer_name recipes/tokenizer --loss_impl tiled \
   --output_dir "$OUT" --max_steps "$STEPS" --per_device_train_batch_size "$PER_RANK" \
-  --learning_rate 1e-3 --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
+  --learning_rate "${LR:-1e-3}" ${OPTIM:+--optim "$OPTIM"} --weight_decay 0.1 --warmup_steps 30 --lr_scheduler_type cosine --adam_beta2 0.98 --adam_epsilon 1e-6 \
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed "$SEED" \
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" "${BUDGET[@]+"${BUDGET[@]}"}" \
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \

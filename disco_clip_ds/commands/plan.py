@@ -15,7 +15,7 @@ from disco_clip_ds.cli import DefaultsOnce
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.plan.host import DEFAULT_SAMPLE_BYTES, HostOptions
 from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
-from disco_clip_ds.plan.report import format_report, plan
+from disco_clip_ds.plan.report import OPTIMIZER_MOMENTS, format_report, plan
 from disco_clip_ds.plan.trainable import LOCK_ARGUMENTS
 
 
@@ -39,6 +39,12 @@ def _parse(argv):
         choices=LOSS_IMPLS,
         action="append",
         help="repeatable; default: every one the model's loss has (CLIP: tiled, disco, local; SigLIP: tiled, local)",
+    )
+    p.add_argument(
+        "--optim",
+        choices=sorted(OPTIMIZER_MOMENTS),
+        default="adamw_torch",
+        help="as `disco-clip train --optim`: AdamW and LAMB both keep two fp32 moments per trained parameter",
     )
     p.add_argument("--chunk_size", type=int, help="tiled loss rows per tile (default: the loss's own)")
     p.add_argument("--overhead_gb", type=float, default=DEFAULT_OVERHEAD_GB, help="framework overhead per GPU")
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_patches,
         args.ema,
         _host_options(args),
+        optim=args.optim,
     )
     print(format_report(result, args.deepspeed, args.model))
     if args.json:

@@ -42,6 +42,20 @@ def _fmt(nbytes: float) -> str:
     return f"{nbytes / GiB:8.2f} GiB" if nbytes >= 0.1 * GiB else f"{nbytes / 2**20:8.1f} MiB"
 
 
+# The fp32 moments each trained parameter keeps, by `disco-clip train --optim`: what memory.model_state_bytes counts
+# (m and v, 8 bytes). LAMB (train/lamb.py) keeps Adam's two; its trust ratios are computed from them at each step and
+# never stored.
+OPTIMIZER_MOMENTS = {"adamw_torch": 2, "adamw_torch_fused": 2, "lamb": 2}
+
+
+def optimizer_states(name: str) -> str:
+    """How the report names the optimizer states it counts."""
+    kind = "LAMB" if name == "lamb" else "AdamW"
+    return f"{kind} states ({OPTIMIZER_MOMENTS[name]} fp32 moments per trained parameter" + (
+        ", as Adam)" if name == "lamb" else ")"
+    )
+
+
 def plan(
     config_path,
     model_path,
@@ -60,10 +74,12 @@ def plan(
     max_num_patches: int | None = None,
     ema: bool = False,
     host: HostOptions | None = None,
+    optim: str = "adamw_torch",
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
-    gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions())."""
+    gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions());
+    `optim`: `train --optim` (OPTIMIZER_MOMENTS)."""
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
@@ -92,6 +108,7 @@ def plan(
             "training_flops_per_sample": shape.training_flops_per_sample(),
             "teacher_params": teacher.params if teacher is not None else None,
         },
+        "optimizer": {"name": optim, "fp32_moments_per_parameter": OPTIMIZER_MOMENTS[optim]},
         "global_batch": settings.contrastive_batch,
         "contrastive_steps": settings.contrastive_steps,
         "capacity_bytes": capacity,
@@ -138,7 +155,8 @@ def format_report(result: dict, config_path, model_path) -> str:
         + f"; ZeRO-{s['stage']}, {s['precision']}",
         f"model {model_path}: {_parameters(result['model'])}, {result['model']['loss']} loss; "
         "activation checkpointing "
-        f"{'on' if result['activation_checkpointing'] else 'off'}; Adam states; framework overhead "
+        f"{'on' if result['activation_checkpointing'] else 'off'}; "
+        f"{optimizer_states(result['optimizer']['name'])}; framework overhead "
         f"{result['overhead_bytes'] / GiB:.1f} GiB assumed (CUDA context, NCCL, allocator; --overhead_gb)",
     ]
     model, flops = result["model"], result["model"]["training_flops_per_sample"]

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.training_args import OptimizerNames
 
 from disco_clip_ds import LOSS_IMPLS, compat
 from disco_clip_ds.cli import DefaultsOnce
@@ -253,6 +254,9 @@ class DataArguments:
     )
 
 
+OWN_OPTIMIZERS = ("lamb",)  # --optim values that DiscoTrainer builds itself (TrainingArguments does not know them)
+
+
 @dataclass
 class DiscoTrainingArguments(TrainingArguments):
     """TrainingArguments with CLIP-pretraining defaults; CPU is chosen automatically when there is no GPU, and each
@@ -264,6 +268,16 @@ class DiscoTrainingArguments(TrainingArguments):
     save_steps: float = field(default=500)
     save_total_limit: int | None = field(default=3)
     weight_decay: float = field(default=0.1)
+    # The Trainer's optimizers plus ours (train/lamb.py), which DiscoTrainer builds; TrainingArguments itself would
+    # refuse a name outside its enum, so __post_init__ shows it one of its own and then puts ours back.
+    optim: str = field(
+        default=TrainingArguments.__dataclass_fields__["optim"].default,
+        metadata={
+            "choices": [*(name.value for name in OptimizerNames), *OWN_OPTIMIZERS],
+            "help": "the optimizer; lamb: LAMB (timm's rule) with its trust ratio per parameter under ZeRO-1/2/3 "
+            "and FSDP (docs/training.md, LAMB)",
+        },
+    )
     warmup_steps: float = field(default=0)
     dataloader_num_workers: int = field(default=2)
     resume_from_checkpoint: str | None = field(
@@ -381,9 +395,14 @@ class DiscoTrainingArguments(TrainingArguments):
         # are made before it (CPU ranks without a GPU; gloo's group with --ddp_timeout), and a master or peer that
         # never answers is a PeerError instead of torch's traceback. Nothing else happens here.
         compat.use_cpu_without_gpu(self)
+        own_optim = self.optim if self.optim in OWN_OPTIMIZERS else None
+        if own_optim:
+            self.optim = OptimizerNames.ADAMW_TORCH  # what TrainingArguments checks; ours is put back below
         with peers.joining(self.ddp_timeout):
             compat.init_cpu_process_group(self)
             super().__post_init__()
+        if own_optim:
+            self.optim = own_optim  # a plain str: the Trainer reads it only where DiscoTrainer answers for it
         if self.accelerator_config.dispatch_batches is None:
             # Each rank reads its own shards (ShardStream); rank 0 reading for everyone does not scale.
             self.accelerator_config.dispatch_batches = False

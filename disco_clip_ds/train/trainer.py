@@ -29,6 +29,7 @@ from disco_clip_ds.train.data_failure import DataFailures
 from disco_clip_ds.train.distill import split_inputs
 from disco_clip_ds.train.ema import WeightsEma
 from disco_clip_ds.train.finite import FiniteCheck, non_finite_parameters
+from disco_clip_ds.train.lamb import Lamb
 from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
 from disco_clip_ds.train.step_flags import exchange
 from disco_clip_ds.train.stopping import StopSignals
@@ -100,7 +101,20 @@ class DiscoTrainer(Trainer):
             )
             optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
             self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
-        return super().create_optimizer(model)  # with self.optimizer set, it only wraps it where needed
+        optimizer = super().create_optimizer(model)  # with self.optimizer set, it only wraps it where needed
+        if isinstance(self.optimizer, Lamb) and self.is_deepspeed_enabled:
+            from disco_clip_ds.train.lamb_shards import zero_pieces
+
+            # read at the first step: by then the engine (model_wrapped) has flattened the groups into its partitions
+            self.optimizer.layout = lambda: zero_pieces(self.model_wrapped)
+        return optimizer
+
+    def get_optimizer_cls_and_kwargs(self, args, model=None):
+        """The Trainer's, plus --optim lamb (train/lamb.py) with --adam_beta1/2 and --adam_epsilon."""
+        if args.optim == "lamb":
+            betas = (args.adam_beta1, args.adam_beta2)
+            return Lamb, {"lr": args.learning_rate, "betas": betas, "eps": args.adam_epsilon}
+        return super().get_optimizer_cls_and_kwargs(args, model)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)

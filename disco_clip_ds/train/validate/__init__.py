@@ -68,6 +68,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     batch.check_batch_size(args)
     training.check_save_steps(args)
     training.check_learning_rates(args, deepspeed)
+    training.check_own_optimizer(args, deepspeed)
     training.check_patch_dropout(args)
     training.check_torch_compile(args)
     training.check_peak_tflops(args)

@@ -1,5 +1,6 @@
 """The optimizer and step settings: --save_steps, --learning_rate, --weight_decay and the per-tower ones (against a
-DeepSpeed JSON's own optimizer), --patch_dropout, --torch_compile, and --push_to_hub's token."""
+DeepSpeed JSON's own optimizer), --optim lamb (likewise), --patch_dropout, --torch_compile, and --push_to_hub's
+token."""
 
 from __future__ import annotations
 
@@ -45,6 +46,29 @@ def check_learning_rates(args: DiscoTrainingArguments, deepspeed: dict | None) -
         raise UsageError(
             f'{" ".join(towers)}: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer '
             "over one parameter group; remove that block so that the Trainer builds it with the per-tower groups"
+        )
+
+
+def check_own_optimizer(args: DiscoTrainingArguments, deepspeed: dict | None) -> None:
+    """--optim lamb: built by DiscoTrainer (train/lamb.py), so neither DeepSpeed's optimizer block nor --optim_args."""
+    if args.optim != "lamb":
+        return
+    block = (deepspeed or {}).get("optimizer")
+    if block is not None:
+        kind = block.get("type") if isinstance(block, dict) else None
+        why = (
+            "DeepSpeed's own Lamb, a fused CUDA op that under ZeRO takes its trust ratio per flat partition"
+            if str(kind).lower() == "lamb"
+            else f"its {kind} optimizer, not LAMB"
+        )
+        raise UsageError(
+            f'--optim lamb: the --deepspeed config\'s "optimizer" block would make DeepSpeed build {why}; remove '
+            "that block so that the Trainer builds LAMB with a trust ratio per parameter"
+        )
+    if args.optim_args:
+        raise UsageError(
+            f"--optim_args {args.optim_args}: --optim lamb takes none (timm's Lamb at its defaults; --adam_beta1, "
+            "--adam_beta2, --adam_epsilon and --weight_decay set it)"
         )
 
 

@@ -72,6 +72,18 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--vision_layer_decay", "0.85", "--deepspeed", "{ds_optimizer}"],
         '--vision_layer_decay: the --deepspeed config\'s "optimizer" block makes DeepSpeed build the optimizer',
     ),
+    "lamb under a deepspeed optimizer": (
+        ["{data}", *MODEL, *TOK, "--optim", "lamb", "--deepspeed", "{ds_optimizer}"],
+        '--optim lamb: the --deepspeed config\'s "optimizer" block would make DeepSpeed build its AdamW optimizer, not',
+    ),
+    "lamb under deepspeed's own lamb": (
+        ["{data}", *MODEL, *TOK, "--optim", "lamb", "--deepspeed", "{ds_lamb}"],
+        "build DeepSpeed's own Lamb, a fused CUDA op that under ZeRO takes its trust ratio per flat partition",
+    ),
+    "lamb with optim args": (
+        ["{data}", *MODEL, *TOK, "--optim", "lamb", "--optim_args", "trust_clip=true"],
+        "--optim_args trust_clip=true: --optim lamb takes none",
+    ),
     "patch dropout 1": (["{data}", *MODEL, *TOK, "--patch_dropout", "1"], "--patch_dropout 1: give the fraction"),
     "patch dropout until without a rate": (
         ["{data}", *MODEL, *TOK, "--patch_dropout_until_step", "5"],
@@ -177,6 +189,7 @@ def bad_inputs(bad_arguments_setup, tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([json.loads((REPO / "recipes/models/tiny.json").read_text())]))
     ds_optimizer = {**json.loads((REPO / "ds_configs/cpu_zero2.json").read_text()), "optimizer": {"type": "AdamW"}}
     (tmp_path / "ds_optimizer.json").write_text(json.dumps(ds_optimizer))
+    (tmp_path / "ds_lamb.json").write_text(json.dumps({**ds_optimizer, "optimizer": {"type": "Lamb"}}))
     for family, recipe in (("clip", REPO / MODEL[1]), ("siglip", SIGLIP)):  # a teacher's folder: its config.json
         (tmp_path / f"{family}_teacher").mkdir()
         (tmp_path / f"{family}_teacher" / "config.json").write_text(recipe.read_text())
@@ -201,6 +214,7 @@ def bad_inputs(bad_arguments_setup, tmp_path):
         "clip_teacher": str(tmp_path / "clip_teacher"),
         "siglip_teacher": str(tmp_path / "siglip_teacher"),
         "ds_optimizer": str(tmp_path / "ds_optimizer.json"),
+        "ds_lamb": str(tmp_path / "ds_lamb.json"),
         **bad_arguments_setup,
         "list_json": str(tmp_path / "list.json"),
         "siglip_32": _config(tmp_path, "siglip_32.json", SIGLIP, text_config={"projection_size": 32}),

@@ -1,0 +1,83 @@
+"""LAMB against AdamW on the demo: zero-shot top-1 at the quickstart's in-training evals (every 100 steps) and of the
+saved model, per seed, each optimizer at its usual learning rate and the same steps.
+
+Each run is `recipes/quickstart.sh` (2 CPU ranks x 128 pairs, ZeRO-2, fp32, cosine schedule with 30 warmup steps,
+weight decay 0.1, beta2 0.98, eps 1e-6) for --steps steps (the quickstart's 300 by default): AdamW at the quickstart's
+1e-3, LAMB (`OPTIM=lamb`) at Perception Encoder's 2e-3; the two of a seed run side by side. Read from each run's
+trainer_state.json (`zeroshot_acc1`, `zeroshot_acc5`) and its eval/zeroshot_classification.json (the saved model,
+`disco-clip eval`), into results/lamb_quality.csv.
+
+    python bench/train/lamb_quality.py --seeds 0 1 2 [--steps 300] [--data data/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
+from disco_clip_ds.testing.ranks import free_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+OUT = REPO / "outputs" / "bench_lamb"
+RUNS = {"lamb": {"OPTIM": "lamb", "LR": "2e-3"}, "adamw": {"LR": "1e-3"}}
+
+
+def quickstart(out: Path, seed: int, run: str, steps: int, data: str | None) -> subprocess.Popen | None:
+    """The quickstart with `run`'s optimizer into OUT, started; None when OUT already holds its finished run (a bench
+    cut short goes on)."""
+    if (out / "eval" / "zeroshot_both.json").is_file():  # the quickstart's last file
+        return None
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "OUT": str(out), "SEED": str(seed), "STEPS": str(steps), **RUNS[run]}
+    env["MASTER_PORT"] = str(free_port())
+    if data:
+        env["DATA"] = data
+    return subprocess.Popen(["bash", "recipes/quickstart.sh"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+
+
+def eval_rows(out: Path) -> list[dict]:
+    """The run's in-training evals, and the saved model's (step "final")."""
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    rows = [
+        {"step": h["step"], "acc1": h["zeroshot_acc1"], "acc5": h["zeroshot_acc5"]}
+        for h in history
+        if "zeroshot_acc1" in h
+    ]
+    final = json.loads((out / "eval" / "zeroshot_classification.json").read_text())["metrics"]
+    return [*rows, {"step": "final", "acc1": final["acc1"], "acc5": final.get("acc5")}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--data", help="the demo dataset (default: the quickstart's data/demo, built if missing)")
+    args = parser.parse_args()
+    rows = []
+    for seed in args.seeds:
+        outs = {run: OUT / f"{run}_s{seed}_{args.steps}" for run in RUNS}
+        started = [quickstart(out, seed, run, args.steps, args.data) for run, out in outs.items()]
+        for process in filter(None, started):  # side by side: a machine slowing down meets both
+            if process.wait():
+                raise SystemExit(f"a quickstart run failed (exit {process.returncode}): {process.args}")
+        for run, out in outs.items():
+            got = eval_rows(out)
+            rows += [
+                {"seed": seed, "optim": run, "learning_rate": RUNS[run]["LR"], "steps": args.steps, **r} for r in got
+            ]
+            print(run, seed, got, flush=True)
+    write_rows(HERE / "results" / "lamb_quality.csv", rows, rounds=1)
+    for step in [*range(100, args.steps + 1, 100), "final"]:
+        means = {run: [r["acc1"] for r in rows if r["optim"] == run and r["step"] == step] for run in RUNS}
+        print(step, {run: (round(statistics.mean(v), 4), min(v), max(v)) for run, v in means.items() if v})
+
+
+if __name__ == "__main__":
+    main()
