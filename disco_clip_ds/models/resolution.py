@@ -54,9 +54,15 @@ def parse_schedule(text: str) -> list[Stage]:
     return stages
 
 
-def format_schedule(stages: list[Stage]) -> str:
-    """The schedule as `parse_schedule` reads it."""
-    return ",".join(f"{float(s.start):g}:{s.size}" for s in stages)
+def side_problem(stages: list[Stage], patch_size: int) -> str | None:
+    """What is wrong with the sides of a square-image schedule for `patch_size` px patches (None: nothing): each
+    side must be a whole number of patches."""
+    for stage in stages:
+        if stage.size % patch_size:
+            lower, upper = stage.size // patch_size * patch_size, (stage.size // patch_size + 1) * patch_size
+            fix = f"{lower} or {upper}" if lower else str(upper)
+            return f"side {stage.size} is not a multiple of the patch size {patch_size}; use {fix}"
+    return None
 
 
 class ResolutionSchedule:

@@ -4,7 +4,7 @@ sides against the patch size (or SigLIP 2's patch budgets), and the flags it doe
 from __future__ import annotations
 
 from disco_clip_ds.errors import UsageError
-from disco_clip_ds.models.resolution import parse_schedule
+from disco_clip_ds.models.resolution import parse_schedule, side_problem
 from disco_clip_ds.train.args import DiscoTrainingArguments, ModelArguments
 
 
@@ -37,14 +37,9 @@ def check_resolution_schedule(
                 f"{flag}: its last budget {final} differs from --max_num_patches {budget}; leave that flag out"
             )
         return None, (patch, final)
-    patch = config.vision_config.patch_size
-    for stage in stages:
-        if stage.size % patch:
-            lower, upper = stage.size // patch * patch, (stage.size // patch + 1) * patch
-            raise UsageError(
-                f"{flag}: side {stage.size} is not a multiple of the patch size {patch}; use "
-                + (f"{lower} or {upper}" if lower else str(upper))
-            )
+    problem = side_problem(stages, config.vision_config.patch_size)
+    if problem:
+        raise UsageError(f"{flag}: {problem}")
     zero3 = ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3
     if zero3 and model_args.model_name_or_path and final != config.vision_config.image_size:
         raise UsageError(
