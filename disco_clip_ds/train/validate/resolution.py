@@ -40,11 +40,11 @@ def check_resolution_schedule(
     problem = side_problem(stages, config.vision_config.patch_size)
     if problem:
         raise UsageError(f"{flag}: {problem}")
-    zero3 = ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3
-    if zero3 and model_args.model_name_or_path and final != config.vision_config.image_size:
+    if ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3:
+        # ZeRO-3 gathers a module's weights when its own forward runs; interpolate_pos_encoding reads the position
+        # embedding's weight from its parent's forward, where it is an empty partition
         raise UsageError(
-            f"{flag}: the pretrained model's position embeddings are for {config.vision_config.image_size} px and "
-            f"ZeRO-3 partitions them as they load, so they cannot be resized to {final} px: end the schedule at "
-            f"{config.vision_config.image_size}, or train under ZeRO-1 or 2"
+            f"{flag} under ZeRO-3: not supported (the interpolated position embeddings are partitioned); "
+            "train under ZeRO-1 or 2"
         )
     return final, None
