@@ -41,6 +41,7 @@ from disco_clip_ds.checkpoint.layout import is_zero3, saved_ranks
 from disco_clip_ds.checkpoint.runfile import public_distillation, run_file_of
 from disco_clip_ds.data.redact import describe_data
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.models.resolution import describe_schedule
 
 logger = logging.getLogger("disco_clip_ds.checkpoint.resume")
 
@@ -88,20 +89,24 @@ SEGMENT_KEYS = (  # what a resume may change and records
     "data_stat_sha256",
     "train_num_samples",
     "max_steps",
+    "resolution_schedule",  # its stages are steps of the run: recorded per segment
 )
 
 
 # --- the facts ---
 
 
-def architecture(config: dict) -> dict:
+def architecture(config: dict, image_size: int | None = None) -> dict:
     """The architecture fields (ARCHITECTURE) of a CLIPConfig or SiglipConfig dict, as 'text_config.hidden_size' ->
-    value (a field the family lacks is None)."""
+    value (a field the family lacks is None); `image_size`: the side the model is built at, where it differs
+    (--resolution_schedule's last, models/resolution.py)."""
     found = {}
     for part, keys in ARCHITECTURE.items():
         section = config.get(part, {}) if part else config
         for key in keys:
             found[f"{part}.{key}" if part else key] = section.get(key)
+    if image_size is not None:
+        found["vision_config.image_size"] = image_size
     return found
 
 
@@ -232,6 +237,7 @@ def launch_facts(
         "max_steps": max_steps,
         "tower_settings": tower_settings(args),
         "patch_dropout": patch_dropout_setting(args),
+        "resolution_schedule": describe_schedule(getattr(args, "resolution_schedule", None), max_steps),
         "max_num_patches": None if model_args is None else getattr(model_args, "max_num_patches", None),
         "locked_towers": None if model_args is None else lock_settings(model_args),
         "distillation": None if model_args is None else distillation_setting(model_args),

@@ -66,6 +66,11 @@ def _parse(argv):
         help="SigLIP 2 (NaFlex): patches per image, as `disco-clip train --max_num_patches` (default: the grid)",
     )
     p.add_argument(
+        "--resolution_schedule",
+        help="progressive resolution, as `disco-clip train --resolution_schedule` (e.g. 0:98,0.35:154,0.7:224): "
+        "each stage's memory and FLOPs, and the schedule's FLOPs against the last size throughout",
+    )
+    p.add_argument(
         "--teacher",
         help="a distillation teacher's config JSON (as `disco-clip train --teacher`): its frozen weights (sharded "
         "under ZeRO-3), forward and embeddings are counted",
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_patches,
         args.ema,
         _host_options(args),
+        resolution_schedule=args.resolution_schedule,
         optim=args.optim,
     )
     print(format_report(result, args.deepspeed, args.model))

@@ -147,3 +147,25 @@ class NaflexTransform:
         height, width = naflex_size(image.height, image.width, self.patch_size, self.max_num_patches)
         resized = image.resize((width, height), Image.BILINEAR)
         return patchify(torch.from_numpy(np.array(resized)).permute(2, 0, 1).contiguous(), self.patch_size)
+
+
+def rebudget(
+    pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, patch_size: int, max_num_patches: int
+) -> dict[str, torch.Tensor]:
+    """A packed NaFlex batch (`pack_patches`' keys, float, normalised, on any device) -> the same images at a
+    smaller patch budget: each grid back to pixels, resized (bicubic, antialiased: linear, so it commutes with the
+    normalisation) to `naflex_size` of its size at `max_num_patches`, cut into patches and packed again. Where a
+    progressive resolution schedule (models/resolution.py) trains a step at a budget below the stream's."""
+    grids = []
+    for row, (rows, cols) in zip(pixel_values, spatial_shapes.tolist()):
+        image = row[: rows * cols].reshape(rows, cols, patch_size, patch_size, -1).permute(4, 0, 2, 1, 3)
+        image = image.reshape(1, -1, rows * patch_size, cols * patch_size)
+        target = naflex_size(rows * patch_size, cols * patch_size, patch_size, max_num_patches)
+        if target != tuple(image.shape[-2:]):
+            image = F.interpolate(image, size=target, mode="bicubic", antialias=True, align_corners=False)
+        grids.append(patchify(image[0], patch_size))
+    out = pixel_values.new_zeros((len(grids), max_num_patches, pixel_values.shape[-1]))
+    packed = pack_patches(grids, max_num_patches, out=out)
+    packed["pixel_attention_mask"] = packed["pixel_attention_mask"].to(pixel_values.device)
+    packed["spatial_shapes"] = packed["spatial_shapes"].to(spatial_shapes.device)
+    return packed

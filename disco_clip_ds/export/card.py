@@ -87,6 +87,7 @@ RUN_FIELDS = [
     ("zero_stage", "DeepSpeed ZeRO stage"),
     ("tower_settings", "per-tower learning rates and layer decay"),
     ("patch_dropout", "patch dropout (FLIP)"),
+    ("resolution_schedule", "progressive resolution (image side, or SigLIP 2 patch budget, from step)"),
     ("max_num_patches", "NaFlex patch budget per image (max_num_patches)"),
     ("locked_towers", "locked towers"),
     ("distillation", "distilled (teacher, weight, temperature)"),

@@ -8,6 +8,7 @@ import copy
 from disco_clip_ds.models.base import init_seed
 from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.models.configs import load_config
+from disco_clip_ds.models.resolution import resize_position_embeddings
 from disco_clip_ds.models.siglip import DiscoSiglipModel
 from disco_clip_ds.models.siglip2 import DiscoSiglip2Model
 
@@ -19,6 +20,7 @@ def build_model(
     chunk_size: int | None = None,
     seed: int | None = None,
     config=None,
+    image_size: int | None = None,
 ) -> DiscoCLIPModel | DiscoSiglipModel | DiscoSiglip2Model:
     """A DiscoCLIPModel, DiscoSiglipModel or DiscoSiglip2Model (by the config's model_type) from pretrained weights
     (hub id or folder) or fresh from a config JSON file.
@@ -27,7 +29,9 @@ def build_model(
     `drawn_by_name`): the same under any ZeRO stage, world size or device. None: torch.initial_seed(), the seed that
     transformers' set_seed (a run's --seed) last set.
 
-    `config`: the model's config as already loaded (a run's `CheckedRun.config`), copied, not loaded again."""
+    `config`: the model's config as already loaded (a run's `CheckedRun.config`), copied, not loaded again.
+    `image_size`: a square-image model's side when it differs from its config's (the last stage of a progressive
+    resolution schedule): its position embeddings are resized to it once, here (models/resolution.py)."""
     if bool(model_name_or_path) == bool(model_config):
         raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
     # a copy: the loss settings below must not change the caller's config
@@ -38,8 +42,12 @@ def build_model(
     config.loss_impl, config.chunk_size = loss_impl, chunk_size
     with init_seed(seed):
         if model_name_or_path:
-            return model_class.from_pretrained(model_name_or_path, config=config)
-        return model_class(config)
+            model = model_class.from_pretrained(model_name_or_path, config=config)
+        else:
+            model = model_class(config)
+    if image_size is not None and config.model_type != "siglip2":
+        resize_position_embeddings(model, image_size)
+    return model
 
 
 MODEL_CLASSES = {"clip": DiscoCLIPModel, "siglip": DiscoSiglipModel, "siglip2": DiscoSiglip2Model}

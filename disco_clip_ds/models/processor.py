@@ -69,3 +69,19 @@ def load_saved_tokenizer(folder: str | Path):
     name = declared_tokenizer_class(folder)
     cls = tokenizer_class_from_name(name) if name else None
     return (cls or AutoTokenizer).from_pretrained(folder)
+
+
+def at_image_size(image_processor, side: int | None):
+    """A pretrained model's image processor set to resize and crop to `side` (the run's last side), as its saved
+    model takes it; unchanged when `side` is None or it already does. Its other settings (mean, std, resample) stay."""
+    crop = getattr(image_processor, "crop_size", None) or {}
+    size = getattr(image_processor, "size", None) or {}
+    if side is None or (crop.get("height", side) == side and side in (size.get("shortest_edge"), size.get("height"))):
+        return image_processor
+    if "shortest_edge" in size:
+        image_processor.size = {"shortest_edge": side}
+    else:
+        image_processor.size = {"height": side, "width": side}
+    if crop:
+        image_processor.crop_size = {"height": side, "width": side}
+    return image_processor

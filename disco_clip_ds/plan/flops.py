@@ -6,6 +6,8 @@ the loss's share is left out."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from disco_clip_ds.plan.memory import ModelShape
 
 
@@ -29,3 +31,17 @@ def training_flops_per_sample(
     flops = sum(student.with_patch_dropout(patch_dropout).training_flops_per_sample().values())
     teachers = teacher if isinstance(teacher, (list, tuple)) else [] if teacher is None else [teacher]
     return flops + sum(forward_flops_per_sample(t) for t in teachers)
+
+
+def at_size(shape: ModelShape, size: int) -> ModelShape:
+    """`shape` with its images at another size: square images of side `size`, or for SigLIP 2 (NaFlex) a budget of
+    `size` patches (a progressive resolution stage, models/resolution.py). The text tower is unchanged."""
+    vision = dict(shape.towers["vision"])
+    class_tokens = vision["tokens"] - vision["patches"]
+    if shape.image == (1, vision["patches"], vision["patch_pixels"]):  # NaFlex: (1, patches, pixels per patch)
+        patches, image = size, (1, size, shape.image[2])
+    else:
+        patch = round((vision["patch_pixels"] / shape.image[0]) ** 0.5)
+        patches, image = (size // patch) ** 2, (shape.image[0], size, size)
+    vision.update(patches=patches, tokens=patches + class_tokens)
+    return replace(shape, towers={**shape.towers, "vision": vision}, image=image)

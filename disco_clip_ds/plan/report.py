@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.checks import read_deepspeed_json, validate_config
+from disco_clip_ds.plan.flops import at_size
 from disco_clip_ds.plan.host import HostOptions, format_host, plan_host
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
@@ -23,6 +24,7 @@ from disco_clip_ds.plan.memory import (
     max_micro_batch,
     memory_plan,
 )
+from disco_clip_ds.plan.stages import format_stages, plan_stages, schedule_stages
 from disco_clip_ds.plan.traffic import traffic_bytes
 
 
@@ -75,17 +77,21 @@ def plan(
     ema: bool = False,
     host: HostOptions | None = None,
     optim: str = "adamw_torch",
+    resolution_schedule: str | None = None,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
     gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions());
-    `optim`: `train --optim` (OPTIMIZER_MOMENTS)."""
+    `optim`: `train --optim` (OPTIMIZER_MOMENTS); `resolution_schedule`: as `disco-clip train`'s, the model planned
+    at its last size and each stage at its own."""
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
     shape = ModelShape.from_json(model_path, lock_flags, max_num_patches).with_patch_dropout(patch_dropout)
+    stages = schedule_stages(resolution_schedule, shape) if resolution_schedule else None
+    shape = at_size(shape, stages[-1][1]) if stages else shape
     teacher = ModelShape.from_json(teacher_path) if teacher_path else None
     if teacher is not None and teacher.loss != shape.loss:
         raise PlanConfigError(f"--teacher {teacher_path}: a {teacher.loss} model cannot teach a {shape.loss} one")
@@ -129,6 +135,10 @@ def plan(
         out["max_micro_batch"][impl] = max_micro_batch(*plan_args, chunk_size, teacher)
         if contrastive_accumulation and impl != "local":
             out["max_contrastive_steps"][impl] = max_contrastive_steps(*plan_args, chunk_size, teacher=teacher)
+    if stages:
+        rest = (activation_checkpointing, capacity, overhead, None, chunk_size, teacher)
+        memory = lambda stage: {i: memory_plan(stage, settings, fit, i, *rest).total for i in loss_impls}  # noqa: E731
+        out["resolution_stages"] = plan_stages(stages, shape, memory)
     return out
 
 
@@ -201,6 +211,8 @@ def format_report(result: dict, config_path, model_path) -> str:
         lines.append(f"  {'  = contrastive batch':<28}" + "".join(f"{batch:>14}" for _, batch in cells))
     lines += ["", f"bytes sent per rank per optimizer step ({s['world']} ranks, ring collectives):"]
     lines += [f"  {name:<46}{_fmt(v)}" for name, v in result["traffic"].items()]
+    if "resolution_stages" in result:
+        lines += ["", *format_stages(result["resolution_stages"], GiB)]
     if "host" in result:
         lines += ["", *format_host(result["host"])]
     return "\n".join(lines)

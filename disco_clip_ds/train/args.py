@@ -333,6 +333,14 @@ class DiscoTrainingArguments(TrainingArguments):
             "end of the run, e.g. the last 5%% of --max_steps); default: masked to the end"
         },
     )
+    resolution_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": "progressive resolution (models/resolution.py): FRACTION:SIDE,... of the run's steps, e.g. "
+            "0:98,0.35:154,0.7:224,0.95:336 (Perception Encoder); SigLIP 2: FRACTION:PATCH_BUDGET,...; the model "
+            "trains and saves at the last size (default: one size throughout)"
+        },
+    )
     # An EMA of the weights (train/ema.py): timm ModelEmaV3's rule, sharded like the fp32 master weights.
     ema_decay: float | None = field(
         default=None,

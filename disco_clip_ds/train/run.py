@@ -51,7 +51,7 @@ from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
 from disco_clip_ds.models.patch_dropout import patch_counts
-from disco_clip_ds.models.processor import pin_processor
+from disco_clip_ds.models.processor import at_image_size, pin_processor
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
 from disco_clip_ds.train.data_failure import worker_lost
@@ -99,8 +99,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
                 print(repaired or finished)
             return {}
 
-        # 5. The model, its locked towers (compiled with --torch_compile: the towers alone, taken out of the
-        # Trainer's hands, which would compile the loss's collectives too) and the processor saved with it.
+        # 5. The model, its locked towers, compiled with --torch_compile (towers alone, not the loss), its processor.
         args.push_to_hub = False  # never let the Trainer push raw DeepSpeed state: we export and push at the end
         startup.start_deepspeed_comm(args)  # compat.init_deepspeed_comm, with DISCO_FAULT signal_at_startup:stage=3
         model = build_model(
@@ -109,6 +108,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             model_args.loss_impl,
             model_args.chunk_size,
             config=checked.config,
+            image_size=checked.image_size,  # --resolution_schedule's last side: the position embeddings resized once
         )
         lock_towers(model, model_args)
         compile_towers(model, take_compile_settings(args), fsdp=bool(args.fsdp))
@@ -310,9 +310,9 @@ def _log_plan(args: DiscoTrainingArguments, checked: CheckedRun, trainer: DiscoT
 
 
 def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
-    """The processor saved with the model: the pretrained model's own image processor when it has one (its
-    normalisation is what its weights expect: SigLIP's is 0.5, not CLIP's), else CLIP's at the run's image size;
-    for SigLIP 2, Siglip2ImageProcessor at the run's patch size and budget (the NaFlex pipeline's eval path)."""
+    """The processor saved with the model, at the run's image size: the pretrained model's own image processor when
+    it has one (its normalisation is what its weights expect: SigLIP's is 0.5, not CLIP's), else CLIP's; for
+    SigLIP 2, Siglip2ImageProcessor at the run's patch size and budget (the NaFlex pipeline's eval path)."""
     tokenizer, image_size = checked.tokenizer, checked.image_size
     if checked.naflex is not None:
         patch_size, budget = checked.naflex
@@ -329,7 +329,7 @@ def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
         image_processor = CLIPImageProcessor(
             size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
         )
-    return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return CLIPProcessor(image_processor=at_image_size(image_processor, image_size), tokenizer=tokenizer)
 
 
 def _resume_point(
@@ -359,7 +359,7 @@ def _resume_point(
         **resume.launch_facts(
             args, data_args, checked.urls, checked.num_samples, checked.max_steps, model_args=model_args
         ),
-        "model": resume.architecture(checked.config.to_dict()),
+        "model": resume.architecture(checked.config.to_dict(), checked.image_size),
         "ema_decay": args.ema_decay,
         "drop_ema": args.drop_ema,
         "data_stat_sha256": decided_on_rank0(lambda: resume.data_stat_digest(checked.urls, data_args)),

@@ -82,7 +82,9 @@ class Throughput:
         per_device = steps * samples_per_step / world / elapsed
         figures = {"samples_per_s": per_device * world, "samples_per_s_per_rank": per_device}
         figures["step_time_s"] = elapsed / steps
-        flops = self.flops_per_sample(step)
+        # the mean over the steps since the last log: patch dropout or a resolution stage may change within them
+        each = [self.flops_per_sample(s) for s in range(step - steps + 1, step + 1)]
+        flops = None if None in each else sum(each) / len(each)
         if flops is not None:
             self.run_flops += flops * steps * samples_per_step / world
             figures.update(self._compute(flops * per_device / 1e12))
@@ -108,12 +110,13 @@ class Throughput:
         return {"tflops_per_device": tflops, "mfu": tflops / self.peak}
 
 
-def flops_per_sample(model_config, args, max_num_patches: int | None = None, teacher=None):
-    """The training FLOPs of one sample at each optimizer step, as a function of the step (patch dropout ends at
-    --patch_dropout_until_step), from the planner's count; a function that returns None when the planner cannot
-    count this model (said once in the log). `teacher`: a distillation teacher (train/distill.py; one whose
-    embeddings are stored runs no forward)."""
-    from disco_clip_ds.plan.flops import model_shape, training_flops_per_sample
+def flops_per_sample(model_config, args, max_num_patches: int | None = None, teacher=None, size_at=None):
+    """The training FLOPs of one sample at each optimizer step, as a function of the step (1-based, as logged: patch
+    dropout ends at --patch_dropout_until_step; `size_at(0-based step)`, when given and not None, is the image side
+    or SigLIP 2 patch budget of a --resolution_schedule stage), from the planner's count; a function that returns
+    None when the planner cannot count this model (said once in the log). `teacher`: a distillation teacher
+    (train/distill.py; one whose embeddings are stored runs no forward)."""
+    from disco_clip_ds.plan.flops import at_size, model_shape, training_flops_per_sample
 
     try:
         student = model_shape(model_config, max_num_patches)
@@ -123,7 +126,15 @@ def flops_per_sample(model_config, args, max_num_patches: int | None = None, tea
     except (PlanConfigError, ValueError, AttributeError) as error:  # a model the planner does not know: train on
         logger.warning("TFLOPs per device are not logged: the planner cannot count this model (%s)", error)
         return lambda step: None
-    masked = training_flops_per_sample(student, args.patch_dropout or 0.0, teacher_shape)
-    full = training_flops_per_sample(student, 0.0, teacher_shape)
     until = args.patch_dropout_until_step  # the first step (1-based, as logged) that sees every patch
-    return lambda step: full if until is not None and step >= until else masked
+    sizes = {}  # size -> (masked, full): a schedule has a few stages
+
+    def per_step(step: int) -> float:
+        size = size_at(step - 1) if size_at is not None else None
+        if size not in sizes:
+            shape = student if size is None else at_size(student, size)
+            rates = (args.patch_dropout or 0.0, 0.0)
+            sizes[size] = tuple(training_flops_per_sample(shape, p, teacher_shape) for p in rates)
+        return sizes[size][1 if until is not None and step >= until else 0]
+
+    return per_step

@@ -31,6 +31,7 @@ from disco_clip_ds.train.ema import WeightsEma
 from disco_clip_ds.train.finite import FiniteCheck, non_finite_parameters
 from disco_clip_ds.train.lamb import Lamb
 from disco_clip_ds.train.optim import parameter_groups, tower_rates, warmup_from_first_step, without_clip_no_decay
+from disco_clip_ds.train.resolution import StepResolution
 from disco_clip_ds.train.step_flags import exchange
 from disco_clip_ds.train.stopping import StopSignals
 from disco_clip_ds.train.stream_state import StreamPositions
@@ -71,7 +72,8 @@ class DiscoTrainer(Trainer):
         self.reads_own_shards = reads_own_shards
         self.teacher = teacher  # a distillation teacher (train/distill.py), held here: never saved with the model
         max_num_patches = getattr(self.data_collator, "max_num_patches", None)  # SigLIP 2's NaFlex budget
-        flops = flops_per_sample(self.model.config, self.args, max_num_patches, teacher)
+        self.resolution = StepResolution(self.args, self.model.config)  # --resolution_schedule's size per step
+        flops = flops_per_sample(self.model.config, self.args, max_num_patches, teacher, self.resolution.size_at)
         self.throughput = Throughput(flops, *peak_tflops(self.args, self.args.device))
         self._data_time, self._settled_step = 0.0, None
         self._resume_checkpoint = None
@@ -183,7 +185,7 @@ class DiscoTrainer(Trainer):
             mask = inputs.get("pixel_attention_mask")  # NaFlex: its padding stays 0, as the image processor pads
             normalized = self.data_collator.normalize.batch(pixels, *(() if mask is None else (mask,)))
             inputs = {**inputs, "pixel_values": self._prepare_input(normalized)}
-        return inputs
+        return self.resolution.resized(inputs)  # a training step's size under --resolution_schedule
 
     # --- the step ---
 
@@ -196,7 +198,8 @@ class DiscoTrainer(Trainer):
             autocast=self.compute_loss_context_manager,
             teacher=self.teacher,
         )
-        with self.accumulation.micro_step(inputs, embed_and_cache):
+        # the step's size (--resolution_schedule) holds for every forward of the step, the embedding pass's too
+        with self.resolution.at_step(self.state.global_step), self.accumulation.micro_step(inputs, embed_and_cache):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.finite.add(loss)
         return loss
@@ -307,6 +310,9 @@ class DiscoTrainer(Trainer):
                 self.train_dataset, self.args.dataloader_num_workers, self.accelerator, self.args.device
             ),
         }
+        if self.resolution.schedule is not None:  # the stage of the logged step: its MFU is that stage's
+            key = "max_num_patches" if self.resolution.naflex else "image_size"
+            metrics[key] = self.resolution.size_at(step - 1)
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
         return metrics

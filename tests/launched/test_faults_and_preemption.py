@@ -40,6 +40,10 @@ ARGS = [
     "--save_steps",
     str(SAVE),
     *SGD,  # constant lr, no clipping: any change in the trajectory shows in the weights
+    # progressive resolution (models/resolution.py): 32 px for steps 1-2, 48 for 3-5, 64 from 6: the resumed runs
+    # (from steps 2 and 3) cross a stage boundary and train at each step's side, as the uninterrupted run did
+    "--resolution_schedule",
+    "0:32,0.25:48,0.5:64",
     "--deepspeed",
     str(REPO / "ds_configs/cpu_zero2.json"),
 ]

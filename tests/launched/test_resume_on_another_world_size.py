@@ -1,7 +1,8 @@
 """Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals
 before the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a
 DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and
-on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers). One reference run per stage:
+on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers); the ZeRO-2 runs at
+progressive resolution whose stages change after the resume (SCHEDULE). One reference run per stage:
 2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
 and the per-group weight decay: a minimal reproduction on deepspeed alone shows what it loses and what
 `universal.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
@@ -41,6 +42,10 @@ ADAMW = [
     "0.1",
 ]
 ZERO2, ZERO3 = str(REPO / "ds_configs/cpu_zero2.json"), str(REPO / "ds_configs/cpu_zero3.json")
+# The ZeRO-2 runs train at progressive resolution (models/resolution.py): 32 px for steps 1-2, 48 for 3-4, 64 for
+# 5-6. The resumed run starts at step 4, mid-stage, and crosses the boundary to 64 after the resume: the side is the
+# step's, whatever the world size, K or DataLoader workers that made the batch.
+SCHEDULE = ["--resolution_schedule", "0:32,0.34:48,0.67:64"]
 
 
 # --- launched: a real checkpoint, refused in process, resumed exactly on another world size ---
@@ -76,7 +81,8 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None,
 
 def _reference(tmp_path_factory, data, config: str) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config), launcher=QUICK, nproc=2)
+    schedule = SCHEDULE if config == ZERO2 else []  # ZeRO-3 refuses a schedule (train/validate/resolution.py)
+    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config, *schedule), launcher=QUICK, nproc=2)
     assert rc == 0, log[-3000:]
     return out
 
@@ -128,6 +134,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
         "true",
         "--dataloader_num_workers",  # 2 readers, as 2 ranks x 1 worker
         "2",
+        *(SCHEDULE if stage == 2 else []),
     ]
     rc, log = run_to_end(out, _args(out, data, *resumed), launcher=QUICK, nproc=1)
     assert rc == 0, log[-3000:]

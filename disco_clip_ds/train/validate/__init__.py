@@ -14,7 +14,7 @@ from disco_clip_ds.data.hf_io import HFData
 from disco_clip_ds.data.mix import Mixture
 from disco_clip_ds.distributed.preemption import parse_signals
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments, usage_error
-from disco_clip_ds.train.validate import batch, data, model, reinforced, teacher, training
+from disco_clip_ds.train.validate import batch, data, model, reinforced, resolution, teacher, training
 from disco_clip_ds.train.validate.batch import check_contrastive_accumulation, check_deepspeed_batch, deepspeed_path
 from disco_clip_ds.train.validate.data import readers, steps_and_samples
 from disco_clip_ds.train.validate.model import naflex_budget
@@ -91,6 +91,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     model.check_fits_host(config, deepspeed)
     tokenizer, image_size, max_length, naflex = model.check_tokenizer_and_sizes(model_args, config, written, args)
     model.check_tower_locks(model_args, config)
+    image_size, naflex = resolution.check_resolution_schedule(args, model_args, config, image_size, naflex, deepspeed)
     distill_weight, teacher_config = teacher.check_teacher(model_args, config)
     reinforced.check_reinforced_flags(model_args, naflex is not None)
     store = teacher.check_teacher_embeddings(model_args, urls, teacher_config)

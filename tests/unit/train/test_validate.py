@@ -167,6 +167,22 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{siglip_teacher}"],
         "/siglip_teacher: a siglip model cannot teach a clip one",
     ),
+    "resolution schedule not increasing": (
+        ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:48,0.5:32"],
+        "--resolution_schedule 0:48,0.5:32: entry '0.5:32' after 0:48: fractions and sizes must both increase",
+    ),
+    "resolution side not a patch multiple": (
+        ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:40,0.5:64"],
+        "--resolution_schedule 0:40,0.5:64: side 40 is not a multiple of the patch size 16; use 32 or 48",
+    ),
+    "resolution schedule with patch dropout": (
+        ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:32,0.5:64", "--patch_dropout", "0.5"],
+        "--resolution_schedule 0:32,0.5:64 with --patch_dropout: not supported together",
+    ),
+    "naflex budget schedule against max_num_patches": (
+        ["{data}", *SIGLIP2, *TOK, "--resolution_schedule", "0:16,0.5:64", "--max_num_patches", "32"],
+        "--resolution_schedule 0:16,0.5:64: its last budget 64 differs from --max_num_patches 32",
+    ),
     "ensemble member missing": (
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{tmp}/noteacher"],
         "noteacher: no such folder",

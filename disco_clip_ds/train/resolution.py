@@ -1,0 +1,52 @@
+"""The trainer's side of progressive resolution (--resolution_schedule, models/resolution.py): each training forward
+of optimizer step s sees its batch at the schedule's size for s, resized on the device from the stream's batch
+(made at the last size), with the position embeddings interpolated; SigLIP 2's NaFlex batches are packed again at
+the step's patch budget. The size depends on the step alone, never on the DataLoader worker that made the batch."""
+
+from __future__ import annotations
+
+import contextlib
+
+from disco_clip_ds.data.naflex import rebudget
+from disco_clip_ds.models.resolution import ResolutionSchedule, parse_schedule, resize_images
+
+
+class StepResolution:
+    """The schedule of `args.resolution_schedule` over `args.max_steps` (None: off), applied by `resized` to the
+    forwards run inside `at_step(step)`; outside (evaluation) a batch passes unchanged."""
+
+    def __init__(self, args, model_config):
+        text = getattr(args, "resolution_schedule", None)
+        self.schedule = ResolutionSchedule(parse_schedule(text), args.max_steps) if text else None
+        self.naflex = model_config.model_type == "siglip2"
+        self.patch_size = model_config.vision_config.patch_size
+        self._step = None
+
+    def size_at(self, step: int) -> int | None:
+        """The image side (SigLIP 2: patch budget) of 0-based optimizer step `step`; None without a schedule."""
+        return None if self.schedule is None else self.schedule.size_at(step)
+
+    @contextlib.contextmanager
+    def at_step(self, step: int):
+        """While inside, `resized` makes the batches of 0-based optimizer step `step`."""
+        self._step = step
+        try:
+            yield
+        finally:
+            self._step = None
+
+    def resized(self, inputs: dict) -> dict:
+        """`inputs` (prepared: normalised, on the device) at the current step's size; a new dict where it changes."""
+        if self.schedule is None or self._step is None or inputs.get("pixel_values") is None:
+            return inputs
+        size, pixels = self.schedule.size_at(self._step), inputs["pixel_values"]
+        if self.naflex:
+            if pixels.shape[1] == size:
+                return inputs
+            packed = rebudget(pixels.float(), inputs["spatial_shapes"], self.patch_size, size)
+            packed["pixel_attention_mask"] = packed["pixel_attention_mask"].to(inputs["pixel_attention_mask"].dtype)
+            return {**inputs, **packed, "pixel_values": packed["pixel_values"].to(pixels.dtype)}
+        if pixels.shape[-1] == size:
+            return inputs
+        resized = resize_images(pixels.float(), size).to(pixels.dtype)  # in float32 whatever the compute dtype
+        return {**inputs, "pixel_values": resized, "interpolate_pos_encoding": True}

@@ -1,0 +1,50 @@
+"""The refusals of --resolution_schedule (progressive resolution, models/resolution.py): the schedule's form, its
+sides against the patch size (or SigLIP 2's patch budgets), and the flags it does not combine with."""
+
+from __future__ import annotations
+
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.models.resolution import parse_schedule, side_problem
+from disco_clip_ds.train.args import DiscoTrainingArguments, ModelArguments
+
+
+def check_resolution_schedule(
+    args: DiscoTrainingArguments, model_args: ModelArguments, config, image_size, naflex, deepspeed: dict | None
+) -> tuple[int | None, tuple[int, int] | None]:
+    """(image size, NaFlex's (patch size, budget)) the run's data and model take: the schedule's last side (or
+    budget) with --resolution_schedule, else `image_size` and `naflex` as checked. A UsageError of one line for a
+    schedule that cannot work."""
+    text = args.resolution_schedule
+    if text is None:
+        return image_size, naflex
+    flag = f"--resolution_schedule {text}"
+    try:
+        stages = parse_schedule(text)
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from None
+    for other, given in (
+        ("--patch_dropout", args.patch_dropout),
+        ("--teacher", model_args.teacher),
+        ("--image_size", model_args.image_size),
+    ):
+        if given:
+            raise UsageError(f"{flag} with {other}: not supported together; leave one out (the schedule sets the size)")
+    final = stages[-1].size
+    if naflex is not None:
+        patch, budget = naflex
+        if model_args.max_num_patches is not None and model_args.max_num_patches != final:
+            raise UsageError(
+                f"{flag}: its last budget {final} differs from --max_num_patches {budget}; leave that flag out"
+            )
+        return None, (patch, final)
+    problem = side_problem(stages, config.vision_config.patch_size)
+    if problem:
+        raise UsageError(f"{flag}: {problem}")
+    if ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3:
+        # ZeRO-3 gathers a module's weights when its own forward runs; interpolate_pos_encoding reads the position
+        # embedding's weight from its parent's forward, where it is an empty partition
+        raise UsageError(
+            f"{flag} under ZeRO-3: not supported (the interpolated position embeddings are partitioned); "
+            "train under ZeRO-1 or 2"
+        )
+    return final, None

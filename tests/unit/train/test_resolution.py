@@ -1,0 +1,83 @@
+"""train/resolution.py and the schedule's checks and FLOPs: each training forward of a step sees the batch at that
+step's side (with the position embeddings interpolated), evaluation outside a step the batch as made; the refusal of
+a resize under ZeRO-3; the FLOPs per sample of each stage against the planner's count of a model built at that
+side, and the logged mean over a log interval that spans a boundary."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from disco_clip_ds.errors import UsageError
+from disco_clip_ds.models.configs import load_config
+from disco_clip_ds.plan.flops import at_size, model_shape, training_flops_per_sample
+from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.train import throughput as tp
+from disco_clip_ds.train.resolution import StepResolution
+from disco_clip_ds.train.validate.resolution import check_resolution_schedule
+
+TINY = load_config(model_config=str(REPO / "recipes/models/tiny.json"))  # 64 px, 16 px patches
+SIGLIP2 = load_config(model_config=str(REPO / "recipes/models/siglip2_tiny.json"))
+
+
+def _args(schedule, max_steps=10, **more):
+    return SimpleNamespace(resolution_schedule=schedule, max_steps=max_steps, patch_dropout=0.0, **more)
+
+
+def test_each_forward_of_a_step_sees_the_steps_side_and_evaluation_the_batch_as_made():
+    resolution = StepResolution(_args("0:32,0.5:64"), TINY)
+    batch = {"pixel_values": torch.randn(2, 3, 64, 64), "input_ids": torch.ones(2, 4, dtype=torch.long)}
+    assert resolution.resized(batch) is batch  # outside a training step
+    with resolution.at_step(4):  # steps 0-4: 32 px
+        early = resolution.resized(batch)
+    assert early["pixel_values"].shape == (2, 3, 32, 32) and early["interpolate_pos_encoding"] is True
+    assert early["input_ids"] is batch["input_ids"] and batch["pixel_values"].shape[-1] == 64  # the batch kept
+    with resolution.at_step(5):  # the last stage: the model's own side, no interpolation
+        assert resolution.resized(batch) is batch
+    assert StepResolution(_args(None), TINY).resized(batch) is batch
+
+
+def test_a_naflex_step_packs_the_batch_at_its_budget():
+    resolution = StepResolution(_args("0:4,0.5:16"), SIGLIP2)
+    patch = SIGLIP2.vision_config.patch_size
+    batch = {
+        "pixel_values": torch.randn(1, 16, patch * patch * 3),
+        "pixel_attention_mask": torch.ones(1, 16, dtype=torch.int32),
+        "spatial_shapes": torch.tensor([[4, 4]]),
+    }
+    with resolution.at_step(0):
+        early = resolution.resized(batch)
+    assert early["pixel_values"].shape == (1, 4, patch * patch * 3) and early["spatial_shapes"].tolist() == [[2, 2]]
+    assert early["pixel_attention_mask"].dtype == torch.int32 and "interpolate_pos_encoding" not in early
+
+
+def test_a_schedule_under_zero3_is_refused_in_one_line():
+    args = _args("0:32,0.5:96")
+    model_args = SimpleNamespace(teacher=None, image_size=None, model_name_or_path="some/model", max_num_patches=None)
+    zero3 = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(UsageError, match="under ZeRO-3: not supported") as error:
+        check_resolution_schedule(args, model_args, TINY, 64, None, zero3)
+    assert "\n" not in str(error.value)
+    assert check_resolution_schedule(args, model_args, TINY, 64, None, None) == (96, None)  # ZeRO-2: resized
+    assert check_resolution_schedule(_args(None), model_args, TINY, 64, None, zero3) == (64, None)
+
+
+@pytest.mark.slow  # counts five models on the meta device (the planner's first count imports DeepSpeed's init)
+def test_each_stages_flops_are_the_planners_count_of_the_model_built_at_that_side():
+    at_32 = load_config(model_config=str(REPO / "recipes/models/tiny.json"))
+    at_32.vision_config.image_size = 32
+    for shape, reference in (
+        (at_size(model_shape(TINY), 32), model_shape(at_32)),
+        (at_size(model_shape(SIGLIP2, 64), 16), model_shape(SIGLIP2, 16)),
+    ):
+        # the towers as the images make them (the parameters are the model's: its embeddings at the last side)
+        assert (shape.towers, shape.image) == (reference.towers, reference.image)
+    per_sample = tp.flops_per_sample(
+        TINY, _args("0:32,0.5:64", patch_dropout_until_step=None), size_at=lambda s: 32 if s < 5 else 64
+    )
+    small, full = (training_flops_per_sample(model_shape(c)) for c in (at_32, TINY))
+    assert [per_sample(step) for step in (1, 5, 6, 10)] == [small, small, full, full]  # logged steps: 1-based
+    throughput = tp.Throughput(per_sample, peak=1.0)
+    throughput.started(0.0, 0)
+    figures = throughput.figures(1.0, 6, samples_per_step=1, world=1)  # steps 1-6: five at 32 px, one at 64
+    assert figures["tflops_per_device"] == pytest.approx((5 * small + full) / 1e12)
