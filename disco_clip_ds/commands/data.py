@@ -209,10 +209,12 @@ def embed_main(argv: list[str] | None = None) -> int:
     )
     if rank == 0:
         lacking = ", ".join(f"{n} without {key}" for key, n in sorted(summary["missing_captions"].items()))
+        empty = f" ({summary['empty']} empty: no sample)" if summary["empty"] else ""
         print(
-            f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
+            f"{len(summary['embedded'])} shard(s) embedded{empty}, {len(summary['kept'])} already done, "
             f"{summary['skipped']} sample(s) without image or caption skipped" + (f" ({lacking})" if lacking else "")
         )
+        print(f"sidecars in {args.output}" if args.output else "sidecars beside their shards")
     return 0
 
 

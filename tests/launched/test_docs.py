@@ -19,7 +19,7 @@ import pytest
 from disco_clip_ds.testing.docblocks import Block, block_env, blocks, copy_checkout, pages, run_block
 from disco_clip_ds.testing.launch import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a page runs several launches in sequence
 
 STEPS = "3"
 SHRINK = {"STEPS": STEPS, "DISCO_CLIP_MAX_STEPS": STEPS}
