@@ -53,7 +53,10 @@ $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/p
 
 # AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F).
 # deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.
-$VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
+# Without a GPU, DS_ACCELERATOR=cpu says so to DeepSpeed (which would warn in each process that it found none), and the
+# launcher logs errors only (its own lines, "Unable to find hostfile" on one node among them, say nothing to act on).
+command -v nvidia-smi >/dev/null 2>&1 || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+$VENV/bin/deepspeed --log_level error --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
   --deepspeed ds_configs/cpu_zero2.json \
   "${TRAIN_DATA[@]}" \
   --model_config "$MODEL" --tokenizer_name recipes/tokenizer --loss_impl tiled \

@@ -376,7 +376,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         print(
             f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
             f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
-            f"datasets.load_dataset('{args.output / 'train'}') reads it"
+            f"datasets.load_dataset('{args.output / 'train'}') reads it" + _planted(args.caption_noise, sum(train))
         )
         return 0
     summary, eval_sizes = build_demo(
@@ -392,8 +392,18 @@ def demo_main(argv: list[str] | None = None) -> int:
     print(
         f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "
         f"in {summary['shards_done']} shards, eval {sum(eval_sizes.values())} samples in {len(eval_sizes)} shards"
+        + _planted(args.caption_noise, summary["successes"])
     )
     return 0
+
+
+def _planted(caption_noise: float, train_samples: int) -> str:
+    """What the demo's summary says of --caption_noise: how many training captions name another digit."""
+    from disco_clip_ds.data.prep.demo import noisy_count
+
+    if not caption_noise:
+        return ""
+    return f"; {noisy_count(caption_noise, train_samples)} training captions name another digit (--caption_noise)"
 
 
 MAINS = {

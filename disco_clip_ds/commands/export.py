@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from disco_clip_ds.export.weights import export_checkpoint
 
     compat.quiet_default_config_warnings()
+    compat.cpu_accelerator_when_no_gpu()
 
     parser = argparse.ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0]

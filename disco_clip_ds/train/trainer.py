@@ -71,7 +71,8 @@ class DiscoTrainer(Trainer):
         self.teacher = teacher  # a distillation teacher (train/distill.py), held here: never saved with the model
         max_num_patches = getattr(self.data_collator, "max_num_patches", None)  # SigLIP 2's NaFlex budget
         flops = flops_per_sample(self.model.config, self.args, max_num_patches, teacher)
-        self.throughput = Throughput(flops, *peak_tflops(self.args, self.args.device))
+        peak, why_no_peak = peak_tflops(self.args, self.args.device)  # why no MFU: said once, by rank 0
+        self.throughput = Throughput(flops, peak, why_no_peak if self.args.process_index == 0 else "")
         self._data_time, self._settled_step = 0.0, None
         self._resume_checkpoint = None
 

@@ -11,6 +11,7 @@ time is printed (`-s`): the expensive ones are the launches (each pays the launc
 the demo builds (an img2dataset download from a loopback server).
 """
 
+import re
 import shutil
 import time
 
@@ -64,3 +65,21 @@ def test_every_shell_block_of_the_page_runs(page, docs_checkout, tmp_path):
         print("skipped: " + "; ".join(skipped))
     if not ran:
         pytest.skip("every block is marked: " + "; ".join(skipped))
+
+
+def test_the_quickstart_says_each_start_up_phase_and_no_warning_twice(docs_checkout):
+    """The quickstart's own output (the fixture's launch: deepspeed, 2 CPU ranks, eval, export): rank 0 says each
+    start-up phase once, with its seconds; the warnings nobody can act on on a CPU machine are gone (DeepSpeed's
+    accelerator and hostfile ones, transformers' torchvision fallback), and no warning line is said twice."""
+    from disco_clip_ds.distributed.startup import PHASES
+
+    log = (docs_checkout.parent / "quickstart.log").read_text(errors="replace")
+    for phase in PHASES.values():
+        assert log.count(f"): {phase}") == 1, (phase, log[-3000:])
+    assert log.index(PHASES[0]) < log.index(PHASES[max(PHASES)])
+    for noise in ("Setting accelerator to CPU", "Unable to find hostfile", "requires torchvision"):
+        assert noise not in log, noise
+    assert log.count("MFU is not logged") <= 1
+    warnings = [re.sub(r"^\[?[\d-]+ [\d:,]+\]? ?", "", line) for line in log.splitlines() if "WARN" in line.upper()]
+    twice = {line for line in warnings if warnings.count(line) > 1}
+    assert not twice, twice

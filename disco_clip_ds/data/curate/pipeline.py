@@ -121,7 +121,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     with _pool(cfg.processes) as pool:
         # 2. Scan every input shard
         tasks = [(u, s, p, cfg.fingerprints) for u, s, p in zip(urls, sidecars, scans)]
-        list(pool.imap(scan_shard, tasks))
+        list(_bar(pool.imap(scan_shard, tasks), len(tasks), "scanning"))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
@@ -138,7 +138,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
             for j, pieces in enumerate(plan)
         ]
         sizes = {}
-        for j, (name, count) in enumerate(pool.imap(write_shard, writes)):
+        for j, (name, count) in enumerate(_bar(pool.imap(write_shard, writes), len(writes), "writing")):
             sizes[name] = count
             faults.after_output_shard(j)
     write_json(output / "sizes.json", sizes)
@@ -147,6 +147,13 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     summary = {**summarize(reason), "output_shards": len(plan)}
     write_json(output / "summary.json", summary)
     return summary
+
+
+def _bar(results, total: int, what: str):
+    """A tqdm bar over the shards a step goes through (on stderr, as every command's)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(results, total=total, desc=f"{what} shards", unit=" shards", dynamic_ncols=True)
 
 
 def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
