@@ -150,10 +150,11 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
 
 
 def _bar(results, total: int, what: str):
-    """A tqdm bar over the shards a step goes through (on stderr, as every command's)."""
+    """A tqdm bar over the shards a step goes through, on stderr when it is a terminal (a log or a pipe keeps the
+    filter's lines alone: a refusal stays one line)."""
     from tqdm.auto import tqdm
 
-    return tqdm(results, total=total, desc=f"{what} shards", unit=" shards", dynamic_ncols=True)
+    return tqdm(results, total=total, desc=f"{what} shards", unit=" shards", dynamic_ncols=True, disable=None)
 
 
 def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
