@@ -20,7 +20,7 @@ from pathlib import Path
 from disco_clip_ds.testing.launch import finish
 
 SHELLS = ("bash", "sh", "console")
-_FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")
+_FENCE = re.compile(r"^ {0,3}(`{3,}(?!.*`)|~{3,})\s*([\w+-]*)")  # CommonMark: no backtick after a backtick fence
 _MARK = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((?P<reason>.+)\)\s*-->\s*$")
 
 

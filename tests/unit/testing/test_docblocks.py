@@ -20,6 +20,8 @@ nvidia-smi
 print("not a shell block")
 ```
 
+```` ```bash ```` in a line of prose opens no block.
+
 ````console
 $ disco-clip plan --gpus 8 \\
     --gpu_memory 40GB
@@ -39,7 +41,7 @@ def test_blocks_reads_shell_blocks_their_lines_skip_marks_and_console_prompts(tm
         Block("page.md", 3, "disco-clip data demo --output data/demo   # a comment\n"
               "disco-clip eval --model M \\\n    --data data/demo/eval"),
         Block("page.md", 10, "nvidia-smi", skip="needs a GPU"),
-        Block("page.md", 18, "disco-clip plan --gpus 8 \\\n    --gpu_memory 40GB\necho done"),
+        Block("page.md", 20, "disco-clip plan --gpus 8 \\\n    --gpu_memory 40GB\necho done"),
     ]  # fmt: skip
 
 
