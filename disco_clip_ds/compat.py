@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from collections.abc import Callable
 from importlib import metadata
 
@@ -490,27 +489,10 @@ def quiet_default_config_warnings() -> None:
     configuration_utils.recursive_diff_dict = recursive_diff_dict
 
 
-# transformers 5 names each image processor by its torchvision backend and, when torchvision is not installed, falls
-# back to the PIL one (`<Name>ImageProcessorPil`) with a warning per class and process, which a run without
-# torchvision (the tested set-up: the PIL processors are the ones the transforms here match) cannot act on: in a
-# CLIP run, one for CLIP's and one for SigLIP 2's (merely imported) per rank. The class transformers would pick,
-# without the warning.
+# transformers 5 without torchvision: `<Name>ImageProcessor` warns once per class and process (the PIL ones are tested)
 def image_processor_class(name: str):
-    """transformers' image processor class NAME (e.g. "CLIPImageProcessor"): its torchvision backend when torchvision
-    is installed, else the PIL class transformers falls back to (taken directly: no fallback warning)."""
+    """transformers' image processor class NAME ("CLIPImageProcessor"): the PIL one without torchvision, unwarned."""
     import transformers
     from transformers.utils import is_torchvision_available
 
     return getattr(transformers, name if is_torchvision_available() else f"{name}Pil")
-
-
-# DeepSpeed warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." in
-# every process that asks for its accelerator without DS_ACCELERATOR set (each rank, `disco-clip export`): on a
-# machine without a GPU the CPU is the accelerator meant, and nothing is to be done.
-def cpu_accelerator_when_no_gpu() -> None:
-    """Name DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu, inherited by the processes this one starts) when no GPU
-    is visible and none is named, before DeepSpeed first looks for one."""
-    import torch
-
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"

@@ -207,3 +207,12 @@ def at_startup_point(stage: int = ARGUMENTS) -> None:
         # stop lets finish, the section's end waits instead
         if _wakeup_w is not None and _section_over.is_set():
             threading.Event().wait(60)
+
+
+def cpu_accelerator_when_no_gpu() -> None:
+    """DS_ACCELERATOR=cpu (inherited by child processes) when no GPU is visible and no accelerator is named: DeepSpeed
+    would warn in each process that it found none and took the CPU, which is what a machine without a GPU means."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"

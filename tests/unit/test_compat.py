@@ -493,14 +493,3 @@ def test_the_image_processor_class_is_the_one_transformers_falls_back_to_without
         cls = compat.image_processor_class(name)
         assert cls.__name__ == (name if is_torchvision_available() else f"{name}Pil")
         assert cls is getattr(transformers, name)
-
-
-def test_deepspeed_is_told_the_cpu_is_its_accelerator_only_without_a_gpu_and_a_choice(monkeypatch):
-    import torch
-
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    compat.cpu_accelerator_when_no_gpu()
-    assert os.environ.get("DS_ACCELERATOR") == (None if torch.cuda.is_available() else "cpu")
-    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
-    compat.cpu_accelerator_when_no_gpu()
-    assert os.environ["DS_ACCELERATOR"] == "xpu"
