@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a page runs severa
 
 STEPS = "3"
 SHRINK = {"STEPS": STEPS, "DISCO_CLIP_MAX_STEPS": STEPS}
-BLOCK_TIMEOUT = 900
+BLOCK_TIMEOUT = 1200  # a block of two launches takes minutes on a busy 2-core machine
 PAGES = [p for p in pages(REPO) if blocks(p)]
 
 
