@@ -487,3 +487,12 @@ def quiet_default_config_warnings() -> None:
 
     recursive_diff_dict.quiet_defaults = True
     configuration_utils.recursive_diff_dict = recursive_diff_dict
+
+
+# transformers 5 without torchvision: `<Name>ImageProcessor` warns once per class and process (the PIL ones are tested)
+def image_processor_class(name: str):
+    """transformers' image processor class NAME ("CLIPImageProcessor"): the PIL one without torchvision, unwarned."""
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    return getattr(transformers, name if is_torchvision_available() else f"{name}Pil")

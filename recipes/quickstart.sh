@@ -21,6 +21,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per rank: the ranks share the cores
+# without a GPU, DS_ACCELERATOR=cpu says so to DeepSpeed, which would warn in each process that it found none
+command -v nvidia-smi >/dev/null 2>&1 || export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
 NPROC=${NPROC:-2} STEPS=${STEPS:-300} PER_RANK=${PER_RANK:-128} SEED=${SEED:-0} PATCH_DROPOUT=${PATCH_DROPOUT:-0}
 LOSS=${LOSS:-softmax} DATA_FORMAT=${DATA_FORMAT:-shards} CAPTION_NOISE=${CAPTION_NOISE:-0}
@@ -54,7 +56,8 @@ $VENV/bin/python -c "import disco_clip_ds, deepspeed" 2>/dev/null || $VENV/bin/p
 
 # AdamW beta2 0.98 / eps 1e-6: the CLIP paper's ViT settings (Radford et al. 2021, appendix F).
 # deepspeed's launcher finds no GPU here and starts NPROC CPU ranks (gloo); train.py picks the CPU by itself.
-$VENV/bin/deepspeed --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
+# The launcher logs errors only (its own lines, "Unable to find hostfile" on one node among them, say nothing to act on).
+$VENV/bin/deepspeed --log_level error --num_gpus "$NPROC" --master_port "${MASTER_PORT:-29561}" --module disco_clip_ds.train \
   --deepspeed ds_configs/cpu_zero2.json \
   "${TRAIN_DATA[@]}" \
   --model_config "$MODEL" --tokenizer_name recipes/tokenizer --loss_impl tiled \

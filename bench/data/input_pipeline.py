@@ -52,8 +52,6 @@ import sys
 import time
 from pathlib import Path
 
-from disco_clip_ds.testing.bench_record import write_rows
-
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(REPO / "bench" / "vs_open_clip"))
@@ -713,6 +711,9 @@ def summarize(rows: list[dict]) -> None:
 
 
 def _write(path: Path, rows: list[dict]) -> None:
+    # here, not at the top: this script runs again inside open_clip's venv (the open_clip side), without the package
+    from disco_clip_ds.testing.bench_record import write_rows
+
     path.parent.mkdir(parents=True, exist_ok=True)
     write_rows(path, rows, rounds=1)
     print("wrote", path)

@@ -45,8 +45,6 @@ import sys
 import time
 from pathlib import Path
 
-from disco_clip_ds.testing.bench_record import write_rows
-
 REPO = Path(__file__).resolve().parents[2]
 OPENCLIP_VENV = Path(os.environ.get("OPENCLIP_VENV", Path(__file__).resolve().parent / ".venv-openclip"))
 OPENCLIP_VERSION = "3.3.0"
@@ -618,6 +616,9 @@ def summary(rows: list[dict]) -> str:
 
 def write(results: Path, rows: list[dict], curves: list[dict], skip: int, name: str = "vs_open_clip") -> None:
     import matplotlib
+
+    # here, not at the top: bench/data/input_pipeline.py imports this module in open_clip's venv, without the package
+    from disco_clip_ds.testing.bench_record import write_rows
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

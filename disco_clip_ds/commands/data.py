@@ -209,10 +209,12 @@ def embed_main(argv: list[str] | None = None) -> int:
     )
     if rank == 0:
         lacking = ", ".join(f"{n} without {key}" for key, n in sorted(summary["missing_captions"].items()))
+        empty = f" ({summary['empty']} empty: no sample)" if summary["empty"] else ""
         print(
-            f"{len(summary['embedded'])} shard(s) embedded, {len(summary['kept'])} already done, "
+            f"{len(summary['embedded'])} shard(s) embedded{empty}, {len(summary['kept'])} already done, "
             f"{summary['skipped']} sample(s) without image or caption skipped" + (f" ({lacking})" if lacking else "")
         )
+        print(f"sidecars in {args.output}" if args.output else "sidecars beside their shards")
     return 0
 
 
@@ -440,7 +442,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         print(
             f"demo dataset (datasets parquet) in {args.output} ({time.monotonic() - started:.1f}s): train "
             f"{sum(train)} rows in {len(train)} files, eval {sum(evl)} rows in {len(evl)} files; "
-            f"datasets.load_dataset('{args.output / 'train'}') reads it"
+            f"datasets.load_dataset('{args.output / 'train'}') reads it" + _planted(args.caption_noise, sum(train))
         )
         return 0
     summary, eval_sizes = build_demo(
@@ -456,8 +458,18 @@ def demo_main(argv: list[str] | None = None) -> int:
     print(
         f"demo dataset in {args.output} ({time.monotonic() - started:.1f}s): train {summary['successes']} samples "
         f"in {summary['shards_done']} shards, eval {sum(eval_sizes.values())} samples in {len(eval_sizes)} shards"
+        + _planted(args.caption_noise, summary["successes"])
     )
     return 0
+
+
+def _planted(caption_noise: float, train_samples: int) -> str:
+    """What the demo's summary says of --caption_noise: how many training captions name another digit."""
+    from disco_clip_ds.data.prep.demo import noisy_count
+
+    if not caption_noise:
+        return ""
+    return f"; {noisy_count(caption_noise, train_samples)} training captions name another digit (--caption_noise)"
 
 
 MAINS = {

@@ -242,6 +242,8 @@ def suite_main(args: EvalArguments) -> int:
     results, rows = run_tasks(args)
     if rank() == 0:
         print(markdown(rows), end="")
+        if args.output:
+            print(f"each task's record and the table (suite.md) in {args.output}")
     failed = [r for r in results if r.error is not None]
     if failed:
         first = failed[0].error

@@ -15,9 +15,11 @@ from disco_clip_ds.texts import read_text
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, export, print one line naming what was written; return 0."""
     from disco_clip_ds import compat
+    from disco_clip_ds.distributed import startup
     from disco_clip_ds.export.weights import export_checkpoint
 
     compat.quiet_default_config_warnings()
+    startup.cpu_accelerator_when_no_gpu()
 
     parser = argparse.ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0]

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from disco_clip_ds.train.run import train
 
     compat.quiet_default_config_warnings()  # SigLIP's every config repr and save would warn about transformers' ids
+    startup.cpu_accelerator_when_no_gpu()  # before DeepSpeed looks for one (TrainingArguments' device set-up)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
         model_args, data_args, args = parse_args(argv)

@@ -170,6 +170,8 @@ class SidecarFile:
 
     def _tensor(self, name: str, buffer: bytearray, rows: int) -> torch.Tensor:
         tensor = self.tensors[name]
+        if not buffer:  # no rows (an empty shard's sidecar): frombuffer refuses an empty buffer
+            return torch.empty(0, *tensor.shape[1:], dtype=tensor.dtype)
         return torch.frombuffer(buffer, dtype=tensor.dtype).view(rows, *tensor.shape[1:])
 
 
@@ -294,12 +296,12 @@ def _tensor_entry(entry) -> tuple[tuple[int, int], _Tensor] | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
         return None
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (_naturals(shape) and shape and shape[0] >= 1 and _naturals(offsets) and len(offsets) == 2):
+    if not (_naturals(shape) and shape and _naturals(offsets) and len(offsets) == 2):
         return None
     dtype, (first, last) = DTYPES[entry["dtype"]], offsets
     if last - first != prod(shape) * dtype.itemsize:
-        return None
-    return (first, last), _Tensor(dtype, tuple(shape), first, (last - first) // shape[0], entry["dtype"])
+        return None  # (an empty shard's sidecar has tensors of no rows: 0 bytes each)
+    return (first, last), _Tensor(dtype, tuple(shape), first, prod(shape[1:]) * dtype.itemsize, entry["dtype"])
 
 
 def _naturals(value) -> bool:

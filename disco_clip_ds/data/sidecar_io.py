@@ -133,7 +133,7 @@ def _check_finite(path: Path, keys: list[str], tensors: dict[str, torch.Tensor])
     """Every stored embedding finite (after the cast to the stored dtype); else a DataError naming the first sample
     that is not, with nothing written: a reader refuses such a row, so it is never stored."""
     for name, tensor in sorted(tensors.items()):
-        bad = torch.nonzero(~torch.isfinite(tensor.reshape(len(tensor), -1)).all(dim=1)) if name != "boxes" else []
+        bad = torch.nonzero(~torch.isfinite(tensor.flatten(1)).all(dim=1)) if name != "boxes" else []
         if len(bad):
             raise DataError(
                 f"{path}: the embedding {name} of sample {keys[int(bad[0])]} is not finite (the teacher's forward "

@@ -23,6 +23,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 from disco_clip_ds import faults
@@ -46,6 +47,17 @@ VALIDATED = 1  # every argument checked, output_dir not locked yet (train/run.py
 LOCKED = 2  # output_dir's run lock held (train/run.py)
 DEEPSPEED_BUFFERS = 3  # DeepSpeed's comm up, its /dev/shm buffers named, not unlinked yet (start_deepspeed_comm)
 BUILT = 4  # the model and the data built, the trainer (whose StopOnSignal takes over) not yet (train/run.py)
+
+# What rank 0 says at each stage, so that a start-up of a minute (imports, validation, the model, DeepSpeed) is not
+# silent: what is done, and what comes next.
+PHASES = {
+    ARGUMENTS: "the arguments read, the process group joined; next: checking the arguments, the data and the model",
+    VALIDATED: "every argument checked; next: output_dir's run lock and the resume point",
+    LOCKED: "output_dir locked; next: the communication backend, the model and the data",
+    DEEPSPEED_BUFFERS: "DeepSpeed's communication up; next: the model and the data",
+    BUILT: "the model and the data built; next: the Trainer, DeepSpeed's engine and the first step",
+}
+_STARTED = time.monotonic()  # this module is imported first thing by `disco-clip train`
 
 
 def watch_startup(prog: str, signals: tuple[int, ...] = SIGNALS) -> bool:
@@ -183,7 +195,10 @@ def end_startup(keep: tuple[int, ...] = ()) -> None:
 
 def at_startup_point(stage: int = ARGUMENTS) -> None:
     """The fault point of start-up stage `stage` (ARGUMENTS ... BUILT above): DISCO_FAULT
-    `signal_at_startup[=SIG][:stage=N][,rank=R]` sends SIGTERM (or SIG) to this rank there (no stage: at the first)."""
+    `signal_at_startup[=SIG][:stage=N][,rank=R]` sends SIGTERM (or SIG) to this rank there (no stage: at the first).
+    Rank 0 says the stage's line of PHASES with the seconds since start."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"start-up ({time.monotonic() - _STARTED:.0f} s): {PHASES[stage]}", flush=True)
     spec = faults.fault("signal_at_startup", stage=stage)
     if spec:
         name = (spec.value or "SIGTERM").upper()
@@ -192,3 +207,12 @@ def at_startup_point(stage: int = ARGUMENTS) -> None:
         # stop lets finish, the section's end waits instead
         if _wakeup_w is not None and _section_over.is_set():
             threading.Event().wait(60)
+
+
+def cpu_accelerator_when_no_gpu() -> None:
+    """DS_ACCELERATOR=cpu (inherited by child processes) when no GPU is visible and no accelerator is named: DeepSpeed
+    would warn in each process that it found none and took the CPU, which is what a machine without a GPU means."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"

@@ -429,7 +429,19 @@ def parse_args(argv: list[str] | None = None):
     with usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):
         parsed = parser.parse_dict(values) if from_file else parser.parse_args_into_dataclasses(args=argv)
     parsed[2].deepspeed_json = deepspeed_json
+    _cap_max_steps(parsed[2])
     return parsed
+
+
+MAX_STEPS_CAP_ENV = "DISCO_CLIP_MAX_STEPS"
+
+
+def _cap_max_steps(args) -> None:
+    """The docs test (tests/launched/test_docs.py) runs each documented training command exactly as a user types
+    it; DISCO_CLIP_MAX_STEPS=N shortens such a run to at most N steps there. Not a user's setting."""
+    cap = os.environ.get(MAX_STEPS_CAP_ENV)
+    if cap and args.max_steps > int(cap):
+        args.max_steps = int(cap)
 
 
 def deepspeed_file(deepspeed) -> tuple[str, str] | None:

@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoImageProcessor,
-    CLIPImageProcessor,
     CLIPProcessor,
-    Siglip2ImageProcessor,
     Siglip2Processor,
     set_seed,
 )
 
+from disco_clip_ds import compat
 from disco_clip_ds.checkpoint import resume, universal
 from disco_clip_ds.checkpoint.final_model import keep_final_model
 from disco_clip_ds.checkpoint.layout import (
@@ -316,7 +315,9 @@ def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
     tokenizer, image_size = checked.tokenizer, checked.image_size
     if checked.naflex is not None:
         patch_size, budget = checked.naflex
-        image_processor = Siglip2ImageProcessor(patch_size=patch_size, max_num_patches=budget)
+        image_processor = compat.image_processor_class("Siglip2ImageProcessor")(
+            patch_size=patch_size, max_num_patches=budget
+        )
         return Siglip2Processor(image_processor=image_processor, tokenizer=tokenizer)
     image_processor = None
     if model_name_or_path:
@@ -326,7 +327,7 @@ def _processor(checked: CheckedRun, model_name_or_path: str | None, config):
         except (OSError, ValueError):  # a folder of weights without a preprocessor_config.json
             image_processor = None
     if image_processor is None:
-        image_processor = CLIPImageProcessor(
+        image_processor = compat.image_processor_class("CLIPImageProcessor")(
             size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
         )
     return CLIPProcessor(image_processor=at_image_size(image_processor, image_size), tokenizer=tokenizer)

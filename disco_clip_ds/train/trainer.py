@@ -74,7 +74,8 @@ class DiscoTrainer(Trainer):
         max_num_patches = getattr(self.data_collator, "max_num_patches", None)  # SigLIP 2's NaFlex budget
         self.resolution = StepResolution(self.args, self.model.config)  # --resolution_schedule's size per step
         flops = flops_per_sample(self.model.config, self.args, max_num_patches, teacher, self.resolution.size_at)
-        self.throughput = Throughput(flops, *peak_tflops(self.args, self.args.device))
+        peak, why_no_peak = peak_tflops(self.args, self.args.device)  # why no MFU: said once, by rank 0
+        self.throughput = Throughput(flops, peak, why_no_peak if self.args.process_index == 0 else "")
         self._data_time, self._settled_step = 0.0, None
         self._resume_checkpoint = None
 

@@ -64,4 +64,4 @@ def test_the_log_holds_tflops_per_device_and_says_once_why_there_is_no_mfu_on_cp
     assert logged[0]["samples_per_s_per_rank"] > 0
     results = json.loads((out / "train_results.json").read_text())
     assert results["train_tflops_per_device"] > 0 and "train_mfu" not in results
-    assert log.count("MFU is not logged: no dense peak is known for a cpu device") == 2  # once per rank
+    assert log.count("MFU is not logged: no dense peak is known for a cpu device") == 1  # once, by rank 0

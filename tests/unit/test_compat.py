@@ -481,3 +481,15 @@ def test_a_live_zero3_config_does_not_partition_the_planners_meta_count():
     assert ModelShape.from_config(config) == plain
     assert is_deepspeed_zero3_enabled()  # and given back
     del live
+
+
+def test_the_image_processor_class_is_the_one_transformers_falls_back_to_without_its_warning():
+    """Without torchvision, transformers' CLIPImageProcessor is CLIPImageProcessorPil (reached through a fallback that
+    warns once per class and process: the workaround's reason); compat names the same class directly."""
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    for name in ("CLIPImageProcessor", "Siglip2ImageProcessor"):
+        cls = compat.image_processor_class(name)
+        assert cls.__name__ == (name if is_torchvision_available() else f"{name}Pil")
+        assert cls is getattr(transformers, name)

@@ -143,7 +143,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
         # 2. Scan every input shard
         facts = basic.needs(basic.thresholds(cfg))
         tasks = [(u, s, p, cfg.fingerprints, facts, matching) for u, s, p in zip(urls, sidecars, scans)]
-        list(pool.imap(scan_shard, tasks))
+        list(_bar(pool.imap(scan_shard, tasks), len(tasks), "scanning"))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
@@ -161,7 +161,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
             for j, pieces in enumerate(plan)
         ]
         sizes = {}
-        for j, (name, count) in enumerate(pool.imap(write_shard, writes)):
+        for j, (name, count) in enumerate(_bar(pool.imap(write_shard, writes), len(writes), "writing")):
             sizes[name] = count
             faults.after_output_shard(j)
     write_json(output / "sizes.json", sizes)
@@ -171,6 +171,14 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     summary = {**summarize(reason), "kept_by_rule": kept_by_rule(drops), "output_shards": len(plan)}
     write_json(output / "summary.json", summary)
     return summary
+
+
+def _bar(results, total: int, what: str):
+    """A tqdm bar over the shards a step goes through, on stderr when it is a terminal (a log or a pipe keeps the
+    filter's lines alone: a refusal stays one line)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(results, total=total, desc=f"{what} shards", unit=" shards", dynamic_ncols=True, disable=None)
 
 
 def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.ndarray], np.ndarray | None]:

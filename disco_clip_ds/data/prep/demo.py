@@ -107,12 +107,17 @@ def captions_for(labels: np.ndarray, seed: int) -> list[str]:
     return [CAPTION_TEMPLATES[t].format(word=DIGITS[y], digit=y) for t, y in zip(picks, labels)]
 
 
+def noisy_count(fraction: float, train_samples: int) -> int:
+    """How many of `train_samples` training captions `mislabel` makes name another digit."""
+    return round(fraction * train_samples)
+
+
 def mislabel(captions: list[str], labels: np.ndarray, indices: np.ndarray, fraction: float, seed: int) -> list[str]:
     """`captions` with a seeded `fraction` of the samples `indices` (the training split) captioned as another digit,
     in a template of their own: web alt-text often fails to describe its image, and a teacher that has learnt past
     such pairs is what distillation brings a student (docs/distillation.md). The labels stay the images' own."""
     rng = np.random.default_rng([seed, 1])  # apart from the templates' and the split's draws
-    chosen = rng.choice(indices, size=round(fraction * len(indices)), replace=False)
+    chosen = rng.choice(indices, size=noisy_count(fraction, len(indices)), replace=False)
     shifts, templates = rng.integers(1, 10, size=len(chosen)), rng.integers(len(CAPTION_TEMPLATES), size=len(chosen))
     noisy = list(captions)
     for i, shift, template in zip(chosen, shifts, templates):

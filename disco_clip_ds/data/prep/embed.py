@@ -163,7 +163,8 @@ def embed_shards(
     a list of them: an ensemble) into sidecars in OUT (default: beside each shard), with `settings` (default: the
     centre crop, the caption "txt", float32). Returns {"embedded": [...], "kept": [...], "skipped": n,
     "missing_captions": {key: n}}: shards written, shards whose sidecar already verified with these settings,
-    samples skipped (no image, undecodable, or a caption key missing: those counted per key too).
+    samples skipped (no image, undecodable, or a caption key missing: those counted per key too); "empty": the
+    embedded shards that hold no sample (each given a sidecar of no rows).
 
     The shards are read and decoded by `num_workers` DataLoader workers (None: `default_workers()`; 0: in this
     process) while this process runs the teachers; the sidecars are the same whatever their number (embed_loader.py).
@@ -181,7 +182,7 @@ def embed_shards(
     urls = urls[rank::world]
     loaded = [load_teacher(t, settings.tokenizer_of(i), device) for i, t in enumerate(settings.teachers)]
     fingerprints = _distinct(settings.teachers, [t.fingerprint for t in loaded])
-    summary = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}}
+    summary = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}, "empty": 0}
     with _progress(urls, rank, world) as bar:
         jobs = []
         for index, (url, path) in enumerate(zip(urls, paths)):
@@ -235,13 +236,23 @@ class _Shard:
 
     def __init__(self, loaded: list[Teacher], settings: Settings):
         self.loaded, self.settings = loaded, settings
-        self.keys, self.boxes, self.skipped, self.missing = [], [], 0, Counter()
+        self.keys, self.boxes, self.skipped, self.missing, self.read = [], [], 0, Counter(), 0
+        self.seen: set[str] = set()
         self.images = [[] for _ in loaded]
         self.texts = [{k: [] for k in settings.caption_keys} for _ in loaded]
 
     def add(self, batch: Batch, autocast: torch.dtype | None) -> None:
         """Count and say the batch's skipped samples, run each teacher on its embedded ones; a damaged shard's
-        DataError is raised here."""
+        DataError is raised here, and so is one for a key met twice in the shard: the sidecar maps a key to one row,
+        which two samples would share."""
+        self.read += batch.read
+        for key in [*batch.keys, *(k for k, _, _ in batch.skips)]:
+            if key in self.seen:
+                raise DataError(
+                    f"shard {describe_source(batch.url)} holds two samples of key {key}: a sample's embeddings are "
+                    "found by its key; give each sample its own key, or leave the shard out of --shards"
+                )
+            self.seen.add(key)
         for key, missing, why in batch.skips:
             self.skipped += 1
             if missing is not None:
@@ -260,16 +271,24 @@ class _Shard:
                 self.texts[t][key].append(text[key])
 
     def write(self, url: str, path: Path, summary: dict) -> None:
-        """Write the sidecar at PATH and add the shard to `summary`; a DataError when no sample was embedded."""
-        if not self.keys:
+        """Write the sidecar at PATH and add the shard to `summary`. A shard without samples (a valid tar with no
+        member, as img2dataset leaves one whose every download failed) gets a sidecar of no rows, counted as empty;
+        one whose samples were all skipped is a DataError."""
+        if not self.keys and self.read:
             raise DataError(f"{describe_source(url)}: no sample with an image and a caption")
+        if not self.keys:
+            self._no_rows()
+            summary["empty"] += 1
+            logger.warning("%s: an empty shard (no sample): its sidecar has no rows", describe_source(url))
         settings = self.settings
         stored = Reinforced(
             self.keys,
             [_facts(t) for t in self.loaded],
             [torch.cat(i) for i in self.images],
             [{k: torch.cat(v) for k, v in by_key.items()} for by_key in self.texts],
-            torch.tensor(self.boxes, dtype=torch.int32) if settings.augmentations else None,
+            torch.tensor(self.boxes, dtype=torch.int32).view(-1, settings.augmentations, 4)
+            if settings.augmentations
+            else None,
             settings.caption_keys,
             settings.augmentations,
             settings.dtype,
@@ -282,6 +301,17 @@ class _Shard:
         summary["skipped"] += self.skipped
         for key, n in self.missing.items():
             summary["missing_captions"][key] = summary["missing_captions"].get(key, 0) + n
+
+    def _no_rows(self) -> None:
+        """Each teacher's tensors with no rows, at the width its embeddings have (one forward of a blank image)."""
+        keys, views = self.settings.caption_keys, max(self.settings.augmentations, 1)
+        for t, teacher in enumerate(self.loaded):
+            size = teacher.transform.image_size
+            blank = torch.zeros(1, 3, size, size, dtype=torch.uint8)
+            width = _forward(teacher, blank, [dict.fromkeys(keys, "a")], keys, None)[0].shape[-1]
+            self.images[t].append(torch.zeros(0, views, width))
+            for key in keys:
+                self.texts[t][key].append(torch.zeros(0, width))
 
 
 def _forward(teacher: Teacher, crops: torch.Tensor, captions: list[dict], caption_keys: list[str], autocast) -> tuple:
@@ -370,9 +400,9 @@ def embed_launched(
     errors = [value for kind, value in outcomes if kind == "error"]
     if errors:
         raise errors[0]
-    merged = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}}
+    merged = {"embedded": [], "kept": [], "skipped": 0, "missing_captions": {}, "empty": 0}
     for _, summary in outcomes:
-        for name in ("embedded", "kept", "skipped"):
+        for name in ("embedded", "kept", "skipped", "empty"):
             merged[name] += summary[name]
         for key, n in summary["missing_captions"].items():
             merged["missing_captions"][key] = merged["missing_captions"].get(key, 0) + n

@@ -45,7 +45,9 @@ def teacher_preprocessing(name_or_path: str, tokenizer_name: str | None, config)
     """(tokenizer, text length, ImageTransform, Normalize) of the teacher's own view of a sample: its tokenizer (or
     `tokenizer_name`), padded to its text positions, and a center crop at its image size with its normalisation
     (its image processor's, else CLIP's)."""
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPImageProcessor
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from disco_clip_ds.compat import image_processor_class
 
     source = tokenizer_name or name_or_path
     try:
@@ -57,7 +59,7 @@ def teacher_preprocessing(name_or_path: str, tokenizer_name: str | None, config)
     try:
         processor = AutoImageProcessor.from_pretrained(name_or_path)
     except (OSError, ValueError, TypeError):
-        processor = CLIPImageProcessor()
+        processor = image_processor_class("CLIPImageProcessor")()
     size = config.vision_config.image_size
     return (
         tokenizer,

@@ -4,6 +4,8 @@ any model is built (D5, D6)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -239,3 +241,70 @@ def test_a_second_embed_into_a_folder_being_written_is_refused_naming_the_writer
         assert err.startswith(f"disco-clip data embed: {flag} {folder}: being written by another process ({holder}")
         assert err.endswith(f"): wait for it to end, or {instead}\n") and err.count("\n") == 1
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["00000.tar", "sizes.json"]
+
+
+def _tar_of(path, members: list[tuple[str, bytes]]) -> str:
+    """A tar at PATH holding `members` (name, bytes) in that order; no member: an empty but valid tar."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.mark.slow  # embeds and filters with the tiny teacher
+def test_an_empty_shard_gets_a_sidecar_of_no_rows_counted_and_the_filter_takes_it(tmp_path, tiny_teacher, capsys):
+    """A valid tar with no member (img2dataset's shard whose every download failed): `data embed` writes it a sidecar
+    of no rows and says it was empty, instead of stopping; `data filter` reads it as a shard of nothing."""
+    from disco_clip_ds.commands.data import filter_main
+    from disco_clip_ds.data.embeddings import read_reinforced, sidecar_path
+
+    urls = write_shards(tmp_path / "data", num_shards=1, per_shard=3)
+    empty = _tar_of(tmp_path / "data" / "00001.tar", [])
+    base = ["--teacher", str(tiny_teacher), "--tokenizer_name", str(TOKENIZER_DIR), "--num_workers", "0"]
+    assert _embed([*base, "--shards", f"{urls[0]}::{empty}", "--augmentations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 shard(s) embedded (1 empty: no sample), 0 already done" in out and "sidecars beside their shards" in out
+    full, none = (read_reinforced(sidecar_path(tmp_path / "data", u)) for u in (urls[0], empty))
+    assert none.keys == [] and [i.shape[1:] for i in none.images] == [i.shape[1:] for i in full.images]
+    assert none.boxes.shape == (0, 2, 4) and len(full.keys) == 3
+    kept = tmp_path / "kept"
+    argv = ["--shards", str(tmp_path / "data"), "--output", str(kept), "--clip_score_min", "-1"]
+    assert run_main(filter_main, argv, "f") == 0
+    assert sum(json.loads((kept / "sizes.json").read_text()).values()) == 3
+
+
+@pytest.mark.slow  # embeds with the tiny teacher
+def test_two_samples_of_one_key_in_a_shard_are_refused_naming_the_shard_and_the_key(tmp_path, tiny_teacher, capsys):
+    """The sidecar maps a key to one row: two samples of one key (not adjacent: adjacent members are one sample)
+    would share it. Refused in one line, the shards before it kept."""
+    rng = np.random.default_rng(0)
+    good = write_shards(tmp_path / "data", num_shards=1, per_shard=2)[0]
+    image = noise_image_bytes(rng, "JPEG", 32)
+    members = [("a.jpg", image), ("a.txt", b"one"), ("b.jpg", image), ("b.txt", b"two")]
+    twice = _tar_of(tmp_path / "data" / "00001.tar", [*members, ("a.jpg", image), ("a.txt", b"three")])
+    argv = ["--teacher", str(tiny_teacher), "--tokenizer_name", str(TOKENIZER_DIR), "--num_workers", "1"]
+    assert _embed([*argv, "--shards", f"{good}::{twice}", "--batch_size", "2", "--output", str(tmp_path / "e")]) == 1
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("disco-clip data embed:")]
+    assert len(said) == 1 and "00001.tar holds two samples of key a" in said[0], said
+    assert len(list((tmp_path / "e").glob("00000.*.teacher.safetensors"))) == 1
+    assert not list((tmp_path / "e").glob("00001.*"))
+
+
+@pytest.mark.parametrize("cut", [0, 700, 3000])
+def test_a_zero_byte_or_cut_short_shard_is_a_data_error_naming_it(tmp_path, cut):
+    """0 bytes, cut inside the first member's header, cut inside a later member: each shard's batches end with a
+    DataError naming it (raised as one line when its batch comes back), never tarfile's traceback."""
+    from disco_clip_ds.data.prep.embed_loader import _raw_batches
+
+    url = write_shards(tmp_path / "data", num_shards=1, per_shard=4)[0]
+    with open(url, "r+b") as f:
+        f.truncate(cut)
+    *_, (read, last, error) = list(_raw_batches(url, 2))
+    assert last and read() == [] and "00000.tar is damaged" in str(error)
+    assert "`disco-clip data verify`" in str(error)

@@ -108,3 +108,18 @@ def test_a_stop_inside_the_deepspeed_section_lets_it_finish_then_ends_the_proces
         done = _run(how, fault)
         assert done.returncode == 75 and done.stdout == "section finished\n", (how, done)
         assert done.stderr.splitlines() == [_one_line()], (how, done)
+
+
+def test_deepspeed_is_told_the_cpu_is_its_accelerator_only_without_a_gpu_and_a_choice(monkeypatch):
+    import os
+
+    import torch
+
+    from disco_clip_ds.distributed import startup
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    startup.cpu_accelerator_when_no_gpu()
+    assert os.environ.get("DS_ACCELERATOR") == (None if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    startup.cpu_accelerator_when_no_gpu()
+    assert os.environ["DS_ACCELERATOR"] == "xpu"

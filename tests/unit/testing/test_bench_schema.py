@@ -74,3 +74,20 @@ def test_the_check_refuses_a_file_off_the_schema(tmp_path, text, problem):
     path.write_text(text)
     problems = schema_problems(path)
     assert len(problems) == 1 and problem in problems[0]
+
+
+# The scripts that run again, or are imported, inside a peer's own venv without this checkout on its path (the
+# open_clip side of bench/data/input_pipeline.py: `python input_pipeline.py --side open_clip` there, which imports
+# vs_open_clip): the package may be imported only inside the functions that write results.
+IN_A_PEER_VENV = ["bench/data/input_pipeline.py", "bench/vs_open_clip/vs_open_clip.py"]
+
+
+@pytest.mark.parametrize("script", IN_A_PEER_VENV)
+def test_a_script_run_in_a_peer_venv_imports_nothing_of_the_package_at_its_top(script):
+    import ast
+
+    tree = ast.parse((REPO / script).read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    named = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    named += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in named if m.split(".")[0] == "disco_clip_ds"], named
