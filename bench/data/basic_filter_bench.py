@@ -26,7 +26,6 @@ into a folder and put it on PYTHONPATH (see bench/data/README.md).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import statistics
@@ -35,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from disco_clip_ds.testing.bench_record import write_rows
 
 LABELLED = {
     "en": ["a dog running on the beach", "red car parked in the street", "woman holding a cup of coffee",
@@ -301,13 +302,9 @@ def main() -> None:
             bench_rules(Path(tmp) / "pool", args.rounds, rows)
         if "pool" in args.parts:
             bench_pool(Path(tmp) / "pool", kinds, rows)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    fields = sorted({k for r in rows for k in r} - {"part", "what"})
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, ["part", "what", *fields, "commit"])
-        writer.writeheader()
-        writer.writerows({**r, "commit": commit} for r in rows)
+    for row in rows:  # a rate is measured over the rounds; the pool's fractions are counts
+        row.setdefault("measured", "per_s" if "per_s_median" in row else "")
+    write_rows(args.csv, rows, rounds=args.rounds)
 
 
 if __name__ == "__main__":
