@@ -92,7 +92,8 @@ class _Pipes:
             while next_out < len(tasks):
                 while next_out not in done:
                     for conn in wait(list(busy)):
-                        done[busy[conn]] = self._receive(conn, busy.pop(conn))
+                        index = busy.pop(conn)
+                        done[index] = self._receive(conn, index)
                         self._give(conn, fn, pending, busy)
                 yield _result(done.pop(next_out))
                 next_out += 1
