@@ -410,7 +410,7 @@ def test_the_filter_on_spark_writes_the_one_machine_bytes_even_with_an_executor_
     with standalone_cluster(cluster, workers=2, cores=1, memory="1G") as master:
         cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "filter", *argv, "--spark", master]
         env = {**cluster_env(cluster / "work"), "DISCO_FAULT": "kill_in_write=executor:shard=1,attempt=0"}
-        run = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=420)
         executors = executor_folders(cluster)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"spark: master {master}" in run.stdout
