@@ -54,7 +54,7 @@ def make_data(shards: int, per_shard: int) -> dict[str, Path]:
 
 
 def child(args) -> None:
-    """One side: its session up, a warm-up, then each rule set timed; JSON on the last line."""
+    """One side: its session up, a warm-up, then each rule set of `args.rules` timed; JSON on the last line."""
     from disco_clip_ds.commands.data import filter_main
 
     side = SIDES[args.child]
@@ -68,7 +68,8 @@ def child(args) -> None:
     times = {"session_s": time.perf_counter() - started}
     out = Path(args.output)
     filter_main(["--shards", args.warm, "--output", str(out) + "_warm", *RULES["score"], *side])
-    for name, rule in RULES.items():
+    for name in args.rules:
+        rule = RULES[name]
         shutil.rmtree(out / name, ignore_errors=True)
         started = time.perf_counter()
         filter_main(["--shards", args.data, "--output", str(out / name), *rule, *side, "--samples_per_shard", "1000"])
@@ -78,16 +79,16 @@ def child(args) -> None:
     print(json.dumps(times))
 
 
-def run_side(side: str, data: dict[str, Path]) -> tuple[dict, dict[str, str]]:
+def run_side(side: str, data: dict[str, Path], rules: list[str]) -> tuple[dict, dict[str, str]]:
     out = OUT / "run"
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--output", str(out)]
-    command += ["--data", str(data["data"]), "--warm", str(data["warm"])]
+    command += ["--data", str(data["data"]), "--warm", str(data["warm"]), "--rules", *rules]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{side} failed: {done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1]), {name: _digest(out / name) for name in RULES}
+    return json.loads(done.stdout.strip().splitlines()[-1]), {name: _digest(out / name) for name in rules}
 
 
 def _digest(folder: Path) -> str:
@@ -103,21 +104,21 @@ def measure(args) -> list[dict]:
 
     data = make_data(args.shards, args.per_shard)
     samples = args.shards * args.per_shard
-    rates = {side: {rule: [] for rule in RULES} for side in SIDES}
+    rates = {side: {rule: [] for rule in args.rules} for side in SIDES}
     starts = {side: [] for side in SIDES}
-    digests = {rule: set() for rule in RULES}
+    digests = {rule: set() for rule in args.rules}
     for round_ in range(args.rounds):
         for side in SIDES if round_ % 2 == 0 else list(SIDES)[::-1]:
-            times, digest = run_side(side, data)
+            times, digest = run_side(side, data, args.rules)
             starts[side].append(times["session_s"])
-            for rule in RULES:
+            for rule in args.rules:
                 rates[side][rule].append(samples / times[rule])
                 digests[rule].add(digest[rule])
-            print(round_, side, {rule: round(rates[side][rule][-1], 1) for rule in RULES}, flush=True)
+            print(round_, side, {rule: round(rates[side][rule][-1], 1) for rule in args.rules}, flush=True)
     rows = []
     for side in SIDES:
         cores = 2 if side == "spark_local2" else 1
-        for rule in RULES:
+        for rule in args.rules:
             per_core = [rate / cores for rate in rates[side][rule]]
             settings = {"side": side, "rules": " ".join(RULES[rule]), "samples": samples, "cores": cores}
             settings["identical"] = len(digests[rule]) == 1
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--per_shard", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rules", nargs="+", choices=list(RULES), default=list(RULES))
     parser.add_argument("--csv", type=Path, default=HERE / "results" / "filter_spark.csv")
     parser.add_argument("--child", choices=list(SIDES), help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
