@@ -1,6 +1,7 @@
 """`disco-clip data filter`: scan -> decide -> write.
 
-Steps 1 and 3 run as tasks on runner.py's runner: `--processes` worker processes, or Spark tasks (`--spark`).
+Steps 1 and 3 (and --target's assignment of each shard) run as tasks on runner.py's runner: `--processes` worker
+processes, or Spark tasks (`--spark`); step 2 runs here, on the driver.
 
 1. Scan, a task per input shard: its keys and where each member lies (from the tar's
    headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
