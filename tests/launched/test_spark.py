@@ -3,6 +3,8 @@
 The reference is the multiprocessing path on the same input: the Spark run must give the same bytes,
 the same failures by reason, and keep the per-image deadline inside its executors' Python workers.
 One local Spark session serves the in-process runs; the killed run is a CLI subprocess with its own.
+`data filter --spark` runs on that session and on a standalone master with 2 workers (testing/spark.py), against
+the one-machine filter.
 """
 
 from __future__ import annotations
