@@ -82,6 +82,8 @@ class _Pipes:
             self.workers.append((process, parent))
 
     def map(self, fn, tasks):
+        if not self.workers:  # closed by a map abandoned with tasks in flight: waiting on no worker would never end
+            raise RuntimeError("the --processes pool was closed after a failed map")
         return self._map(fn, list(tasks))
 
     def _map(self, fn, tasks: list):

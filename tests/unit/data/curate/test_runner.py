@@ -30,6 +30,9 @@ def test_the_pipe_pool_yields_in_task_order_and_raises_a_tasks_error_or_a_dead_w
         assert next(results) == 0 and next(results) == 1
         with pytest.raises(UsageError, match="^task 2 refused$"):  # the task's own error, as it was raised there
             next(results)
+        pool.close()  # as a map abandoned with tasks in flight closes it
+        with pytest.raises(RuntimeError, match="closed after a failed map"):  # no worker to wait on: no hang
+            pool.map(refuse, [0])
     with runner.open_runner(processes=2) as pool:
         with pytest.raises(ZeroDivisionError, match="a bug in a task") as raised:
             list(pool.map(crash, range(3)))
