@@ -97,3 +97,9 @@ def write_json(path: str | os.PathLike, obj) -> None:
 def is_leftover(name: str) -> bool:
     """Whether a file name is one of `staged`'s temporary files (left by a writer killed before its rename)."""
     return bool(_LEFTOVER.match(name))
+
+
+def remove_leftovers(folder: str | os.PathLike) -> None:
+    """Remove the temporary files killed writers left in `folder` (none of its writers may be running)."""
+    for leftover in (p for p in Path(folder).iterdir() if is_leftover(p.name)):
+        leftover.unlink(missing_ok=True)

@@ -7,7 +7,8 @@ One environment variable names them, entries separated by ';':
 An entry fires at its point when every KEY=N holds there: `step` (the optimizer step), `shard` (a download shard),
 `rank` (this process's training rank), `attempt` (torchrun's restart count, TORCHELASTIC_RESTART_COUNT: 0 on the
 first start and counted per node, so that a fault does not fire again in the workers an elastic launch restarts on
-that node). A VALUE holds no ':' or ';'. The actions, by point:
+that node; inside a Spark task, the task's attempt number: 0 the first time, 1 when Spark runs it again). A VALUE
+holds no ':' or ';'. The actions, by point:
 
 In a training rank's checkpoint save (`train/checkpointing.py`), after the model and DeepSpeed files are written
 and before the RNG and Trainer state:
@@ -44,6 +45,12 @@ In `disco-clip data embed` (`data/prep/embed.py`), once the sidecar of shard K (
     kill_after_sidecar:shard=K          SIGKILL to the embedding process (kill -9)
 In `disco-clip data filter` (`data/curate/pipeline.py`), once output shard K is complete:
     kill_after_output:shard=K           SIGKILL to the filter's worker processes, then to the filter itself (kill -9)
+    hold_after_output=FILE:shard=K      the filter writes its pid to FILE and stops itself (SIGSTOP), so that a test
+                                        can kill its process group in a known state
+In the task that writes the filter's output shard K (`data/curate/reshard.py`: a --processes worker, a Spark
+executor's Python worker), once its tar is written to its temporary file and before the rename:
+    kill_in_write[=executor]:shard=K[,attempt=A]  SIGKILL to the process running the task; with =executor, first to
+                                        its Spark executor (the nearest `java` process above it), as a lost machine
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import errno
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,8 +100,20 @@ def _holds(key: str, n: int, at: dict[str, int]) -> bool:
     if key == "rank":
         return _rank() == n
     if key == "attempt":
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == n
+        return _attempt() == n
     return at.get(key) == n
+
+
+def _attempt() -> int:
+    """Inside a Spark task its attempt number, else torchrun's restart count (0 without either). pyspark is asked
+    only where it is imported already: a Spark Python worker has it, no other process needs it."""
+    if "pyspark" in sys.modules:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context is not None:
+            return context.attemptNumber()
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 # --- the points ---
@@ -169,7 +189,11 @@ def before_shard(shard: int) -> None:
 
 def after_shard(shard: int) -> None:
     """The point after a download worker wrote shard `shard`: hold_after."""
-    spec = fault("hold_after", shard=shard)
+    _hold(fault("hold_after", shard=shard))
+
+
+def _hold(spec: Fault | None) -> None:
+    """A hold: this process's pid written to the entry's FILE, then SIGSTOP to itself."""
     if spec:
         Path(spec.value).write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -185,6 +209,34 @@ def after_output_shard(shard: int) -> None:
             os.kill(child.pid, signal.SIGKILL)
         logger.warning("%s: killing the filter after output shard %d", ENV, shard)
         os.kill(os.getpid(), signal.SIGKILL)
+    _hold(fault("hold_after_output", shard=shard))
+
+
+def in_output_write(shard: int) -> None:
+    """The point inside the task writing the filter's output shard `shard`, its tar staged, not renamed yet:
+    kill_in_write."""
+    spec = fault("kill_in_write", shard=shard)
+    if spec is None:
+        return
+    if spec.value == "executor":
+        executor = _java_ancestor()
+        logger.warning("%s: killing the executor (pid %s) writing output shard %d", ENV, executor, shard)
+        if executor is not None:
+            os.kill(executor, signal.SIGKILL)
+    logger.warning("%s: killing the process writing output shard %d", ENV, shard)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _java_ancestor() -> int | None:
+    """The nearest process above this one whose command is `java` (a Spark Python worker's executor), or None."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as stat:  # "PID (COMM) STATE PPID ...": COMM may hold spaces
+            text = stat.read()
+        if text[text.index("(") + 1 : text.rindex(")")] == "java":
+            return pid
+        pid = int(text[text.rindex(")") + 2 :].split()[1])
+    return None
 
 
 def after_sidecar(shard: int) -> None:

@@ -4,9 +4,9 @@ Too heavy for the test suite (master, worker, executor and driver JVMs); run by 
 
     .venv/bin/python bench/data/spark_standalone_check.py
 
-Starts the master and worker from this venv's pyspark (`spark-class`, as data_prep/relaion2b_spark.sh does
-on a cluster), downloads the same loopback input with the multiprocessing path and with
-`--distributor pyspark --spark_master spark://127.0.0.1:PORT` (executors in their own JVM, Python workers
+Starts the master and worker from this venv's pyspark (disco_clip_ds.testing.spark, as
+data_prep/relaion2b_spark.sh does on a cluster), downloads the same loopback input with the multiprocessing path and
+with `--distributor pyspark --spark_master spark://127.0.0.1:PORT` (executors in their own JVM, Python workers
 from PYSPARK_PYTHON), and checks that shards, sizes.json and summary.json are byte-identical and that a
 trickling image was cut by the deadline inside the executor. Stops both daemons at the end.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,82 +23,20 @@ from pathlib import Path
 from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.imageserver import ImageServer
-from disco_clip_ds.testing.ranks import free_port
+from disco_clip_ds.testing.spark import cluster_env, executor_folders, standalone_cluster
 
 
 def _image(i: int) -> bytes:
     return image_bytes("JPEG", "RGB", (40 + i, 30), (10 * i % 256, 80, 200))
 
 
-def _wait_for(path: Path, text: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"'{text}' not in {path} after {seconds}s:\n{path.read_text(errors='replace')[-2000:]}")
-
-
 def main() -> int:
-    import pyspark
-
     from disco_clip_ds.commands.data import download_main
 
     tmp = Path(tempfile.mkdtemp(prefix="spark_standalone_"))
-    port = free_port()
-    master_url = f"spark://127.0.0.1:{port}"
-    # spark-class finds Spark through the Python that has pyspark; executors' Python workers use PYSPARK_PYTHON
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(Path(pyspark.__file__).parent),
-        "PYSPARK_PYTHON": sys.executable,
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_WORKER_DIR": str(tmp / "work"),
-    }
-    os.environ.update(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
-    spark_class = str(Path(sys.executable).parent / "spark-class")
-    daemons = []
-    try:
-        with open(tmp / "master.log", "w") as log:
-            daemons.append(
-                subprocess.Popen(
-                    [
-                        spark_class,
-                        "org.apache.spark.deploy.master.Master",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--webui-port",
-                        str(free_port()),
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        _wait_for(tmp / "master.log", "I have been elected leader", 180)
-        with open(tmp / "worker.log", "w") as log:
-            daemons.append(
-                subprocess.Popen(
-                    [
-                        spark_class,
-                        "org.apache.spark.deploy.worker.Worker",
-                        "--cores",
-                        "2",
-                        "--memory",
-                        "2G",
-                        "--webui-port",
-                        str(free_port()),
-                        master_url,
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        _wait_for(tmp / "master.log", "Registering worker", 180)
-
+    # the driver joins the daemons' environment: loopback only, executors' Python workers on this interpreter
+    os.environ.update({k: v for k, v in cluster_env(tmp / "work").items() if k in ("PYSPARK_PYTHON", "SPARK_LOCAL_IP")})
+    with standalone_cluster(tmp, workers=1, cores=2, memory="2G") as master_url:
         with ImageServer() as server:
             rows = [(server.add(f"/{i}.jpg", body=_image(i)), f"image {i}") for i in range(10)]
             rows.append((server.add("/trickle.jpg", body=_image(99) * 40, trickle=0.2), "trickles"))
@@ -112,20 +49,16 @@ def main() -> int:
                 download_args(url_list, tmp / "cluster", **options, distributor="pyspark", spark_master=master_url)
             )
             seconds = time.monotonic() - started
-        assert rc == 0, rc
-        names = sorted(p.name for p in (tmp / "mp").glob("*.tar")) + ["sizes.json", "summary.json"]
-        same = all((tmp / "mp" / n).read_bytes() == (tmp / "cluster" / n).read_bytes() for n in names)
-        reasons = json.loads((tmp / "cluster" / "summary.json").read_text())["failures_by_reason"]
-        print(f"standalone {master_url}: {seconds:.1f}s, byte-identical to multiprocessing: {same}; failures {reasons}")
-        assert same and reasons.get("download exceeded the 3s deadline") == 1, reasons
-        executors = list((tmp / "work").glob("app-*/*/stderr"))
-        assert executors, "no executor ran on the worker"
-        print(f"executor logs: {len(executors)} under {tmp / 'work'}; OK")
-        return 0
-    finally:
-        for proc in reversed(daemons):
-            proc.terminate()
-            proc.wait(timeout=60)
+    assert rc == 0, rc
+    names = sorted(p.name for p in (tmp / "mp").glob("*.tar")) + ["sizes.json", "summary.json"]
+    same = all((tmp / "mp" / n).read_bytes() == (tmp / "cluster" / n).read_bytes() for n in names)
+    reasons = json.loads((tmp / "cluster" / "summary.json").read_text())["failures_by_reason"]
+    print(f"standalone {master_url}: {seconds:.1f}s, byte-identical to multiprocessing: {same}; failures {reasons}")
+    assert same and reasons.get("download exceeded the 3s deadline") == 1, reasons
+    executors = executor_folders(tmp)
+    assert executors, "no executor ran on the worker"
+    print(f"executor logs: {len(executors)} under {tmp / 'work'}; OK")
+    return 0
 
 
 if __name__ == "__main__":

@@ -302,6 +302,14 @@ def filter_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples_per_shard", metavar="N", type=int, default=10_000)
     p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
     p.add_argument(
+        "--spark",
+        metavar="MASTER",
+        nargs="?",
+        const="",
+        help="scan and write as Spark tasks: on MASTER (spark://HOST:7077, local[N], ...); without MASTER the active "
+        "session's, spark-submit's or local[--processes]; under spark-submit the default (needs Java 17+)",
+    )
+    p.add_argument(
         "--seed", metavar="N", type=int, default=0, help="the k-means sample and initialisation, the balance draw"
     )
     _datacomp_arguments(p)

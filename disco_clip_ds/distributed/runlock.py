@@ -198,8 +198,7 @@ class _WriterLock:
             )
         _sign(self.fd, self.by)
         if not self.beside:
-            for leftover in (p for p in folder.iterdir() if atomic.is_leftover(p.name)):
-                leftover.unlink(missing_ok=True)
+            atomic.remove_leftovers(folder)
 
     def _refusal(self, holder: str) -> str:
         return (

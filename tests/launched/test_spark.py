@@ -3,6 +3,8 @@
 The reference is the multiprocessing path on the same input: the Spark run must give the same bytes,
 the same failures by reason, and keep the per-image deadline inside its executors' Python workers.
 One local Spark session serves the in-process runs; the killed run is a CLI subprocess with its own.
+`data filter --spark` runs on that session and on a standalone master with 2 workers (testing/spark.py), against
+the one-machine filter.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +28,7 @@ import pytest
 from disco_clip_ds.commands.data import (
     download_main,
     download_parser,
+    filter_main,
     metadata_parser,
     verify_main,
 )
@@ -35,6 +39,9 @@ from disco_clip_ds.testing.download import download_args, write_url_list
 from disco_clip_ds.testing.images import image_bytes
 from disco_clip_ds.testing.imageserver import ImageServer
 from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.spark import cluster_env, executor_folders, standalone_cluster
+
+from unit.data.curate.shardsets import embedded_shards, smooth_jpeg
 
 JAVA_PROBLEM = java_problem()
 needs_java = pytest.mark.skipif(JAVA_PROBLEM is not None, reason=f"no usable Java for Spark: {JAVA_PROBLEM}")
@@ -370,3 +377,45 @@ def test_cluster_recipe_download_step_submits_a_valid_command(tmp_path):
     assert confs["spark.task.maxFailures"] == "100" and confs["spark.executor.memory"] == "16G"
     assert calls[2][1:] == ["data", "verify", str(tmp_path / "shards")]
     assert subprocess.run(["bash", str(script), "nonsense"], check=False, env=env, capture_output=True).returncode == 2
+
+
+# --- `data filter --spark` ----------------------------------------------------------------------------------------
+
+
+def _filter_outputs(folder: Path) -> dict[str, bytes]:
+    """Every file of a filter's output folder but its resume state (.filter/); the folder is then removed, for the
+    next run to write the same path (a path is in the sidecars' names and in filter.json)."""
+    outputs = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if ".filter" not in p.parts}
+    shutil.rmtree(folder)
+    return outputs
+
+
+@needs_java
+def test_the_filter_on_spark_writes_the_one_machine_bytes_even_with_an_executor_killed(spark, tmp_path):
+    """The one-machine run against a local[2] session (this module's) and a standalone master with 2 workers whose
+    executor writing output shard 1 is killed (kill -9 of its JVM, on the task's first attempt): Spark runs the task
+    again on a new executor, and the output is the same bytes."""
+    images = [smooth_jpeg(i % 20) for i in range(24)]  # samples 20..23 repeat 0..3: copies for --dedup
+    embedded_shards(tmp_path / "in", 4, 6, images=images)
+    embedded_shards(tmp_path / "target", 1, 2, seed=1)
+    out = tmp_path / "out"
+    rules = ["--keep_fraction", "0.75", "--dedup", "--target", tmp_path / "target", "--clusters", "3"]
+    argv = [str(a) for a in ["--shards", tmp_path / "in", *rules, "--samples_per_shard", "4", "--output", out]]
+    assert run_main(filter_main, argv, "filter") == 0
+    reference = _filter_outputs(out)
+    assert sum(name.endswith(".tar") for name in reference) == 3
+
+    assert run_main(filter_main, [*argv, "--spark", "local[2]"], "filter") == 0
+    assert _filter_outputs(out) == reference
+
+    cluster = tmp_path / "cluster"
+    with standalone_cluster(cluster, workers=2, cores=1, memory="1G") as master:
+        cli = [sys.executable, "-m", "disco_clip_ds.cli", "data", "filter", *argv, "--spark", master]
+        env = {**cluster_env(cluster / "work"), "DISCO_FAULT": "kill_in_write=executor:shard=1,attempt=0"}
+        run = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=420)
+        executors = executor_folders(cluster)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"spark: master {master}" in run.stdout
+    # the two first executors and the one launched in place of the killed one
+    assert len(executors) == 3, executors
+    assert _filter_outputs(out) == reference

@@ -23,6 +23,21 @@ def test_entries_parse_into_action_value_and_conditions():
     assert faults.parse("") == []
 
 
+def test_attempt_is_a_spark_tasks_attempt_number_inside_one(monkeypatch):
+    import types
+
+    monkeypatch.setenv(faults.ENV, "kill_in_write:shard=1,attempt=0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert faults.fault("kill_in_write", shard=1)  # outside Spark and torchrun: attempt 0
+    task = types.SimpleNamespace(attemptNumber=lambda: 1)  # Spark's second attempt of a task
+    fake = types.SimpleNamespace(TaskContext=types.SimpleNamespace(get=lambda: task))
+    monkeypatch.setitem(sys.modules, "pyspark", fake)
+    assert faults.fault("kill_in_write", shard=1) is None
+    task.attemptNumber = lambda: 0
+    assert faults.fault("kill_in_write", shard=1)
+    faults.in_output_write(2)  # another shard: nothing
+
+
 def test_an_entry_fires_where_all_its_conditions_hold(monkeypatch):
     monkeypatch.setenv(faults.ENV, "disk_free_mib=3:step=4;kill_in_save:step=2,rank=1;enospc_in_save:step=2,rank=0")
     assert faults.forced_free_bytes(4) == 3 * 2**20

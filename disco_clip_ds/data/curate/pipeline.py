@@ -1,34 +1,37 @@
 """`disco-clip data filter`: scan -> decide -> write.
 
-1. Scan, a task per input shard (`--processes` of them at once): its keys and where each member lies (from the tar's
+Steps 1 and 3 (and --target's assignment of each shard) run as tasks on runner.py's runner: `--processes` worker
+processes, or Spark tasks (`--spark`); step 2 runs here, on the driver.
+
+1. Scan, a task per input shard: its keys and where each member lies (from the tar's
    headers, data/tarcopy.py, kept for the write), each sample's CLIP score (from its sidecar) and, for the dedup
    rules, its image fingerprint (the one step that decodes images); with --metadata, its caption's metadata entries.
    The result is saved per shard (OUTPUT/.filter/scan/NNNNN.npz, written atomically: atomic.py); a
-   re-run keeps a saved scan whose sidecar and shard are unchanged.
+   re-run keeps a saved scan whose sidecar and shard are unchanged (an unreadable one is scanned again).
 2. Decide, in this process, from the scans: every rule's mask (scores, image clusters, copies), intersected; then
    SemDeDup (semdedup.py) and MetaCLIP's balancing (balance.py), each among the samples the rules before it keep. It
    holds a float32 score per sample (and an int32 cluster, a fingerprint, with those rules), never an image.
 3. Write, a task per output shard: the kept samples, byte for byte, and their sidecar (reshard.py); a re-run keeps an
    output shard that is complete and verifies. Then sizes.json, the parquet of every input key and the summary.
 
-The same inputs and arguments give byte-identical outputs, whatever --processes: every order is the input order
-(shards as --shards lists them, samples in shard order), and the k-means is seeded.
+The same inputs and arguments give byte-identical outputs, whatever --processes or --spark: every order is the input
+order (shards as --shards lists them, samples in shard order), and the k-means is seeded.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
 import os
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from disco_clip_ds import faults
-from disco_clip_ds.atomic import write_bytes
-from disco_clip_ds.data.curate import balance, basic, inputs, reshard, scores, semdedup, uids
+from disco_clip_ds.atomic import remove_leftovers, write_bytes
+from disco_clip_ds.data.curate import balance, basic, inputs, reshard, runner, scores, semdedup, uids
 from disco_clip_ds.data.curate import clusters as cl
 from disco_clip_ds.data.curate.report import ReportWriter, first_rule, kept_by_rule, summarize
 from disco_clip_ds.data.embeddings import read_metadata, read_sidecar
@@ -73,10 +76,11 @@ class FilterConfig:
     min_image_side: int | None = None
     max_aspect_ratio: float | None = None
     keep_uids: str | None = None  # a DataComp subset file (uids.py)
+    spark: str | None = None  # a master URL; "": the active, spark-submit's or a local session (runner.spark_master)
 
     def arguments(self) -> dict:
-        """What the output depends on (all but --processes), recorded in it to refuse a resume with other ones."""
-        return {k: v for k, v in asdict(self).items() if k != "processes"}
+        """What the output depends on (all but where it runs), recorded in it to refuse a resume with other ones."""
+        return {k: v for k, v in asdict(self).items() if k not in ("processes", "spark")}
 
     @property
     def fingerprints(self) -> bool:
@@ -128,6 +132,8 @@ def run_filter(cfg: FilterConfig) -> dict:
     for folder in cfg.dedup_against:
         inputs.check_reference(folder)
     matching = balance.listing(cfg.metadata) if cfg.metadata else None  # the list read and checked before any work
+    if runner.spark_master(cfg.spark) is not False:
+        runner.check_spark(runner.spark_master(cfg.spark))
     output = Path(cfg.output)
     with writer_lock(output, "--output", "disco-clip data filter"):  # one filter at a time writes an output folder
         inputs.claim_output(output, cfg.arguments())
@@ -139,11 +145,11 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     state = output / STATE
     (state / "scan").mkdir(parents=True, exist_ok=True)
     scans = [state / "scan" / f"{i:05d}.npz" for i in range(len(urls))]
-    with _pool(cfg.processes) as pool:
+    with runner.open_runner(cfg.processes, runner.spark_master(cfg.spark)) as pool:
         # 2. Scan every input shard
         facts = basic.needs(basic.thresholds(cfg))
         tasks = [(u, s, p, cfg.fingerprints, facts, matching) for u, s, p in zip(urls, sidecars, scans)]
-        list(_bar(pool.imap(scan_shard, tasks), len(tasks), "scanning"))
+        list(_bar(pool.map(scan_shard, tasks), len(tasks), "scanning"))
         # 3. Decide
         loaded = _load_scans(scans, cfg.fingerprints)
         drops, assigned = decide(cfg, sidecars, loaded, targets, state, pool)
@@ -161,9 +167,11 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
             for j, pieces in enumerate(plan)
         ]
         sizes = {}
-        for j, (name, count) in enumerate(_bar(pool.imap(write_shard, writes), len(writes), "writing")):
+        for j, (name, count) in enumerate(_bar(pool.map(write_shard, writes), len(writes), "writing")):
             sizes[name] = count
             faults.after_output_shard(j)
+    for folder in (output, state / "scan"):  # the staged files of tasks that were killed and run again (Spark)
+        remove_leftovers(folder)
     write_json(output / "sizes.json", sizes)
     # 5. The parquet of every input key and the summary
     _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
@@ -200,7 +208,7 @@ def decide(cfg, sidecars, loaded, targets, state, pool) -> tuple[dict[str, np.nd
     if cfg.target:
         centres = _centres(cfg, sidecars, loaded, state)
         tasks = [(sidecar, scan, centres) for sidecar, scan in zip(sidecars, loaded["scans"])]
-        assigned = np.concatenate(list(pool.imap(assign_shard, tasks)))
+        assigned = np.concatenate(list(pool.map(assign_shard, tasks)))
         chosen = cl.target_clusters(centres, targets)
         drops["target"] = embedded & ~cl.in_clusters(assigned, chosen)
     if cfg.fingerprints:
@@ -280,9 +288,9 @@ def scan_shard(task: tuple[str, Path, Path, bool, tuple, balance.Listing | None]
     url, sidecar, scan, with_fingerprints, facts, matching = task
     stamp = [read_metadata(sidecar).get("sha256", ""), str(os.path.getsize(url))]
     stamp = np.array(stamp + ([matching.digest] if matching else []))  # a scan matched against another list is redone
-    if scan.is_file():
+    if _saved_stamp(scan) == stamp.tolist():
         with np.load(scan) as saved:
-            if saved["stamp"].tolist() == stamp.tolist() and basic.scanned(saved, *facts):
+            if basic.scanned(saved, *facts):
                 return
     rows_of, image, text, _ = read_sidecar(sidecar)
     embedded_scores = scores.clip_scores(image.numpy(), text.numpy())
@@ -312,6 +320,16 @@ def scan_shard(task: tuple[str, Path, Path, bool, tuple, balance.Listing | None]
     if matching:  # the caption's metadata entries (balance.py)
         arrays.update(balance.shard_matches(url, located, keys, rows, balance.matcher(matching)))
     _save_npz(scan, arrays)
+
+
+def _saved_stamp(scan: Path) -> list | None:
+    """The stamp of the scan saved at `scan`; None when there is none, or none that reads (a torn or overwritten
+    file): scanned again."""
+    try:
+        with np.load(scan) as saved:
+            return saved["stamp"].tolist()
+    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile):
+        return None
 
 
 def assign_shard(task: tuple[Path, Path, np.ndarray]) -> np.ndarray:
@@ -452,22 +470,3 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array)
     write_bytes(path, buffer.getvalue())
-
-
-class _Serial:
-    """What a pool offers, in this process: --processes 1 runs every task here, as a pool would, in order."""
-
-    def imap(self, func, tasks):
-        return map(func, tasks)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _pool(processes: int):
-    """--processes worker processes (spawned: forking a process that holds faiss' and torch's threads can hang), whose
-    `imap` returns the tasks' results in task order and raises a task's error here."""
-    return _Serial() if processes == 1 else multiprocessing.get_context("spawn").Pool(processes)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from disco_clip_ds import faults
 from disco_clip_ds.atomic import staged
 from disco_clip_ds.data.embeddings import read_metadata, read_reinforced, shard_facts, sidecar_path, write_reinforced
 from disco_clip_ds.data.reinforced import joined_rows
@@ -79,6 +80,7 @@ def write_output_shard(path: Path, pieces: list[tuple]) -> int:
             tar.abort()
             raise
         sha256 = tar.close()
+        faults.in_output_write(int(path.stem))  # a test's kill here leaves the staged tar: a torn write
     try:
         joined = joined_rows(chosen, {**shard_facts(str(path)), "shard_sha256": sha256})
     except ValueError as error:

@@ -49,29 +49,28 @@ def java_problem(env: dict | None = None) -> str | None:
     return None
 
 
-def _active_spark_session():
+def _active_spark_session(flag: str):
     try:
         from pyspark.sql import SparkSession
     except ImportError:
-        raise DataError(
-            "--distributor pyspark needs pyspark: pip install 'pyspark>=4.0,<4.4' (and a Java 17+ runtime)"
-        ) from None
+        raise DataError(f"{flag} needs pyspark: pip install 'pyspark>=4.0,<4.4' (and a Java 17+ runtime)") from None
     return SparkSession.getActiveSession()
 
 
-def check_spark(master: str | None) -> None:
-    """Fail before any work when `--distributor pyspark` cannot start: no pyspark, no (recent) Java."""
-    active = _active_spark_session()
+def check_spark(master: str | None, flag: str = "--distributor pyspark", master_flag: str = "--spark_master") -> None:
+    """Fail before any work when `flag` (a verb's way to ask for Spark) cannot start: no pyspark, no (recent) Java,
+    or an active session on another master than `master_flag` asks for."""
+    active = _active_spark_session(flag)
     if active is not None:  # a JVM already runs: nothing to check, but the master must be the one asked for
         if master and active.sparkContext.master != master:
             raise UsageError(
                 f"a Spark session with master {active.sparkContext.master} is already active; "
-                f"--spark_master {master} cannot apply: drop the flag or stop that session"
+                f"{master_flag} {master} cannot apply: drop the flag or stop that session"
             )
         return
     problem = java_problem()
     if problem:
-        raise DataError(f"--distributor pyspark needs Java {MIN_JAVA}+; {problem}")
+        raise DataError(f"{flag} needs Java {MIN_JAVA}+; {problem}")
 
 
 def is_spark_failure(err: Exception) -> bool:
@@ -84,8 +83,9 @@ def is_spark_failure(err: Exception) -> bool:
 
 
 @contextlib.contextmanager
-def spark_session(master: str | None, processes: int):
-    """The Spark session img2dataset's pyspark distributor will find (it uses the active one).
+def spark_session(master: str | None, processes: int, app: str = "disco-clip data download", conf: dict | None = None):
+    """The Spark session img2dataset's pyspark distributor will find (it uses the active one), or the filter's (`app`
+    names it; `conf`: Spark settings for a session made here).
 
     Reuses an active session (a notebook's, or one made by a caller) and leaves it running. Otherwise
     creates one and stops it on exit: on `master` when given; on the master `spark-submit` chose when
@@ -100,7 +100,9 @@ def spark_session(master: str | None, processes: int):
     if active is not None:
         yield active
         return
-    builder = SparkSession.builder.appName("disco-clip data download")
+    builder = SparkSession.builder.appName(app)
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
     if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # spark-submit sets that, and the master
         master = f"local[{processes}]"
     if master:
@@ -122,22 +124,23 @@ def spark_session(master: str | None, processes: int):
 
 
 @contextlib.contextmanager
-def jobs_drained_on_failure(session, timeout_s: float = 120.0):
+def jobs_drained_on_failure(session, timeout_s: float = 120.0, what: str = "disco-clip data download"):
     """Run the Spark jobs started inside as one job group; when they fail, return only once none of their
     tasks still runs.
 
     A job aborts on its first lost task while its other tasks run on: each finishes its shard, or has
     its Python worker killed `spark.python.task.killTimeout` after the abort. Were the failed run to
     return at once, a re-run could start downloading a shard that a stray worker is still writing, and
-    the two writers would interleave in one tar. On success every task has ended already.
+    the two writers would interleave in one tar. On success every task has ended already. `what`: the
+    verb, the job group's description.
     """
     context = session.sparkContext
-    group = f"disco-clip-download-{uuid.uuid4().hex[:12]}"
+    group = f"{what.replace('disco-clip data ', 'disco-clip-')}-{uuid.uuid4().hex[:12]}"
     keys = ("spark.jobGroup.id", "spark.job.description", "spark.job.interruptOnCancel")
     before = {key: context.getLocalProperty(key) for key in keys}
     # interruptOnCancel stays False: an interrupted task thread would end while its Python worker, no
     # longer watched, writes on; uninterrupted, the task ends only when its worker has ended or been killed
-    context.setJobGroup(group, "disco-clip data download", interruptOnCancel=False)
+    context.setJobGroup(group, what, interruptOnCancel=False)
     try:
         yield
     except Exception:

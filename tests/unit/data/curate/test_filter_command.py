@@ -450,3 +450,28 @@ def test_a_key_kept_from_two_sources_is_refused_before_any_shard_whatever_the_sh
     embedded_shards(tmp_path / "other", 2, 5, cosines=[0.0] * 10)  # the same keys, every sample below 0.28
     assert _filter("--shards", f"{a}::{other}", *[a if a != out else tmp_path / "out2" for a in argv]) == 0
     assert sum(len(_keys(p)) for p in (tmp_path / "out2").glob("*.tar")) == 6
+
+
+@pytest.mark.parametrize("damage", ["garbage", "no_stamp", "torn", "npy"])
+def test_an_unreadable_resume_scan_is_scanned_again(damage, tmp_path):
+    """A saved scan overwritten (garbage bytes, an npz without its stamp, a torn copy, a bare .npy) is treated as
+    absent: the re-run scans the shard again instead of failing in np.load."""
+    from disco_clip_ds.data.curate.pipeline import scan_shard
+
+    url = embedded_shards(tmp_path / "in", 1, 3)[0]
+    sidecar = sidecar_path(tmp_path / "in", url)
+    fresh, scan = tmp_path / "fresh.npz", tmp_path / "scan.npz"
+    scan_shard((url, sidecar, fresh, False))
+    if damage == "garbage":
+        scan.write_bytes(b"\x00garbage\n" * 64)
+    elif damage == "no_stamp":
+        np.savez(scan, keys=np.zeros(3, np.uint8))
+    elif damage == "torn":
+        scan.write_bytes(fresh.read_bytes()[: fresh.stat().st_size // 2])
+    else:
+        np.save(scan.with_suffix(".npy"), np.zeros(3))
+        scan.with_suffix(".npy").rename(scan)
+    scan_shard((url, sidecar, scan, False))
+    with np.load(scan) as again, np.load(fresh) as expected:
+        assert sorted(again.files) == sorted(expected.files)
+        assert all(np.array_equal(again[name], expected[name]) for name in expected.files)
