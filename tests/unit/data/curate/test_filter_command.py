@@ -461,7 +461,7 @@ def test_an_unreadable_resume_scan_is_scanned_again(damage, tmp_path):
     url = embedded_shards(tmp_path / "in", 1, 3)[0]
     sidecar = sidecar_path(tmp_path / "in", url)
     fresh, scan = tmp_path / "fresh.npz", tmp_path / "scan.npz"
-    scan_shard((url, sidecar, fresh, False))
+    scan_shard((url, sidecar, fresh, False, (False, False), None))
     if damage == "garbage":
         scan.write_bytes(b"\x00garbage\n" * 64)
     elif damage == "no_stamp":
@@ -471,7 +471,7 @@ def test_an_unreadable_resume_scan_is_scanned_again(damage, tmp_path):
     else:
         np.save(scan.with_suffix(".npy"), np.zeros(3))
         scan.with_suffix(".npy").rename(scan)
-    scan_shard((url, sidecar, scan, False))
+    scan_shard((url, sidecar, scan, False, (False, False), None))
     with np.load(scan) as again, np.load(fresh) as expected:
         assert sorted(again.files) == sorted(expected.files)
         assert all(np.array_equal(again[name], expected[name]) for name in expected.files)
