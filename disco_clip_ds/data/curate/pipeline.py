@@ -58,7 +58,7 @@ class FilterConfig:
     dedup_against: list[str] = field(default_factory=list)
     dedup: bool = False
     dedup_threshold: int | None = None
-    samples_per_shard: int = 10_000
+    samples_per_shard: int | None = None  # None: reshard.shard_size's default
     processes: int = 1
     seed: int = 0
 
@@ -92,7 +92,7 @@ def check_rules(cfg: FilterConfig) -> None:
         from disco_clip_ds.data.curate.copies import check_threshold
 
         check_threshold(cfg.dedup_threshold)
-    if cfg.samples_per_shard < 1 or cfg.processes < 1:
+    if (cfg.samples_per_shard is not None and cfg.samples_per_shard < 1) or cfg.processes < 1:
         raise UsageError("--samples_per_shard and --processes: give positive numbers")
 
 
@@ -128,7 +128,9 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
         reason = first_rule(drops, len(loaded["scores"]))
         _refuse_repeated_keys(urls, scans, loaded, reason < 0)
         # 4. Write the output shards
-        plan = reshard.plan_shards(np.flatnonzero(reason < 0), loaded["offsets"], cfg.samples_per_shard)
+        kept = np.flatnonzero(reason < 0)
+        per_shard = reshard.shard_size(len(kept), cfg.samples_per_shard)
+        plan = reshard.plan_shards(kept, loaded["offsets"], per_shard)
         writes = [
             (
                 output / reshard.output_name(j),
@@ -144,7 +146,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     write_json(output / "sizes.json", sizes)
     # 5. The parquet of every input key and the summary
     _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
-    summary = {**summarize(reason), "output_shards": len(plan)}
+    summary = {**summarize(reason), "output_shards": len(plan), "samples_per_shard": per_shard}
     write_json(output / "summary.json", summary)
     return summary
 
