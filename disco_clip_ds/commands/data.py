@@ -185,6 +185,7 @@ def embed_main(argv: list[str] | None = None) -> int:
     from disco_clip_ds.checkpoint.layout import verify_model_folder
     from disco_clip_ds.data.prep.embed import Settings, embed_launched
     from disco_clip_ds.data.shards import local_shards
+    from disco_clip_ds.models.source import check_model_source
 
     args = embed_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -197,6 +198,9 @@ def embed_main(argv: list[str] | None = None) -> int:
         args.embedding_dtype,
         args.seed,
     )
+    for flag, sources in (("--teacher", settings.teachers), ("--tokenizer_name", args.tokenizer_name or [])):
+        for source in sources:  # a mistyped folder at once, by its full path; a hub id while the hub is unreachable
+            check_model_source(source, flag)
     for teacher in settings.teachers:  # a teacher's weights verified as `disco-clip export` verifies a model
         verify_model_folder(teacher, "--teacher")
     urls = local_shards(args.shards, "data embed")
@@ -317,8 +321,12 @@ def filter_main(argv: list[str] | None = None) -> int:
     from disco_clip_ds.data.curate.copies import DEFAULT_THRESHOLD
     from disco_clip_ds.data.curate.pipeline import FilterConfig, run_filter
     from disco_clip_ds.data.curate.report import summary_line, warnings
+    from disco_clip_ds.models.source import check_model_source
 
     args = filter_parser().parse_args(argv)
+    for flag in ("--teacher", "--tokenizer_name"):
+        if getattr(args, flag[2:]):
+            check_model_source(getattr(args, flag[2:]), flag)
     summary = run_filter(FilterConfig(**vars(args)))
     print(f"{args.output}: {summary_line(summary)}")
     threshold = DEFAULT_THRESHOLD if args.dedup_threshold is None else args.dedup_threshold

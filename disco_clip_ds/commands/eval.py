@@ -20,6 +20,7 @@ from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import CheckpointError, DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
+from disco_clip_ds.models.source import check_model_source
 
 logger = logging.getLogger("disco_clip_ds.eval")
 
@@ -146,10 +147,9 @@ def set_budget(model, image_processor, max_num_patches: int) -> None:
 
 
 def check_model_path(model_id: str) -> None:
-    """A --model spelled as a path (/, ./, ../, ~) must be there: otherwise transformers would try it as a hub id
-    and say that the id is malformed."""
-    if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().exists():
-        raise UsageError(f"--model {model_id}: no such folder")
+    """A --model spelled as a path must be there, and a hub id needs the hub (models/source.py): otherwise
+    transformers would retry the hub for half a minute, then say it could not connect."""
+    check_model_source(model_id, "--model")
 
 
 def run_eval(args: EvalArguments) -> dict:

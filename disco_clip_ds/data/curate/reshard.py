@@ -23,7 +23,6 @@ from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.tarcopy import Members, SharedBytes, TarWriter, sample_members
 from disco_clip_ds.errors import DataError
 
-
 # --samples_per_shard's default: img2dataset's and DataComp's shard size, cut smaller where the kept samples would
 # otherwise make fewer shards than the readers of a training run on one 8-GPU node (8 ranks x training's default 2
 # DataLoader workers): training needs a shard per reader (data/shards.shards_for_reader)

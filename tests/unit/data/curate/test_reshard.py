@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from disco_clip_ds.data.curate.reshard import is_complete, plan_shards, shard_size, write_output_shard
-from disco_clip_ds.data.shards import shards_for_reader
 from disco_clip_ds.data.embeddings import EmbeddingStore, read_sidecar, sidecar_path
+from disco_clip_ds.data.shards import shards_for_reader
 
 from unit.data.curate.shardsets import TEACHER, embedded_shards
 
