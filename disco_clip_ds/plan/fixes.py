@@ -22,7 +22,7 @@ def fitting_changes(
             changes.append(f"ZeRO-{stage} (zero_optimization.stage {stage})")
             break
     if not checkpointing and plan(settings, True).fits:
-        changes.append("activation checkpointing (--gradient_checkpointing true)")
+        changes.append("activation checkpointing (train --activation_checkpointing)")
     smaller = _smaller_micro(shape, settings, fit, impl, checkpointing, capacity, overhead, chunk_size, teacher)
     if smaller is not None:
         changes.append(smaller)

@@ -316,7 +316,7 @@ def test_without_checkpointing_the_paper_batch_does_not_fit_and_the_plan_says_wh
     assert not result["memory"]["tiled"]["fits"] and result["max_micro_batch"]["tiled"] < 4096
     # each change named is planned again and fits; the micro-batch named is the largest dividing 4096 that does
     changes = result["to_fit"]["tiled"]
-    assert "activation checkpointing (--gradient_checkpointing true)" in changes
+    assert "activation checkpointing (train --activation_checkpointing)" in changes
     assert P.plan(CFG_32K, VIT, 8, "40GB", loss_impls=("tiled",), activation_checkpointing=True)["memory"]["tiled"][
         "fits"
     ]
