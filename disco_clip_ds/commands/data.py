@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.errors import DataError, UsageError, run_main
 
 
@@ -21,7 +21,7 @@ def download_parser() -> argparse.ArgumentParser:
     from disco_clip_ds.data.prep.download import PRESETS
     from disco_clip_ds.data.prep.fetch import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data download",
         description="Download a dataset to webdataset shards with img2dataset. Any other img2dataset.download "
@@ -95,7 +95,7 @@ def download_main(argv: list[str] | None = None) -> int:
 
 def verify_parser() -> argparse.ArgumentParser:
     """`disco-clip data verify`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data verify",
         description="check webdataset shards, write sizes.json",
@@ -127,7 +127,7 @@ def verify_main(argv: list[str] | None = None) -> int:
 
 def embed_parser() -> argparse.ArgumentParser:
     """`disco-clip data embed`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data embed",
         description="Write the image and text embeddings of every sample of webdataset shards, by one teacher or an "
@@ -229,7 +229,7 @@ def filter_parser() -> argparse.ArgumentParser:
     from disco_clip_ds.data.curate.copies import DEFAULT_THRESHOLD
     from disco_clip_ds.data.curate.reshard import MAX_PER_SHARD, MIN_SHARDS
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data filter",
         description="Curate webdataset shards by their `data embed` sidecars, as DataComp and LAION do: keep what "
@@ -337,7 +337,7 @@ def filter_main(argv: list[str] | None = None) -> int:
 
 def metadata_parser() -> argparse.ArgumentParser:
     """`disco-clip data metadata`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data metadata",
         description="fetch parquet metadata from the HF hub",
@@ -367,7 +367,7 @@ def demo_parser() -> argparse.ArgumentParser:
     """`disco-clip data demo`'s arguments."""
     from disco_clip_ds.data.prep.demo import FORMAT_FILES
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip data demo", description="build the offline digits demo dataset"
     )
     p.add_argument("--output", required=True, type=Path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state, verify_model_folder
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import DefaultsOnce, suggest_on_error, unknown_option_problem
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.distributed.ranks import launched, process_group, rank
 from disco_clip_ds.distributed.runlock import writer_lock
@@ -265,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import HfArgumentParser
 
+    parser = suggest_on_error(HfArgumentParser(EvalArguments, prog="disco-clip eval", formatter_class=DefaultsOnce))
+    problem = unknown_option_problem(parser, parser.parse_known_args(argv)[1])
+    if problem:  # one line with the nearest known option, where HfArgumentParser lists the unknown ones
+        raise UsageError(f"{problem} (`disco-clip eval --help` lists the arguments)")
     try:
-        parser = HfArgumentParser(EvalArguments, prog="disco-clip eval", formatter_class=DefaultsOnce)
         (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # HfArgumentParser's word for argument names it does not know
         raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e
