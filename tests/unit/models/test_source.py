@@ -51,6 +51,7 @@ def test_a_mistyped_folder_is_refused_by_its_full_path_with_the_nearest_names(tm
     source.check_model_source("outputs/quickstart", "--model")  # there: left to its loader
 
 
+@pytest.mark.slow  # huggingface_hub's HTTP session and cache lookups: beyond the fast tier's budget
 def test_a_hub_id_without_the_hub_is_refused_at_once_saying_how_to_work_offline(tmp_path, monkeypatch, no_hub):
     import huggingface_hub.constants
 

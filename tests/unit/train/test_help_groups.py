@@ -9,6 +9,8 @@ from disco_clip_ds.errors import UsageError
 from disco_clip_ds.train.args import parse_args
 from disco_clip_ds.train.help_groups import GROUPS, group_of
 
+pytestmark = pytest.mark.slow  # HfArgumentParser over TrainingArguments' 200 fields: beyond the fast tier's budget
+
 
 def _help(capsys) -> str:
     with pytest.raises(SystemExit):
