@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import importlib
 import re
 import runpy
@@ -35,7 +36,60 @@ COMMANDS = {
     ("bench", "loss"): ("bench/loss/loss_bench.py", None, "benchmark loss memory and time (naive/disco/tiled)"),
     ("bench", "train"): ("bench/train/train_bench.py", None, "benchmark training throughput per loss"),
 }
-GROUPS = {"data": "dataset download, verification and the demo set", "bench": "benchmarks (source checkout only)"}
+GROUPS = {"data": "datasets", "bench": "benchmarks (source checkout only)"}
+
+
+def group_help(group: str) -> str:
+    """A command group's one line, naming its commands ("datasets: download, metadata, ..."), from COMMANDS."""
+    verbs = [name for (where, name) in COMMANDS if where == group]
+    return f"{GROUPS[group]}: {', '.join(verbs)}"
+
+
+def did_you_mean(word: str, choices) -> str:
+    """'; did you mean X?' for the choice nearest to `word` (difflib: Python 3.14's argparse suggest_on_error does this
+    for commands; this package runs on 3.11), or '' when none is near."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def unknown_option_problem(parser: argparse.ArgumentParser, unknown: list[str]) -> str | None:
+    """'unknown option --X; did you mean --Y?' for the first option-like word of `unknown` (what `parse_known_args`
+    left), or None when it holds none."""
+    flags = [word.split("=", 1)[0] for word in unknown if word.startswith("-") and len(word) > 1]
+    if not flags:
+        return None
+    return f"unknown option {flags[0]}{did_you_mean(flags[0], parser._option_string_actions)}"
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """What argparse's `message` lacks: the nearest command to an invalid choice, the nearest option to an
+    unrecognized one."""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        return did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+    unrecognized = re.match(r"unrecognized arguments: (.*)", message)
+    flags = (
+        [word.split("=", 1)[0] for word in unrecognized.group(1).split() if word.startswith("-")]
+        if unrecognized
+        else []
+    )
+    return did_you_mean(flags[0], parser._option_string_actions) if flags else ""
+
+
+def suggest_on_error(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` (any ArgumentParser, HfArgumentParser's included), its usage errors ending in "did you mean X?" where
+    a command or option is near the mistyped one; returns `parser`."""
+    error = parser.error
+    parser.error = lambda message: error(message + _suggestion(parser, message))
+    return parser
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with `suggest_on_error`: every command's, and each command group's subparsers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        suggest_on_error(self)
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
@@ -68,7 +122,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The command tree. A command's own arguments are left unparsed here (its module parses them), so each
     command is a subparser without options of its own: `--help` after it reaches the module's parser."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="disco-clip",
         description="DisCo-CLIP training with HF transformers and DeepSpeed",
         epilog="`disco-clip COMMAND --help` lists a command's arguments",
@@ -81,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif group in groups:
             where = groups[group]
         else:
-            group_parser = commands.add_parser(group, help=GROUPS[group], description=GROUPS[group])
+            group_parser = commands.add_parser(group, help=group_help(group), description=group_help(group))
             where = groups[group] = group_parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
         leaf = where.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
         leaf.add_argument("argv", nargs="*")  # prefix_chars NUL: every word, -h and --flags included, is an argument

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.errors import DataError, UsageError, run_main
 
 
@@ -21,7 +21,7 @@ def download_parser() -> argparse.ArgumentParser:
     from disco_clip_ds.data.prep.download import PRESETS
     from disco_clip_ds.data.prep.fetch import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data download",
         description="Download a dataset to webdataset shards with img2dataset. Any other img2dataset.download "
@@ -30,14 +30,18 @@ def download_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), required=True, help="column names and image defaults")
     p.add_argument("--url_list", required=True, help="metadata file or folder (parquet/tsv/...)")
     p.add_argument("--output", required=True, help="output folder for NNNNN.tar shards")
-    p.add_argument("--input_format", help="override the preset's input format")
-    p.add_argument("--url_col", help="override the preset's URL column")
-    p.add_argument("--caption_col", help="override the preset's caption column")
+    p.add_argument("--input_format", help="default: the preset's input format")
+    p.add_argument("--url_col", help="default: the preset's URL column")
+    p.add_argument("--caption_col", help="default: the preset's caption column")
     p.add_argument(
         "--save_additional_columns", type=ast.literal_eval, help="python list of columns to keep; default: preset's"
     )
     p.add_argument("--image_size", type=int, help="default: the preset's (256; datacomp 512)")
-    p.add_argument("--resize_mode", choices=["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"])
+    p.add_argument(
+        "--resize_mode",
+        choices=["no", "border", "keep_ratio", "keep_ratio_largest", "center_crop"],
+        help="img2dataset's resize (default: the preset's: border; datacomp keep_ratio_largest)",
+    )
     p.add_argument("--processes", type=int, default=1, help="download processes")
     p.add_argument("--threads", type=int, default=64, help="download threads per process")
     p.add_argument("--samples_per_shard", type=int, default=10000)
@@ -91,7 +95,7 @@ def download_main(argv: list[str] | None = None) -> int:
 
 def verify_parser() -> argparse.ArgumentParser:
     """`disco-clip data verify`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data verify",
         description="check webdataset shards, write sizes.json",
@@ -123,7 +127,7 @@ def verify_main(argv: list[str] | None = None) -> int:
 
 def embed_parser() -> argparse.ArgumentParser:
     """`disco-clip data embed`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data embed",
         description="Write the image and text embeddings of every sample of webdataset shards, by one teacher or an "
@@ -143,7 +147,7 @@ def embed_parser() -> argparse.ArgumentParser:
         "--tokenizer_name",
         nargs="+",
         help="the tokenizer of a teacher whose folder has none: one for every teacher, or one per teacher in "
-        "--teacher's order",
+        "--teacher's order (default: each teacher's own)",
     )
     p.add_argument(
         "--augmentations",
@@ -181,6 +185,7 @@ def embed_main(argv: list[str] | None = None) -> int:
     from disco_clip_ds.checkpoint.layout import verify_model_folder
     from disco_clip_ds.data.prep.embed import Settings, embed_launched
     from disco_clip_ds.data.shards import local_shards
+    from disco_clip_ds.models.source import check_model_source
 
     args = embed_parser().parse_args(argv)
     if args.batch_size < 1:
@@ -193,6 +198,9 @@ def embed_main(argv: list[str] | None = None) -> int:
         args.embedding_dtype,
         args.seed,
     )
+    for flag, sources in (("--teacher", settings.teachers), ("--tokenizer_name", args.tokenizer_name or [])):
+        for source in sources:  # a mistyped folder at once, by its full path; a hub id while the hub is unreachable
+            check_model_source(source, flag)
     for teacher in settings.teachers:  # a teacher's weights verified as `disco-clip export` verifies a model
         verify_model_folder(teacher, "--teacher")
     urls = local_shards(args.shards, "data embed")
@@ -220,7 +228,10 @@ def embed_main(argv: list[str] | None = None) -> int:
 
 def filter_parser() -> argparse.ArgumentParser:
     """`disco-clip data filter`'s arguments."""
-    p = argparse.ArgumentParser(
+    from disco_clip_ds.data.curate.copies import DEFAULT_THRESHOLD
+    from disco_clip_ds.data.curate.reshard import MAX_PER_SHARD, MIN_SHARDS
+
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data filter",
         description="Curate webdataset shards by their `data embed` sidecars, as DataComp and LAION do: keep what "
@@ -241,20 +252,32 @@ def filter_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--teacher",
         metavar="MODEL",
-        help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target",
+        help="check that the sidecars are this teacher's; needed to embed a class-name or eval-set target (default: "
+        "none: the sidecars' teacher is taken as it is)",
     )
     p.add_argument(
         "--tokenizer_name",
         metavar="NAME",
-        help="the teacher's tokenizer when its folder has none (a class-name target)",
+        help="the teacher's tokenizer when its folder has none (a class-name target; default: the teacher's own)",
     )
     p.add_argument(
-        "--clip_score_min", metavar="S", type=float, help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32)"
+        "--clip_score_min",
+        metavar="S",
+        type=float,
+        help="keep cosine(image, text) >= S (LAION: 0.28 with ViT-B/32; default: no threshold)",
     )
     p.add_argument(
-        "--keep_fraction", metavar="F", type=float, help="keep the top F of all samples by CLIP score (DataComp: 0.3)"
+        "--keep_fraction",
+        metavar="F",
+        type=float,
+        help="keep the top F of all samples by CLIP score (DataComp: 0.3; default: all)",
     )
-    p.add_argument("--clusters", metavar="K", type=int, help="k-means clusters of the image embeddings, for --target")
+    p.add_argument(
+        "--clusters",
+        metavar="K",
+        type=int,
+        help="k-means clusters of the image embeddings, for --target (default: none)",
+    )
     p.add_argument(
         "--kmeans_sample", metavar="N", type=int, default=1_000_000, help="embeddings the k-means is trained on"
     )
@@ -264,21 +287,31 @@ def filter_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="keep samples whose cluster is the nearest of an embedding of this set: a shards folder with sidecars, "
-        "a CLIP_benchmark-style folder, or a text file of class names (repeatable)",
+        "a CLIP_benchmark-style folder, or a text file of class names (repeatable; default: none)",
     )
     p.add_argument(
         "--dedup_against",
         metavar="DIR",
         action="append",
         default=[],
-        help="drop copies of the images of this eval set (repeatable)",
+        help="drop copies of the images of this eval set (repeatable; default: none); a warning names "
+        "--dedup_threshold when more than 3 %% of the samples are dropped as copies",
     )
     p.add_argument("--dedup", action="store_true", help="drop exact and near copies within the shards, keep the first")
     p.add_argument(
         "--dedup_threshold",
         metavar="BITS",
         type=int,
-        help="how near counts as a copy (default: the detector's measured)",
+        help=f"how near counts as a copy: the Hamming distance in bits between 64-bit perceptual hashes, 0 to 31 "
+        f"(default: {DEFAULT_THRESHOLD}, measured on 256 px photographs; 2 suits small, simple images such as the "
+        "demo's digits)",
+    )
+    p.add_argument(
+        "--samples_per_shard",
+        metavar="N",
+        type=int,
+        help=f"samples per output shard (default: the kept count / {MIN_SHARDS}, at most {MAX_PER_SHARD:,}: at least "
+        f"{MIN_SHARDS} shards, a shard per reader of training on 8 GPUs x 2 DataLoader workers)",
     )
     p.add_argument(
         "--semdedup_eps",
@@ -299,7 +332,6 @@ def filter_parser() -> argparse.ArgumentParser:
         type=float,
         help="MetaCLIP's t: keep a sample of an entry matched n times with probability min(1, T / n) (20000)",
     )
-    p.add_argument("--samples_per_shard", metavar="N", type=int, default=10_000)
     p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
     p.add_argument(
         "--spark",
@@ -362,18 +394,26 @@ def _datacomp_arguments(p: argparse.ArgumentParser) -> None:
 
 def filter_main(argv: list[str] | None = None) -> int:
     """`disco-clip data filter --shards SPEC --output DIR RULES`: see `filter_parser`."""
+    from disco_clip_ds.data.curate.copies import DEFAULT_THRESHOLD
     from disco_clip_ds.data.curate.pipeline import FilterConfig, run_filter
-    from disco_clip_ds.data.curate.report import summary_line
+    from disco_clip_ds.data.curate.report import summary_line, warnings
+    from disco_clip_ds.models.source import check_model_source
 
     args = filter_parser().parse_args(argv)
+    for flag in ("--teacher", "--tokenizer_name"):
+        if getattr(args, flag[2:]):
+            check_model_source(getattr(args, flag[2:]), flag)
     summary = run_filter(FilterConfig(**vars(args)))
     print(f"{args.output}: {summary_line(summary)}")
+    threshold = DEFAULT_THRESHOLD if args.dedup_threshold is None else args.dedup_threshold
+    for line in warnings(summary, threshold, DEFAULT_THRESHOLD):
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 
 def metadata_parser() -> argparse.ArgumentParser:
     """`disco-clip data metadata`'s arguments."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip data metadata",
         description="fetch parquet metadata from the HF hub",
@@ -381,7 +421,7 @@ def metadata_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, help="HF dataset id, e.g. laion/relaion2B-en-research-safe")
     p.add_argument("--output", required=True, type=Path)
     p.add_argument("--pattern", nargs="+", default=["*.parquet"], help="glob(s) of files to fetch")
-    p.add_argument("--revision", default=None)
+    p.add_argument("--revision", help="the dataset's branch, tag or commit (default: its main branch)")
     return p
 
 
@@ -403,7 +443,7 @@ def demo_parser() -> argparse.ArgumentParser:
     """`disco-clip data demo`'s arguments."""
     from disco_clip_ds.data.prep.demo import FORMAT_FILES
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip data demo", description="build the offline digits demo dataset"
     )
     p.add_argument("--output", required=True, type=Path)

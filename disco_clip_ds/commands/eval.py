@@ -13,13 +13,14 @@ from pathlib import Path
 
 from disco_clip_ds import compat
 from disco_clip_ds.checkpoint.layout import TRAINER_STATE, has_weights, trainer_state, verify_model_folder
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import DefaultsOnce, suggest_on_error, unknown_option_problem
 from disco_clip_ds.data.shards import write_json
 from disco_clip_ds.distributed.ranks import launched, process_group, rank
 from disco_clip_ds.distributed.runlock import writer_lock
 from disco_clip_ds.errors import CheckpointError, DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.tasks import find_templates, open_eval_data, zeroshot_classification, zeroshot_retrieval
 from disco_clip_ds.models.processor import declared_tokenizer_class, load_saved_tokenizer
+from disco_clip_ds.models.source import check_model_source
 
 logger = logging.getLogger("disco_clip_ds.eval")
 
@@ -146,10 +147,9 @@ def set_budget(model, image_processor, max_num_patches: int) -> None:
 
 
 def check_model_path(model_id: str) -> None:
-    """A --model spelled as a path (/, ./, ../, ~) must be there: otherwise transformers would try it as a hub id
-    and say that the id is malformed."""
-    if model_id.startswith(("/", "./", "../", "~")) and not Path(model_id).expanduser().exists():
-        raise UsageError(f"--model {model_id}: no such folder")
+    """A --model spelled as a path must be there, and a hub id needs the hub (models/source.py): otherwise
+    transformers would retry the hub for half a minute, then say it could not connect."""
+    check_model_source(model_id, "--model")
 
 
 def run_eval(args: EvalArguments) -> dict:
@@ -267,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import HfArgumentParser
 
+    parser = suggest_on_error(HfArgumentParser(EvalArguments, prog="disco-clip eval", formatter_class=DefaultsOnce))
+    problem = unknown_option_problem(parser, parser.parse_known_args(argv)[1])
+    if problem:  # one line with the nearest known option, where HfArgumentParser lists the unknown ones
+        raise UsageError(f"{problem} (`disco-clip eval --help` lists the arguments)")
     try:
-        parser = HfArgumentParser(EvalArguments, prog="disco-clip eval", formatter_class=DefaultsOnce)
         (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # HfArgumentParser's word for argument names it does not know
         raise UsageError(f"{e} (`disco-clip eval --help` lists the arguments)") from e

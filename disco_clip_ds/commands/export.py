@@ -4,10 +4,9 @@ model card (disco_clip_ds.export.weights); --ema: the EMA of the weights that th
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.texts import read_text
 
@@ -21,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     compat.quiet_default_config_warnings()
     startup.cpu_accelerator_when_no_gpu()
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip export", description=export_checkpoint.__doc__.split("\n")[0]
     )
     parser.add_argument("checkpoint_dir", help="Trainer checkpoint-N folder (or the run folder: its newest checkpoint)")

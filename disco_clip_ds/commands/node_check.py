@@ -7,16 +7,14 @@ line (distributed.slurm.check_node_launch), and the recipes run it first.
 
 from __future__ import annotations
 
-import argparse
-
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.distributed.slurm import check_node_launch
 
 
 def main(argv: list[str] | None = None) -> int:
     """`disco-clip node-check [--hostfile H] [--nnodes N] [--node_rank R]`: exit 0 when they can work, else one
     line and exit 2."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         formatter_class=DefaultsOnce, prog="disco-clip node-check", description=check_node_launch.__doc__
     )
     parser.add_argument("--hostfile")

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from disco_clip_ds import LOSS_IMPLS
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.errors import UsageError
 from disco_clip_ds.plan.host import DEFAULT_SAMPLE_BYTES, HostOptions
 from disco_clip_ds.plan.memory import DEFAULT_OVERHEAD_GB, PRECISION_BYTES
@@ -20,13 +20,10 @@ from disco_clip_ds.plan.trainable import LOCK_ARGUMENTS
 
 
 def _parse(argv):
-    import argparse
 
     # argparse rather than HfArgumentParser: nothing here is a TrainingArguments field, and `plan` must
     # answer bad arguments before importing transformers.
-    p = argparse.ArgumentParser(
-        formatter_class=DefaultsOnce, prog="disco-clip plan", description=__doc__.split("\n\n")[0]
-    )
+    p = ArgumentParser(formatter_class=DefaultsOnce, prog="disco-clip plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
     p.add_argument("--model", required=True, help="CLIPConfig or SiglipConfig JSON, e.g. recipes/models/vit_b32.json")
     p.add_argument("--gpus", type=int, required=True, help="data-parallel world size")

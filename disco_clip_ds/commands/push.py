@@ -3,16 +3,14 @@ by `disco-clip export` to the Hugging Face hub in one commit (disco_clip_ds.expo
 
 from __future__ import annotations
 
-import argparse
-
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, push (or, with --dry_run, print the plan); return 0."""
     from disco_clip_ds.export.hub import push_folder
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip push",
         description="upload an exported model folder to the Hugging Face hub",

@@ -8,11 +8,10 @@ uses it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import ArgumentParser, DefaultsOnce
 from disco_clip_ds.distributed.slurm import ELASTIC_ENV, LAUNCHERS, launch_command
 from disco_clip_ds.errors import UsageError
 
@@ -22,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     argument that is not one of ours is a training argument (`disco-clip` passes the words after `--` on without it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, None)
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         formatter_class=DefaultsOnce,
         prog="disco-clip slurm-launch",
         description=__doc__.split("\n\n")[0],

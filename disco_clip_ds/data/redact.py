@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import re
 import shlex
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 HIDDEN = "***"
@@ -71,13 +71,25 @@ def describe_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, query, ""))
 
 
+# folder names that say which split, not which data: such a folder is shown with its parent (`demo/train`)
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "eval", "test"})
+
+
 def describe_path(path: str) -> str:
-    """A local path's last component; a shard pattern or tar file keeps its folder's name (`train/{0..7}.tar`)."""
+    """A local path's last component; a shard pattern or tar file keeps its folder's name (`train/{0..7}.tar`), and a
+    split's folder (SPLIT_NAMES) its parent's (`demo/train`), unless that parent is a home folder's user name."""
     parts = [p for p in PurePosixPath(path).parts if p != "/"]
     if not parts:
         return path
     keep = 2 if len(parts) > 1 and ("{" in parts[-1] or parts[-1].endswith(".tar")) else 1
+    if len(parts) > keep and parts[-keep] in SPLIT_NAMES and not _home_of(parts[:-keep]):
+        keep += 1
     return "/".join(parts[-keep:])
+
+
+def _home_of(parent: list[str]) -> bool:
+    """Whether `parent` (a path's components) is a home folder, whose name is a user's: /home/USER, /Users/USER."""
+    return (len(parent) == 2 and parent[0] in ("home", "Users")) or parent[-1:] == [PurePosixPath(Path.home()).name]
 
 
 def describe_source(source: str) -> str:

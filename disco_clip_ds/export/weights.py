@@ -164,14 +164,17 @@ def _processor_source(checkpoint: Path, processor_from: str | os.PathLike | None
 
 
 def _save_processor(source: Path, model_type: str, staging: Path) -> None:
-    """The run's tokenizer and image processor into `staging`: the tokenizer as the class it was saved as (a folder
-    saved before models/processor.py's pin reloads through AutoTokenizer as another class) and pinned, so that the
-    export's Auto classes give the ids and the NaFlex budget the run trained with."""
-    from transformers import AutoImageProcessor
+    """The run's tokenizer and image processor into `staging`, as one processor, saved as training saves it (so the
+    export holds the files transformers' processor `save_pretrained` writes, processor_config.json among them): the
+    tokenizer as the class it was saved as (a folder saved before models/processor.py's pin reloads through
+    AutoTokenizer as another class) and pinned, so that the export's Auto classes give the ids and the NaFlex budget
+    the run trained with."""
+    from transformers import AutoImageProcessor, CLIPProcessor, Siglip2Processor
 
     image_processor = AutoImageProcessor.from_pretrained(source)
-    pin_tokenizer(load_saved_tokenizer(source), model_type, image_processor).save_pretrained(staging)
-    image_processor.save_pretrained(staging)
+    tokenizer = pin_tokenizer(load_saved_tokenizer(source), model_type, image_processor)
+    processor_class = Siglip2Processor if model_type == "siglip2" else CLIPProcessor  # train/run.py's processors
+    processor_class(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(staging)
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -22,6 +22,9 @@ import json
 from pathlib import Path
 
 NAFLEX_KEYS = ("max_num_patches", "patch_size")  # Siglip2Processor's image defaults that hide the image processor's
+# how the tokenizer was loaded, which transformers 5 keeps in its init kwargs and so writes to tokenizer_config.json:
+# facts of the machine that saved it, which a copy elsewhere (or on the hub) would load with as settings
+LOAD_KEYS = ("is_local", "local_files_only")
 
 
 def _auto_overrides(model_type: str, class_name: str) -> bool:
@@ -36,9 +39,11 @@ def _auto_overrides(model_type: str, class_name: str) -> bool:
 
 def pin_tokenizer(tokenizer, model_type: str, image_processor=None):
     """`tokenizer`, its init kwargs (what `save_pretrained` writes to tokenizer_config.json) set so that the Auto
-    classes load it back as it is (module docstring); for SigLIP 2, with `image_processor`'s patch size and budget.
-    Tokenizing is unchanged."""
+    classes load it back as it is (module docstring); for SigLIP 2, with `image_processor`'s patch size and budget;
+    without the LOAD_KEYS of the load it came from. Tokenizing is unchanged."""
     name = type(tokenizer).__name__
+    for key in LOAD_KEYS:
+        tokenizer.init_kwargs.pop(key, None)
     if _auto_overrides(model_type, name):
         tokenizer.init_kwargs["auto_map"] = {"AutoTokenizer": [None, name]}
     if model_type == "siglip2" and image_processor is not None:

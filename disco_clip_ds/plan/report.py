@@ -13,6 +13,7 @@ from dataclasses import asdict
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.checks import read_deepspeed_json, validate_config
 from disco_clip_ds.plan.flops import at_size
+from disco_clip_ds.plan.fixes import fitting_changes
 from disco_clip_ds.plan.host import HostOptions, format_host, plan_host
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
@@ -132,6 +133,8 @@ def plan(
         plan_args = (shape, settings, fit, impl, activation_checkpointing, capacity, overhead)
         mem = memory_plan(*plan_args, None, chunk_size, teacher)
         out["memory"][impl] = {"terms": mem.terms, "total": mem.total, "fits": mem.fits}
+        if not mem.fits:  # what would make it fit, each change planned again (plan/fixes.py)
+            out.setdefault("to_fit", {})[impl] = fitting_changes(*plan_args, chunk_size, teacher)
         out["max_micro_batch"][impl] = max_micro_batch(*plan_args, chunk_size, teacher)
         if contrastive_accumulation and impl != "local":
             out["max_contrastive_steps"][impl] = max_contrastive_steps(*plan_args, chunk_size, teacher=teacher)
@@ -196,6 +199,13 @@ def format_report(result: dict, config_path, model_path) -> str:
     lines.append(
         f"  {'verdict':<28}" + "".join(f"{'fits' if result['memory'][i]['fits'] else 'OOM':>14}" for i in impls)
     )
+    for impl, changes in result.get("to_fit", {}).items():
+        lines.append(
+            f"  {impl} fits with any one of: {'; '.join(changes)}"
+            if changes
+            else f"  {impl} fits with none of a higher ZeRO stage, activation checkpointing or a smaller micro-batch "
+            "alone: plan more GPUs, CPU offload or a smaller model"
+        )
     lines.append(f"  {'largest per-GPU batch':<28}" + "".join(f"{result['max_micro_batch'][i]:>14}" for i in impls))
     # the local loss contrasts each GPU's own micro-batch; the others all ranks' pairs (times K when accumulating)
     contrasted = lambda impl, micro, k: micro if impl == "local" else micro * s["world"] * k

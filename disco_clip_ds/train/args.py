@@ -14,12 +14,13 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from disco_clip_ds import LOSS_IMPLS, compat
-from disco_clip_ds.cli import DefaultsOnce
+from disco_clip_ds.cli import DefaultsOnce, suggest_on_error, unknown_option_problem
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS
 from disco_clip_ds.distributed import peers
 from disco_clip_ds.errors import EXIT_PREEMPTED, DiscoClipError, UsageError
 from disco_clip_ds.plan import checks
 from disco_clip_ds.texts import read_text
+from disco_clip_ds.train.help_groups import group_arguments
 
 
 @dataclass
@@ -421,9 +422,15 @@ def parse_args(argv: list[str] | None = None):
     TrainingArguments refuses while parsing are a UsageError. The DeepSpeed JSON (--deepspeed, or the one
     accelerate launch's config names) is read here, once, and kept as `deepspeed_json` for the checks."""
     parser = HfArgumentParser((ModelArguments, DataArguments, DiscoTrainingArguments), formatter_class=DefaultsOnce)
+    group_arguments(suggest_on_error(parser))  # --help in groups; "did you mean" for a mistyped option
     argv = list(sys.argv[1:] if argv is None else argv)
     from_file = len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
-    values = _read_arguments_file(argv[0]) if from_file else vars(parser.parse_known_args(argv)[0])
+    if not from_file:  # an unknown option, one line with the nearest known one (HfArgumentParser lists them all)
+        known, unknown = parser.parse_known_args(argv)
+        problem = unknown_option_problem(parser, unknown)
+        if problem:
+            raise UsageError(f"{problem} (`disco-clip train --help` lists the arguments)")
+    values = _read_arguments_file(argv[0]) if from_file else vars(known)
     deepspeed_json = read_deepspeed_json(values.get("deepspeed"))  # before TrainingArguments, which would not name it
     # unknown names, and what TrainingArguments.__post_init__ refuses as not working together, are ValueErrors
     with usage_error(suffix=" (`disco-clip train --help` lists the arguments)"):

@@ -149,6 +149,7 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
             reads_own_shards=reads_own_shards,
             stop_signals=checked.stop_signals,
             teacher=teacher,
+            samples_per_epoch=checked.num_samples,
         )
         if data_args.zeroshot_steps > 0:
             _attach_zeroshot(trainer, data_args, processor, checked.image_size)

@@ -51,7 +51,13 @@ class DiscoTrainer(Trainer):
     """
 
     def __init__(
-        self, *args, reads_own_shards: bool = True, stop_signals: tuple[int, ...] = (), teacher=None, **kwargs
+        self,
+        *args,
+        reads_own_shards: bool = True,
+        stop_signals: tuple[int, ...] = (),
+        teacher=None,
+        samples_per_epoch: int | None = None,
+        **kwargs,
     ):
         self.signals = StopSignals(stop_signals)  # before the DataLoader forks its workers
         self.stopper = self.signals.stopper
@@ -78,6 +84,7 @@ class DiscoTrainer(Trainer):
         self.throughput = Throughput(flops, peak, why_no_peak if self.args.process_index == 0 else "")
         self._data_time, self._settled_step = 0.0, None
         self._resume_checkpoint = None
+        self.samples_per_epoch = samples_per_epoch  # of the stream, which has no length the Trainer could read
 
     def contrastive_batch_size(self) -> int:
         """The pairs each optimizer step contrasts: micro x world (x K when accumulating contrastively)."""
@@ -285,6 +292,10 @@ class DiscoTrainer(Trainer):
     # --- logging ---
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.samples_per_epoch:
+            # The stream has no length, so the Trainer's epoch is global_step / max_steps (1.0 at the end of any run,
+            # after 53 passes over the demo): logged instead, the passes over the data trained on so far.
+            self.state.epoch = self.state.global_step * self._samples_per_step() / self.samples_per_epoch
         if "loss" in logs:  # the training log, reached by every rank at the same step
             logs.update(self._training_metrics())
         elif "train_runtime" in logs:  # the Trainer's final log, whose dict train() returns (train_results.json)

@@ -326,4 +326,6 @@ def test_weight_decay_clipping_and_schedule_act_on_the_accumulated_gradient(runs
         assert all(h["grad_norm"] > 0.05 for h in history if "grad_norm" in h), run  # clipping was active
         # one warmup step (at the full lr: warmup starts at lr / warmup), then cosine over the remaining two
         assert [h["learning_rate"] for h in history if "learning_rate" in h] == pytest.approx([1e-3, 1e-3, 5e-4])
+        # the epoch logged is the passes over the data: 16 samples a step of 96 (the Trainer's own would be step / 3)
+        assert [h["epoch"] for h in history if "loss" in h] == pytest.approx([1 / 6, 2 / 6, 3 / 6])
     assert_same_training(runs / "adamw_k4", runs / "adamw_k1", weights(initial_model), update_rtol=1e-3, steps=STEPS)

@@ -193,7 +193,7 @@ def test_export_reproduces_trained_embeddings(checkpoint, exports):
             "README.md",
             "config.json",
             "model.safetensors",
-            "preprocessor_config.json",
+            "processor_config.json",
             "tokenizer.json",
             "tokenizer_config.json",
         ]

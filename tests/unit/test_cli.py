@@ -134,3 +134,37 @@ def test_the_formatter_states_a_default_only_where_there_is_one_to_state(capsys)
         "a rate (default: 0.5)",
     ]
     assert helps["--flag"] == "--flag a switch"
+
+
+def test_the_data_group_names_every_data_command_in_the_top_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("data ")]
+    assert line.split(None, 1)[1] == "datasets: download, metadata, verify, embed, filter, demo"
+
+
+@pytest.mark.parametrize(
+    "argv, suggested",
+    [
+        (["trian"], "did you mean train?"),
+        (["data", "filtr"], "did you mean filter?"),
+        (["data", "verify", "x", "--decdoe", "2"], "unrecognized arguments: --decdoe 2; did you mean --decode?"),
+        (["export", "a", "b", "--eml"], "did you mean --ema?"),
+    ],
+)
+def test_an_unknown_command_or_option_gets_the_nearest_one(argv, suggested, capsys):
+    assert _exit_code(argv) == 2 and suggested in capsys.readouterr().err
+
+
+def test_an_option_near_none_gets_no_suggestion(capsys):
+    assert _exit_code(["data", "verify", "x", "--zzzzqqq"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzqqq" in err and "did you mean" not in err
+
+
+def _exit_code(argv) -> int:
+    """The exit code of `disco-clip ARGV`: argparse's exit for the command words, run_main's for a command's."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code

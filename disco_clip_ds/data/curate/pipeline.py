@@ -66,7 +66,7 @@ class FilterConfig:
     balance_t: float | None = None
     semdedup_eps: float | None = None
     semdedup_clusters: int = 100
-    samples_per_shard: int = 10_000
+    samples_per_shard: int | None = None  # None: reshard.shard_size's default
     processes: int = 1
     seed: int = 0
     basic_filter: bool = False  # DataComp's basic filter (basic.py): the five flags below at DataComp's values
@@ -116,7 +116,7 @@ def check_rules(cfg: FilterConfig) -> None:
         from disco_clip_ds.data.curate.copies import check_threshold
 
         check_threshold(cfg.dedup_threshold)
-    if cfg.samples_per_shard < 1 or cfg.processes < 1:
+    if (cfg.samples_per_shard is not None and cfg.samples_per_shard < 1) or cfg.processes < 1:
         raise UsageError("--samples_per_shard and --processes: give positive numbers")
 
 
@@ -157,7 +157,9 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
         reason = first_rule(drops, len(loaded["scores"]))
         _refuse_repeated_keys(urls, scans, loaded, reason < 0)
         # 4. Write the output shards
-        plan = reshard.plan_shards(np.flatnonzero(reason < 0), loaded["offsets"], cfg.samples_per_shard)
+        kept = np.flatnonzero(reason < 0)
+        per_shard = reshard.shard_size(len(kept), cfg.samples_per_shard)
+        plan = reshard.plan_shards(kept, loaded["offsets"], per_shard)
         writes = [
             (
                 output / reshard.output_name(j),
@@ -177,6 +179,7 @@ def _filter_into(output: Path, cfg: FilterConfig, urls, sidecars, fingerprint: s
     _write_report(output / "filter.parquet", urls, scans, loaded, assigned, reason)
     uids.write_kept(output / uids.KEPT_UIDS, scans, reason < 0)
     summary = {**summarize(reason), "kept_by_rule": kept_by_rule(drops), "output_shards": len(plan)}
+    summary["samples_per_shard"] = per_shard
     write_json(output / "summary.json", summary)
     return summary
 

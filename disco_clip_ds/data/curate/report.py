@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from disco_clip_ds.atomic import Stage
+from disco_clip_ds.data.curate.reshard import MIN_SHARDS
 
 # the rules in the order `dropped_by` names the first that drops a sample
 RULES = (
@@ -82,10 +83,49 @@ def kept_by_rule(drops: dict[str, np.ndarray]) -> dict[str, int]:
 
 
 def summary_line(summary: dict) -> str:
-    """The line `data filter` prints of its summary."""
-    dropped = ", ".join(f"{n} by {rule}" for rule, n in summary["dropped"].items()) or "none"
+    """The line `data filter` prints of its summary: kept, each rule's count and share of the input samples, and
+    what each rule keeps on its own."""
+    share = _share(summary["samples"])
+    dropped = ", ".join(f"{n} ({share(n)}) by {rule}" for rule, n in summary["dropped"].items()) or "none"
     alone = ", ".join(f"{n} by {rule}" for rule, n in summary.get("kept_by_rule", {}).items())
     return (
-        f"{summary['kept']} of {summary['samples']} samples kept in {summary['output_shards']} shards; dropped: "
-        f"{dropped}" + (f"; each rule alone keeps {alone}" if alone else "")
+        f"{summary['kept']} of {summary['samples']} samples ({share(summary['kept'])}) kept in "
+        f"{summary['output_shards']} shards of up to {summary['samples_per_shard']}; dropped: {dropped}"
+        + (f"; each rule alone keeps {alone}" if alone else "")
     )
+
+
+# a copy rule that drops more than this share of the samples is more likely loose than right: eval sets and web
+# pools share a copy in well under a per cent of their images (DataComp: ~0.1 %)
+COPY_SHARE_WARNING = 0.03
+READERS_PER_RANK = 2  # training's default --dataloader_num_workers: the readers of a run on one rank
+
+
+def warnings(summary: dict, threshold: int, default_threshold: int) -> list[str]:
+    """The lines `data filter` warns with after its summary: a copy rule that dropped more than COPY_SHARE_WARNING of
+    the samples (its threshold likely too loose for these images), and an output of fewer shards than a training run
+    on one 8-GPU node has readers, when the kept samples allow more."""
+    lines = []
+    share = _share(summary["samples"])
+    for rule in ("dedup_against", "dedup"):
+        n = summary["dropped"].get(rule, 0)
+        if n > COPY_SHARE_WARNING * summary["samples"]:
+            which = "the default" if threshold == default_threshold else f"default {default_threshold}"
+            lines.append(
+                f"--{rule} dropped {n} of {summary['samples']} samples ({share(n)}) as copies at --dedup_threshold "
+                f"{threshold} ({which}): above {COPY_SHARE_WARNING:.0%} the threshold is likely too loose for these "
+                "images (small or simple images lie a few bits apart); check filter.parquet's dropped samples and "
+                "give a lower --dedup_threshold (docs/data.md, Dedup against eval sets)"
+            )
+    shards, kept = summary["output_shards"], summary["kept"]
+    if 0 < shards < MIN_SHARDS and kept > shards:
+        lines.append(
+            f"{shards} output shard(s) of up to {summary['samples_per_shard']} samples: training reads a shard per "
+            f"reader (ranks x --dataloader_num_workers, {READERS_PER_RANK} a rank by default) and refuses a run of "
+            f"more than {shards} readers on them; a smaller --samples_per_shard writes more shards"
+        )
+    return lines
+
+
+def _share(total: int):
+    return lambda n: f"{100 * n / total:.1f} %" if total else "0 %"

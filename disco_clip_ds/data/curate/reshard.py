@@ -24,6 +24,20 @@ from disco_clip_ds.data.streams.tar_samples import raw_samples
 from disco_clip_ds.data.tarcopy import Members, SharedBytes, TarWriter, sample_members
 from disco_clip_ds.errors import DataError
 
+# --samples_per_shard's default: img2dataset's and DataComp's shard size, cut smaller where the kept samples would
+# otherwise make fewer shards than the readers of a training run on one 8-GPU node (8 ranks x training's default 2
+# DataLoader workers): training needs a shard per reader (data/shards.shards_for_reader)
+MAX_PER_SHARD = 10_000
+MIN_SHARDS = 16
+
+
+def shard_size(kept: int, given: int | None) -> int:
+    """The samples per output shard: `given` (--samples_per_shard), else the most that still cut the `kept` samples
+    into MIN_SHARDS shards or more (one a shard below MIN_SHARDS), at most MAX_PER_SHARD."""
+    if given is not None:
+        return given
+    return max(1, min(MAX_PER_SHARD, kept // MIN_SHARDS))
+
 
 def output_name(index: int) -> str:
     """The file name of output shard `index`: NNNNN.tar, as img2dataset and `data verify` name shards."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from disco_clip_ds.checkpoint.layout import verify_model_folder
 from disco_clip_ds.data.naflex import DEFAULT_MAX_NUM_PATCHES
 from disco_clip_ds.errors import UsageError
+from disco_clip_ds.models import source as model_source
 from disco_clip_ds.models.configs import MODEL_TYPES, load_config
 from disco_clip_ds.plan.trainable import lock_problem
 from disco_clip_ds.train.args import DiscoTrainingArguments, ModelArguments, read_json, usage_error
@@ -24,8 +24,8 @@ SIGLIP_PIPELINE_TOKENS = 64
 
 
 def is_path(value: str) -> bool:
-    """Spelled as a local path (/, ./, ../, ~), not as a hub id."""
-    return value.startswith(("/", "./", "../", "~"))
+    """Spelled as a local path, not as a hub id (models/source.py)."""
+    return model_source.looks_like_path(value)
 
 
 def config_flag(model_args: ModelArguments) -> str:
@@ -58,8 +58,8 @@ def check_model_source(model_args: ModelArguments) -> dict | None:
         ("--tokenizer_name", model_args.tokenizer_name),
         ("--model_name_or_path", model_args.model_name_or_path),
     ):
-        if value and is_path(value) and not Path(value).expanduser().exists():
-            raise UsageError(f"{flag} {value}: no such folder")
+        if value:  # a mistyped folder at once, by its full path; a hub id while the hub cannot be reached
+            model_source.check_model_source(value, flag)
     if model_args.model_name_or_path:  # weights read as `disco-clip export` reads them: verified first
         verify_model_folder(model_args.model_name_or_path, "--model_name_or_path")
     return written

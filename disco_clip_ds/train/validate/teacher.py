@@ -12,6 +12,7 @@ from disco_clip_ds.checkpoint.layout import verify_model_folder
 from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.models.configs import load_config
+from disco_clip_ds.models.source import check_model_source
 from disco_clip_ds.train.args import ModelArguments, usage_error
 from disco_clip_ds.train.validate.model import is_path
 
@@ -79,8 +80,7 @@ def check_listed_once(teachers: list[str]) -> None:
 
 def _family_config(teacher: str, student):
     """One teacher's config, once it is there and of the student's family."""
-    if is_path(teacher) and not Path(teacher).expanduser().exists():
-        raise UsageError(f"--teacher {teacher}: no such folder")
+    check_model_source(teacher, "--teacher")
     with usage_error(f"--teacher {teacher}: "):
         config = load_config(teacher)
     if config.model_type != student.model_type:

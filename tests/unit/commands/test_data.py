@@ -48,3 +48,22 @@ def test_metadata_offline_on_a_local_folder(tmp_path, capsys):
         metadata_main(argv + ["--pattern", "other/*.parquet"])
     with pytest.raises(DataError, match="cannot fetch"):
         metadata_main(["--dataset", "laion/relaion2B-en-research-safe", "--output", str(tmp_path / "empty")])
+
+
+def test_every_data_option_states_its_default_in_help():
+    """A user reads each default off `--help`: argparse states it (DefaultsOnce), or the help says it in words; a
+    flag that takes no value is off unless given."""
+    from disco_clip_ds.cli import DefaultsOnce
+    from disco_clip_ds.commands import data
+
+    parsers = [data.download_parser, data.verify_parser, data.embed_parser, data.filter_parser]
+    parsers += [data.metadata_parser, data.demo_parser]
+    silent = []
+    for parser in (make() for make in parsers):
+        formatter = parser.formatter_class(parser.prog)
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0 or action.required:
+                continue
+            if not (DefaultsOnce._states_default(formatter, action) or "default" in (action.help or "")):
+                silent.append(f"{parser.prog} {action.option_strings[0]}")
+    assert silent == []

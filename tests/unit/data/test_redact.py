@@ -34,8 +34,11 @@ AWS_KEY = "AKIA" + "IOSFODNN7EXAMPLE"  # AWS's documented example key id
             f"pipe:AWS_ACCESS_KEY_ID={AWS_KEY} aws s3 cp s3://bucket/laion/{{00000..00099}}.tar -",
             "pipe: s3://bucket/laion/{00000..00099}.tar",
         ),
-        ("/home/user/data/train", "train"),
-        ("/home/user/data/train/{00000..00007}.tar", "train/{00000..00007}.tar"),
+        ("/home/user/data/train", "data/train"),  # a split's folder shown with its data's name
+        ("/home/user/data/train/{00000..00007}.tar", "data/train/{00000..00007}.tar"),
+        ("data/demo/train", "demo/train"),
+        ("/home/user/train", "train"),  # not with a user's name
+        ("/home/user/demo_kept", "demo_kept"),
         ("pipe:cat /home/user/secret-project/{0..3}.tar", "pipe: secret-project/{0..3}.tar"),
         ("pipe:cat /srv/shards/a.tar::/data/b/{0..1}.tar", "pipe: shards/a.tar::b/{0..1}.tar"),
         ("pipe:my-reader --flag", "pipe: ***"),

@@ -87,7 +87,9 @@ def test_an_export_publishes_no_credential_path_or_training_key(tmp_path):
 
     out = export_checkpoint(checkpoint, tmp_path / "model")
     card = (out / "README.md").read_text()
-    shown = "pipe: https://huggingface.co/datasets/org/set/resolve/main/{00000..00007}.tar::train"
+    shown = (
+        "pipe: https://huggingface.co/datasets/org/set/resolve/main/{00000..00007}.tar::data/train"  # the data named
+    )
     assert f"| training data | {shown} |" in card
     for secret in (HF_TOKEN, "Bearer", "curl", "/home/user"):
         assert secret not in card, secret

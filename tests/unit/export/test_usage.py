@@ -80,6 +80,49 @@ def test_the_cards_usage_on_an_export_gives_our_eval(tmp_path, model_type, token
 
 
 @pytest.mark.slow  # beyond the fast tier's time budget
+@pytest.mark.parametrize("model_type", ["siglip", "siglip2"])
+def test_an_export_holds_the_files_transformers_writes_and_its_tokenizers_ids(tmp_path, model_type):
+    """The export's files are those transformers' own processor `save_pretrained` writes (processor_config.json, not
+    the image processor's preprocessor_config.json), its tokenizer_config.json holds no fact of the machine that
+    loaded it ("is_local", "local_files_only"), and its config's special ids are its tokenizer's: loading it logs no
+    out-of-vocabulary warning about them. (transformers 5 still warns about its own SiglipTextConfig defaults, 49406
+    and 49407, building them to diff against while it logs any SigLIP config: huggingface/transformers#47612.)"""
+    import logging
+
+    from transformers import AutoModel, AutoProcessor
+
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    saved_run(checkpoint, model_type, TOKENIZER_DIR)
+    export = export_checkpoint(checkpoint, tmp_path / "export")
+    for folder in (checkpoint, export):
+        saved = json.loads((folder / "tokenizer_config.json").read_text())
+        assert "is_local" not in saved and "local_files_only" not in saved, folder
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        model, processor = AutoModel.from_pretrained(export), AutoProcessor.from_pretrained(export)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    processor.save_pretrained(tmp_path / "resaved")  # the reference: what transformers writes of this processor
+    weights = {"README.md", "config.json", "model.safetensors"}
+    assert {p.name for p in export.iterdir()} == weights | {p.name for p in (tmp_path / "resaved").iterdir()}
+    text, tokenizer = model.config.text_config, processor.tokenizer
+    ids = (text.bos_token_id, text.eos_token_id, text.pad_token_id)
+    assert ids == (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert all(0 <= i < text.vocab_size for i in ids)
+    vocabulary = [r.getMessage() for r in records if "within the vocabulary" in r.getMessage()]
+    assert not [
+        m
+        for m in vocabulary
+        if not m.endswith(
+            ("got 49406. This may result in unexpected behavior.", "got 49407. This may result in unexpected behavior.")
+        )
+    ]
+
+
+@pytest.mark.slow  # beyond the fast tier's time budget
 def test_a_folder_saved_before_the_pin_exports_pinned(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-1"
     trained = saved_run(checkpoint, "siglip2", TOKENIZER_DIR, pin=False)

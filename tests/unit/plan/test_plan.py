@@ -311,9 +311,30 @@ def test_the_local_loss_is_planned_per_micro_batch_under_accumulation():
         P.max_contrastive_steps(P.ModelShape.from_json(VIT), settings, P.load_fit(), "local", True, 40 * P.GiB, 0.0)
 
 
-def test_without_checkpointing_the_paper_batch_does_not_fit():
+def test_without_checkpointing_the_paper_batch_does_not_fit_and_the_plan_says_what_would(capsys):
     result = P.plan(CFG_32K, VIT, 8, "40GB", loss_impls=("tiled",))
     assert not result["memory"]["tiled"]["fits"] and result["max_micro_batch"]["tiled"] < 4096
+    # each change named is planned again and fits; the micro-batch named is the largest dividing 4096 that does
+    changes = result["to_fit"]["tiled"]
+    assert "activation checkpointing (train --activation_checkpointing)" in changes
+    assert P.plan(CFG_32K, VIT, 8, "40GB", loss_impls=("tiled",), activation_checkpointing=True)["memory"]["tiled"][
+        "fits"
+    ]
+    (micro,) = [c for c in changes if c.startswith("micro-batch")]
+    m = int(micro.split()[1])
+    k = 4096 // m
+    assert micro.startswith(f"micro-batch {m} x {k} accumulation steps") and "same contrastive batch 32768" in micro
+    config = json.loads(CFG_32K.read_text())
+    smaller = P.validate_config({**config, "train_micro_batch_size_per_gpu": m, "gradient_accumulation_steps": k}, 8)
+    fit, args = P.memory.load_fit(), (P.ModelShape.from_json(VIT),)
+    assert P.memory_plan(*args, smaller, fit, "tiled", False, 40 * P.GiB).fits
+    larger = [d for d in range(m + 1, 4096) if 4096 % d == 0]
+    bigger = P.validate_config(
+        {**config, "train_micro_batch_size_per_gpu": larger[0], "gradient_accumulation_steps": 4096 // larger[0]}, 8
+    )
+    assert not P.memory_plan(*args, bigger, fit, "tiled", False, 40 * P.GiB).fits
+    print(P.format_report(result, CFG_32K, VIT))
+    assert "tiled fits with any one of: " in capsys.readouterr().out
 
 
 @pytest.mark.slow  # beyond the fast tier's time budget

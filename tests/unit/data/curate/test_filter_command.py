@@ -64,10 +64,14 @@ def test_the_score_threshold_keeps_the_hand_computed_samples(shards, tmp_path, c
     dropped = {"no_embedding": 1, "clip_score_min": 3}
     alone = {"no_embedding": 9, "clip_score_min": 7}  # the score rule leaves sample 4 (no score) to no_embedding
     summary = {"samples": 10, "kept": 6, "dropped": dropped, "kept_by_rule": alone, "output_shards": 2}
-    assert json.loads((out / "summary.json").read_text()) == summary
+    assert json.loads((out / "summary.json").read_text()) == {**summary, "samples_per_shard": 4}
+    printed = capsys.readouterr()
     assert (
-        "6 of 10 samples kept in 2 shards; dropped: 1 by no_embedding, 3 by clip_score_min" in capsys.readouterr().out
+        "6 of 10 samples (60.0 %) kept in 2 shards of up to 4; dropped: 1 (10.0 %) by no_embedding, 3 (30.0 %) by "
+        "clip_score_min" in printed.out
     )
+    # 2 shards hold 6 samples: a warning names the flag that writes more (training needs a shard per reader)
+    assert "warning: 2 output shard(s) of up to 4 samples" in printed.err and "--samples_per_shard" in printed.err
     table = pq.read_table(out / "filter.parquet").to_pydict()
     assert table["key"] == keys and table["shard"] == [str(shards / f"{s:05d}.tar") for s in range(2) for _ in range(5)]
     expected = [c if i != 4 else None for i, c in enumerate(COSINES)]
@@ -86,7 +90,7 @@ def test_the_fraction_is_over_all_shards_with_ties_to_the_earliest(tmp_path):
     assert _filter("--shards", tmp_path / "in", "--output", out, "--keep_fraction", 0.5) == 0
     keys = [f"{s:05d}{i:04d}" for s in range(3) for i in range(s * 4, s * 4 + 4)]
     # k = 6: the 0.9, then the first five of the six 0.5s in input order (sample 10's is the one left out)
-    assert _keys(out / "00000.tar") == [keys[i] for i in (1, 3, 4, 5, 7, 8)]
+    assert [k for shard in sorted(out.glob("*.tar")) for k in _keys(shard)] == [keys[i] for i in (1, 3, 4, 5, 7, 8)]
 
 
 def test_two_rules_keep_what_both_keep_and_name_the_first_that_drops(shards, tmp_path):
@@ -279,7 +283,7 @@ def test_the_image_rule_keeps_the_clusters_the_target_points_at_and_intersects_w
     assert [i for i, k in enumerate(kept) if k] == [i for i in ones if cosines[i] >= 0.2]  # 3 dropped by its score
 
 
-def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path):
+def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path, capsys):
     from unit.data.curate.shardsets import smooth_jpeg
 
     images = [smooth_jpeg(i) for i in range(8)]
@@ -296,6 +300,14 @@ def test_copies_of_eval_images_and_earlier_samples_are_dropped(tmp_path):
     assert _filter(*argv) == 0
     table = pq.read_table(out / "filter.parquet").to_pydict()
     assert table["dropped_by"] == [None, None, None, "dedup_against", None, "dedup", "dedup", None]
+    # 1 of 8 dropped as a copy of an eval image (12.5 %, above 3 %): the warning names the threshold and its flag;
+    # without --samples_per_shard the 5 kept samples are 5 shards, and no shard warning
+    printed = capsys.readouterr()
+    assert "1 (12.5 %) by dedup_against, 2 (25.0 %) by dedup" in printed.out
+    assert (
+        "warning: --dedup_against dropped 1 of 8 samples (12.5 %) as copies at --dedup_threshold 8 (the " in printed.err
+    )
+    assert len(list(out.glob("*.tar"))) == 5 and "output shard" not in printed.err
     # with the score rule dropping sample 1, its flipped copy (5) is the first of its kind and is kept
     assert _filter(*argv[:3], tmp_path / "scored", "--dedup", "--clip_score_min", 0.2) == 0
     table = pq.read_table(tmp_path / "scored" / "filter.parquet").to_pydict()

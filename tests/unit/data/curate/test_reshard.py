@@ -9,8 +9,9 @@ import tarfile
 import numpy as np
 import torch
 
-from disco_clip_ds.data.curate.reshard import is_complete, plan_shards, write_output_shard
+from disco_clip_ds.data.curate.reshard import is_complete, plan_shards, shard_size, write_output_shard
 from disco_clip_ds.data.embeddings import EmbeddingStore, read_sidecar, sidecar_path
+from disco_clip_ds.data.shards import shards_for_reader
 
 from unit.data.curate.shardsets import TEACHER, embedded_shards
 
@@ -76,3 +77,14 @@ def test_the_plan_cuts_the_kept_rows_into_shards_of_pieces_by_hand():
     assert plan(4) == [[(0, [1, 3]), (1, [0, 1])], [(2, [1, 4])]]
     assert plan(6) == [[(0, [1, 3]), (1, [0, 1]), (2, [1, 4])]]
     assert plan_shards(np.array([], np.int64), offsets, 4) == []
+
+
+def test_the_default_shard_size_gives_a_shard_to_every_reader_of_a_node_while_the_kept_samples_allow():
+    # by hand: the demo's 1,437 training samples cut in shards of 89 (17 shards), 10 kept in 10 shards of 1, a
+    # billion in img2dataset's 10,000; a given size is kept as given
+    assert [shard_size(n, None) for n in (1437, 10, 0, 10**9, 160_000)] == [89, 1, 1, 10_000, 10_000]
+    assert shard_size(1437, 10_000) == 10_000
+    for kept in (1, 15, 16, 17, 31, 1437, 159_999, 160_001):
+        shards = -(-kept // shard_size(kept, None))
+        assert shards >= min(kept, 16), kept
+        shards_for_reader([f"{i:05d}.tar" for i in range(shards)], 0, min(kept, 16))  # training's check passes
