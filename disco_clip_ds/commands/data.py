@@ -318,19 +318,21 @@ def filter_parser() -> argparse.ArgumentParser:
         metavar="E",
         type=float,
         help="SemDeDup: drop a sample whose image embedding's cosine with one kept before it in its k-means cluster "
-        "is above 1 - E",
+        "is above 1 - E (default: no SemDeDup)",
     )
     p.add_argument("--semdedup_clusters", metavar="K", type=int, default=100, help="SemDeDup's k-means clusters")
     p.add_argument(
         "--metadata",
         metavar="FILE",
-        help="MetaCLIP's balancing: a text file of entries, one a line, matched in the captions (with --balance_t)",
+        help="MetaCLIP's balancing: a text file of entries, one a line, matched in the captions "
+        "(with --balance_t; default: no balancing)",
     )
     p.add_argument(
         "--balance_t",
         metavar="T",
         type=float,
-        help="MetaCLIP's t: keep a sample of an entry matched n times with probability min(1, T / n) (20000)",
+        help="MetaCLIP's t: keep a sample of an entry matched n times with probability min(1, T / n) "
+        "(no default: MetaCLIP used 20000 for 400M)",
     )
     p.add_argument("--processes", metavar="N", type=int, default=1, help="shards scanned and written in parallel")
     p.add_argument(
@@ -364,31 +366,39 @@ def _datacomp_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--caption_language",
         metavar="CODE",
-        help="keep captions fastText's lid.176 labels CODE (DataComp: en); 'any': no language rule",
+        help="keep captions fastText's lid.176 labels CODE (DataComp: en); 'any': no language rule "
+        "(default: no rule, en with --basic_filter)",
     )
     g.add_argument(
-        "--caption_words_over", metavar="N", type=int, help="keep captions of more than N words (DataComp: 2)"
+        "--caption_words_over",
+        metavar="N",
+        type=int,
+        help="keep captions of more than N words (default: no rule; DataComp, with --basic_filter: 2)",
     )
     g.add_argument(
-        "--caption_chars_over", metavar="N", type=int, help="keep captions of more than N characters (DataComp: 5)"
+        "--caption_chars_over",
+        metavar="N",
+        type=int,
+        help="keep captions of more than N characters (default: no rule; DataComp: 5)",
     )
     g.add_argument(
         "--min_image_side",
         metavar="PX",
         type=int,
-        help="keep images whose smaller side (before img2dataset resized it) is at least PX (DataComp: 200)",
+        help="keep images whose smaller side (before img2dataset resized it) is at least PX "
+        "(default: no rule; DataComp: 200)",
     )
     g.add_argument(
         "--max_aspect_ratio",
         metavar="R",
         type=float,
-        help="keep images whose longer side is at most R times the shorter (DataComp: 3)",
+        help="keep images whose longer side is at most R times the shorter (default: no rule; DataComp: 3)",
     )
     p.add_argument(
         "--keep_uids",
         metavar="FILE.npy",
         help="keep only the samples whose .json uid is in this DataComp subset file (np.dtype('u8,u8')); every "
-        "run writes its kept uids as OUTPUT/kept_uids.npy in that format",
+        "run writes its kept uids as OUTPUT/kept_uids.npy in that format (default: every sample)",
     )
 
 

@@ -12,8 +12,8 @@ from dataclasses import asdict
 
 from disco_clip_ds.errors import PlanConfigError
 from disco_clip_ds.plan.checks import read_deepspeed_json, validate_config
-from disco_clip_ds.plan.flops import at_size
 from disco_clip_ds.plan.fixes import fitting_changes
+from disco_clip_ds.plan.flops import at_size
 from disco_clip_ds.plan.host import HostOptions, format_host, plan_host
 from disco_clip_ds.plan.memory import (
     DEFAULT_OVERHEAD_GB,
