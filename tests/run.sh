@@ -17,10 +17,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$PY" -m pip install -q -e ".[test]"
   echo "$want" > "$stamp"
 fi
-# timm's optimizer files, the reference of tests/unit/train/test_lamb.py: without its dependencies, since its
-# torchvision requirement would replace this CPU torch with a CUDA build (its optimizers need only torch)
-if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('timm') is None)"; then
-  "$PY" -m pip install -q --no-deps "timm>=1.0,<2"
+# timm's optimizer files, the reference of tests/unit/train/test_lamb.py, in a folder of their own off the import path
+# (testing/timm_reference.py): without timm's dependencies, since its torchvision requirement would replace this CPU
+# torch with a CUDA build, and not in the venv, where `accelerate launch` would import it and fail without torchvision
+if [ ! -d "$VENV/peers/timm-ref/timm/optim" ]; then
+  "$PY" -m pip install -q --no-deps --target "$VENV/peers/timm-ref" "timm>=1.0,<2"
 fi
 # DeepSpeed JIT-compiles its CPU shared-memory comm op (~1 min on 2 cores) at the first multi-rank launch; build it
 # once here so that no launch inside a test's time limit pays for it. The build cache is keyed by name only and its
