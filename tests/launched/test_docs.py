@@ -11,6 +11,7 @@ time is printed (`-s`): the expensive ones are the launches (each pays the launc
 the demo builds (an img2dataset download from a loopback server).
 """
 
+import os
 import re
 import shutil
 import time
@@ -20,7 +21,17 @@ import pytest
 from disco_clip_ds.testing.docblocks import Block, block_env, blocks, copy_checkout, pages, run_block
 from disco_clip_ds.testing.launch import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # a page runs several launches in sequence
+# The docs test takes about 20 minutes on 2 cores (each page's launches and demo builds, as written): more than the
+# suite's budget allows, so it runs when asked, `DISCO_DOCS_TEST=1 bash tests/run.sh tests/launched/test_docs.py`
+# (docs/development.md, "The docs test"); its skip says so in every other run.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(3600),  # a page runs several launches in sequence
+    pytest.mark.skipif(
+        os.environ.get("DISCO_DOCS_TEST") != "1",
+        reason="the docs test runs when asked: DISCO_DOCS_TEST=1 bash tests/run.sh tests/launched/test_docs.py",
+    ),
+]
 
 STEPS = "3"
 SHRINK = {"STEPS": STEPS, "DISCO_CLIP_MAX_STEPS": STEPS}
