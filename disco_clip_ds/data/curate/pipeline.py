@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import threading
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -189,6 +190,8 @@ def _bar(results, total: int, what: str):
     filter's lines alone: a refusal stays one line)."""
     from tqdm.auto import tqdm
 
+    # tqdm's default lock holds a multiprocessing lock: a POSIX semaphore in /dev/shm that a kill -9 leaves behind
+    tqdm.set_lock(threading.RLock())
     return tqdm(results, total=total, desc=f"{what} shards", unit=" shards", dynamic_ncols=True, disable=None)
 
 
