@@ -87,10 +87,6 @@ def _rank(request: dict, rank: int) -> None:
         CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["master_port"]),
     )  # fmt: skip
     sys.argv = [request["module"], f"--local_rank={rank}", *request["args"]]
-    if os.environ.get("DISCO_ZYGOTE_TRACE"):  # a rank that hangs shows where, every N s
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["DISCO_ZYGOTE_TRACE"]), repeat=True)
     code = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
