@@ -19,6 +19,7 @@ GROUPS = (
             "tokenizer_name",
             "image_size",
             "max_num_patches",
+            "resolution_schedule",
             "max_text_length",
             "lock_.*",
             "patch_dropout.*",

@@ -41,7 +41,7 @@ def test_tasks_write_each_record_as_the_single_set_form_and_the_table(task_list,
     assert rows[0] == "task,name,type,main_metric,value,seconds,error" and rows[-1].startswith("average,")
     acc1, recall = single["metrics"]["acc1"], single["metrics"]["mean_per_class_recall"]
     assert float(rows[-1].split(",")[4]) == pytest.approx((acc1 + recall) / 2)
-    assert printed == (out / "suite.md").read_text()
+    assert printed == (out / "suite.md").read_text() + f"each task's record and the table (suite.md) in {out}\n"
     assert f"| wds | zeroshot_classification | mean_per_class_recall | {recall:.4f} |" in printed
     assert list(runs.glob("events.out.tfevents.*"))
 
