@@ -11,6 +11,8 @@
 # MODEL=recipes/models/tiny_student.json trains a smaller student (1 layer, width 32 per tower).
 # EMA_DECAY=0.99 keeps an EMA of the weights and evaluates it beside them (zeroshot_ema_*; docs/training.md, "EMA").
 # OPTIM=lamb LR=2e-3 trains with LAMB at Perception Encoder's rate (docs/training.md, "LAMB"; default AdamW at 1e-3).
+# RESOLUTION_SCHEDULE=0:32,0.35:48,0.7:64 trains at 32 px, then 48, then 64 (progressive resolution, as Perception Encoder;
+# docs/training.md); the model is evaluated and saved at the last size.
 # CAPTION_NOISE=0.3 builds and trains on the demo with 30 % of its training captions naming another digit
 # (DATA=data/demo_noise0.3; noisy web captions, where a teacher has most to teach: docs/distillation.md).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
@@ -66,6 +68,7 @@ $VENV/bin/deepspeed --log_level error --num_gpus "$NPROC" --master_port "${MASTE
   --logging_steps 20 --save_steps 100 --save_total_limit 2 --dataloader_num_workers 1 --seed "$SEED" \
   --zeroshot_data "$DATA/eval" --zeroshot_steps 100 --patch_dropout "$PATCH_DROPOUT" "${BUDGET[@]+"${BUDGET[@]}"}" \
   ${PATCH_DROPOUT_UNTIL_STEP:+--patch_dropout_until_step "$PATCH_DROPOUT_UNTIL_STEP"} \
+  ${RESOLUTION_SCHEDULE:+--resolution_schedule "$RESOLUTION_SCHEDULE"} \
   ${TEACHER:+--teacher "$TEACHER" --distill_weight "${DISTILL_WEIGHT:-0.5}"} \
   ${DISTILL_TEMPERATURE:+--distill_temperature "$DISTILL_TEMPERATURE"} \
   ${EMA_DECAY:+--ema_decay "$EMA_DECAY" --eval_ema true} \

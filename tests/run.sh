@@ -34,4 +34,12 @@ a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null 2>&
 fi
 export HF_HUB_OFFLINE=1 NO_ALBUMENTATIONS_UPDATE=1 TOKENIZERS_PARALLELISM=false
 export no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}" NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}"
+# Two pytest workers (pytest-xdist), each given whole test files (--dist loadfile: a file's module fixtures, its
+# reference runs, are built once): a launched test spends much of its time waiting (a launcher's start-up, a barrier,
+# a timeout it provokes), which the other worker's test fills. DISCO_TEST_WORKERS=0 runs in one process; a -n or
+# -p no:xdist among the arguments wins.
+case " $* " in
+  *" -n "*|*" -n"[0-9]*|*" --numprocesses"*|*"no:xdist"*) ;;
+  *) set -- -n "${DISCO_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+esac
 exec "$PY" -m pytest "$@"

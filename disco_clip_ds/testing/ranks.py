@@ -1,5 +1,5 @@
-"""torch.distributed ranks in spawned processes on one machine: free ports, `run_ranks`, DeepSpeed's shm buffers (and
-a private /dev/shm to count them in)."""
+"""torch.distributed ranks in processes of their own on one machine: free ports, `run_ranks`, DeepSpeed's shm buffers
+(and a private /dev/shm to count them in)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ import traceback
 from pathlib import Path
 
 from disco_clip_ds.data.prep.fetch import environ
+from disco_clip_ds.testing.zygote import import_time_env
 
 _PORTS: set[int] = set()  # handed out since the last release_shm_buffers()
+# What multiprocessing's fork server imports once (a rank it forks starts with them done) where a spawned rank imports
+# them itself, seconds of CPU each: torch, and what the ranks of the tests import besides.
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "disco_clip_ds.losses"]
+_SERVER_ENV: dict | None = None  # import_time_env of the fork server, once started
 
 
 def free_port() -> int:
@@ -56,10 +61,12 @@ class RanksFailed(RuntimeError):
         super().__init__("\n".join(f"[rank {r}] {msg}" for r, msg in self.errors.items()))
 
 
-def _rank_entry(fn, rank, world_size, port, backend, threads, args, results):
+def _rank_entry(fn, rank, world_size, port, backend, threads, args, results, environment):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment: a forked rank has the fork server's, from when that started
+    os.environ.update(environment)
     torch.set_num_threads(threads)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -95,8 +102,8 @@ def run_ranks(
     env: dict[str, str] | None = None,
     grace: float = 10.0,
 ) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` spawned ranks of one process group; return the results
-    in rank order.
+    """Run `fn(rank, world_size, *args)` in `world_size` ranks of one process group (forked by multiprocessing's
+    fork server, PRELOAD imported; spawned when `env` is given, see `_context`); return the results in rank order.
 
     `fn` must be a module-level function and its result picklable. Each rank gets MASTER_ADDR/PORT, RANK,
     LOCAL_RANK, WORLD_SIZE, `threads` torch threads and, for backend "nccl", GPU `rank`; `env` is added to the
@@ -104,16 +111,15 @@ def run_ranks(
     or `grace` seconds later: they may wait forever in a collective), and TimeoutError when the ranks do not
     finish within `timeout` seconds. Every rank is stopped before this returns or raises.
     """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _context(env)
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, backend, threads, args, results))
-        for r in range(world_size)
-    ]
     with environ(**(env or {})):  # a spawned process reads its environment (glibc's MALLOC_* too) when it starts
+        environment = dict(os.environ)
+        procs = [
+            ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, backend, threads, args, results, environment))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
     outcomes: dict[int, tuple[str, bytes | str]] = {}
@@ -145,3 +151,19 @@ def run_ranks(
         missing = sorted(set(range(world_size)) - set(outcomes))
         raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (hang?)")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def _context(env: dict[str, str] | None):
+    """The multiprocessing context the ranks start in: the fork server (started at the first call, PRELOAD imported
+    once), unless `env` is given or this process's environment has changed since in a variable read at start or
+    import (zygote.IMPORT_TIME_PREFIXES): a forked rank would not see those, so spawn."""
+    global _SERVER_ENV
+    import multiprocessing as mp
+
+    if env or (_SERVER_ENV is not None and import_time_env(os.environ) != _SERVER_ENV):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if _SERVER_ENV is None:
+        ctx.set_forkserver_preload(PRELOAD)
+        _SERVER_ENV = import_time_env(os.environ)
+    return ctx

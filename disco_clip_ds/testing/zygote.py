@@ -34,11 +34,12 @@ import traceback
 # changes one of these cannot reuse this server's imports.
 IMPORT_TIME_PREFIXES = (
     "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "OMP_", "MKL_", "KMP_", "PYTHON", "DS_",
-    "DEEPSPEED", "ACCELERATE", "CUDA", "NCCL", "XDG_", "HOME", "LD_", "NO_ALBUMENTATIONS",
+    "DEEPSPEED", "ACCELERATE", "CUDA", "NCCL", "XDG_", "HOME", "LD_", "NO_ALBUMENTATIONS", "MALLOC_",
 )  # fmt: skip
 
 
-def _import_time_env(env: dict) -> dict:
+def import_time_env(env: dict) -> dict:
+    """The variables of ENV that a process reads when it starts or imports (IMPORT_TIME_PREFIXES)."""
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
@@ -131,7 +132,7 @@ def _launcher(request: dict, preloaded_env: dict, set_by_imports: dict) -> None:
     os.dup2(devnull, 0), os.close(devnull)
     os.environ.clear()
     os.environ.update({**set_by_imports, **request["env"]})
-    if _import_time_env(request["env"]) != preloaded_env:
+    if import_time_env(request["env"]) != preloaded_env:
         fallback = request["fallback"]
         os.execvpe(fallback[0], fallback, request["env"])
     _unbuffered()
@@ -167,7 +168,7 @@ def serve(reply_fd: int) -> None:
     """Import, then fork a launcher per request on stdin until stdin ends."""
     before = dict(os.environ)
     _preload()
-    preloaded_env = _import_time_env(before)
+    preloaded_env = import_time_env(before)
     # what the imports set (torch's inductor cache folder, ...): a fresh rank's imports would set it too
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     wake_r, wake_w = os.pipe()

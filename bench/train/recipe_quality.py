@@ -1,13 +1,17 @@
-"""LAMB against AdamW on the demo: zero-shot top-1 at the quickstart's in-training evals (every 100 steps) and of the
-saved model, per seed, each optimizer at its usual learning rate and the same steps.
+"""Perception Encoder's levers on the demo against the quickstart's own recipe: zero-shot top-1 at the quickstart's
+in-training evals (every 100 steps) and of the saved model, per seed, at the same steps.
 
 Each run is `recipes/quickstart.sh` (2 CPU ranks x 128 pairs, ZeRO-2, fp32, cosine schedule with 30 warmup steps,
-weight decay 0.1, beta2 0.98, eps 1e-6) for --steps steps (the quickstart's 300 by default): AdamW at the quickstart's
-1e-3, LAMB (`OPTIM=lamb`) at Perception Encoder's 2e-3; the two of a seed run side by side. Read from each run's
-trainer_state.json (`zeroshot_acc1`, `zeroshot_acc5`) and its eval/zeroshot_classification.json (the saved model,
-`disco-clip eval`), into results/lamb_quality.csv.
+weight decay 0.1, beta2 0.98, eps 1e-6) for --steps steps (the quickstart's 300 by default), one arm each:
+- adamw: the quickstart as it is (AdamW at 1e-3, 64 px throughout);
+- lamb: LAMB (`OPTIM=lamb`) at Perception Encoder's 2e-3;
+- progressive: AdamW at 1e-3 with a progressive resolution schedule in PE's shape on the demo's 64 px digits
+  (`RESOLUTION_SCHEDULE=0:32,0.35:48,0.7:64`: 32 px for the first 35 % of the steps, 48 px to 70 %, then 64 px; the tiny
+  CLIP's 16 px patches, so 4, 9 and 16 patches an image), evaluated and saved at 64 px.
+The arms of a seed run side by side. Read from each run's trainer_state.json (`zeroshot_acc1`, `zeroshot_acc5`) and
+its eval/zeroshot_classification.json (the saved model, `disco-clip eval`), into results/recipe_quality.csv.
 
-    python bench/train/lamb_quality.py --seeds 0 1 2 [--steps 300] [--data data/demo]
+    python bench/train/recipe_quality.py --seeds 0 1 2 [--arms adamw lamb progressive] [--steps 300] [--data data/demo]
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from disco_clip_ds.testing.ranks import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-OUT = REPO / "outputs" / "bench_lamb"
-RUNS = {"lamb": {"OPTIM": "lamb", "LR": "2e-3"}, "adamw": {"LR": "1e-3"}}
+OUT = REPO / "outputs" / "bench_recipe"
+RUNS = {
+    "adamw": {"LR": "1e-3"},
+    "lamb": {"OPTIM": "lamb", "LR": "2e-3"},
+    "progressive": {"LR": "1e-3", "RESOLUTION_SCHEDULE": "0:32,0.35:48,0.7:64"},
+}
 
 
 def quickstart(out: Path, seed: int, run: str, steps: int, data: str | None) -> subprocess.Popen | None:
-    """The quickstart with `run`'s optimizer into OUT, started; None when OUT already holds its finished run (a bench
+    """The quickstart with `run`'s settings into OUT, started; None when OUT already holds its finished run (a bench
     cut short goes on)."""
     if (out / "eval" / "zeroshot_both.json").is_file():  # the quickstart's last file
         return None
@@ -58,11 +66,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--arms", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--data", help="the demo dataset (default: the quickstart's data/demo, built if missing)")
     args = parser.parse_args()
     rows = []
     for seed in args.seeds:
-        outs = {run: OUT / f"{run}_s{seed}_{args.steps}" for run in RUNS}
+        outs = {run: OUT / f"{run}_s{seed}_{args.steps}" for run in args.arms}
         started = [quickstart(out, seed, run, args.steps, args.data) for run, out in outs.items()]
         for process in filter(None, started):  # side by side: a machine slowing down meets both
             if process.wait():
@@ -70,12 +79,14 @@ def main() -> None:
         for run, out in outs.items():
             got = eval_rows(out)
             rows += [
-                {"seed": seed, "optim": run, "learning_rate": RUNS[run]["LR"], "steps": args.steps, **r} for r in got
+                {"seed": seed, "arm": run, "optim": RUNS[run].get("OPTIM", "adamw"), "learning_rate": RUNS[run]["LR"],
+                 "resolution_schedule": RUNS[run].get("RESOLUTION_SCHEDULE", "64 throughout"), "steps": args.steps, **r}
+                for r in got
             ]
             print(run, seed, got, flush=True)
-    write_rows(HERE / "results" / "lamb_quality.csv", rows, rounds=1)
+    write_rows(HERE / "results" / "recipe_quality.csv", rows, rounds=1)
     for step in [*range(100, args.steps + 1, 100), "final"]:
-        means = {run: [r["acc1"] for r in rows if r["optim"] == run and r["step"] == step] for run in RUNS}
+        means = {run: [r["acc1"] for r in rows if r["arm"] == run and r["step"] == step] for run in args.arms}
         print(step, {run: (round(statistics.mean(v), 4), min(v), max(v)) for run, v in means.items() if v})
 
 
