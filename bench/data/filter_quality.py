@@ -7,11 +7,11 @@ Quality (results/filter_quality.csv):
    "unfiltered" run of seed 0);
 2. `disco-clip data embed` of its training shards with that teacher, then `disco-clip data filter --keep_fraction 0.7`
    ("filtered"), and the same with `--target` the eval classes' names as text and `--clusters 20` ("filtered_target":
-   the image-based filter intersected with the CLIP-score one);
+   the image-based filter intersected with the CLIP-score one), and the CLIP-score one with DataComp's basic filter
+   (`--basic_filter`, its image side rule at the demo's 64 px: "basic_filtered");
 3. precision (kept samples whose caption names the digit the image shows) and recall (such samples kept), per filter.
    The demo does not record which captions it changed; each training sample's json holds its image's label, and a
    caption is right when the digit it names (a word or a numeral, `named_digit`) is that label;
-   "basic_filtered": the CLIP-score filter with DataComp's basic filter (`--basic_filter`, its image side rule at 64 px);
 4. the quickstart (the default tiny CLIP, its steps, batch and zero-shot evals at steps 100, 200, 300) per seed on the
    filtered shards (both filters), on the noisy ones and on the clean demo (data/demo), all at equal steps; the eval
    split is the demo's own in every run. A run whose folder already holds a finished trainer_state.json is read, not

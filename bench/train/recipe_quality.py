@@ -79,8 +79,15 @@ def main() -> None:
         for run, out in outs.items():
             got = eval_rows(out)
             rows += [
-                {"seed": seed, "arm": run, "optim": RUNS[run].get("OPTIM", "adamw"), "learning_rate": RUNS[run]["LR"],
-                 "resolution_schedule": RUNS[run].get("RESOLUTION_SCHEDULE", "64 throughout"), "steps": args.steps, **r}
+                {
+                    "seed": seed,
+                    "arm": run,
+                    "optim": RUNS[run].get("OPTIM", "adamw"),
+                    "learning_rate": RUNS[run]["LR"],
+                    "resolution_schedule": RUNS[run].get("RESOLUTION_SCHEDULE", "64 throughout"),
+                    "steps": args.steps,
+                    **r,
+                }
                 for r in got
             ]
             print(run, seed, got, flush=True)

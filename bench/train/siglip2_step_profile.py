@@ -73,7 +73,9 @@ def timed(part: str, model, optimizer, inputs) -> float:
     elif part == "vision":
         vision_call(model, inputs).pooler_output.sum().backward()
     else:
-        model.text_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).pooler_output.sum().backward()
+        model.text_model(
+            input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+        ).pooler_output.sum().backward()
     seconds = time.perf_counter() - start
     optimizer.zero_grad(set_to_none=True)
     return seconds

@@ -35,6 +35,27 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def descendants(pid: int) -> list:
+    """The live descendants of PID (psutil processes; none when PID has ended)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def kill_all(processes: list) -> None:
+    """SIGKILL each of PROCESSES (psutil processes) still running."""
+    import psutil
+
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+
+
 def ranks_of(launcher_pid: int) -> list[int]:
     """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
     import psutil

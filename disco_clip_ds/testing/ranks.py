@@ -117,7 +117,9 @@ def run_ranks(
     with environ(**(env or {})):  # a spawned process reads its environment (glibc's MALLOC_* too) when it starts
         environment = dict(os.environ)
         procs = [
-            ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, backend, threads, args, results, environment))
+            ctx.Process(
+                target=_rank_entry, args=(fn, r, world_size, port, backend, threads, args, results, environment)
+            )
             for r in range(world_size)
         ]
         for p in procs:

@@ -16,6 +16,8 @@ from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import LAUNCH_SEED, QUICK, REPO, SGD, launch
 from disco_clip_ds.testing.runs import assert_same_training, assert_trained_under_fsdp, save_initial_model, weights
 
+# the module's five launches are the first test's setup: on two shared cores (two test workers), minutes
+pytestmark = pytest.mark.timeout(1500)
 STEPS, PER_RANK, SEED = 5, 8, LAUNCH_SEED
 
 # accelerate's dispatch_batches: rank 0 reads the stream and hands out consecutive slices, so step t sees the
