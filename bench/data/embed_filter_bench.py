@@ -13,7 +13,9 @@ every other round), each side in its own process with its own `disco_clip_ds` on
 
 Both sides write to the same output folder (the sidecars record the output shards' absolute paths), and each run's
 output files are hashed: `identical_to_base` says whether every file of this tree's output is byte for byte the
-base's (the filter's state folder and filter.json's timing aside).
+base's (the filter's state folder and filter.json's timing aside). A sidecar's file format may differ between the
+commits (its header, block checksums, tensor names), so `stored_values_equal_to_base` compares what embed stored:
+the set of the sidecars' tensors, each by dtype, shape and bytes, whatever their names and the header.
 
     git worktree add /tmp/base_ef 9b87829
     python bench/data/embed_filter_bench.py --base /tmp/base_ef --rounds 3
@@ -119,9 +121,9 @@ def child(args) -> None:
     print(json.dumps({**times, "package": disco_clip_ds.__file__}))
 
 
-def run_side(step: str, root: Path, workers: int | None, profile: Path | None = None) -> tuple[dict, str]:
-    """(the child's times, a digest of its output files) for `step` with ROOT's package; with `profile`, its
-    cProfile into that file instead of times."""
+def run_side(step: str, root: Path, workers: int | None, profile: Path | None = None) -> tuple[dict, tuple[str, str]]:
+    """(the child's times, (a digest of its output files, one of its stored tensors for embed)) for `step` with
+    ROOT's package; with `profile`, its cProfile into that file instead of times."""
     out = OUT / "run" / step
     for folder in (out, Path(str(out) + "_warm")):
         shutil.rmtree(folder, ignore_errors=True)
@@ -136,7 +138,7 @@ def run_side(step: str, root: Path, workers: int | None, profile: Path | None = 
     said = json.loads(done.stdout.strip().splitlines()[-1])
     if not Path(said["package"]).is_relative_to(root):  # the side's own package ran, not another's
         raise RuntimeError(f"{step}: ran {said['package']}, not {root}'s")
-    return said, _digest(out)
+    return said, (_digest(out), _tensors_digest(out) if step == "embed" else "")
 
 
 def _digest(folder: Path) -> str:
@@ -145,6 +147,17 @@ def _digest(folder: Path) -> str:
         if path.is_file() and ".filter" not in path.parts and path.name != "filter.json":
             digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def _tensors_digest(folder: Path) -> str:
+    """A digest of the sidecars' tensors (dtype, shape, bytes), sorted: the stored values, not the file format."""
+    from safetensors.numpy import load_file
+
+    parts = []
+    for path in sorted(folder.rglob("*.safetensors")):
+        for tensor in load_file(path).values():
+            parts.append(hashlib.sha256(f"{tensor.dtype}{tensor.shape}".encode() + tensor.tobytes()).hexdigest())
+    return hashlib.sha256("".join(sorted(parts)).encode()).hexdigest()
 
 
 def compare(args) -> list[dict]:
@@ -156,12 +169,14 @@ def compare(args) -> list[dict]:
     for step in args.steps:
         rates = {side: {"wall": [], "cpu": [], "cpu_ms_main": [], "cpu_ms_all": []} for side in sides}
         digests = {side: set() for side in sides}
+        values = {side: set() for side in sides}
         for round_ in range(args.rounds):
             order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
             for side in order:
                 workers = args.workers if (step == "embed" and side == "this") else None
-                times, digest = run_side(step, sides[side], workers)
+                times, (digest, stored) = run_side(step, sides[side], workers)
                 digests[side].add(digest)
+                values[side].add(stored)
                 for clock in ("wall", "cpu"):
                     rates[side][clock].append(samples[step] / times[clock])
                 rates[side]["cpu_ms_main"].append(1000 * times["cpu"] / samples[step])
@@ -174,6 +189,9 @@ def compare(args) -> list[dict]:
             settings = {"step": step + suffix, "side": side, "samples": samples[step], "threads": 1}
             settings["workers"] = args.workers if (step == "embed" and side == "this") else 0
             settings["identical_to_base"] = identical if side == "this" else ""
+            if step == "embed":
+                same = values["this"] == values["base"] and len(values["base"]) == 1
+                settings["stored_values_equal_to_base"] = same if side == "this" else ""
             measured = {f"samples_per_s_{clock}": rates[side][clock] for clock in clocks}
             if step == "embed":  # CPU ms a sample: the embedding process's, and with its workers'
                 measured |= {f"cpu_ms_per_sample_{part}": rates[side][f"cpu_ms_{part}"] for part in ("main", "all")}
