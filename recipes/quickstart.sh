@@ -2,7 +2,7 @@
 # The main job on the embedded default, on a fresh machine: set up .venv, build the offline digits demo
 # dataset, train the tiny CLIP under DeepSpeed ZeRO-2 on 2 CPU ranks with the tiled global-batch loss (a few
 # minutes), and print where the model and the logs are. LOSS=sigmoid trains the tiny SigLIP with its sigmoid loss;
-# LOSS=siglip2 the tiny SigLIP 2 with NaFlex inputs (each image at its aspect ratio within MAX_NUM_PATCHES, default 256).
+# LOSS=siglip2 the tiny SigLIP 2 with NaFlex inputs (each image at its aspect ratio within MAX_NUM_PATCHES, default 16: the CLIP quickstart's tokens per image).
 # DATA_FORMAT=hf builds the same demo as a 🤗 datasets parquet dataset and trains and evaluates from that.
 # PATCH_DROPOUT=0.5 trains with FLIP's patch dropout (half of each image's patches dropped; eval sees them all);
 # PATCH_DROPOUT_UNTIL_STEP=250 then sees every patch from step 250 on (FLIP's unmasked tuning).
@@ -17,7 +17,7 @@
 # (DATA=data/demo_noise0.3; noisy web captions, where a teacher has most to teach: docs/distillation.md).
 #   bash recipes/quickstart.sh            # env: NPROC=2 STEPS=300 PER_RANK=128 SEED=0 DATA=data/demo OUT=outputs/quickstart
 #   LOSS=sigmoid bash recipes/quickstart.sh   # OUT=outputs/quickstart_sigmoid
-#   LOSS=siglip2 MAX_NUM_PATCHES=144 bash recipes/quickstart.sh   # OUT=outputs/quickstart_siglip2
+#   LOSS=siglip2 MAX_NUM_PATCHES=256 bash recipes/quickstart.sh   # OUT=outputs/quickstart_siglip2
 #   DATA_FORMAT=hf bash recipes/quickstart.sh   # DATA=data/demo_hf OUT=outputs/quickstart_hf (VENV=.venv too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +38,7 @@ case "$LOSS" in
   softmax) MODEL=${MODEL:-recipes/models/tiny.json}; OUT=${OUT:-outputs/quickstart${TEACHER:+_distilled}$NOISE$FMT} ;;
   sigmoid) MODEL=${MODEL:-recipes/models/siglip_tiny.json}; OUT=${OUT:-outputs/quickstart_sigmoid${TEACHER:+_distilled}$NOISE$FMT} ;;
   siglip2) MODEL=${MODEL:-recipes/models/siglip2_tiny.json}; OUT=${OUT:-outputs/quickstart_siglip2${TEACHER:+_distilled}$NOISE$FMT}
-    BUDGET=(--max_num_patches "${MAX_NUM_PATCHES:-256}") ;;
+    BUDGET=(--max_num_patches "${MAX_NUM_PATCHES:-16}") ;;
   *) echo "LOSS=$LOSS: softmax (CLIP), sigmoid (SigLIP) or siglip2 (SigLIP 2, NaFlex)" >&2; exit 2 ;;
 esac
 # the training source: run_clip's flags for a datasets dataset (its train split, image and caption columns)
