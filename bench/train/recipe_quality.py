@@ -9,7 +9,10 @@ weight decay 0.1, beta2 0.98, eps 1e-6) for --steps steps (the quickstart's 300 
   (`RESOLUTION_SCHEDULE=0:32,0.35:48,0.7:64`: 32 px for the first 35 % of the steps, 48 px to 70 %, then 64 px; the tiny
   CLIP's 16 px patches, so 4, 9 and 16 patches an image), evaluated and saved at 64 px.
 The arms of a seed run side by side. Read from each run's trainer_state.json (`zeroshot_acc1`, `zeroshot_acc5`) and
-its eval/zeroshot_classification.json (the saved model, `disco-clip eval`), into results/recipe_quality.csv.
+its eval/zeroshot_classification.json (the saved model, `disco-clip eval`), into results/recipe_quality.csv. The
+in-training evals run at the model's last side (64 px), which a progressive run reaches only in its last stage; so
+the progressive arm's checkpoint-200 is also evaluated at the side it trained step 200 at (step "200 at N px"): its
+position embeddings resized to N as the trainer resizes them (`resize_position_embeddings`), its processor at N.
 
     python bench/train/recipe_quality.py --seeds 0 1 2 [--arms adamw lamb progressive] [--steps 300] [--data data/demo]
 """
@@ -22,6 +25,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 
 from disco_clip_ds.testing.bench_record import write_rows
@@ -62,6 +66,31 @@ def eval_rows(out: Path) -> list[dict]:
     return [*rows, {"step": "final", "acc1": final["acc1"], "acc5": final.get("acc5")}]
 
 
+def stage_rows(out: Path, steps: int, data: str | None) -> list[dict]:
+    """checkpoint-200 of a progressive run evaluated (`disco-clip eval`) at the side its step 200 trained at."""
+    from transformers import CLIPModel
+
+    from disco_clip_ds.models.resolution import ResolutionSchedule, parse_schedule, resize_position_embeddings
+
+    checkpoint = out / "checkpoint-200"
+    side = ResolutionSchedule(parse_schedule(RUNS["progressive"]["RESOLUTION_SCHEDULE"]), steps).size_at(199)
+    with tempfile.TemporaryDirectory() as folder:
+        model = CLIPModel.from_pretrained(checkpoint)
+        resize_position_embeddings(model, side)
+        model.save_pretrained(folder)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(checkpoint / name, Path(folder) / name)
+        processor = json.loads((checkpoint / "processor_config.json").read_text())
+        processor["image_processor"] |= {"crop_size": {"height": side, "width": side}, "size": {"shortest_edge": side}}
+        (Path(folder) / "processor_config.json").write_text(json.dumps(processor))
+        result = Path(folder) / "result.json"
+        eval_data = str(Path(data or REPO / "data" / "demo") / "eval")
+        command = ["disco-clip", "eval", "--model", folder, "--data", eval_data, "--output", str(result)]
+        subprocess.run(command, check=True)
+        metrics = json.loads(result.read_text())["metrics"]
+    return [{"step": f"200 at {side} px", "acc1": metrics["acc1"], "acc5": metrics.get("acc5")}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -77,7 +106,7 @@ def main() -> None:
             if process.wait():
                 raise SystemExit(f"a quickstart run failed (exit {process.returncode}): {process.args}")
         for run, out in outs.items():
-            got = eval_rows(out)
+            got = eval_rows(out) + (stage_rows(out, args.steps, args.data) if run == "progressive" else [])
             rows += [
                 {
                     "seed": seed,
