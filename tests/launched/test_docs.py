@@ -21,9 +21,10 @@ import pytest
 from disco_clip_ds.testing.docblocks import Block, block_env, blocks, copy_checkout, pages, run_block
 from disco_clip_ds.testing.launch import REPO
 
-# The docs test takes about 20 minutes on 2 cores (each page's launches and demo builds, as written): more than the
-# suite's budget allows, so it runs when asked, `DISCO_DOCS_TEST=1 bash tests/run.sh tests/launched/test_docs.py`
-# (docs/development.md, "The docs test"); its skip says so in every other run.
+# The docs test takes about a quarter of an hour on 2 cores (each page's launches and demo builds, as written): more
+# than the suite's budget allows, so it runs when asked, `DISCO_DOCS_TEST=1 bash tests/run.sh
+# tests/launched/test_docs.py`, as .ci/run does after the suite (docs/development.md, "The docs test"); its skip says
+# so in every other run.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(3600),  # a page runs several launches in sequence
