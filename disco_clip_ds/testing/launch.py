@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from disco_clip_ds.testing.processes import descendants, kill_all, kill_group, wait_group
+from disco_clip_ds.testing.processes import descendants, kill_all, kill_group, wait_gone, wait_group
 from disco_clip_ds.testing.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout this package is installed from (pip install -e .)
@@ -97,6 +97,9 @@ def finish(proc: subprocess.Popen, timeout: float, linger: float = 120) -> int:
         strays = descendants(proc.pid)  # torch elastic (torchrun, accelerate) starts each rank in a session of its own
         kill_group(proc.pid)
         kill_all(strays)
+        # SIGKILL lands when the kernel next runs each process: return once they are gone, not while they end
+        wait_group(proc.pid, timeout=10)
+        wait_gone(strays, timeout=10)
     return proc.returncode
 
 

@@ -56,6 +56,13 @@ def kill_all(processes: list) -> None:
             pass
 
 
+def wait_gone(processes: list, timeout: float) -> None:
+    """Wait up to TIMEOUT s for PROCESSES (psutil processes) to end."""
+    import psutil
+
+    psutil.wait_procs(processes, timeout=timeout)
+
+
 def ranks_of(launcher_pid: int) -> list[int]:
     """pids of the training ranks under a launcher (children of any depth running disco_clip_ds.train)."""
     import psutil
