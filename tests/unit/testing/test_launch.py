@@ -35,3 +35,18 @@ def test_a_failed_launch_is_an_assertion_with_its_log(tmp_path):
     log.write_text("an earlier launch\n")
     assert run_training(["sh", "-c", "echo done"], log=log, timeout=60) == "done\n"
     assert log.read_text() == "done\n"  # written afresh, as before
+
+
+@pytest.mark.slow  # a real launch held past its time limit
+def test_a_rank_in_a_session_of_its_own_is_killed_with_its_launcher(tmp_path):
+    """As torch elastic starts ranks (torchrun, accelerate): the "rank" leaves the launcher's process group with
+    setsid, so killing the group alone would leave it running."""
+    pid_file = tmp_path / "rank.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_training(["sh", "-c", f"setsid sleep 30 & echo $! > {pid_file}; wait"], log=tmp_path / "run.log", timeout=2)
+    rank = int(pid_file.read_text())
+    try:
+        assert alive([rank]) == []
+    finally:
+        if alive([rank]):
+            os.kill(rank, signal.SIGKILL)
