@@ -156,16 +156,22 @@ def run_ranks(
 
 
 def _context(env: dict[str, str] | None):
-    """The multiprocessing context the ranks start in: the fork server (started at the first call, PRELOAD imported
-    once), unless `env` is given or this process's environment has changed since in a variable read at start or
-    import (zygote.IMPORT_TIME_PREFIXES): a forked rank would not see those, so spawn."""
+    """The multiprocessing context the ranks start in: spawn when `env` is given (a rank starts with it), else the fork
+    server, PRELOAD imported once. The server is restarted when this process's environment has changed, since it
+    started, in a variable read at start or import (zygote.IMPORT_TIME_PREFIXES): a rank it forked would not see the
+    change, and the ranks of every later call would pay for spawning."""
     global _SERVER_ENV
     import multiprocessing as mp
+    from multiprocessing import forkserver
 
-    if env or (_SERVER_ENV is not None and import_time_env(os.environ) != _SERVER_ENV):
+    if env:
         return mp.get_context("spawn")
+    current = import_time_env(os.environ)
+    if _SERVER_ENV is not None and current != _SERVER_ENV:
+        forkserver._forkserver._stop()  # the next start runs a new one, in the environment of now
+        _SERVER_ENV = None
     ctx = mp.get_context("forkserver")
     if _SERVER_ENV is None:
         ctx.set_forkserver_preload(PRELOAD)
-        _SERVER_ENV = import_time_env(os.environ)
+        _SERVER_ENV = current
     return ctx

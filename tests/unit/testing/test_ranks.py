@@ -1,6 +1,6 @@
 """testing/ranks.run_ranks: ranks forked from multiprocessing's fork server (the imports done once) see the caller's
-environment as it is at the call; a call that gives `env`, or whose environment changed in a variable read at
-import since the server started, spawns its ranks, which start with it."""
+environment as it is at the call; a call that gives `env` spawns its ranks, which start with it; a change in a variable
+read at import since the server started restarts the server in it."""
 
 import os
 
@@ -29,12 +29,13 @@ def test_a_forked_rank_sees_the_callers_environment_at_the_call():
     assert seen == {"DISCO_TEST_AT_CALL": "1"}
 
 
-def test_env_or_a_changed_import_time_variable_spawns_the_ranks():
-    _one_rank([])
+def test_env_spawns_the_ranks_and_a_changed_import_time_variable_restarts_the_server():
+    server, _ = _one_rank([])
     parent, seen = run_ranks(_seen, 1, ["MALLOC_ARENA_MAX"], env={"MALLOC_ARENA_MAX": "2"}, timeout=120)[0]
     assert parent == os.getpid() and seen == {"MALLOC_ARENA_MAX": "2"}
+    assert _one_rank([])[0] == server  # `env` left the server as it was
     with environ(OMP_DISCO_TEST="1"):  # read at import by OpenMP-style libraries: the server's imports predate it
-        parent, seen = _one_rank(["OMP_DISCO_TEST"])
-    assert parent == os.getpid() and seen == {"OMP_DISCO_TEST": "1"}
-    parent, _ = _one_rank([])
-    assert parent != os.getpid()  # the environment as the server started: forked again
+        restarted, seen = _one_rank(["OMP_DISCO_TEST"])
+    assert restarted not in (server, os.getpid()) and seen == {"OMP_DISCO_TEST": "1"}
+    back, seen = _one_rank(["OMP_DISCO_TEST"])
+    assert back not in (restarted, os.getpid()) and seen == {"OMP_DISCO_TEST": None}
