@@ -1,6 +1,7 @@
 """How the copy rules' search scales: `copies.copies_of_reference` (`data filter --dedup_against`) and
-`copies.copies_within` (`--dedup`) on synthetic fingerprints, this tree's multi-index hashing against the exhaustive
-faiss search of --before_commit (the code as it was, extracted with `git archive`), at the sizes each can reach.
+`copies.copies_within` (`--dedup`) on synthetic fingerprints, this tree's multi-index hashing (its compiled loop)
+against the code of two earlier commits, extracted with `git archive`: the exhaustive faiss search of
+--exhaustive_commit, at the sizes it can reach, and the numpy multi-index hashing of --numpy_commit, at the largest.
 
 Fingerprints are shaped as copies.py makes them: 64-bit hashes with 32 bits set (a pHash has as many bits set as
 clear); a pool sample has its image's hash and its mirror's; an eval image has 20 (the image, its mirror, 9 windows
@@ -29,21 +30,25 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-# (rule, side, pool samples, eval images): the new search at the issue's size and a quarter of it, both sides where
-# the exhaustive search runs in reasonable time
+# (rule, side, pool samples, eval images): this tree at the issue's size and a quarter of it, against the numpy
+# multi-index hashing there, and against the exhaustive search where it runs in reasonable time
 CASES = [
     ("against", "new", 1_000_000, 100_000),
+    ("against", "numpy", 1_000_000, 100_000),
     ("against", "new", 250_000, 25_000),
+    ("against", "numpy", 250_000, 25_000),
     ("against", "new", 100_000, 10_000),
-    ("against", "old", 100_000, 10_000),
+    ("against", "exhaustive", 100_000, 10_000),
     ("against", "new", 25_000, 2_500),
-    ("against", "old", 25_000, 2_500),
+    ("against", "exhaustive", 25_000, 2_500),
     ("within", "new", 1_000_000, 0),
+    ("within", "numpy", 1_000_000, 0),
     ("within", "new", 250_000, 0),
+    ("within", "numpy", 250_000, 0),
     ("within", "new", 50_000, 0),
-    ("within", "old", 50_000, 0),
+    ("within", "exhaustive", 50_000, 0),
     ("within", "new", 25_000, 0),
-    ("within", "old", 25_000, 0),
+    ("within", "exhaustive", 25_000, 0),
 ]
 
 
@@ -113,9 +118,9 @@ def extract(commit: str, into: str) -> None:
         tar.extractall(into, filter="data")
 
 
-def measure(case, seed: int, threshold: int, before: str, timeout: int) -> dict:
+def measure(case, seed: int, threshold: int, trees: dict, timeout: int) -> dict:
     rule, side, pool, eval_images = case
-    env = dict(os.environ, PYTHONPATH=str(ROOT) if side == "new" else before, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=trees[side], OMP_NUM_THREADS="1")
     command = [sys.executable, __file__, "--child", "--rule", rule, "--pool", str(pool)]
     command += ["--eval_images", str(eval_images), "--seed", str(seed), "--threshold", str(threshold)]
     load = os.getloadavg()[0]
@@ -128,7 +133,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threshold", type=int, default=8)
-    parser.add_argument("--before_commit", default="9b87829")
+    parser.add_argument("--exhaustive_commit", default="9b87829", help="the exhaustive faiss search")
+    parser.add_argument("--numpy_commit", default="4c6b4bb", help="multi-index hashing in numpy alone")
     parser.add_argument("--rules", nargs="+", default=["against", "within"])
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--csv", default="bench/data/results/dedup_scale.csv")
@@ -143,17 +149,17 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     rows = []
+    commits = {"new": commit.stdout.strip(), "exhaustive": args.exhaustive_commit, "numpy": args.numpy_commit}
     with tempfile.TemporaryDirectory() as before:
-        extract(args.before_commit, before)
+        trees = {"new": str(ROOT)}
+        for side in ("exhaustive", "numpy"):
+            trees[side] = os.path.join(before, side)
+            extract(commits[side], trees[side])
         for round_ in range(args.rounds):
             for case in [c for c in CASES if c[0] in args.rules]:
-                result = measure(case, args.seed, args.threshold, before, args.timeout)
+                result = measure(case, args.seed, args.threshold, trees, args.timeout)
                 rule, side, pool, eval_images = case
-                row = {
-                    "rule": rule,
-                    "side": side,
-                    "commit": commit.stdout.strip() if side == "new" else args.before_commit,
-                }
+                row = {"rule": rule, "side": side, "commit": commits[side]}
                 row.update(pool=pool, eval_images=eval_images, reference_hashes=20 * eval_images, round=round_)
                 row.update(threshold=args.threshold, **result)
                 rows.append(row)

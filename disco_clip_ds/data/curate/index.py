@@ -1,6 +1,6 @@
 """The nearest-neighbour searches of the filter: k-means centres and nearest centres of float embeddings (the
 image-based rule, clusters.py), over faiss-cpu; the pairs of binary hashes within a Hamming distance (copy
-detection, copies.py), by multi-index hashing in numpy or faiss's exhaustive search. faiss is imported in this
+detection, copies.py), by multi-index hashing (a compiled loop, numba) or faiss's exhaustive search. faiss is imported in this
 module alone, so its version questions and its thread settings live here."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ MAX_PIECE_BITS = 24  # a piece's bucket table holds 2**bits counts and starts (i
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
 FLAT_COST = 0.1  # one comparison of the exhaustive search, in units of one multi-index probe or candidate
 TABLE_BITS = 5  # a piece's table has at most 2**TABLE_BITS buckets per base code
-_STEP = 1 << 22  # probes, then candidates, handled per numpy step: bounds the memory of a search
+BLOCK = 4096  # query pieces probed together, flip by flip (the compiled search's loop)
 
 
 def hamming_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,62 +122,81 @@ def _piece(words: np.ndarray, start: int, width: int) -> np.ndarray:
 
 def _piece_pairs(qwords, bwords, start: int, width: int, flips: np.ndarray, radius: int) -> list[np.ndarray]:
     """The pairs within `radius` (query row * len(base) + base row) among those whose piece at `start` is within
-    the flip masks of each other. Base codes are bucketed by piece (a counting sort: a table of 2**width counts);
-    queries are grouped by piece, so each distinct piece is probed once, in sorted order (near-sequential reads)."""
+    the flip masks of each other. Base codes are bucketed by piece (a counting sort: a table of 2**width + 1 bucket
+    starts); queries are grouped by piece, so each distinct piece is probed once, in sorted order."""
     bkeys = _piece(bwords, start, width)
     border = np.argsort(bkeys, kind="stable")
     counts = np.bincount(bkeys, minlength=1 << width)
-    firsts = np.cumsum(counts) - counts
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32 if len(bwords) < 2**31 else np.int64)
     qkeys = _piece(qwords, start, width)
     qorder = np.argsort(qkeys, kind="stable")
     keys, qfirst, qcount = np.unique(qkeys[qorder], return_index=True, return_counts=True)
-    qsorted, bsorted = _codes(qwords[qorder]), _codes(bwords[border])
-    filled, keys, flips = counts > 0, keys.astype(np.int32), flips.astype(np.int32)  # small tables: cached reads
-    found, step = [], max(1, _STEP // len(flips))
-    for a in range(0, len(keys), step):
-        probes = (keys[a : a + step, None] ^ flips[None, :]).ravel()
-        hit = np.flatnonzero(filled[probes])
-        key, probes = hit // len(flips) + a, probes[hit]  # a bucket pair: a query piece and a base piece near it
-        blocks = qfirst[key], qcount[key], firsts[probes], counts[probes]
-        for part in _parts(blocks[1] * blocks[3]):  # runs of about _STEP candidates
-            qpos, bpos = _verified(qsorted, bsorted, *(b[part] for b in blocks), radius)
-            found.append(qorder[qpos] * len(bwords) + border[bpos])
-    return found
+    qpos, bpos = _probed_pairs(keys, qfirst, qcount, flips, starts, qwords[qorder], bwords[border], radius)
+    return [qorder[qpos] * len(bwords) + border[bpos]]
 
 
-def _codes(words: np.ndarray) -> np.ndarray:
-    return words[:, 0] if words.shape[1] == 1 else words  # one word: a flat array, no sum over words
+def _probed_pairs(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius):
+    """(query, base) positions in the sorted codes within `radius`, among the blocks of queries of each piece `keys`
+    and the buckets of base codes at each flip of it. The kernel writes into the arrays it is given and returns where
+    it stopped when they could overflow: they double, and it goes on from there."""
+    qpos, bpos = np.empty(max(1024, 2 * len(qsorted)), np.int64), np.empty(max(1024, 2 * len(qsorted)), np.int64)
+    found, resume = 0, (0, 0, 0)
+    while True:
+        found, resume = _kernel()(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found,
+                                  resume)  # fmt: skip
+        if resume[0] == len(keys):
+            return qpos[:found], bpos[:found]
+        qpos, bpos = (np.concatenate([a, np.empty_like(a)]) for a in (qpos, bpos))
 
 
-def _verified(qsorted, bsorted, qfirst, qcount, bfirst, bcount, radius: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (query, base) positions within `radius` among the blocks [qfirst, + qcount) x [bfirst, + bcount) of the
-    sorted codes: the blocks of one shape are compared by one broadcast numpy expression, candidate by candidate."""
-    shape = qcount * (int(bcount.max()) + 1) + bcount
-    # numpy's stable sort of 16-bit integers is a radix sort, two passes; shapes past that are rare (skewed codes)
-    order = np.argsort(shape.astype(np.uint16) if shape.max() < 1 << 16 else shape, kind="stable")
-    sizes = np.bincount(shape)
-    shapes = np.flatnonzero(sizes)
-    ends = np.cumsum(sizes[shapes])
-    qpos, bpos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for s, lo, hi in zip(shapes.tolist(), (ends - sizes[shapes]).tolist(), ends.tolist()):
-        rows, columns = divmod(s, int(bcount.max()) + 1)
-        block = order[lo:hi]
-        q = qfirst[block, None] + np.arange(rows)
-        b = bfirst[block, None] + np.arange(columns)
-        distance = np.bitwise_count(qsorted[q][:, :, None] ^ bsorted[b][:, None])
-        if distance.ndim == 4:
-            distance = distance.sum(axis=3)
-        n, i, j = np.nonzero(distance <= radius)
-        qpos.append(q[n, i])
-        bpos.append(b[n, j])
-    return np.concatenate(qpos), np.concatenate(bpos)
+_KERNEL = None
 
 
-def _parts(candidates: np.ndarray) -> list[slice]:
-    """Consecutive slices of `candidates` (counts per bucket pair) each summing to about _STEP."""
-    ends = np.searchsorted(np.cumsum(candidates), np.arange(_STEP, int(candidates.sum()) + _STEP, _STEP), "left")
-    bounds = np.unique(np.concatenate([[0], np.minimum(ends + 1, len(candidates)), [len(candidates)]]))
-    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+def _kernel():
+    """The compiled probe-and-verify loop (numba; compiled once per process, cached on disk by numba). A candidate is a
+    word-wise XOR and bit count, about a nanosecond compiled where numpy's broadcast expressions cost tens: the search's
+    time then follows its probes, near-linear in the codes, rather than its candidates, quadratic."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = _compile()
+    return _KERNEL
+
+
+def _compile():
+    import numba
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def popcount(typingctx, word):
+        def codegen(context, builder, signature, args):
+            return builder.ctpop(args[0])
+
+        return types.int64(types.uint64), codegen  # LLVM's integers have no sign
+
+    @numba.njit(cache=True, nogil=True)
+    def probe(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found, resume):
+        # Blocks of sorted query pieces, each probed flip by flip: a block's pieces are near each other, and so are
+        # their buckets at one flip (cached reads). `resume`: (block, flip, piece) where the last call stopped.
+        words, (first_block, first_flip, first_key) = qsorted.shape[1], resume
+        for block in range(first_block, len(keys), BLOCK):
+            for f in range(first_flip if block == first_block else 0, len(flips)):
+                resumed = block == first_block and f == first_flip
+                for k in range(first_key if resumed else block, min(block + BLOCK, len(keys))):
+                    bucket = keys[k] ^ flips[f]
+                    if found + qcount[k] * (starts[bucket + 1] - starts[bucket]) > len(qpos):
+                        return found, (block, f, k)  # these pairs might not fit: grow the output first
+                    for b in range(starts[bucket], starts[bucket + 1]):
+                        for q in range(qfirst[k], qfirst[k] + qcount[k]):
+                            distance = 0
+                            for w in range(words):
+                                distance += popcount(qsorted[q, w] ^ bsorted[b, w])
+                            if distance <= radius:
+                                qpos[found], bpos[found] = q, b
+                                found += 1
+        return found, (len(keys), 0, 0)
+
+    return probe
 
 
 def _flat_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:

@@ -59,6 +59,21 @@ def test_hamming_pairs_are_the_brute_force_pairs(monkeypatch, flat_cost, width, 
     assert list(zip(rows.tolist(), columns.tolist())) == expected
 
 
+def test_more_pairs_than_the_first_output_holds_are_all_found(monkeypatch):
+    """The compiled search stops where its output could overflow, which then doubles, and goes on from there: 6,000
+    pairs (identical codes, shared buckets) against a first output of 1,024, each found once."""
+    monkeypatch.setattr(index, "FLAT_COST", np.inf)
+    rng = np.random.default_rng(0)
+    queries = np.repeat(rng.integers(0, 256, (2, 8), dtype=np.uint8), [40, 20], axis=0)
+    base = np.concatenate(
+        [queries[:1].repeat(100, 0), queries[-1:].repeat(100, 0), rng.integers(0, 256, (50, 8), dtype=np.uint8)]
+    )
+    expected = _brute_pairs(queries, base, 3)
+    assert len(expected) >= 6000
+    rows, columns = hamming_pairs(queries, base, 3)
+    assert list(zip(rows.tolist(), columns.tolist())) == expected
+
+
 def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
     """Every plan's pieces and flips cover the radius (pieces * (flip bits + 1) > radius: a pair within it is within
     the flips on one piece at least); at the sizes of bench/data/dedup_scale.py (24,000 to a million against about
