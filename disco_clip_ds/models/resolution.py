@@ -7,10 +7,15 @@ on the device), never in a DataLoader worker, so prefetching, accumulation, a re
 of ranks all train at the side the uninterrupted run trained that step at. The model holds its position embeddings
 at the last side; an earlier stage interpolates them as transformers' `interpolate_pos_encoding=True` does (the same
 function), and the last stage uses them as they are, so the saved model is a plain transformers model at that side.
+
+Under ZeRO-3 a module's weights are gathered when its own forward runs; `interpolate_pos_encoding` reads the position
+embedding's weight from its parent's (the embeddings module's) forward, so `gather_position_embedding` registers the
+weight with that module (DeepSpeed's external parameters), and the resize at build time gathers it to read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -117,10 +122,11 @@ def resize_position_embeddings(model: nn.Module, side: int) -> None:
     if embeddings.image_size == side:
         return
     patch, dim = embeddings.patch_size, embeddings.embed_dim
-    tokens = embeddings.position_embedding.weight.shape[0] - embeddings.num_patches + (side // patch) ** 2
     weight = embeddings.position_embedding.weight
-    with torch.no_grad():
+    with _gathered(weight), torch.no_grad():  # ZeRO-3 (zero.Init): each rank holds a partition; read the whole
+        tokens = weight.shape[0] - embeddings.num_patches + (side // patch) ** 2
         resized = embeddings.interpolate_pos_encoding(weight.new_zeros(1, tokens, dim), side, side)[0]
+    # a plain parameter, alike on every rank: under ZeRO-3 the engine partitions it with the model's others
     embeddings.position_embedding = nn.Embedding(tokens, dim, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         embeddings.position_embedding.weight.copy_(resized)
@@ -128,3 +134,30 @@ def resize_position_embeddings(model: nn.Module, side: int) -> None:
     embeddings.image_size, embeddings.num_patches, embeddings.num_positions = side, (side // patch) ** 2, tokens
     for config in (embeddings.config, model.vision_model.config, model.config.vision_config):
         config.image_size = side  # one object or copies, by transformers' version: each says the new side
+
+
+def gather_position_embedding(model: nn.Module) -> None:
+    """Under ZeRO-3 (transformers' `is_deepspeed_zero3_enabled`: the run's DeepSpeed config has stage 3), the image
+    tower's position embedding weight registered as an external parameter of the embeddings module, so that ZeRO-3
+    gathers it whenever that module's forward runs: `interpolate_pos_encoding` (an earlier stage of a schedule) and
+    SigLIP 2's NaFlex resize read the weight there, not through the nn.Embedding's own forward. Without it only
+    DeepSpeed's automatic discovery gathers it, which works inside the engine's forward alone (a tower called
+    directly, `get_image_features`, would read an empty partition). Nothing otherwise."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    embeddings = getattr(getattr(model, "vision_model", None), "embeddings", None)
+    position = getattr(embeddings, "position_embedding", None)
+    if position is None or not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero import register_external_parameter
+
+    register_external_parameter(embeddings, position.weight)
+
+
+def _gathered(weight: torch.Tensor):
+    """A context in which `weight`, a ZeRO-3 partition (it has a ds_id), is whole on every rank; else nothing."""
+    if not hasattr(weight, "ds_id"):
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters([weight], modifier_rank=None)

@@ -1,7 +1,7 @@
 """The nearest-neighbour searches of the filter: k-means centres and nearest centres of float embeddings (the
 image-based rule, clusters.py), over faiss-cpu; the pairs of binary hashes within a Hamming distance (copy
-detection, copies.py), by multi-index hashing (a compiled loop, numba) or faiss's exhaustive search. faiss is imported in this
-module alone, so its version questions and its thread settings live here."""
+detection, copies.py), by multi-index hashing (its loop compiled by numba) or faiss's exhaustive search. faiss is
+imported in this module alone, so its version questions and its thread settings live here."""
 
 from __future__ import annotations
 

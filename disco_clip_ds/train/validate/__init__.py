@@ -91,7 +91,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, args: DiscoTr
     model.check_fits_host(config, deepspeed)
     tokenizer, image_size, max_length, naflex = model.check_tokenizer_and_sizes(model_args, config, written, args)
     model.check_tower_locks(model_args, config)
-    image_size, naflex = resolution.check_resolution_schedule(args, model_args, config, image_size, naflex, deepspeed)
+    image_size, naflex = resolution.check_resolution_schedule(args, model_args, config, image_size, naflex)
     distill_weight, teacher_config = teacher.check_teacher(model_args, config)
     reinforced.check_reinforced_flags(model_args, naflex is not None)
     store = teacher.check_teacher_embeddings(model_args, urls, teacher_config)

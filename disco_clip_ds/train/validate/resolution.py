@@ -9,7 +9,7 @@ from disco_clip_ds.train.args import DiscoTrainingArguments, ModelArguments
 
 
 def check_resolution_schedule(
-    args: DiscoTrainingArguments, model_args: ModelArguments, config, image_size, naflex, deepspeed: dict | None
+    args: DiscoTrainingArguments, model_args: ModelArguments, config, image_size, naflex
 ) -> tuple[int | None, tuple[int, int] | None]:
     """(image size, NaFlex's (patch size, budget)) the run's data and model take: the schedule's last side (or
     budget) with --resolution_schedule, else `image_size` and `naflex` as checked. A UsageError of one line for a
@@ -40,11 +40,4 @@ def check_resolution_schedule(
     problem = side_problem(stages, config.vision_config.patch_size)
     if problem:
         raise UsageError(f"{flag}: {problem}")
-    if ((deepspeed or {}).get("zero_optimization") or {}).get("stage") == 3:
-        # ZeRO-3 gathers a module's weights when its own forward runs; interpolate_pos_encoding reads the position
-        # embedding's weight from its parent's forward, where it is an empty partition
-        raise UsageError(
-            f"{flag} under ZeRO-3: not supported (the interpolated position embeddings are partitioned); "
-            "train under ZeRO-1 or 2"
-        )
     return final, None
