@@ -38,7 +38,6 @@ MAX_PIECE_BITS = 24  # a piece's bucket table holds 2**bits counts and starts (i
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
 FLAT_COST = 0.1  # one comparison of the exhaustive search, in units of one multi-index probe or candidate
 TABLE_BITS = 5  # a piece's table has at most 2**TABLE_BITS buckets per base code
-BLOCK = 4096  # query pieces probed together, flip by flip (the compiled search's loop)
 
 
 def hamming_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,64 +138,15 @@ def _probed_pairs(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius)
     """(query, base) positions in the sorted codes within `radius`, among the blocks of queries of each piece `keys`
     and the buckets of base codes at each flip of it. The kernel writes into the arrays it is given and returns where
     it stopped when they could overflow: they double, and it goes on from there."""
+    from disco_clip_ds.data.curate.hamming_loop import probe  # numba: imported by the searches that compile
+
     qpos, bpos = np.empty(max(1024, 2 * len(qsorted)), np.int64), np.empty(max(1024, 2 * len(qsorted)), np.int64)
     found, resume = 0, (0, 0, 0)
     while True:
-        found, resume = _kernel()(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found,
-                                  resume)  # fmt: skip
+        found, resume = probe(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found, resume)
         if resume[0] == len(keys):
             return qpos[:found], bpos[:found]
         qpos, bpos = (np.concatenate([a, np.empty_like(a)]) for a in (qpos, bpos))
-
-
-_KERNEL = None
-
-
-def _kernel():
-    """The compiled probe-and-verify loop (numba; compiled once per process, cached on disk by numba). A candidate is a
-    word-wise XOR and bit count, about a nanosecond compiled where numpy's broadcast expressions cost tens: the search's
-    time then follows its probes, near-linear in the codes, rather than its candidates, quadratic."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _compile()
-    return _KERNEL
-
-
-def _compile():
-    import numba
-    from numba import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def popcount(typingctx, word):
-        def codegen(context, builder, signature, args):
-            return builder.ctpop(args[0])
-
-        return types.int64(types.uint64), codegen  # LLVM's integers have no sign
-
-    @numba.njit(cache=True, nogil=True)
-    def probe(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found, resume):
-        # Blocks of sorted query pieces, each probed flip by flip: a block's pieces are near each other, and so are
-        # their buckets at one flip (cached reads). `resume`: (block, flip, piece) where the last call stopped.
-        words, (first_block, first_flip, first_key) = qsorted.shape[1], resume
-        for block in range(first_block, len(keys), BLOCK):
-            for f in range(first_flip if block == first_block else 0, len(flips)):
-                resumed = block == first_block and f == first_flip
-                for k in range(first_key if resumed else block, min(block + BLOCK, len(keys))):
-                    bucket = keys[k] ^ flips[f]
-                    if found + qcount[k] * (starts[bucket + 1] - starts[bucket]) > len(qpos):
-                        return found, (block, f, k)  # these pairs might not fit: grow the output first
-                    for b in range(starts[bucket], starts[bucket + 1]):
-                        for q in range(qfirst[k], qfirst[k] + qcount[k]):
-                            distance = 0
-                            for w in range(words):
-                                distance += popcount(qsorted[q, w] ^ bsorted[b, w])
-                            if distance <= radius:
-                                qpos[found], bpos[found] = q, b
-                                found += 1
-        return found, (len(keys), 0, 0)
-
-    return probe
 
 
 def _flat_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""faiss and imagehash are each used from one module (data/curate/index.py, data/curate/copies.py), and the binary
+"""faiss, imagehash and numba are each used from one module (data/curate/index.py, copies.py, hamming_loop.py), and the binary
 Hamming-radius search (multi-index hashing, and the exhaustive faiss search) finds the brute-force pairs."""
 
 import math
@@ -20,9 +20,10 @@ def importers(module: str) -> list[str]:
     return sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if pattern.search(p.read_text()))
 
 
-def test_faiss_and_imagehash_are_each_imported_by_one_module():
+def test_faiss_imagehash_and_numba_are_each_imported_by_one_module():
     assert importers("faiss") == ["data/curate/index.py"]
     assert importers("imagehash") == ["data/curate/copies.py"]
+    assert importers("numba") == ["data/curate/hamming_loop.py"]
 
 
 def _brute_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> list[tuple[int, int]]:
