@@ -1,9 +1,12 @@
 """models/resolution.py: the schedule's form and its steps (hand-computed), the resize of a model's position
 embeddings against transformers' own `interpolate_pos_encoding=True` at that side, and the saved model loading as the
-plain transformers model at the new side; data/naflex.py's `rebudget` against the grid made at that budget."""
+plain transformers model at the new side; under ZeRO-3 (2 gloo ranks) the resize of a partitioned model and a step at
+an earlier stage's side against the same step unpartitioned; data/naflex.py's `rebudget` against the grid made at that
+budget."""
 
 import copy
 import functools
+import os
 from fractions import Fraction
 
 import pytest
@@ -23,6 +26,7 @@ from disco_clip_ds.models.resolution import (
     resize_position_embeddings,
 )
 from disco_clip_ds.testing.launch import REPO
+from disco_clip_ds.testing.ranks import run_ranks
 
 CONFIGS = {"clip": REPO / "recipes/models/tiny.json", "siglip": REPO / "recipes/models/siglip_tiny.json"}
 PLAIN = {"clip": CLIPModel, "siglip": SiglipModel}
@@ -89,6 +93,90 @@ def test_resized_position_embeddings_run_as_transformers_interpolates_them_and_s
     assert plain.config.vision_config.image_size == 80
     with torch.no_grad():
         assert torch.equal(plain.get_image_features(pixel_values=pixels).pooler_output, reference)
+
+
+LAST, EARLIER, LR = 96, 48, 0.5  # a schedule's last side (the build resizes to it from 64) and an earlier one's
+
+
+def _batch() -> dict:
+    """A global batch of 4 at an earlier stage's side, as the trainer passes it (models/resolution.py)."""
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "pixel_values": torch.randn(4, 3, EARLIER, EARLIER, generator=generator),
+        "input_ids": torch.randint(2, 500, (4, 8), generator=generator),
+        "interpolate_pos_encoding": True,
+    }
+
+
+def _zero3_steps(rank, world, folders: dict) -> dict:
+    """On each of `world` gloo ranks, under ZeRO-3: each model of `folders` built partitioned (zero.Init) and resized
+    to LAST, one SGD step of the global-batch loss on this rank's rows of `_batch()`; the gathered weights after it,
+    and (CLIP) the image features of the batch by the tower called directly, outside the engine's forward."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    os.environ.update(LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # every weight partitioned
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+    keep = HfDeepSpeedConfig(config)  # noqa: F841  (transformers' from_pretrained builds inside zero.Init)
+    rows = {k: v[2 * rank : 2 * rank + 2] if torch.is_tensor(v) else v for k, v in _batch().items()}
+    trained = {}
+    for kind, folder in folders.items():
+        model = build_model(str(folder), image_size=LAST)
+        assert all(hasattr(p, "ds_id") for p in model.vision_model.encoder.parameters())  # partitioned
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        engine = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+        engine.backward(engine(**rows, return_loss=True).loss)
+        engine.step()
+        features = None
+        if kind == "clip":  # ZeRO-3's automatic discovery of external parameters runs in the engine's forward alone
+            with torch.no_grad():
+                features = model.get_image_features(pixel_values=rows["pixel_values"], interpolate_pos_encoding=True)
+            features = features.pooler_output
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            trained[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}, features
+    return trained
+
+
+@pytest.mark.slow  # 2 DeepSpeed ranks, two engines each
+def test_under_zero3_a_resized_model_steps_at_an_earlier_side_as_without_it(tmp_path):
+    """ZeRO-3 gathers a module's weights when its own forward runs; the position embedding's weight is read by its
+    parent's (`interpolate_pos_encoding`), and by the resize at build time: the weights after a step on 2 ranks
+    are those of the same step on one unpartitioned model, within fp32 reduction-order noise."""
+    folders = {}
+    for kind in CONFIGS:
+        torch.manual_seed(0)
+        folders[kind] = tmp_path / kind
+        build_model(model_config=str(CONFIGS[kind])).save_pretrained(folders[kind])
+    per_rank = run_ranks(_zero3_steps, 2, folders, timeout=300)
+    key = "vision_model.embeddings.position_embedding.weight"
+    for kind, folder in folders.items():
+        model = build_model(str(folder), image_size=LAST)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(**_batch(), return_loss=True).loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= LR * p.grad
+        plain = dict(model.named_parameters())
+        assert plain[key].shape[0] == (LAST // 16) ** 2 + (kind == "clip")  # resized: 6 x 6 patches (+ CLIP's class)
+        assert (plain[key] - start[key]).abs().max() > 0  # the interpolated position embeddings trained
+        update = torch.cat([(plain[n] - start[n]).reshape(-1) for n in plain])
+        for rank, trained in enumerate(per_rank):
+            weights, features = trained[kind]
+            assert weights.keys() == plain.keys()
+            gap = torch.cat([(weights[n].reshape(plain[n].shape) - plain[n]).reshape(-1) for n in plain])
+            assert gap.norm() <= 1e-4 * update.norm(), f"{kind}: updates differ by {gap.norm() / update.norm():.1e}"
+            if features is not None:
+                with torch.no_grad():
+                    rows = _batch()["pixel_values"][2 * rank : 2 * rank + 2]
+                    expected = model.get_image_features(pixel_values=rows, interpolate_pos_encoding=True).pooler_output
+                torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_resizing_the_normalised_batch_is_normalising_the_resized_one():

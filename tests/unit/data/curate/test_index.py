@@ -1,5 +1,5 @@
-"""faiss, imagehash and numba are each used from one module (data/curate/index.py, copies.py, hamming_loop.py), and the binary
-Hamming-radius search (multi-index hashing, and the exhaustive faiss search) finds the brute-force pairs."""
+"""faiss, imagehash and numba are each used from one module (data/curate/index.py, copies.py, hamming_loop.py), and
+the binary Hamming-radius search (multi-index hashing, and the exhaustive faiss search) finds the brute-force pairs."""
 
 import math
 import re
