@@ -7,8 +7,9 @@ A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as
 image column and a `ClassLabel` column (class names from the feature) for classification, or an image column and a
 caption column (a string or a list of strings per image) for retrieval.
 
-Every rank reads a set whole (the shards' bytes, a dataset's rows: cheap) and decodes only the batches it encodes
-(`as_raw_batches`, then `decode_batch`; eval/spread.py deals them out). Images are decoded as training decodes them
+Every rank reads a set's order and values (a local shard's member headers and labels or captions, a dataset's rows)
+and reads and decodes only the images of the batches it encodes (`as_raw_batches`, then `decode_batch`;
+eval/spread.py deals them out). Images are decoded as training decodes them
 (data/decode.py: the pixel cap, the aspect bound, the conversions to RGB); an image that cannot be (truncated, a
 decompression bomb, not an image) is skipped with its reason, logged, and counted: a decoded batch (`DecodedBatch`)
 is (pixel_values, values) of the images that decoded, with the reasons of those skipped beside, and the tasks report
@@ -31,7 +32,7 @@ from disco_clip_ds.data import hf_io
 from disco_clip_ds.data.decode import BadImage, reason, whole_image
 from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing_shards
-from disco_clip_ds.data.streams.tar_samples import raw_samples
+from disco_clip_ds.data.streams.tar_samples import Member, raw_samples
 from disco_clip_ds.errors import DataError, UsageError
 from disco_clip_ds.texts import decode_text, read_text
 
@@ -113,8 +114,9 @@ def check_eval_shards(urls: Sequence[str], task: str) -> None:
             )
 
 
-def _read(url: str, read: bool = True) -> Iterator[dict]:
-    """The samples of one eval shard; a damaged shard is a DataError naming it (its public description)."""
+def _read(url: str, read: bool | frozenset = True) -> Iterator[dict]:
+    """The samples of one eval shard (`read` as `raw_samples` takes it); a damaged shard is a DataError naming it (its
+    public description)."""
     try:
         yield from raw_samples(url, read=read)
     except (tarfile.TarError, OSError, ValueError) as e:
@@ -129,12 +131,13 @@ def shard_batches(shards, image_processor, fields: str, batch_size: int) -> Iter
     return map(functools.partial(decode_batch, image_processor), raw_shard_batches(shards, fields, batch_size))
 
 
-def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[list[bytes], list]]:
-    """([encoded image], [class index or caption list]) batches read in order from the shards, the images not
-    decoded: every rank reads the set whole and decodes only its own batches (eval/spread.py)."""
+def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[list, list]]:
+    """([image], [class index or caption list]) batches read in order from the shards, the images not decoded and,
+    in a local shard, not read either (a `Member`, read by `decode_batch`): every rank reads the set's headers and
+    values, and reads and decodes only the images of its own batches (eval/spread.py)."""
     images, values = [], []
     for url in resolve_shards(shards):
-        for sample in _read(url):
+        for sample in _read(url, read=frozenset((fields,))):
             image = next((sample[ext] for ext in IMAGE_EXTS if ext in sample), None)
             if image is None or fields not in sample:
                 raise DataError(
@@ -201,8 +204,10 @@ def kept(rows: torch.Tensor, batch) -> torch.Tensor:
 
 
 def _image_bytes(image) -> bytes:
-    """The encoded bytes of a shard's image or of datasets' undecoded Image value ({"bytes", "path"}: a path is
-    read, through datasets' own opener where it is remote)."""
+    """The encoded bytes of a shard's image (read here when it is a `Member`) or of datasets' undecoded Image value
+    ({"bytes", "path"}: a path is read, through datasets' own opener where it is remote)."""
+    if isinstance(image, Member):
+        return image.read()
     if not isinstance(image, dict):
         return image
     if image.get("bytes") is not None:

@@ -21,12 +21,14 @@ reader says of one (a sample's `__url__`, an error, the command's exit status) n
 
 from __future__ import annotations
 
+import io
 import logging
 import lzma
 import re
 import tarfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
@@ -41,12 +43,32 @@ class TruncatedShard(tarfile.ReadError):
     """A shard whose last member is not followed by the end-of-archive marker: cut short, or garbage after it."""
 
 
-def raw_samples(url: str, start: int = 0, read: bool = True) -> Iterator[dict]:
+@dataclass(frozen=True)
+class Member:
+    """A member of a local shard whose bytes were left in it (`raw_samples` with `read` a set of extensions): `read()`
+    reads them when they are needed, by whichever process needs them."""
+
+    path: str
+    offset: int
+    size: int
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.size)
+        if len(data) != self.size:  # the shard changed since its headers were read
+            raise OSError(f"{self.path}: {self.size} bytes at {self.offset} expected, {len(data)} there")
+        return data
+
+
+def raw_samples(url: str, start: int = 0, read: bool | frozenset = True) -> Iterator[dict]:
     """The samples of shard `url` from sample index `start` on: dicts with `__key__`, `__url__` and one bytes value
     per extension (lower case); with `read=False` the values are None and no member's bytes are read (a local shard's
-    members are then passed over by their headers alone). Errors (missing file, not a tar, truncated data: a
-    `tarfile.ReadError`, `TruncatedShard` when the end-of-archive marker is missing) propagate, after the samples
-    before them. For a remote or `pipe:` source, `__url__` and the errors name it by its public description."""
+    members are then passed over by their headers alone); with a set of extensions, those are read and, in a local
+    shard, the others are left as `Member`s to read later (a stream, which cannot come back, reads them all). Errors
+    (missing file, not a tar, truncated data: a `tarfile.ReadError`, `TruncatedShard` when the end-of-archive marker
+    is missing) propagate, after the samples before them. For a remote or `pipe:` source, `__url__` and the errors
+    name it by its public description."""
     if not is_url(url):
         try:
             tar = tarfile.open(url, mode="r:*", tarinfo=_Header)
@@ -54,7 +76,8 @@ def raw_samples(url: str, start: int = 0, read: bool = True) -> Iterator[dict]:
             lines = str(error).splitlines()
             said = next((line.split(": ", 1)[1] for line in lines if line.startswith("- method tar: ")), lines[0])
             raise tarfile.ReadError(f"not a tar, or cut short in its first member: {said}") from None
-        yield from _samples(tar, url, start, read)
+        plain = isinstance(tar.fileobj, io.BufferedReader)  # a compressed shard's offsets are not its file's
+        yield from _samples(tar, url, start, read, url if plain else None)
         return
     public, stream = describe_source(url), None
     try:
@@ -65,7 +88,7 @@ def raw_samples(url: str, start: int = 0, read: bool = True) -> Iterator[dict]:
         ended = _close_pipe(stream, url, public) if stream is not None else None
         raise OSError(f"cannot read {public}: {said}" + (f"; {ended}" if ended and ended != said else "")) from None
     try:
-        yield from _samples(tar, public, start, read)
+        yield from _samples(tar, public, start, read if isinstance(read, bool) else True)
     except TruncatedShard:
         raise
     except Exception as error:  # a failed command or a truncated stream: the message, without the command
@@ -84,9 +107,9 @@ def is_metadata(name: str) -> bool:
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset.tariterators.tar_file_iterator's default `skip_meta`
 
 
-def _samples(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterator[dict]:
+def _samples(tar: tarfile.TarFile, name: str, start: int, read, path: str | None = None) -> Iterator[dict]:
     try:
-        yield from _grouped(tar, name, start, read)
+        yield from _grouped(tar, name, start, read, path)
     except (EOFError, zlib.error, lzma.LZMAError) as error:  # a compressed shard cut short or damaged (or a plain tar
         # so damaged that tarfile took it for a compressed one): tarfile's own errors for the same are ReadErrors
         raise tarfile.ReadError(f"damaged or cut-short compressed data: {error}") from None
@@ -94,7 +117,7 @@ def _samples(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterato
         tar.close()
 
 
-def _grouped(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterator[dict]:
+def _grouped(tar: tarfile.TarFile, name: str, start: int, read, path: str | None) -> Iterator[dict]:
     index, sample = -1, None
     for info in tar:
         tar.members = []  # as webdataset does: the member list would grow with the shard
@@ -111,10 +134,20 @@ def _grouped(tar: tarfile.TarFile, name: str, start: int, read: bool) -> Iterato
         if suffix in sample:  # webdataset refuses it as well
             raise ValueError(f"{info.name}: a second .{suffix} member in sample {prefix}")
         if index >= start:  # the members before `start` are skipped unread
-            sample[suffix] = tar.extractfile(info).read() if read else None
+            sample[suffix] = _value(tar, info, suffix, read, path)
     _check_end(tar)
     if sample is not None and index >= start:
         yield sample
+
+
+def _value(tar: tarfile.TarFile, info: tarfile.TarInfo, suffix: str, read, path: str | None):
+    """A member's bytes, None (`read` False), or its `Member` (`read` a set without its extension, in an
+    uncompressed local shard: `path`)."""
+    if read is True or (read is not False and (suffix in read or path is None)):
+        return tar.extractfile(info).read()
+    if read is False:
+        return None
+    return Member(path, info.offset_data, info.size)
 
 
 class _Header(tarfile.TarInfo):

@@ -134,3 +134,26 @@ def test_no_message_naming_a_shard_source_shows_its_credential(tmp_path, capsys)
     for message in messages:
         assert SECRET not in message and "Bearer" not in message and "curl" not in message, message
     assert SECRET not in capsys.readouterr().err
+
+
+def test_members_left_unread_are_read_later_from_a_plain_shard_and_read_at_once_from_a_compressed_one(tmp_path):
+    """`read` a set of extensions: those are read; in a plain local tar the others are `Member`s whose `read()` gives
+    the member's bytes (eval reads an image where its batch is decoded), in a .tar.gz they are read at once (an
+    offset in the decompressed stream is not one in the file)."""
+    import gzip
+    import shutil
+
+    from disco_clip_ds.data.streams.tar_samples import Member
+
+    members = [(f"s{i}.{ext}", f"{ext} {i}".encode() * (i + 1)) for i in range(3) for ext in ("jpg", "cls")]
+    _tar(tmp_path / "0.tar", members)
+    with open(tmp_path / "0.tar", "rb") as plain, gzip.open(tmp_path / "1.tar.gz", "wb") as packed:
+        shutil.copyfileobj(plain, packed)
+    whole = list(raw_samples(str(tmp_path / "0.tar")))
+    left = list(raw_samples(str(tmp_path / "0.tar"), read=frozenset({"cls"})))
+    assert [s["cls"] for s in left] == [s["cls"] for s in whole]
+    assert all(isinstance(s["jpg"], Member) for s in left)
+    assert [s["jpg"].read() for s in left] == [s["jpg"] for s in whole] == [data for n, data in members[::2]]
+    assert list(raw_samples(str(tmp_path / "1.tar.gz"), read=frozenset({"cls"}))) == [
+        {**s, "__url__": str(tmp_path / "1.tar.gz")} for s in whole
+    ]

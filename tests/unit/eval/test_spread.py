@@ -98,15 +98,21 @@ def _suite_on_ranks(rank: int, world_size: int, root: str, model_dir: str) -> di
     texts this rank's towers encoded and the probe trainings it ran; then the damaged list through `run_suite`."""
     from transformers import CLIPModel
 
+    from disco_clip_ds.data.streams.tar_samples import Member
     from disco_clip_ds.eval import probe
     from disco_clip_ds.eval.suite import load_tasks, run_suite
 
-    seen = {"images": 0, "texts": 0, "trainings": 0}
-    image_features, text_features, train = (
+    seen = {"images": 0, "texts": 0, "trainings": 0, "image_reads": 0}
+    image_features, text_features, train, read = (
         CLIPModel.get_image_features,
         CLIPModel.get_text_features,
         probe._Trainer.train,
+        Member.read,
     )
+
+    def image_read(self):
+        seen["image_reads"] += 1
+        return read(self)
 
     def images(self, pixel_values=None, **kwargs):
         seen["images"] += len(pixel_values)
@@ -121,6 +127,7 @@ def _suite_on_ranks(rank: int, world_size: int, root: str, model_dir: str) -> di
         return train(self, *args, **kwargs)
 
     CLIPModel.get_image_features, CLIPModel.get_text_features, probe._Trainer.train = images, texts, training
+    Member.read = image_read
     out = f"{root}/out_{world_size}"
     code = eval_main(["--model", model_dir, "--tasks", f"{root}/tasks.yml", "--output", out, "--batch_size", "4"])
     counts = dict(seen)
@@ -150,6 +157,8 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     # and drops it: 7 + 4 + 8 + 7 images against 7 + 3 + 8 + 7
     assert one["counts"]["images"] == 45
     assert [r["counts"]["images"] for r in two] == [26, 25]
+    # each rank reads the bytes of the images it encodes alone (the shards' headers and labels are read by every rank)
+    assert one["counts"]["image_reads"] == 45 and [r["counts"]["image_reads"] for r in two] == [26, 25]
     # texts: 18 prompts (6 classes x 3 templates: one batch of 64, each rank encodes it) and 13 captions (batches of
     # 4, 4, 4, 1: 8 on rank 0, 5 on rank 1)
     assert one["counts"]["texts"] == 31 and [r["counts"]["texts"] for r in two] == [26, 23]
