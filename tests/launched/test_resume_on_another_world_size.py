@@ -1,12 +1,12 @@
 """Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals
 before the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a
 DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and
-on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers); the ZeRO-2 runs at
-progressive resolution whose stages change after the resume (SCHEDULE). One reference run per stage:
-2 ranks x K=1, AdamW. Under ZeRO-3 deepspeed's own universal load loses the Adam step count
-and the per-group weight decay: a minimal reproduction on deepspeed alone shows what it loses and what
-`universal.repair_zero3_universal_load` restores. (The comparison of facts, and which samples each step reads:
-unit/checkpoint/test_resume.py.)
+on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers); every run at progressive
+resolution whose stages change after the resume (SCHEDULE). One reference run per stage: 2 ranks x K=1, AdamW; the
+ZeRO-3 one trains the ZeRO-2 one's weights (ZeRO-3 gathers the interpolated position embeddings' weight). Under
+ZeRO-3 deepspeed's own universal load loses the Adam step count and the per-group weight decay: a minimal
+reproduction on deepspeed alone shows what it loses and what `universal.repair_zero3_universal_load` restores. (The
+comparison of facts, and which samples each step reads: unit/checkpoint/test_resume.py.)
 """
 
 import argparse
@@ -42,9 +42,9 @@ ADAMW = [
     "0.1",
 ]
 ZERO2, ZERO3 = str(REPO / "ds_configs/cpu_zero2.json"), str(REPO / "ds_configs/cpu_zero3.json")
-# The ZeRO-2 runs train at progressive resolution (models/resolution.py): 32 px for steps 1-2, 48 for 3-4, 64 for
-# 5-6. The resumed run starts at step 4, mid-stage, and crosses the boundary to 64 after the resume: the side is the
-# step's, whatever the world size, K or DataLoader workers that made the batch.
+# Every run trains at progressive resolution (models/resolution.py): 32 px for steps 1-2, 48 for 3-4, 64 for 5-6.
+# The resumed run starts at step 4, mid-stage, and crosses the boundary to 64 after the resume: the side is the
+# step's, whatever the world size, K, ZeRO stage or DataLoader workers that made the batch.
 SCHEDULE = ["--resolution_schedule", "0:32,0.34:48,0.67:64"]
 
 
@@ -81,8 +81,7 @@ def _args(output: Path, data: dict, *extra: str, model: list[str] | None = None,
 
 def _reference(tmp_path_factory, data, config: str) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    schedule = SCHEDULE if config == ZERO2 else []  # ZeRO-3 refuses a schedule (train/validate/resolution.py)
-    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config, *schedule), launcher=QUICK, nproc=2)
+    rc, log = run_to_end(out, _args(out, data, "--deepspeed", config, *SCHEDULE), launcher=QUICK, nproc=2)
     assert rc == 0, log[-3000:]
     return out
 
@@ -116,6 +115,18 @@ def _digest(folder: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_zero3_at_progressive_resolution_trains_the_zero2_weights(full, full_zero3, data):
+    """The two references: each step at its stage's side (the earlier ones with the position embeddings
+    interpolated, which under ZeRO-3 read a partitioned weight: models/resolution.py `gather_position_embedding`), and
+    the same losses and weights under both stages."""
+    for run in (full, full_zero3):
+        history = json.loads((run / "trainer_state.json").read_text())["log_history"]
+        assert [h["image_size"] for h in history if "loss" in h] == [32, 32, 48, 48, 64, 64]
+    assert_same_training(full_zero3, full, weights(data["model"]), STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(stage, data, tmp_path, request):
     full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
@@ -134,7 +145,7 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
         "true",
         "--dataloader_num_workers",  # 2 readers, as 2 ranks x 1 worker
         "2",
-        *(SCHEDULE if stage == 2 else []),
+        *SCHEDULE,
     ]
     rc, log = run_to_end(out, _args(out, data, *resumed), launcher=QUICK, nproc=1)
     assert rc == 0, log[-3000:]
@@ -165,7 +176,7 @@ def test_two_ranks_resumed_on_four_with_half_the_micro_batch_end_at_the_uninterr
     contrasts the same 8 pairs; the readers end where the uninterrupted run's did."""
     full = request.getfixturevalue({2: "full", 3: "full_zero3"}[stage])
     out = _stopped_at_save(full, tmp_path / "run")
-    resumed = ["--deepspeed", {2: ZERO2, 3: ZERO3}[stage], "--resume_from_checkpoint", "latest"]
+    resumed = ["--deepspeed", {2: ZERO2, 3: ZERO3}[stage], "--resume_from_checkpoint", "latest", *SCHEDULE]
     rc, log = run_to_end(out, _args(out, data, *resumed, per_rank=PER_RANK // 2), launcher=QUICK, nproc=4)
     assert rc == 0, log[-3000:]
     assert f"checkpoint-{SAVE}, world size 2 -> 4: through a universal checkpoint" in log

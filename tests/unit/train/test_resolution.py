@@ -1,14 +1,14 @@
 """train/resolution.py and the schedule's checks and FLOPs: each training forward of a step sees the batch at that
-step's side (with the position embeddings interpolated), evaluation outside a step the batch as made; the refusal of
-a resize under ZeRO-3; the FLOPs per sample of each stage against the planner's count of a model built at that
-side, and the logged mean over a log interval that spans a boundary."""
+step's side (with the position embeddings interpolated), evaluation outside a step the batch as made; the run's side
+the schedule's last, under any ZeRO stage (unit/models/test_resolution.py steps at an earlier side under ZeRO-3);
+the FLOPs per sample of each stage against the planner's count of a model built at that side, and the logged mean
+over a log interval that spans a boundary."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from disco_clip_ds.errors import UsageError
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.plan.flops import at_size, model_shape, training_flops_per_sample
 from disco_clip_ds.testing.launch import REPO
@@ -51,15 +51,10 @@ def test_a_naflex_step_packs_the_batch_at_its_budget():
     assert early["pixel_attention_mask"].dtype == torch.int32 and "interpolate_pos_encoding" not in early
 
 
-def test_a_schedule_under_zero3_is_refused_in_one_line():
-    args = _args("0:32,0.5:96")
+def test_the_runs_side_is_the_schedules_last():
     model_args = SimpleNamespace(teacher=None, image_size=None, model_name_or_path="some/model", max_num_patches=None)
-    zero3 = {"zero_optimization": {"stage": 3}}
-    with pytest.raises(UsageError, match="under ZeRO-3: not supported") as error:
-        check_resolution_schedule(args, model_args, TINY, 64, None, zero3)
-    assert "\n" not in str(error.value)
-    assert check_resolution_schedule(args, model_args, TINY, 64, None, None) == (96, None)  # ZeRO-2: resized
-    assert check_resolution_schedule(_args(None), model_args, TINY, 64, None, zero3) == (64, None)
+    assert check_resolution_schedule(_args("0:32,0.5:96"), model_args, TINY, 64, None) == (96, None)  # resized
+    assert check_resolution_schedule(_args(None), model_args, TINY, 64, None) == (64, None)
 
 
 @pytest.mark.slow  # counts five models on the meta device (the planner's first count imports DeepSpeed's init)
