@@ -85,15 +85,17 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
 
 
 def check_eval_shards(urls: Sequence[str], task: str) -> None:
-    """Read each local shard's member headers (no image bytes) through the shard reader before any model is loaded:
-    a truncated tar, a sample without an image or without the field the task needs would otherwise be found only
-    after encoding the images before it."""
+    """Read each local shard's member headers and the field the task needs (no image bytes) through the shard reader
+    before any model is loaded: a truncated tar, a sample without an image or without that field would otherwise be
+    found only after encoding the images before it. What was read is kept for the evaluation's read of the same
+    shard (`raw_shard_batches`), up to KEPT_SAMPLES samples: the headers are read once."""
     need = TASK_FIELD[task]
     for url in urls:
         if is_url(url):
             continue
-        fields, incomplete = set(), None
-        for sample in _read(url, read=False):
+        fields, incomplete, samples = set(), None, []
+        for sample in _read(url, read=frozenset((need,))):
+            samples.append(sample)
             fields |= sample.keys()
             if incomplete is None and not (need in sample and any(ext in sample for ext in IMAGE_EXTS)):
                 incomplete = sample["__key__"]
@@ -112,6 +114,33 @@ def check_eval_shards(urls: Sequence[str], task: str) -> None:
                 f"sample {incomplete} of shard '{describe_source(url)}' has no image ({'/'.join(IMAGE_EXTS)}) or no "
                 f".{need}: an evaluation reads every sample; re-create the shard"
             )
+        _keep(url, need, samples)
+
+
+KEPT_SAMPLES = 200_000  # the checked samples kept for the evaluation's read, at most (a few hundred bytes each)
+_kept: dict[tuple, list[dict]] = {}  # (url, field, size, mtime) -> the samples its check read, oldest first
+
+
+def _stamp(url: str, field: str) -> tuple:
+    stat = os.stat(url)
+    return url, field, stat.st_size, stat.st_mtime_ns
+
+
+def _keep(url: str, field: str, samples: list[dict]) -> None:
+    _kept.pop(_stamp(url, field), None)
+    _kept[_stamp(url, field)] = samples
+    while sum(map(len, _kept.values())) > KEPT_SAMPLES:
+        del _kept[next(iter(_kept))]  # the oldest: its set is read again if it is evaluated after all
+
+
+def _checked_samples(url: str, field: str) -> Iterable[dict]:
+    """The samples of a shard with `field` read and its images left in it: those its check kept when the shard is
+    as it was then (its size and time), else read now."""
+    if not is_url(url):
+        kept = _kept.pop(_stamp(url, field), None)
+        if kept is not None:
+            return kept
+    return _read(url, read=frozenset((field,)))
 
 
 def _read(url: str, read: bool | frozenset = True) -> Iterator[dict]:
@@ -137,7 +166,7 @@ def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[li
     values, and reads and decodes only the images of its own batches (eval/spread.py)."""
     images, values = [], []
     for url in resolve_shards(shards):
-        for sample in _read(url, read=frozenset((fields,))):
+        for sample in _checked_samples(url, fields):
             image = next((sample[ext] for ext in IMAGE_EXTS if ext in sample), None)
             if image is None or fields not in sample:
                 raise DataError(

@@ -114,6 +114,16 @@ def _suite_on_ranks(rank: int, world_size: int, root: str, model_dir: str) -> di
         seen["image_reads"] += 1
         return read(self)
 
+    from disco_clip_ds.eval import sources
+
+    shards_read, raw_samples = [], sources.raw_samples
+
+    def shard_read(url, *args, **kwargs):
+        shards_read.append(url)
+        return raw_samples(url, *args, **kwargs)
+
+    sources.raw_samples = shard_read
+
     def images(self, pixel_values=None, **kwargs):
         seen["images"] += len(pixel_values)
         return image_features(self, pixel_values=pixel_values, **kwargs)
@@ -130,7 +140,7 @@ def _suite_on_ranks(rank: int, world_size: int, root: str, model_dir: str) -> di
     Member.read = image_read
     out = f"{root}/out_{world_size}"
     code = eval_main(["--model", model_dir, "--tasks", f"{root}/tasks.yml", "--output", out, "--batch_size", "4"])
-    counts = dict(seen)
+    counts = dict(seen, shards_read=sorted(shards_read))
     model, tokenizer, processor = tiny_clip()
     damaged = run_suite(load_tasks(f"{root}/damaged.yml"), model, tokenizer, processor, batch_size=4, progress=False)
     return {"code": code, "counts": counts, "damaged": [(r.task.key, r.value, str(r.error or "")) for r in damaged]}
@@ -159,6 +169,9 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     assert [r["counts"]["images"] for r in two] == [26, 25]
     # each rank reads the bytes of the images it encodes alone (the shards' headers and labels are read by every rank)
     assert one["counts"]["image_reads"] == 45 and [r["counts"]["image_reads"] for r in two] == [26, 25]
+    # and each shard's headers once: the evaluation reads what the task's check read
+    shards = one["counts"]["shards_read"]
+    assert len(shards) == len(set(shards)) >= 4 and all(r["counts"]["shards_read"] == shards for r in two)
     # texts: 18 prompts (6 classes x 3 templates: one batch of 64, each rank encodes it) and 13 captions (batches of
     # 4, 4, 4, 1: 8 on rank 0, 5 on rank 1)
     assert one["counts"]["texts"] == 31 and [r["counts"]["texts"] for r in two] == [26, 23]
