@@ -37,10 +37,11 @@ class TeacherInputs:
 
 class ClipCollator:
     """List of (pixel_values, caption[, kept patches][, position]) -> {"pixel_values", "input_ids",
-    "attention_mask"[, PATCHES_KEY][, POSITION_KEY]} (kept patches when `patch_dropout`): tensors only, so that
-    accelerate can dispatch (and slice) them, and no `labels` (the model computes its own loss). With
-    `max_num_patches` (SigLIP 2's NaFlex, data/naflex.py) the pixels are patch grids, padded to that budget, and
-    the batch also has "pixel_attention_mask" and "spatial_shapes", as Siglip2ImageProcessor's.
+    "attention_mask"[, PATCHES_KEY][, POSITION_KEY]} (kept patches when `patch_dropout`; a sample's dict of them per
+    grid, under a --resolution_schedule, one batch key each): tensors only, so that accelerate can dispatch (and
+    slice) them, and no `labels` (the model computes its own loss). With `max_num_patches` (SigLIP 2's NaFlex,
+    data/naflex.py) the pixels are patch grids, padded to that budget, and the batch also has "pixel_attention_mask"
+    and "spatial_shapes", as Siglip2ImageProcessor's.
 
     uint8 crops (as the streams yield them) are normalised here, straight into the batch tensor, with `mean`/`std`
     (ImageTransform's rule; pass the model's image processor's); with `normalize=False` they stay a uint8 batch (a
@@ -94,7 +95,9 @@ class ClipCollator:
             "attention_mask": tokens["attention_mask"],
             **image_inputs,
         }
-        if kept is not None:
+        if kept is not None and isinstance(kept[0], dict):  # each grid's of a --resolution_schedule, by its key
+            collated.update({key: torch.stack([k[key] for k in kept]) for key in kept[0]})
+        elif kept is not None:
             collated[PATCHES_KEY] = torch.stack(kept)
         if positions:
             collated[POSITION_KEY] = torch.stack(positions[0])

@@ -26,6 +26,13 @@ class StepResolution:
         """The image side (SigLIP 2: patch budget) of 0-based optimizer step `step`; None without a schedule."""
         return None if self.schedule is None else self.schedule.size_at(step)
 
+    def patches_per_image(self, step: int) -> int | None:
+        """The patches of a square image at 0-based optimizer step `step`'s side (the grid its patch dropout masks,
+        models/patch_dropout.py `at_grid`); None without a schedule or for SigLIP 2 (which has no patch dropout)."""
+        if self.schedule is None or self.naflex:
+            return None
+        return (self.schedule.size_at(step) // self.patch_size) ** 2
+
     @contextlib.contextmanager
     def at_step(self, step: int):
         """While inside, `resized` makes the batches of 0-based optimizer step `step`."""

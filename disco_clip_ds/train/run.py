@@ -49,8 +49,9 @@ from disco_clip_ds.distributed.ranks import decided_on_rank0
 from disco_clip_ds.distributed.runlock import acquire_run_lock, release_run_lock
 from disco_clip_ds.errors import CheckpointError, Preempted, UsageError
 from disco_clip_ds.models.build import build_model
-from disco_clip_ds.models.patch_dropout import patch_counts
+from disco_clip_ds.models.patch_dropout import patch_counts, stage_patch_counts
 from disco_clip_ds.models.processor import at_image_size, pin_processor
+from disco_clip_ds.models.resolution import parse_schedule
 from disco_clip_ds.train.args import DataArguments, DiscoTrainingArguments, ModelArguments
 from disco_clip_ds.train.compile import compile_towers, take_compile_settings
 from disco_clip_ds.train.data_failure import worker_lost
@@ -119,8 +120,11 @@ def train(model_args: ModelArguments, data_args: DataArguments, args: DiscoTrain
         # 6. The data: each rank's readers of the shards (or of the `datasets` dataset), and the collator.
         reads_own_shards = not args.accelerator_config.dispatch_batches
         patches = patch_counts(model.config.vision_config, args.patch_dropout)
+        # under --resolution_schedule each sample's masks at every stage's grid; the step keeps its own (trainer)
+        sides = [stage.size for stage in parse_schedule(args.resolution_schedule)] if args.resolution_schedule else []
+        stage_patches = stage_patch_counts(model.config.vision_config, args.patch_dropout, sides)
         reinforcement = _reinforcement(model_args, checked)  # the sidecars' crops, captions and targets, when stored
-        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, reinforcement)
+        stream = _stream(data_args, args, checked, reads_own_shards, split, patches, reinforcement, stage_patches)
         # on a GPU the normalisation is ~free and the workers hand over 4x fewer bytes; on CPU ranks it would slow
         # the training loop, so by default the workers keep it there
         on_device = {"true": True, "false": False}.get(data_args.normalize_on_device, args.device.type == "cuda")
@@ -267,10 +271,11 @@ def _stream(
     split: int,
     patches: tuple[int, int] | None,
     reinforcement: Reinforcement | None = None,
+    stage_patches: tuple[tuple[int, int], ...] = (),
 ):
     """This rank's training stream (rank 0's for all, under dispatch_batches; `split` ranks sharing each reader;
-    each sample with its kept patches when `patches`; cropped, captioned and with its stored targets as the
-    `reinforcement` says, with --teacher_embeddings)."""
+    each sample with its kept patches when `patches`, and those of a schedule's earlier grids, `stage_patches`;
+    cropped, captioned and with its stored targets as the `reinforcement` says, with --teacher_embeddings)."""
     rank, world = (args.process_index, args.world_size) if reads_own_shards else (0, 1)
     extra = {"reinforcement": reinforcement} if reinforcement is not None else {}
     if checked.naflex is not None:  # SigLIP 2: NaFlex patch grids (data/naflex.py)
@@ -292,6 +297,7 @@ def _stream(
         split=split,
         micro_batch=args.per_device_train_batch_size,
         patches=patches,
+        stage_patches=stage_patches,
         **extra,
     )
 

@@ -22,7 +22,7 @@ from disco_clip_ds import compat, faults
 from disco_clip_ds.checkpoint.universal import repair_zero3_universal_load
 from disco_clip_ds.data.collate import POSITION_KEY
 from disco_clip_ds.data.streams.base import ReaderStream
-from disco_clip_ds.models.patch_dropout import PATCHES_KEY
+from disco_clip_ds.models.patch_dropout import at_grid
 from disco_clip_ds.train.accumulation import ContrastiveAccumulation, logit_params
 from disco_clip_ds.train.checkpointing import CompleteCheckpoints
 from disco_clip_ds.train.data_failure import DataFailures
@@ -175,10 +175,13 @@ class DiscoTrainer(Trainer):
         self.accumulation.record(batches[0])
         until = self.args.patch_dropout_until_step  # the first step (1-based, as logged) that sees every patch
         unmasked = until is not None and self.state.global_step + 1 >= until
+        grid = self.resolution.patches_per_image(self.state.global_step)  # None: no schedule
         for batch in batches[0]:  # the stream's positions ride in the batch; the model must not see them
             self.stream_state.note(batch.pop(POSITION_KEY, None))
-            if unmasked:  # FLIP's unmasked tuning: the step decides, so a resumed run switches where the first did
-                batch.pop(PATCHES_KEY, None)
+            # FLIP's unmasked tuning, and under a schedule the masks of the step's grid: the step decides, so a
+            # resumed run switches where the first did
+            if unmasked or grid is not None:
+                at_grid(batch, None if unmasked else grid)
         self._data_time += time.perf_counter() - start
         return batches
 

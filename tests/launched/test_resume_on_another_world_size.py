@@ -1,8 +1,8 @@
-"""Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals
-before the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a
-DeepSpeed universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and
-on 4 ranks x half the micro-batch (each pair of ranks sharing one of the run's readers); every run at progressive
-resolution whose stages change after the resume (SCHEDULE). One reference run per stage: 2 ranks x K=1, AdamW; the
+"""Resume on another world size, launched (checkpoint.resume against a real checkpoint): the one-line refusals before
+the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a DeepSpeed
+universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and on 4 ranks x
+half the micro-batch (each pair of ranks sharing one of the run's readers); every run at progressive resolution whose
+stages change after the resume, with patch dropout (SCHEDULE). One reference run per stage: 2 ranks x K=1, AdamW; the
 ZeRO-3 one trains the ZeRO-2 one's weights (ZeRO-3 gathers the interpolated position embeddings' weight). Under
 ZeRO-3 deepspeed's own universal load loses the Adam step count and the per-group weight decay: a minimal
 reproduction on deepspeed alone shows what it loses and what `universal.repair_zero3_universal_load` restores. (The
@@ -44,8 +44,10 @@ ADAMW = [
 ZERO2, ZERO3 = str(REPO / "ds_configs/cpu_zero2.json"), str(REPO / "ds_configs/cpu_zero3.json")
 # Every run trains at progressive resolution (models/resolution.py): 32 px for steps 1-2, 48 for 3-4, 64 for 5-6.
 # The resumed run starts at step 4, mid-stage, and crosses the boundary to 64 after the resume: the side is the
-# step's, whatever the world size, K, ZeRO stage or DataLoader workers that made the batch.
-SCHEDULE = ["--resolution_schedule", "0:32,0.34:48,0.67:64"]
+# step's, whatever the world size, K, ZeRO stage or DataLoader workers that made the batch. With FLIP's patch dropout
+# at 0.5 in every stage: each sample keeps patches of the step's grid (2 of 4 at 32 px, 4 of 9 at 48, 8 of 16 at 64),
+# its own whatever the rank, micro-batch or resume that trains it (models/patch_dropout.py).
+SCHEDULE = ["--resolution_schedule", "0:32,0.34:48,0.67:64", "--patch_dropout", "0.5"]
 
 
 # --- launched: a real checkpoint, refused in process, resumed exactly on another world size ---

@@ -21,7 +21,7 @@ from disco_clip_ds.data.naflex import NaflexTransform
 from disco_clip_ds.data.streams.state import positions_to_restore, write_stream_state
 from disco_clip_ds.data.transforms import MAX_IMAGE_PIXELS, ImageTransform
 from disco_clip_ds.errors import DataError
-from disco_clip_ds.models.patch_dropout import draw_kept_patches
+from disco_clip_ds.models.patch_dropout import draw_sample_patches
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ class ReaderStream(torch.utils.data.IterableDataset):
     each step trains on the same pairs, which the contrastive loss does not order; `shuffle_buffer` the
     block of raw samples permuted at a time (0: no shuffle where the stream allows it); `train` draws random crops;
     images above `max_image_pixels` are skipped; `patches` (patches per image, patches kept): each sample also
-    carries the indices of its kept patches (patch dropout), drawn from (seed, pass, sample key); `naflex` (patch
+    carries the indices of its kept patches (patch dropout), drawn from (seed, pass, sample key), and with
+    `stage_patches` (the same for each earlier grid of a --resolution_schedule) those of every grid, in a dict
+    (models/patch_dropout.py `draw_sample_patches`); `naflex` (patch
     size, patch budget): each image becomes a NaFlex patch grid (SigLIP 2, data/naflex.py), not a square crop.
     Subclasses implement `_passes` (and `state_facts`, `position_fields`) and pass these options through."""
 
@@ -84,6 +86,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
         split: int = 1,
         micro_batch: int = 1,
         patches: tuple[int, int] | None = None,
+        stage_patches: tuple[tuple[int, int], ...] = (),
         naflex: tuple[int, int] | None = None,
     ):
         super().__init__()
@@ -93,7 +96,7 @@ class ReaderStream(torch.utils.data.IterableDataset):
         self.split, self.micro_batch = split, micro_batch
         self.reader_rank, self.share = rank // split, rank % split
         self.shuffle_buffer, self.block = shuffle_buffer, max(1, shuffle_buffer)
-        self.max_image_pixels, self.patches = max_image_pixels, patches
+        self.max_image_pixels, self.patches, self.stage_patches = max_image_pixels, patches, tuple(stage_patches)
         self.transform = (
             ImageTransform(image_size, train=train) if naflex is None else NaflexTransform(*naflex, train=train)
         )
@@ -215,7 +218,8 @@ class ReaderStream(torch.utils.data.IterableDataset):
             if self.patches is None:
                 return pixels, text
             # an RNG of its own: the crops are those of a run without patch dropout
-            return pixels, text, draw_kept_patches(*self.patches, random.Random(f"{self.seed}/patches/{epoch}/{key}"))
+            rng = random.Random(f"{self.seed}/patches/{epoch}/{key}")
+            return pixels, text, draw_sample_patches(self.patches, self.stage_patches, rng)
         except Exception as error:  # PIL raises many types for corrupt data; any of them means skip this one
             self._count_skip(what, error)
             return None

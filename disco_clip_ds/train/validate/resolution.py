@@ -23,7 +23,6 @@ def check_resolution_schedule(
     except ValueError as error:
         raise UsageError(f"{flag}: {error}") from None
     for other, given in (
-        ("--patch_dropout", args.patch_dropout),
         ("--teacher", model_args.teacher),
         ("--image_size", model_args.image_size),
     ):

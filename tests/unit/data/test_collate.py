@@ -32,3 +32,13 @@ def test_kept_patches_ride_in_the_batch_beside_the_positions():
     assert batch["stream_position"].tolist() == [[0, 1, 5], [0, 2, 5]]
     plain = ClipCollator(tokenizer, max_length=12)([(s[0], s[1], s[3]) for s in samples])
     assert "patch_keep" not in plain and torch.equal(plain["pixel_values"], batch["pixel_values"])
+
+
+def test_under_a_schedule_each_grids_kept_patches_ride_under_their_own_key():
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    samples = [
+        (torch.zeros(3, 8, 8), "seven", {"patch_keep": torch.tensor([0, 2]), "patch_keep@1": torch.tensor([0])}),
+        (torch.ones(3, 8, 8), "eight", {"patch_keep": torch.tensor([1, 3]), "patch_keep@1": torch.tensor([0])}),
+    ]
+    batch = ClipCollator(tokenizer, max_length=12, patch_dropout=True)(samples)
+    assert batch["patch_keep"].tolist() == [[0, 2], [1, 3]] and batch["patch_keep@1"].tolist() == [[0], [0]]

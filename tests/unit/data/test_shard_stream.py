@@ -8,6 +8,7 @@ from disco_clip_ds.data.shards import epoch_order
 from disco_clip_ds.data.streams.base import error_message
 from disco_clip_ds.data.streams.shards import ShardStream
 from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.models.patch_dropout import PATCHES_KEY, stage_key
 from disco_clip_ds.testing.images import write_shards
 from disco_clip_ds.testing.launch import TOKENIZER_DIR
 
@@ -143,30 +144,43 @@ def test_a_skipped_shard_read_through_a_command_is_logged_without_the_command(tm
 
 
 def _masks_seen(stream: ShardStream, n: int, workers: int = 0) -> dict:
-    """{(caption, pixel sum): kept patches} of the first N samples."""
+    """{(caption, pixel sum): kept patches} of the first N samples (under a schedule: {batch key: kept patches})."""
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
     seen = {}
     for pixels, caption, keep, _ in loader:
-        seen[(caption, int(pixels.sum()))] = keep.tolist()
+        seen[(caption, int(pixels.sum()))] = (
+            {k: tuple(v.tolist()) for k, v in keep.items()} if isinstance(keep, dict) else keep.tolist()
+        )
         if len(seen) == n:
             break
     return seen
 
 
 @pytest.mark.slow  # beyond the fast tier's time budget
-def test_a_samples_kept_patches_are_its_own_on_any_rank_or_worker_and_crops_stay_as_without(tmp_path):
+# (): the tower's grid alone (16 patches); a resolution schedule's earlier grids of 1 and 4 patches
+@pytest.mark.parametrize("stages", [(), ((1, 1), (4, 2))])
+def test_a_samples_kept_patches_are_its_own_on_any_rank_or_worker_and_crops_stay_as_without(tmp_path, stages):
     """Patch dropout's mask is drawn from (seed, pass, sample key): one reader and 2 ranks x 2 workers give each
-    sample the same mask (and the same crop as a stream without patch dropout); another seed draws other masks."""
+    sample the same mask (and the same crop as a stream without patch dropout), under a schedule the same mask of
+    every grid; another seed draws other masks."""
     urls = write_shards(tmp_path, num_shards=4, per_shard=5)
-    alone = _masks_seen(ShardStream(urls, 16, seed=1, shuffle_buffer=0, patches=(16, 8)), 20)
+    options = {"shuffle_buffer": 0, "patches": (16, 8), "stage_patches": stages}
+    alone = _masks_seen(ShardStream(urls, 16, seed=1, **options), 20)
     spread = {}
     for rank in range(2):
-        stream = ShardStream(urls, 16, seed=1, rank=rank, world_size=2, shuffle_buffer=0, patches=(16, 8))
+        stream = ShardStream(urls, 16, seed=1, rank=rank, world_size=2, **options)
         spread.update(_masks_seen(stream, 10, workers=2))
     assert len(alone) == 20 and spread == alone
-    assert all(len(keep) == 8 == len(set(keep)) for keep in alone.values())
-    assert len({tuple(keep) for keep in alone.values()}) > 10  # masks differ between samples
+    last = [keep[PATCHES_KEY] if stages else keep for keep in alone.values()]
+    assert all(len(keep) == 8 == len(set(keep)) for keep in last)
+    assert len({tuple(keep) for keep in last}) > 10  # masks differ between samples
+    if stages:  # each earlier grid's: its count, within its grid; the last grid's as a run without a schedule draws
+        for n, kept in stages:
+            masks = [keep[stage_key(n)] for keep in alone.values()]
+            assert all(len(keep) == kept == len(set(keep)) and max(keep) < n for keep in masks)
+        without = _masks_seen(ShardStream(urls, 16, seed=1, shuffle_buffer=0, patches=(16, 8)), 20)
+        assert [list(keep) for keep in last] == list(without.values())
     plain = _keys_seen(ShardStream(urls, 16, seed=1, shuffle_buffer=0), 20)
     assert {(caption, int(total)) for caption, total in plain} == set(alone)
-    other = _masks_seen(ShardStream(urls, 16, seed=2, shuffle_buffer=0, patches=(16, 8)), 20)
+    other = _masks_seen(ShardStream(urls, 16, seed=2, **options), 20)
     assert list(other.values()) != list(alone.values())

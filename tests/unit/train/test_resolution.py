@@ -35,6 +35,9 @@ def test_each_forward_of_a_step_sees_the_steps_side_and_evaluation_the_batch_as_
     with resolution.at_step(5):  # the last stage: the model's own side, no interpolation
         assert resolution.resized(batch) is batch
     assert StepResolution(_args(None), TINY).resized(batch) is batch
+    # the patch grid whose masks the step keeps (patch dropout: models/patch_dropout.py `at_grid`)
+    assert [resolution.patches_per_image(step) for step in (0, 4, 5, 9)] == [4, 4, 16, 16]
+    assert StepResolution(_args(None), TINY).patches_per_image(0) is None
 
 
 def test_a_naflex_step_packs_the_batch_at_its_budget():

@@ -175,9 +175,9 @@ BAD_ARGUMENTS = {
         ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:40,0.5:64"],
         "--resolution_schedule 0:40,0.5:64: side 40 is not a multiple of the patch size 16; use 32 or 48",
     ),
-    "resolution schedule with patch dropout": (
-        ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:32,0.5:64", "--patch_dropout", "0.5"],
-        "--resolution_schedule 0:32,0.5:64 with --patch_dropout: not supported together",
+    "resolution schedule with a teacher": (
+        ["{data}", *MODEL, *TOK, "--resolution_schedule", "0:32,0.5:64", "--teacher", "{clip_teacher}"],
+        "--resolution_schedule 0:32,0.5:64 with --teacher: not supported together",
     ),
     "naflex budget schedule against max_num_patches": (
         ["{data}", *SIGLIP2, *TOK, "--resolution_schedule", "0:16,0.5:64", "--max_num_patches", "32"],
