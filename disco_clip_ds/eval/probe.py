@@ -18,9 +18,10 @@ The protocol, step by step, all randomness drawn from `seed`:
    acc1, acc5 (NaN when the test labels stay below 5) and the mean per-class recall.
 
 On N ranks (a process group: the suite on N ranks) the sweep's candidates of each step are trained on different ranks
-and their scores gathered (`choose_weight_decay`'s `score_all`); a training is deterministic, so the choice is the
-one rank's. The layer trains on `device` (the suite passes the model's: a GPU where there is one), the features
-moved there once and each batch indexed there, in the order CLIP_benchmark's DataLoader draws.
+and their scores gathered (`choose_weight_decay`'s `score_all`), a step that would leave ranks idle training ahead
+the candidates of the next steps; a training is deterministic, so the choice is the one rank's. The layer trains on
+`device` (the suite passes the model's: a GPU where there is one), the features moved there once and each batch
+indexed there, in the order CLIP_benchmark's DataLoader draws.
 
 The seed is applied as CLIP_benchmark's CLI applies it: `torch.manual_seed(seed)` before the split and the few-shot
 draw, and again before each training. Its CLI also builds the model between its seed and its split, which draws from
@@ -115,7 +116,7 @@ def linear_probe(
         weight_decay = 0.0
         if val is not None:
             score = functools.partial(fit.val_acc1, shots, val)
-            weight_decay = choose_weight_decay(score, weight_decays, in_turn())
+            weight_decay = choose_weight_decay(score, weight_decays, in_turn(), slots=world_size())
         final_data = shots if fewshot_k > 0 or val is None else _concat(shots, val)
         logits = fit.logits(fit.train(final_data, weight_decay), test[0])
     metrics = classification_metrics_topk(logits, test[1])
@@ -140,20 +141,26 @@ def choose_weight_decay(
     val_acc1: Callable[[float], float],
     weight_decays: Sequence[float] | None = None,
     score_all: Callable[[Callable, list], list] | None = None,
+    slots: int = 1,
 ) -> float:
     """The weight decay whose layer scores the best validation top-1 (`val_acc1`), the first one on ties.
 
     Without `weight_decays`, CLIP_benchmark's search over its grid (see `weight_decay_grid`); with them, each one
     is tried. As there, the first candidate of the list stands unless another scores above 0. `score_all(val_acc1,
     candidates)`: their scores in order, however computed (`across_ranks`: the candidates of a step split across
-    ranks); default one after the other."""
+    ranks); default one after the other. `slots`: how many candidates `score_all` trains at once (the ranks); a
+    refinement step with fewer new candidates fills the rest with those the next steps ask for if its peak stands.
+    A training is deterministic, so a candidate trained ahead scores what it would at its own step: the choice is
+    the same for any `slots`, in fewer rounds."""
     grid, first = (list(weight_decays), range(len(weight_decays))) if weight_decays else weight_decay_grid()
     score_all = score_all or (lambda score, values: [score(value) for value in values])
     scores: dict[int, float] = {}  # training is deterministic: a candidate tried twice gives the same score
 
-    def best(indices) -> int:
+    def best(indices, ahead=()) -> int:
         new = [i for i in dict.fromkeys(indices) if i not in scores]  # a step's untried candidates, trained together
-        scores.update(zip(new, score_all(val_acc1, [grid[i] for i in new])))
+        if new:
+            spare = [i for i in dict.fromkeys(ahead) if i not in scores and i not in new][: -len(new) % slots]
+            scores.update(zip(new + spare, score_all(val_acc1, [grid[i] for i in new + spare])))
         best_index, best_acc = 0, 0.0
         for i in indices:
             if scores[i] > best_acc:
@@ -163,9 +170,16 @@ def choose_weight_decay(
     peak = best(first)
     span = 8 if not weight_decays else 0  # the refinement only applies to CLIP_benchmark's grid
     while span > 0:
-        peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)])
+        steps = [peak + sign * s for s in _halvings(span // 2) for sign in (-1, 1)]  # the next steps' if peak stands
+        ahead = [min(max(i, 0), len(grid) - 1) for i in steps]
+        peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)], ahead)
         span //= 2
     return grid[peak]
+
+
+def _halvings(span: int) -> list[int]:
+    """span, span // 2, ..., 1 (none for 0)."""
+    return [span >> k for k in range(span.bit_length())]
 
 
 def in_turn() -> Callable[[Callable, list], list]:

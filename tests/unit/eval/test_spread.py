@@ -59,6 +59,26 @@ def test_weight_decay_search_scores_each_steps_new_candidates_together():
     assert asked[1:] == [[grid[24], grid[40]], [grid[36], grid[44]], [grid[38], grid[42]], [grid[39], grid[41]]]
 
 
+def test_ranks_left_idle_by_a_step_train_the_next_steps_candidates_and_the_choice_stays():
+    """With `slots` ranks, a refinement step with fewer new candidates trains ahead those the next steps ask for if
+    its peak stands: the choice is the one-at-a-time choice for a score peaked anywhere on the grid (ties and the
+    edges included), and a peak at the grid's edge (one new candidate a step) takes 2 refinement rounds, not 4."""
+    grid, first = weight_decay_grid()
+    for top in range(len(grid)):
+        for shape in (lambda i: 1 / (1 + abs(i - top)), lambda i: 1.0 if abs(i - top) <= 2 else 0.5):
+            score = {wd: shape(i) for i, wd in enumerate(grid)}.__getitem__
+            assert choose_weight_decay(score, slots=2) == choose_weight_decay(score, slots=3)
+            assert choose_weight_decay(score, slots=2) == choose_weight_decay(score)
+    asked = []
+
+    def score_all(fn, values):
+        asked.append([grid.index(v) for v in values])
+        return [fn(v) for v in values]
+
+    assert choose_weight_decay(lambda wd: 1 / (1 + grid.index(wd)), score_all=score_all, slots=2) == grid[0]
+    assert asked == [list(first), [8, 4], [2, 1]]
+
+
 TASKS = """
 digits: {path: cls}
 captions: {type: retrieval, path: ret}
@@ -175,10 +195,10 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     # texts: 18 prompts (6 classes x 3 templates: one batch of 64, each rank encodes it) and 13 captions (batches of
     # 4, 4, 4, 1: 8 on rank 0, 5 on rank 1)
     assert one["counts"]["texts"] == 31 and [r["counts"]["texts"] for r in two] == [26, 23]
-    # the sweep's trainings dealt in turn (one step with a single new candidate goes to the next rank), then the
-    # final fit on each rank
+    # the sweep's trainings dealt in turn, a step that leaves a rank idle training the next step's candidate ahead,
+    # then the final fit on each rank: each rank trains about half, and no candidate twice
     trainings, sweep = [r["counts"]["trainings"] for r in two], one["counts"]["trainings"] - 1
-    assert sweep >= 7 and sorted(trainings) == [sweep // 2 + 1, (sweep + 1) // 2 + 1]
+    assert sweep >= 7 and sweep + 2 <= sum(trainings) <= sweep + 4 and max(trainings) <= (sweep + 1) // 2 + 2
     # the image of batch 1 that rank 1 decodes is damaged: skipped and counted (data/decode.py), the task's figure
     # the same on both ranks and as on one rank, the next task runs
     assert two[0]["damaged"] == two[1]["damaged"]
