@@ -18,8 +18,9 @@ The protocol, step by step, all randomness drawn from `seed`:
    acc1, acc5 (NaN when the test labels stay below 5) and the mean per-class recall.
 
 On N ranks (a process group: the suite on N ranks) the sweep's candidates of each step are trained on different ranks
-and their scores gathered (`choose_weight_decay`'s `score_all`), a step that would leave ranks idle training ahead
-the candidates of the next steps; a training is deterministic, so the choice is the one rank's. The layer trains on
+and their scores gathered (`choose_weight_decay`'s `score_all`), a round that would leave ranks idle training ahead
+the candidates of the next steps, then the final fit of the peak so far (`weight_decay_sweep`); a training is
+deterministic, so the choice and the numbers are the one rank's. The layer trains on
 `device` (the suite passes the model's: a GPU where there is one), the features moved there once and each batch
 indexed there, in the order CLIP_benchmark's DataLoader draws.
 
@@ -36,6 +37,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -112,13 +114,19 @@ def linear_probe(
     shots = (train[0][chosen], train[1][chosen])
 
     fit = _Trainer(n_classes, seed=seed, batch_size=batch_size, epochs=epochs, lr=lr, amp=amp, device=device)
+    final_data = shots if fewshot_k > 0 or val is None else _concat(shots, val)
+
+    def final(weight_decay: float) -> torch.Tensor:
+        return fit.logits(fit.train(final_data, weight_decay), test[0])
+
     with torch.random.fork_rng(devices=[]):  # the trainings reseed torch's global generator; the caller keeps theirs
-        weight_decay = 0.0
+        weight_decay, logits = 0.0, None
         if val is not None:
             score = functools.partial(fit.val_acc1, shots, val)
-            weight_decay = choose_weight_decay(score, weight_decays, in_turn(), slots=world_size())
-        final_data = shots if fewshot_k > 0 or val is None else _concat(shots, val)
-        logits = fit.logits(fit.train(final_data, weight_decay), test[0])
+            found = weight_decay_sweep(score, weight_decays, in_turn(), slots=world_size(), final=final)
+            weight_decay, logits = found.weight_decay, found.finals.get(found.weight_decay)
+        if logits is None:  # not trained ahead in a sweep's spare slot
+            logits = final(weight_decay)
     metrics = classification_metrics_topk(logits, test[1])
     settings = {"fewshot_k": fewshot_k, "epochs": epochs, "seed": seed, "normalized": normalize}
     return {**metrics, "weight_decay": weight_decay, "n_train": len(final_data[1]), **settings}
@@ -148,33 +156,79 @@ def choose_weight_decay(
     Without `weight_decays`, CLIP_benchmark's search over its grid (see `weight_decay_grid`); with them, each one
     is tried. As there, the first candidate of the list stands unless another scores above 0. `score_all(val_acc1,
     candidates)`: their scores in order, however computed (`across_ranks`: the candidates of a step split across
-    ranks); default one after the other. `slots`: how many candidates `score_all` trains at once (the ranks); a
-    refinement step with fewer new candidates fills the rest with those the next steps ask for if its peak stands.
-    A training is deterministic, so a candidate trained ahead scores what it would at its own step: the choice is
-    the same for any `slots`, in fewer rounds."""
-    grid, first = (list(weight_decays), range(len(weight_decays))) if weight_decays else weight_decay_grid()
+    ranks); default one after the other. `slots`: how many candidates `score_all` trains at once (the ranks): the
+    first grid points go in rounds of that many, and a round with fewer new candidates fills the rest with those the
+    next steps ask for if the peak so far stands. A training is deterministic, so a candidate trained ahead scores
+    what it would at its own step: the choice is the same for any `slots`, in fewer rounds."""
+    return weight_decay_sweep(val_acc1, weight_decays, score_all, slots).weight_decay
+
+
+@dataclass
+class Sweep:
+    """What `weight_decay_sweep` found: the weight decay, and `final(weight decay)` for those it trained ahead."""
+
+    weight_decay: float
+    finals: dict
+
+
+@dataclass(frozen=True)
+class _Final:
+    weight_decay: float
+
+
+def weight_decay_sweep(val_acc1, weight_decays=None, score_all=None, slots: int = 1, final=None) -> Sweep:
+    """`choose_weight_decay`'s search; with `final` (the final fit of a weight decay), a round's slots left after its
+    candidates and those trained ahead take `final(the peak so far)`: the last steps rarely move the peak, and the
+    final fit then costs no round of its own."""
+    grid, first = (list(weight_decays), list(range(len(weight_decays)))) if weight_decays else weight_decay_grid()
     score_all = score_all or (lambda score, values: [score(value) for value in values])
     scores: dict[int, float] = {}  # training is deterministic: a candidate tried twice gives the same score
+    finals: dict[float, object] = {}
 
-    def best(indices, ahead=()) -> int:
-        new = [i for i in dict.fromkeys(indices) if i not in scores]  # a step's untried candidates, trained together
-        if new:
-            spare = [i for i in dict.fromkeys(ahead) if i not in scores and i not in new][: -len(new) % slots]
-            scores.update(zip(new + spare, score_all(val_acc1, [grid[i] for i in new + spare])))
+    def job(value):
+        return final(value.weight_decay) if isinstance(value, _Final) else val_acc1(value)
+
+    def peak_of(indices) -> int:
         best_index, best_acc = 0, 0.0
         for i in indices:
             if scores[i] > best_acc:
                 best_index, best_acc = i, scores[i]
         return best_index
 
-    peak = best(first)
+    def train(new: list[int], ahead=(), guess: int | None = None) -> None:
+        spare = [i for i in dict.fromkeys(ahead) if i not in scores and i not in new][: -len(new) % slots]
+        values = [grid[i] for i in new + spare]
+        if final is not None and guess is not None and len(values) % slots and grid[guess] not in finals:
+            values.append(_Final(grid[guess]))  # a slot still free: the final fit, if the peak so far stands
+        results = score_all(job, values)
+        for value, result in zip(values, results):
+            if isinstance(value, _Final):
+                finals[value.weight_decay] = result
+        scores.update(zip(new + spare, results))
+
+    def best(indices, ahead=(), guess=None) -> int:
+        new = [i for i in dict.fromkeys(indices) if i not in scores]  # a step's untried candidates, trained together
+        if new:
+            train(new, ahead, guess)
+        return peak_of(indices)
+
     span = 8 if not weight_decays else 0  # the refinement only applies to CLIP_benchmark's grid
+    full = len(first) - len(first) % slots if len(first) > slots else 0
+    guess = None
+    if full:  # whole rounds first; the last, short one fills up around their peak
+        train(first[:full])
+        guess = peak_of(first[:full])
+    peak = best(first, _around(guess, span, len(grid)) if full else (), guess)
     while span > 0:
-        steps = [peak + sign * s for s in _halvings(span // 2) for sign in (-1, 1)]  # the next steps' if peak stands
-        ahead = [min(max(i, 0), len(grid) - 1) for i in steps]
-        peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)], ahead)
+        steps = _around(peak, span // 2, len(grid))
+        peak = best([max(peak - span, 0), peak, min(peak + span, len(grid) - 1)], steps, peak)
         span //= 2
-    return grid[peak]
+    return Sweep(grid[peak], finals)
+
+
+def _around(peak: int, span: int, size: int) -> list[int]:
+    """The candidates the refinement steps from `span` down ask for if `peak` stands (within the grid's `size`)."""
+    return [min(max(peak + sign * s, 0), size - 1) for s in _halvings(span) for sign in (-1, 1)]
 
 
 def _halvings(span: int) -> list[int]:

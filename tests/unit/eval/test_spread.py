@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from disco_clip_ds.errors import DataError
-from disco_clip_ds.eval.probe import choose_weight_decay, weight_decay_grid
+from disco_clip_ds.eval.probe import choose_weight_decay, weight_decay_grid, weight_decay_sweep
 from disco_clip_ds.eval.spread import across_ranks, interleaved, spread
 from disco_clip_ds.testing.images import noise_image_bytes, write_samples
 
@@ -60,23 +60,28 @@ def test_weight_decay_search_scores_each_steps_new_candidates_together():
 
 
 def test_ranks_left_idle_by_a_step_train_the_next_steps_candidates_and_the_choice_stays():
-    """With `slots` ranks, a refinement step with fewer new candidates trains ahead those the next steps ask for if
-    its peak stands: the choice is the one-at-a-time choice for a score peaked anywhere on the grid (ties and the
-    edges included), and a peak at the grid's edge (one new candidate a step) takes 2 refinement rounds, not 4."""
+    """With `slots` ranks, the first grid points go in whole rounds, and a round with fewer new candidates trains
+    ahead those the next steps ask for if the peak so far stands, then the final fit of that peak: the choice is the
+    one-at-a-time choice for a score peaked anywhere on the grid (ties and the edges included); a peak at the grid's
+    edge (one new candidate a step) takes 4 rounds of one training each after the first 3, the final fit in the last."""
     grid, first = weight_decay_grid()
     for top in range(len(grid)):
         for shape in (lambda i: 1 / (1 + abs(i - top)), lambda i: 1.0 if abs(i - top) <= 2 else 0.5):
             score = {wd: shape(i) for i, wd in enumerate(grid)}.__getitem__
             assert choose_weight_decay(score, slots=2) == choose_weight_decay(score, slots=3)
             assert choose_weight_decay(score, slots=2) == choose_weight_decay(score)
+            found = weight_decay_sweep(score, slots=2, final=lambda wd: ("final", wd))
+            assert found.weight_decay == choose_weight_decay(score)
+            assert all(result == ("final", wd) for wd, result in found.finals.items())
     asked = []
 
     def score_all(fn, values):
-        asked.append([grid.index(v) for v in values])
+        asked.append([grid.index(v) if isinstance(v, float) else ("final", grid.index(v.weight_decay)) for v in values])
         return [fn(v) for v in values]
 
-    assert choose_weight_decay(lambda wd: 1 / (1 + grid.index(wd)), score_all=score_all, slots=2) == grid[0]
-    assert asked == [list(first), [8, 4], [2, 1]]
+    found = weight_decay_sweep(lambda wd: 1 / (1 + grid.index(wd)), score_all=score_all, slots=2, final=str)
+    assert found.weight_decay == grid[0] and found.finals == {grid[0]: str(grid[0])}
+    assert asked == [list(first[:6]), [96, 8], [4, 2], [1, ("final", 0)]]
 
 
 TASKS = """
@@ -195,10 +200,10 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     # texts: 18 prompts (6 classes x 3 templates: one batch of 64, each rank encodes it) and 13 captions (batches of
     # 4, 4, 4, 1: 8 on rank 0, 5 on rank 1)
     assert one["counts"]["texts"] == 31 and [r["counts"]["texts"] for r in two] == [26, 23]
-    # the sweep's trainings dealt in turn, a step that leaves a rank idle training the next step's candidate ahead,
-    # then the final fit on each rank: each rank trains about half, and no candidate twice
+    # the sweep's trainings dealt in turn, a rank a round leaves idle training a later step's candidate or the final
+    # fit ahead, else the final fit on each rank after the sweep: each rank trains about half
     trainings, sweep = [r["counts"]["trainings"] for r in two], one["counts"]["trainings"] - 1
-    assert sweep >= 7 and sweep + 2 <= sum(trainings) <= sweep + 4 and max(trainings) <= (sweep + 1) // 2 + 2
+    assert sweep >= 7 and sweep + 1 <= sum(trainings) <= sweep + 4 and max(trainings) <= (sweep + 1) // 2 + 2
     # the image of batch 1 that rank 1 decodes is damaged: skipped and counted (data/decode.py), the task's figure
     # the same on both ranks and as on one rank, the next task runs
     assert two[0]["damaged"] == two[1]["damaged"]
