@@ -20,9 +20,9 @@ The protocol, step by step, all randomness drawn from `seed`:
 On N ranks (a process group: the suite on N ranks) the sweep's candidates of each step are trained on different ranks
 and their scores gathered (`choose_weight_decay`'s `score_all`), a round that would leave ranks idle training ahead
 the candidates of the next steps, then the final fit of the peak so far (`weight_decay_sweep`); a training is
-deterministic, so the choice and the numbers are the one rank's. The layer trains on
-`device` (the suite passes the model's: a GPU where there is one), the features moved there once and each batch
-indexed there, in the order CLIP_benchmark's DataLoader draws.
+deterministic, so the choice and the numbers are the one rank's. The layer trains on `device` (the suite passes the
+model's: a GPU where there is one), the features moved there once and each batch indexed there, in the order
+CLIP_benchmark's DataLoader draws.
 
 The seed is applied as CLIP_benchmark's CLI applies it: `torch.manual_seed(seed)` before the split and the few-shot
 draw, and again before each training. Its CLI also builds the model between its seed and its split, which draws from

@@ -9,12 +9,10 @@ caption column (a string or a list of strings per image) for retrieval.
 
 Every rank reads a set's order and values (a local shard's member headers and labels or captions, a dataset's rows)
 and reads and decodes only the images of the batches it encodes (`as_raw_batches`, then `decode_batch`;
-eval/spread.py deals them out). Images are decoded as training decodes them
-(data/decode.py: the pixel cap, the aspect bound, the conversions to RGB); an image that cannot be (truncated, a
-decompression bomb, not an image) is skipped with its reason, logged, and counted: a decoded batch (`DecodedBatch`)
-is (pixel_values, values) of the images that decoded, with the reasons of those skipped beside, and the tasks report
-the count as `skipped_images`.
-"""
+eval/spread.py deals them out). Images are decoded as training decodes them (data/decode.py: the pixel cap, the
+aspect bound, the conversions to RGB); an image that cannot be (truncated, a decompression bomb, not an image) is
+skipped with its reason, logged, and counted: a decoded batch (`DecodedBatch`) is (pixel_values, values) of the
+images that decoded, with the reasons of those skipped beside, and the tasks report the count as `skipped_images`."""
 
 from __future__ import annotations
 
@@ -127,8 +125,9 @@ def _stamp(url: str, field: str) -> tuple:
 
 
 def _keep(url: str, field: str, samples: list[dict]) -> None:
-    _kept.pop(_stamp(url, field), None)
-    _kept[_stamp(url, field)] = samples
+    stamp = _stamp(url, field)
+    _kept.pop(stamp, None)  # re-inserted as the newest
+    _kept[stamp] = samples
     while sum(map(len, _kept.values())) > KEPT_SAMPLES:
         del _kept[next(iter(_kept))]  # the oldest: its set is read again if it is evaluated after all
 

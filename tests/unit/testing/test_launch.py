@@ -13,12 +13,15 @@ from disco_clip_ds.testing.processes import alive
 
 
 @pytest.mark.slow  # a real launch held past its time limit
-def test_a_launch_past_its_time_limit_leaves_no_process_of_its_session(tmp_path):
-    """A "launcher" that starts a "rank" (sleep) in its group, writes its pid down, and waits for it."""
+@pytest.mark.parametrize("start", ["sleep 30", "setsid sleep 30"], ids=["in_its_group", "in_a_session_of_its_own"])
+def test_a_launch_past_its_time_limit_leaves_no_process_of_its_session(tmp_path, start):
+    """A "launcher" that starts a "rank" (sleep), writes its pid down, and waits for it; the rank in the launcher's
+    process group, or in a session of its own as torch elastic starts ranks (torchrun, accelerate), where killing
+    the group alone would leave it running."""
     pid_file = tmp_path / "rank.pid"
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        run_training(["sh", "-c", f"sleep 30 & echo $! > {pid_file}; wait"], log=tmp_path / "run.log", timeout=2)
+        run_training(["sh", "-c", f"{start} & echo $! > {pid_file}; wait"], log=tmp_path / "run.log", timeout=2)
     assert time.monotonic() - started < 15  # not held until the rank ends by itself
     rank = int(pid_file.read_text())
     try:
@@ -35,18 +38,3 @@ def test_a_failed_launch_is_an_assertion_with_its_log(tmp_path):
     log.write_text("an earlier launch\n")
     assert run_training(["sh", "-c", "echo done"], log=log, timeout=60) == "done\n"
     assert log.read_text() == "done\n"  # written afresh, as before
-
-
-@pytest.mark.slow  # a real launch held past its time limit
-def test_a_rank_in_a_session_of_its_own_is_killed_with_its_launcher(tmp_path):
-    """As torch elastic starts ranks (torchrun, accelerate): the "rank" leaves the launcher's process group with
-    setsid, so killing the group alone would leave it running."""
-    pid_file = tmp_path / "rank.pid"
-    with pytest.raises(subprocess.TimeoutExpired):
-        run_training(["sh", "-c", f"setsid sleep 30 & echo $! > {pid_file}; wait"], log=tmp_path / "run.log", timeout=2)
-    rank = int(pid_file.read_text())
-    try:
-        assert alive([rank]) == []
-    finally:
-        if alive([rank]):
-            os.kill(rank, signal.SIGKILL)
