@@ -68,6 +68,11 @@ def _parse(argv):
         "each stage's memory and FLOPs, and the schedule's FLOPs against the last size throughout",
     )
     p.add_argument(
+        "--stage_micro_batch_sizes",
+        help="each stage's micro-batch per GPU, as `disco-clip train --stage_micro_batch_sizes` (e.g. 256,128,64): "
+        "each stage's memory planned at it, with micro x accumulation steps kept",
+    )
+    p.add_argument(
         "--teacher",
         help="a distillation teacher's config JSON (as `disco-clip train --teacher`): its frozen weights (sharded "
         "under ZeRO-3), forward and embeddings are counted",
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ema,
         _host_options(args),
         resolution_schedule=args.resolution_schedule,
+        stage_micro_batch_sizes=args.stage_micro_batch_sizes,
         optim=args.optim,
     )
     print(format_report(result, args.deepspeed, args.model))

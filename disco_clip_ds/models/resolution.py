@@ -70,12 +70,35 @@ def side_problem(stages: list[Stage], patch_size: int) -> str | None:
     return None
 
 
+def parse_micro_batches(text: str, stages: int, micro: int, accumulation: int) -> list[int]:
+    """'256,128,64' -> each stage's micro-batch per rank (--stage_micro_batch_sizes): a ValueError of one line unless
+    there is one per stage of the schedule, each a multiple of `micro` (--per_device_train_batch_size, what the
+    stream yields) dividing the `micro` x `accumulation` samples a rank contrasts per optimizer step, so that the
+    global batch stays the same (a stage's accumulation steps: micro x accumulation / its micro-batch)."""
+    try:
+        sizes = [int(entry.strip()) for entry in text.split(",")]
+    except ValueError:
+        raise ValueError(f"give one whole number per stage, e.g. {micro * accumulation},{micro}") from None
+    if len(sizes) != stages:
+        raise ValueError(f"{len(sizes)} micro-batch sizes for {stages} stages: give one per stage")
+    per_step = micro * accumulation
+    for size in sizes:
+        if size < micro or size % micro or per_step % size:
+            fits = [m for m in range(micro, per_step + 1, micro) if per_step % m == 0]
+            raise ValueError(
+                f"micro-batch {size}: each stage's must be a multiple of --per_device_train_batch_size {micro} that "
+                f"divides its {micro} x {accumulation} samples per step (one of {', '.join(map(str, fits))})"
+            )
+    return sizes
+
+
 class ResolutionSchedule:
     """`stages` over a run of `max_steps` optimizer steps: stage i trains steps floor(start_i x max_steps) onwards
-    (0-based; the logged step is this + 1)."""
+    (0-based; the logged step is this + 1); `micro_batches`: each stage's micro-batch per rank where
+    --stage_micro_batch_sizes sets them (parse_micro_batches; None: the run's throughout)."""
 
-    def __init__(self, stages: list[Stage], max_steps: int):
-        self.stages, self.max_steps = list(stages), max_steps
+    def __init__(self, stages: list[Stage], max_steps: int, micro_batches: list[int] | None = None):
+        self.stages, self.max_steps, self.micro_batches = list(stages), max_steps, micro_batches
         self.starts = [math.floor(s.start * max_steps) for s in self.stages]
 
     @property
@@ -83,9 +106,17 @@ class ResolutionSchedule:
         """The last stage's size: the model's and the export's."""
         return self.stages[-1].size
 
+    def stage_at(self, step: int) -> int:
+        """The index of the stage of 0-based optimizer step `step` (the Trainer's global_step while it runs)."""
+        return next(i for i in reversed(range(len(self.stages))) if step >= self.starts[i])
+
     def size_at(self, step: int) -> int:
-        """The size of 0-based optimizer step `step` (the Trainer's global_step while it runs)."""
-        return next(s.size for s, start in zip(reversed(self.stages), reversed(self.starts)) if step >= start)
+        """The size of 0-based optimizer step `step`."""
+        return self.stages[self.stage_at(step)].size
+
+    def micro_batch_at(self, step: int) -> int | None:
+        """The micro-batch per rank of 0-based optimizer step `step` (None: the run's)."""
+        return None if self.micro_batches is None else self.micro_batches[self.stage_at(step)]
 
     def steps_per_stage(self) -> list[tuple[int, int]]:
         """(size, optimizer steps) of each stage (a stage may get 0 steps in a short run)."""
@@ -93,15 +124,24 @@ class ResolutionSchedule:
         return [(s.size, max(0, end - start)) for s, start, end in zip(self.stages, self.starts, ends)]
 
     def describe(self) -> str:
-        """As run.json and the model card show it: each stage's size and its steps."""
+        """As run.json and the model card show it: each stage's size and first step (and micro-batch per rank)."""
+        micro = self.micro_batches or [None] * len(self.stages)
         return ", ".join(
-            f"{size} from step {start + 1}" for (size, _), start in zip(self.steps_per_stage(), self.starts)
+            f"{stage.size} from step {start + 1}" + (f" (micro-batch {m})" if m else "")
+            for stage, start, m in zip(self.stages, self.starts, micro)
         )
 
 
-def describe_schedule(text: str | None, max_steps: int) -> str | None:
-    """--resolution_schedule as run.json and the model card show it: each stage's size and first step (None: off)."""
-    return None if not text else ResolutionSchedule(parse_schedule(text), max_steps).describe()
+def describe_schedule(
+    text: str | None, max_steps: int, micro_batches: str | None = None, micro: int = 1, accumulation: int = 1
+) -> str | None:
+    """--resolution_schedule as run.json and the model card show it: each stage's size and first step, and its
+    micro-batch per rank under --stage_micro_batch_sizes `micro_batches` (None: off)."""
+    if not text:
+        return None
+    stages = parse_schedule(text)
+    sizes = parse_micro_batches(micro_batches, len(stages), micro, accumulation) if micro_batches else None
+    return ResolutionSchedule(stages, max_steps, sizes).describe()
 
 
 def resize_images(pixel_values: torch.Tensor, side: int) -> torch.Tensor:

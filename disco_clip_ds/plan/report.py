@@ -25,7 +25,7 @@ from disco_clip_ds.plan.memory import (
     max_micro_batch,
     memory_plan,
 )
-from disco_clip_ds.plan.stages import format_stages, plan_stages, schedule_stages
+from disco_clip_ds.plan.stages import format_stages, plan_stages, schedule_stages, stage_micro_batches
 from disco_clip_ds.plan.traffic import traffic_bytes
 
 
@@ -79,12 +79,13 @@ def plan(
     host: HostOptions | None = None,
     optim: str = "adamw_torch",
     resolution_schedule: str | None = None,
+    stage_micro_batch_sizes: str | None = None,
 ) -> dict:
     """Validate and plan; returns a JSON-able dict (what `disco-clip plan --json` writes). `lock_flags`: the locking
     flags of `disco-clip train` ({name: value}, plan.trainable.LOCK_ARGUMENTS), whose frozen parameters get no
     gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions());
     `optim`: `train --optim` (OPTIMIZER_MOMENTS); `resolution_schedule`: as `disco-clip train`'s, the model planned
-    at its last size and each stage at its own."""
+    at its last size and each stage at its own, with its micro-batch under `stage_micro_batch_sizes`."""
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
@@ -140,8 +141,9 @@ def plan(
             out["max_contrastive_steps"][impl] = max_contrastive_steps(*plan_args, chunk_size, teacher=teacher)
     if stages:
         rest = (activation_checkpointing, capacity, overhead, None, chunk_size, teacher)
-        memory = lambda stage: {i: memory_plan(stage, settings, fit, i, *rest).total for i in loss_impls}  # noqa: E731
-        out["resolution_stages"] = plan_stages(stages, shape, memory)
+        memory = lambda stage, batch: {i: memory_plan(stage, batch, fit, i, *rest).total for i in loss_impls}  # noqa: E731
+        micro = stage_micro_batches(stage_micro_batch_sizes, len(stages), settings)
+        out["resolution_stages"] = plan_stages(stages, shape, memory, settings, micro)
     return out
 
 

@@ -47,10 +47,14 @@ def _set_rng_state(state: tuple) -> None:
 
 @dataclass
 class _Update:
-    """The K micro-batches of one optimizer step and what step 2 cached for them."""
+    """The K micro-batches of one optimizer step (`items`, as fetched), the batches its forwards take (`batches`: the
+    items, or runs of `merged` of them concatenated) and what step 2 cached for them."""
 
-    batches: list
-    index: int = 0
+    items: list
+    merged: int = 1
+    batches: list = field(default_factory=list)
+    taken: int = 0  # items the Trainer has stepped on
+    index: int = 0  # the batch at hand
     rng: list = field(default_factory=list)  # RNG state before each micro-batch's first forward
     rng_after: tuple | None = None  # after all first forwards: the stream continues from here
     grads: list = field(default_factory=list)  # (d l/d image_embeds, d l/d text_embeds) per micro-batch
@@ -103,12 +107,26 @@ def logit_params(model, outputs) -> tuple[torch.Tensor, ...]:
     return found
 
 
+_ORDER = (
+    "contrastive accumulation expects the Trainer to fetch an update's batches with get_batch_samples and then call "
+    "training_step on each in order (transformers 5.x)"
+)
+
+
+def _concatenated(batches: list):
+    """One batch of the rows of `batches` (dicts of tensors, rows first); a single batch itself."""
+    if len(batches) == 1:
+        return batches[0]
+    return {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}
+
+
 class ContrastiveAccumulation:
     """With `gradient_accumulation_steps` K > 1 and `args.contrastive_accumulation`, each optimizer step trains on
     the contrastive loss over all K micro-batches of all ranks (see the module docstring).
 
     DiscoTrainer's hooks call it: `get_batch_samples` (the Trainer 5 fetches an update's K batches up front, then
-    loops `training_step` over them) hands the batches to `record`; each `training_step` runs inside `micro_step`,
+    loops `training_step` over them) hands the batches to `record`; each `training_step` asks `take` for the batch it
+    runs (under --stage_micro_batch_sizes several micro-batches make one) and runs inside `micro_step`,
     whose first one runs steps 1-2; `compute_loss` returns `loss` (the surrogate for the micro-batch at hand), valued
     at the global-batch loss / K so the Trainer's logged loss is the true one. The model must be a DiscoCLIPModel or
     DiscoSiglipModel (`disco_clip_ds.models`): its output carries `image_embeds`, `text_embeds` and its logit
@@ -118,6 +136,7 @@ class ContrastiveAccumulation:
         self.args = args
         self.update: _Update | None = None
         self.in_step = False  # inside an accumulated micro-step: compute_loss returns the surrogate
+        self.last_forward_rows = None  # the rows of the last training forward with grad (a stage's micro-batch)
 
     @property
     def enabled(self) -> bool:
@@ -129,10 +148,25 @@ class ContrastiveAccumulation:
         size = self.args.per_device_train_batch_size * self.args.world_size
         return size * self.args.gradient_accumulation_steps if self.enabled else size
 
-    def record(self, batches: list) -> None:
-        """The K micro-batches the Trainer fetched for the next optimizer step."""
+    def record(self, batches: list, merged: int = 1) -> None:
+        """The K micro-batches the Trainer fetched for the next optimizer step; `merged`: how many of them each
+        forward takes at once (a stage's micro-batch under --stage_micro_batch_sizes; a divisor of K)."""
         if self.enabled:
-            self.update = _Update(batches=batches)
+            runs = [batches[i : i + merged] for i in range(0, len(batches), merged)]
+            self.update = _Update(items=batches, merged=merged, batches=[_concatenated(run) for run in runs])
+
+    def take(self, inputs):
+        """The batch the Trainer's training_step on micro-batch `inputs` runs: `inputs` itself, or with micro-batches
+        merged, None for each but the last of a run (its step does nothing) and for the last the run concatenated.
+        The last item of the update ends a run, so the step's last backward is the Trainer's synchronising one (a
+        DeepSpeed engine's accumulation boundary: accelerate sets it from the Trainer's sync flag)."""
+        update = self.update
+        if not self.enabled or update is None or update.merged == 1:
+            return inputs
+        if update.taken >= len(update.items) or update.items[update.taken] is not inputs:
+            raise RuntimeError(_ORDER)
+        update.taken += 1
+        return update.batches[(update.taken - 1) // update.merged] if update.taken % update.merged == 0 else None
 
     @contextlib.contextmanager
     def micro_step(self, inputs, embed_and_cache):
@@ -143,10 +177,7 @@ class ContrastiveAccumulation:
             return
         update = self.update
         if update is None or update.index >= len(update.batches) or update.batches[update.index] is not inputs:
-            raise RuntimeError(
-                "contrastive accumulation expects the Trainer to fetch an update's batches with "
-                "get_batch_samples and then call training_step on each in order (transformers 5.x)"
-            )
+            raise RuntimeError(_ORDER)
         if update.index == 0:
             embed_and_cache(update)
         _set_rng_state(update.rng[update.index])
@@ -164,7 +195,7 @@ class ContrastiveAccumulation:
         """Step 3's loss for the micro-batch at hand (`model`: as wrapped for training; `unwrapped`: the model)."""
         update = self.update
         outputs = model(**{**inputs, "return_loss": False, "return_logits": False})  # embeddings only
-        num_micro = len(update.batches)
+        num_micro, self.last_forward_rows = len(update.batches), outputs.image_embeds.shape[0]
         surrogate = surrogate_loss(
             outputs.image_embeds,
             outputs.text_embeds,

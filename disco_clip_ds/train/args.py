@@ -342,6 +342,15 @@ class DiscoTrainingArguments(TrainingArguments):
             "trains and saves at the last size (default: one size throughout)"
         },
     )
+    stage_micro_batch_sizes: str | None = field(
+        default=None,
+        metadata={
+            "help": "each --resolution_schedule stage's micro-batch per rank, e.g. 256,128,64: larger where the "
+            "images are smaller, each a multiple of --per_device_train_batch_size dividing its x "
+            "--gradient_accumulation_steps, whose samples a step still contrasts (fewer accumulation steps; needs "
+            "contrastive accumulation); default: --per_device_train_batch_size throughout"
+        },
+    )
     # An EMA of the weights (train/ema.py): timm ModelEmaV3's rule, sharded like the fp32 master weights.
     ema_decay: float | None = field(
         default=None,

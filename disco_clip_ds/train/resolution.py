@@ -8,16 +8,24 @@ from __future__ import annotations
 import contextlib
 
 from disco_clip_ds.data.naflex import rebudget
-from disco_clip_ds.models.resolution import ResolutionSchedule, parse_schedule, resize_images
+from disco_clip_ds.models.resolution import ResolutionSchedule, parse_micro_batches, parse_schedule, resize_images
 
 
 class StepResolution:
     """The schedule of `args.resolution_schedule` over `args.max_steps` (None: off), applied by `resized` to the
-    forwards run inside `at_step(step)`; outside (evaluation) a batch passes unchanged."""
+    forwards run inside `at_step(step)`; outside (evaluation) a batch passes unchanged. With
+    --stage_micro_batch_sizes, `merged_at` says how many of the stream's micro-batches a step's forward takes at once
+    (the contrastive accumulation runs them so: train/accumulation.py)."""
 
     def __init__(self, args, model_config):
-        text = getattr(args, "resolution_schedule", None)
-        self.schedule = ResolutionSchedule(parse_schedule(text), args.max_steps) if text else None
+        text, micro = getattr(args, "resolution_schedule", None), getattr(args, "stage_micro_batch_sizes", None)
+        self.schedule = None
+        if text:
+            stages = parse_schedule(text)
+            per_step = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+            sizes = parse_micro_batches(micro, len(stages), *per_step) if micro else None
+            self.schedule = ResolutionSchedule(stages, args.max_steps, sizes)
+        self.micro_batch = args.per_device_train_batch_size
         self.naflex = model_config.model_type == "siglip2"
         self.patch_size = model_config.vision_config.patch_size
         self._step = None
@@ -25,6 +33,12 @@ class StepResolution:
     def size_at(self, step: int) -> int | None:
         """The image side (SigLIP 2: patch budget) of 0-based optimizer step `step`; None without a schedule."""
         return None if self.schedule is None else self.schedule.size_at(step)
+
+    def merged_at(self, step: int) -> int:
+        """How many of the stream's micro-batches 0-based optimizer step `step` runs as one forward (its stage's
+        micro-batch under --stage_micro_batch_sizes over --per_device_train_batch_size; 1: each alone)."""
+        micro = None if self.schedule is None else self.schedule.micro_batch_at(step)
+        return 1 if micro is None else micro // self.micro_batch
 
     def patches_per_image(self, step: int) -> int | None:
         """The patches of a square image at 0-based optimizer step `step`'s side (the grid its patch dropout masks,

@@ -172,7 +172,6 @@ class DiscoTrainer(Trainer):
         fetch = functools.partial(super().get_batch_samples, epoch_iterator, num_batches, device)
         # a rank whose loading fails trains this step on a stand-in; every rank raises at its end (_settle_step)
         batches = self.data_failures.fetch(fetch, num_batches, self.args.process_index, self.args.device)
-        self.accumulation.record(batches[0])
         until = self.args.patch_dropout_until_step  # the first step (1-based, as logged) that sees every patch
         unmasked = until is not None and self.state.global_step + 1 >= until
         grid = self.resolution.patches_per_image(self.state.global_step)  # None: no schedule
@@ -182,6 +181,8 @@ class DiscoTrainer(Trainer):
             # resumed run switches where the first did
             if unmasked or grid is not None:
                 at_grid(batch, None if unmasked else grid)
+        # the step's micro-batches, each forward taking its stage's share of them (--stage_micro_batch_sizes)
+        self.accumulation.record(batches[0], self.resolution.merged_at(self.state.global_step))
         self._data_time += time.perf_counter() - start
         return batches
 
@@ -201,6 +202,9 @@ class DiscoTrainer(Trainer):
     # --- the step ---
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs = self.accumulation.take(inputs)  # a stage's larger micro-batch: the run's last item takes them all
+        if inputs is None:
+            return torch.zeros((), device=self.args.device)
         embed_and_cache = functools.partial(
             self.accumulation.embed_and_cache,
             model=model,
@@ -328,6 +332,9 @@ class DiscoTrainer(Trainer):
         if self.resolution.schedule is not None:  # the stage of the logged step: its MFU is that stage's
             key = "max_num_patches" if self.resolution.naflex else "image_size"
             metrics[key] = self.resolution.size_at(step - 1)
+            metrics["micro_batch_per_rank"] = (
+                self.accumulation.last_forward_rows or self.args.per_device_train_batch_size
+            )
         if world <= 16:
             metrics.update({f"peak_mem_gib_rank{r}": per_rank[r, 1].item() for r in range(world)})
         return metrics

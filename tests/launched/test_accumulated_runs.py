@@ -2,7 +2,8 @@
 N ranks x K micro-batches like one rank with N x K x b, under plain PyTorch, DDP, DeepSpeed ZeRO-1/2/3 and FSDP,
 with gradient checkpointing; a resumed run continues exactly; bad settings stop every rank with the reason. The
 sharded runs also drop half of each image's patches (FLIP) and lock parts of both towers: frozen weights stay
-bit-identical and get no optimizer state; one drops them at progressive resolution, each step's at its grid.
+bit-identical and get no optimizer state; two drop them at progressive resolution, each step's at its grid, one of
+them with each stage's own micro-batch.
 (The math: tests/unit/train/test_accumulation.py.)"""
 
 import json
@@ -48,6 +49,9 @@ UNTIL_1, UNTIL_3 = (["--patch_dropout_until_step", str(step)] for step in (1, 3)
 # and at progressive resolution (models/resolution.py): steps 1, 2, 3 at 32, 48, 64 px, each sample keeping half the
 # patches of its step's grid (2 of 4, 4 of 9, 8 of 16), drawn per grid from the sample alone
 SCHEDULE = ["--resolution_schedule", "0:32,0.34:48,0.67:64"]
+# and each stage's micro-batch per rank (--stage_micro_batch_sizes) over a stream of micro-batches of 2, K = 4: step 1
+# runs its 4 micro-batches as one forward of 8 at 32 px, step 2 as 2 of 4 at 48, step 3 as 4 of 2 at 64
+STAGE_MICRO = ["--stage_micro_batch_sizes", "8,4,2"]
 RELATIVE_RATES = {
     "vision_model.embeddings.patch_embedding.weight": 1 / 16,
     "vision_model.pre_layrnorm.weight": 1 / 16,
@@ -118,7 +122,7 @@ def initial_model(tmp_path_factory):
     return save_initial_model(tmp_path_factory.mktemp("init") / "tiny", SEED)
 
 
-# The fixture's 18 runs (~15-25 s of imports per launch on a quiet 2-core machine, several times that on a loaded
+# The fixture's 19 runs (~15-25 s of imports per launch on a quiet 2-core machine, several times that on a loaded
 # one) are charged to the first test that uses it.
 E2E_TIMEOUT = pytest.mark.timeout(1800)
 
@@ -189,6 +193,7 @@ def runs(tmp_path_factory, initial_model):
     launch("accelerate", 2, root / "n2_k2_fsdp", *sharded, ds_config=None)
     launch(QUICK, 2, root / "n2_k2_ddp_gc", *same, *micro(MICRO, 2), *gc, ds_config=None)
     launch(QUICK, 2, root / "n2_k2_zero2_scheduled", *same, *micro(MICRO, 2), *PATCHES, *SCHEDULE)
+    launch(QUICK, 2, root / "n2_k4_zero2_staged", *same, *micro(MICRO // 2, 4), *PATCHES, *SCHEDULE, *STAGE_MICRO)
     # each rank reading its own shards (the default), uninterrupted, then resumed from the step-2 checkpoint
     # with patch dropout up to step 3, which the resumed part switches off as the uninterrupted run did
     own = [*common, *micro(MICRO, 2), "--max_steps", "4", "--save_steps", "2", *PATCHES, *UNTIL_3]
@@ -201,19 +206,30 @@ def runs(tmp_path_factory, initial_model):
 @E2E_TIMEOUT
 @pytest.mark.parametrize(
     "run",
-    ["n1_k4", "n2_k2_zero1", "n2_k2_zero2", "n2_k2_zero3_gc", "n2_k2_fsdp", "n2_k2_ddp_gc", "n2_k2_zero2_scheduled"],
+    [
+        "n1_k4",
+        "n2_k2_zero1",
+        "n2_k2_zero2",
+        "n2_k2_zero3_gc",
+        "n2_k2_fsdp",
+        "n2_k2_ddp_gc",
+        "n2_k2_zero2_scheduled",
+        "n2_k4_zero2_staged",
+    ],
 )
 @pytest.mark.slow
 def test_accumulated_run_trains_like_one_batch_of_all_pairs(runs, initial_model, run):
     if "fsdp" in run:  # sharded by FSDP2, not fallen back to DDP
         assert_trained_under_fsdp(runs / run)
-    if "scheduled" in run:  # each step at its stage's side, the masks of its grid (a crash at an earlier grid else)
-        history = json.loads((runs / run / "trainer_state.json").read_text())["log_history"]
+    history = json.loads((runs / run / "trainer_state.json").read_text())["log_history"]
+    if "scheduled" in run or "staged" in run:  # each step at its stage's side, the masks of its grid
         assert [h["image_size"] for h in history if "loss" in h] == [32, 48, 64]
-    # the sharded runs: TOWERS, PATCHES and LOCK; the scheduled one: PATCHES and SCHEDULE
-    reference = {"n1_k4": "n1_k1", "n2_k2_ddp_gc": "n1_k1", "n2_k2_zero2_scheduled": "n1_k1_scheduled"}.get(
-        run, "n1_k1_towers"
-    )
+    if "staged" in run:  # and the rows of its forwards with grad
+        assert [h["micro_batch_per_rank"] for h in history if "loss" in h] == [8, 4, 2]
+    # the sharded runs: TOWERS, PATCHES and LOCK; the scheduled ones: PATCHES and SCHEDULE
+    scheduled = "n1_k1_scheduled"
+    reference = {"n1_k4": "n1_k1", "n2_k2_ddp_gc": "n1_k1", "n2_k2_zero2_scheduled": scheduled}.get(run, "n1_k1_towers")
+    reference = scheduled if "staged" in run else reference
     assert_same_training(runs / run, runs / reference, weights(initial_model), steps=STEPS)
 
 

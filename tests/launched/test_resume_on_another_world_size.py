@@ -2,7 +2,8 @@
 the model is built (in process), and the exact resume of a 2-rank x K=1 run on 1 rank x K=2 through a DeepSpeed
 universal checkpoint, with AdamW so that the re-partitioned moments matter, under ZeRO-2 and ZeRO-3, and on 4 ranks x
 half the micro-batch (each pair of ranks sharing one of the run's readers); every run at progressive resolution whose
-stages change after the resume, with patch dropout (SCHEDULE). One reference run per stage: 2 ranks x K=1, AdamW; the
+stages change after the resume, with patch dropout (SCHEDULE), the one-rank resume running step 4's two micro-batches
+as one forward (--stage_micro_batch_sizes). One reference run per stage: 2 ranks x K=1, AdamW; the
 ZeRO-3 one trains the ZeRO-2 one's weights (ZeRO-3 gathers the interpolated position embeddings' weight). Under
 ZeRO-3 deepspeed's own universal load loses the Adam step count and the per-group weight decay: a minimal
 reproduction on deepspeed alone shows what it loses and what `universal.repair_zero3_universal_load` restores. (The
@@ -148,6 +149,8 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
         "--dataloader_num_workers",  # 2 readers, as 2 ranks x 1 worker
         "2",
         *SCHEDULE,
+        "--stage_micro_batch_sizes",  # the K=2 micro-batches of step 4 (48 px) in one forward, of steps 5-6 apart
+        "8,8,4",
     ]
     rc, log = run_to_end(out, _args(out, data, *resumed), launcher=QUICK, nproc=1)
     assert rc == 0, log[-3000:]
@@ -161,6 +164,11 @@ def test_two_ranks_resumed_on_one_rank_with_k2_end_at_the_uninterrupted_weights(
     [segment] = run["resumes"]
     assert segment["from_step"] == SAVE and segment["world_size"] == 1 and segment["gradient_accumulation_steps"] == 2
     assert segment["global_contrastive_batch"] == run_before["global_contrastive_batch"] == 2 * PER_RANK
+    assert segment["resolution_schedule"] == (
+        "32 from step 1 (micro-batch 8), 48 from step 3 (micro-batch 8), 64 from step 5 (micro-batch 4)"
+    )
+    logged = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [h["micro_batch_per_rank"] for h in logged if "loss" in h][SAVE:] == [8, 4, 4]
     from disco_clip_ds.export.card import describe_run
 
     assert describe_run(out / f"checkpoint-{STEPS}")["resumes"] == f"step {SAVE} (1 rank x K 2)"

@@ -180,3 +180,68 @@ def test_bf16_model_accumulates_as_exactly_as_one_bf16_batch():
         error(one_batch),
     )
     assert accumulated["logit_scale"].item() == pytest.approx(reference["logit_scale"].item(), rel=0.02)
+
+
+def _trainer_loop_step(model, batches, merged: int):
+    """One optimizer step as DiscoTrainer drives ContrastiveAccumulation: `record` the K fetched micro-batches, then
+    per micro-batch `take` the batch its training_step runs (None: nothing), `micro_step` around the forward and
+    `loss`'s backward. Returns (the summed logged loss, grads, the rows of each forward with grad)."""
+    from types import SimpleNamespace
+
+    from disco_clip_ds.train.accumulation import ContrastiveAccumulation
+
+    args = SimpleNamespace(contrastive_accumulation=True, gradient_accumulation_steps=len(batches))
+    accumulation = ContrastiveAccumulation(args)
+    embed_and_cache = lambda update: accumulation.embed_and_cache(update, model, model, lambda b: b, _no_autocast)
+    model.zero_grad()
+    accumulation.record(batches, merged)
+    logged, rows = 0.0, []
+    for inputs in batches:
+        batch = accumulation.take(inputs)
+        if batch is None:
+            continue
+        with accumulation.micro_step(batch, embed_and_cache):
+            loss = accumulation.loss(model, model, batch, return_outputs=False)
+            loss.backward()
+        logged += loss.item()
+        rows.append(accumulation.last_forward_rows)
+    assert accumulation.update is None  # the step's last micro-batch closed the update
+    return logged, _grads(model), rows
+
+
+def _no_autocast():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("merged", [1, 2, 4])
+def test_a_stages_merged_micro_batches_give_the_global_batch_gradient_float64(merged):
+    """--stage_micro_batch_sizes: K=4 micro-batches of 3 run as 4/merged forwards of 3 x merged rows; the step's loss
+    and gradient are plain autograd's over all 12 pairs, whatever the merge."""
+    model = _tiny_model()
+    batches = _micro_batches(model, k=4, b=3)
+    whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
+    model.zero_grad()
+    out = model(**whole)
+    reference = clip_loss_fp64(out.image_embeds, out.text_embeds, out.logit_scale)
+    reference.backward()
+    expected = _grads(model)
+    logged, got, rows = _trainer_loop_step(model, batches, merged)
+    assert rows == [3 * merged] * (4 // merged)
+    assert logged == pytest.approx(reference.item(), rel=LOSS_RTOL)
+    assert_same_grads(got, expected)
+
+
+def test_take_refuses_micro_batches_out_of_order():
+    from types import SimpleNamespace
+
+    from disco_clip_ds.train.accumulation import ContrastiveAccumulation
+
+    accumulation = ContrastiveAccumulation(
+        SimpleNamespace(contrastive_accumulation=True, gradient_accumulation_steps=2)
+    )
+    first, second = {"x": torch.zeros(1)}, {"x": torch.ones(1)}
+    accumulation.record([first, second], 2)
+    with pytest.raises(RuntimeError, match="in order"):
+        accumulation.take(second)

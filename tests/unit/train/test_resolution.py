@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from disco_clip_ds.models.configs import load_config
+from disco_clip_ds.models.resolution import describe_schedule
 from disco_clip_ds.plan.flops import at_size, model_shape, training_flops_per_sample
 from disco_clip_ds.testing.launch import REPO
 from disco_clip_ds.train import throughput as tp
@@ -20,8 +21,16 @@ TINY = load_config(model_config=str(REPO / "recipes/models/tiny.json"))  # 64 px
 SIGLIP2 = load_config(model_config=str(REPO / "recipes/models/siglip2_tiny.json"))
 
 
-def _args(schedule, max_steps=10, **more):
-    return SimpleNamespace(resolution_schedule=schedule, max_steps=max_steps, patch_dropout=0.0, **more)
+def _args(schedule, max_steps=10, micro=2, accumulation=1, stage_micro=None, **more):
+    return SimpleNamespace(
+        resolution_schedule=schedule,
+        max_steps=max_steps,
+        patch_dropout=0.0,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        stage_micro_batch_sizes=stage_micro,
+        **more,
+    )
 
 
 def test_each_forward_of_a_step_sees_the_steps_side_and_evaluation_the_batch_as_made():
@@ -38,6 +47,18 @@ def test_each_forward_of_a_step_sees_the_steps_side_and_evaluation_the_batch_as_
     # the patch grid whose masks the step keeps (patch dropout: models/patch_dropout.py `at_grid`)
     assert [resolution.patches_per_image(step) for step in (0, 4, 5, 9)] == [4, 4, 16, 16]
     assert StepResolution(_args(None), TINY).patches_per_image(0) is None
+
+
+def test_a_steps_forwards_merge_the_micro_batches_its_stage_takes_at_once():
+    """--stage_micro_batch_sizes 8,4,2 over micro-batches of 2, K = 4: steps 0-2 run 4 micro-batches a forward, 3-6
+    two, 7-9 one; without the flag each runs alone."""
+    resolution = StepResolution(_args("0:32,0.3:48,0.7:64", micro=2, accumulation=4, stage_micro="8,4,2"), TINY)
+    assert [resolution.merged_at(step) for step in range(10)] == [4, 4, 4, 2, 2, 2, 2, 1, 1, 1]
+    assert StepResolution(_args("0:32,0.5:64", accumulation=4), TINY).merged_at(0) == 1
+    assert StepResolution(_args(None), TINY).merged_at(0) == 1
+    assert describe_schedule("0:32,0.3:48,0.7:64", 10, "8,4,2", 2, 4) == (
+        "32 from step 1 (micro-batch 8), 48 from step 4 (micro-batch 4), 64 from step 8 (micro-batch 2)"
+    )
 
 
 def test_a_naflex_step_packs_the_batch_at_its_budget():

@@ -18,6 +18,15 @@ TOK = ["--tokenizer_name", str(REPO / "recipes/tokenizer")]
 
 SIGLIP = REPO / "recipes/models/siglip_tiny.json"
 SIGLIP2 = ["--model_config", str(REPO / "recipes/models/siglip2_tiny.json")]
+# two stages over steps of 4 micro-batches of 2 per rank: a stage may run 2, 4 or 8 rows a forward
+SCHEDULE_K4 = [
+    "--resolution_schedule",
+    "0:32,0.5:64",
+    "--per_device_train_batch_size",
+    "2",
+    "--gradient_accumulation_steps",
+    "4",
+]
 
 # (arguments after --train_shards; "{data}", "{tmp}" and the configs of `bad_inputs` are filled in per test; the
 # message to expect)
@@ -182,6 +191,32 @@ BAD_ARGUMENTS = {
     "naflex budget schedule against max_num_patches": (
         ["{data}", *SIGLIP2, *TOK, "--resolution_schedule", "0:16,0.5:64", "--max_num_patches", "32"],
         "--resolution_schedule 0:16,0.5:64: its last budget 64 differs from --max_num_patches 32",
+    ),
+    "stage micro-batches without a schedule": (
+        ["{data}", *MODEL, *TOK, "--stage_micro_batch_sizes", "8,4"],
+        "--stage_micro_batch_sizes sets each --resolution_schedule stage's: give the schedule",
+    ),
+    "stage micro-batches not one per stage": (
+        ["{data}", *MODEL, *TOK, *SCHEDULE_K4, "--stage_micro_batch_sizes", "8"],
+        "--stage_micro_batch_sizes 8: 1 micro-batch sizes for 2 stages: give one per stage",
+    ),
+    "stage micro-batch not dividing the step": (
+        ["{data}", *MODEL, *TOK, *SCHEDULE_K4, "--stage_micro_batch_sizes", "6,2"],
+        "--stage_micro_batch_sizes 6,2: micro-batch 6: each stage's must be a multiple of "
+        "--per_device_train_batch_size 2 that divides its 2 x 4 samples per step (one of 2, 4, 8)",
+    ),
+    "stage micro-batches under plain accumulation": (
+        [
+            "{data}",
+            *MODEL,
+            *TOK,
+            *SCHEDULE_K4,
+            "--stage_micro_batch_sizes",
+            "4,2",
+            "--contrastive_accumulation",
+            "false",
+        ],
+        "--stage_micro_batch_sizes 4,2 with --contrastive_accumulation false: a larger micro-batch would contrast more",
     ),
     "ensemble member missing": (
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{tmp}/noteacher"],
