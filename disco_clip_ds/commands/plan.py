@@ -1,7 +1,7 @@
 """Plan a run before launch: validate a DeepSpeed config, estimate per-GPU memory and per-rank traffic.
 
 `disco-clip plan` (and `python -m disco_clip_ds.plan`): the arguments of plan.report.plan, its table printed, and
-the plan as JSON on request; exit 0 when every requested loss fits, 1 when one does not.
+the plan as JSON on request; exit 0 when every requested loss fits (at every stage of a schedule), 1 when one does not.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _host_options(args) -> HostOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`disco-clip plan`: 0 when every requested loss fits, 1 when one does not; a bad config raises
+    """`disco-clip plan`: 0 when every requested loss fits (at each stage of a schedule), 1 when one does not; a bad config raises
     PlanConfigError, a bad flag a UsageError, before any planning."""
     args = _parse(argv)
     _check_arguments(args)
@@ -205,4 +205,6 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         except OSError as error:  # the checks above cannot foresee every one (permissions, a full disk)
             raise UsageError(f"--json {args.json}: cannot write the plan there ({error.strerror})") from None
-    return 0 if all(m["fits"] for m in result["memory"].values()) else 1
+    stages = result.get("resolution_stages", {}).get("stages", [])  # every stage must fit too, at its micro-batch
+    fits = [m["fits"] for m in result["memory"].values()] + [f for stage in stages for f in stage["fits"].values()]
+    return 0 if all(fits) else 1

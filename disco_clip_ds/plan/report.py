@@ -141,7 +141,11 @@ def plan(
             out["max_contrastive_steps"][impl] = max_contrastive_steps(*plan_args, chunk_size, teacher=teacher)
     if stages:
         rest = (activation_checkpointing, capacity, overhead, None, chunk_size, teacher)
-        memory = lambda stage, batch: {i: memory_plan(stage, batch, fit, i, *rest).total for i in loss_impls}  # noqa: E731
+
+        def memory(stage, batch) -> dict:
+            planned = {i: memory_plan(stage, batch, fit, i, *rest) for i in loss_impls}
+            return {i: (m.total, m.fits) for i, m in planned.items()}
+
         micro = stage_micro_batches(stage_micro_batch_sizes, len(stages), settings)
         out["resolution_stages"] = plan_stages(stages, shape, memory, settings, micro)
     return out

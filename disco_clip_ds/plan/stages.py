@@ -48,9 +48,9 @@ def stage_micro_batches(text: str | None, stages: int, settings: Settings) -> li
 def plan_stages(
     stages: list[tuple[float, int]], shape: ModelShape, memory, settings: Settings, micro: list[int]
 ) -> dict:
-    """Each stage's figures and the schedule's FLOPs ratio; `memory(shape, settings)`: {impl: per-GPU bytes} at a
-    stage's shape and batch; `micro`: each stage's micro-batch (its accumulation steps: micro x K / it). `shape`: the
-    model at its last size."""
+    """Each stage's figures and the schedule's FLOPs ratio; `memory(shape, settings)`: {impl: (per-GPU bytes, fits)}
+    at a stage's shape and batch; `micro`: each stage's micro-batch (its accumulation steps: micro x K / it).
+    `shape`: the model at its last size."""
     rows = []
     for (share, size), micro_batch in zip(stages, micro):
         stage = at_size(shape, size)
@@ -65,11 +65,15 @@ def plan_stages(
                 "grad_accum": accumulation,
                 "vision_tokens": stage.layer_tokens(stage.towers["vision"]),
                 "flops_per_sample": flops,
-                "memory": memory(stage, batch),
+                **_memory_and_fit(memory(stage, batch)),
             }  # fmt: skip
         )
     fixed = sum(shape.training_flops_per_sample().values())
     return {"stages": rows, "flops_vs_fixed": sum(r["share"] * r["flops_per_sample"] for r in rows) / fixed}
+
+
+def _memory_and_fit(planned: dict) -> dict:
+    return {"memory": {i: total for i, (total, _) in planned.items()}, "fits": {i: f for i, (_, f) in planned.items()}}
 
 
 def format_stages(result: dict, gib: float) -> list[str]:
@@ -80,7 +84,9 @@ def format_stages(result: dict, gib: float) -> list[str]:
         "tokens, training GFLOP per sample, per-GPU memory per loss)"
     ]
     for r in result["stages"]:
-        memory = ", ".join(f"{impl} {r['memory'][impl] / gib:.2f} GiB" for impl in impls)
+        memory = ", ".join(
+            f"{impl} {r['memory'][impl] / gib:.2f} GiB" + ("" if r["fits"][impl] else " (OOM)") for impl in impls
+        )
         lines.append(
             f"  {r['share']:6.1%} at {r['size']:>4}: {r['micro_batch']:>5} x {r['grad_accum']:<3}"
             f"{r['vision_tokens']:>5} tokens, {r['flops_per_sample'] / 1e9:8.1f} GFLOP, {memory}"
