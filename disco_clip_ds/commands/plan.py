@@ -1,7 +1,8 @@
 """Plan a run before launch: validate a DeepSpeed config, estimate per-GPU memory and per-rank traffic.
 
 `disco-clip plan` (and `python -m disco_clip_ds.plan`): the arguments of plan.report.plan, its table printed, and
-the plan as JSON on request; exit 0 when every requested loss fits (at every stage of a schedule), 1 when one does not.
+the plan as JSON on request; exit 0 when every requested loss fits (at every stage of a schedule), 1 when one does
+not.
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def _host_options(args) -> HostOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`disco-clip plan`: 0 when every requested loss fits (at each stage of a schedule), 1 when one does not; a bad config raises
-    PlanConfigError, a bad flag a UsageError, before any planning."""
+    """`disco-clip plan`: 0 when every requested loss fits (at each stage of a schedule), 1 when one does not; a bad
+    config raises PlanConfigError, a bad flag a UsageError, before any planning."""
     args = _parse(argv)
     _check_arguments(args)
     result = plan(

@@ -239,3 +239,23 @@ class GlobalBatchLossMixin:
             vision_model_output=vision_outputs,
             **dict(zip(self.PARAM_NAMES, params)),
         )
+
+
+def gather_attention_output_projections(model: nn.Module) -> None:
+    """Under ZeRO-3, each torch `nn.MultiheadAttention`'s output projection (SigLIP's attention-pooling head) registered
+    as an external parameter of the attention module: its forward reads `out_proj.weight` and `.bias` itself
+    (`F.multi_head_attention_forward`), never through `out_proj`'s own forward, so ZeRO-3 would not gather them. Without
+    it only DeepSpeed's automatic discovery gathers them, inside the engine's forward alone: the tower called directly
+    (`get_image_features`, an evaluation before the first training step) would read an empty partition. Nothing
+    otherwise."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero import register_external_parameter
+
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            for weight in (module.out_proj.weight, module.out_proj.bias):
+                if weight is not None:
+                    register_external_parameter(module, weight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from disco_clip_ds.models.base import init_seed
+from disco_clip_ds.models.base import gather_attention_output_projections, init_seed
 from disco_clip_ds.models.clip import DiscoCLIPModel
 from disco_clip_ds.models.configs import load_config
 from disco_clip_ds.models.resolution import gather_position_embedding, resize_position_embeddings
@@ -32,7 +32,8 @@ def build_model(
     `config`: the model's config as already loaded (a run's `CheckedRun.config`), copied, not loaded again.
     `image_size`: a square-image model's side when it differs from its config's (the last stage of a progressive
     resolution schedule): its position embeddings are resized to it once, here (models/resolution.py). Under ZeRO-3
-    the position embedding's weight is gathered with the module whose forward reads it (`gather_position_embedding`)."""
+    the position embedding's weight and a pooling attention's output projection are gathered with the module whose
+    forward reads them (`gather_position_embedding`, `gather_attention_output_projections`)."""
     if bool(model_name_or_path) == bool(model_config):
         raise ValueError("give exactly one of model_name_or_path (pretrained weights) or model_config (a config JSON)")
     # a copy: the loss settings below must not change the caller's config
@@ -49,6 +50,7 @@ def build_model(
     if image_size is not None and config.model_type != "siglip2":
         resize_position_embeddings(model, image_size)
     gather_position_embedding(model)  # under ZeRO-3: with the embeddings module that reads it
+    gather_attention_output_projections(model)  # and SigLIP's pooling attention's output projection with it
     return model
 
 

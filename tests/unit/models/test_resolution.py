@@ -1,7 +1,7 @@
 """models/resolution.py: the schedule's form and its steps (hand-computed), the resize of a model's position
 embeddings against transformers' own `interpolate_pos_encoding=True` at that side, and the saved model loading as the
-plain transformers model at the new side; under ZeRO-3 (2 gloo ranks) the resize of a partitioned model and a step at
-an earlier stage's side against the same step unpartitioned; data/naflex.py's `rebudget` against the grid made at that
+plain transformers model at the new side; under ZeRO-3 (2 gloo ranks) the resize of a partitioned model, its image
+tower called alone and a step at an earlier stage's side against the same unpartitioned; data/naflex.py's `rebudget` against the grid made at that
 budget."""
 
 import copy
@@ -111,8 +111,7 @@ def _batch() -> dict:
 def _zero3_steps(rank, world, folders: dict) -> dict:
     """On each of `world` gloo ranks, under ZeRO-3: each model of `folders` built partitioned (zero.Init) and resized
     to LAST, one SGD step of the global-batch loss on this rank's rows of `_batch()`; the gathered weights after it,
-    and (CLIP) the image features of its rows before the step, by the tower called directly, outside the engine's
-    forward."""
+    and the image features of its rows before the step, by the tower called directly, outside the engine's forward."""
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -133,10 +132,12 @@ def _zero3_steps(rank, world, folders: dict) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         engine = deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
         features = None
-        if kind == "clip":  # before any forward of the engine, whose automatic discovery of external parameters
-            with torch.no_grad():  # would register the weight with the embeddings module from then on
-                features = model.get_image_features(pixel_values=rows["pixel_values"], interpolate_pos_encoding=True)
-            features = features.pooler_output
+        # before any forward of the engine, whose automatic discovery of external parameters would register the
+        # weights read by a parent's forward (the position embedding; SigLIP's pooling attention's output
+        # projection) with that parent from then on
+        with torch.no_grad():
+            features = model.get_image_features(pixel_values=rows["pixel_values"], interpolate_pos_encoding=True)
+        features = features.pooler_output
         engine.backward(engine(**rows, return_loss=True).loss)
         engine.step()
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
