@@ -1,8 +1,8 @@
 """models/resolution.py: the schedule's form and its steps (hand-computed), the resize of a model's position
 embeddings against transformers' own `interpolate_pos_encoding=True` at that side, and the saved model loading as the
 plain transformers model at the new side; under ZeRO-3 (2 gloo ranks) the resize of a partitioned model, its image
-tower called alone and a step at an earlier stage's side against the same unpartitioned; data/naflex.py's `rebudget` against the grid made at that
-budget."""
+tower called alone and a step at an earlier stage's side against the same unpartitioned; data/naflex.py's
+`rebudget` against the grid made at that budget."""
 
 import copy
 import functools
