@@ -32,6 +32,7 @@ from disco_clip_ds.data.redact import describe_source
 from disco_clip_ds.data.shards import IMAGE_EXTS, expand_shards, is_url, missing_shards
 from disco_clip_ds.data.streams.tar_samples import Member, raw_samples
 from disco_clip_ds.errors import DataError, UsageError
+from disco_clip_ds.eval.spread import across_ranks
 from disco_clip_ds.texts import decode_text, read_text
 
 TASK_FIELD = {"zeroshot_classification": "cls", "zeroshot_retrieval": "txt", "linear_probe": "cls"}
@@ -82,37 +83,50 @@ def resolve_shards(spec: str | Sequence[str]) -> list[str]:
     return urls
 
 
-def check_eval_shards(urls: Sequence[str], task: str) -> None:
+def check_eval_shards(urls: Sequence[str], task: str, dealt: bool = False) -> None:
     """Read each local shard's member headers and the field the task needs (no image bytes) through the shard reader
-    before any model is loaded: a truncated tar, a sample without an image or without that field would otherwise be
-    found only after encoding the images before it. What was read is kept for the evaluation's read of the same
-    shard (`raw_shard_batches`), up to KEPT_SAMPLES samples: the headers are read once."""
+    before any model forward: a truncated tar, a sample without an image or without that field would otherwise be
+    found only after encoding the images before it. What was read is kept for the evaluation's read of the same shard
+    (`raw_shard_batches`), up to KEPT_SAMPLES samples: the headers are read once. With `dealt` (a collective: every
+    rank calls it with the same shards, as the suite does once the ranks agreed that the task opened everywhere) the
+    shards are dealt out across ranks (eval/spread.py's `across_ranks`), every rank keeps what all of them read and
+    raises the first shard's error."""
     need = TASK_FIELD[task]
-    for url in urls:
-        if is_url(url):
-            continue
-        fields, incomplete, samples = set(), None, []
+    local = [url for url in urls if not is_url(url)]
+    check = functools.partial(_checked_shard, need, task)
+    for url, (samples, error) in zip(local, across_ranks(check, local) if dealt else map(check, local)):
+        if error is not None:
+            raise error
+        if samples is not None:
+            _keep(url, need, samples)
+
+
+def _checked_shard(need: str, task: str, url: str) -> tuple[list[dict] | None, Exception | None]:
+    """(the samples of shard `url` with `need` read, or None past KEPT_SAMPLES; the error that refuses it, or None):
+    returned, not raised, so that every rank learns it."""
+    fields, incomplete, samples = set(), None, []
+    try:
         for sample in _read(url, read=frozenset((need,))):
             samples.append(sample)
             fields |= sample.keys()
             if incomplete is None and not (need in sample and any(ext in sample for ext in IMAGE_EXTS)):
                 incomplete = sample["__key__"]
-        if fields and need not in fields:
-            other = "zeroshot_retrieval" if need == "cls" else "zeroshot_classification"
-            layout = (
-                "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
-            )
-            hint = f"; it has .{TASK_FIELD[other]}: use --task {other}" if TASK_FIELD[other] in fields else ""
-            raise UsageError(
-                f"shard '{describe_source(url)}' has no .{need} members, which --task {task} reads (expected "
-                f"{layout}){hint}"
-            )
-        if incomplete is not None:
-            raise DataError(
-                f"sample {incomplete} of shard '{describe_source(url)}' has no image ({'/'.join(IMAGE_EXTS)}) or no "
-                f".{need}: an evaluation reads every sample; re-create the shard"
-            )
-        _keep(url, need, samples)
+    except DataError as error:
+        return None, error
+    if fields and need not in fields:
+        other = "zeroshot_retrieval" if need == "cls" else "zeroshot_classification"
+        layout = "KEY.jpg + KEY.cls (class index)" if need == "cls" else "KEY.jpg + KEY.txt (captions, one per line)"
+        hint = f"; it has .{TASK_FIELD[other]}: use --task {other}" if TASK_FIELD[other] in fields else ""
+        return None, UsageError(
+            f"shard '{describe_source(url)}' has no .{need} members, which --task {task} reads (expected "
+            f"{layout}){hint}"
+        )
+    if incomplete is not None:
+        return None, DataError(
+            f"sample {incomplete} of shard '{describe_source(url)}' has no image ({'/'.join(IMAGE_EXTS)}) or no "
+            f".{need}: an evaluation reads every sample; re-create the shard"
+        )
+    return (samples if len(samples) <= KEPT_SAMPLES else None), None
 
 
 KEPT_SAMPLES = 200_000  # the checked samples kept for the evaluation's read, at most (a few hundred bytes each)

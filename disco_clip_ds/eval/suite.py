@@ -29,7 +29,7 @@ from disco_clip_ds.errors import DataError, DiscoClipError, UsageError
 from disco_clip_ds.eval.encode import EvalMode, encode_images, unwrap, zeroshot_classifier
 from disco_clip_ds.eval.probe import CLIP_BENCHMARK_NAMES as PROBE_NAMES
 from disco_clip_ds.eval.probe import linear_probe
-from disco_clip_ds.eval.sources import as_raw_batches, kept, skipped_of, split_shards
+from disco_clip_ds.eval.sources import as_raw_batches, check_eval_shards, kept, skipped_of, split_shards
 from disco_clip_ds.eval.spread import spread
 from disco_clip_ds.eval.tasklist import Task, record_file
 from disco_clip_ds.eval.tasklist import load_tasks as load_tasks
@@ -88,9 +88,10 @@ def run_suite(
     unreadable shard: a project error or an OSError) is recorded in its result with its error and the others still
     run. The text tower's class-name classifiers are computed once per (class names, templates) and shared.
 
-    Each task's files are opened and checked (`prepare_task`) before its first forward. `agree(ok)` (training: true on
-    every rank when true on all) then decides on every rank whether the task runs: under ZeRO-3 a task that could not
-    be opened on one rank is skipped on all of them, where the others would wait for it in a forward."""
+    Each task's files are opened (`prepare_task`) before its first forward. `agree(ok)` (training: true on every rank
+    when true on all) then decides on every rank whether the task runs: under ZeRO-3 a task that could not be opened
+    on one rank is skipped on all of them, where the others would wait for it in a forward. A task that runs first
+    checks its shards' headers, dealt out across ranks (a shard that fails fails the task on every rank)."""
     classifiers: dict = {}
     results = []
     for task in tasks:
@@ -116,16 +117,18 @@ def run_suite(
 def prepare_task(
     task: Task, model, tokenizer, image_processor, batch_size: int, progress: bool, classifiers: dict
 ) -> Callable[[], dict]:
-    """Open and check one task's files (shards' headers, class names, templates: no forward yet) and return the
-    function that evaluates it: its metrics with CLIP_benchmark's names (retrieval adds DataComp's mean_recall@1)."""
+    """Open one task's files (shard lists, class names, templates: no forward yet) and return the function that
+    evaluates it: its shards' headers checked across ranks first (`checked`), then its metrics with CLIP_benchmark's
+    names (retrieval adds DataComp's mean_recall@1)."""
     desc = f"{task.key} ({task.type})"
     if task.is_path and not any(c in task.source for c in "{:") and not Path(task.source).exists():
         raise UsageError(f"task {task.key}: no such folder '{task.source}' (its path, relative to the task list)")
     settings = dict(image_processor=image_processor, batch_size=batch_size, progress=progress, desc=desc)
     if task.type == "zeroshot_retrieval":
-        data, _ = open_eval_data(task.source, task.type, **task.columns)
+        data, _ = open_eval_data(task.source, task.type, check=False, **task.columns)
 
         def retrieval() -> dict:
+            checked(data, task.type)
             metrics = zeroshot_retrieval(model, tokenizer, data, **settings)
             metrics["mean_recall@1"] = (metrics["image_retrieval_recall@1"] + metrics["text_retrieval_recall@1"]) / 2
             return metrics
@@ -133,10 +136,11 @@ def prepare_task(
         return retrieval
     if task.type == "linear_probe":
         return _linear_probe(task, model, image_processor, batch_size, progress, desc)
-    data, classnames = open_eval_data(task.source, task.type, task.classnames, **task.columns)
+    data, classnames = open_eval_data(task.source, task.type, task.classnames, check=False, **task.columns)
     templates = find_templates(task.source, task.templates)
 
     def classification() -> dict:
+        checked(data, task.type)
         key = (tuple(classnames), tuple(templates))
         if key not in classifiers:
             with EvalMode(unwrap(model)):
@@ -157,10 +161,12 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
             f"'{task.source}' (CLIP_benchmark's layout)"
         )
     columns = {**task.columns, "split": task.train_split}
-    train, classnames = open_eval_data(task.source, task.type, task.classnames, **columns)
-    test, _ = open_eval_data(task.source, task.type, task.classnames, **task.columns)
+    train, classnames = open_eval_data(task.source, task.type, task.classnames, check=False, **columns)
+    test, _ = open_eval_data(task.source, task.type, task.classnames, check=False, **task.columns)
 
     def probe() -> dict:
+        checked(train, task.type)
+        checked(test, task.type)
         train_x, train_y, skipped = image_features(model, train, image_processor, batch_size, progress, f"{desc} train")
         test_x, test_y, more = image_features(model, test, image_processor, batch_size, progress, f"{desc} test")
         if classnames is not None:  # the probe needs no names, but names it is given must fit its labels
@@ -179,6 +185,13 @@ def _linear_probe(task: Task, model, image_processor, batch_size: int, progress:
         return with_skipped(metrics, skipped + more)
 
     return probe
+
+
+def checked(data, task_type: str) -> None:
+    """A task's shards' headers checked across ranks before its first forward (`check_eval_shards`, dealt: a
+    collective, reached by every rank once they agreed the task opened); a datasets source was checked on opening."""
+    if isinstance(data, list):
+        check_eval_shards(data, task_type, dealt=True)
 
 
 def check_class_names(task: Task, classnames: list[str], train_y: torch.Tensor, test_y: torch.Tensor) -> None:

@@ -265,13 +265,14 @@ DATASET_FLAGS = {
 
 
 def open_eval_data(
-    data: str, task: str, classnames: str | None = None, **columns: str | None
+    data: str, task: str, classnames: str | None = None, check: bool = True, **columns: str | None
 ) -> tuple[list[str] | DatasetSource, list[str] | None]:
     """(the data, its class names: None for retrieval, and for a linear probe without them) that `data` names:
     checked shards, or a 🤗 datasets source with its columns picked (`columns`: `DatasetSource.open`'s split, config
     and columns). A folder in CLIP_benchmark's layout is read from its split folder (`split`, default test); the
     other columns name a datasets dataset's, and with shards they are refused. `classnames`: a file, a shipped or
-    CLIP_benchmark name, else those beside the shards or the dataset's ClassLabel names."""
+    CLIP_benchmark name, else those beside the shards or the dataset's ClassLabel names. `check=False` leaves the
+    shards' headers to the caller (`check_eval_shards`: the suite checks them across ranks, once they agree)."""
     classify = task == "zeroshot_classification" or (task == "linear_probe" and bool(classnames))
     if is_datasets_source(data):
         names = find_classnames(data, classnames) if task != "zeroshot_retrieval" and classnames else None
@@ -282,7 +283,8 @@ def open_eval_data(
         columns = {**columns, "split": None}
     refuse_dataset_options(data, {DATASET_FLAGS[name]: value for name, value in columns.items()})
     shards = resolve_shards(split or data)
-    check_eval_shards(shards, task)
+    if check:
+        check_eval_shards(shards, task)
     if classify:
         return shards, find_classnames(data, classnames)
     return shards, None

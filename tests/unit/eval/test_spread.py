@@ -192,11 +192,14 @@ def test_two_ranks_give_one_ranks_suite_each_doing_half_the_work(suite_sets, mod
     # and drops it: 7 + 4 + 8 + 7 images against 7 + 3 + 8 + 7
     assert one["counts"]["images"] == 45
     assert [r["counts"]["images"] for r in two] == [26, 25]
-    # each rank reads the bytes of the images it encodes alone (the shards' headers and labels are read by every rank)
+    # each rank reads the bytes of the images it encodes alone
     assert one["counts"]["image_reads"] == 45 and [r["counts"]["image_reads"] for r in two] == [26, 25]
-    # and each shard's headers once: the evaluation reads what the task's check read
+    # and each shard's headers once, on one rank: the checks deal the shards out, and every rank evaluates from what
+    # the checks read
     shards = one["counts"]["shards_read"]
-    assert len(shards) == len(set(shards)) >= 4 and all(r["counts"]["shards_read"] == shards for r in two)
+    assert len(shards) == len(set(shards)) >= 4
+    first, second = (r["counts"]["shards_read"] for r in two)
+    assert sorted(first + second) == sorted(shards) and first and second
     # texts: 18 prompts (6 classes x 3 templates: one batch of 64, each rank encodes it) and 13 captions (batches of
     # 4, 4, 4, 1: 8 on rank 0, 5 on rank 1)
     assert one["counts"]["texts"] == 31 and [r["counts"]["texts"] for r in two] == [26, 23]

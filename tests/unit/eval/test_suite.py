@@ -160,7 +160,7 @@ probe_names: {{type: linear_probe, path: probe, classnames: '{root}/seven_names.
 def suite_run(sets):
     """The task list plus a missing folder and an unreadable shard, run with one tiny CLIP."""
     (sets / "with_failures.yml").write_text(
-        DATACOMP_FORM + "gone: {path: nowhere}\nbroken: {path: bad, classnames: cls/classnames.txt}\n"
+        DATACOMP_FORM + f"gone: {{path: nowhere}}\nbroken: {{path: bad, classnames: '{sets}/cls/classnames.txt'}}\n"
         "flat_probe: {type: linear_probe, path: cls}\n" + HOSTILE_TEXTS.format(root=sets)
     )
     model, tokenizer, processor = tiny_clip()
