@@ -20,6 +20,7 @@ GROUPS = (
             "image_size",
             "max_num_patches",
             "resolution_schedule",
+            "stage_micro_batch_sizes",
             "max_text_length",
             "lock_.*",
             "patch_dropout.*",
