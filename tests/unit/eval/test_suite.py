@@ -406,6 +406,27 @@ def test_two_ranks_agree_on_which_tasks_run(sets):
     assert "no such folder" in rank1[1][2] and rank0[0][1] is not None and rank0[2][1] is not None
 
 
+@pytest.mark.slow
+def test_a_bad_shard_checked_by_one_rank_fails_its_task_on_every_rank(sets):
+    """The shards' checks are dealt out across ranks: a task whose second shard is not a tar (checked by rank 1 alone)
+    fails on both ranks with that shard's error, no rank waiting for the other, and the next task runs on both."""
+    import shutil
+
+    from disco_clip_ds.testing.ranks import run_ranks
+
+    half = sets / "half_bad"
+    half.mkdir(exist_ok=True)
+    shutil.copy(sets / "cls" / "00000.tar", half / "00000.tar")
+    (half / "00001.tar").write_bytes(b"this is not a tar file" * 40)
+    shutil.copy(sets / "cls" / "classnames.txt", half / "classnames.txt")
+    for rank in (0, 1):
+        (sets / f"rank{rank}.yml").write_text("bad: {path: half_bad}\nc: {path: ret, type: retrieval}\n")
+    rank0, rank1 = run_ranks(_suite_on_rank, 2, str(sets), timeout=300)
+    assert rank0 == rank1
+    assert rank0[0][1] is None and "00001.tar" in rank0[0][2] and "not a tar" in rank0[0][2]
+    assert rank0[1][1] is not None
+
+
 def test_a_rerun_removes_a_failed_tasks_old_record_writes_strict_json_and_escapes_the_table(tmp_path, suite_run):
     """A task that failed this time leaves no record of an earlier run beside the summary; suite.json holds no NaN
     (strict JSON readers refuse it: null instead); suite.md shows a key with a pipe, markup or a local path as one
