@@ -7,8 +7,9 @@ A 🤗 datasets dataset (`DatasetSource`, loaded and checked by data/hf_io.py as
 image column and a `ClassLabel` column (class names from the feature) for classification, or an image column and a
 caption column (a string or a list of strings per image) for retrieval.
 
-Every rank reads a set's order and values (a local shard's member headers and labels or captions, a dataset's rows)
-and reads and decodes only the images of the batches it encodes (`as_raw_batches`, then `decode_batch`;
+Every rank learns a set's order and values (a local shard's member headers and labels or captions, each shard read by
+one rank in a suite, `check_eval_shards`; a dataset's rows) and reads and decodes only the images of the batches it
+encodes (`as_raw_batches`, then `decode_batch`;
 eval/spread.py deals them out). Images are decoded as training decodes them (data/decode.py: the pixel cap, the
 aspect bound, the conversions to RGB); an image that cannot be (truncated, a decompression bomb, not an image) is
 skipped with its reason, logged, and counted: a decoded batch (`DecodedBatch`) is (pixel_values, values) of the
@@ -90,10 +91,12 @@ def check_eval_shards(urls: Sequence[str], task: str, dealt: bool = False) -> No
     (`raw_shard_batches`), up to KEPT_SAMPLES samples: the headers are read once. With `dealt` (a collective: every
     rank calls it with the same shards, as the suite does once the ranks agreed that the task opened everywhere) the
     shards are dealt out across ranks (eval/spread.py's `across_ranks`), every rank keeps what all of them read and
-    raises the first shard's error."""
+    raises the first shard's error; a shard's samples then travel to the other ranks only within its share of
+    KEPT_SAMPLES (KEPT_SAMPLES / shards), so that what every rank receives stays within the bound."""
     need = TASK_FIELD[task]
     local = [url for url in urls if not is_url(url)]
-    check = functools.partial(_checked_shard, need, task)
+    limit = KEPT_SAMPLES // max(1, len(local)) if dealt else KEPT_SAMPLES
+    check = functools.partial(_checked_shard, need, task, limit)
     for url, (samples, error) in zip(local, across_ranks(check, local) if dealt else map(check, local)):
         if error is not None:
             raise error
@@ -101,9 +104,9 @@ def check_eval_shards(urls: Sequence[str], task: str, dealt: bool = False) -> No
             _keep(url, need, samples)
 
 
-def _checked_shard(need: str, task: str, url: str) -> tuple[list[dict] | None, Exception | None]:
-    """(the samples of shard `url` with `need` read, or None past KEPT_SAMPLES; the error that refuses it, or None):
-    returned, not raised, so that every rank learns it."""
+def _checked_shard(need: str, task: str, limit: int, url: str) -> tuple[list[dict] | None, Exception | None]:
+    """(the samples of shard `url` with `need` read, or None past `limit` of them; the error that refuses it, or
+    None): returned, not raised, so that every rank learns it."""
     fields, incomplete, samples = set(), None, []
     try:
         for sample in _read(url, read=frozenset((need,))):
@@ -126,7 +129,7 @@ def _checked_shard(need: str, task: str, url: str) -> tuple[list[dict] | None, E
             f"sample {incomplete} of shard '{describe_source(url)}' has no image ({'/'.join(IMAGE_EXTS)}) or no "
             f".{need}: an evaluation reads every sample; re-create the shard"
         )
-    return (samples if len(samples) <= KEPT_SAMPLES else None), None
+    return (samples if len(samples) <= limit else None), None
 
 
 KEPT_SAMPLES = 200_000  # the checked samples kept for the evaluation's read, at most (a few hundred bytes each)

@@ -70,11 +70,13 @@ def side_problem(stages: list[Stage], patch_size: int) -> str | None:
     return None
 
 
-def parse_micro_batches(text: str, stages: int, micro: int, accumulation: int) -> list[int]:
+def parse_micro_batches(text: str, stages: int, micro: int, accumulation: int, contrastive: bool = True) -> list[int]:
     """'256,128,64' -> each stage's micro-batch per rank (--stage_micro_batch_sizes): a ValueError of one line unless
     there is one per stage of the schedule, each a multiple of `micro` (--per_device_train_batch_size, what the
     stream yields) dividing the `micro` x `accumulation` samples a rank contrasts per optimizer step, so that the
-    global batch stays the same (a stage's accumulation steps: micro x accumulation / its micro-batch)."""
+    global batch stays the same (a stage's accumulation steps: micro x accumulation / its micro-batch). One above
+    `micro` needs contrastive accumulation (`contrastive`): the step's loss must span all its micro-batches, or a
+    merged forward would contrast more pairs per loss."""
     try:
         sizes = [int(entry.strip()) for entry in text.split(",")]
     except ValueError:
@@ -89,6 +91,11 @@ def parse_micro_batches(text: str, stages: int, micro: int, accumulation: int) -
                 f"micro-batch {size}: each stage's must be a multiple of --per_device_train_batch_size {micro} that "
                 f"divides its {micro} x {accumulation} samples per step (one of {', '.join(map(str, fits))})"
             )
+    if max(sizes) > micro and not contrastive:
+        raise ValueError(
+            "with contrastive accumulation off (--contrastive_accumulation false) a larger micro-batch would contrast "
+            f"more pairs per loss: leave it on (the default), or give {micro} for every stage"
+        )
     return sizes
 
 

@@ -36,13 +36,11 @@ def stage_micro_batches(text: str | None, stages: int, settings: Settings) -> li
     if text is None:
         return [settings.micro_batch] * stages
     flag = f"--stage_micro_batch_sizes {text}"
+    per_step = (settings.micro_batch, settings.grad_accum, settings.contrastive_accumulation)
     try:
-        sizes = parse_micro_batches(text, stages, settings.micro_batch, settings.grad_accum)
+        return parse_micro_batches(text, stages, *per_step)
     except ValueError as error:
         raise PlanConfigError(f"{flag}: {error}") from None
-    if max(sizes) > settings.micro_batch and not settings.contrastive_accumulation:
-        raise PlanConfigError(f"{flag}: a larger micro-batch needs contrastive accumulation")
-    return sizes
 
 
 def plan_stages(

@@ -46,20 +46,12 @@ def check_resolution_schedule(
 
 
 def _check_stage_micro_batches(args: DiscoTrainingArguments, stages: int) -> None:
-    """--stage_micro_batch_sizes: one per stage, each a multiple of the stream's micro-batch dividing a rank's samples
-    per step; a larger one runs several micro-batches in one forward, which keeps the loss only when the step's loss
-    is over all of them (contrastive accumulation)."""
+    """--stage_micro_batch_sizes: parse_micro_batches' rules, one line for a value that breaks one."""
     text = args.stage_micro_batch_sizes
     if text is None:
         return
-    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    flag = f"--stage_micro_batch_sizes {text}"
+    per_step = (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.contrastive_accumulation)
     try:
-        sizes = parse_micro_batches(text, stages, micro, accumulation)
+        parse_micro_batches(text, stages, *per_step)
     except ValueError as error:
-        raise UsageError(f"{flag}: {error}") from None
-    if max(sizes) > micro and not args.contrastive_accumulation:
-        raise UsageError(
-            f"{flag} with --contrastive_accumulation false: a larger micro-batch would contrast more pairs per loss; "
-            "leave contrastive accumulation on (the default) or the flag out"
-        )
+        raise UsageError(f"--stage_micro_batch_sizes {text}: {error}") from None

@@ -293,3 +293,24 @@ def test_zeroshot_classification_skips_and_counts_hostile_images(cls_set, tmp_pa
     for data in (tmp_path / "shards", tmp_path / "disk"):
         got = metrics(data)
         assert got.pop("skipped_images") == 2 and got == clean, data
+
+
+def test_dealt_checks_keep_each_shard_within_its_share_of_the_bound(cls_set, monkeypatch):
+    """check_eval_shards(dealt=True) sends a shard's samples to every rank only within KEPT_SAMPLES / shards, so what
+    a rank receives stays within the bound; a shard past its share is read again by the evaluation, which sees the
+    same samples either way. cls_set: 3 shards of 4, 4 and 3 samples."""
+    from disco_clip_ds.eval import sources
+
+    folder, _, labels = cls_set
+    shards = sources.resolve_shards(str(folder))
+    reads = []
+    read = sources._read
+    monkeypatch.setattr(sources, "_read", lambda url, read_=None, **kw: reads.append(url) or read(url, **kw))
+    monkeypatch.setattr(sources, "_kept", {})
+    monkeypatch.setattr(sources, "KEPT_SAMPLES", 11)  # 3 a shard when dealt: the 3-sample shard alone fits
+    sources.check_eval_shards(shards, "zeroshot_classification", dealt=True)
+    assert [url for url, *_ in sources._kept] == [shards[2]]
+    values = [v for _, batch in sources.raw_shard_batches(shards, "cls", 64) for v in batch]
+    assert values == labels and reads == [*shards, shards[0], shards[1]]  # the first two read again, the third kept
+    sources.check_eval_shards(shards, "zeroshot_classification")  # not dealt: each shard within the whole bound
+    assert len(sources._kept) == 3

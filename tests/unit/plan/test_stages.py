@@ -2,6 +2,8 @@
 planner's count of the model built at that side, the schedule's FLOPs ratio by hand from those, bad schedules in one
 line."""
 
+import re
+
 import pytest
 
 from disco_clip_ds.errors import PlanConfigError
@@ -95,3 +97,24 @@ def test_plan_exits_1_when_a_stage_does_not_fit_at_its_micro_batch(capsys):
     assert main([*argv, "6144,6144,3072"]) == 0
     assert main([*argv, "12288,6144,3072"]) == 1  # the run itself fits: the 96 px stage does not
     assert capsys.readouterr().out.count("(OOM)") == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ([], "--stage_micro_batch_sizes sets each --resolution_schedule stage's: give the schedule"),
+        (
+            ["--resolution_schedule", "0:96,0.5:224", "--no_contrastive_accumulation"],
+            "with contrastive accumulation off (--contrastive_accumulation false) a larger micro-batch would contrast",
+        ),
+        (["--resolution_schedule", "0:96,0.5:224"], "micro-batch 5000: each stage's must be a multiple of"),
+    ],
+)
+def test_plan_refuses_stage_micro_batches_it_cannot_plan_in_one_line(extra, says):
+    from disco_clip_ds.commands.plan import main
+
+    argv = ["--deepspeed", str(REPO / "ds_configs/vit_b32_196k_8gpu.json"), "--model", str(VIT_B32), "--gpus", "8"]
+    sizes = "5000,3072" if "--no_contrastive_accumulation" not in extra and extra else "6144,3072"
+    with pytest.raises(PlanConfigError, match=re.escape(says)) as error:
+        main([*argv, "--gpu_memory", "40GB", *extra, "--stage_micro_batch_sizes", sizes])
+    assert "\n" not in str(error.value)

@@ -216,7 +216,8 @@ BAD_ARGUMENTS = {
             "--contrastive_accumulation",
             "false",
         ],
-        "--stage_micro_batch_sizes 4,2 with --contrastive_accumulation false: a larger micro-batch would contrast more",
+        "--stage_micro_batch_sizes 4,2: with contrastive accumulation off (--contrastive_accumulation false) a larger "
+        "micro-batch would contrast more pairs per loss: leave it on (the default), or give 2 for every stage",
     ),
     "ensemble member missing": (
         ["{data}", *MODEL, *TOK, "--teacher", "{clip_teacher}", "{tmp}/noteacher"],
