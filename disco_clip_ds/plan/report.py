@@ -86,14 +86,14 @@ def plan(
     gradients and no optimizer state; `host`: the host-memory options (plan/host.py; default: HostOptions());
     `optim`: `train --optim` (OPTIMIZER_MOMENTS); `resolution_schedule`: as `disco-clip train`'s, the model planned
     at its last size and each stage at its own, with its micro-batch under `stage_micro_batch_sizes`."""
+    if stage_micro_batch_sizes and not resolution_schedule:
+        raise PlanConfigError("--stage_micro_batch_sizes sets each --resolution_schedule stage's: give the schedule")
     settings = validate_config(read_deepspeed_json(config_path), gpus, per_device_batch, precision)
     settings.contrastive_accumulation = contrastive_accumulation
     settings.ema = ema  # `train --ema_decay`: the EMA's fp32 copy of this rank's partition
     if not 0 <= patch_dropout < 1:
         raise PlanConfigError(f"--patch_dropout {patch_dropout:g}: give a fraction at least 0 and below 1")
     shape = ModelShape.from_json(model_path, lock_flags, max_num_patches).with_patch_dropout(patch_dropout)
-    if stage_micro_batch_sizes and not resolution_schedule:
-        raise PlanConfigError("--stage_micro_batch_sizes sets each --resolution_schedule stage's: give the schedule")
     stages = schedule_stages(resolution_schedule, shape) if resolution_schedule else None
     shape = at_size(shape, stages[-1][1]) if stages else shape
     teacher = ModelShape.from_json(teacher_path) if teacher_path else None
