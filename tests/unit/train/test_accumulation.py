@@ -215,7 +215,9 @@ def _no_autocast():
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("merged", [1, 2, 4])
+@pytest.mark.parametrize(
+    "merged", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_a_stages_merged_micro_batches_give_the_global_batch_gradient_float64(merged):
     """--stage_micro_batch_sizes: K=4 micro-batches of 3 run as 4/merged forwards of 3 x merged rows; the step's loss
     and gradient are plain autograd's over all 12 pairs, whatever the merge."""
