@@ -34,10 +34,15 @@ def nearest_rows(base: np.ndarray, queries: np.ndarray) -> np.ndarray:
 
 
 # Hamming-radius search ---------------------------------------------------------------------------------------------
-MAX_PIECE_BITS = 24  # a piece's bucket table holds 2**bits counts and starts (int64): 256 MiB at 24 bits
+MAX_PIECE_BITS = 24  # a piece's table of bucket starts (int64): 128 MiB at 24 bits
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
-FLAT_COST = 0.1  # one comparison of the exhaustive search, in units of one multi-index probe or candidate
-TABLE_BITS = 5  # a piece's table has at most 2**TABLE_BITS buckets per base code
+# What the searches cost, in probes of the multi-index search (a probe comparing one code of its bucket: about 4 ns
+# on one core here), measured by bench/data/dedup_scale.py (its README, "Dedup at scale"); the plan compares them.
+FLAT_COST = 0.1  # one comparison of the exhaustive faiss search
+SLOT_COST = 0.3  # a second code compared by each probe (hamming_loop.py's slots)
+LOOP_COST = 6.0  # a probe whose bucket holds more codes than its slots: the loop over them (a mispredicted branch)
+CANDIDATE_COST = 0.2  # a code compared in that loop
+BUCKET_COST = 2.0  # a bucket of a piece's table, made for the base codes and again for the queries (a counting sort)
 
 
 def hamming_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,12 +60,11 @@ def hamming_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[n
     plan = _plan(queries.shape[1] * 8, radius, len(queries), len(base))
     if plan is None:
         return _flat_pairs(queries, base, radius)
-    pieces, flips, width = plan
+    pieces, flip_bits = plan
     qwords, bwords = _words(queries), _words(base)
-    stride = queries.shape[1] * 8 // pieces
     found = [np.zeros(0, np.int64)]
-    for k in range(pieces):
-        found += _piece_pairs(qwords, bwords, k * stride, width, flips, radius)
+    for start, width in pieces:
+        found += _piece_pairs(qwords, bwords, start, width, _flips(width, flip_bits), radius)
     found = np.unique(np.concatenate(found))  # a pair close on several pieces is found by each
     return found // len(base), found % len(base)
 
@@ -73,23 +77,40 @@ def _packed(codes) -> np.ndarray:
 
 
 def _plan(bits: int, radius: int, nq: int, nb: int):
-    """(pieces, flip masks, piece width) of the cheapest multi-index search, or None when the exhaustive search's
-    estimate (FLAT_COST per comparison) is lower. Each distinct query piece is probed once per mask; a probe's
-    bucket holds nb / 2**width base codes on average, each a candidate of each query with that piece. A table has
-    at most 32 buckets per base code (TABLE_BITS): few codes take small tables, quick to build."""
+    """(pieces as (first bit, width) pairs, flip bits) of the cheapest multi-index search, or None when the
+    exhaustive search's estimate is lower. With m pieces each query's piece is probed at every flip mask of up to
+    radius // m bits; the width sets how full the buckets are (nb / 2**width codes) against the tables' size."""
     best, plan = FLAT_COST * nq * nb, None
-    for pieces in range(1, min(radius + 1, bits) + 1):
-        width = min(bits // pieces, MAX_PIECE_BITS, nb.bit_length() + TABLE_BITS)
-        probes = _volume(width, radius // pieces)
-        if probes > MAX_FLIPS:
-            continue
-        cost = pieces * probes * (min(nq, 2**width) + nq * nb / 2**width)
-        if cost < best:
-            best, plan = cost, (pieces, radius // pieces, width)
-    if plan is None:
-        return None
-    pieces, flip_bits, width = plan
-    return pieces, _flips(width, flip_bits), width
+    for count in range(1, min(radius + 1, bits) + 1):
+        flip_bits = radius // count
+        for width in range(1, min(bits // count, MAX_PIECE_BITS) + 1):
+            pieces = _pieces(bits, count, width)
+            if max(_volume(w, flip_bits) for _, w in pieces) > MAX_FLIPS:
+                break  # wider pieces have more masks still
+            cost = sum(_piece_cost(w, flip_bits, nq, nb) for _, w in pieces)
+            if cost < best:
+                best, plan = cost, (pieces, flip_bits)
+    return plan
+
+
+def _piece_cost(width: int, flip_bits: int, nq: int, nb: int) -> float:
+    """A piece's search in probes (the costs above): its probes, the loops over buckets fuller than the probe's slots
+    and the codes compared there, and its tables."""
+    fill = nb / 2**width
+    slots = _slots(fill)
+    probe = 1 + (slots - 1) * SLOT_COST + _more_than(slots, fill) * LOOP_COST + fill * CANDIDATE_COST
+    return nq * _volume(width, flip_bits) * probe + 2**width * BUCKET_COST
+
+
+def _pieces(bits: int, count: int, width: int) -> list[tuple[int, int]]:
+    """`count` disjoint pieces of `width` bits, spread over the code; where they would fill it but for a remainder
+    (64 bits in 3 pieces of 21), the last pieces take a bit more each (21, 21, 22): a wider table holds fewer
+    candidates per probe."""
+    stride = bits // count
+    if width < stride:
+        return [(k * stride, width) for k in range(count)]
+    widths = [width + (k >= count - bits % count and width < MAX_PIECE_BITS) for k in range(count)]
+    return [(sum(widths[:k]), widths[k]) for k in range(count)]
 
 
 def _volume(width: int, radius: int) -> int:
@@ -121,29 +142,41 @@ def _piece(words: np.ndarray, start: int, width: int) -> np.ndarray:
 
 def _piece_pairs(qwords, bwords, start: int, width: int, flips: np.ndarray, radius: int) -> list[np.ndarray]:
     """The pairs within `radius` (query row * len(base) + base row) among those whose piece at `start` is within
-    the flip masks of each other. Base codes are bucketed by piece (a counting sort: a table of 2**width + 1 bucket
-    starts); queries are grouped by piece, so each distinct piece is probed once, in sorted order."""
-    bkeys = _piece(bwords, start, width)
-    border = np.argsort(bkeys, kind="stable")
-    counts = np.bincount(bkeys, minlength=1 << width)
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32 if len(bwords) < 2**31 else np.int64)
+    the flip masks of each other. Base codes are bucketed by piece and queries sorted by it (counting sorts), so
+    that a block of queries probes nearby buckets."""
+    from disco_clip_ds.data.curate.hamming_loop import bucket_order  # numba: imported by the searches that compile
+
+    border, starts = bucket_order(_piece(bwords, start, width), width)
     qkeys = _piece(qwords, start, width)
-    qorder = np.argsort(qkeys, kind="stable")
-    keys, qfirst, qcount = np.unique(qkeys[qorder], return_index=True, return_counts=True)
-    qpos, bpos = _probed_pairs(keys, qfirst, qcount, flips, starts, qwords[qorder], bwords[border], radius)
+    qorder = bucket_order(qkeys, width)[0]
+    slots = _slots(len(bwords) / 2**width)
+    qpos, bpos = _probed_pairs(qkeys[qorder], flips, starts, qwords[qorder], bwords[border], radius, slots)
     return [qorder[qpos] * len(bwords) + border[bpos]]
 
 
-def _probed_pairs(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius):
-    """(query, base) positions in the sorted codes within `radius`, among the blocks of queries of each piece `keys`
-    and the buckets of base codes at each flip of it. The kernel writes into the arrays it is given and returns where
-    it stopped when they could overflow: they double, and it goes on from there."""
-    from disco_clip_ds.data.curate.hamming_loop import probe  # numba: imported by the searches that compile
+def _slots(fill: float) -> int:
+    """The codes of its bucket a probe compares before any branch on the bucket's size (1 or 2, hamming_loop.py),
+    from the mean codes per bucket: a second slot costs each probe SLOT_COST and saves the loop over the buckets of
+    exactly 2 codes."""
+    return 1 if SLOT_COST + _more_than(2, fill) * LOOP_COST >= _more_than(1, fill) * LOOP_COST else 2
 
+
+def _more_than(slots: int, fill: float) -> float:
+    """The probability that a bucket holds more than `slots` codes, for buckets filled at random (Poisson)."""
+    return 1 - sum(math.exp(-fill) * fill**k / math.factorial(k) for k in range(slots + 1))
+
+
+def _probed_pairs(keys, flips, starts, qsorted, bsorted, radius, slots):
+    """(query, base) positions in the sorted codes within `radius`, among the buckets of base codes at each flip of
+    each query's piece `keys`. The kernel writes into the arrays it is given and returns where it stopped when they
+    could overflow: they double, and it goes on from there."""
+    from disco_clip_ds.data.curate.hamming_loop import probe_loop
+
+    bsorted = np.concatenate([bsorted, np.zeros((slots, bsorted.shape[1]), np.uint64)])  # the slots' padding
     qpos, bpos = np.empty(max(1024, 2 * len(qsorted)), np.int64), np.empty(max(1024, 2 * len(qsorted)), np.int64)
-    found, resume = 0, (0, 0, 0)
+    found, resume, probe = 0, (0, 0, 0), probe_loop(qsorted.shape[1], slots)
     while True:
-        found, resume = probe(keys, qfirst, qcount, flips, starts, qsorted, bsorted, radius, qpos, bpos, found, resume)
+        found, resume = probe(keys, flips, starts, qsorted, bsorted, radius, qpos, bpos, found, resume)
         if resume[0] == len(keys):
             return qpos[:found], bpos[:found]
         qpos, bpos = (np.concatenate([a, np.empty_like(a)]) for a in (qpos, bpos))
