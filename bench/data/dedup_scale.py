@@ -1,7 +1,8 @@
 """How the copy rules' search scales: `copies.copies_of_reference` (`data filter --dedup_against`) and
 `copies.copies_within` (`--dedup`) on synthetic fingerprints, this tree's multi-index hashing (its compiled loop)
-against the code of two earlier commits, extracted with `git archive`: the exhaustive faiss search of
---exhaustive_commit, at the sizes it can reach, and the numpy multi-index hashing of --numpy_commit, at the largest.
+against the code of three earlier commits, extracted with `git archive`: the exhaustive faiss search of
+--exhaustive_commit, at the sizes it can reach, and at the two largest the numpy multi-index hashing of
+--numpy_commit and the first compiled loop of --compiled_commit.
 
 Fingerprints are shaped as copies.py makes them: 64-bit hashes with 32 bits set (a pHash has as many bits set as
 clear); a pool sample has its image's hash and its mirror's; an eval image has 20 (the image, its mirror, 9 windows
@@ -31,20 +32,25 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-# (rule, side, pool samples, eval images): this tree at the issue's size and a quarter of it, against the numpy
-# multi-index hashing there, and against the exhaustive search where it runs in reasonable time
+# (rule, side, pool samples, eval images): this tree at the issue's size and a quarter of it, against the first
+# compiled loop and the numpy multi-index hashing there, and against the exhaustive search where it runs in reasonable
+# time
 CASES = [
     ("against", "new", 1_000_000, 100_000),
+    ("against", "compiled", 1_000_000, 100_000),
     ("against", "numpy", 1_000_000, 100_000),
     ("against", "new", 250_000, 25_000),
+    ("against", "compiled", 250_000, 25_000),
     ("against", "numpy", 250_000, 25_000),
     ("against", "new", 100_000, 10_000),
     ("against", "exhaustive", 100_000, 10_000),
     ("against", "new", 25_000, 2_500),
     ("against", "exhaustive", 25_000, 2_500),
     ("within", "new", 1_000_000, 0),
+    ("within", "compiled", 1_000_000, 0),
     ("within", "numpy", 1_000_000, 0),
     ("within", "new", 250_000, 0),
+    ("within", "compiled", 250_000, 0),
     ("within", "numpy", 250_000, 0),
     ("within", "new", 50_000, 0),
     ("within", "exhaustive", 50_000, 0),
@@ -142,6 +148,7 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=8)
     parser.add_argument("--exhaustive_commit", default="9b87829", help="the exhaustive faiss search")
     parser.add_argument("--numpy_commit", default="4c6b4bb", help="multi-index hashing in numpy alone")
+    parser.add_argument("--compiled_commit", default="5bac64f", help="the first compiled loop (a branch per bucket)")
     parser.add_argument("--rules", nargs="+", default=["against", "within"])
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--csv", default="bench/data/results/dedup_scale.csv")
@@ -157,9 +164,10 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     rows = []
     commits = {"new": commit.stdout.strip(), "exhaustive": args.exhaustive_commit, "numpy": args.numpy_commit}
+    commits["compiled"] = args.compiled_commit
     with tempfile.TemporaryDirectory() as before:
         trees = {"new": str(ROOT)}
-        for side in ("exhaustive", "numpy"):
+        for side in ("exhaustive", "numpy", "compiled"):
             trees[side] = os.path.join(before, side)
             extract(commits[side], trees[side])
         for round_ in range(args.rounds):
