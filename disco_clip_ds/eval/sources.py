@@ -182,15 +182,13 @@ def raw_shard_batches(shards, fields: str, batch_size: int) -> Iterator[tuple[li
     values, and reads and decodes only the images of its own batches (eval/spread.py)."""
     images, values = [], []
     for url in resolve_shards(shards):
+        shown = describe_source(url)  # once a shard: every rank reads every sample's values
         for sample in _checked_samples(url, fields):
             image = next((sample[ext] for ext in IMAGE_EXTS if ext in sample), None)
             if image is None or fields not in sample:
-                raise DataError(
-                    f"sample {sample['__key__']} of shard '{describe_source(url)}' has no image or no .{fields}"
-                )
+                raise DataError(f"sample {sample['__key__']} of shard '{shown}' has no image or no .{fields}")
             images.append(image)
-            where = f"sample {sample['__key__']} of shard '{describe_source(url)}'"
-            values.append(_value(sample[fields], fields, where))
+            values.append(_value(sample[fields], fields, f"sample {sample['__key__']} of shard '{shown}'"))
             if len(images) == batch_size:
                 yield images, values
                 images, values = [], []
