@@ -37,12 +37,12 @@ def nearest_rows(base: np.ndarray, queries: np.ndarray) -> np.ndarray:
 MAX_PIECE_BITS = 24  # a piece's table of bucket starts (int64): 128 MiB at 24 bits
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
 # What the searches cost, in probes of the multi-index search (a probe comparing one code of its bucket: about 4 ns
-# on one core here), measured by bench/data/dedup_scale.py (its README, "Dedup at scale"); the plan compares them.
+# on one core here); the plan compares them. bench/data/dedup_plans.py times plans against these estimates.
 FLAT_COST = 0.1  # one comparison of the exhaustive faiss search
 SLOT_COST = 0.3  # a second code compared by each probe (hamming_loop.py's slots)
 LOOP_COST = 6.0  # a probe whose bucket holds more codes than its slots: the loop over them (a mispredicted branch)
 CANDIDATE_COST = 0.2  # a code compared in that loop
-BUCKET_COST = 2.0  # a bucket of a piece's table, made for the base codes and again for the queries (a counting sort)
+BUCKET_COST = 6.0  # a bucket of a piece's tables, one for the base codes and one for the queries (counting sorts)
 
 
 def hamming_pairs(queries: np.ndarray, base: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray]:

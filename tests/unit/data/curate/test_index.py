@@ -90,10 +90,10 @@ def test_more_pairs_than_the_first_output_holds_are_all_found(monkeypatch, slot_
 def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
     """Every plan's pieces are disjoint and their flips cover the radius (pieces * (flip bits + 1) > radius: a pair
     within it is within the flips on one piece at least); at the sizes of bench/data/dedup_scale.py (24,000 to a
-    million against about twice as many 64-bit codes), radius 8, it is multi-index: from 250,000 queries 3 pieces
-    of 21, 21 and 22 bits (every bit) probed within 2 bits, a probe comparing 2 codes before any branch where its
-    table is about full (a code per bucket), else 1; fewer codes take more, narrower pieces (smaller tables); the
-    smallest searches are exhaustive."""
+    million against about twice as many 64-bit codes), radius 8, it is multi-index: 3 pieces probed within 2 bits
+    from 250,000 queries on, of 21, 21 and 22 bits (every bit) at a million, a probe comparing 2 codes before any
+    branch where its buckets hold half a code or more, else 1; fewer codes take more, narrower pieces
+    (smaller tables); the smallest searches are exhaustive."""
     for bits, radius in [(64, r) for r in range(32)] + [(256, r) for r in (0, 8, 40, 127)]:
         plan = index._plan(bits, radius, 10**6, 2 * 10**6)
         if plan is not None:
@@ -101,9 +101,10 @@ def test_the_plan_covers_the_radius_and_is_multi_index_at_scale():
             assert len(pieces) * (flip_bits + 1) > radius
             covered = [bit for start, width in pieces for bit in range(start, start + width)]
             assert len(covered) == len(set(covered)) and max(covered) < bits
-    for nq, nb in [(250_000, 500_000), (10**6, 2 * 10**6)]:  # dedup_scale.py's
-        assert index._plan(64, 8, nq, nb) == ([(0, 21), (21, 21), (42, 22)], 2)
-        assert index._slots(nb / 2**21) == (2 if nb == 2 * 10**6 else 1)  # 2 where buckets hold ~1 code
+    assert index._plan(64, 8, 10**6, 2 * 10**6) == ([(0, 21), (21, 21), (42, 22)], 2)  # dedup_scale.py's largest
+    assert [index._slots(2 * 10**6 / 2**w) for w in (21, 22)] == [2, 2]  # 2 where buckets hold a code or half
+    pieces, flip_bits = index._plan(64, 8, 250_000, 500_000)
+    assert (len(pieces), flip_bits) == (3, 2) and index._slots(500_000 / 2**20) == 1
     assert len(index._flips(21, 2)) == 1 + 21 + 210
     pieces, flip_bits = index._plan(64, 8, 24_000, 47_000)
     assert len(pieces) > 3 and max(width for _, width in pieces) < 21
