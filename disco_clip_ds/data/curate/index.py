@@ -34,10 +34,10 @@ def nearest_rows(base: np.ndarray, queries: np.ndarray) -> np.ndarray:
 
 
 # Hamming-radius search ---------------------------------------------------------------------------------------------
-MAX_PIECE_BITS = 24  # a piece's table of bucket starts (int64): 128 MiB at 24 bits
+MAX_PIECE_BITS = 24  # a piece's two tables of bucket starts (int64, base codes' and queries'): 128 MiB each at 24
 MAX_FLIPS = 4096  # flip masks a piece is probed with, at most (all masks of up to `radius // pieces` bits)
-# What the searches cost, in probes of the multi-index search (a probe comparing one code of its bucket: about 4 ns
-# on one core here); the plan compares them. bench/data/dedup_plans.py times plans against these estimates.
+# What the searches cost, in probes of the multi-index search (a probe comparing one code of its bucket); the plan
+# compares them. bench/data/dedup_plans.py times plans against these estimates (its README: a probe's nanoseconds).
 FLAT_COST = 0.1  # one comparison of the exhaustive faiss search
 SLOT_COST = 0.3  # a second code compared by each probe (hamming_loop.py's slots)
 LOOP_COST = 6.0  # a probe whose bucket holds more codes than its slots: the loop over them (a mispredicted branch)
